@@ -1,0 +1,24 @@
+"""mmserve: one engine per model serving generation and pooling tasks over gRPC."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from mmserve.entrypoints.llm import LLM
+    from mmserve.params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:  # lazy: `import mmserve` stays cheap (no torch import)
+    if name == "LLM":
+        from mmserve.entrypoints.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from mmserve.params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,47 @@
+"""Frozen configuration dataclasses: the one source of truth for settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how."""
+
+    model: str  # HF folder, a .gguf file, or a folder holding exactly one .gguf
+    dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA; else "float32"/"float16"/"bfloat16"
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    max_model_len: int | None = None  # cap on prompt + output tokens; None = the model's own limit
+    served_name: str | None = None  # name clients use in `model`; None = derived from the path
+    sliding_window_policy: str = "honour"  # "honour" = apply the config's window, "refuse" = error
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # None = sized from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024  # CPU budget when num_blocks is None
+    gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_batched_tokens: int = 2048  # token budget of one step (all requests together)
+    max_num_seqs: int = 64  # cap on running requests
+    max_waiting: int = 1024  # admission bound on queued requests (server side)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0  # seed of the engine-wide generator used by unseeded sampling

@@ -1,0 +1,134 @@
+"""The asyncio front of an LLMEngine: the engine steps on its own thread, so the event loop
+never waits on a model step; each request gets an asyncio queue of deltas, and a cancelled
+consumer aborts its request in the engine, which frees its KV blocks at once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from mmserve.engine.llm_engine import GenerationDelta, LLMEngine
+from mmserve.errors import ResourceExhausted
+from mmserve.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    sink: Callable[[GenerationDelta | BaseException], None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """Thread-safe: commands go in through a queue, deltas come out on the caller's loop."""
+
+    def __init__(self, engine: LLMEngine, max_pending: int = 1024) -> None:
+        self.engine = engine
+        self.max_pending = max_pending  # admission bound on requests in flight
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._sinks: dict[str, Callable[[GenerationDelta | BaseException], None]] = {}
+        self._num_in_flight = 0
+        self._lock = threading.Lock()
+        self.dead: BaseException | None = None  # set if the engine loop crashed
+        self._thread = threading.Thread(target=self._loop, name="mmserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    def shutdown(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        """Yields deltas until every choice has finished. Validation errors raise before the
+        first delta; leaving the iteration early aborts the request."""
+        if self.dead is not None:
+            raise RuntimeError(f"engine is dead: {self.dead}")
+        self.engine.validate(prompt_token_ids, params)
+        with self._lock:
+            if self._num_in_flight >= self.max_pending:
+                raise ResourceExhausted(f"{self._num_in_flight} requests in flight; retry later")
+            self._num_in_flight += 1
+        request_id = request_id or self.engine.new_request_id()
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[GenerationDelta | BaseException] = asyncio.Queue()
+
+        def sink(item: GenerationDelta | BaseException) -> None:
+            loop.call_soon_threadsafe(deltas.put_nowait, item)
+
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, sink))
+        remaining = params.n
+        try:
+            while remaining:
+                item = await deltas.get()
+                if isinstance(item, BaseException):
+                    raise item
+                remaining -= item.finish_reason is not None
+                yield item
+        finally:
+            with self._lock:
+                self._num_in_flight -= 1
+            if remaining:
+                self._commands.put(_Abort(request_id))
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished
+                if not self._drain(block):
+                    return
+                if self.engine.has_unfinished:
+                    self._dispatch(self.engine.step())
+        except BaseException as e:  # the engine is broken: fail everyone, loudly
+            logger.exception("engine loop died")
+            self.dead = e
+            for sink in self._sinks.values():
+                sink(RuntimeError(f"engine failed: {e}"))
+
+    def _drain(self, block: bool) -> bool:
+        """Applies queued commands; waits for one when idle. False means shut down."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is None:
+                return False
+            if isinstance(cmd, _Abort):
+                self.engine.abort(cmd.request_id)
+                continue
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt)
+                self._sinks[cmd.request_id] = cmd.sink
+            except Exception as e:  # noqa: BLE001 - a bad request fails alone
+                cmd.sink(e)
+
+    def _dispatch(self, deltas: list[GenerationDelta]) -> None:
+        for d in deltas:
+            sink = self._sinks.get(d.request_id)
+            if sink is not None:
+                sink(d)
+            if d.finish_reason is not None and not self.engine.is_active(d.request_id):
+                self._sinks.pop(d.request_id, None)

@@ -1,0 +1,91 @@
+"""Per-request KV blocks: prefix-cache lookups and slot allocation, on top of the block pool."""
+
+from __future__ import annotations
+
+from mmserve.engine.block_hash import extend_block_hashes
+from mmserve.engine.block_pool import BlockPool, KVBlock
+from mmserve.request import Request
+
+
+class KVCacheManager:
+    """Maps requests to their KV blocks. Block i of a request holds the KV of its tokens
+    [i * block_size, (i + 1) * block_size)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached: dict[str, int] = {}  # how many leading blocks are already in the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of the request, in whole blocks, always leaving at least
+        one token to compute (the step that computes it samples the next token)."""
+        if not self.pool.enable_caching or request.params.prompt_logprobs:
+            return [], 0  # prompt logprobs need the logits of every prompt position
+        self._hash(request, request.num_tokens)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed: list[KVBlock] | None = None
+    ) -> bool:
+        """Makes room for num_new_tokens more tokens after the computed ones (counting the
+        cache hits in new_computed). Returns False, changing nothing, when blocks run out."""
+        new_computed = new_computed or []
+        blocks = self._blocks.setdefault(request.request_id, [])
+        num_tokens = request.num_computed_tokens + len(new_computed) * self.block_size
+        num_tokens += num_new_tokens
+        num_needed = -(-num_tokens // self.block_size) - len(blocks) - len(new_computed)
+        # a hit on a free block takes that block off the free list too
+        num_free = self.pool.num_free_blocks - sum(1 for b in new_computed if b.ref_cnt == 0)
+        if num_needed > num_free:
+            return False
+        self.pool.touch(new_computed)
+        blocks.extend(new_computed)
+        if num_needed > 0:
+            blocks.extend(self.pool.allocate(num_needed))
+        self._cache_full_blocks(request, num_tokens)
+        return True
+
+    def free(self, request: Request) -> None:
+        blocks = self._blocks.pop(request.request_id, [])
+        self._num_cached.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Caches the blocks that the scheduled tokens fill. Their KV is written by this step;
+        a later request can only be scheduled against them after it."""
+        if not self.pool.enable_caching:
+            return
+        num_full = num_tokens // self.block_size
+        start = self._num_cached.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._hash(request, num_full * self.block_size)
+        blocks = self._blocks[request.request_id]
+        for i in range(start, num_full):
+            self.pool.cache(blocks[i], request.block_hashes[i])
+        self._num_cached[request.request_id] = num_full
+
+    def _hash(self, request: Request, num_tokens: int) -> None:
+        if len(request.block_hashes) < num_tokens // self.block_size:
+            extend_block_hashes(
+                request.block_hashes,
+                request.token_ids_range(0, num_tokens),
+                self.block_size,
+                request.mm_placeholders,
+                request.cache_salt,
+            )

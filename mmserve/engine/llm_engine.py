@@ -1,0 +1,173 @@
+"""One model behind one engine: validation, tokens <-> text, n > 1, stop strings.
+
+Synchronous and single-threaded; the async front end runs it on its own thread."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmserve.config import EngineConfig
+from mmserve.engine.engine_core import EngineCore
+from mmserve.errors import InvalidArgument
+from mmserve.outputs import EngineOutput, TokenLogprob
+from mmserve.params import SamplingParams
+from mmserve.processors.detokenizer import IncrementalDetokenizer
+from mmserve.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationDelta:
+    """News for one choice of one request, with text."""
+
+    request_id: str  # the caller's id (shared by the n choices)
+    index: int  # which choice
+    text: str  # new text since the last delta
+    token_ids: list[int]  # new tokens since the last delta
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # eos/stop token id or the stop string
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _Choice:
+    parent_id: str
+    index: int
+    detok: IncrementalDetokenizer
+    stopped: str | None = None  # the stop string that ended it, once seen
+
+
+@dataclass
+class _Parent:
+    children: list[str] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, core: EngineCore, tokenizer: Any, eos_token_ids: frozenset[int], vocab_size: int) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size  # valid token ids are [0, vocab_size)
+        self._choices: dict[str, _Choice] = {}
+        self._parents: dict[str, _Parent] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        from mmserve.engine.loading import load_engine_parts
+
+        return load_engine_parts(config)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Every check that needs the model; raises InvalidArgument naming the field."""
+        if not prompt_token_ids:
+            raise InvalidArgument("prompt", "must not be empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument("token_ids", f"token id {bad} outside [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidArgument(
+                "prompt",
+                f"{len(prompt_token_ids)} tokens leave no room to generate within the context "
+                f"limit {self.max_model_len}",
+            )
+        params.validate_for_model(self.vocab_size, len(prompt_token_ids), self.max_model_len)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.validate(prompt_token_ids, params)
+        if request_id in self._parents:
+            raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
+        max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
+        parent = self._parents[request_id] = _Parent()
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i
+            )
+            child_id = f"{request_id}#{i}"
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            self._choices[child_id] = _Choice(request_id, i, detok)
+            parent.children.append(child_id)
+            self.core.add_request(
+                Request(child_id, list(prompt_token_ids), child_params, self.eos_token_ids, max_tokens, cache_salt)
+            )
+
+    def abort(self, request_id: str) -> None:
+        parent = self._parents.get(request_id)
+        if parent is not None:
+            self.core.abort(parent.children)
+
+    def is_active(self, request_id: str) -> bool:
+        """Whether any choice of the request is still running."""
+        return request_id in self._parents
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished
+
+    def step(self) -> list[GenerationDelta]:
+        return [self._delta(o) for o in self.core.step() if o.request_id in self._choices]
+
+    def _delta(self, out: EngineOutput) -> GenerationDelta:
+        choice = self._choices[out.request_id]
+        text, stop_reason, finish = "", out.stop_reason, out.finish_reason
+        if out.new_token_ids and choice.stopped is None:
+            d = choice.detok.update(out.new_token_ids)
+            text = d.text_delta
+            if d.stopped_on is not None:
+                choice.stopped = d.stopped_on
+                stop_reason, finish = d.stopped_on, "stop"
+                self.core.stop(out.request_id)
+        if finish is not None and finish != "abort" and choice.stopped is None:
+            text += choice.detok.finish().text_delta
+        if finish is not None:
+            self._forget(out.request_id, choice)
+        return GenerationDelta(
+            request_id=choice.parent_id,
+            index=choice.index,
+            text=text,
+            token_ids=out.new_token_ids,
+            logprobs=out.new_logprobs,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            prompt_logprobs=out.prompt_logprobs,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            num_output_tokens=out.num_output_tokens,
+            error=out.error,
+        )
+
+    def _forget(self, child_id: str, choice: _Choice) -> None:
+        del self._choices[child_id]
+        parent = self._parents.get(choice.parent_id)
+        if parent is not None:
+            parent.children.remove(child_id)
+            if not parent.children:
+                del self._parents[choice.parent_id]

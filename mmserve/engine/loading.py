@@ -1,0 +1,40 @@
+"""Builds an LLMEngine from an EngineConfig: weights, tokenizer, KV cache."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from mmserve.attention import get_attention_backend
+from mmserve.config import EngineConfig
+from mmserve.engine.engine_core import EngineCore
+from mmserve.models.loader import load_model, resolve_device, resolve_dtype, resolve_model_source
+from mmserve.processors.tokenizer import eos_token_ids, load_tokenizer, vocab_size
+
+if TYPE_CHECKING:
+    from mmserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 4096  # when the config states no limit
+
+
+def load_engine_parts(config: EngineConfig) -> LLMEngine:
+    from mmserve.engine.llm_engine import LLMEngine
+
+    start = time.monotonic()
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    backend = get_attention_backend("triton" if device.type == "cuda" else "torch")
+    model, hf_config, gen_config = load_model(config.model, device, dtype, backend)
+    source = resolve_model_source(config.model.model)
+    tokenizer = load_tokenizer(source.folder, source.gguf_file)
+    model_max_len = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+    core = EngineCore(config, model, model_max_len, device, dtype)
+    eos = eos_token_ids(tokenizer, getattr(gen_config, "eos_token_id", None))
+    vocab = min(vocab_size(tokenizer), model.vocab_size)
+    logger.info(
+        "loaded %s (%s) on %s in %s in %.1fs",
+        config.model.model, type(model).__name__, device, dtype, time.monotonic() - start,
+    )
+    return LLMEngine(core, tokenizer, frozenset(eos), vocab)

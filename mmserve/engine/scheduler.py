@@ -1,0 +1,243 @@
+"""The token-budget scheduler. There is no prefill phase and no decode phase: each request has
+num_tokens and num_computed_tokens, and each step lets the second catch up with the first under
+a budget of max_num_batched_tokens. Chunked prefill, prefix caching and preemption by recompute
+all follow from that."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from mmserve.config import SchedulerConfig
+from mmserve.engine.kv_cache_manager import KVCacheManager
+from mmserve.outputs import EngineOutput, TokenLogprob
+from mmserve.params import SamplingParams
+from mmserve.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """What the runner needs to compute one request's share of a step."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step, at positions start_pos, start_pos + 1, ..
+    start_pos: int  # tokens already in the KV cache (num_computed_tokens before this step)
+    block_ids: list[int]  # the request's KV blocks, in order; enough for start_pos + len(token_ids)
+    sample: bool  # this step reaches the last known token, so a new token is sampled
+    params: SamplingParams
+    prompt_token_ids: list[int]  # shared with the request (read-only): repetition penalty, targets
+    output_token_ids: list[int]  # shared with the request (read-only): penalties, min_tokens
+    eos_token_ids: frozenset[int]  # masked while fewer than min_tokens are out
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. Requests appear in batch order."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # ended since the last step: drop state
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampledToken:
+    """The runner's answer for one request that sampled."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, SampledToken] = field(default_factory=dict)  # request id -> new token
+    # request id -> (position of the first target token, logprobs of this chunk's prompt tokens)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self._pending: list[EngineOutput] = []  # outputs of requests ended between steps
+        self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._pending)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        if request.params.prompt_logprobs:
+            self._prompt_logprobs[request.request_id] = [None]
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request wherever it is; its blocks go back to the pool now."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._pending.append(self._output(request, [], None))
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # it preempted itself: nothing after it is running any more
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+        while self.waiting and budget > 0 and not out.num_preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            num_new = self._admit(self.waiting[0], budget)
+            if num_new == 0:
+                break  # FCFS: no later request overtakes one that does not fit
+            request = self.waiting.popleft()
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running.pop()  # the newest request goes first
+            self._preempt(victim)
+            out.num_preempted += 1
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Looks up the prefix cache and allocates; returns the tokens to compute (0 = no room)."""
+        hits, num_hit_tokens = [], 0
+        if request.num_computed_tokens == 0:
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+        if not self.kv.allocate_slots(request, num_new, hits):
+            return 0
+        request.num_computed_tokens += num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        return num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_ids_range(start, start + num_new),
+            start_pos=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
+        """Applies one step's results; returns news for every request that has any."""
+        outputs, self._pending = self._pending, []
+        for item in plan.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status.finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(item.token_ids)
+            self._collect_prompt_logprobs(request, result)
+            sampled = result.sampled.get(item.request_id)
+            if sampled is not None:
+                outputs.append(self._append_token(request, sampled))
+        return outputs
+
+    def _collect_prompt_logprobs(self, request: Request, result: RunnerOutput) -> None:
+        chunk = result.prompt_logprobs.get(request.request_id)
+        collected = self._prompt_logprobs.get(request.request_id)
+        if chunk and collected is not None and chunk[0] == len(collected):  # not a recompute
+            collected.extend(chunk[1])
+
+    def _append_token(self, request: Request, sampled: SampledToken) -> EngineOutput:
+        request.output_token_ids.append(sampled.token_id)
+        status, stop_reason = self._check_stop(request, sampled.token_id)
+        if status is not None:
+            self._finish(request, status)
+        logprobs = [sampled.logprob] if sampled.logprob is not None else None
+        return self._output(request, [sampled.token_id], logprobs, stop_reason)
+
+    def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        params, num_out = request.params, len(request.output_token_ids)
+        if num_out >= params.min_tokens:
+            if token in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED, token
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        if num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def finish_stopped(self, request_id: str, stop_reason: str) -> None:
+        """Ends a request that the front end stopped (a stop string matched its text)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.status.finished:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.append(request.request_id)
+
+    def _output(
+        self,
+        request: Request,
+        new_tokens: list[int],
+        logprobs: list[TokenLogprob] | None,
+        stop_reason: int | str | None = None,
+    ) -> EngineOutput:
+        finished = request.status.finished
+        prompt_logprobs = None
+        if request.request_id in self._prompt_logprobs and (finished or len(request.output_token_ids) == 1):
+            prompt_logprobs = self._prompt_logprobs.pop(request.request_id)
+        return EngineOutput(
+            request_id=request.request_id,
+            new_token_ids=new_tokens,
+            new_logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=len(request.output_token_ids),
+        )

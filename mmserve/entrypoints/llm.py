@@ -1,0 +1,133 @@
+"""The offline batch API: `LLM(model).generate(prompts, params)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from mmserve.engine.llm_engine import GenerationDelta, LLMEngine
+from mmserve.outputs import CompletionOutput, RequestOutput
+from mmserve.params import SamplingParams
+
+Message = dict[str, Any]
+PROGRESS_MIN_PROMPTS = 16  # show a progress bar from this many prompts on
+
+
+class LLM:
+    """Batches every prompt through one engine and returns results in input order."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        seed: int = 0,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+            seed=seed,
+        )
+        self.engine = LLMEngine.from_config(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Prompts are strings or lists of token ids. One params for all, or one per prompt."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        items = [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompts]
+        encoded = [(text, ids if ids is not None else self.tokenizer.encode(text)) for text, ids in items]
+        return self._run(encoded, params, use_tqdm, cache_salt)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        from mmserve.processors.chat_template import render_and_tokenize
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        encoded = [
+            render_and_tokenize(self.tokenizer, list(conv), add_generation_prompt, tools, template_kwargs)
+            for conv in conversations  # type: ignore[arg-type]
+        ]
+        return self._run(encoded, params, use_tqdm, cache_salt)
+
+    def _run(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        cache_salt: str | None,
+    ) -> list[RequestOutput]:
+        per_prompt = _per_prompt_params(params, len(encoded))
+        for p in per_prompt:
+            p.validate()
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for (text, ids), p in zip(encoded, per_prompt):
+            rid = self.engine.new_request_id()
+            self.engine.validate(ids, p)
+            order.append((rid, text, ids, p))
+        for rid, text, ids, p in order:  # all valid: now enqueue
+            self.engine.add_request(rid, ids, p, cache_salt)
+            results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(i, "", [], None) for i in range(p.n)], finished=False)
+        bar = tqdm(total=len(order), disable=not use_tqdm or len(order) < PROGRESS_MIN_PROMPTS, desc="generate")
+        while self.engine.has_unfinished:
+            for delta in self.engine.step():
+                if _apply(results[delta.request_id], delta):
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid, *_ in order]
+
+
+def _per_prompt_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [replace(params) for _ in range(n)]
+    if len(params) != n:
+        raise ValueError(f"params: got {len(params)} for {n} prompts")
+    return list(params)
+
+
+def _apply(result: RequestOutput, delta: GenerationDelta) -> bool:
+    """Folds a delta into the result; True when the whole request has just finished."""
+    out = result.outputs[delta.index]
+    out.text += delta.text
+    out.token_ids += delta.token_ids
+    if delta.logprobs:
+        out.logprobs = (out.logprobs or []) + delta.logprobs
+    if delta.prompt_logprobs is not None:
+        result.prompt_logprobs = delta.prompt_logprobs
+    result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+    if delta.finish_reason is not None:
+        out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+    result.finished = all(o.finish_reason is not None for o in result.outputs)
+    return result.finished

@@ -1,0 +1,23 @@
+"""Errors raised at the edge; the server maps them to gRPC status codes."""
+
+from __future__ import annotations
+
+
+class MMServeError(Exception):
+    """Base class of mmserve's own errors."""
+
+
+class InvalidArgument(MMServeError, ValueError):
+    """A request field is malformed or out of range. The message names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ResourceExhausted(MMServeError):
+    """The engine is at its admission limit; retry later."""
+
+
+class UnsupportedModel(MMServeError, ValueError):
+    """The model's architecture or a feature of its config is not supported."""

@@ -1,0 +1,101 @@
+"""Request parameters, validated at the edge before anything reaches the engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mmserve.errors import InvalidArgument
+
+MAX_N = 16  # cap on choices per request
+MAX_LOGPROBS = 20  # cap on top-k logprobs per token
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output. Defaults follow OpenAI / vLLM."""
+
+    max_tokens: int | None = 16  # None = up to the context limit
+    min_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens exist
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass, in (0, 1]
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # drop tokens below min_p * max prob, in [0, 1]
+    repetition_penalty: float = 1.0  # > 0; HF semantics over prompt and output tokens
+    presence_penalty: float = 0.0  # in [-2, 2]; OpenAI semantics over output tokens
+    frequency_penalty: float = 0.0  # in [-2, 2]; OpenAI semantics over output tokens
+    seed: int | None = None  # per-request generator: same seed, same output, whatever the batch
+    stop: list[str] = field(default_factory=list)  # stop strings (not included unless asked)
+    stop_token_ids: list[int] = field(default_factory=list)  # extra tokens that end the output
+    ignore_eos: bool = False  # keep going past eos
+    n: int = 1  # independent choices
+    logprobs: int = 0  # top-k logprobs per sampled token (0 = off); the sampled token always comes too
+    prompt_logprobs: int = 0  # top-k logprobs per prompt token (0 = off)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added logit
+    skip_special_tokens: bool = True  # in detokenised text
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        """Checks that need no model. Raises InvalidArgument naming the field."""
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _check(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "must be > 0",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_finite(v) and -2 <= v <= 2, name, "must be in [-2, 2]")
+        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]")
+        _check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        _check(
+            0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs",
+            f"must be in [0, {MAX_LOGPROBS}]",
+        )
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
+        _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        for tok, bias in self.logit_bias.items():
+            _check(_finite(bias) and -100 <= bias <= 100, f"logit_bias[{tok}]", "must be in [-100, 100]")
+
+    def validate_for_model(self, vocab_size: int, prompt_len: int, max_model_len: int) -> None:
+        """Checks against the model: vocabulary and context length."""
+        self.validate()
+        for tok in self.stop_token_ids:
+            _check(0 <= tok < vocab_size, "stop_token_ids", f"token id {tok} outside [0, {vocab_size})")
+        for tok in self.logit_bias:
+            _check(0 <= tok < vocab_size, "logit_bias", f"token id {tok} outside [0, {vocab_size})")
+        room = max_model_len - prompt_len
+        if self.max_tokens is not None:
+            _check(
+                self.max_tokens <= room,
+                "max_tokens",
+                f"{self.max_tokens} + prompt length {prompt_len} exceeds the context "
+                f"limit {max_model_len}",
+            )
+
+    def clone(self, **changes: object) -> SamplingParams:
+        from dataclasses import replace
+
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _finite(v: float) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise InvalidArgument(field_name, message)

@@ -1,0 +1,75 @@
+"""A request's state as the engine sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from mmserve.engine.block_hash import MMPlaceholder
+from mmserve.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, not holding KV blocks
+    RUNNING = "running"  # holding KV blocks, scheduled each step
+    PREEMPTED = "preempted"  # blocks taken back; recomputed from scratch when rescheduled
+    FINISHED_STOPPED = "stop"  # eos, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context limit
+    FINISHED_ABORTED = "abort"  # cancelled by the client or failed
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass
+class Request:
+    """One sequence to generate. Invariant: num_computed_tokens <= num_tokens; the scheduler
+    lets num_computed_tokens catch up with num_tokens, and a token is sampled whenever the two
+    meet. There is no prefill or decode phase."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]  # tokens that end the output unless ignore_eos
+    max_tokens: int  # resolved output cap (params.max_tokens or the context room)
+    cache_salt: str | None = None  # isolates this request's prefix-cache blocks
+    mm_placeholders: tuple[MMPlaceholder, ...] = ()  # images in the prompt (prefix-cache keys)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache (-1 = not yet known)
+    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks so far
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_range(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]

@@ -1,0 +1,138 @@
+"""Runs one step: builds the flat batch from the scheduler's plan, runs the model once, computes
+logits only where a token is sampled (or prompt logprobs are wanted), and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.attention import AttentionMetadata
+from mmserve.engine.scheduler import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from mmserve.models.base import CausalLM
+from mmserve.outputs import TokenLogprob
+from mmserve.runner.sampler import SamplingRow, sample, top_logprobs
+
+
+@dataclass
+class FlatBatch:
+    """All new tokens of all scheduled requests, back to back."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_rows: list[int]  # row of the last token of each request that samples
+    sample_reqs: list[ScheduledRequest]  # the requests of sample_rows, same order
+
+
+def build_batch(plan: SchedulerOutput, block_size: int, device: torch.device) -> FlatBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens, seq_lens, sample_rows, sample_reqs = [], [], [], []
+    for item in plan.scheduled:
+        n, start = len(item.token_ids), item.start_pos
+        input_ids += item.token_ids
+        pos = range(start, start + n)
+        positions += pos
+        slots += [item.block_ids[p // block_size] * block_size + p % block_size for p in pos]
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        if item.sample:
+            sample_rows.append(len(input_ids) - 1)
+            sample_reqs.append(item)
+    max_blocks = max(len(s.block_ids) for s in plan.scheduled)
+    tables = torch.zeros(len(plan.scheduled), max_blocks, dtype=torch.int32)
+    for i, item in enumerate(plan.scheduled):
+        tables[i, : len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.int32)
+    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(query_lens).cumsum(0)
+
+    def dev(x: list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        query_start_loc=dev(qsl, torch.int32),
+        seq_lens=dev(seq_lens, torch.int32),
+        block_tables=dev(tables, torch.int32),
+        slot_mapping=dev(slots, torch.int64),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return FlatBatch(dev(input_ids, torch.int64), dev(positions, torch.int64), meta, sample_rows, sample_reqs)
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and per-request sampling generators."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        kv_dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(model.num_layers)]
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    @staticmethod
+    def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
+        per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim
+        return per_token * block_size * torch.empty((), dtype=kv_dtype).element_size()
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        for request_id in plan.finished_ids:
+            self._generators.pop(request_id, None)
+        if plan.is_empty:
+            return RunnerOutput()
+        batch = build_batch(plan, self.block_size, self.device)
+        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden))
+        if batch.sample_rows:
+            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            rows = [self._sampling_row(s) for s in batch.sample_reqs]
+            tokens, logprobs = sample(logits, rows, self.generator)
+            for item, token, lp in zip(batch.sample_reqs, tokens, logprobs):
+                out.sampled[item.request_id] = SampledToken(token, lp)
+        return out
+
+    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+        gen = None
+        if item.params.seed is not None:
+            gen = self._generators.get(item.request_id)
+            if gen is None:
+                gen = torch.Generator(device=self.device).manual_seed(item.params.seed)
+                self._generators[item.request_id] = gen
+        return SamplingRow(item.params, item.prompt_token_ids, item.output_token_ids, item.eos_token_ids, gen)
+
+    def _prompt_logprobs(
+        self, plan: SchedulerOutput, hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprob]]]:
+        """For each prompt chunk of a request that asked: the logprob of every next prompt
+        token, keyed by the position of the first target."""
+        out: dict[str, tuple[int, list[TokenLogprob]]] = {}
+        row = 0
+        for item in plan.scheduled:
+            n, k = len(item.token_ids), item.params.prompt_logprobs
+            prompt_len = len(item.prompt_token_ids)
+            end = min(item.start_pos + n, prompt_len - 1)  # last position with a prompt target
+            if k and item.start_pos < end:
+                count = end - item.start_pos
+                logprobs = torch.log_softmax(self.model.compute_logits(hidden[row : row + count]), -1)
+                targets = item.prompt_token_ids[item.start_pos + 1 : end + 1]
+                out[item.request_id] = (
+                    item.start_pos + 1,
+                    [top_logprobs(logprobs[j], t, k) for j, t in enumerate(targets)],
+                )
+            row += n
+        return out

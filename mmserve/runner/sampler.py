@@ -1,0 +1,125 @@
+"""Turns logits into tokens: logit bias, min_tokens, penalties, temperature, top-k, top-p,
+min-p, per-request seeds, and logprobs. Rows are independent: a row's result never depends on
+what else is in the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.outputs import TokenLogprob
+from mmserve.params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits to sample from."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]  # for the repetition penalty
+    output_token_ids: list[int]  # for penalties and min_tokens
+    eos_token_ids: frozenset[int]  # masked while fewer than min_tokens are out
+    generator: torch.Generator | None  # the request's own, when it has a seed
+
+
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [N, V] float32, one row per entry of rows. Returns the sampled token ids and, for
+    rows that asked, their logprobs (taken from the raw model distribution)."""
+    raw_logprobs = None
+    if any(r.params.logprobs for r in rows):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = logits.clone()
+    for i, row in enumerate(rows):
+        _apply_bias_and_min_tokens(logits[i], row)
+        _apply_penalties(logits[i], row)
+    tokens = _pick(logits, rows, generator)
+    logprobs: list[TokenLogprob | None] = [
+        top_logprobs(raw_logprobs[i], t, r.params.logprobs) if raw_logprobs is not None and r.params.logprobs else None
+        for i, (t, r) in enumerate(zip(tokens, rows))
+    ]
+    return tokens, logprobs
+
+
+def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """logprobs: [V]. The token's logprob and rank, with the k most likely alternatives."""
+    value = logprobs[token]
+    rank = int((logprobs > value).sum()) + 1
+    top_v, top_i = logprobs.topk(k)
+    top = [(int(t), float(v)) for t, v in zip(top_i, top_v)]
+    return TokenLogprob(token_id=token, logprob=float(value), rank=rank, top=top)
+
+
+def _apply_bias_and_min_tokens(row_logits: torch.Tensor, row: SamplingRow) -> None:
+    params = row.params
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        row_logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row_logits.dtype)
+    if len(row.output_token_ids) < params.min_tokens:
+        banned = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            banned |= row.eos_token_ids
+        if banned:
+            row_logits[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+
+
+def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
+    params = row.params
+    if params.repetition_penalty != 1.0:  # HF semantics: over prompt and output tokens
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)))
+        if seen.numel():
+            vals = row_logits[seen]
+            p = params.repetition_penalty
+            row_logits[seen] = torch.where(vals > 0, vals / p, vals * p)
+    if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
+        out = torch.tensor(row.output_token_ids, dtype=torch.long)
+        counts = torch.bincount(out, minlength=row_logits.numel()).to(row_logits.dtype)
+        row_logits -= params.frequency_penalty * counts
+        row_logits -= params.presence_penalty * (counts > 0).to(row_logits.dtype)
+
+
+def _pick(
+    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None
+) -> list[int]:
+    greedy = torch.tensor([r.params.greedy for r in rows])
+    tokens = logits.argmax(dim=-1)
+    if not greedy.all():
+        probs = _filtered_probs(logits, rows)
+        noise = _exponential_noise(probs, rows, generator)
+        sampled = (probs / noise).argmax(dim=-1)  # Gumbel-max in exponential form
+        tokens = torch.where(greedy, tokens, sampled)
+    return tokens.tolist()
+
+
+def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, as probabilities: [N, V]."""
+    temps = torch.tensor([r.params.temperature or 1.0 for r in rows], dtype=logits.dtype)
+    logits = logits / temps.unsqueeze(1)
+    vocab = logits.shape[1]
+    top_k = torch.tensor([r.params.top_k or vocab for r in rows]).clamp(max=vocab)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= top_p.unsqueeze(1)  # keeps the smallest set reaching top_p
+    drop |= sorted_probs < min_p.unsqueeze(1) * sorted_probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    return filtered.softmax(dim=-1)
+
+
+def _exponential_noise(
+    probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None
+) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            noise[i].exponential_(generator=row.generator)
+    return noise

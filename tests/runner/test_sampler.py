@@ -1,0 +1,117 @@
+"""Each sampling parameter has a test that fails if the parameter were ignored."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from mmserve.params import SamplingParams
+from mmserve.runner.sampler import SamplingRow, sample
+
+
+def row(prompt=(), output=(), eos=(), seed=None, **kw) -> SamplingRow:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingRow(SamplingParams(**kw), list(prompt), list(output), frozenset(eos), gen)
+
+
+def draw(logits: list[float], n: int = 400, **kw) -> collections.Counter:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(1)
+    t = torch.tensor([logits] * n)
+    tokens, _ = sample(t, [row(**kw) for _ in range(n)], g)
+    return collections.Counter(tokens)
+
+
+LOGITS = [2.0, 1.5, 1.0, 0.5, 0.0, -1.0]
+
+
+def test_greedy_and_top_k_1() -> None:
+    assert set(draw(LOGITS, temperature=0.0)) == {0}
+    assert set(draw(LOGITS, temperature=1.0, top_k=1)) == {0}
+    assert len(draw(LOGITS, temperature=1.0)) > 3  # sanity: sampling does spread
+
+
+def test_temperature() -> None:
+    cold = draw(LOGITS, temperature=0.05)
+    hot = draw(LOGITS, temperature=5.0)
+    assert cold[0] > 390
+    assert hot[0] < 150 and len(hot) == 6
+
+
+def test_top_k() -> None:
+    assert set(draw(LOGITS, top_k=2)) == {0, 1}
+
+
+def test_top_p() -> None:
+    probs = torch.tensor(LOGITS).softmax(0)  # 0.38, 0.23, 0.14, ...
+    assert probs[0] < 0.5 < probs[0] + probs[1]
+    assert set(draw(LOGITS, top_p=0.5)) == {0, 1}
+    assert set(draw(LOGITS, top_p=0.3)) == {0}
+
+
+def test_min_p() -> None:
+    # p(2)/p(0) = e^-1 = 0.37, p(3)/p(0) = 0.22
+    assert set(draw(LOGITS, min_p=0.3)) == {0, 1, 2}
+
+
+def test_logit_bias_forces_token() -> None:
+    assert set(draw(LOGITS, temperature=0.0, logit_bias={5: 100.0})) == {5}
+    assert set(draw(LOGITS, logit_bias={5: 100.0})) == {5}
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    logits = [0.0, 0.0, 10.0, 9.0, 0.0, 0.0]
+    assert set(draw(logits, temperature=0.0, eos=[2], min_tokens=1)) == {3}
+    assert set(draw(logits, temperature=0.0, eos=[2], min_tokens=1, stop_token_ids=[3])) == {0}
+    # min_tokens reached: eos allowed again
+    assert set(draw(logits, temperature=0.0, eos=[2], min_tokens=1, output=[1])) == {2}
+
+
+def test_repetition_penalty_hf_semantics() -> None:
+    logits = [2.0, 1.5, -1.0, 0.0, 0.0, 0.0]
+    assert set(draw(logits, temperature=0.0, prompt=[0], repetition_penalty=2.0)) == {1}
+    t = torch.tensor([logits])
+    _, lp = sample(t, [row(prompt=[2], repetition_penalty=2.0, temperature=0.0, logprobs=1)])
+    assert lp[0] is not None  # logprobs come from the raw distribution
+    assert abs(lp[0].logprob - float(t.log_softmax(-1)[0, 0])) < 1e-6
+
+
+def test_presence_and_frequency_penalties() -> None:
+    logits = [2.0, 1.5, 1.0, 0.0, 0.0, 0.0]
+    assert set(draw(logits, temperature=0.0, output=[0], presence_penalty=1.0)) == {1}
+    assert set(draw(logits, temperature=0.0, output=[0], frequency_penalty=0.4)) == {0}
+    assert set(draw(logits, temperature=0.0, output=[0, 0], frequency_penalty=0.4)) == {1}
+    # presence/frequency only look at output, not the prompt
+    assert set(draw(logits, temperature=0.0, prompt=[0], presence_penalty=2.0)) == {0}
+
+
+def test_seed_reproducible_whatever_the_batch() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+
+    def run(batch_before: int, batch_after: int, seed: int) -> list[int]:
+        r = row(seed=seed, temperature=1.0)
+        toks = []
+        for step in range(20):
+            n = batch_before + 1 + batch_after
+            others = torch.randn(n, 50)
+            others[batch_before] = logits[0]
+            rows = [row(temperature=1.0) for _ in range(n)]
+            rows[batch_before] = r
+            out, _ = sample(others, rows, torch.Generator().manual_seed(step + n))
+            toks.append(out[batch_before])
+        return toks
+
+    a = run(0, 0, seed=7)
+    assert a == run(3, 5, seed=7)
+    assert a != run(0, 0, seed=8)
+    assert len(set(a)) > 1
+
+
+def test_logprobs_rank_and_top() -> None:
+    t = torch.tensor([LOGITS])
+    tokens, lp = sample(t, [row(temperature=0.0, logit_bias={3: 100.0}, logprobs=3)])
+    assert tokens == [3]
+    ref = t.log_softmax(-1)[0]
+    assert lp[0] is not None
+    assert lp[0].rank == 4 and abs(lp[0].logprob - float(ref[3])) < 1e-6
+    assert [i for i, _ in lp[0].top] == [0, 1, 2]
