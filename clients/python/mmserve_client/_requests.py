@@ -1,0 +1,281 @@
+"""Pure functions from Python values to request protos, shared by Client and AsyncClient.
+
+Client-side mistakes (an unknown keyword, a message dict without a role) raise TypeError or
+ValueError here, before anything is sent; range checks are the server's (INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypedDict, TypeVar
+
+from mmserve_client._proto.mmserve.v1 import common_pb2, generate_pb2, pooling_pb2, tokenize_pb2
+from mmserve_client.types import EmbeddingEncoding, Image, InputLike, Truncate
+
+
+class GenerateKwargs(TypedDict, total=False):
+    """Keyword arguments of generate/chat (and their _stream forms); None means unset."""
+
+    model: str  # empty: the one model that can generate
+    request_id: str  # echoed back; the server makes one if empty
+    cache_salt: str  # isolates the prefix cache between tenants
+    add_special_tokens: bool  # raw prompts only; default true
+    timeout: float  # seconds for the whole call (overrides the client's default)
+    # SamplingParams, as in protos/mmserve/v1/generate.proto:
+    max_tokens: int
+    min_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    seed: int
+    stop: str | Sequence[str]
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+    logprobs: int  # top alternatives per generated token; 0 is off
+    prompt_logprobs: int  # top alternatives per prompt token; 0 is off
+    logit_bias: Mapping[int, float]
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    # StructuredOutput: at most one constraint.
+    json_schema: str | Mapping[str, Any]  # a dict is sent as JSON text
+    json_object: bool
+    regex: str
+    choice: Sequence[str]
+    grammar: str  # EBNF
+    structured_backend: Literal["auto", "xgrammar", "outlines"]
+
+
+V = TypeVar("V")
+
+_REQUEST_KEYS = ("model", "request_id", "cache_salt", "add_special_tokens")
+_SAMPLING_KEYS = (
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "ignore_eos",
+    "logprobs",
+    "prompt_logprobs",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+)
+_CONSTRAINT_KEYS = ("json_schema", "json_object", "regex", "choice", "grammar")
+_BACKENDS = {
+    "auto": generate_pb2.StructuredOutput.BACKEND_AUTO,
+    "xgrammar": generate_pb2.StructuredOutput.BACKEND_XGRAMMAR,
+    "outlines": generate_pb2.StructuredOutput.BACKEND_OUTLINES,
+}
+_TRUNCATE = {
+    None: common_pb2.TRUNCATE_UNSPECIFIED,
+    "none": common_pb2.TRUNCATE_NONE,
+    "left": common_pb2.TRUNCATE_LEFT,
+    "right": common_pb2.TRUNCATE_RIGHT,
+}
+_ENCODINGS = {
+    "float": pooling_pb2.ENCODING_FLOAT,
+    "fp32": pooling_pb2.ENCODING_FP32_BYTES,
+    "fp16": pooling_pb2.ENCODING_FP16_BYTES,
+}
+
+
+def _lookup(table: Mapping[Any, V], key: Any, what: str) -> V:
+    if key not in table:
+        raise ValueError(f"{what} must be one of {sorted(map(str, table))}, got {key!r}")
+    return table[key]
+
+
+def json_text(value: str | Mapping[str, Any] | Sequence[Any]) -> str:
+    """JSON text as is; any other value serialised with json.dumps."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def generate_request(
+    source: str | Sequence[int] | generate_pb2.Chat, n: int | None, kw: GenerateKwargs
+) -> generate_pb2.GenerateRequest:
+    """Builds a GenerateRequest from a prompt, token ids or a Chat and the keyword arguments."""
+    unknown = set(kw) - set(GenerateKwargs.__annotations__)
+    if unknown:
+        valid = sorted(GenerateKwargs.__annotations__)
+        raise TypeError(f"unknown arguments {sorted(unknown)}; valid: {valid}")
+    values: dict[str, Any] = {k: v for k, v in kw.items() if v is not None}
+    req = generate_pb2.GenerateRequest(**{k: values[k] for k in _REQUEST_KEYS if k in values})
+    if isinstance(source, str):
+        req.prompt = source
+    elif isinstance(source, generate_pb2.Chat):
+        req.chat.CopyFrom(source)
+    else:
+        req.token_ids.ids.extend(source)
+    params = req.params
+    for key in _SAMPLING_KEYS:
+        if key in values:
+            setattr(params, key, values[key])
+    if n is not None:
+        params.n = n
+    stop = values.get("stop", ())
+    params.stop.extend([stop] if isinstance(stop, str) else stop)
+    params.stop_token_ids.extend(values.get("stop_token_ids", ()))
+    params.logit_bias.update({int(t): float(b) for t, b in values.get("logit_bias", {}).items()})
+    _set_constraint(req, values)
+    return req
+
+
+def _set_constraint(req: generate_pb2.GenerateRequest, values: dict[str, Any]) -> None:
+    given = [k for k in _CONSTRAINT_KEYS if k in values and values[k] is not False]
+    if len(given) > 1:
+        raise ValueError(f"pass at most one of {_CONSTRAINT_KEYS}, got {given}")
+    structured = req.structured
+    if given:
+        key = given[0]
+        if key == "choice":
+            structured.choice.choices.extend(values[key])
+        elif key == "json_schema":
+            structured.json_schema = json_text(values[key])
+        else:
+            setattr(structured, key, values[key])
+    if "structured_backend" in values:
+        structured.backend = _lookup(_BACKENDS, values["structured_backend"], "structured_backend")
+
+
+def image(img: Image | bytes | bytearray) -> common_pb2.Image:
+    """An Image (or raw encoded bytes) as a proto."""
+    if not isinstance(img, Image):
+        return common_pb2.Image(data=bytes(img))
+    if img.data is not None and img.path is not None:
+        raise ValueError("an Image takes data or path, not both")
+    out = common_pb2.Image(uuid=img.uuid)
+    if img.data is not None:
+        out.data = img.data
+    elif img.path is not None:
+        out.path = img.path
+    return out
+
+
+def _is_token_ids(x: object) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(i, int) for i in x)
+
+
+def inputs(items: InputLike | Sequence[InputLike]) -> list[common_pb2.Input]:
+    """One input (a str, image bytes, Image or list of token ids) or a sequence of them."""
+    if isinstance(items, (str, bytes, bytearray, Image)) or _is_token_ids(items):
+        return [_input(items)]
+    return [_input(x) for x in items]
+
+
+def _input(x: Any) -> common_pb2.Input:
+    if isinstance(x, str):
+        return common_pb2.Input(text=x)
+    if isinstance(x, (bytes, bytearray, Image)):
+        return common_pb2.Input(image=image(x))
+    if _is_token_ids(x):
+        return common_pb2.Input(token_ids=common_pb2.TokenIds(ids=x))
+    raise TypeError(f"an input is a str, bytes, Image or non-empty list of ints; got {x!r:.80}")
+
+
+def embed_request(
+    items: InputLike | Sequence[InputLike],
+    normalize: bool | None,
+    dimensions: int | None,
+    truncate: Truncate | None,
+    encoding: EmbeddingEncoding,
+    model: str,
+    request_id: str,
+) -> pooling_pb2.EmbedRequest:
+    """An EmbedRequest; None leaves an optional field unset (the server's default)."""
+    req = pooling_pb2.EmbedRequest(
+        model=model,
+        request_id=request_id,
+        inputs=inputs(items),
+        truncate=_lookup(_TRUNCATE, truncate, "truncate"),
+        encoding=_lookup(_ENCODINGS, encoding, "encoding"),
+    )
+    if normalize is not None:
+        req.normalize = normalize
+    if dimensions is not None:
+        req.dimensions = dimensions
+    return req
+
+
+def rerank_request(
+    query: str,
+    documents: Sequence[str],
+    top_n: int | None,
+    return_documents: bool,
+    truncate: Truncate | None,
+    model: str,
+    request_id: str,
+) -> pooling_pb2.RerankRequest:
+    """A RerankRequest; top_n None ranks every document."""
+    if isinstance(documents, str):
+        raise TypeError("documents must be a sequence of str, not one str")
+    req = pooling_pb2.RerankRequest(
+        model=model,
+        request_id=request_id,
+        query=query,
+        documents=documents,
+        return_documents=return_documents,
+        truncate=_lookup(_TRUNCATE, truncate, "truncate"),
+    )
+    if top_n is not None:
+        req.top_n = top_n
+    return req
+
+
+def classify_request(
+    items: InputLike | Sequence[InputLike], truncate: Truncate | None, model: str, request_id: str
+) -> pooling_pb2.ClassifyRequest:
+    """A ClassifyRequest."""
+    return pooling_pb2.ClassifyRequest(
+        model=model,
+        request_id=request_id,
+        inputs=inputs(items),
+        truncate=_lookup(_TRUNCATE, truncate, "truncate"),
+    )
+
+
+def score_request(
+    first: InputLike | Sequence[InputLike],
+    second: InputLike | Sequence[InputLike],
+    truncate: Truncate | None,
+    model: str,
+    request_id: str,
+) -> pooling_pb2.ScoreRequest:
+    """A ScoreRequest: `first` is one input (scored against each of `second`) or as many as
+    `second` (pairwise)."""
+    return pooling_pb2.ScoreRequest(
+        model=model,
+        request_id=request_id,
+        first=inputs(first),
+        second=inputs(second),
+        truncate=_lookup(_TRUNCATE, truncate, "truncate"),
+    )
+
+
+def tokenize_request(
+    source: str | generate_pb2.Chat,
+    add_special_tokens: bool | None,
+    return_tokens: bool,
+    model: str,
+    request_id: str,
+) -> tokenize_pb2.TokenizeRequest:
+    """A TokenizeRequest for text or a Chat; add_special_tokens None: the server's default."""
+    req = tokenize_pb2.TokenizeRequest(
+        model=model, request_id=request_id, return_tokens=return_tokens
+    )
+    if isinstance(source, str):
+        req.text = source
+    else:
+        req.chat.CopyFrom(source)
+    if add_special_tokens is not None:
+        req.add_special_tokens = add_special_tokens
+    return req

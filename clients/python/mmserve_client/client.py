@@ -1,0 +1,239 @@
+"""Blocking client of the mmserve v1 API."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self, Unpack, overload
+
+import grpc
+
+from mmserve_client import _requests, _responses
+from mmserve_client._channel import ClientBase
+from mmserve_client._chat import ChatKwargs, ChatOptions, chat_from_kwargs, chat_request
+from mmserve_client._proto.mmserve.v1 import models_pb2, tokenize_pb2
+from mmserve_client._requests import GenerateKwargs
+from mmserve_client.errors import MMServeError
+from mmserve_client.streams import GenerateStream
+from mmserve_client.types import (
+    Classification,
+    EmbeddingEncoding,
+    GenerateResult,
+    InputLike,
+    ModelInfo,
+    RerankResult,
+    TokenizeResult,
+    Truncate,
+)
+
+Messages = Sequence[Mapping[str, Any]]
+
+
+class Client(ClientBase):
+    """Blocking client of one mmserve endpoint; safe to share between threads.
+
+    `target` is a gRPC target ("host:port", "dns:///name:port", "unix:///path"); calls are
+    spread round-robin over the addresses it resolves to. `api_key` travels as
+    `authorization: Bearer <key>` metadata on every call, with any extra `metadata`. TLS:
+    `credentials` if given, else the system roots when `tls` is true, else plaintext.
+    `timeout` (seconds) is the default deadline of each call (None: none); every method takes
+    `timeout=` to override it. gRPC retries the idempotent RPCs (all but Generate) on
+    UNAVAILABLE, up to `retry_attempts` attempts in all. Failed calls raise MMServeError.
+    """
+
+    _api = grpc
+
+    def close(self) -> None:
+        """Closes the channel; running calls are cancelled."""
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Blocks until the channel is connected; MMServeError(UNAVAILABLE) after `timeout`."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError as e:
+            raise MMServeError(grpc.StatusCode.UNAVAILABLE, "channel not ready in time") from e
+
+    def _unary(self, rpc: str, request: Any, timeout: float | None) -> Any:
+        try:
+            return getattr(self._stub, rpc)(request, **self._call_options(timeout))
+        except grpc.RpcError as e:
+            raise MMServeError.from_rpc_error(e) from e
+
+    def _stream(self, source: Any, n: int | None, kw: GenerateKwargs) -> GenerateStream:
+        return GenerateStream(self._start_generate(source, n, kw), n)
+
+    @staticmethod
+    def _collect(stream: GenerateStream, n: int | None) -> GenerateResult | list[GenerateResult]:
+        with stream:
+            results = stream.collect()
+        return results if n is not None else results[0]
+
+    @overload
+    def generate(
+        self, prompt: str | Sequence[int], *, n: None = None, **kw: Unpack[GenerateKwargs]
+    ) -> GenerateResult: ...
+    @overload
+    def generate(
+        self, prompt: str | Sequence[int], *, n: int, **kw: Unpack[GenerateKwargs]
+    ) -> list[GenerateResult]: ...
+    def generate(
+        self, prompt: str | Sequence[int], *, n: int | None = None, **kw: Unpack[GenerateKwargs]
+    ) -> GenerateResult | list[GenerateResult]:
+        """Generates from raw text (no chat template) or token ids, and waits for the end.
+
+        Returns one GenerateResult; with `n` given (even n=1), a list of n, ordered by index.
+        Keywords: GenerateKwargs (sampling, stop, logprobs, json_schema/regex/choice/grammar,
+        model, request_id, cache_salt, timeout).
+        """
+        return self._collect(self._stream(prompt, n, kw), n)
+
+    def generate_stream(
+        self, prompt: str | Sequence[int], *, n: int | None = None, **kw: Unpack[GenerateKwargs]
+    ) -> GenerateStream:
+        """Like generate, but yields GenerateChunks as they arrive."""
+        return self._stream(prompt, n, kw)
+
+    @overload
+    def chat(
+        self, messages: Messages, *, n: None = None, **kw: Unpack[ChatKwargs]
+    ) -> GenerateResult: ...
+    @overload
+    def chat(
+        self, messages: Messages, *, n: int, **kw: Unpack[ChatKwargs]
+    ) -> list[GenerateResult]: ...
+    def chat(
+        self, messages: Messages, *, n: int | None = None, **kw: Unpack[ChatKwargs]
+    ) -> GenerateResult | list[GenerateResult]:
+        """Generates the next assistant turn of a conversation of OpenAI-style dicts.
+
+        Keywords: tools, tool_choice, add_generation_prompt, template_kwargs,
+        continue_final_message (see mmserve_client._chat.chat_request for accepted shapes),
+        plus everything generate takes. Returns like generate; tool calls come back parsed in
+        GenerateResult.tool_calls.
+        """
+        chat, rest = chat_from_kwargs(messages, kw)
+        return self._collect(self._stream(chat, n, rest), n)
+
+    def chat_stream(
+        self, messages: Messages, *, n: int | None = None, **kw: Unpack[ChatKwargs]
+    ) -> GenerateStream:
+        """Like chat, but yields GenerateChunks as they arrive."""
+        chat, rest = chat_from_kwargs(messages, kw)
+        return self._stream(chat, n, rest)
+
+    def embed(
+        self,
+        inputs: InputLike | Sequence[InputLike],
+        *,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        truncate: Truncate | None = None,
+        encoding: EmbeddingEncoding = "fp32",
+        model: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """One vector per input (text, image bytes / Image, or token ids), in input order:
+        float32 numpy arrays when numpy is installed, else lists of floats. normalize
+        (default true) and dimensions (Matryoshka) are applied by the server; `encoding` is
+        the wire format ("fp32" packed, "fp16" packed, "float" repeated)."""
+        req = _requests.embed_request(
+            inputs, normalize, dimensions, truncate, encoding, model, request_id
+        )
+        return _responses.vectors(self._unary("Embed", req, timeout), req.encoding)
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        return_documents: bool = False,
+        truncate: Truncate | None = None,
+        model: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> list[RerankResult]:
+        """Documents ranked by relevance to `query`, highest first (the best top_n, if set)."""
+        req = _requests.rerank_request(
+            query, documents, top_n, return_documents, truncate, model, request_id
+        )
+        return _responses.rerank_results(self._unary("Rerank", req, timeout))
+
+    def classify(
+        self,
+        inputs: InputLike | Sequence[InputLike],
+        *,
+        truncate: Truncate | None = None,
+        model: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> list[Classification]:
+        """Label probabilities of each input, in input order."""
+        req = _requests.classify_request(inputs, truncate, model, request_id)
+        return _responses.classifications(self._unary("Classify", req, timeout))
+
+    def score(
+        self,
+        first: InputLike | Sequence[InputLike],
+        second: InputLike | Sequence[InputLike],
+        *,
+        truncate: Truncate | None = None,
+        model: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> list[float]:
+        """One score per item of `second`: against `first` if it is one input, else pairwise."""
+        req = _requests.score_request(first, second, truncate, model, request_id)
+        return list(self._unary("Score", req, timeout).scores)
+
+    def tokenize(
+        self,
+        text: str | Messages,
+        *,
+        add_special_tokens: bool | None = None,
+        return_tokens: bool = False,
+        model: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+        **chat: Unpack[ChatOptions],
+    ) -> TokenizeResult:
+        """Tokens of a text, or of a conversation rendered as chat() would render it (then the
+        ChatOptions keywords apply)."""
+        source = text if isinstance(text, str) else chat_request(text, **chat)
+        req = _requests.tokenize_request(
+            source, add_special_tokens, return_tokens, model, request_id
+        )
+        return _responses.tokenize_result(self._unary("Tokenize", req, timeout))
+
+    def detokenize(
+        self,
+        token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = False,
+        model: str = "",
+        request_id: str = "",
+        timeout: float | None = None,
+    ) -> str:
+        """The text of `token_ids`."""
+        req = tokenize_pb2.DetokenizeRequest(
+            model=model,
+            request_id=request_id,
+            token_ids=token_ids,
+            skip_special_tokens=skip_special_tokens,
+        )
+        return str(self._unary("Detokenize", req, timeout).text)
+
+    def list_models(self, *, model: str = "", timeout: float | None = None) -> list[ModelInfo]:
+        """The hosted models (only `model`, if given) and what each can do."""
+        req = models_pb2.ListModelsRequest(model=model)
+        return _responses.model_infos(self._unary("ListModels", req, timeout).models)

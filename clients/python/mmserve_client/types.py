@@ -1,0 +1,186 @@
+"""Typed, frozen results of the mmserve SDK (plain Python values, no protobuf types)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+FinishReason = Literal["stop", "length", "tool_calls", "aborted"]
+"""Why a choice ended (FinishReason in the proto, lower-cased, prefix dropped)."""
+
+Task = Literal["generate", "embed", "rerank", "classify", "score"]
+"""A task a model can serve; each is one RPC."""
+
+ScoreMethod = Literal["cross_encoder", "cosine", "yes_token"]
+"""How a model computes Score/Rerank scores (ModelInfo.score_method)."""
+
+Truncate = Literal["none", "left", "right"]
+"""What the server does with a too-long input: error (none), keep the end, keep the start."""
+
+EmbeddingEncoding = Literal["float", "fp32", "fp16"]
+"""How vectors travel: repeated float, or packed little-endian float32 / float16 bytes."""
+
+
+@dataclass(frozen=True)
+class Image:
+    """An image input: exactly one of `data` (encoded bytes) or `path` (a server-side file,
+    allowed only inside the server's media directory), or neither when `uuid` names an image
+    the server has cached from an earlier request."""
+
+    data: bytes | None = None
+    path: str | None = None
+    uuid: str = ""
+
+
+InputLike = Union[str, bytes, Image, "list[int]", "tuple[int, ...]"]
+"""One pooling input: text, encoded image bytes, an Image, or token ids."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of a request (or of one choice of a Generate request)."""
+
+    prompt_tokens: int = 0  # tokens in the prompt / inputs, image tokens included
+    completion_tokens: int = 0  # generated tokens; 0 for pooling tasks
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Server-side timings in milliseconds since the server received the request."""
+
+    queue_ms: float = 0.0  # waiting for admission
+    first_token_ms: float = 0.0  # until the first token (Generate) or the result (pooling)
+    total_ms: float = 0.0  # until the request finished
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One likely alternative token at a position."""
+
+    token_id: int
+    logprob: float  # natural log
+    token: str
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of a token and the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float  # natural log, before temperature / penalties / top-k/p
+    token: str
+    top: tuple[TopLogprob, ...] = ()  # most likely first
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A complete tool call made by the model."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+    def parsed_arguments(self) -> Any:
+        """The arguments as Python values (json.loads); raises ValueError on bad JSON."""
+        return json.loads(self.arguments) if self.arguments else {}
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of one tool call in a streamed chunk; join arguments_delta by index."""
+
+    index: int  # which call of the choice, from 0
+    id: str  # set on the first delta of a call only
+    name: str  # set on the first delta of a call only
+    arguments_delta: str
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One streamed Generate response. Choices (n > 1) interleave, told apart by `index`;
+    the last chunk of each choice has finish_reason, usage and timing set."""
+
+    index: int
+    text: str  # delta since this choice's previous chunk
+    token_ids: tuple[int, ...]  # delta
+    finish_reason: FinishReason | None  # None while the choice runs
+    usage: Usage | None
+    timing: Timing | None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when asked for
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # first chunk of the stream only
+    request_id: str = ""
+    model: str = ""  # first chunk of the stream only
+    stop: str | int | None = None  # matched stop string or stop token id, for "stop"
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One complete choice, collected from the stream."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None  # None only if the stream ended without one
+    tool_calls: tuple[ToolCall, ...] = ()
+    usage: Usage | None = None
+    timing: Timing | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0
+    request_id: str = ""
+    model: str = ""
+    stop: str | int | None = None  # matched stop string or stop token id
+
+
+@dataclass(frozen=True)
+class RerankResult:
+    """One ranked document."""
+
+    index: int  # position in the documents passed in
+    score: float  # higher is more relevant
+    document: str | None = None  # the text, when return_documents=True
+
+
+@dataclass(frozen=True)
+class LabelScore:
+    """A label and its probability."""
+
+    label: str
+    score: float
+
+
+@dataclass(frozen=True)
+class Classification:
+    """Label probabilities of one input."""
+
+    label: str  # the most likely label
+    scores: tuple[LabelScore, ...]  # all labels, highest first
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    """Tokens of a text or rendered chat."""
+
+    token_ids: tuple[int, ...]
+    tokens: tuple[str, ...] = ()  # vocabulary strings, when return_tokens=True
+    max_context: int = 0  # the model's context window
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One model the server hosts and what it can do."""
+
+    name: str
+    tasks: tuple[Task, ...]
+    max_context: int
+    dtype: str
+    device: str
+    score_method: ScoreMethod | None = None  # None: cannot score
+    labels: tuple[str, ...] = ()  # classifier labels, in model order
+    embedding_dimension: int = 0  # 0 when not an embedder
+    architecture: str = ""
+    supports_images: bool = False
+    quantization: str = ""  # "" when unquantised
+    vocab_size: int = 0
