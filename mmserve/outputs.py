@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -29,6 +30,7 @@ class EngineOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_output_tokens: int = 0
     error: str | None = None  # set when the request failed inside the engine
+    pooled: Any = None  # torch.Tensor (CPU, float32) for a pooling request that finished
 
 
 @dataclass

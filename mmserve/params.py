@@ -99,3 +99,27 @@ def _finite(v: float) -> bool:
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise InvalidArgument(field_name, message)
+
+
+POOLING_TASKS = ("embed", "classify", "score")
+
+
+@dataclass
+class PoolingParams:
+    """How to turn one input's hidden states into a result (embedding, label scores, score)."""
+
+    task: str = "embed"  # "embed" | "classify" | "score"
+    normalize: bool = True  # embed: L2-normalise (after Matryoshka truncation)
+    dimensions: int | None = None  # embed: keep the first `dimensions` values (Matryoshka)
+    activation: bool = True  # classify/score: softmax across labels, sigmoid for a single one
+
+    def validate(self, hidden_size: int | None = None) -> None:
+        _check(self.task in POOLING_TASKS, "task", f"must be one of {POOLING_TASKS}")
+        if self.dimensions is not None:
+            _check(self.dimensions >= 1, "dimensions", "must be >= 1")
+            if hidden_size is not None:
+                _check(
+                    self.dimensions <= hidden_size,
+                    "dimensions",
+                    f"{self.dimensions} exceeds the model's embedding size {hidden_size}",
+                )

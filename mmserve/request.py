@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from mmserve.engine.block_hash import MMPlaceholder
-from mmserve.params import SamplingParams
+from mmserve.params import PoolingParams, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -43,6 +43,8 @@ class Request:
     max_tokens: int  # resolved output cap (params.max_tokens or the context room)
     cache_salt: str | None = None  # isolates this request's prefix-cache blocks
     mm_placeholders: tuple[MMPlaceholder, ...] = ()  # images in the prompt (prefix-cache keys)
+    pooling: PoolingParams | None = None  # set for embed/classify/score: pooled, not sampled
+    token_type_ids: list[int] | None = None  # segment ids of a text pair (BERT-style encoders)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache

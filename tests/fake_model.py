@@ -50,6 +50,12 @@ class FakeModel(nn.Module):
         raise NotImplementedError
 
     @torch.inference_mode()
+    def reference_hidden(self, prompt: list[int]) -> torch.Tensor:
+        """Final hidden states of every prompt token, computed without any cache: [T, H]."""
+        x, q, k, v = self._qkv(torch.tensor(prompt), torch.arange(len(prompt)))
+        return x + attend(q, k, v, 0.3, causal=True, sliding_window=None).flatten(1)
+
+    @torch.inference_mode()
     def reference_greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
         """Greedy decoding with full recomputation and no cache."""
         ids = list(prompt)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mmserve.engine.llm_engine import GenerationDelta, LLMEngine
 from mmserve.errors import ResourceExhausted
-from mmserve.params import SamplingParams
+from mmserve.params import PoolingParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,15 @@ class _Add:
 
 
 @dataclass
+class _AddPooling:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: PoolingParams
+    token_type_ids: list[int] | None
+    sink: Callable[[GenerationDelta | BaseException], None]
+
+
+@dataclass
 class _Abort:
     request_id: str
 
@@ -38,7 +47,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_pending: int = 1024) -> None:
         self.engine = engine
         self.max_pending = max_pending  # admission bound on requests in flight
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _AddPooling | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[GenerationDelta | BaseException], None]] = {}
         self._num_in_flight = 0
         self._lock = threading.Lock()
@@ -63,22 +72,55 @@ class AsyncEngine:
     ) -> AsyncIterator[GenerationDelta]:
         """Yields deltas until every choice has finished. Validation errors raise before the
         first delta; leaving the iteration early aborts the request."""
+        self.engine.validate(prompt_token_ids, params)
+        request_id = request_id or self.engine.new_request_id()
+
+        def make(sink: Callable[[GenerationDelta | BaseException], None]) -> _Add:
+            return _Add(request_id, list(prompt_token_ids), params, cache_salt, sink)
+
+        async for item in self._submit(request_id, make, params.n):
+            yield item
+
+    async def pool(
+        self,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        token_type_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> GenerationDelta:
+        """Pools one input; returns its final delta (with `pooled`). Cancelling aborts it."""
+        self.engine.validate_pooling(prompt_token_ids, params)
+        request_id = request_id or self.engine.new_request_id()
+
+        def make(sink: Callable[[GenerationDelta | BaseException], None]) -> _AddPooling:
+            return _AddPooling(request_id, list(prompt_token_ids), params, token_type_ids, sink)
+
+        result = None
+        async for item in self._submit(request_id, make, 1):
+            result = item  # exhausting the generator runs its bookkeeping now
+        assert result is not None  # _submit yields exactly once or raises
+        return result
+
+    async def _submit(
+        self,
+        request_id: str,
+        make: Callable[[Callable[[GenerationDelta | BaseException], None]], _Add | _AddPooling],
+        num_choices: int,
+    ) -> AsyncIterator[GenerationDelta]:
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
-        self.engine.validate(prompt_token_ids, params)
         with self._lock:
             if self._num_in_flight >= self.max_pending:
                 raise ResourceExhausted(f"{self._num_in_flight} requests in flight; retry later")
             self._num_in_flight += 1
-        request_id = request_id or self.engine.new_request_id()
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[GenerationDelta | BaseException] = asyncio.Queue()
 
         def sink(item: GenerationDelta | BaseException) -> None:
             loop.call_soon_threadsafe(deltas.put_nowait, item)
 
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, cache_salt, sink))
-        remaining = params.n
+        self._commands.put(make(sink))
+        remaining = num_choices
         try:
             while remaining:
                 item = await deltas.get()
@@ -120,7 +162,14 @@ class AsyncEngine:
                 self.engine.abort(cmd.request_id)
                 continue
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt)
+                if isinstance(cmd, _AddPooling):
+                    self.engine.add_pooling_request(
+                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.token_type_ids
+                    )
+                else:
+                    self.engine.add_request(
+                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt
+                    )
                 self._sinks[cmd.request_id] = cmd.sink
             except Exception as e:  # noqa: BLE001 - a bad request fails alone
                 cmd.sink(e)

@@ -13,6 +13,7 @@ from mmserve.models.base import CausalLM
 from mmserve.outputs import EngineOutput
 from mmserve.request import Request
 from mmserve.runner.model_runner import ModelRunner
+from mmserve.runner.pooler import Pooler
 
 logger = logging.getLogger(__name__)
 
@@ -27,14 +28,20 @@ class EngineCore:
         model_max_len: int,
         device: torch.device,
         kv_dtype: torch.dtype,
+        pooler: Pooler | None = None,
     ) -> None:
         self.config = config
         cache = config.cache
-        num_blocks = cache.num_blocks or self._blocks_for_budget(model, kv_dtype)
-        self.runner = ModelRunner(model, num_blocks, cache.block_size, device, kv_dtype, config.seed)
+        num_blocks = 0  # encoders keep no KV cache
+        if getattr(model, "uses_kv_cache", True):
+            num_blocks = cache.num_blocks or self._blocks_for_budget(model, kv_dtype)
+        self.runner = ModelRunner(
+            model, num_blocks, cache.block_size, device, kv_dtype, config.seed, pooler
+        )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         limit = config.model.max_model_len or model_max_len
-        self.max_model_len = min(limit, model_max_len, num_blocks * cache.block_size)
+        kv_limit = num_blocks * cache.block_size if num_blocks else model_max_len
+        self.max_model_len = min(limit, model_max_len, kv_limit)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d",

@@ -9,11 +9,13 @@ from mmserve.request import Request
 
 class KVCacheManager:
     """Maps requests to their KV blocks. Block i of a request holds the KV of its tokens
-    [i * block_size, (i + 1) * block_size)."""
+    [i * block_size, (i + 1) * block_size). With num_blocks 0 (an encoder, which keeps no
+    KV) every allocation succeeds and requests hold no blocks."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enabled = num_blocks > 0
+        self.pool = BlockPool(max(num_blocks, 1), enable_caching and self.enabled)
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}  # how many leading blocks are already in the cache
 
@@ -27,8 +29,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of the request, in whole blocks, always leaving at least
         one token to compute (the step that computes it samples the next token)."""
-        if not self.pool.enable_caching or request.params.prompt_logprobs:
-            return [], 0  # prompt logprobs need the logits of every prompt position
+        if not self.pool.enable_caching or request.params.prompt_logprobs or request.pooling:
+            return [], 0  # prompt logprobs and pooling need every prompt position computed
         self._hash(request, request.num_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
@@ -44,6 +46,8 @@ class KVCacheManager:
     ) -> bool:
         """Makes room for num_new_tokens more tokens after the computed ones (counting the
         cache hits in new_computed). Returns False, changing nothing, when blocks run out."""
+        if not self.enabled:
+            return True
         new_computed = new_computed or []
         blocks = self._blocks.setdefault(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(new_computed) * self.block_size

@@ -13,7 +13,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.engine_core import EngineCore
 from mmserve.errors import InvalidArgument
 from mmserve.outputs import EngineOutput, TokenLogprob
-from mmserve.params import SamplingParams
+from mmserve.params import PoolingParams, SamplingParams
 from mmserve.processors.detokenizer import IncrementalDetokenizer
 from mmserve.request import Request
 
@@ -36,13 +36,14 @@ class GenerationDelta:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    pooled: Any = None  # torch.Tensor result of a pooling request, on its final delta
 
 
 @dataclass
 class _Choice:
     parent_id: str
     index: int
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None for pooling requests (no text)
     stopped: str | None = None  # the stop string that ended it, once seen
 
 
@@ -119,6 +120,43 @@ class LLMEngine:
                 Request(child_id, list(prompt_token_ids), child_params, self.eos_token_ids, max_tokens, cache_salt)
             )
 
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        token_type_ids: list[int] | None = None,
+    ) -> None:
+        """Queues one input to pool; its single delta carries `pooled`. Inputs must already
+        fit the context (truncation happens at the edge)."""
+        self.validate_pooling(prompt_token_ids, params)
+        if request_id in self._parents:
+            raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
+        child_id = f"{request_id}#0"
+        self._parents[request_id] = _Parent([child_id])
+        self._choices[child_id] = _Choice(request_id, 0, None)
+        request = Request(
+            child_id, list(prompt_token_ids), SamplingParams(max_tokens=1), frozenset(), 0,
+            pooling=params, token_type_ids=token_type_ids,
+        )
+        self.core.add_request(request)
+
+    def validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
+        params.validate(self.hidden_size)
+        if not prompt_token_ids:
+            raise InvalidArgument("inputs", "an input has no tokens")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument("token_ids", f"token id {bad} outside [0, {self.vocab_size})")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise InvalidArgument(
+                "inputs", f"{len(prompt_token_ids)} tokens exceed the context limit {self.max_model_len}"
+            )
+
+    @property
+    def hidden_size(self) -> int | None:
+        return getattr(self.core.runner.model, "hidden_size", None)
+
     def abort(self, request_id: str) -> None:
         parent = self._parents.get(request_id)
         if parent is not None:
@@ -138,14 +176,14 @@ class LLMEngine:
     def _delta(self, out: EngineOutput) -> GenerationDelta:
         choice = self._choices[out.request_id]
         text, stop_reason, finish = "", out.stop_reason, out.finish_reason
-        if out.new_token_ids and choice.stopped is None:
+        if out.new_token_ids and choice.stopped is None and choice.detok is not None:
             d = choice.detok.update(out.new_token_ids)
             text = d.text_delta
             if d.stopped_on is not None:
                 choice.stopped = d.stopped_on
                 stop_reason, finish = d.stopped_on, "stop"
                 self.core.stop(out.request_id)
-        if finish is not None and finish != "abort" and choice.stopped is None:
+        if finish is not None and finish != "abort" and choice.stopped is None and choice.detok:
             text += choice.detok.finish().text_delta
         if finish is not None:
             self._forget(out.request_id, choice)
@@ -162,6 +200,7 @@ class LLMEngine:
             num_cached_tokens=out.num_cached_tokens,
             num_output_tokens=out.num_output_tokens,
             error=out.error,
+            pooled=out.pooled,
         )
 
     def _forget(self, child_id: str, choice: _Choice) -> None:

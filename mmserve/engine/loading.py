@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from mmserve.attention import get_attention_backend
 from mmserve.config import EngineConfig
 from mmserve.engine.engine_core import EngineCore
+from mmserve.models.gguf_cache import materialize
 from mmserve.models.loader import load_model, resolve_device, resolve_dtype, resolve_model_source
 from mmserve.processors.tokenizer import eos_token_ids, load_tokenizer, vocab_size
 
@@ -26,8 +28,9 @@ def load_engine_parts(config: EngineConfig) -> LLMEngine:
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     backend = get_attention_backend("triton" if device.type == "cuda" else "torch")
-    model, hf_config, gen_config = load_model(config.model, device, dtype, backend)
-    source = resolve_model_source(config.model.model)
+    source = materialize(resolve_model_source(config.model.model))
+    model_config = replace(config.model, model=str(source.folder))
+    model, hf_config, gen_config = load_model(model_config, device, dtype, backend)
     tokenizer = load_tokenizer(source.folder, source.gguf_file)
     model_max_len = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     core = EngineCore(config, model, model_max_len, device, dtype)

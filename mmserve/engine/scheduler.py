@@ -9,10 +9,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from mmserve.config import SchedulerConfig
 from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.outputs import EngineOutput, TokenLogprob
-from mmserve.params import SamplingParams
+from mmserve.params import PoolingParams, SamplingParams
 from mmserve.request import Request, RequestStatus
 
 
@@ -29,6 +31,8 @@ class ScheduledRequest:
     prompt_token_ids: list[int]  # shared with the request (read-only): repetition penalty, targets
     output_token_ids: list[int]  # shared with the request (read-only): penalties, min_tokens
     eos_token_ids: frozenset[int]  # masked while fewer than min_tokens are out
+    pooling: PoolingParams | None = None  # set when this step pools the request's whole input
+    token_type_ids: list[int] | None = None  # segment ids of token_ids (pair encoders)
 
 
 @dataclass
@@ -59,6 +63,7 @@ class SampledToken:
 @dataclass
 class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # request id -> new token
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> result (CPU)
     # request id -> (position of the first target token, logprobs of this chunk's prompt tokens)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
@@ -134,6 +139,11 @@ class Scheduler:
         if request.num_computed_tokens == 0:
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
         num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+        if request.pooling is not None and num_new < request.num_tokens:
+            # pooling sees the whole input in one step; alone in a step it may pass the budget
+            if budget < self.config.max_num_batched_tokens:
+                return 0
+            num_new = request.num_tokens
         if not self.kv.allocate_slots(request, num_new, hits):
             return 0
         request.num_computed_tokens += num_hit_tokens
@@ -152,16 +162,19 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
+        done = start + num_new == request.num_tokens
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_ids_range(start, start + num_new),
             start_pos=start,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=done and request.pooling is None,
             params=request.params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
+            pooling=request.pooling if done else None,
+            token_type_ids=request.token_type_ids,
         )
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
@@ -176,6 +189,10 @@ class Scheduler:
             sampled = result.sampled.get(item.request_id)
             if sampled is not None:
                 outputs.append(self._append_token(request, sampled))
+            elif item.pooling is not None:
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                outputs.append(self._output(request, [], None))
+                outputs[-1].pooled = result.pooled.get(item.request_id)
         return outputs
 
     def _collect_prompt_logprobs(self, request: Request, result: RunnerOutput) -> None:

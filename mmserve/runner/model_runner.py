@@ -11,6 +11,7 @@ from mmserve.attention import AttentionMetadata
 from mmserve.engine.scheduler import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from mmserve.models.base import CausalLM
 from mmserve.outputs import TokenLogprob
+from mmserve.runner.pooler import Pooler
 from mmserve.runner.sampler import SamplingRow, sample, top_logprobs
 
 
@@ -23,19 +24,27 @@ class FlatBatch:
     meta: AttentionMetadata
     sample_rows: list[int]  # row of the last token of each request that samples
     sample_reqs: list[ScheduledRequest]  # the requests of sample_rows, same order
+    token_type_ids: torch.Tensor | None  # [T] int64 when some request has segment ids
 
 
-def build_batch(plan: SchedulerOutput, block_size: int, device: torch.device) -> FlatBatch:
+def build_batch(
+    plan: SchedulerOutput, block_size: int, device: torch.device, causal: bool = True
+) -> FlatBatch:
     input_ids: list[int] = []
+    type_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     query_lens, seq_lens, sample_rows, sample_reqs = [], [], [], []
     for item in plan.scheduled:
         n, start = len(item.token_ids), item.start_pos
         input_ids += item.token_ids
+        type_ids += item.token_type_ids or [0] * n
         pos = range(start, start + n)
         positions += pos
-        slots += [item.block_ids[p // block_size] * block_size + p % block_size for p in pos]
+        if item.block_ids:
+            slots += [item.block_ids[p // block_size] * block_size + p % block_size for p in pos]
+        else:  # a model that keeps no KV cache
+            slots += [-1] * n
         query_lens.append(n)
         seq_lens.append(start + n)
         if item.sample:
@@ -60,8 +69,17 @@ def build_batch(plan: SchedulerOutput, block_size: int, device: torch.device) ->
         max_seq_len=max(seq_lens),
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
+        causal=causal,
     )
-    return FlatBatch(dev(input_ids, torch.int64), dev(positions, torch.int64), meta, sample_rows, sample_reqs)
+    has_types = any(s.token_type_ids for s in plan.scheduled)
+    return FlatBatch(
+        dev(input_ids, torch.int64),
+        dev(positions, torch.int64),
+        meta,
+        sample_rows,
+        sample_reqs,
+        dev(type_ids, torch.int64) if has_types else None,
+    )
 
 
 class ModelRunner:
@@ -75,12 +93,17 @@ class ModelRunner:
         device: torch.device,
         kv_dtype: torch.dtype,
         seed: int = 0,
+        pooler: Pooler | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.pooler = pooler  # turns a pooling request's hidden states into its result
+        self.causal = getattr(model, "causal", True)  # False for encoders
         shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(model.num_layers)]
+        self.kv_caches = [
+            torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(model.num_layers if num_blocks else 0)
+        ]
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -95,15 +118,28 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if plan.is_empty:
             return RunnerOutput()
-        batch = build_batch(plan, self.block_size, self.device)
-        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden))
+        batch = build_batch(plan, self.block_size, self.device, self.causal)
+        extra = {} if batch.token_type_ids is None else {"token_type_ids": batch.token_type_ids}
+        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, **extra)
+        out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden), pooled=self._pool(plan, hidden))
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_rows])
             rows = [self._sampling_row(s) for s in batch.sample_reqs]
             tokens, logprobs = sample(logits, rows, self.generator)
             for item, token, lp in zip(batch.sample_reqs, tokens, logprobs):
                 out.sampled[item.request_id] = SampledToken(token, lp)
+        return out
+
+    def _pool(self, plan: SchedulerOutput, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        row = 0
+        for item in plan.scheduled:
+            n = len(item.token_ids)
+            if item.pooling is not None:
+                if self.pooler is None:
+                    raise RuntimeError("a pooling request reached a runner without a pooler")
+                out[item.request_id] = self.pooler(hidden[row : row + n], item.pooling).float().cpu()
+            row += n
         return out
 
     def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
