@@ -1,0 +1,226 @@
+"""Chat messages -> prompt text and token ids, through the model's own chat template.
+
+Rendering is transformers' `apply_chat_template`, which runs the template in jinja2's
+ImmutableSandboxedEnvironment (templates come from model repos: untrusted code). Everything
+a request can put into the template is validated here first, naming the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jinja2.exceptions import SecurityError, TemplateError
+from transformers import PreTrainedTokenizerFast
+
+from mmserve.errors import InvalidArgument, UnsupportedModel
+
+ROLES = ("system", "user", "assistant", "tool")
+_MESSAGE_KEYS = frozenset(
+    {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
+)
+_IMAGE_PART_TYPES = frozenset({"image", "image_url"})  # accepted once vision models land
+
+
+def _parse_bool(name: str, value: object) -> bool:
+    # Values may arrive as strings: the proto field is map<string, string>.
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise InvalidArgument("template_kwargs", f"{name} must be true or false, got {value!r}")
+
+
+def _parse_effort(name: str, value: object) -> str:
+    if value in ("low", "medium", "high"):
+        return str(value)
+    raise InvalidArgument("template_kwargs", f"{name} must be low, medium or high, got {value!r}")
+
+
+# Template variables a request may set, each with its parser. Anything else is refused: a
+# template sees these next to bos_token etc., which a request must not be able to override.
+TEMPLATE_KWARGS: Mapping[str, Callable[[str, object], object]] = {
+    "enable_thinking": _parse_bool,  # Qwen3-style thinking switch
+    "reasoning_effort": _parse_effort,  # gpt-oss-style effort level
+}
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    template_kwargs: Mapping[str, object] | None = None,
+) -> str:
+    """Render messages into the prompt text with the model's chat template."""
+    args = _template_args(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+    return str(_apply(tokenizer, args, tokenize=False))
+
+
+def render_and_tokenize(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    template_kwargs: Mapping[str, object] | None = None,
+    sanitize_control_tokens: bool = True,
+) -> tuple[str, list[int]]:
+    """Render messages and tokenise the prompt; returns (prompt_text, token_ids).
+
+    Tokenised without adding special tokens: the template writes BOS itself if the model
+    wants one. With sanitize_control_tokens, control tokens written *inside* message text
+    (say a user typing "<|im_end|>") become plain text tokens, so a user cannot forge turn
+    boundaries; only the template's own control tokens are encoded as such.
+    """
+    args = _template_args(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+    # Rendered twice when sanitising (transformers marks user strings before rendering);
+    # both see the same validated inputs, so they agree (unless the template prints the time).
+    text = str(_apply(tokenizer, args, tokenize=False))
+    if sanitize_control_tokens:
+        ids = _apply(tokenizer, args, tokenize=True, sanitize_control_tokens=True)
+    else:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text, list(ids)
+
+
+def _template_args(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None,
+    template_kwargs: Mapping[str, object] | None,
+) -> dict[str, Any]:
+    if not tokenizer.chat_template:
+        raise InvalidArgument("chat", "this model has no chat template; send a prompt instead")
+    args: dict[str, Any] = parse_template_kwargs(template_kwargs or {})
+    args["conversation"] = validate_messages(messages)
+    args["add_generation_prompt"] = add_generation_prompt
+    if tools:
+        args["tools"] = validate_tools(tools)
+        # A template that ignores tools would silently drop them: refuse instead.
+        if "tools" not in tokenizer.get_chat_template(None, args["tools"]):
+            raise InvalidArgument("tools", "this model's chat template does not support tools")
+    return args
+
+
+def _apply(tokenizer: PreTrainedTokenizerFast, args: dict[str, Any], **options: Any) -> Any:
+    try:
+        return tokenizer.apply_chat_template(**args, return_dict=False, **options)
+    except SecurityError as e:  # subclass of TemplateError: the model is at fault, not the user
+        raise UnsupportedModel(f"chat template tried an unsafe operation: {e}") from e
+    except (TemplateError, TypeError) as e:
+        # raise_exception() in templates reports conversation rules (e.g. roles must
+        # alternate); a TypeError is a message shape the template cannot handle.
+        raise InvalidArgument("messages", f"rejected by the model's chat template: {e}") from e
+
+
+def parse_template_kwargs(kwargs: Mapping[str, object]) -> dict[str, object]:
+    """Check names against the allow-list and parse values; raises InvalidArgument."""
+    parsed: dict[str, object] = {}
+    for name, value in kwargs.items():
+        parser = TEMPLATE_KWARGS.get(name)
+        if parser is None:
+            allowed = ", ".join(sorted(TEMPLATE_KWARGS))
+            raise InvalidArgument("template_kwargs", f"unknown key {name!r}; allowed: {allowed}")
+        parsed[name] = parser(name, value)
+    return parsed
+
+
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check roles, keys and content; return plain-dict copies ready for the template."""
+    if not messages:
+        raise InvalidArgument("messages", "must not be empty")
+    return [_validate_message(f"messages[{i}]", m) for i, m in enumerate(messages)]
+
+
+def _validate_message(field: str, message: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(message, Mapping):
+        raise InvalidArgument(field, "must be an object with role and content")
+    unknown = sorted(set(message) - _MESSAGE_KEYS)
+    if unknown:
+        raise InvalidArgument(
+            f"{field}.{unknown[0]}", f"unknown key; allowed: {sorted(_MESSAGE_KEYS)}"
+        )
+    role = message.get("role")
+    if role not in ROLES:
+        raise InvalidArgument(f"{field}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+    out: dict[str, Any] = {"role": role}
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if message.get(key) is not None:
+            out[key] = _string(f"{field}.{key}", message[key])
+    if message.get("tool_calls"):
+        if role != "assistant" or not isinstance(message["tool_calls"], list):
+            raise InvalidArgument(f"{field}.tool_calls", "must be a list, on assistant messages")
+        out["tool_calls"] = [
+            _validate_tool_call(f"{field}.tool_calls[{j}]", c)
+            for j, c in enumerate(message["tool_calls"])
+        ]
+    content = message.get("content")
+    if content is not None:
+        out["content"] = _flatten_content(f"{field}.content", content)
+    elif "tool_calls" not in out:
+        raise InvalidArgument(f"{field}.content", "is required")
+    return out
+
+
+def _flatten_content(field: str, content: Any) -> str:
+    # Text-only part lists become one string (joined by newlines, as vLLM does): every
+    # template accepts string content, while many (SmolLM2's included) break on lists.
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidArgument(field, "must be a string or a list of parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind in _IMAGE_PART_TYPES:
+            raise InvalidArgument(f"{field}[{j}]", "image parts are not supported by this model")
+        if kind != "text":
+            raise InvalidArgument(f"{field}[{j}].type", f"must be 'text', got {kind!r}")
+        texts.append(_string(f"{field}[{j}].text", part.get("text")))
+    return "\n".join(texts)
+
+
+def _validate_tool_call(field: str, call: Any) -> dict[str, Any]:
+    """OpenAI shape {id, type, function: {name, arguments}}; arguments become a dict.
+
+    HF templates serialise `arguments` with `tojson` themselves, so the JSON string an
+    OpenAI-style client sends must be parsed first or it would be encoded twice.
+    """
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping):
+        raise InvalidArgument(f"{field}.function", "must be an object with name and arguments")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise InvalidArgument(f"{field}.function.arguments", f"invalid JSON: {e}") from e
+    if not isinstance(arguments, Mapping):
+        raise InvalidArgument(f"{field}.function.arguments", "must be a JSON object")
+    name = _string(f"{field}.function.name", function.get("name"))
+    out = {"type": "function", "function": {"name": name, "arguments": dict(arguments)}}
+    if call.get("id") is not None:
+        out["id"] = _string(f"{field}.id", call["id"])
+    return out
+
+
+def validate_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Tools as JSON-schema function specs: {type: function, function: {name, ...}}."""
+    out = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise InvalidArgument(f"tools[{i}].function", "must be an object with a name")
+        _string(f"tools[{i}].function.name", function.get("name"))
+        if not isinstance(function.get("parameters", {}), Mapping):
+            raise InvalidArgument(f"tools[{i}].function.parameters", "must be a JSON schema object")
+        out.append({"type": "function", "function": dict(function)})
+    return out
+
+
+def _string(field: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(field, f"must be a string, got {type(value).__name__}")
+    return value

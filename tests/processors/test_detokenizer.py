@@ -1,0 +1,219 @@
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from mmserve.processors.detokenizer import IncrementalDetokenizer
+from mmserve.processors.stop_strings import StopStringMatcher
+
+SAMPLES = [
+    "Hello world, this is a test.",
+    "Grüße aus Köln — naïve café, señor.",
+    "日本語のテキストです。中文也可以。한국어",
+    "emoji 😀👍🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵",
+    "math 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ∑αβγ\u200b\ttab\nnewline  ",
+    "<|im_start|>assistant\nSure 😀<|im_end|>",
+    "",
+]
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def detokenize(
+    tokenizer: Any,
+    chunks: Sequence[Sequence[int]],
+    prompt: Sequence[int] = (),
+    skip: bool = True,
+    stop: Sequence[str] = (),
+    include: bool = False,
+) -> tuple[str, str | None, list[str]]:
+    """Stream the chunks through a detokenizer; return (text, stopped_on, deltas)."""
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip, stop, include)
+    deltas, stopped_on = [], None
+    for chunk in chunks:
+        out = detok.update(chunk)
+        deltas.append(out.text_delta)
+        stopped_on = stopped_on or out.stopped_on
+    out = detok.finish()
+    deltas.append(out.text_delta)
+    stopped_on = stopped_on or out.stopped_on
+    assert "".join(deltas) == detok.output_text
+    assert stopped_on == detok.stopped_on
+    return detok.output_text, stopped_on, deltas
+
+
+def random_chunks(ids: list[int], rng: random.Random) -> list[list[int]]:
+    chunks, i = [], 0
+    while i < len(ids):
+        size = rng.randint(1, 5)
+        chunks.append(ids[i : i + size])
+        i += size
+    return chunks
+
+
+def test_samples_really_split_characters_across_tokens(smollm2_tokenizer: Any) -> None:
+    ids = encode(smollm2_tokenizer, "😀")
+    assert len(ids) == 3 and smollm2_tokenizer.decode(ids[:1]) == "\ufffd"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("text", SAMPLES)
+def test_one_token_at_a_time_equals_decode(smollm2_tokenizer: Any, text: str, skip: bool) -> None:
+    ids = encode(smollm2_tokenizer, text)
+    out, stopped_on, deltas = detokenize(smollm2_tokenizer, [[i] for i in ids], skip=skip)
+    assert out == smollm2_tokenizer.decode(ids, skip_special_tokens=skip)
+    assert stopped_on is None
+    assert not any("\ufffd" in d for d in deltas)  # never half a character
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_chunks_equal_decode(smollm2_tokenizer: Any, seed: int) -> None:
+    rng = random.Random(seed)
+    ids = encode(smollm2_tokenizer, " ".join(SAMPLES))
+    out, _, _ = detokenize(smollm2_tokenizer, random_chunks(ids, rng))
+    assert out == smollm2_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_prompt_context_does_not_leak_into_output(smollm2_tokenizer: Any) -> None:
+    prompt = encode(smollm2_tokenizer, "<|im_start|>user\nHi 😀<|im_end|>\n<|im_start|>assistant\n")
+    ids = encode(smollm2_tokenizer, "The capital of France is Paris.<|im_end|>")
+    out, _, _ = detokenize(smollm2_tokenizer, [[i] for i in ids], prompt=prompt)
+    assert out == "The capital of France is Paris."
+
+
+def test_prompt_ending_inside_a_character(smollm2_tokenizer: Any) -> None:
+    ids = encode(smollm2_tokenizer, "ok 😀 done")
+    cut = next(k for k in range(len(ids)) if smollm2_tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    out, _, _ = detokenize(smollm2_tokenizer, [[i] for i in ids[cut:]], prompt=ids[:cut])
+    assert out == smollm2_tokenizer.decode(ids[cut:])
+
+
+def test_finish_releases_an_unfinished_character(smollm2_tokenizer: Any) -> None:
+    ids = encode(smollm2_tokenizer, "bye 😀")[:-1]  # the model stopped mid-emoji
+    out, _, deltas = detokenize(smollm2_tokenizer, [[i] for i in ids])
+    assert out == smollm2_tokenizer.decode(ids) and out.endswith("\ufffd")
+    assert "\ufffd" in deltas[-1]  # only `finish` emits it
+
+
+def test_literal_replacement_char_at_the_end(smollm2_tokenizer: Any) -> None:
+    # DecodeStream holds text ending in U+FFFD, even a real one; finish must release it.
+    ids = encode(smollm2_tokenizer, "x\ufffd")
+    out, _, deltas = detokenize(smollm2_tokenizer, [[i] for i in ids])
+    assert out == "x\ufffd" and deltas[-1] == "\ufffd"
+
+
+def test_stop_string_spanning_tokens(smollm2_tokenizer: Any) -> None:
+    ids = encode(smollm2_tokenizer, "The capital of France is Paris. It is")
+    stop = ["ance is Par"]  # starts inside " France", ends inside " Paris"
+    out, stopped_on, deltas = detokenize(smollm2_tokenizer, [[i] for i in ids], stop=stop)
+    assert (out, stopped_on) == ("The capital of Fr", "ance is Par")
+    assert deltas[-1] == ""  # nothing after the stop, not even at finish
+    out, _, _ = detokenize(smollm2_tokenizer, [ids], stop=stop, include=True)
+    assert out == "The capital of France is Par"
+
+
+def test_stop_string_at_the_very_start(smollm2_tokenizer: Any) -> None:
+    ids = encode(smollm2_tokenizer, "</s> and then more text")
+    out, stopped_on, deltas = detokenize(smollm2_tokenizer, [[i] for i in ids], stop=["</s>"])
+    assert (out, stopped_on) == ("", "</s>")
+    assert set(deltas) == {""}
+
+
+def test_multiple_stop_strings_first_to_end_wins(smollm2_tokenizer: Any) -> None:
+    ids = encode(smollm2_tokenizer, "alpha beta gamma delta")
+    stops = ["delta", "beta gamma", "gam"]
+    for chunks in ([[i] for i in ids], [ids]):
+        out, stopped_on, _ = detokenize(smollm2_tokenizer, chunks, stop=stops)
+        assert (out, stopped_on) == ("alpha beta ", "gam")
+
+
+def test_stop_string_inside_a_split_emoji(smollm2_tokenizer: Any) -> None:
+    ids = encode(smollm2_tokenizer, "smile 😀 please")
+    out, stopped_on, _ = detokenize(smollm2_tokenizer, [[i] for i in ids], stop=["😀"])
+    assert (out, stopped_on) == ("smile ", "😀")
+
+
+def test_held_back_text_is_released_when_it_does_not_match(smollm2_tokenizer: Any) -> None:
+    ids = encode(smollm2_tokenizer, "Paris is nice. Par")
+    detok = IncrementalDetokenizer(smollm2_tokenizer, [], True, ["Paris!"], False)
+    shown = "".join(detok.update([i]).text_delta for i in ids)
+    assert shown == "Paris is nice. "  # "Par" could still become "Paris!"
+    assert detok.finish().text_delta == "Par"
+    assert detok.update(ids).text_delta == ""  # finished: later ids are ignored
+
+
+def test_special_tokens_kept_or_skipped(smollm2_tokenizer: Any) -> None:
+    ids = encode(smollm2_tokenizer, "Hi<|im_end|>")
+    assert detokenize(smollm2_tokenizer, [[i] for i in ids], skip=True)[0] == "Hi"
+    assert detokenize(smollm2_tokenizer, [[i] for i in ids], skip=False)[0] == "Hi<|im_end|>"
+
+
+def test_wordpiece_with_prompt_context(minilm_tokenizer: Any) -> None:
+    # WordPiece joins tokens with spaces: the first output token needs the prompt as context.
+    prompt = encode(minilm_tokenizer, "the answer is")
+    ids = encode(minilm_tokenizer, "unbelievably simple, isn't it?")
+    out, _, _ = detokenize(minilm_tokenizer, [[i] for i in ids], prompt=prompt)
+    backend = minilm_tokenizer.backend_tokenizer
+    assert out == backend.decode(prompt + ids)[len(backend.decode(prompt)) :]
+
+
+def test_decoder_rewriting_earlier_text_restarts_the_stream() -> None:
+    # Fuse + Replace rewrites "ab" -> "X" after "a" was shown: DecodeStream raises
+    # "Invalid prefix"; the detokenizer restarts and keeps going without losing text.
+    backend = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    backend.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "X")])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    out, _, _ = detokenize(tokenizer, [[0], [1], [2], [0]])
+    assert out == "abca"
+
+
+# Property tests. database=None: hypothesis must not write files into the repository.
+ALPHABET = "ab \n😀👍🏽日本éß\u200d"
+texts = st.text(st.sampled_from(ALPHABET), max_size=14)
+stop_lists = st.lists(st.text(st.sampled_from(ALPHABET), min_size=1, max_size=4), max_size=3)
+
+
+def cut_at_stop(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:
+    # The whole text in one chunk; test_stop_strings checks the matcher against brute force.
+    matcher = StopStringMatcher(stops, include)
+    released, stopped_on = matcher.push(text)
+    return released + matcher.flush(), stopped_on
+
+
+def split(ids: list[int], cuts: list[int]) -> list[list[int]]:
+    bounds = [0, *sorted(cuts), len(ids)]
+    return [ids[i:j] for i, j in itertools.pairwise(bounds)]
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(text=texts, skip=st.booleans(), data=st.data())
+def test_property_random_chunks(
+    smollm2_tokenizer: Any, text: str, skip: bool, data: st.DataObject
+) -> None:
+    ids = encode(smollm2_tokenizer, text + "<|im_end|>")
+    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=8))
+    out, _, deltas = detokenize(smollm2_tokenizer, split(ids, cuts), skip=skip)
+    assert out == smollm2_tokenizer.decode(ids, skip_special_tokens=skip)
+    assert not any("\ufffd" in d for d in deltas)
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(text=texts, stops=stop_lists, include=st.booleans())
+def test_property_stops_at_every_split(
+    smollm2_tokenizer: Any, text: str, stops: list[str], include: bool
+) -> None:
+    ids = encode(smollm2_tokenizer, text)
+    expected = cut_at_stop(smollm2_tokenizer.decode(ids), stops, include)
+    for i in range(len(ids) + 1):
+        got = detokenize(smollm2_tokenizer, [ids[:i], ids[i:]], (), True, stops, include)
+        assert got[:2] == expected
