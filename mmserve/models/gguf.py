@@ -1,0 +1,75 @@
+"""Reads GGUF tensors with the `gguf` package, dequantised and renamed to HF names.
+
+Follows transformers' own GGUF loading (modeling_gguf_pytorch_utils.load_gguf_checkpoint) so
+both give the same weights: names map through gguf's TensorNameMap applied to the HF model's
+parameter names, and q/k weights of "llama"-architecture files (Llama, Mistral) are un-permuted,
+since llama.cpp's converter interleaves the two rotary halves of every head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmserve.errors import UnsupportedModel
+
+_PERMUTED_ARCHS = ("llama",)  # files whose q/k rows llama.cpp permuted at conversion
+
+
+def gguf_architecture(reader: Any) -> str:
+    """The file's general.architecture, e.g. "llama", "qwen2"."""
+    return str(reader.fields["general.architecture"].contents())
+
+
+def gguf_to_hf_names(hf_config: Any, gguf_arch: str) -> dict[str, str]:
+    """GGUF tensor name -> HF parameter name, for every parameter of transformers' model."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(gguf_arch)
+    if arch is None:
+        raise UnsupportedModel(f"GGUF architecture {gguf_arch!r} is unknown to the gguf package")
+    name_map = gguf.get_tensor_name_map(arch, hf_config.num_hidden_layers)
+    with torch.device("meta"):  # only the names are needed: no memory, no init
+        hf_model = AutoModelForCausalLM.from_config(hf_config)
+    mapping: dict[str, str] = {}
+    for hf_name in hf_model.state_dict():
+        stem, _, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(stem) if suffix in ("weight", "bias") else None
+        if gguf_name is not None:
+            mapping.setdefault(f"{gguf_name}.{suffix}", hf_name)
+    return mapping
+
+
+def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undoes llama.cpp's q/k permutation, which reorders each head's rows from two halves
+    (rotary pairs i, i + D/2) to adjacent pairs (2i, 2i + 1). weight: [num_heads * D, ...]."""
+    half = weight.shape[0] // num_heads // 2
+    grouped = weight.reshape(num_heads, half, 2, *weight.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weight.shape)
+
+
+def iter_gguf_weights(path: Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF name, float32 tensor) one at a time; tensors with no HF counterpart (e.g.
+    rope_freqs) are skipped, as transformers skips them."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)  # memory-maps the file
+    arch = gguf_architecture(reader)
+    names = gguf_to_hf_names(hf_config, arch)
+    heads = {".attn_q.": hf_config.num_attention_heads, ".attn_k.": hf_config.num_key_value_heads}
+    for tensor in reader.tensors:
+        hf_name = names.get(tensor.name)
+        if hf_name is None:
+            continue
+        array = dequantize(tensor.data, tensor.tensor_type)  # float32, HF shape [out, in]
+        weight = torch.from_numpy(array if array.flags.writeable else np.array(array))
+        for marker, num_heads in heads.items():
+            if arch in _PERMUTED_ARCHS and marker in tensor.name:
+                weight = unpermute_rotary(weight, num_heads)
+        yield hf_name, weight

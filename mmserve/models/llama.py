@@ -1,0 +1,278 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one decoder with config switches.
+
+Parameter names follow transformers' checkpoints except two merged projections:
+self_attn.qkv_proj (q_proj, k_proj, v_proj stacked on rows) and mlp.gate_up_proj (gate_proj,
+up_proj), so each layer runs two GEMMs fewer; load_weights() writes each HF tensor into its rows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmserve.attention import AttentionBackend, AttentionMetadata
+from mmserve.errors import UnsupportedModel
+from mmserve.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    load_into,
+    rope_parameters,
+    silu_and_mul,
+)
+
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# HF projection name -> (merged parameter's module name, index of its row block).
+_MERGED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_MERGED_PARTS = Counter(merged for merged, _ in _MERGED.values())  # qkv_proj: 3, gate_up_proj: 2
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """Everything the decoder needs, read once from the HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool  # Qwen2 always; Llama/Qwen3 per attention_bias
+    o_bias: bool  # Llama/Qwen3 per attention_bias; never Qwen2
+    mlp_bias: bool  # Llama's mlp_bias
+    qk_norm: bool  # Qwen3: RMSNorm over each q and k head before rotary
+    tie_word_embeddings: bool
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full causal attention
+
+
+def layer_sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """Per-layer window, as transformers applies it: per config.layer_types where the config
+    has them (Qwen2/Qwen3, already derived from use_sliding_window/max_window_layers),
+    else config.sliding_window on every layer (Mistral; Llama has none)."""
+    num_layers = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        return (window,) * num_layers
+    unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise UnsupportedModel(f"layer_types {sorted(unknown)} are not supported")
+    if "sliding_attention" in layer_types and window is None:
+        raise UnsupportedModel("sliding_attention layers without a sliding_window")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def llama_spec(hf_config: Any) -> LlamaSpec:
+    """Reads the switches; raises UnsupportedModel for what this decoder cannot do exactly."""
+    model_type = hf_config.model_type
+    if model_type not in _MODEL_TYPES:
+        raise UnsupportedModel(f"model_type {model_type!r}; llama.py supports {_MODEL_TYPES}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"hidden_act {hf_config.hidden_act!r}; only silu is supported")
+    num_heads = hf_config.num_attention_heads
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    return LlamaSpec(
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        qkv_bias=model_type == "qwen2" or attention_bias,
+        o_bias=model_type != "qwen2" and attention_bias,
+        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        sliding_windows=layer_sliding_windows(hf_config),
+    )
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: LlamaSpec, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.scale = spec.head_dim**-0.5
+        self.sliding_window = spec.sliding_windows[layer]
+        self.backend = backend
+
+    def merged_rows(self, index: int) -> slice:
+        """Rows of q (0), k (1) or v (2) inside qkv_proj."""
+        starts = (0, self.q_size, self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)
+        return slice(starts[index], starts[index + 1])
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rope: tuple[torch.Tensor, ...],  # cos, sin: [T, 1, head_dim // 2]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: LlamaSpec) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, spec.mlp_bias)
+        self.down_proj = nn.Linear(size, spec.hidden_size, spec.mlp_bias)
+
+    def merged_rows(self, index: int) -> slice:
+        """Rows of gate (0) or up (1) inside gate_up_proj."""
+        size = self.down_proj.in_features
+        return slice(index * size, (index + 1) * size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: LlamaSpec, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer, backend)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: LlamaSpec, hf_config: Any, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, backend) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(*rope_parameters(hf_config, spec.head_dim))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb(positions, x.dtype)  # shared by every layer
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rope, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The CausalLM (mmserve.models.base) for Llama, Mistral, Qwen2 and Qwen3 checkpoints."""
+
+    def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.spec = llama_spec(hf_config)
+        self.num_layers = self.spec.num_layers
+        self.num_kv_heads = self.spec.num_kv_heads
+        self.head_dim = self.spec.head_dim
+        self.vocab_size = self.spec.vocab_size
+        self.sliding_windows = self.spec.sliding_windows
+        self.model = LlamaModel(self.spec, hf_config, attention_backend)
+        self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())  # a tied lm_head appears once, as the embedding
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            loaded.add(self._load_one(params, name, tensor))
+        missing = _expected_keys(params) - loaded
+        if missing:
+            raise UnsupportedModel(f"checkpoint lacks weights: {sorted(missing)[:8]}")
+
+    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str:
+        """Loads one HF tensor; returns the key it fills in load_weights' bookkeeping."""
+        if name.endswith("rotary_emb.inv_freq"):  # recomputed, never loaded
+            return name
+        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+            return name  # tied: the embedding is the head
+        module_path, proj, kind = _split_name(name)
+        if proj in _MERGED:
+            merged, index = _MERGED[proj]
+            key = f"{module_path}.{merged}.{kind}"
+            if key not in params:
+                raise UnsupportedModel(f"unexpected weight {name}")
+            owner = self.get_submodule(module_path)
+            assert isinstance(owner, (Attention, MLP))  # only they own merged projections
+            load_into(params[key], tensor, name, owner.merged_rows(index))
+            return f"{key}#{index}"
+        if name not in params:
+            raise UnsupportedModel(f"unexpected weight {name}")
+        load_into(params[name], tensor, name)
+        return name
+
+
+def _expected_keys(params: dict[str, nn.Parameter]) -> set[str]:
+    """Keys load_weights must fill: a merged parameter counts once per part ("name#i")."""
+    keys: set[str] = set()
+    for name in params:
+        parts = _MERGED_PARTS.get(_split_name(name)[1])
+        keys |= {f"{name}#{i}" for i in range(parts)} if parts else {name}
+    return keys
+
+
+def _split_name(name: str) -> tuple[str, str, str]:
+    """Splits "model.layers.0.mlp.up_proj.weight" into ("model.layers.0.mlp", "up_proj", "weight")."""
+    parts = name.rsplit(".", 2)
+    if len(parts) != 3:
+        return "", "", name
+    return parts[0], parts[1], parts[2]

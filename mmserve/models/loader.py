@@ -1,0 +1,167 @@
+"""Finds a checkpoint, reads its config, builds the model and streams the weights into it.
+
+Checkpoints: a HF folder (config.json + model.safetensors, or shards listed in
+model.safetensors.index.json), a .gguf file, or a folder holding exactly one .gguf. Weights
+are read lazily, one tensor at a time (safetensors safe_open or the gguf reader's memory
+map), and never with torch.load or remote code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmserve.attention import AttentionBackend
+from mmserve.config import ModelConfig
+from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.models.base import CausalLM
+from mmserve.models.gguf import iter_gguf_weights
+from mmserve.models.registry import architecture_of, get_model_class
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_SLIDING_WINDOW_POLICIES = ("honour", "refuse")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a checkpoint lives."""
+
+    folder: Path  # the HF folder, or the folder that holds the GGUF file
+    gguf_file: str | None  # the GGUF file's name inside folder; None for a safetensors folder
+
+
+def resolve_model_source(model: str | Path) -> ModelSource:
+    """Classifies a ModelConfig.model path; a path that is none of the accepted forms raises
+    InvalidArgument naming the field."""
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.parent, path.name)
+    if not path.is_dir():
+        raise InvalidArgument("model", f"{path} is neither a folder nor a .gguf file")
+    if (path / "config.json").is_file():
+        return ModelSource(path, None)
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(path, ggufs[0])
+    if ggufs:
+        raise InvalidArgument("model", f"{path} holds several .gguf files, name one: {ggufs}")
+    raise InvalidArgument("model", f"{path} has neither config.json nor a .gguf file")
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """Maps "auto" to cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.dtype:
+    """Maps "auto" to float32 on CPU and bfloat16 on CUDA; else float32/float16/bfloat16."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise InvalidArgument("dtype", f"{name!r} is not one of {['auto', *_DTYPES]}")
+    return _DTYPES[name]
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    """The transformers config (PretrainedConfig), from config.json or from GGUF metadata."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(
+            str(source.folder),
+            gguf_file=source.gguf_file,
+            trust_remote_code=False,
+            local_files_only=True,
+        )
+    except (ValueError, KeyError) as e:  # unknown model_type, custom code, malformed file
+        raise UnsupportedModel(f"cannot read the config of {source.folder}: {e}") from e
+
+
+def load_generation_config(source: ModelSource) -> Any | None:
+    """The folder's generation_config.json as a transformers GenerationConfig, else None
+    (callers then fall back to hf_config.eos_token_id)."""
+    if not (source.folder / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(str(source.folder), local_files_only=True)
+
+
+def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) one at a time from model.safetensors or the indexed shards."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise UnsupportedModel(
+            f"{folder} has no model.safetensors(.index.json); other formats are not loaded"
+        )
+    for file in files:
+        with safe_open(str(folder / file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                yield name, f.get_tensor(name)
+
+
+def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of the checkpoint, whatever its format."""
+    if source.gguf_file is not None:
+        return iter_gguf_weights(source.folder / source.gguf_file, hf_config)
+    return iter_safetensors_weights(source.folder)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created inside get dtype (restored after, even on error)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_config: ModelConfig,
+    device: str | torch.device,
+    dtype: str | torch.dtype,
+    attention_backend: AttentionBackend,
+) -> tuple[CausalLM, Any, Any | None]:
+    """Builds the model for model_config.model on device in dtype and loads its weights.
+
+    Returns (model in eval mode, transformers config, GenerationConfig or None).
+    Raises InvalidArgument for a bad path/dtype/policy, UnsupportedModel for an architecture
+    or config feature we cannot serve exactly, or a checkpoint that does not fit the model.
+    """
+    if model_config.sliding_window_policy not in _SLIDING_WINDOW_POLICIES:
+        raise InvalidArgument("sliding_window_policy", f"not one of {_SLIDING_WINDOW_POLICIES}")
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    source = resolve_model_source(model_config.model)
+    hf_config = load_hf_config(source)
+    model_class = get_model_class(architecture_of(hf_config))
+    with _default_dtype(torch_dtype), device:
+        model = model_class(hf_config, attention_backend)
+    model.to(device)  # buffers computed on the CPU (rotary frequencies) follow the weights
+    windows = [w for w in getattr(model, "sliding_windows", ()) if w is not None]
+    if windows and model_config.sliding_window_policy == "refuse":
+        raise UnsupportedModel(
+            f"the model uses a sliding window ({windows[0]}) and the policy is refuse"
+        )
+    model.load_weights(iter_weights(source, hf_config))
+    model.requires_grad_(False)
+    model.eval()
+    return model, hf_config, load_generation_config(source)

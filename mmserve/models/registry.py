@@ -1,0 +1,52 @@
+"""HF `architectures` name -> model implementation, imported only when asked for.
+
+To add a model: write its module under mmserve/models/ and add one line to _MODELS.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from mmserve.errors import UnsupportedModel
+
+# architecture name (as in config.json "architectures") -> (module, class)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def architecture_of(hf_config: Any) -> str:
+    """The config's first architecture. Configs read from GGUF carry none: those fall back to
+    transformers' causal-LM class for the model_type."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if architectures:
+        return str(architectures[0])
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = str(getattr(hf_config, "model_type", ""))
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if architecture is None:
+        raise UnsupportedModel(
+            f"config names no architecture (model_type {model_type!r}); "
+            f"supported: {supported_architectures()}"
+        )
+    return str(architecture)
+
+
+def get_model_class(architecture: str) -> type:
+    """The implementation class for an architecture; an unknown one lists the supported."""
+    if architecture not in _MODELS:
+        raise UnsupportedModel(
+            f"architecture {architecture!r} is not supported; supported: {supported_architectures()}"
+        )
+    module, cls = _MODELS[architecture]
+    model_class: type = getattr(importlib.import_module(module), cls)
+    return model_class
