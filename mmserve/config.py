@@ -15,6 +15,7 @@ class ModelConfig:
     max_model_len: int | None = None  # cap on prompt + output tokens; None = the model's own limit
     served_name: str | None = None  # name clients use in `model`; None = derived from the path
     sliding_window_policy: str = "honour"  # "honour" = apply the config's window, "refuse" = error
+    load_format: str = "auto"  # "auto" = the checkpoint's weights; "dummy" = random (benchmarks)
 
 
 @dataclass(frozen=True)

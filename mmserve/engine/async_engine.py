@@ -179,5 +179,8 @@ class AsyncEngine:
             sink = self._sinks.get(d.request_id)
             if sink is not None:
                 sink(d)
+        # Only after the whole step: with n > 1, several choices of one request can finish in
+        # the same step, and the engine forgets the request before any delta is dispatched.
+        for d in deltas:
             if d.finish_reason is not None and not self.engine.is_active(d.request_id):
                 self._sinks.pop(d.request_id, None)

@@ -15,7 +15,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-
 from mmserve.models.loader import ModelSource, iter_weights, load_hf_config
 
 logger = logging.getLogger(__name__)

@@ -134,6 +134,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights in place, for benchmarks (speed does not depend on the values). Norm
+    weights stay at one and the scale is small, so activations stay finite in bfloat16."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+            continue
+        gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+        param.normal_(0.0, 0.02, generator=gen)  # on the weights' device: seconds on a GPU
+
+
 def load_model(
     model_config: ModelConfig,
     device: str | torch.device,
@@ -161,7 +174,10 @@ def load_model(
         raise UnsupportedModel(
             f"the model uses a sliding window ({windows[0]}) and the policy is refuse"
         )
-    model.load_weights(iter_weights(source, hf_config))
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        model.load_weights(iter_weights(source, hf_config))
     model.requires_grad_(False)
     model.eval()
     return model, hf_config, load_generation_config(source)

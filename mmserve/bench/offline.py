@@ -1,0 +1,103 @@
+"""Offline benchmarks on the engine itself: batch-1 latency and batch throughput."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from mmserve.engine.llm_engine import LLMEngine
+from mmserve.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class LatencyResult:
+    prefill_ms: float  # one step computing the whole prompt (and sampling the first token)
+    decode_ms_median: float  # one decode step at batch 1
+    decode_ms_p99: float
+    input_len: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class ThroughputResult:
+    num_requests: int
+    input_tokens: int
+    output_tokens: int
+    seconds: float
+    steps: int
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.input_tokens + self.output_tokens) / self.seconds
+
+
+def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab - 100) for _ in range(length)]
+
+
+def _fixed_length(output_len: int) -> SamplingParams:
+    return SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True)
+
+
+def latency(engine: LLMEngine, input_len: int, output_len: int, repeats: int = 3) -> LatencyResult:
+    """Times each step of a lone request: the first step is the prefill, the rest decodes."""
+    rng = random.Random(0)
+    prefill, decode = [], []
+    for r in range(repeats + 1):  # the first round warms up (allocations, autotuning)
+        engine.core.kv.pool.reset_cache()
+        engine.add_request(f"lat-{r}", random_prompt(rng, input_len, engine.vocab_size), _fixed_length(output_len))
+        times = []
+        while engine.has_unfinished:
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        if r:
+            prefill.append(times[0])
+            decode += times[1:]
+    decode.sort()
+    return LatencyResult(
+        prefill_ms=1e3 * statistics.median(prefill),
+        decode_ms_median=1e3 * statistics.median(decode),
+        decode_ms_p99=1e3 * decode[int(0.99 * (len(decode) - 1))],
+        input_len=input_len,
+        output_len=output_len,
+    )
+
+
+def throughput(
+    engine: LLMEngine, num_requests: int, input_len: int, output_len: int, random_ratio: float = 0.0
+) -> ThroughputResult:
+    """All requests queued at once; lengths vary by +-random_ratio when it is > 0."""
+    rng = random.Random(0)
+
+    def vary(n: int) -> int:
+        return max(1, int(n * rng.uniform(1 - random_ratio, 1 + random_ratio))) if random_ratio else n
+
+    requests = [(random_prompt(rng, vary(input_len), engine.vocab_size), vary(output_len)) for _ in range(num_requests)]
+    engine.core.kv.pool.reset_cache()
+    warm_prompt, _ = requests[0]
+    engine.add_request("warmup", warm_prompt, _fixed_length(4))
+    while engine.has_unfinished:
+        engine.step()
+    engine.core.kv.pool.reset_cache()
+    start = time.perf_counter()
+    for i, (prompt, out_len) in enumerate(requests):
+        engine.add_request(f"tp-{i}", prompt, _fixed_length(out_len))
+    steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+    seconds = time.perf_counter() - start
+    return ThroughputResult(
+        num_requests=num_requests,
+        input_tokens=sum(len(p) for p, _ in requests),
+        output_tokens=sum(n for _, n in requests),
+        seconds=seconds,
+        steps=steps,
+    )
