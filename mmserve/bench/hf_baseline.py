@@ -40,7 +40,7 @@ def load_hf_model(folder: Path, device: str, dtype: torch.dtype, dummy: bool) ->
 def hf_generate(model: torch.nn.Module, batch_size: int, input_len: int, output_len: int, vocab: int) -> HFResult:
     device = next(model.parameters()).device
     ids = torch.randint(100, vocab - 100, (batch_size, input_len), device=device)
-    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    kwargs = {"max_new_tokens": output_len, "min_new_tokens": output_len, "do_sample": False, "pad_token_id": 0}
     model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -135,7 +135,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 @torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights in place, for benchmarks (speed does not depend on the values). Norm
     weights stay at one and the scale is small, so activations stay finite in bfloat16."""
     gens: dict[torch.device, torch.Generator] = {}
