@@ -15,7 +15,10 @@ class ModelConfig:
     max_model_len: int | None = None  # cap on prompt + output tokens; None = the model's own limit
     served_name: str | None = None  # name clients use in `model`; None = derived from the path
     sliding_window_policy: str = "honour"  # "honour" = apply the config's window, "refuse" = error
+    enforce_eager: bool = False  # True = no CUDA graphs (they apply on CUDA only)
     load_format: str = "auto"  # "auto" = the checkpoint's weights; "dummy" = random (benchmarks)
+    pooling: str | None = None  # embeddings' pooling: "cls"/"mean"/"max"/"last"; None = from the
+    # model's sentence-transformers files, else its architecture (encoders cls, decoders last)
 
 
 @dataclass(frozen=True)

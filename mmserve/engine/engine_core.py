@@ -16,6 +16,7 @@ from mmserve.runner.model_runner import ModelRunner
 from mmserve.runner.pooler import Pooler
 
 logger = logging.getLogger(__name__)
+GPU_ACTIVATION_RESERVE = 4 << 30  # bytes kept free for activations, logits and CUDA graphs
 
 
 class EngineCore:
@@ -34,7 +35,7 @@ class EngineCore:
         cache = config.cache
         num_blocks = 0  # encoders keep no KV cache
         if getattr(model, "uses_kv_cache", True):
-            num_blocks = cache.num_blocks or self._blocks_for_budget(model, kv_dtype)
+            num_blocks = cache.num_blocks or self._blocks_for_budget(model, kv_dtype, device)
         self.runner = ModelRunner(
             model, num_blocks, cache.block_size, device, kv_dtype, config.seed, pooler
         )
@@ -43,14 +44,27 @@ class EngineCore:
         kv_limit = num_blocks * cache.block_size if num_blocks else model_max_len
         self.max_model_len = min(limit, model_max_len, kv_limit)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        if not config.model.enforce_eager:
+            self.runner.capture_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d",
+            "KV cache: %d blocks of %d tokens (%d tokens at most in flight), max_model_len %d",
             num_blocks, cache.block_size, num_blocks * cache.block_size, self.max_model_len,
         )
 
-    def _blocks_for_budget(self, model: CausalLM, kv_dtype: torch.dtype) -> int:
-        per_block = ModelRunner.kv_bytes_per_block(model, self.config.cache.block_size, kv_dtype)
-        return max(1, self.config.cache.kv_cache_memory_bytes // per_block)
+    def _blocks_for_budget(self, model: CausalLM, kv_dtype: torch.dtype, device: torch.device) -> int:
+        """CPU: a fixed byte budget. CUDA: the share gpu_memory_utilization of the card, minus
+        what is already used (weights) and a reserve for activations and CUDA graphs."""
+        cache = self.config.cache
+        per_block = ModelRunner.kv_bytes_per_block(model, cache.block_size, kv_dtype)
+        budget = cache.kv_cache_memory_bytes
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(total * cache.gpu_memory_utilization) - (total - free) - GPU_ACTIVATION_RESERVE
+            logger.info(
+                "GPU memory: %.1f GiB total, %.1f GiB in use after loading, %.1f GiB for the KV cache",
+                total / 2**30, (total - free) / 2**30, budget / 2**30,
+            )
+        return max(1, budget // per_block)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

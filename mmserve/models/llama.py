@@ -212,6 +212,7 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = self.spec.num_kv_heads
         self.head_dim = self.spec.head_dim
         self.vocab_size = self.spec.vocab_size
+        self.hidden_size = self.spec.hidden_size
         self.sliding_windows = self.spec.sliding_windows
         self.model = LlamaModel(self.spec, hf_config, attention_backend)
         self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)

@@ -11,6 +11,7 @@ from mmserve.attention import AttentionMetadata
 from mmserve.engine.scheduler import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from mmserve.models.base import CausalLM
 from mmserve.outputs import TokenLogprob
+from mmserve.runner.cuda_graphs import DecodeGraphs
 from mmserve.runner.pooler import Pooler
 from mmserve.runner.sampler import SamplingRow, sample, top_logprobs
 
@@ -105,7 +106,18 @@ class ModelRunner:
             torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(model.num_layers if num_blocks else 0)
         ]
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.graphs: DecodeGraphs | None = None  # set by capture_graphs() on CUDA
         self._generators: dict[str, torch.Generator] = {}
+
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Captures decode graphs (CUDA with a graph-safe attention backend only)."""
+        if self.device.type != "cuda" or not self.kv_caches:
+            return
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_caches, max_batch, max_blocks, max_model_len, self.device
+        )
+        self.graphs.capture()
 
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -119,8 +131,7 @@ class ModelRunner:
         if plan.is_empty:
             return RunnerOutput()
         batch = build_batch(plan, self.block_size, self.device, self.causal)
-        extra = {} if batch.token_type_ids is None else {"token_type_ids": batch.token_type_ids}
-        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, **extra)
+        hidden = self._forward(batch)
         out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden), pooled=self._pool(plan, hidden))
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_rows])
@@ -129,6 +140,14 @@ class ModelRunner:
             for item, token, lp in zip(batch.sample_reqs, tokens, logprobs):
                 out.sampled[item.request_id] = SampledToken(token, lp)
         return out
+
+    def _forward(self, batch: FlatBatch) -> torch.Tensor:
+        if self.graphs is not None and batch.meta.max_query_len == 1 and batch.token_type_ids is None:
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+            if hidden is not None:
+                return hidden
+        extra = {} if batch.token_type_ids is None else {"token_type_ids": batch.token_type_ids}
+        return self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, **extra)
 
     def _pool(self, plan: SchedulerOutput, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

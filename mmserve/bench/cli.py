@@ -1,0 +1,164 @@
+"""`mmserve bench latency | throughput | decode | prefill`: offline engine benchmarks.
+
+Each prints one JSON object per line (the figure, its roofline where one applies, and the
+transformers baseline when --baseline is given), so results can be pasted into BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmserve.bench import offline
+from mmserve.bench.models import make_model_folder, weight_bytes
+from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from mmserve.engine.llm_engine import LLMEngine
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="benchmarks (offline engine)")
+    p.add_argument("kind", choices=["latency", "throughput", "decode", "prefill"])
+    p.add_argument("--model", default="shape:llama3-8b", help="a model path, or shape:NAME with random weights")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--bandwidth-gbs", type=float, default=4180.0, help="measured copy bandwidth, for the roofline")
+    p.add_argument("--baseline", action="store_true", help="also time transformers generate")
+    p.set_defaults(func=run)
+
+
+def _engine(args: argparse.Namespace, folder: Path, dummy: bool) -> LLMEngine:
+    config = EngineConfig(
+        model=ModelConfig(
+            model=str(folder), device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+            load_format="dummy" if dummy else "auto", enforce_eager=args.enforce_eager,
+        ),
+        cache=CacheConfig(num_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
+    )
+    return LLMEngine.from_config(config)
+
+
+def _emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    dummy = args.model.startswith("shape:")
+    folder = Path(args.model)
+    if dummy:
+        folder = make_model_folder(args.model.split(":", 1)[1], Path(tempfile.mkdtemp()) / "model")
+    engine = _engine(args, folder, dummy)
+    config = json.loads((folder / "config.json").read_text())
+    wbytes = weight_bytes(config) if config.get("model_type") in ("llama", "mistral", "qwen2") else None
+    bw = args.bandwidth_gbs * 1e9
+    if args.kind == "latency":
+        r = offline.latency(engine, args.input_len, args.output_len)
+        floor_ms = 1e3 * wbytes / bw if wbytes else None
+        _emit(bench="latency", **asdict(r), weight_bytes=wbytes, bandwidth_floor_ms=floor_ms,
+              fraction_of_roofline=floor_ms / r.decode_ms_median if floor_ms else None)
+    elif args.kind == "decode":
+        ms, kv_bytes = decode_step_ms(engine, args.batch_size, args.input_len)
+        floor_ms = 1e3 * ((wbytes or 0) + kv_bytes) / bw
+        _emit(bench="decode", batch_size=args.batch_size, context=args.input_len, step_ms=ms,
+              kv_bytes_read=kv_bytes, roofline_ms=floor_ms, ratio_to_roofline=ms / floor_ms)
+    elif args.kind == "prefill":
+        ms, tokens = prefill_ms(engine, args.batch_size, args.input_len)
+        flops = prefill_flops(config, args.batch_size, args.input_len) if wbytes else None
+        _emit(bench="prefill", batch_size=args.batch_size, input_len=args.input_len, step_ms=ms,
+              tflops=flops / ms / 1e9 if flops else None)
+    else:
+        r = offline.throughput(engine, args.num_requests, args.input_len, args.output_len)
+        _emit(bench="throughput", **asdict(r), output_tokens_per_s=r.output_tokens_per_s,
+              total_tokens_per_s=r.total_tokens_per_s)
+    if args.baseline:
+        _baseline(args, folder, dummy, config)
+
+
+def decode_step_ms(engine: LLMEngine, batch: int, context: int) -> tuple[float, int]:
+    """Median time of a decode step with `batch` requests at about `context` tokens each."""
+    import random
+
+    rng = random.Random(0)
+    params = offline._fixed_length(64)
+    for i in range(batch):
+        engine.add_request(f"dec-{i}", offline.random_prompt(rng, context, engine.vocab_size), params)
+    times = []
+    while engine.has_unfinished:
+        decoding = all(r.num_computed_tokens > 0 for r in engine.core.scheduler.running) and not engine.core.scheduler.waiting
+        t = time.perf_counter()
+        engine.step()
+        if decoding and len(engine.core.scheduler.running) == batch:
+            times.append(time.perf_counter() - t)
+    model = engine.core.runner.model
+    kv_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * engine.core.runner.kv_caches[0].element_size()
+    return 1e3 * statistics.median(times[2:]), batch * (context + 32) * kv_per_token
+
+
+def prefill_ms(engine: LLMEngine, batch: int, input_len: int) -> tuple[float, int]:
+    """Time of one step that prefills `batch` prompts of input_len tokens together."""
+    import random
+
+    rng = random.Random(0)
+    times = []
+    for rep in range(4):
+        engine.core.kv.pool.reset_cache()
+        for i in range(batch):
+            engine.add_request(f"pf-{rep}-{i}", offline.random_prompt(rng, input_len, engine.vocab_size), offline._fixed_length(1))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+        while engine.has_unfinished:
+            engine.step()
+    return 1e3 * statistics.median(times[1:]), batch * input_len
+
+
+def prefill_flops(config: dict, batch: int, input_len: int) -> float:
+    """Matmul FLOPs of a prefill: 2 * params * tokens plus causal attention (QK^T and PV)."""
+    tokens = batch * input_len
+    params = weight_bytes(config, 1) - config["vocab_size"] * config["hidden_size"]  # no embedding gather
+    attn = 2 * 2 * config["num_hidden_layers"] * config["hidden_size"] * batch * input_len * input_len / 2
+    return 2 * params * tokens + attn
+
+
+def _baseline(args: argparse.Namespace, folder: Path, dummy: bool, config: dict) -> None:
+    from mmserve.bench.hf_baseline import hf_generate, load_hf_model
+    from mmserve.models.loader import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    model = load_hf_model(folder, str(device), resolve_dtype(args.dtype, device), dummy)
+    batch = 1 if args.kind == "latency" else min(args.batch_size if args.kind != "throughput" else 128, 128)
+    out_len = min(args.output_len, 64) if batch == 1 else args.output_len
+    r = hf_generate(model, batch, args.input_len, out_len, config["vocab_size"])
+    _emit(bench=f"{args.kind}-transformers-generate", **asdict(r), output_tokens_per_s=r.output_tokens_per_s,
+          ms_per_step=1e3 * r.seconds / out_len)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="mmserve")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args()
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
