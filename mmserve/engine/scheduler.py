@@ -220,7 +220,7 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 
-    def finish_stopped(self, request_id: str, stop_reason: str) -> None:
+    def finish_stopped(self, request_id: str) -> None:
         """Ends a request that the front end stopped (a stop string matched its text)."""
         request = self.requests.get(request_id)
         if request is not None:

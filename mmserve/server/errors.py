@@ -1,0 +1,72 @@
+"""Exceptions -> gRPC status codes (API.md's error table), with google.rpc rich details."""
+
+from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from mmserve.errors import InvalidArgument, MMServeError, ResourceExhausted
+
+logger = logging.getLogger(__name__)
+
+
+class Unimplemented(MMServeError):
+    """A feature the server does not serve yet (UNIMPLEMENTED); the message names the field."""
+
+
+class EngineFailed(MMServeError):
+    """The engine failed this request, or is dead (INTERNAL)."""
+
+
+class Draining(MMServeError):
+    """The server is shutting down and takes no new calls (UNAVAILABLE)."""
+
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
+    (Draining, grpc.StatusCode.UNAVAILABLE),
+    (EngineFailed, grpc.StatusCode.INTERNAL),
+]
+
+
+def code_of(exc: BaseException) -> grpc.StatusCode:
+    """The status code of an exception; anything unexpected is INTERNAL."""
+    return next((code for kind, code in _CODES if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
+
+
+def rich_status(code: grpc.StatusCode, message: str, retry_after_s: float | None) -> grpc.Status:
+    """A status whose trailing metadata carries google.rpc.Status (grpc-status-details-bin),
+    with RetryInfo when the client should come back later."""
+    details = []
+    if retry_after_s is not None:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(retry_after_s * 1e9))
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        details.append(detail)
+    status = status_pb2.Status(code=code.value[0], message=message, details=details)
+    return rpc_status.to_status(status)
+
+
+async def abort(
+    context: grpc.aio.ServicerContext, exc: BaseException, retry_after_s: float
+) -> NoReturn:
+    """Ends the call with the status of exc. Unexpected exceptions are logged with their
+    traceback and reach the client without internals."""
+    code = code_of(exc)
+    if isinstance(exc, MMServeError):
+        message = str(exc)
+    else:
+        logger.exception("unexpected error in a call", exc_info=exc)
+        message = f"internal error ({type(exc).__name__}); see the server log"
+    retry = retry_after_s if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    status = rich_status(code, message, retry)
+    await context.abort(status.code, status.details, status.trailing_metadata)
+    raise AssertionError("unreachable: context.abort raises")  # for type checkers

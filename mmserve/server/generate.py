@@ -1,0 +1,162 @@
+"""The Generate RPC: request -> prompt token ids and params -> streamed chunks.
+
+Tokenisation and chat templating of anything sizeable run on worker threads, and the engine
+steps on its own thread, so the event loop only shuffles messages."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from mmserve.errors import InvalidArgument
+from mmserve.params import SamplingParams
+from mmserve.server import convert
+from mmserve.server.config import ServerConfig
+from mmserve.server.errors import EngineFailed
+from mmserve.server.models import ModelHandle
+from mmserve_client._proto.mmserve.v1 import generate_pb2
+
+T = TypeVar("T")
+OFF_LOOP_CHARS = 2048  # texts longer than this are tokenised on a worker thread
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args) on a worker thread when the input is big enough to stall the event loop;
+    small inputs are done in place (a thread hop costs more than they do)."""
+    if size > OFF_LOOP_CHARS:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+async def render_chat(handle: ModelHandle, chat: generate_pb2.Chat) -> tuple[str, list[int]]:
+    """The chat's prompt text and token ids, exactly as Generate feeds them to the model."""
+    from mmserve.processors.chat_template import render_and_tokenize
+
+    c = convert.chat_input(chat)
+    # Templates are arbitrary jinja: always off the loop.
+    return await asyncio.to_thread(
+        render_and_tokenize,
+        handle.tokenizer,
+        c.messages,
+        c.add_generation_prompt,
+        c.tools,
+        c.template_kwargs,
+    )
+
+
+async def prompt_ids(
+    request: generate_pb2.GenerateRequest, handle: ModelHandle
+) -> tuple[str, list[int]]:
+    """(the input field's name, its token ids)."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        encode = handle.tokenizer.encode
+        return kind, await off_loop(
+            len(request.prompt), encode, request.prompt, add_special_tokens=add_special
+        )
+    if kind == "chat":
+        return kind, (await render_chat(handle, request.chat))[1]
+    if kind == "token_ids":
+        return kind, list(request.token_ids.ids)
+    raise InvalidArgument("input", "set one of prompt, chat or token_ids")
+
+
+@dataclass
+class Prepared:
+    """A Generate request checked and ready for the engine."""
+
+    handle: ModelHandle
+    request_id: str  # the caller's, or a generated one
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    received: float  # time.monotonic() when the call arrived
+
+
+async def prepare(
+    request: generate_pb2.GenerateRequest,
+    handle: ModelHandle,
+    config: ServerConfig,
+    received: float,
+) -> Prepared:
+    """Everything checkable before the engine sees the request; InvalidArgument names the
+    field (the engine validates again, as a backstop)."""
+    convert.check_structured(request)
+    params = convert.sampling_params(request.params, config)
+    field_name, ids = await prompt_ids(request, handle)
+    context = handle.facts.max_context
+    convert.check_prompt(field_name, ids, handle.facts.vocab_size, context)
+    if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
+        raise InvalidArgument(
+            field_name, f"{len(ids)} tokens exceed the server limit {config.max_prompt_tokens}"
+        )
+    convert.resolve_max_tokens(params, len(ids), context, config.max_tokens)
+    convert.validate_for_model(params, handle.facts.vocab_size, len(ids), context)
+    request_id = request.request_id or uuid.uuid4().hex
+    return Prepared(handle, request_id, ids, params, request.cache_salt or None, received)
+
+
+@dataclass
+class _Choice:
+    completion_tokens: int = 0
+    first_token: float | None = None  # time.monotonic() of its first token
+
+
+@dataclass
+class _Stream:
+    """Per-call state of the chunks sent so far."""
+
+    prep: Prepared
+    queued: float  # when the request was handed to the engine
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    sent_any: bool = False
+
+    def chunk(self, delta: Any) -> generate_pb2.GenerateResponse:
+        handle, now = self.prep.handle, time.monotonic()
+        out = convert.response(delta, self.prep.request_id, handle.token_text)
+        choice = self.choices.setdefault(delta.index, _Choice())
+        choice.completion_tokens += len(delta.token_ids)
+        if delta.token_ids and choice.first_token is None:
+            choice.first_token = now
+        if not self.sent_any:  # stream-wide facts travel once, on the first chunk
+            self.sent_any = True
+            out.model = handle.name
+            if delta.prompt_logprobs:
+                out.prompt_logprobs.extend(
+                    convert.prompt_logprobs(delta.prompt_logprobs, handle.token_text)
+                )
+        if delta.finish_reason is not None:
+            prompt_len = len(self.prep.prompt_token_ids)
+            out.usage.CopyFrom(
+                convert.usage(prompt_len, choice.completion_tokens, delta.num_cached_tokens)
+            )
+            out.timing.CopyFrom(
+                convert.timing(self.prep.received, self.queued, choice.first_token, now)
+            )
+        return out
+
+
+async def stream(prep: Prepared) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    """The engine's deltas as chunks. Leaving early (the call is cancelled or its deadline
+    passes) closes the engine's iterator, which aborts the request and frees its KV blocks."""
+    handle = prep.handle
+    # The caller's request_id is only echoed: callers may reuse ids, the engine must not.
+    engine_id = uuid.uuid4().hex
+    state = _Stream(prep, queued=time.monotonic())
+    deltas = handle.engine.generate(prep.prompt_token_ids, prep.params, engine_id, prep.cache_salt)
+    try:
+        async with aclosing(deltas):
+            async for delta in deltas:
+                if delta.error:
+                    raise EngineFailed(f"model {handle.name!r} failed the request: {delta.error}")
+                yield state.chunk(delta)
+    except RuntimeError as e:
+        if handle.dead is None:
+            raise
+        raise EngineFailed(f"model {handle.name!r}: engine failed: {handle.dead}") from e

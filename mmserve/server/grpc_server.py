@@ -1,0 +1,147 @@
+"""The grpc.aio server: the Inference service, standard health and reflection, API keys,
+TLS, message limits, and a draining shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from mmserve.server.admission import Admission
+from mmserve.server.auth import ApiKeyInterceptor, load_api_keys
+from mmserve.server.config import ServerConfig
+from mmserve.server.models import ModelRegistry
+from mmserve.server.servicer import InferenceServicer
+from mmserve_client._proto.mmserve.v1 import inference_pb2, inference_pb2_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+HEALTH_POLL_S = 0.5  # how often engine liveness is mirrored into health
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS from PEM files; with tls_client_ca, clients must present a certificate (mTLS)."""
+    if not config.tls or config.tls_cert is None or config.tls_key is None:
+        return None
+    pair = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())
+    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class MMServer:
+    """One server process's gRPC side. start() binds and serves; drain() refuses new calls,
+    lets running ones finish (up to shutdown_grace), then stops."""
+
+    def __init__(self, registry: ModelRegistry, config: ServerConfig) -> None:
+        self.registry = registry
+        self.config = config
+        self.admission = Admission(config.max_pending)
+        self.health = HealthServicer()
+        self.port: int | None = None  # the bound port, once started
+        self._server: grpc.aio.Server | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+
+    def _build(self) -> grpc.aio.Server:
+        keys = load_api_keys(self.config.api_key_file) if self.config.api_key_file else None
+        limit = self.config.max_message_bytes
+        server = grpc.aio.server(
+            interceptors=[ApiKeyInterceptor(keys)] if keys else [],
+            options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.so_reuseport", 0),  # a port already in use is an error, not shared
+            ],
+        )
+        servicer = InferenceServicer(self.registry, self.config, self.admission)
+        inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        reflection.enable_server_reflection((*names, reflection.SERVICE_NAME), server)
+        return server
+
+    async def start(self) -> int:
+        """Binds, starts serving and marks every model SERVING; returns the port."""
+        self._server = server = self._build()
+        address = _address(self.config.host, self.config.port)
+        creds = server_credentials(self.config)
+        try:
+            port = (
+                server.add_secure_port(address, creds)
+                if creds
+                else server.add_insecure_port(address)
+            )
+        except RuntimeError as e:  # grpc's way of saying "in use" or "no such address"
+            raise OSError(f"cannot listen on {address}: port in use or bad host") from e
+        await server.start()
+        self.port = port
+        for name in ("", SERVICE_NAME, *self.registry.names):
+            await self.health.set(name, SERVING)
+        self._watchdog = asyncio.create_task(self._watch_engines())
+        mode = "mTLS" if self.config.tls_client_ca else "TLS" if creds else "plaintext"
+        auth = "API keys required" if self.config.api_key_file else "no API keys"
+        logger.info(
+            "listening on %s (%s, %s), models: %s",
+            _address(self.config.host, port),
+            mode,
+            auth,
+            ", ".join(self.registry.names),
+        )
+        return port
+
+    async def _watch_engines(self) -> None:
+        """A dead engine turns its model, and the server overall, NOT_SERVING."""
+        reported: set[str] = set()
+        while True:
+            for handle in self.registry:
+                if handle.dead is not None and handle.name not in reported:
+                    reported.add(handle.name)
+                    logger.error("model %r: engine is dead: %s", handle.name, handle.dead)
+                    await self.health.set(handle.name, NOT_SERVING)
+                    await self.health.set("", NOT_SERVING)
+                    await self.health.set(SERVICE_NAME, NOT_SERVING)
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    async def drain(self, grace: float | None = None) -> None:
+        """Refuses new calls (UNAVAILABLE), waits for running ones up to `grace` seconds,
+        cancels what is left, and stops the engines."""
+        grace = self.config.shutdown_grace if grace is None else grace
+        start = time.monotonic()
+        self.admission.draining = True
+        await self.health.enter_graceful_shutdown()
+        logger.info("draining: %d calls in flight, up to %.0fs", self.admission.in_flight, grace)
+        if not await self.admission.wait_idle(grace):
+            logger.warning("grace period over: cancelling %d calls", self.admission.in_flight)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._server is not None:
+            await self._server.stop(max(0.0, grace - (time.monotonic() - start)) or None)
+        await asyncio.to_thread(self.registry.shutdown)
+        logger.info("stopped")
+
+
+async def serve(registry: ModelRegistry, config: ServerConfig) -> None:
+    """Serves until SIGTERM or SIGINT, then drains."""
+    server = MMServer(registry, config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("signal received: shutting down")
+    await server.drain()

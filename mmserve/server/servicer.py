@@ -1,0 +1,112 @@
+"""The mmserve.v1.Inference service: routing, admission and error mapping around the flows
+of generate.py and tokens.py. Proto <-> dataclass conversion lives in convert.py."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeAlias, TypeVar
+
+import grpc
+
+from mmserve.server import generate, tokens
+from mmserve.server.admission import Admission
+from mmserve.server.config import ServerConfig
+from mmserve.server.convert import model_info
+from mmserve.server.errors import Unimplemented, abort
+from mmserve.server.models import ModelHandle, ModelRegistry, Task
+from mmserve_client._proto.mmserve.v1 import (
+    generate_pb2,
+    inference_pb2_grpc,
+    models_pb2,
+    tokenize_pb2,
+)
+
+R = TypeVar("R")
+Context: TypeAlias = grpc.aio.ServicerContext
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """Each RPC: find the model for its task, take an admission slot, run the flow; any
+    failure becomes the status API.md's error table gives it."""
+
+    def __init__(self, registry: ModelRegistry, config: ServerConfig, admission: Admission) -> None:
+        self.registry = registry
+        self.config = config
+        self.admission = admission
+
+    async def _unary(
+        self,
+        context: Context,
+        model: str,
+        task: Task | None,
+        flow: Callable[[ModelHandle], Awaitable[R]],
+    ) -> R:
+        try:
+            handle = self.registry.get(model, task)
+            with self.admission.slot(handle.name):
+                return await flow(handle)
+        except Exception as e:  # noqa: BLE001 - the call's error boundary: every error -> a status
+            await abort(context, e, self.config.retry_after_s)
+
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: Context
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        received = time.monotonic()
+        try:
+            handle = self.registry.get(request.model, Task.GENERATE)
+            with self.admission.slot(handle.name):
+                prep = await generate.prepare(request, handle, self.config, received)
+                async for chunk in generate.stream(prep):
+                    yield chunk
+        except Exception as e:  # noqa: BLE001 - CancelledError (client gone, deadline) passes
+            await abort(context, e, self.config.retry_after_s)
+
+    async def Tokenize(
+        self, request: tokenize_pb2.TokenizeRequest, context: Context
+    ) -> tokenize_pb2.TokenizeResponse:
+        rid = _request_id(request)
+        return await self._unary(
+            context, request.model, None, lambda h: tokens.tokenize(request, h, rid)
+        )
+
+    async def Detokenize(
+        self, request: tokenize_pb2.DetokenizeRequest, context: Context
+    ) -> tokenize_pb2.DetokenizeResponse:
+        rid = _request_id(request)
+        return await self._unary(
+            context, request.model, None, lambda h: tokens.detokenize(request, h, rid)
+        )
+
+    async def ListModels(
+        self, request: models_pb2.ListModelsRequest, context: Context
+    ) -> models_pb2.ListModelsResponse:
+        try:
+            self.admission.check_open()
+            handles = [self.registry.get(request.model)] if request.model else list(self.registry)
+        except Exception as e:  # noqa: BLE001 - the call's error boundary
+            await abort(context, e, self.config.retry_after_s)
+        return models_pb2.ListModelsResponse(
+            request_id=_request_id(request), models=[model_info(h) for h in handles]
+        )
+
+    # The pooling tasks arrive with the pooling engine; until then they say so plainly.
+    async def Embed(self, request: Any, context: Context) -> Any:
+        await self._not_yet("Embed", context)
+
+    async def Rerank(self, request: Any, context: Context) -> Any:
+        await self._not_yet("Rerank", context)
+
+    async def Classify(self, request: Any, context: Context) -> Any:
+        await self._not_yet("Classify", context)
+
+    async def Score(self, request: Any, context: Context) -> Any:
+        await self._not_yet("Score", context)
+
+    async def _not_yet(self, rpc: str, context: Context) -> None:
+        await abort(context, Unimplemented(f"{rpc} is not served yet"), self.config.retry_after_s)
+
+
+def _request_id(request: Any) -> str:
+    return str(request.request_id) or uuid.uuid4().hex

@@ -1,0 +1,48 @@
+"""The Tokenize and Detokenize RPCs: the model's own tokenizer and chat template."""
+
+from __future__ import annotations
+
+from mmserve.errors import InvalidArgument
+from mmserve.server import convert
+from mmserve.server.generate import off_loop, render_chat
+from mmserve.server.models import ModelHandle
+from mmserve_client._proto.mmserve.v1 import tokenize_pb2
+
+
+async def tokenize(
+    request: tokenize_pb2.TokenizeRequest, handle: ModelHandle, request_id: str
+) -> tokenize_pb2.TokenizeResponse:
+    tokenizer = handle.tokenizer
+    kind = request.WhichOneof("input")
+    explicit = request.add_special_tokens if request.HasField("add_special_tokens") else None
+    if kind == "text":
+        add_special = True if explicit is None else explicit
+        ids = await off_loop(
+            len(request.text), tokenizer.encode, request.text, add_special_tokens=add_special
+        )
+    elif kind == "chat":
+        text, ids = await render_chat(handle, request.chat)
+        if explicit:  # the template placed its own special tokens; add the tokenizer's too
+            ids = await off_loop(len(text), tokenizer.encode, text, add_special_tokens=True)
+    else:
+        raise InvalidArgument("input", "set text or chat")
+    tokens = tokenizer.convert_ids_to_tokens(ids) if request.return_tokens else []
+    return tokenize_pb2.TokenizeResponse(
+        request_id=request_id,
+        token_ids=ids,
+        tokens=tokens,
+        max_context=handle.facts.max_context,
+        model=handle.name,
+    )
+
+
+async def detokenize(
+    request: tokenize_pb2.DetokenizeRequest, handle: ModelHandle, request_id: str
+) -> tokenize_pb2.DetokenizeResponse:
+    ids = list(request.token_ids)
+    convert.check_token_ids("token_ids", ids, handle.facts.vocab_size)
+    # ~4 characters per token: the same threshold as for text.
+    text = await off_loop(
+        4 * len(ids), handle.tokenizer.decode, ids, skip_special_tokens=request.skip_special_tokens
+    )
+    return tokenize_pb2.DetokenizeResponse(request_id=request_id, text=text, model=handle.name)

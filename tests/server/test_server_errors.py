@@ -1,0 +1,116 @@
+"""API.md's error table, end to end: each bad input gets its code and a message naming the
+field, and the server then serves the next request; cancelled and expired calls are aborted
+in the engine while a concurrent stream finishes untouched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from mmserve_client import Client, MMServeError
+from mmserve_client._proto.mmserve.v1 import common_pb2, generate_pb2, pooling_pb2
+from tests.server.conftest import ServerThread, wait_all_blocks_free
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
+
+
+def _request(**fields: Any) -> generate_pb2.GenerateRequest:
+    """A GenerateRequest for tiny-b; params.* keys set SamplingParams fields."""
+    params = {k[len("params.") :]: v for k, v in fields.items() if k.startswith("params.")}
+    rest = {k: v for k, v in fields.items() if not k.startswith("params.")}
+    req = generate_pb2.GenerateRequest(**{"model": "tiny-b", **rest})
+    if "prompt" not in rest and "chat" not in rest and "token_ids" not in rest:
+        req.prompt = "Hello"
+    for key, value in params.items():
+        if key == "logit_bias":
+            req.params.logit_bias.update(value)
+        elif isinstance(value, list):
+            getattr(req.params, key).extend(value)
+        else:
+            setattr(req.params, key, value)
+    return req
+
+
+def _chat(*parts: generate_pb2.ContentPart, role: str = "user", **chat: Any) -> generate_pb2.Chat:
+    parts = parts or (generate_pb2.ContentPart(text="hi"),)
+    return generate_pb2.Chat(messages=[generate_pb2.Message(role=role, content=parts)], **chat)
+
+
+IMAGE = generate_pb2.ContentPart(image=common_pb2.Image(data=b"\x89PNG"))
+BAD_TOOL = generate_pb2.Tool(name="f", parameters_json="{not json")
+
+# (request, expected code, text the message must contain: the field)
+CASES = [
+    (_request(**{"params.temperature": -1.0}), INVALID, "params.temperature"),
+    (_request(**{"params.top_p": 1.5}), INVALID, "params.top_p"),
+    (_request(**{"params.n": 0}), INVALID, "params.n"),
+    (_request(**{"params.n": 17}), INVALID, "params.n"),
+    (_request(**{"params.max_tokens": 0}), INVALID, "params.max_tokens"),
+    (_request(**{"params.max_tokens": 5000}), INVALID, "params.max_tokens"),
+    (_request(**{"params.max_tokens": 256}), INVALID, "params.max_tokens"),  # past the context
+    (_request(**{"params.logprobs": 21}), INVALID, "params.logprobs"),
+    (_request(**{"params.logit_bias": {1: 500.0}}), INVALID, "params.logit_bias"),
+    (_request(**{"params.stop_token_ids": [10**6]}), INVALID, "params.stop_token_ids"),
+    (_request(**{"params.seed": 2**64 - 1}), INVALID, "params.seed"),
+    (_request(**{"params.min_p": 2.0}), INVALID, "params.min_p"),
+    (_request(model="nope"), INVALID, "model"),
+    (generate_pb2.GenerateRequest(model="tiny-b"), INVALID, "input"),
+    (_request(prompt=""), INVALID, "prompt"),
+    (_request(token_ids=common_pb2.TokenIds(ids=[1, 10**6])), INVALID, "token_ids"),
+    (_request(token_ids=common_pb2.TokenIds(ids=[5] * 300)), INVALID, "token_ids"),  # too long
+    (_request(chat=_chat(IMAGE)), INVALID, "chat.messages[0].content[0].image"),
+    (_request(chat=_chat(role="robot")), INVALID, "role"),
+    (_request(chat=_chat(template_kwargs={"evil": "1"})), INVALID, "template_kwargs"),
+    (_request(chat=_chat(tools=[BAD_TOOL])), INVALID, "chat.tools[0].parameters_json"),
+    (_request(chat=generate_pb2.Chat()), INVALID, "messages"),
+    (_request(structured=generate_pb2.StructuredOutput(json_schema="{")), INVALID, "structured"),
+    (_request(structured=generate_pb2.StructuredOutput(regex="a+")), UNIMPLEMENTED, "structured"),
+]
+
+
+@pytest.mark.parametrize("request_, code, field", CASES, ids=[c[2] for c in CASES])
+def test_bad_generate_input_then_next_request(
+    stub: Any, request_: generate_pb2.GenerateRequest, code: grpc.StatusCode, field: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request_, timeout=30))
+    assert e.value.code() == code
+    assert field in e.value.details()
+    ok = list(stub.Generate(_request(**{"params.max_tokens": 2}), timeout=30))
+    assert ok[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+
+
+def test_pooling_rpcs_say_unimplemented(stub: Any) -> None:
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Embed(pooling_pb2.EmbedRequest(inputs=[common_pb2.Input(text="x")]), timeout=10)
+    assert e.value.code() == UNIMPLEMENTED and "Embed" in e.value.details()
+
+
+LONG: dict[str, Any] = {"model": "tiny-a", "max_tokens": 600, "temperature": 0, "ignore_eos": True}
+SHORT: dict[str, Any] = {"model": "tiny-a", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+PROMPT = "The quick brown fox"
+
+
+def test_cancel_and_deadline_abort_in_the_engine(tiny_server: ServerThread) -> None:
+    handle = tiny_server.handle("tiny-a")
+    with Client(tiny_server.target, timeout=120) as c:
+        alone = c.generate(PROMPT, **SHORT).token_ids
+        wait_all_blocks_free(handle)
+        survivor = c.generate_stream(PROMPT, **SHORT)
+        got = list(next(survivor).token_ids)
+        # 1. cancelled mid-stream
+        victim = c.generate_stream("Cancel me", **LONG)
+        next(victim), next(victim)
+        victim.close()
+        # 2. deadline passes mid-stream
+        with pytest.raises(MMServeError) as e:
+            for _ in c.generate_stream("Too slow", **LONG, timeout=0.5):
+                pass
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        for chunk in survivor:
+            got += chunk.token_ids
+        assert tuple(got) == alone
+    wait_all_blocks_free(handle)

@@ -1,0 +1,113 @@
+"""Admission and limits on a server of their own: RESOURCE_EXHAUSTED with RetryInfo past
+max_pending (health still answering), message size limits, and a dead engine (INTERNAL for
+requests, NOT_SERVING in health)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from mmserve.server.config import ModelSpec
+from mmserve_client import Client, MMServeError
+from mmserve_client._proto.mmserve.v1 import inference_pb2_grpc, tokenize_pb2
+from tests.server.conftest import ServerThread, serve, wait_all_blocks_free
+
+MESSAGE_LIMIT = 16 * 1024
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_models: dict[str, Path]) -> Iterator[ServerThread]:
+    """tiny-a alone, one call in flight at most, 16 KiB messages, 8-token prompts."""
+    server = serve(
+        [ModelSpec("tiny-a", str(tiny_models["tiny-a"]))],
+        max_pending=1,
+        max_message_bytes=MESSAGE_LIMIT,
+        max_prompt_tokens=8,
+        max_n=2,
+    )
+    yield server
+    server.stop()
+
+
+def _health(target: str, service: str = "") -> int:
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def test_past_max_pending_is_resource_exhausted_with_retry_info(small_server: ServerThread) -> None:
+    with Client(small_server.target, timeout=60) as c:
+        busy = c.generate_stream("Hello", max_tokens=500, temperature=0, ignore_eos=True)
+        next(busy)
+        with grpc.insecure_channel(small_server.target) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Tokenize(tokenize_pb2.TokenizeRequest(text="hi"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        status = rpc_status.from_call(e.value)
+        assert status is not None and status.details
+        info = error_details_pb2.RetryInfo()
+        assert status.details[0].Unpack(info) and info.retry_delay.ToMilliseconds() > 0
+        assert _health(small_server.target) == health_pb2.HealthCheckResponse.SERVING
+        busy.close()
+    wait_all_blocks_free(small_server.handle("tiny-a"))
+    small_server.wait_idle()
+    with Client(small_server.target, timeout=60) as c:  # the slot is free again
+        assert c.generate("Hello", max_tokens=2).finish_reason == "length"
+
+
+def test_message_size_limits(small_server: ServerThread) -> None:
+    with Client(small_server.target, timeout=60) as c:
+        with pytest.raises(MMServeError) as e:
+            c.tokenize("x" * (2 * MESSAGE_LIMIT))
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(MMServeError) as e:  # the reply would be too big
+            c.tokenize("Hello world " * 1300, return_tokens=True)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert c.tokenize("fine").token_ids
+
+
+def test_server_caps_on_prompt_and_n(small_server: ServerThread) -> None:
+    with Client(small_server.target, timeout=60) as c:
+        with pytest.raises(MMServeError) as e:
+            c.generate(list(range(9)), max_tokens=2)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "token_ids" in e.value.message and "server limit 8" in e.value.message
+        with pytest.raises(MMServeError) as e:
+            c.generate("Hello", n=3, max_tokens=2)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "params.n" in e.value.message
+        assert len(c.generate(list(range(8)), n=2, max_tokens=2)) == 2
+
+
+def test_dead_engine_is_internal_and_not_serving(tiny_models: dict[str, Path]) -> None:
+    server = serve([ModelSpec("tiny-b", str(tiny_models["tiny-b"]))])
+    try:
+        handle = server.handle("tiny-b")
+
+        def broken_step() -> None:
+            raise RuntimeError("simulated device failure")
+
+        handle.engine.engine.step = broken_step
+        with Client(server.target, timeout=30) as c:
+            with pytest.raises(MMServeError) as e:
+                c.generate("Hello", max_tokens=3)
+            assert e.value.code == grpc.StatusCode.INTERNAL
+            assert "simulated device failure" in e.value.message
+            deadline = time.monotonic() + 10
+            while _health(server.target, "tiny-b") != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert _health(server.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(MMServeError) as e:  # later requests fail fast
+                c.generate("Hello", max_tokens=3)
+            assert e.value.code == grpc.StatusCode.INTERNAL
+            assert c.tokenize("still works").token_ids  # the tokenizer is not the engine
+    finally:
+        server.stop()
