@@ -1,0 +1,52 @@
+"""Checks shared by the kernel launchers: every bad input is a ValueError naming the argument."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    """All tensors on one device, and that device can run Triton (CUDA, or the interpreter)."""
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors must share one device, got {devices}")
+    device = next(iter(devices.values()))
+    if device.type != "cuda" and not triton.knobs.runtime.interpret:
+        raise ValueError(
+            f"Triton kernels need CUDA tensors (got {device}); on CPU use the torch reference "
+            "path, or set TRITON_INTERPRET=1 before importing triton (tests only)"
+        )
+
+
+def check_at_least(name: str, value: int | None, low: int) -> None:
+    """An optional integer argument, when given, is at least `low`."""
+    if value is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32/float16/bfloat16, got {t.dtype}")
+
+
+def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(t.shape) != expected:
+        raise ValueError(f"{name} must have shape {list(expected)}, got {list(t.shape)}")
+
+
+def check_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {layout} ({ndim}-D), got shape {list(t.shape)}")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got {t.stride()}")
+
+
+def check_index_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")

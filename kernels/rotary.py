@@ -1,0 +1,125 @@
+"""Rotary position embedding, neox style (rotate_half, as in HF Llama), on q and k together.
+
+For head_dim D and half = D/2: out[:half] = x1*cos1 - x2*sin1 and out[half:] = x2*cos2 + x1*sin2,
+where x1, x2 are the halves of x. cos/sin tables are [max_pos, D/2] (cos1 = cos2) or HF's
+[max_pos, D] (cos1, cos2 are its two halves). Arithmetic is fp32, rounded once to x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmserve.kernels._common import (
+    check_float,
+    check_index_dtype,
+    check_last_dim_contiguous,
+    check_ndim,
+    check_same_device,
+    check_shape,
+)
+
+
+@triton.jit
+def _rotary_kernel(
+    out_ptr, x_ptr, positions_ptr, cos_ptr, sin_ptr,
+    stride_xt, stride_xh, stride_ot, stride_oh, stride_table, second_half_col, num_heads,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    col_mask = cols < HALF
+    mask = (heads < num_heads) & col_mask
+    row = tl.load(positions_ptr + token).to(tl.int64) * stride_table
+    cos1 = tl.load(cos_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
+    x_offs = token * stride_xt + heads * stride_xh + cols
+    x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    out_offs = token * stride_ot + heads * stride_oh + cols
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + out_offs, (x1 * cos1 - x2 * sin1).to(dtype), mask=mask)
+    tl.store(out_ptr + out_offs + HALF, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask)
+
+
+def _apply(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    num_tokens, num_heads, head_dim = x.shape
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(num_heads), max(1, 2048 // block_half))
+    _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        out, x, positions, cos, sin,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
+        half if cos.shape[1] == head_dim else 0, num_heads,
+        HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        num_warps=4 if block_h * block_half >= 1024 else 1,
+    )  # fmt: skip
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q [T, H, D] and k [T, Hkv, D] at positions [T] (int32/int64, each below
+    max_pos; not range-checked, that would cost a device sync). cos, sin: [max_pos, D/2] or
+    [max_pos, D]. Returns (q, k) rotated: the inputs themselves when inplace, else new tensors."""
+    check_ndim("q", q, 3, "[num_tokens, num_heads, head_dim]")
+    check_ndim("k", k, 3, "[num_tokens, num_kv_heads, head_dim]")
+    num_tokens, _, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    check_shape("k", k, (num_tokens, k.shape[1], head_dim))
+    check_shape("positions", positions, (num_tokens,))
+    check_index_dtype("positions", positions, torch.int32, torch.int64)
+    check_ndim("cos", cos, 2, "[max_pos, head_dim / 2] or [max_pos, head_dim]")
+    if cos.shape[1] not in (head_dim // 2, head_dim):
+        raise ValueError(
+            f"cos must be [max_pos, {head_dim // 2}] or [max_pos, {head_dim}], "
+            f"got {list(cos.shape)}"
+        )
+    check_shape("sin", sin, tuple(cos.shape))
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_float(name, t)
+        check_last_dim_contiguous(name, t)
+    if sin.stride(0) != cos.stride(0):
+        raise ValueError("cos and sin must have the same row stride")
+    check_same_device(positions=positions, q=q, k=k, cos=cos, sin=sin)
+    q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens > 0:
+        _apply(q_out, q, positions, cos, sin)
+        _apply(k_out, k, positions, cos, sin)
+    return q_out, k_out
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference: HF's q * cos + rotate_half(q) * sin, in fp32."""
+    head_dim = q.shape[-1]
+    if cos.shape[1] != head_dim:
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    cos_t = cos[positions.long()].float().unsqueeze(1)  # [T, 1, D]
+    sin_t = sin[positions.long()].float().unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return (x.float() * cos_t + rotated * sin_t).to(x.dtype)
+
+    return rotate(q), rotate(k)

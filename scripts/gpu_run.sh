@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
+# Usage: scripts/gpu_run.sh [tests|bench|all]; results under $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || echo "pip install -e failed"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+what=${1:-all}
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -q -x tests/kernels tests/gpu -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/tests.txt"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  B="python3 -m mmserve.bench.cli bench"
+  { $B latency --input-len 128 --output-len 128 --baseline
+    $B decode --batch-size 64 --input-len 1024 --max-num-seqs 64
+    $B prefill --batch-size 8 --input-len 2048 --max-num-batched-tokens 16384
+    $B throughput --num-requests 1000 --input-len 512 --output-len 128 --baseline
+  } 2>&1 | grep -v Warning | tee "$OUT/bench.txt"
+fi
