@@ -13,13 +13,13 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
 what=${1:-all}
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -x tests/kernels tests/gpu -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/tests.txt"
+  python3 -m pytest -q -x ${TESTS:-tests/kernels tests/gpu} -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/tests.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   B="python3 -m mmserve.bench.cli bench"
-  { $B latency --input-len 128 --output-len 128 --baseline
+  { $B latency --input-len 128 --output-len 128 --max-num-seqs 1 --baseline
     $B decode --batch-size 64 --input-len 1024 --max-num-seqs 64
-    $B prefill --batch-size 8 --input-len 2048 --max-num-batched-tokens 16384
+    $B prefill --batch-size 8 --input-len 2048 --max-num-batched-tokens 16384 --max-num-seqs 8 --enforce-eager
     $B throughput --num-requests 1000 --input-len 512 --output-len 128 --baseline
   } 2>&1 | grep -v Warning | tee "$OUT/bench.txt"
 fi

@@ -11,6 +11,8 @@ from typing import Any
 
 from mmserve.config import EngineConfig
 from mmserve.engine.engine_core import EngineCore
+from mmserve.engine.pooling_inputs import InputEncoder
+from mmserve.engine.pooling_setup import PoolingSetup
 from mmserve.errors import InvalidArgument
 from mmserve.outputs import EngineOutput, TokenLogprob
 from mmserve.params import PoolingParams, SamplingParams
@@ -53,11 +55,24 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, core: EngineCore, tokenizer: Any, eos_token_ids: frozenset[int], vocab_size: int) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        tokenizer: Any,
+        eos_token_ids: frozenset[int],
+        vocab_size: int,
+        setup: PoolingSetup | None = None,
+        architecture: str = "",
+    ) -> None:
         self.core = core
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size  # valid token ids are [0, vocab_size)
+        # the tasks this engine serves and how it pools; generation only unless told
+        self.setup = setup or PoolingSetup(("generate",), None, None)
+        self.architecture = architecture  # HF architecture name, e.g. "BertModel"
+        use_types = getattr(core.runner.model, "type_vocab_size", 1) > 1
+        self.input_encoder = InputEncoder(tokenizer, self.max_pooling_len, use_types)
         self._choices: dict[str, _Choice] = {}
         self._parents: dict[str, _Parent] = {}
         self._ids = itertools.count()
@@ -72,11 +87,25 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """What this engine serves: "generate", "embed", "classify", "score", "rerank"."""
+        return self.setup.tasks
+
+    @property
+    def max_pooling_len(self) -> int:
+        """Token limit of one pooling input: the context, or less where the model's
+        sentence-transformers config says so (inputs beyond it were never trained on)."""
+        return min(self.max_model_len, self.setup.max_input_len or self.max_model_len)
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Every check that needs the model; raises InvalidArgument naming the field."""
+        if "generate" not in self.tasks:
+            can = ", ".join(self.tasks)
+            raise InvalidArgument("model", f"this model cannot generate (it can: {can})")
         if not prompt_token_ids:
             raise InvalidArgument("prompt", "must not be empty")
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
@@ -143,19 +172,22 @@ class LLMEngine:
 
     def validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
         params.validate(self.hidden_size)
+        if params.task not in self.setup.pooler_tasks:
+            raise InvalidArgument("task", f"this model cannot pool for {params.task!r}")
         if not prompt_token_ids:
             raise InvalidArgument("inputs", "an input has no tokens")
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidArgument("token_ids", f"token id {bad} outside [0, {self.vocab_size})")
-        if len(prompt_token_ids) > self.max_model_len:
+        if len(prompt_token_ids) > self.max_pooling_len:
             raise InvalidArgument(
-                "inputs", f"{len(prompt_token_ids)} tokens exceed the context limit {self.max_model_len}"
+                "inputs", f"{len(prompt_token_ids)} tokens exceed the limit {self.max_pooling_len}"
             )
 
     @property
     def hidden_size(self) -> int | None:
-        return getattr(self.core.runner.model, "hidden_size", None)
+        """Full embedding size (the bound of Matryoshka `dimensions`)."""
+        return self.setup.embedding_size or getattr(self.core.runner.model, "hidden_size", None)
 
     def abort(self, request_id: str) -> None:
         parent = self._parents.get(request_id)

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 from mmserve.attention import get_attention_backend
 from mmserve.config import EngineConfig
 from mmserve.engine.engine_core import EngineCore
+from mmserve.engine.pooling_setup import pooling_setup
 from mmserve.models.gguf_cache import materialize
 from mmserve.models.loader import load_model, resolve_device, resolve_dtype, resolve_model_source
+from mmserve.models.registry import architecture_of
 from mmserve.processors.tokenizer import eos_token_ids, load_tokenizer, vocab_size
 
 if TYPE_CHECKING:
@@ -32,12 +34,19 @@ def load_engine_parts(config: EngineConfig) -> LLMEngine:
     model_config = replace(config.model, model=str(source.folder))
     model, hf_config, gen_config = load_model(model_config, device, dtype, backend)
     tokenizer = load_tokenizer(source.folder, source.gguf_file)
-    model_max_len = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
-    core = EngineCore(config, model, model_max_len, device, dtype)
+    # a model may know better than its config (XLM-R spends two positions on padding)
+    model_max_len = (
+        getattr(model, "max_model_len", None)
+        or getattr(hf_config, "max_position_embeddings", None)
+        or DEFAULT_MAX_MODEL_LEN
+    )
+    setup = pooling_setup(model, hf_config, source.folder, tokenizer, config.model.pooling)
+    core = EngineCore(config, model, model_max_len, device, dtype, pooler=setup.pooler)
     eos = eos_token_ids(tokenizer, getattr(gen_config, "eos_token_id", None))
     vocab = min(vocab_size(tokenizer), model.vocab_size)
     logger.info(
-        "loaded %s (%s) on %s in %s in %.1fs",
-        config.model.model, type(model).__name__, device, dtype, time.monotonic() - start,
+        "loaded %s (%s) on %s in %s in %.1fs; tasks %s",
+        config.model.model, type(model).__name__, device, dtype,
+        time.monotonic() - start, ", ".join(setup.tasks),
     )
-    return LLMEngine(core, tokenizer, frozenset(eos), vocab)
+    return LLMEngine(core, tokenizer, frozenset(eos), vocab, setup, architecture_of(hf_config))

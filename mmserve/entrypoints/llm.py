@@ -9,7 +9,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from mmserve.engine import pooling_api
 from mmserve.engine.llm_engine import GenerationDelta, LLMEngine
+from mmserve.engine.pooling_inputs import TextOrIds
 from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.params import SamplingParams
 
@@ -33,9 +35,12 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 64,
         seed: int = 0,
+        pooling: str | None = None,
     ) -> None:
         config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len),
+            model=ModelConfig(
+                model, dtype=dtype, device=device, max_model_len=max_model_len, pooling=pooling
+            ),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
             seed=seed,
@@ -79,6 +84,62 @@ class LLM:
         ]
         return self._run(encoded, params, use_tqdm, cache_salt)
 
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """What the model serves: "generate", "embed", "classify", "score", "rerank"."""
+        return self.engine.tasks
+
+    def embed(
+        self,
+        inputs: TextOrIds | Sequence[TextOrIds],
+        *,
+        normalize: bool = True,
+        dimensions: int | None = None,
+        truncate: str = "none",
+    ) -> list[list[float]]:
+        """One vector per input (text or token ids), in order. truncate: "none" (too long is
+        an error), "left" or "right"."""
+        plan = pooling_api.plan_embed(
+            self.engine, _listed(inputs), normalize=normalize, dimensions=dimensions,
+            truncate=truncate,
+        )
+        vectors: list[list[float]] = pooling_api.run_sync(self.engine, plan).embeddings.tolist()
+        return vectors
+
+    def classify(
+        self, inputs: TextOrIds | Sequence[TextOrIds], *, truncate: str = "none"
+    ) -> list[pooling_api.Classification]:
+        """Label probabilities for each input (all labels, highest first)."""
+        plan = pooling_api.plan_classify(self.engine, _listed(inputs), truncate=truncate)
+        return pooling_api.run_sync(self.engine, plan).results
+
+    def score(
+        self,
+        first: TextOrIds | Sequence[TextOrIds],
+        second: TextOrIds | Sequence[TextOrIds],
+        *,
+        truncate: str = "none",
+    ) -> list[float]:
+        """One score per item of `second`, against the single `first` or pairwise."""
+        plan = pooling_api.plan_score(
+            self.engine, _listed(first), _listed(second), truncate=truncate
+        )
+        return pooling_api.run_sync(self.engine, plan).scores
+
+    def rerank(
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        top_n: int | None = None,
+        truncate: str = "none",
+    ) -> list[pooling_api.RankedDocument]:
+        """Documents by relevance to the query, highest first."""
+        plan = pooling_api.plan_rerank(
+            self.engine, query, documents, top_n=top_n, truncate=truncate
+        )
+        return pooling_api.run_sync(self.engine, plan).results
+
     def _run(
         self,
         encoded: list[tuple[str | None, list[int]]],
@@ -105,6 +166,13 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [results[rid] for rid, *_ in order]
+
+
+def _listed(inputs: TextOrIds | Sequence[TextOrIds]) -> list[TextOrIds]:
+    """A single text (or a single list of token ids) becomes a batch of one."""
+    if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+        return [inputs]  # type: ignore[list-item]
+    return list(inputs)  # type: ignore[arg-type]
 
 
 def _per_prompt_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

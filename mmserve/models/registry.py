@@ -10,12 +10,29 @@ from typing import Any
 
 from mmserve.errors import UnsupportedModel
 
+_LLAMA_CLS = ("mmserve.models.llama_classifier", "LlamaForSequenceClassification")
 # architecture name (as in config.json "architectures") -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
+    "LlamaForSequenceClassification": _LLAMA_CLS,
+    "MistralForSequenceClassification": _LLAMA_CLS,
+    "Qwen2ForSequenceClassification": _LLAMA_CLS,
+    "Qwen3ForSequenceClassification": _LLAMA_CLS,
+    "BertModel": ("mmserve.models.bert", "BertModel"),
+    "BertForSequenceClassification": ("mmserve.models.bert", "BertForSequenceClassification"),
+    "XLMRobertaModel": ("mmserve.models.bert", "XLMRobertaModel"),
+    "RobertaModel": ("mmserve.models.bert", "XLMRobertaModel"),  # same network as XLM-R
+    "RobertaForSequenceClassification": (
+        "mmserve.models.bert",
+        "XLMRobertaForSequenceClassification",
+    ),
+    "XLMRobertaForSequenceClassification": (
+        "mmserve.models.bert",
+        "XLMRobertaForSequenceClassification",
+    ),
 }
 
 

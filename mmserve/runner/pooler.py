@@ -1,12 +1,22 @@
-"""Poolers: one input's hidden states -> an embedding, label scores or a score."""
+"""Poolers: one input's hidden states -> an embedding, label scores or a score.
+
+The runner calls the pooler once per pooling request with the final hidden states of all of
+that input's tokens, so every method here sees exactly one input and needs no mask.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from mmserve.params import PoolingParams
+
+POOLING_METHODS = ("cls", "mean", "max", "last")  # how token states become one vector
+ACTIVATIONS = ("softmax", "sigmoid")  # softmax across labels, or sigmoid for each label
+POOLER_SCORES = ("cross-encoder", "yes-token")  # score methods the pooler computes itself
 
 
 class Pooler(Protocol):
@@ -14,3 +24,82 @@ class Pooler(Protocol):
     ([num_tokens, hidden_size], in order); returns a 1-D result."""
 
     def __call__(self, hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor: ...
+
+
+def pool_tokens(hidden: torch.Tensor, method: str) -> torch.Tensor:
+    """[n, H] -> [H]. "cls" is the first token, "last" the last ([EOS] for decoders trained
+    for it); "mean"/"max" run over all tokens, special ones included, as sentence-transformers
+    does with an all-ones attention mask."""
+    if method == "cls":
+        return hidden[0]
+    if method == "last":
+        return hidden[-1]
+    if method == "mean":
+        return hidden.float().mean(0).to(hidden.dtype)
+    if method == "max":
+        return hidden.max(0).values
+    raise ValueError(f"unknown pooling method {method!r}; choose one of {POOLING_METHODS}")
+
+
+def finish_embedding(vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+    """Matryoshka truncation first, then L2 normalisation: a truncated Matryoshka vector is
+    only unit-length if normalised after cutting."""
+    vector = vector.float()
+    if params.dimensions is not None:
+        vector = vector[: params.dimensions]
+    if params.normalize:
+        vector = F.normalize(vector, p=2.0, dim=-1)
+    return vector
+
+
+def activate(logits: torch.Tensor, kind: str, enabled: bool) -> torch.Tensor:
+    """Classifier logits [L] -> probabilities (or the logits when not enabled)."""
+    if not enabled:
+        return logits
+    if kind == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How one model pools; decided at load time (mmserve.engine.pooling_setup)."""
+
+    method: str  # one of POOLING_METHODS
+    activation: str = "softmax"  # classifier activation, one of ACTIVATIONS
+    score: str | None = None  # how task "score" is answered here; None = not by the pooler
+    yes_no_ids: tuple[int, int] | None = None  # yes-token scoring: ("yes", "no") token ids
+
+
+class ModelPooler:
+    """The Pooler of one model. Classifier models offer compute_class_logits([N, H]) ->
+    [N, labels]; yes-token scoring uses the causal LM's compute_logits([N, H]) -> [N, vocab]."""
+
+    def __init__(self, model: Any, config: PoolerConfig) -> None:
+        self.model = model
+        self.config = config
+
+    def __call__(self, hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        if params.task == "embed":
+            return finish_embedding(pool_tokens(hidden, self.config.method), params)
+        if params.task == "classify":
+            logits = self._class_logits(hidden)
+            return activate(logits, self.config.activation, params.activation)
+        if self.config.score == "cross-encoder":
+            logits = self._class_logits(hidden)  # single-logit head: relevance
+            return activate(logits, "sigmoid", params.activation)
+        if self.config.score == "yes-token" and self.config.yes_no_ids is not None:
+            return self._yes_token_score(hidden, params.activation)
+        raise RuntimeError(f"task {params.task!r} reached a pooler that cannot do it")
+
+    def _class_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [labels] float32
+        pooled = pool_tokens(hidden, self.config.method)
+        return self.model.compute_class_logits(pooled[None])[0]
+
+    def _yes_token_score(self, hidden: torch.Tensor, activation: bool) -> torch.Tensor:
+        """P("yes") / (P("yes") + P("no")) at the answer position = sigmoid of the logit gap;
+        the gap itself (log-odds) without activation. Shape [1]."""
+        yes, no = self.config.yes_no_ids  # type: ignore[misc]
+        logits = self.model.compute_logits(hidden[-1:])[0]  # [vocab] float32
+        gap = (logits[yes] - logits[no]).reshape(1)
+        return torch.sigmoid(gap) if activation else gap
