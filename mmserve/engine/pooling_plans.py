@@ -1,0 +1,251 @@
+"""Planning Embed, Classify, Score and Rerank calls: every check, tokenisation and truncation
+happens here, before anything reaches the engine; a plan then lists one pooling request per
+input and says how to turn their results into the call's answer. Free of protobuf."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+import torch
+
+from mmserve.engine.pooling_inputs import EncodedInput, TextOrIds
+from mmserve.errors import InvalidArgument
+from mmserve.params import PoolingParams
+
+if TYPE_CHECKING:
+    from mmserve.engine.llm_engine import LLMEngine
+
+MAX_INPUTS_PER_CALL = 2048  # inputs (or score pairs, or rerank documents) in one call
+T = TypeVar("T")
+
+
+@dataclass
+class EmbedResult:
+    embeddings: torch.Tensor  # [num_inputs, dimensions] float32 on the CPU, in input order
+    prompt_tokens: int  # tokens of all inputs after truncation
+
+
+@dataclass
+class LabelScore:
+    label: str
+    score: float  # probability (softmax across labels; sigmoid for single/multi-label heads)
+
+
+@dataclass
+class Classification:
+    label: str  # the best label
+    scores: list[LabelScore]  # every label, highest first
+
+
+@dataclass
+class ClassifyResult:
+    results: list[Classification]  # in input order
+    prompt_tokens: int
+
+
+@dataclass
+class ScoreResult:
+    scores: list[float]  # one per item of `second`, in order
+    prompt_tokens: int
+
+
+@dataclass
+class RankedDocument:
+    index: int  # position in the request's documents
+    score: float
+    document: str
+
+
+@dataclass
+class RerankResult:
+    results: list[RankedDocument]  # highest score first, at most top_n
+    prompt_tokens: int
+
+
+@dataclass
+class PoolingPlan(Generic[T]):
+    """Validated engine work for one call, and how to turn its results into the answer."""
+
+    inputs: list[EncodedInput]  # one pooling request each
+    params: PoolingParams  # shared by all of them
+    finish: Callable[[list[torch.Tensor]], T]  # pooled results in input order -> answer
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(i.token_ids) for i in self.inputs)
+
+
+def plan_embed(
+    engine: LLMEngine,
+    inputs: Sequence[TextOrIds],
+    *,
+    normalize: bool = True,
+    dimensions: int | None = None,
+    truncate: str = "none",
+) -> PoolingPlan[EmbedResult]:
+    _require(engine, "embed")
+    _check_count(len(inputs), "inputs")
+    params = PoolingParams("embed", normalize=normalize, dimensions=dimensions)
+    params.validate(engine.hidden_size)
+    encoded = _encode(engine, inputs, truncate, _names("inputs", len(inputs)))
+    tokens = _count(encoded)
+    return PoolingPlan(encoded, params, lambda pooled: EmbedResult(torch.stack(pooled), tokens))
+
+
+def plan_classify(
+    engine: LLMEngine, inputs: Sequence[TextOrIds], *, truncate: str = "none"
+) -> PoolingPlan[ClassifyResult]:
+    _require(engine, "classify")
+    _check_count(len(inputs), "inputs")
+    encoded = _encode(engine, inputs, truncate, _names("inputs", len(inputs)))
+    labels, tokens = engine.setup.labels, _count(encoded)
+
+    def finish(pooled: list[torch.Tensor]) -> ClassifyResult:
+        return ClassifyResult([_classification(labels, p) for p in pooled], tokens)
+
+    return PoolingPlan(encoded, PoolingParams("classify"), finish)
+
+
+def plan_score(
+    engine: LLMEngine,
+    first: Sequence[TextOrIds],
+    second: Sequence[TextOrIds],
+    *,
+    truncate: str = "none",
+) -> PoolingPlan[ScoreResult]:
+    """`first` has one item (scored against each of `second`) or one per item of `second`."""
+    _require(engine, "score")
+    _check_count(len(second), "second")
+    if len(first) not in (1, len(second)):
+        raise InvalidArgument(
+            "first", f"has {len(first)} items; needs 1 or as many as second ({len(second)})"
+        )
+    first_names = _names("first", len(first))
+    return _plan_pairs(engine, first, second, truncate, first_names, _names("second", len(second)))
+
+
+def plan_rerank(
+    engine: LLMEngine,
+    query: str,
+    documents: Sequence[str],
+    *,
+    top_n: int | None = None,
+    truncate: str = "none",
+) -> PoolingPlan[RerankResult]:
+    _require(engine, "rerank")
+    _check_count(len(documents), "documents")
+    if top_n is not None and top_n < 1:
+        raise InvalidArgument("top_n", "must be >= 1 when set")
+    if not query.strip():
+        raise InvalidArgument("query", "must not be empty")
+    names = _names("documents", len(documents))
+    scored = _plan_pairs(engine, [query], documents, truncate, ["query"], names)
+
+    def finish(pooled: list[torch.Tensor]) -> RerankResult:
+        scores = scored.finish(pooled).scores
+        order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n]
+        ranked = [RankedDocument(i, scores[i], documents[i]) for i in order]
+        return RerankResult(ranked, scored.prompt_tokens)
+
+    return PoolingPlan(scored.inputs, scored.params, finish)
+
+
+def _plan_pairs(
+    engine: LLMEngine,
+    first: Sequence[TextOrIds],
+    second: Sequence[TextOrIds],
+    truncate: str,
+    first_names: list[str],
+    second_names: list[str],
+) -> PoolingPlan[ScoreResult]:
+    """Scores second[i] against first[0] (one first) or first[i] (pairwise), as the model's
+    score method says: cosine of embeddings, or one joint pass per pair."""
+    if engine.setup.score_method == "cosine":
+        return _plan_cosine(engine, first, second, truncate, first_names, second_names)
+    index = [0 if len(first) == 1 else i for i in range(len(second))]
+    pairs = [
+        (_text(first[j], first_names[j]), _text(b, name), first_names[j], name)
+        for j, b, name in zip(index, second, second_names, strict=True)
+    ]
+    encoder = engine.input_encoder
+    if engine.setup.score_method == "yes-token":
+        encoded = [encoder.encode_yes_no(a, b, truncate, fa, fb) for a, b, fa, fb in pairs]
+    else:
+        encoded = encoder.encode_pairs([(a, b) for a, b, _, _ in pairs], truncate, second_names)
+    _check_vocab(engine, encoded, second_names)
+    tokens = _count(encoded)
+    return PoolingPlan(
+        encoded,
+        PoolingParams("score"),
+        lambda pooled: ScoreResult([float(p[0]) for p in pooled], tokens),
+    )
+
+
+def _plan_cosine(
+    engine: LLMEngine,
+    first: Sequence[TextOrIds],
+    second: Sequence[TextOrIds],
+    truncate: str,
+    first_names: list[str],
+    second_names: list[str],
+) -> PoolingPlan[ScoreResult]:
+    """Embeds each side once; a score is the dot product of two unit vectors."""
+    encoded = _encode(engine, first, truncate, first_names)
+    encoded += _encode(engine, second, truncate, second_names)
+    tokens = _count(encoded)
+
+    def finish(pooled: list[torch.Tensor]) -> ScoreResult:
+        a, b = torch.stack(pooled[: len(first)]), torch.stack(pooled[len(first) :])
+        return ScoreResult((a * b).sum(-1).tolist(), tokens)  # one `first` row broadcasts
+
+    return PoolingPlan(encoded, PoolingParams("embed", normalize=True), finish)
+
+
+def _require(engine: LLMEngine, task: str) -> None:
+    if task not in engine.tasks:
+        can = ", ".join(engine.tasks)
+        raise InvalidArgument("model", f"this model cannot {task} (it can: {can})")
+
+
+def _check_count(count: int, field: str) -> None:
+    if count == 0:
+        raise InvalidArgument(field, "must not be empty")
+    if count > MAX_INPUTS_PER_CALL:
+        raise InvalidArgument(field, f"{count} items exceed the limit of {MAX_INPUTS_PER_CALL}")
+
+
+def _names(field: str, count: int) -> list[str]:
+    return [f"{field}[{i}]" for i in range(count)]
+
+
+def _text(item: TextOrIds, field: str) -> str:
+    if not isinstance(item, str):
+        raise InvalidArgument(field, "must be text: this model reads each pair jointly")
+    return item
+
+
+def _encode(
+    engine: LLMEngine, items: Sequence[TextOrIds], truncate: str, names: list[str]
+) -> list[EncodedInput]:
+    encoded = engine.input_encoder.encode(items, truncate, names)
+    _check_vocab(engine, encoded, names)
+    return encoded
+
+
+def _check_vocab(engine: LLMEngine, encoded: list[EncodedInput], names: list[str]) -> None:
+    for item, name in zip(encoded, names, strict=True):
+        bad = next((t for t in item.token_ids if not 0 <= t < engine.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(name, f"token id {bad} outside [0, {engine.vocab_size})")
+
+
+def _count(encoded: list[EncodedInput]) -> int:
+    return sum(len(e.token_ids) for e in encoded)
+
+
+def _classification(labels: Sequence[str], probs: torch.Tensor) -> Classification:
+    pairs = zip(labels, probs.tolist(), strict=True)
+    scores = sorted((LabelScore(label, float(p)) for label, p in pairs), key=lambda s: -s.score)
+    return Classification(scores[0].label, scores)

@@ -1,0 +1,177 @@
+"""What a loaded model can do besides generating, and the pooler that does it.
+
+Decided once at load time from the model class, its HF config, its sentence-transformers
+files and the tokenizer:
+- causal LM: generate + embed (last-token pooling unless told otherwise) + score/rerank by
+  the probability of a "yes" answer (when the tokenizer has a chat template and single
+  "yes"/"no" tokens);
+- encoder (BertModel, XLMRobertaModel): embed + score/rerank by cosine of embeddings;
+- *ForSequenceClassification: classify, + score/rerank as a cross-encoder when the head has
+  a single logit (ms-marco MiniLM, bge-reranker).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.runner.pooler import POOLING_METHODS, ModelPooler, PoolerConfig
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("generate", "embed", "classify", "score", "rerank")  # the server's Task values
+# sentence-transformers' 1_Pooling/config.json switches -> our pooling method
+_ST_MODES = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_lasttoken": "last",
+}
+_ST_UNSUPPORTED_MODES = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")  # module types we reproduce exactly
+
+
+@dataclass(frozen=True)
+class SentenceTransformersInfo:
+    """What a sentence-transformers folder says about pooling."""
+
+    method: str | None  # from 1_Pooling/config.json; None without a Pooling module
+    normalize: bool  # a Normalize module follows the pooling
+    max_seq_length: int | None  # sentence_bert_config.json: inputs are truncated to this
+
+
+@dataclass(frozen=True)
+class PoolingSetup:
+    """An engine's tasks and how it serves the pooling ones."""
+
+    tasks: tuple[str, ...]  # subset of TASKS, in TASKS order
+    pooler: ModelPooler | None  # None when the model does no pooling task
+    score_method: str | None  # "cross-encoder" | "cosine" | "yes-token"; None = cannot score
+    labels: tuple[str, ...] = ()  # classifier label names, by label id
+    embedding_size: int | None = None  # full embedding dimension; None when it cannot embed
+    max_input_len: int | None = None  # pooling inputs' token limit (sentence-transformers)
+    yes_no_ids: tuple[int, int] | None = None  # yes-token scoring: the "yes" and "no" ids
+    st_normalize: bool = False  # the sentence-transformers pipeline ends in Normalize
+
+    @property
+    def pooler_tasks(self) -> frozenset[str]:
+        """PoolingParams tasks this engine's pooler computes (cosine scoring uses "embed")."""
+        tasks: set[str] = {t for t in ("embed", "classify") if t in self.tasks}
+        if self.score_method in ("cross-encoder", "yes-token"):
+            tasks.add("score")
+        return frozenset(tasks)
+
+
+def read_sentence_transformers(folder: Path) -> SentenceTransformersInfo | None:
+    """Reads modules.json and its Pooling module; None when the folder has no modules.json.
+    Raises UnsupportedModel for modules we would not reproduce exactly (Dense, ...)."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = json.loads(modules_file.read_text())
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules}
+    unknown = sorted(set(kinds) - set(_ST_MODULES))
+    if unknown:
+        raise UnsupportedModel(f"sentence-transformers modules {unknown} are not supported")
+    method = None
+    if "Pooling" in kinds:
+        method = _st_pooling_method(folder / kinds["Pooling"].get("path", "") / "config.json")
+    return SentenceTransformersInfo(method, "Normalize" in kinds, _st_max_seq_length(folder))
+
+
+def _st_pooling_method(config_file: Path) -> str:
+    config = json.loads(config_file.read_text())
+    if config.get("pooling_mode") in POOLING_METHODS:  # newer files may name it directly
+        return str(config["pooling_mode"])
+    used = [key for key in (*_ST_MODES, *_ST_UNSUPPORTED_MODES) if config.get(key)]
+    if len(used) != 1 or used[0] not in _ST_MODES:
+        raise UnsupportedModel(
+            f"sentence-transformers pooling {used}: only one of {list(_ST_MODES)}"
+        )
+    if config.get("include_prompt") is False:
+        raise UnsupportedModel("sentence-transformers pooling with include_prompt false")
+    return _ST_MODES[used[0]]
+
+
+def _st_max_seq_length(folder: Path) -> int | None:
+    config_file = folder / "sentence_bert_config.json"
+    if not config_file.is_file():
+        return None
+    value = json.loads(config_file.read_text()).get("max_seq_length")
+    return int(value) if value else None
+
+
+def pooling_setup(
+    model: Any, hf_config: Any, folder: Path | None, tokenizer: Any, method_flag: str | None = None
+) -> PoolingSetup:
+    """Decides the engine's tasks and builds its pooler. method_flag (ModelConfig.pooling)
+    overrides the embedding pooling method read from sentence-transformers files or implied
+    by the architecture; classifier heads always read the token they were trained on."""
+    if method_flag is not None and method_flag not in POOLING_METHODS:
+        raise InvalidArgument("pooling", f"{method_flag!r} is not one of {POOLING_METHODS}")
+    if hasattr(model, "compute_class_logits"):
+        return _classifier_setup(model, hf_config)
+    st = read_sentence_transformers(folder) if folder is not None else None
+    # decoders (which declare nothing) pool their last token, which sees the whole input
+    default = str(getattr(model, "default_pooling", "last"))
+    method = method_flag or (st.method if st else None) or default
+    tasks: tuple[str, ...]
+    score: str | None
+    yes_no = None
+    if not getattr(model, "uses_kv_cache", True):  # an encoder: embeddings, cosine scores
+        tasks, score = ("embed", "score", "rerank"), "cosine"
+    else:
+        yes_no = yes_no_token_ids(tokenizer)
+        tasks, score = ("generate", "embed"), None
+        if yes_no is not None:
+            tasks, score = ("generate", "embed", "score", "rerank"), "yes-token"
+    config = PoolerConfig(method, score=None if score == "cosine" else score, yes_no_ids=yes_no)
+    return PoolingSetup(
+        tasks,
+        ModelPooler(model, config),
+        score,
+        embedding_size=int(hf_config.hidden_size),
+        max_input_len=st.max_seq_length if st else None,
+        yes_no_ids=yes_no,
+        st_normalize=bool(st and st.normalize),
+    )
+
+
+def _classifier_setup(model: Any, hf_config: Any) -> PoolingSetup:
+    num_labels = int(model.num_labels)
+    multi_label = getattr(hf_config, "problem_type", None) == "multi_label_classification"
+    activation = "sigmoid" if num_labels == 1 or multi_label else "softmax"
+    cross_encoder = num_labels == 1  # one relevance logit: the pair is scored jointly
+    config = PoolerConfig(
+        method=getattr(model, "default_pooling", "cls"),
+        activation=activation,
+        score="cross-encoder" if cross_encoder else None,
+    )
+    tasks = ("classify", "score", "rerank") if cross_encoder else ("classify",)
+    return PoolingSetup(
+        tasks,
+        ModelPooler(model, config),
+        "cross-encoder" if cross_encoder else None,
+        labels=label_names(hf_config, num_labels),
+    )
+
+
+def label_names(hf_config: Any, num_labels: int) -> tuple[str, ...]:
+    """id2label in id order; "LABEL_i" for ids the config does not name."""
+    id2label = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()}
+    return tuple(id2label.get(i, f"LABEL_{i}") for i in range(num_labels))
+
+
+def yes_no_token_ids(tokenizer: Any) -> tuple[int, int] | None:
+    """("yes", "no") token ids for yes-token scoring: only for chat models (the question is
+    asked as a user turn) whose tokenizer spells each answer as one token."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    ids = [tokenizer.encode(word, add_special_tokens=False) for word in ("yes", "no")]
+    if any(len(i) != 1 for i in ids):
+        return None
+    return ids[0][0], ids[1][0]

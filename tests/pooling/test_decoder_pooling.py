@@ -1,0 +1,116 @@
+"""A decoder engine embeds (last token) and scores (yes-token) like transformers, and serves a
+Generate stream and Embed calls at once with the same results as alone."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmserve.engine import pooling_api
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.entrypoints.llm import LLM
+from mmserve.params import SamplingParams
+from tests.pooling.conftest import load_engine
+
+TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog.", "Paris", "def main():"]
+DOCS = ["The capital of France is Paris.", "hello", "Paged attention stores keys."]
+
+
+def hf_final_hidden(path: Path, ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' final hidden state and logits at each input's last token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    hidden, logits = [], []
+    with torch.no_grad():
+        for row in ids:
+            out = model(torch.tensor([row]), output_hidden_states=True)
+            hidden.append(out.hidden_states[-1][0, -1])
+            logits.append(out.logits[0, -1])
+    return torch.stack(hidden), torch.stack(logits)
+
+
+def test_decoder_tasks(tiny_llms: Callable[[str], LLM]) -> None:
+    llm = tiny_llms("chat-decoder")
+    assert llm.tasks == ("generate", "embed", "score", "rerank")
+    assert llm.engine.setup.score_method == "yes-token"
+    assert llm.engine.setup.pooler is not None and llm.engine.setup.pooler.config.method == "last"
+
+
+def test_last_token_embeddings_match_transformers(
+    tiny_models: Callable[[str], Path], tiny_llms: Callable[[str], LLM]
+) -> None:
+    llm = tiny_llms("chat-decoder")
+    ids = [e.token_ids for e in llm.engine.input_encoder.encode(TEXTS, "none", "inputs")]
+    hidden, _ = hf_final_hidden(tiny_models("chat-decoder"), ids)
+    ours = torch.tensor(llm.embed(TEXTS))
+    torch.testing.assert_close(ours, F.normalize(hidden, dim=-1), atol=1e-5, rtol=1e-4)
+
+
+def test_yes_token_scores_match_transformers(
+    tiny_models: Callable[[str], Path], tiny_llms: Callable[[str], LLM]
+) -> None:
+    llm = tiny_llms("chat-decoder")
+    encoder = llm.engine.input_encoder
+    prompts = [
+        encoder.encode_yes_no("Where is Paris?", d, "none", "q", "d").token_ids for d in DOCS
+    ]
+    assert all(p[-3:] == prompts[0][-3:] for p in prompts)  # same answer cue at the end
+    _, logits = hf_final_hidden(tiny_models("chat-decoder"), prompts)
+    yes, no = llm.engine.setup.yes_no_ids  # type: ignore[misc]
+    expected = torch.sigmoid(logits[:, yes] - logits[:, no])
+    assert llm.score("Where is Paris?", DOCS) == pytest.approx(expected.tolist(), abs=1e-5)
+    ranked = llm.rerank("Where is Paris?", DOCS)
+    assert [r.index for r in ranked] == expected.argsort(descending=True).tolist()
+
+
+def test_yes_token_truncation_shortens_the_document_only(tiny_llms: Callable[[str], LLM]) -> None:
+    encoder = tiny_llms("chat-decoder").engine.input_encoder
+    full = encoder.encode_yes_no("q", "word " * 300, "right", "q", "d").token_ids
+    assert len(full) == encoder.max_len
+    with pytest.raises(ValueError, match=r"^d: .*limit of 256"):
+        encoder.encode_yes_no("q", "word " * 300, "none", "q", "d")
+
+
+def test_generate_and_embed_concurrently_equal_alone(tiny_models: Callable[[str], Path]) -> None:
+    engine = AsyncEngine(load_engine(tiny_models("chat-decoder"), max_num_batched_tokens=64))
+    prompt = engine.engine.tokenizer.encode("The quick brown fox")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def generate(log: list[str] | None = None) -> list[int]:
+        tokens: list[int] = []
+        async for delta in engine.generate(prompt, params):
+            tokens += delta.token_ids
+            if log is not None:
+                log.append("token")
+        return tokens
+
+    async def embed(log: list[str] | None = None) -> torch.Tensor:
+        result = await pooling_api.embed(engine, TEXTS * 3)
+        if log is not None:
+            log.append("embedded")
+        return result.embeddings
+
+    async def together() -> tuple[list[int], torch.Tensor, torch.Tensor, list[str]]:
+        log: list[str] = []
+        stream = asyncio.create_task(generate(log))
+        while not log:  # the stream is running: now embed beside it
+            await asyncio.sleep(0.001)
+        first, second = await asyncio.gather(embed(log), embed(log))
+        return await stream, first, second, log
+
+    try:
+        tokens_alone = asyncio.run(generate())
+        vectors_alone = asyncio.run(embed())
+        tokens, first, second, log = asyncio.run(together())
+    finally:
+        engine.shutdown()
+    assert tokens == tokens_alone and len(tokens) == 24
+    torch.testing.assert_close(first, vectors_alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second, vectors_alone, atol=1e-5, rtol=1e-5)
+    assert log.index("embedded") < len(log) - 2  # the embeddings came while tokens still streamed

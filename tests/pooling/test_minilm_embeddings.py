@@ -1,0 +1,101 @@
+"""all-MiniLM-L6-v2 through our engine equals sentence-transformers (mean pooling, normalise,
+truncation at max_seq_length 256), offline and through the AsyncEngine."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmserve.engine import pooling_api
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.entrypoints.llm import LLM
+
+TEXTS = [
+    "Hello world, this is a test.",
+    "",  # empty-ish: [CLS] [SEP] only
+    " ",
+    "  padded with spaces  ",
+    "Ça coûte 10 € — naïve façade, Straße, ½ résumé.",
+    "日本語のテキストと中文文本，还有 emoji 🙂🚀.",
+    "Привет, мир! مرحبا بالعالم",
+    "The quick brown fox jumps over the lazy dog. " * 60,  # ~600 tokens: truncated at 256
+    "A short one.",
+]
+MIN_COSINE = 0.9999
+
+
+@pytest.fixture(scope="module")
+def reference(sentence_transformer: Any) -> torch.Tensor:
+    return sentence_transformer.encode(TEXTS, convert_to_tensor=True, batch_size=4).float()
+
+
+def assert_matches(ours: torch.Tensor, reference: torch.Tensor) -> None:
+    assert ours.shape == reference.shape
+    cosine = F.cosine_similarity(ours, reference, dim=-1)
+    assert cosine.min().item() > MIN_COSINE, cosine
+    torch.testing.assert_close(ours.norm(dim=-1), torch.ones(len(ours)), atol=1e-5, rtol=0)
+
+
+def test_setup_reads_sentence_transformers_files(minilm_llm: LLM) -> None:
+    setup = minilm_llm.engine.setup
+    assert minilm_llm.tasks == ("embed", "score", "rerank")
+    assert setup.pooler is not None and setup.pooler.config.method == "mean"
+    assert setup.st_normalize and setup.max_input_len == 256
+    assert setup.score_method == "cosine" and setup.embedding_size == 384
+    assert minilm_llm.engine.max_pooling_len == 256
+
+
+def test_offline_embeddings_match_sentence_transformers(
+    minilm_llm: LLM, reference: torch.Tensor
+) -> None:
+    ours = torch.tensor(minilm_llm.embed(TEXTS, truncate="right"))
+    assert_matches(ours, reference)
+
+
+def test_async_embeddings_match_sentence_transformers(
+    minilm_async: AsyncEngine, reference: torch.Tensor
+) -> None:
+    async def both() -> tuple[pooling_api.EmbedResult, pooling_api.EmbedResult]:
+        # two calls at once: their inputs share engine steps
+        return await asyncio.gather(
+            pooling_api.embed(minilm_async, TEXTS[:5], truncate="right"),
+            pooling_api.embed(minilm_async, TEXTS[5:], truncate="right"),
+        )
+
+    first, second = asyncio.run(both())
+    assert_matches(torch.cat([first.embeddings, second.embeddings]), reference)
+    assert first.prompt_tokens > 5 * 2 and second.prompt_tokens > 256
+
+
+def test_a_call_larger_than_its_window_is_split(
+    minilm_async: AsyncEngine, reference: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pooling_api, "MAX_IN_FLIGHT_PER_CALL", 2)
+    result = asyncio.run(pooling_api.embed(minilm_async, TEXTS, truncate="right"))
+    assert_matches(result.embeddings, reference)
+
+
+def test_matryoshka_dimensions_truncate_then_normalise(minilm_llm: LLM) -> None:
+    full = torch.tensor(minilm_llm.embed(TEXTS[:3], normalize=False))
+    cut = torch.tensor(minilm_llm.embed(TEXTS[:3], dimensions=64))
+    assert cut.shape == (3, 64)
+    torch.testing.assert_close(cut, F.normalize(full[:, :64], dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_cosine_score_and_rerank(minilm_llm: LLM, sentence_transformer: Any) -> None:
+    query, docs = (
+        "A cat sits on the mat.",
+        ["Stock prices fell.", "A kitten rests on a rug.", "Dogs bark."],
+    )
+    vectors = sentence_transformer.encode([query, *docs], convert_to_tensor=True).float()
+    expected = (vectors[1:] @ vectors[0]).tolist()
+    assert minilm_llm.score(query, docs) == pytest.approx(expected, abs=1e-4)
+    pairwise = minilm_llm.score([query, docs[0], query], [docs[1], docs[0], docs[2]])
+    assert pairwise == pytest.approx([expected[1], 1.0, expected[2]], abs=1e-4)
+    ranked = minilm_llm.rerank(query, docs, top_n=2)
+    assert [r.index for r in ranked] == sorted(range(3), key=lambda i: -expected[i])[:2]
+    assert ranked[0].document == docs[ranked[0].index]

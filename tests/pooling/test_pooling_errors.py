@@ -1,0 +1,81 @@
+"""Bad pooling input is refused before it reaches the engine, with InvalidArgument naming the
+field (the server maps it to INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from mmserve.engine import pooling_api
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.entrypoints.llm import LLM
+from mmserve.errors import InvalidArgument
+from mmserve.params import SamplingParams
+
+LONG = "word " * 400  # > 256 tokens
+
+
+def field_of(call: Callable[[], Any]) -> str:
+    with pytest.raises(InvalidArgument) as info:
+        call()
+    assert str(info.value).startswith(f"{info.value.field}: ")
+    return info.value.field
+
+
+def test_embed_input_errors(minilm_llm: LLM) -> None:
+    assert field_of(lambda: minilm_llm.embed([])) == "inputs"
+    assert field_of(lambda: minilm_llm.embed(["ok", LONG])) == "inputs[1]"
+    assert field_of(lambda: minilm_llm.embed([[101, 10**6, 102]])) == "inputs[0]"
+    assert field_of(lambda: minilm_llm.embed([[]])) == "inputs[0]"
+    assert field_of(lambda: minilm_llm.embed(["a"], dimensions=385)) == "dimensions"
+    assert field_of(lambda: minilm_llm.embed(["a"], dimensions=0)) == "dimensions"
+    assert field_of(lambda: minilm_llm.embed(["a"], truncate="middle")) == "truncate"
+    too_many = [[101, 102]] * (pooling_api.MAX_INPUTS_PER_CALL + 1)
+    assert field_of(lambda: minilm_llm.embed(too_many)) == "inputs"
+
+
+def test_too_long_names_the_input_and_the_limit(minilm_llm: LLM) -> None:
+    with pytest.raises(InvalidArgument, match=r"inputs\[1\]: \d+ tokens exceed the limit of 256"):
+        minilm_llm.embed(["ok", LONG], truncate="none")
+    assert len(minilm_llm.embed([LONG], truncate="left")[0]) == 384
+
+
+def test_tasks_the_model_cannot_do(minilm_llm: LLM, tiny_llms: Callable[[str], LLM]) -> None:
+    assert field_of(lambda: minilm_llm.classify(["a"])) == "model"
+    assert field_of(lambda: minilm_llm.generate(["a"], SamplingParams(max_tokens=2))) == "model"
+    classifier = tiny_llms("bert-classifier")  # three labels: no score
+    assert field_of(lambda: classifier.embed(["a"])) == "model"
+    assert field_of(lambda: classifier.score("a", ["b"])) == "model"
+    assert field_of(lambda: classifier.rerank("a", ["b"])) == "model"
+
+
+def test_score_and_rerank_errors(minilm_llm: LLM, tiny_llms: Callable[[str], LLM]) -> None:
+    assert field_of(lambda: minilm_llm.score(["a", "b"], ["c", "d", "e"])) == "first"
+    assert field_of(lambda: minilm_llm.score([], ["c"])) == "first"
+    assert field_of(lambda: minilm_llm.score(["a"], [])) == "second"
+    assert field_of(lambda: minilm_llm.score(["a"], ["ok", LONG])) == "second[1]"
+    assert field_of(lambda: minilm_llm.rerank("q", [])) == "documents"
+    assert field_of(lambda: minilm_llm.rerank("q", ["d"], top_n=0)) == "top_n"
+    assert field_of(lambda: minilm_llm.rerank(" ", ["d"])) == "query"
+    cross = tiny_llms("bert-cross-encoder")
+    assert field_of(lambda: cross.score("a", [[101, 102]])) == "second[0]"
+    assert field_of(lambda: cross.score("a", ["ok", "b " * 100])) == "second[1]"
+    assert field_of(lambda: cross.rerank("a", ["ok", "b " * 100])) == "documents[1]"
+
+
+def test_async_errors_raise_before_the_engine(minilm_async: AsyncEngine) -> None:
+    async def call(coro: Any) -> None:
+        await coro
+
+    with pytest.raises(InvalidArgument, match="^inputs: must not be empty"):
+        asyncio.run(call(pooling_api.embed(minilm_async, [])))
+    with pytest.raises(InvalidArgument, match="^dimensions: 999 exceeds"):
+        asyncio.run(call(pooling_api.embed(minilm_async, ["a"], dimensions=999)))
+    with pytest.raises(InvalidArgument, match="^model: "):
+        asyncio.run(call(pooling_api.classify(minilm_async, ["a"])))
+    with pytest.raises(InvalidArgument, match="^first: has 2 items"):
+        asyncio.run(call(pooling_api.score(minilm_async, ["a", "b"], ["c"])))
+    assert minilm_async.num_in_flight == 0
