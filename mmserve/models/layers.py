@@ -20,21 +20,40 @@ _SEQ_LEN_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x / rms(x), normalised in float32 and cast back before the weight."""
+    """y = weight * x / rms(x), normalised in float32 and cast back before the weight.
+
+    With a residual, first x = x + residual (in x's dtype, as transformers adds it), and the
+    sum is returned too. On CUDA both run as one Triton kernel (mmserve.kernels.rmsnorm)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if x.is_cuda and x.is_contiguous():
+            from mmserve.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2 * I] (gate then up) -> [..., I] = silu(gate) * up."""
+    """[..., 2 * I] (gate then up) -> [..., I] = silu(gate) * up (one Triton kernel on CUDA)."""
+    if gate_up.is_cuda:
+        from mmserve.kernels.activation import silu_and_mul as fused
+
+        return fused(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -62,22 +81,50 @@ def rope_parameters(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]
     return inv_freq.float(), float(scale)
 
 
+class Rope:
+    """What one forward needs to rotate q and k: per-token cos/sin on the torch path, or the
+    cos/sin tables and the positions for the Triton kernel on CUDA."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None) -> None:
+        self.cos = cos  # torch path: [T, 1, D/2] in the model dtype; CUDA: [max_pos, D/2] fp32
+        self.sin = sin
+        self.positions = positions  # [T], CUDA only
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.positions is not None:
+            from mmserve.kernels.rotary import rotary_embedding
+
+            return rotary_embedding(self.positions, q, k, self.cos, self.sin)
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate the two halves of each head)."""
 
-    def __init__(self, inv_freq: torch.Tensor, scale: float) -> None:
+    def __init__(self, inv_freq: torch.Tensor, scale: float, max_positions: int = 0) -> None:
         super().__init__()
         # [head_dim // 2] float32 whatever the model dtype
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.scale = scale  # yarn-style attention factor folded into cos and sin
+        self.max_positions = max_positions  # rows of the CUDA tables
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions [T] -> cos, sin, each [T, 1, head_dim // 2] in dtype (1 broadcasts heads)."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        if positions.is_cuda and self.max_positions:
+            return Rope(*self._cuda_tables(), positions)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         cos = (freqs.cos() * self.scale).to(dtype)
         sin = (freqs.sin() * self.scale).to(dtype)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        return Rope(cos.unsqueeze(1), sin.unsqueeze(1), None)  # [T, 1, D/2]: 1 broadcasts heads
+
+    def _cuda_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 [max_positions, D/2] tables, built once (before any CUDA graph capture)."""
+        if self._tables is None:
+            pos = torch.arange(self.max_positions, device=self.inv_freq.device, dtype=torch.float32)
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            self._tables = (freqs.cos() * self.scale, freqs.sin() * self.scale)
+        return self._tables
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ from mmserve.attention import AttentionBackend, AttentionMetadata
 from mmserve.errors import UnsupportedModel
 from mmserve.models.layers import (
     RMSNorm,
+    Rope,
     RotaryEmbedding,
-    apply_rotary,
     load_into,
     rope_parameters,
     silu_and_mul,
@@ -129,7 +129,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, ...],  # cos, sin: [T, 1, head_dim // 2]
+        rope: Rope,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -140,7 +140,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = rope.apply(q, k)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -171,13 +171,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, ...],
+        x: torch.Tensor,  # [T, hidden]: the previous layer's output, not yet added
+        residual: torch.Tensor | None,  # [T, hidden]: the running sum; None before layer 0
+        rope: Rope,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the running sum before it): each residual add is
+        fused into the norm that follows it."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -186,7 +194,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, backend) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(*rope_parameters(hf_config, spec.head_dim))
+        max_positions = getattr(hf_config, "max_position_embeddings", 0) or 0
+        self.rotary_emb = RotaryEmbedding(*rope_parameters(hf_config, spec.head_dim), max_positions)
 
     def forward(
         self,
@@ -197,9 +206,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary_emb(positions, x.dtype)  # shared by every layer
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
