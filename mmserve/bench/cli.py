@@ -65,8 +65,10 @@ def run(args: argparse.Namespace) -> None:
     folder = Path(args.model)
     if dummy:
         folder = make_model_folder(args.model.split(":", 1)[1], Path(tempfile.mkdtemp()) / "model")
-    engine = _engine(args, folder, dummy)
     config = json.loads((folder / "config.json").read_text())
+    if args.baseline:  # first, and freed after: both cannot hold the GPU's memory at once
+        _baseline(args, folder, dummy, config)
+    engine = _engine(args, folder, dummy)
     wbytes = weight_bytes(config) if config.get("model_type") in ("llama", "mistral", "qwen2") else None
     bw = args.bandwidth_gbs * 1e9
     if args.kind == "latency":
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> None:
         _emit(bench="decode", batch_size=args.batch_size, context=args.input_len, step_ms=ms,
               kv_bytes_read=kv_bytes, roofline_ms=floor_ms, ratio_to_roofline=ms / floor_ms)
     elif args.kind == "prefill":
-        ms, tokens = prefill_ms(engine, args.batch_size, args.input_len)
+        ms, _ = prefill_ms(engine, args.batch_size, args.input_len)
         flops = prefill_flops(config, args.batch_size, args.input_len) if wbytes else None
         _emit(bench="prefill", batch_size=args.batch_size, input_len=args.input_len, step_ms=ms,
               tflops=flops / ms / 1e9 if flops else None)
@@ -88,8 +90,6 @@ def run(args: argparse.Namespace) -> None:
         r = offline.throughput(engine, args.num_requests, args.input_len, args.output_len)
         _emit(bench="throughput", **asdict(r), output_tokens_per_s=r.output_tokens_per_s,
               total_tokens_per_s=r.total_tokens_per_s)
-    if args.baseline:
-        _baseline(args, folder, dummy, config)
 
 
 def decode_step_ms(engine: LLMEngine, batch: int, context: int) -> tuple[float, int]:
@@ -149,6 +149,9 @@ def _baseline(args: argparse.Namespace, folder: Path, dummy: bool, config: dict)
     batch = 1 if args.kind == "latency" else min(args.batch_size if args.kind != "throughput" else 128, 128)
     out_len = min(args.output_len, 64) if batch == 1 else args.output_len
     r = hf_generate(model, batch, args.input_len, out_len, config["vocab_size"])
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     _emit(bench=f"{args.kind}-transformers-generate", **asdict(r), output_tokens_per_s=r.output_tokens_per_s,
           ms_per_step=1e3 * r.seconds / out_len)
 
