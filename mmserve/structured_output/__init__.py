@@ -1,0 +1,63 @@
+"""Constrained decoding: JSON schema, JSON object, regex, choice and EBNF constraints.
+
+One interface (backend.py), two engines behind a lazy registry (registry.py): xgrammar (the
+default) and outlines-core. Per model, a StructuredOutputManager compiles constraints
+(cached, time-limited, off the event loop); per request, `CompiledGrammar.matcher()` tracks
+the output, fills the token bitmask row on the CPU, and `apply_bitmask` masks the logits.
+
+Nothing is weakened silently: a schema keyword, format, or regex feature an engine would
+ignore is rejected with InvalidArgument and a JSON pointer (schema_check.py, keywords.py).
+
+This package imports neither engine until a backend is built.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .backend import (
+    MAX_ROLLBACK_TOKENS,
+    CompiledGrammar,
+    GrammarMatcher,
+    StructuredOutputBackend,
+    allocate_bitmask,
+    apply_bitmask,
+    bitmask_width,
+    unpack_bitmask,
+)
+from .params import BACKEND_NAMES, KINDS, StructuredOutputParams
+from .registry import DEFAULT_BACKEND, backend_names, create_backend, get_backend_class
+from .schema_check import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, SchemaError
+
+if TYPE_CHECKING:
+    from .manager import StructuredOutputManager
+
+__all__ = [
+    "BACKEND_NAMES",
+    "DEFAULT_BACKEND",
+    "KINDS",
+    "MAX_ROLLBACK_TOKENS",
+    "MAX_SCHEMA_DEPTH",
+    "MAX_SCHEMA_NODES",
+    "CompiledGrammar",
+    "GrammarMatcher",
+    "SchemaError",
+    "StructuredOutputBackend",
+    "StructuredOutputManager",
+    "StructuredOutputParams",
+    "allocate_bitmask",
+    "apply_bitmask",
+    "backend_names",
+    "bitmask_width",
+    "create_backend",
+    "get_backend_class",
+    "unpack_bitmask",
+]
+
+
+def __getattr__(name: str) -> object:  # the manager pulls in transformers: load it on demand
+    if name == "StructuredOutputManager":
+        from .manager import StructuredOutputManager
+
+        return StructuredOutputManager
+    raise AttributeError(name)

@@ -1,0 +1,138 @@
+"""The grammar-engine interface every backend implements, and the token bitmask helpers.
+
+A token bitmask is an int32 tensor of shape [batch, ceil(vocab_size / 32)]: bit j of word i
+of a row allows token 32 * i + j. `vocab_size` is the model's logits width, which may exceed
+the tokenizer's vocabulary (padded lm_head); tokens past the tokenizer are never allowed.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .params import StructuredOutputParams
+
+if TYPE_CHECKING:  # the sampler imports this module; it needs no transformers
+    from transformers import PreTrainedTokenizerFast
+
+
+class GrammarMatcher(abc.ABC):
+    """The state of one request's output against a compiled grammar.
+
+    Not thread-safe: one matcher belongs to one request and is driven by one thread.
+    """
+
+    @abc.abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token. Returns False (state unchanged) if the grammar
+        does not allow it. A stop token is accepted only where the grammar may end, and
+        terminates the matcher."""
+
+    @abc.abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into bitmask[row] (a contiguous CPU int32 tensor of
+        shape [B, ceil(vocab_size / 32)]). Where the grammar is complete only stop tokens
+        are set (also once terminated)."""
+
+    @abc.abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding, rejected drafts).
+        Every backend supports at least MAX_ROLLBACK_TOKENS; past what a backend keeps, or
+        past the first token, it raises ValueError."""
+
+    @abc.abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token has been accepted."""
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Back to the start state (a preempted request that will recompute)."""
+
+
+class CompiledGrammar(abc.ABC):
+    """An immutable compiled constraint, shared (cached) by every request that uses it."""
+
+    @abc.abstractmethod
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the start state. Thread-safe."""
+
+
+class StructuredOutputBackend(abc.ABC):
+    """One grammar engine bound to one model's tokenizer and logits width.
+
+    Constructed once per model (building the engine's vocabulary takes ~0.5 s for a 50k
+    vocabulary); `compile` may be called from several threads at once.
+    """
+
+    name: str  # registry name
+
+    @abc.abstractmethod
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerFast, vocab_size: int, eos_token_ids: Sequence[int]
+    ) -> None:
+        """tokenizer: the model's; vocab_size: the model's logits width (may differ from
+        the tokenizer's size); eos_token_ids: the tokens that end generation, allowed only
+        where the grammar may end."""
+
+    @abc.abstractmethod
+    def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
+        """Compile a validated constraint. Raises InvalidArgument pointing at the offending
+        part (SchemaError with a JSON pointer for schemas) if it is malformed, too large,
+        or uses anything this backend would not enforce."""
+
+
+# How far a matcher can be rolled back; enough for speculative decoding's drafts.
+MAX_ROLLBACK_TOKENS = 64
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    """A CPU bitmask with every token allowed, [batch_size, ceil(vocab_size / 32)] int32.
+
+    Rows of unconstrained requests stay all-ones; `apply_bitmask` skips them anyway.
+    """
+    return torch.full((batch_size, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+
+
+def allow_tokens(words: torch.Tensor, token_ids: Iterable[int]) -> None:
+    """Also allow `token_ids` in one bitmask row ([W] int32, CPU)."""
+    for token_id in token_ids:
+        word, bit = divmod(token_id, 32)
+        value = (int(words[word]) & 0xFFFFFFFF) | (1 << bit)
+        words[word] = value - (1 << 32) if value >= 1 << 31 else value  # as int32
+
+
+def _bit_positions(device: torch.device) -> torch.Tensor:
+    return torch.arange(32, dtype=torch.int32, device=device)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 -> [R, vocab_size] bool (True = allowed)."""
+    bits = (bitmask.unsqueeze(-1) >> _bit_positions(bitmask.device)) & 1  # [R, W, 32]
+    return bits.bool().flatten(1)[:, :vocab_size]
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Set disallowed tokens of logits[rows] to -inf, in place.
+
+    logits: [B, V] float on any device; bitmask: [B, W] int32 with W * 32 >= V, row i
+    belonging to logits row i (usually on the CPU: it is copied to logits' device);
+    rows: the constrained rows (the others are left untouched).
+    """
+    if not rows:
+        return
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+        raise ValueError("expected logits [B, V] and an int32 bitmask [B, W]")
+    vocab_size = logits.shape[1]
+    if bitmask.shape[1] * 32 < vocab_size:
+        raise ValueError(f"bitmask covers {bitmask.shape[1] * 32} tokens, logits have {vocab_size}")
+    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    mask = bitmask.to(logits.device, non_blocking=True).index_select(0, index)
+    allowed = unpack_bitmask(mask, vocab_size)  # [R, V]
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -1,0 +1,166 @@
+"""The outlines backend (outlines-core): JSON schema, JSON object, regex and choice.
+
+Everything compiles to a regex and then to a token-level automaton (`Index`), offline: the
+vocabulary is built here from the tokenizer (vocab.py), never downloaded. EBNF grammars
+are refused: outlines-core has no context-free engine (the `outlines` package hands CFGs
+to llguidance, a different engine) - use the xgrammar backend for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+from outlines_core import Guide, Index, Vocabulary
+from outlines_core.json_schema import build_regex_from_schema
+from transformers import PreTrainedTokenizerFast
+
+from mmserve.errors import InvalidArgument
+
+from .backend import (
+    MAX_ROLLBACK_TOKENS,
+    CompiledGrammar,
+    GrammarMatcher,
+    StructuredOutputBackend,
+    allow_tokens,
+    bitmask_width,
+)
+from .keywords import OUTLINES_RULES
+from .params import StructuredOutputParams
+from .regex_check import RegexProblem, strip_anchors
+from .schema_check import check_schema, parse_schema
+from .vocab import token_bytes
+
+# Characters with a meaning in outlines-core's (Rust) regex syntax; a backslash before any
+# of them is accepted by both Rust's and Python's regex parsers.
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+class OutlinesBackend(StructuredOutputBackend):
+    name = "outlines"
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerFast, vocab_size: int, eos_token_ids: Sequence[int]
+    ) -> None:
+        if not eos_token_ids:
+            raise ValueError("the outlines backend needs at least one eos token id")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._vocabulary = _vocabulary(tokenizer, vocab_size, eos_token_ids)
+
+    def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
+        params.validate()
+        regex = self._regex_for(params)
+        try:
+            index = Index(regex, self._vocabulary)
+        except ValueError as e:  # outlines-core's message (regex syntax, unsupported feature)
+            raise InvalidArgument(params.field, str(e)) from None
+        return OutlinesCompiled(index, self.vocab_size, self.eos_token_ids)
+
+    def _regex_for(self, params: StructuredOutputParams) -> str:
+        text = cast(str, params.value)  # a string for every kind but choice
+        try:
+            if params.kind == "json_schema":
+                check_schema(parse_schema(text), OUTLINES_RULES)
+                return str(build_regex_from_schema(text, None))
+            if params.kind == "json_object":
+                return str(build_regex_from_schema('{"type": "object"}', None))
+            if params.kind == "regex":
+                return strip_anchors(text)
+            if params.kind == "choice":
+                return "|".join(_escape(choice) for choice in params.value)
+        except InvalidArgument:
+            raise
+        except (RegexProblem, ValueError, TypeError) as e:  # outlines-core's own message
+            raise InvalidArgument(params.field, str(e)) from None
+        raise InvalidArgument(
+            params.field,
+            "the outlines backend does not support EBNF grammars (outlines-core has no "
+            "context-free engine); use the xgrammar backend",
+        )
+
+
+def _escape(literal: str) -> str:
+    return "".join("\\" + c if c in _REGEX_META else c for c in literal)
+
+
+def _vocabulary(
+    tokenizer: PreTrainedTokenizerFast, vocab_size: int, eos_token_ids: Sequence[int]
+) -> Vocabulary:
+    """Token bytes -> ids, without special tokens (stop tokens are handled by the matcher)."""
+    by_bytes: dict[bytes, list[int]] = {}
+    for i, data in enumerate(token_bytes(tokenizer, vocab_size)):
+        if data and i not in eos_token_ids:
+            by_bytes.setdefault(data, []).append(i)
+    return Vocabulary(eos_token_ids[0], by_bytes)
+
+
+class OutlinesCompiled(CompiledGrammar):
+    def __init__(self, index: Index, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._index = index
+        self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+
+    def matcher(self) -> GrammarMatcher:
+        return OutlinesMatcher(self._index, self._vocab_size, self._eos_token_ids)
+
+
+class OutlinesMatcher(GrammarMatcher):
+    """A Guide plus what it lacks: several stop tokens, termination, and rollback of it.
+
+    outlines-core's Guide allows its one eos token in a final state but refuses to advance
+    on it (outlines-core issue #227), so stop tokens are handled here, not by the Guide.
+    """
+
+    def __init__(self, index: Index, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._guide = Guide(index, max_rollback=MAX_ROLLBACK_TOKENS)
+        self._width = bitmask_width(vocab_size)
+        self._eos_token_ids = eos_token_ids
+        self._terminated = False
+        self._history: list[bool] = []  # per accepted token: True = the Guide advanced
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._terminated:
+            return False
+        if token_id in self._eos_token_ids:
+            if not self._guide.is_finished():
+                return False
+            self._terminated = True
+            self._history.append(False)
+            return True
+        if not self._guide.accepts_tokens([token_id]):
+            return False
+        self._guide.advance(token_id, return_tokens=False)
+        self._history.append(True)
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if bitmask.shape[-1] != self._width or not bitmask.is_contiguous():
+            raise ValueError(f"expected a contiguous bitmask of width {self._width}")
+        words = bitmask[row]
+        if self._terminated:
+            words.zero_()
+            allow_tokens(words, self._eos_token_ids)
+            return
+        self._guide.write_mask_into(words.data_ptr(), self._width, 4)
+        if self._guide.is_finished():  # the Guide knows one eos; allow every stop token
+            allow_tokens(words, self._eos_token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > len(self._history) or num_tokens > MAX_ROLLBACK_TOKENS:
+            raise ValueError(f"cannot roll back {num_tokens} tokens")
+        undone = self._history[len(self._history) - num_tokens :]
+        del self._history[len(self._history) - num_tokens :]
+        if not all(undone):  # a stop token is always last
+            self._terminated = False
+        if sum(undone):
+            self._guide.rollback_state(sum(undone))
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def reset(self) -> None:
+        self._guide.reset()
+        self._history.clear()
+        self._terminated = False

@@ -1,0 +1,248 @@
+"""Whatever a backend would not enforce is refused with InvalidArgument and a pointer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmserve.errors import InvalidArgument
+from mmserve.structured_output import (
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_NODES,
+    SchemaError,
+    StructuredOutputBackend,
+    StructuredOutputParams,
+)
+from mmserve.structured_output.keywords import OUTLINES_RULES, XGRAMMAR_RULES
+from mmserve.structured_output.schema_check import check_schema, parse_schema
+
+OBJ = {"type": "object"}
+
+
+def props(**schemas: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": schemas}
+
+
+# (schema, JSON pointer of the offending part), refused by both backends
+BOTH_REFUSE: list[tuple[Any, str]] = [
+    (props(tags={"type": "array", "uniqueItems": True}), "/properties/tags/uniqueItems"),
+    ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}, "/if"),
+    ({"type": "integer", "not": {"const": 3}}, "/not"),
+    ({"type": "array", "contains": {"type": "integer"}}, "/contains"),
+    ({**OBJ, "dependentRequired": {"a": ["b"]}}, "/dependentRequired"),
+    (props(a={"type": "string", "format": "no-such-format"}), "/properties/a/format"),
+    (props(d={"type": "string", "format": "date"}), "/properties/d/format"),
+    ({"type": "string", "contentEncoding": "base64"}, "/contentEncoding"),
+    ({"type": "integer", "minimum": 3, "enum": [1, 5]}, "/minimum"),
+    ({"type": "string", "enum": ["a", 1]}, "/enum/1"),
+    ({"type": "integer", "anyOf": [{"type": "integer"}, {"type": "string"}]}, "/type"),
+    ({"$defs": {"p": {"type": "integer"}}, "$ref": "#/$defs/p", "maxLength": 3}, "/maxLength"),
+    ({"allOf": [{"type": "integer"}, {"type": "number"}]}, "/allOf"),
+    ({"minLength": 3}, "/minLength"),
+    (props(p={"type": "string", "pattern": "^(?!a)b$"}), "/properties/p/pattern"),
+    (props(p={"type": "string", "pattern": "a$b"}), "/properties/p/pattern"),
+    (props(p={"type": "string", "pattern": "\\Aab"}), "/properties/p/pattern"),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 4}, "/maxLength"),
+    ({"$ref": "https://example.com/s.json"}, "/$ref"),
+    ({"$ref": "#/$defs/missing"}, "/$ref"),
+    ({**OBJ, "properties": {"a": {"type": "integer"}}, "required": ["b"]}, "/required/0"),
+    ({**OBJ, "additionalProperties": {"type": "integer"}, "required": ["a", "k"]}, "/required/0"),
+    ({"type": "array", "items": [{"type": "integer"}]}, "/items"),
+    ({"type": "strin"}, "/type"),
+    (props(a={"$id": "x", "type": "integer"}), "/properties/a/$id"),
+    (props(**{"a/b": {"type": "integer", "nullable": True}}), "/properties/a~1b/nullable"),
+]
+
+XGRAMMAR_REFUSES: list[tuple[Any, str]] = [
+    (
+        {**props(ab={"type": "string"}), "patternProperties": {"^a": {"type": "integer"}}},
+        "/patternProperties/^a",
+    ),
+    ({**props(a={"type": "integer"}), "propertyNames": {"pattern": "^b"}}, "/propertyNames"),
+    ({**OBJ, "additionalProperties": {"type": "integer"}, "minProperties": 2}, "/minProperties"),
+    ({"type": "number", "multipleOf": 0.5}, "/multipleOf"),
+    ({"type": "integer", "minimum": 0, "multipleOf": 7}, "/multipleOf"),
+    ({"oneOf": [{"type": "number"}, {"type": "integer", "minimum": 10}]}, "/oneOf"),
+    (props(ip={"type": "string", "format": "ipv4"}), "/properties/ip/format"),
+]
+
+OUTLINES_REFUSES: list[tuple[Any, str]] = [
+    (props(age={"type": "integer", "minimum": 0}), "/properties/age/minimum"),
+    ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, "/oneOf"),
+    ({**OBJ, "patternProperties": {"^x": {"type": "integer"}}}, "/patternProperties"),
+    ({**OBJ, "maxProperties": 2}, "/maxProperties"),
+    (props(e={"type": "string", "format": "email"}), "/properties/e/format"),
+    (props(p={"type": "string", "pattern": "^.+$"}), "/properties/p/pattern"),
+    (props(p={"type": "string", "pattern": "[^a]"}), "/properties/p/pattern"),
+    (props(p={"type": "string", "pattern": "\\d+"}), "/properties/p/pattern"),
+    (props(p={"type": "string", "pattern": '[ -~]"'}), "/properties/p/pattern"),
+]
+
+
+def expect_pointer(schema: Any, rules: Any, pointer: str) -> SchemaError:
+    with pytest.raises(SchemaError) as info:
+        check_schema(schema, rules)
+    assert info.value.pointer == pointer, str(info.value)
+    assert info.value.field == "structured.json_schema"
+    assert f"at {pointer}:" in str(info.value)
+    return info.value
+
+
+@pytest.mark.parametrize(("schema", "pointer"), BOTH_REFUSE + XGRAMMAR_REFUSES)
+def test_xgrammar_rules_refuse(schema: Any, pointer: str) -> None:
+    expect_pointer(schema, XGRAMMAR_RULES, pointer)
+
+
+@pytest.mark.parametrize(("schema", "pointer"), BOTH_REFUSE + OUTLINES_REFUSES)
+def test_outlines_rules_refuse(schema: Any, pointer: str) -> None:
+    expect_pointer(schema, OUTLINES_RULES, pointer)
+
+
+def test_refusal_names_the_keyword_and_what_is_supported() -> None:
+    error = expect_pointer(
+        props(t={"type": "array", "uniqueItems": True}), XGRAMMAR_RULES, "/properties/t/uniqueItems"
+    )
+    assert "'uniqueItems' is not supported by the xgrammar backend" in str(error)
+    assert "maxItems" in str(error)  # the supported list
+    error = expect_pointer({"type": "string", "format": "date"}, XGRAMMAR_RULES, "/format")
+    assert '"pattern": "^[0-9]{4}-' in str(error)  # the opt-in approximation
+
+
+ACCEPTED = [
+    {"type": "object", "properties": {"a": {"type": "integer", "title": "A", "x-note": 1}}},
+    {"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "string"},
+    {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "description": "d"},
+    {"type": "string", "enum": ["a", "b"]},
+    {"type": "number", "const": 2},
+    {"$defs": {"p": {"type": "integer"}}, "allOf": [{"$ref": "#/$defs/p"}]},
+    {"type": "object", "additionalProperties": {"type": "integer"}},
+    True,
+]
+
+
+@pytest.mark.parametrize("schema", ACCEPTED)
+@pytest.mark.parametrize("rules", [XGRAMMAR_RULES, OUTLINES_RULES], ids=["xgrammar", "outlines"])
+def test_plain_schemas_pass(schema: Any, rules: Any) -> None:
+    check_schema(schema, rules)
+
+
+def test_disjoint_one_of_passes_xgrammar() -> None:
+    by_type = {"oneOf": [{"type": "integer"}, {"type": ["string", "null"]}]}
+    tagged = {
+        "$defs": {
+            "a": {"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+            "b": {"type": "object", "properties": {"k": {"enum": ["b"]}}, "required": ["k"]},
+        },
+        "oneOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}],
+    }
+    check_schema(by_type, XGRAMMAR_RULES)
+    check_schema(tagged, XGRAMMAR_RULES)
+
+
+def test_depth_and_size_limits() -> None:
+    deep: Any = {"type": "integer"}
+    for _ in range(MAX_SCHEMA_DEPTH + 1):
+        deep = {"type": "array", "items": deep}
+    error = expect_pointer(deep, XGRAMMAR_RULES, "/items" * (MAX_SCHEMA_DEPTH + 1))
+    assert "deeper" in str(error)
+    wide = props(**{f"p{i}": {"type": "integer"} for i in range(MAX_SCHEMA_NODES)})
+    assert "subschemas" in str(
+        expect_pointer(wide, XGRAMMAR_RULES, f"/properties/p{MAX_SCHEMA_NODES - 1}")
+    )
+
+
+def test_parse_errors() -> None:
+    with pytest.raises(InvalidArgument, match="not valid JSON"):
+        parse_schema("{")
+    with pytest.raises(InvalidArgument, match="nested too deeply"):
+        parse_schema("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(SchemaError, match="JSON object or a boolean"):
+        parse_schema("3")
+
+
+def test_backends_refuse_with_pointer(backend: StructuredOutputBackend) -> None:
+    schema = props(tags={"type": "array", "items": {"type": "string"}, "uniqueItems": True})
+    with pytest.raises(SchemaError) as info:
+        backend.compile(StructuredOutputParams("json_schema", json.dumps(schema)))
+    assert info.value.pointer == "/properties/tags/uniqueItems"
+
+
+def test_engine_errors_become_invalid_argument(backend: StructuredOutputBackend) -> None:
+    bad_range = {"type": "array", "minItems": 5, "maxItems": 1}
+    cases = [
+        ("json_schema", json.dumps(bad_range), "structured.json_schema"),
+        ("regex", "(a", "structured.regex"),
+        ("regex", "a{3,1}", "structured.regex"),
+        ("regex", "(a)\\1", "structured.regex"),  # backreference
+        ("regex", "a$b", "structured.regex"),  # would be ignored: refused by us
+    ]
+    for kind, value, field in cases:
+        with pytest.raises(InvalidArgument) as info:
+            backend.compile(StructuredOutputParams(kind, value))
+        assert info.value.field == field, (kind, value)
+        assert "[" not in str(info.value).split(":")[1][:3]  # no engine log prefix
+
+
+def test_ebnf_errors(tokenizer: Any) -> None:
+    from tests.structured_output.conftest import get_backend
+
+    xgrammar = get_backend(tokenizer, "xgrammar")
+    with pytest.raises(InvalidArgument, match='Rule "foo" is not defined'):
+        xgrammar.compile(StructuredOutputParams("grammar", "root ::= foo"))
+    with pytest.raises(InvalidArgument, match="line 1"):
+        xgrammar.compile(StructuredOutputParams("grammar", 'root ::= ("a"'))
+    outlines = get_backend(tokenizer, "outlines")
+    with pytest.raises(InvalidArgument, match="does not support EBNF"):
+        outlines.compile(StructuredOutputParams("grammar", 'root ::= "a"'))
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        (StructuredOutputParams("yaml", "x"), "unknown constraint"),
+        (StructuredOutputParams("regex", "a", backend="llguidance"), "unknown backend"),
+        (StructuredOutputParams("regex", ""), "non-empty"),
+        (StructuredOutputParams("regex", "a" * 10_000), "longer than the limit"),
+        (StructuredOutputParams("json_schema", " " * 200_000), "longer than the limit"),
+        (StructuredOutputParams("choice", []), "non-empty list"),
+        (StructuredOutputParams("choice", "ab"), "non-empty list"),
+        (StructuredOutputParams("choice", ["a", ""]), r"structured.choice\[1\]"),
+        (StructuredOutputParams("choice", ["a"] * 2000), "at most"),
+    ],
+)
+def test_params_validation(params: StructuredOutputParams, match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        params.validate()
+
+
+def test_choice_list_becomes_hashable_tuple() -> None:
+    params = StructuredOutputParams("choice", ["a", "b"])
+    assert params.value == ("a", "b")
+    assert hash(params) == hash(StructuredOutputParams("choice", ("a", "b")))
+
+
+KEYS = st.sampled_from(
+    ["type", "properties", "items", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
+     "$defs", "required", "pattern", "format", "minimum", "multipleOf", "minLength",
+     "patternProperties", "propertyNames", "minProperties", "additionalProperties", "x",
+     "object", "string", "integer", "#", "#/$defs/x", "^a", "date"]
+)  # fmt: skip
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | KEYS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(schema=JSON)
+def test_any_json_is_checked_without_crashing(schema: Any) -> None:
+    for rules in (XGRAMMAR_RULES, OUTLINES_RULES):
+        try:
+            check_schema(schema, rules)
+        except InvalidArgument:
+            pass
