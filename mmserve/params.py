@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from mmserve.errors import InvalidArgument
 
@@ -35,6 +36,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added logit
     skip_special_tokens: bool = True  # in detokenised text
     include_stop_str_in_output: bool = False
+    # a mmserve.structured_output.StructuredOutputParams constraining the output, or None
+    structured: Any = None
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +70,8 @@ class SamplingParams:
         )
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        if self.structured is not None:
+            self.structured.validate()
         for tok, bias in self.logit_bias.items():
             _check(_finite(bias) and -100 <= bias <= 100, f"logit_bias[{tok}]", "must be in [-100, 100]")
 

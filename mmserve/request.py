@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from mmserve.engine.block_hash import MMPlaceholder
 from mmserve.params import PoolingParams, SamplingParams
@@ -45,6 +46,7 @@ class Request:
     mm_placeholders: tuple[MMPlaceholder, ...] = ()  # images in the prompt (prefix-cache keys)
     pooling: PoolingParams | None = None  # set for embed/classify/score: pooled, not sampled
     token_type_ids: list[int] | None = None  # segment ids of a text pair (BERT-style encoders)
+    grammar: Any = None  # a structured_output GrammarMatcher fed every sampled token, or None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache

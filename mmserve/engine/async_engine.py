@@ -10,6 +10,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from mmserve.engine.llm_engine import GenerationDelta, LLMEngine
 from mmserve.errors import ResourceExhausted
@@ -25,6 +26,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     sink: Callable[[GenerationDelta | BaseException], None]
+    grammar: Any = None  # CompiledGrammar of params.structured, compiled off the loop
 
 
 @dataclass
@@ -73,10 +75,13 @@ class AsyncEngine:
         """Yields deltas until every choice has finished. Validation errors raise before the
         first delta; leaving the iteration early aborts the request."""
         self.engine.validate(prompt_token_ids, params)
+        grammar = None
+        if params.structured is not None:  # compiling can take a while: not on the loop
+            grammar = await asyncio.to_thread(self.engine.compile_grammar, params)
         request_id = request_id or self.engine.new_request_id()
 
         def make(sink: Callable[[GenerationDelta | BaseException], None]) -> _Add:
-            return _Add(request_id, list(prompt_token_ids), params, cache_salt, sink)
+            return _Add(request_id, list(prompt_token_ids), params, cache_salt, sink, grammar)
 
         async for item in self._submit(request_id, make, params.n):
             yield item
@@ -168,7 +173,8 @@ class AsyncEngine:
                     )
                 else:
                     self.engine.add_request(
-                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt
+                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
+                        cmd.grammar,
                     )
                 self._sinks[cmd.request_id] = cmd.sink
             except Exception as e:  # noqa: BLE001 - a bad request fails alone

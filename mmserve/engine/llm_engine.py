@@ -4,10 +4,11 @@ Synchronous and single-threaded; the async front end runs it on its own thread."
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmserve.config import EngineConfig
 from mmserve.engine.engine_core import EngineCore
@@ -18,6 +19,9 @@ from mmserve.outputs import EngineOutput, TokenLogprob
 from mmserve.params import PoolingParams, SamplingParams
 from mmserve.processors.detokenizer import IncrementalDetokenizer
 from mmserve.request import Request
+
+if TYPE_CHECKING:
+    from mmserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +129,15 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        grammar: Any = None,
     ) -> None:
+        """grammar: the CompiledGrammar of params.structured when the caller compiled it
+        already (off its event loop); compiled here otherwise."""
         self.validate(prompt_token_ids, params)
         if request_id in self._parents:
             raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
+        if params.structured is not None and grammar is None:
+            grammar = self.compile_grammar(params)
         max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
         parent = self._parents[request_id] = _Parent()
         for i in range(params.n):
@@ -146,8 +155,23 @@ class LLMEngine:
             self._choices[child_id] = _Choice(request_id, i, detok)
             parent.children.append(child_id)
             self.core.add_request(
-                Request(child_id, list(prompt_token_ids), child_params, self.eos_token_ids, max_tokens, cache_salt)
+                Request(
+                    child_id, list(prompt_token_ids), child_params, self.eos_token_ids, max_tokens,
+                    cache_salt, grammar=grammar.matcher() if grammar is not None else None,
+                )
             )
+
+    @functools.cached_property
+    def structured(self) -> StructuredOutputManager:
+        """Compiles output constraints for this model (built on first use)."""
+        from mmserve.structured_output import StructuredOutputManager
+
+        vocab = self.core.runner.model.vocab_size  # bitmasks cover the logits' full width
+        return StructuredOutputManager(self.tokenizer, vocab, sorted(self.eos_token_ids))
+
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The CompiledGrammar of params.structured (cached; blocks: call it off the loop)."""
+        return self.structured.compile(params.structured) if params.structured is not None else None
 
     def add_pooling_request(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ class ScheduledRequest:
     eos_token_ids: frozenset[int]  # masked while fewer than min_tokens are out
     pooling: PoolingParams | None = None  # set when this step pools the request's whole input
     token_type_ids: list[int] | None = None  # segment ids of token_ids (pair encoders)
+    grammar: Any = None  # the request's GrammarMatcher when it samples under a constraint
 
 
 @dataclass
@@ -175,6 +177,7 @@ class Scheduler:
             eos_token_ids=request.eos_token_ids,
             pooling=request.pooling if done else None,
             token_type_ids=request.token_type_ids,
+            grammar=request.grammar if done else None,
         )
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
@@ -211,6 +214,10 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params, num_out = request.params, len(request.output_token_ids)
+        if request.grammar is not None:
+            request.grammar.accept_token(token)  # the bitmask allowed only acceptable tokens
+            if request.grammar.is_terminated():
+                return RequestStatus.FINISHED_STOPPED, token if token in request.eos_token_ids else None
         if num_out >= params.min_tokens:
             if token in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED, token

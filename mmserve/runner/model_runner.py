@@ -14,6 +14,7 @@ from mmserve.outputs import TokenLogprob
 from mmserve.runner.cuda_graphs import DecodeGraphs
 from mmserve.runner.pooler import Pooler
 from mmserve.runner.sampler import SamplingRow, sample, top_logprobs
+from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask
 
 
 @dataclass
@@ -134,7 +135,10 @@ class ModelRunner:
         hidden = self._forward(batch)
         out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden), pooled=self._pool(plan, hidden))
         if batch.sample_rows:
+            bitmask = self._grammar_bitmask(batch.sample_reqs)  # CPU work while the GPU runs
             logits = self.model.compute_logits(hidden[batch.sample_rows])
+            if bitmask is not None:
+                apply_bitmask(logits, bitmask[0], bitmask[1])
             rows = [self._sampling_row(s) for s in batch.sample_reqs]
             tokens, logprobs = sample(logits, rows, self.generator)
             for item, token, lp in zip(batch.sample_reqs, tokens, logprobs):
@@ -148,6 +152,16 @@ class ModelRunner:
                 return hidden
         extra = {} if batch.token_type_ids is None else {"token_type_ids": batch.token_type_ids}
         return self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, **extra)
+
+    def _grammar_bitmask(self, reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]] | None:
+        """Allowed tokens of each constrained row, [rows, ceil(vocab / 32)] int32 on the CPU."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return None
+        bitmask = allocate_bitmask(len(reqs), self.model.vocab_size)
+        for i in rows:
+            reqs[i].grammar.fill_bitmask(bitmask, i)
+        return bitmask, rows
 
     def _pool(self, plan: SchedulerOutput, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
