@@ -17,7 +17,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   B="python3 -m mmserve.bench.cli bench"
+  export MMSERVE_BENCH_PROFILE=$OUT/profile.txt
   { $B latency --input-len 128 --output-len 128 --max-num-seqs 1 --baseline
+    $B decode --batch-size 1 --input-len 128 --max-num-seqs 1
     $B decode --batch-size 64 --input-len 1024 --max-num-seqs 64
     $B prefill --batch-size 8 --input-len 2048 --max-num-batched-tokens 16384 --max-num-seqs 8 --enforce-eager
     $B throughput --num-requests 1000 --input-len 512 --output-len 128 --baseline

@@ -1,4 +1,5 @@
-"""`mmserve bench latency | throughput | decode | prefill`: offline engine benchmarks.
+"""`mmserve bench latency | throughput | decode | prefill | embed`: engine benchmarks (embed
+also over gRPC, against sentence-transformers: mmserve/bench/embed.py).
 
 Each prints one JSON object per line (the figure, its roofline where one applies, and the
 transformers baseline when --baseline is given), so results can be pasted into BENCHMARKS.md.
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mmserve.bench import offline
+from mmserve.bench import embed, offline
 from mmserve.bench.models import make_model_folder, weight_bytes
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mmserve.engine.llm_engine import LLMEngine
@@ -25,8 +26,15 @@ from mmserve.engine.llm_engine import LLMEngine
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (offline engine)")
-    p.add_argument("kind", choices=["latency", "throughput", "decode", "prefill"])
-    p.add_argument("--model", default="shape:llama3-8b", help="a model path, or shape:NAME with random weights")
+    p.add_argument("kind", choices=["latency", "throughput", "decode", "prefill", "embed"])
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a model path, or shape:NAME with random weights "
+        "(default shape:llama3-8b; shape:bert-base for embed)",
+    )
+    p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
+                   help="dummy = random weights (default for shape:NAME)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--input-len", type=int, default=512)
@@ -41,6 +49,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--bandwidth-gbs", type=float, default=4180.0, help="measured copy bandwidth, for the roofline")
     p.add_argument("--baseline", action="store_true", help="also time transformers generate")
+    embed.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -61,9 +70,13 @@ def _emit(**fields: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    dummy = args.model.startswith("shape:")
+    if args.kind == "embed":
+        embed.run(args)
+        return
+    args.model = args.model or "shape:llama3-8b"
+    dummy = args.model.startswith("shape:") or args.load_format == "dummy"
     folder = Path(args.model)
-    if dummy:
+    if args.model.startswith("shape:"):
         folder = make_model_folder(args.model.split(":", 1)[1], Path(tempfile.mkdtemp()) / "model")
     config = json.loads((folder / "config.json").read_text())
     if args.baseline:  # first, and freed after: both cannot hold the GPU's memory at once
@@ -100,9 +113,11 @@ def decode_step_ms(engine: LLMEngine, batch: int, context: int) -> tuple[float, 
     params = offline._fixed_length(64)
     for i in range(batch):
         engine.add_request(f"dec-{i}", offline.random_prompt(rng, context, engine.vocab_size), params)
-    times = []
+    times: list[float] = []
     while engine.has_unfinished:
         decoding = all(r.num_computed_tokens > 0 for r in engine.core.scheduler.running) and not engine.core.scheduler.waiting
+        if decoding and len(times) == 8 and envs_profile_path():
+            _profile_steps(engine, 5)
         t = time.perf_counter()
         engine.step()
         if decoding and len(engine.core.scheduler.running) == batch:
@@ -110,6 +125,29 @@ def decode_step_ms(engine: LLMEngine, batch: int, context: int) -> tuple[float, 
     model = engine.core.runner.model
     kv_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * engine.core.runner.kv_caches[0].element_size()
     return 1e3 * statistics.median(times[2:]), batch * (context + 32) * kv_per_token
+
+
+def envs_profile_path() -> str | None:
+    import os
+
+    return os.environ.get("MMSERVE_BENCH_PROFILE")  # bench-only switch, not a server setting
+
+
+def _profile_steps(engine: LLMEngine, steps: int) -> None:
+    """Writes the top kernels and CPU ops of a few decode steps to $MMSERVE_BENCH_PROFILE."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+    path = envs_profile_path()
+    assert path is not None
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    with open(path, "a") as f:
+        f.write(f"# {steps} decode steps at batch {len(engine.core.scheduler.running)}\n")
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=25) + "\n")
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15) + "\n")
 
 
 def prefill_ms(engine: LLMEngine, batch: int, input_len: int) -> tuple[float, int]:
