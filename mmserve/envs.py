@@ -68,6 +68,8 @@ class ServeEnv:
     max_tokens: int | None = field(default=None, metadata={"parse": int})
     max_prompt_tokens: int | None = field(default=None, metadata={"parse": int})
     shutdown_grace: float | None = field(default=None, metadata={"parse": float})
+    structured_output_backend: str | None = field(default=None, metadata={"parse": str})
+    tool_parser: str | None = field(default=None, metadata={"parse": str})
     log_level: str | None = field(default=None, metadata={"parse": str})
 
 

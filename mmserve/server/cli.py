@@ -14,7 +14,7 @@ from typing import Any
 
 from mmserve import envs
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from mmserve.server.config import ModelSpec, ServerConfig, embedded_default
+from mmserve.server.config import ModelSpec, ServerConfig, embedded_defaults
 
 logger = logging.getLogger("mmserve")
 
@@ -41,6 +41,8 @@ _FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--max-tokens", int, "cap on max_tokens, and its value when unset (default 4096)"),
     ("--max-prompt-tokens", int, "cap on prompt tokens (default: the model's context)"),
     ("--shutdown-grace", float, "seconds running calls get to finish on SIGTERM (default 30)"),
+    ("--structured-output-backend", str, "xgrammar or outlines (default xgrammar)"),
+    ("--tool-parser", str, "hermes, llama3_json, mistral or pythonic (default: from the model)"),
     ("--log-level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
 ]
 
@@ -54,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         metavar="MODEL",
         help="PATH or NAME=PATH: an HF folder, a .gguf file, or a folder holding one .gguf "
-        "[env MMSERVE_MODEL, comma-separated] (default: the embedded SmolLM2-135M-Instruct, "
-        "served as smollm2-135m-instruct)",
+        "[env MMSERVE_MODEL, comma-separated] (default: the embedded SmolLM2-135M-Instruct "
+        "and all-MiniLM-L6-v2, served as smollm2-135m-instruct and all-minilm-l6-v2)",
     )
     for flag, kind, text in _FLAGS:
         serve.add_argument(flag, type=kind, help=f"{text} [env {envs.env_name(flag)}]")
@@ -102,12 +104,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
-    return [ModelSpec.parse(m) for m in args.model] if args.model else [embedded_default()]
+    return [ModelSpec.parse(m) for m in args.model] if args.model else embedded_defaults()
 
 
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.server.grpc_server import serve
-    from mmserve.server.models import ModelRegistry, load_generator
+    from mmserve.server.models import ModelRegistry, load_model
 
     logging.basicConfig(
         level=(args.log_level or "INFO").upper(),
@@ -117,7 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
     logger.info(
         "loading %d model(s): %s", len(specs), ", ".join(f"{s.name}={s.path}" for s in specs)
     )
-    registry = ModelRegistry([load_generator(s, template, config.max_pending) for s in specs])
+    registry = ModelRegistry([load_model(s, template, config.max_pending) for s in specs])
     asyncio.run(serve(registry, config))
     return 0
 

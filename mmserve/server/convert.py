@@ -15,6 +15,8 @@ from mmserve.params import SamplingParams
 from mmserve.server.config import ServerConfig
 from mmserve.server.errors import Unimplemented
 from mmserve.server.models import ModelHandle, Task
+from mmserve.server.tools import ToolRequest, chat_tools
+from mmserve.structured_output.params import StructuredOutputParams
 from mmserve_client._proto.mmserve.v1 import common_pb2, generate_pb2, models_pb2
 
 MAX_SEED = 2**63 - 1  # n > 1 seeds choices seed, seed + 1, ...: keep those in torch's range
@@ -30,7 +32,18 @@ _TASKS = {
     Task.CLASSIFY: models_pb2.TASK_CLASSIFY,
     Task.SCORE: models_pb2.TASK_SCORE,
 }
-_ToolChoice = generate_pb2.ToolChoice
+_SCORE_METHODS = {
+    "cross-encoder": models_pb2.SCORE_METHOD_CROSS_ENCODER,
+    "cosine": models_pb2.SCORE_METHOD_COSINE,
+    "yes-token": models_pb2.SCORE_METHOD_YES_TOKEN,
+}
+_Backend = generate_pb2.StructuredOutput
+_BACKENDS = {  # None: the server's default (--structured-output-backend)
+    _Backend.BACKEND_UNSPECIFIED: None,
+    _Backend.BACKEND_AUTO: None,
+    _Backend.BACKEND_XGRAMMAR: "xgrammar",
+    _Backend.BACKEND_OUTLINES: "outlines",
+}
 TokenText = Callable[[int], str]  # token id -> its text, for logprobs
 
 
@@ -97,17 +110,31 @@ def resolve_max_tokens(params: SamplingParams, prompt_len: int, context: int, ca
         params.max_tokens = max(1, min(cap, context - prompt_len))
 
 
-def check_structured(request: generate_pb2.GenerateRequest) -> None:
-    """Structured output is not served yet: refuse rather than return unconstrained text."""
+def structured_output(
+    request: generate_pb2.GenerateRequest, default_backend: str
+) -> StructuredOutputParams | None:
+    """The request's output constraint, validated (the backend compiles it, off the loop,
+    when the engine takes the request); None when it sets none."""
     s = request.structured
     kind = s.WhichOneof("constraint") if request.HasField("structured") else None
     if kind is None:
-        return
-    if kind == "json_schema":
-        _json(f"structured.{kind}", s.json_schema)
+        return None
     if kind == "json_object" and not s.json_object:
         raise InvalidArgument("structured.json_object", "false is not a constraint; leave it unset")
-    raise Unimplemented(f"structured.{kind}: structured output is not supported yet")
+    value = "" if kind == "json_object" else getattr(s, kind)
+    if kind == "choice":
+        value = tuple(s.choice.choices)
+    params = StructuredOutputParams(kind, value, structured_backend(request, default_backend))
+    params.validate()
+    return params
+
+
+def structured_backend(request: generate_pb2.GenerateRequest, default_backend: str) -> str:
+    """The grammar backend a request asks for (also for its tool_choice constraint)."""
+    backend = request.structured.backend
+    if backend not in _BACKENDS:
+        raise InvalidArgument("structured.backend", f"unknown backend {backend}")
+    return _BACKENDS[backend] or default_backend
 
 
 @dataclass
@@ -118,6 +145,7 @@ class ChatInput:
     tools: list[dict[str, Any]] | None  # OpenAI-style function tools; None = no tools
     add_generation_prompt: bool
     template_kwargs: dict[str, object]  # parsed values, checked against the allow-list later
+    tool_request: ToolRequest | None = None  # what is asked of tool calls; None = no calls
 
 
 def chat_input(chat: generate_pb2.Chat) -> ChatInput:
@@ -128,11 +156,13 @@ def chat_input(chat: generate_pb2.Chat) -> ChatInput:
                 "chat.continue_final_message", "needs add_generation_prompt false"
             )
         raise Unimplemented("chat.continue_final_message: not supported yet")
+    tools, tool_request = chat_tools(chat)
     return ChatInput(
         messages=[_message(f"chat.messages[{i}]", m) for i, m in enumerate(chat.messages)],
-        tools=_tools(chat),
+        tools=tools,
         add_generation_prompt=add_generation_prompt,
         template_kwargs={k: _json_or_text(v) for k, v in chat.template_kwargs.items()},
+        tool_request=tool_request,
     )
 
 
@@ -161,45 +191,6 @@ def _message(field: str, m: generate_pb2.Message) -> dict[str, Any]:
     if m.name:
         out["name"] = m.name
     return out
-
-
-def _tools(chat: generate_pb2.Chat) -> list[dict[str, Any]] | None:
-    tools = [_tool(f"chat.tools[{i}]", t) for i, t in enumerate(chat.tools)]
-    choice = chat.tool_choice.WhichOneof("choice") if chat.HasField("tool_choice") else None
-    if choice == "function_name":
-        names = [t.name for t in chat.tools]
-        if chat.tool_choice.function_name not in names:
-            raise InvalidArgument(
-                "chat.tool_choice.function_name", f"not one of chat.tools {names}"
-            )
-        raise Unimplemented(
-            "chat.tool_choice.function_name: forced tool calls are not supported yet"
-        )
-    mode = chat.tool_choice.mode if choice == "mode" else _ToolChoice.MODE_UNSPECIFIED
-    if mode == _ToolChoice.MODE_REQUIRED:
-        raise Unimplemented("chat.tool_choice.mode: MODE_REQUIRED is not supported yet")
-    # MODE_NONE: the model must not call tools, so it is not shown any.
-    return tools if tools and mode != _ToolChoice.MODE_NONE else None
-
-
-def _tool(field: str, t: generate_pb2.Tool) -> dict[str, Any]:
-    if not t.name:
-        raise InvalidArgument(f"{field}.name", "must not be empty")
-    if t.strict:
-        raise Unimplemented(f"{field}.strict: constrained tool arguments are not supported yet")
-    params = _json(f"{field}.parameters_json", t.parameters_json) if t.parameters_json else None
-    if params is not None and not isinstance(params, dict):
-        raise InvalidArgument(f"{field}.parameters_json", "must be a JSON Schema object")
-    function: dict[str, Any] = {"name": t.name, "description": t.description}
-    function["parameters"] = params or {"type": "object", "properties": {}}
-    return {"type": "function", "function": function}
-
-
-def _json(field: str, text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidArgument(field, f"invalid JSON: {e}") from e
 
 
 def _json_or_text(text: str) -> object:
@@ -292,4 +283,7 @@ def model_info(handle: ModelHandle) -> models_pb2.ModelInfo:
         supports_images=f.supports_images,
         quantization=f.quantization,
         vocab_size=f.vocab_size,
+        score_method=_SCORE_METHODS.get(f.score_method or "", models_pb2.SCORE_METHOD_UNSPECIFIED),
+        labels=f.labels,
+        embedding_dimension=f.embedding_dimension,
     )

@@ -15,10 +15,12 @@ from typing import Any, TypeVar
 
 from mmserve.errors import InvalidArgument
 from mmserve.params import SamplingParams
-from mmserve.server import convert
+from mmserve.server import convert, tools
 from mmserve.server.config import ServerConfig
 from mmserve.server.errors import EngineFailed
 from mmserve.server.models import ModelHandle
+from mmserve.server.tool_stream import ChoiceToolStream, ToolOutput, call_deltas, tool_output
+from mmserve.server.tools import ToolRequest
 from mmserve_client._proto.mmserve.v1 import generate_pb2
 
 T = TypeVar("T")
@@ -35,9 +37,12 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -
 
 async def render_chat(handle: ModelHandle, chat: generate_pb2.Chat) -> tuple[str, list[int]]:
     """The chat's prompt text and token ids, exactly as Generate feeds them to the model."""
+    return await render(handle, convert.chat_input(chat))
+
+
+async def render(handle: ModelHandle, c: convert.ChatInput) -> tuple[str, list[int]]:
     from mmserve.processors.chat_template import render_and_tokenize
 
-    c = convert.chat_input(chat)
     # Templates are arbitrary jinja: always off the loop.
     return await asyncio.to_thread(
         render_and_tokenize,
@@ -50,9 +55,11 @@ async def render_chat(handle: ModelHandle, chat: generate_pb2.Chat) -> tuple[str
 
 
 async def prompt_ids(
-    request: generate_pb2.GenerateRequest, handle: ModelHandle
+    request: generate_pb2.GenerateRequest,
+    handle: ModelHandle,
+    chat: convert.ChatInput | None = None,
 ) -> tuple[str, list[int]]:
-    """(the input field's name, its token ids)."""
+    """(the input field's name, its token ids); `chat`: request.chat, converted already."""
     kind = request.WhichOneof("input")
     if kind == "prompt":
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
@@ -61,7 +68,7 @@ async def prompt_ids(
             len(request.prompt), encode, request.prompt, add_special_tokens=add_special
         )
     if kind == "chat":
-        return kind, (await render_chat(handle, request.chat))[1]
+        return kind, (await render(handle, chat or convert.chat_input(request.chat)))[1]
     if kind == "token_ids":
         return kind, list(request.token_ids.ids)
     raise InvalidArgument("input", "set one of prompt, chat or token_ids")
@@ -77,6 +84,7 @@ class Prepared:
     params: SamplingParams
     cache_salt: str | None
     received: float  # time.monotonic() when the call arrived
+    tools: ToolOutput | None = None  # how to read tool calls; None: the output is only text
 
 
 async def prepare(
@@ -87,9 +95,10 @@ async def prepare(
 ) -> Prepared:
     """Everything checkable before the engine sees the request; InvalidArgument names the
     field (the engine validates again, as a backstop)."""
-    convert.check_structured(request)
+    structured = convert.structured_output(request, config.structured_output_backend)
     params = convert.sampling_params(request.params, config)
-    field_name, ids = await prompt_ids(request, handle)
+    chat = convert.chat_input(request.chat) if request.WhichOneof("input") == "chat" else None
+    field_name, ids = await prompt_ids(request, handle, chat)
     context = handle.facts.max_context
     convert.check_prompt(field_name, ids, handle.facts.vocab_size, context)
     if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
@@ -98,8 +107,36 @@ async def prepare(
         )
     convert.resolve_max_tokens(params, len(ids), context, config.max_tokens)
     convert.validate_for_model(params, handle.facts.vocab_size, len(ids), context)
+    params.structured = structured  # validated on its own: its errors name structured.*
+    tool_request = chat.tool_request if chat is not None else None
+    reading = None
+    if tool_request is not None:
+        reading = _tool_output(request, tool_request, handle, config, ids, params)
     request_id = request.request_id or uuid.uuid4().hex
-    return Prepared(handle, request_id, ids, params, request.cache_salt or None, received)
+    return Prepared(handle, request_id, ids, params, request.cache_salt or None, received, reading)
+
+
+def _tool_output(
+    request: generate_pb2.GenerateRequest,
+    tool_request: ToolRequest,
+    handle: ModelHandle,
+    config: ServerConfig,
+    ids: list[int],
+    params: SamplingParams,
+) -> ToolOutput:
+    """Reading tool calls, and the constraint of a forced tool_choice (into params)."""
+    parser = tools.tool_parser(
+        handle.tokenizer.chat_template, handle.facts.architecture, config.tool_parser
+    )
+    if tool_request.forced:
+        if params.structured is not None:
+            raise InvalidArgument(
+                f"structured.{params.structured.kind}",
+                "cannot be combined with a forced chat.tool_choice (it constrains the output)",
+            )
+        backend = convert.structured_backend(request, config.structured_output_backend)
+        params.structured = tools.forced_constraint(tool_request, backend)
+    return tool_output(tool_request, parser, handle.tokenizer, ids, params)
 
 
 @dataclass
@@ -116,11 +153,14 @@ class _Stream:
     queued: float  # when the request was handed to the engine
     choices: dict[int, _Choice] = field(default_factory=dict)
     sent_any: bool = False
+    tool_streams: dict[int, ChoiceToolStream] = field(default_factory=dict)
 
     def chunk(self, delta: Any) -> generate_pb2.GenerateResponse:
         handle, now = self.prep.handle, time.monotonic()
         out = convert.response(delta, self.prep.request_id, handle.token_text)
         choice = self.choices.setdefault(delta.index, _Choice())
+        if self.prep.tools is not None:
+            self._tool_calls(self.prep.tools, out, delta)
         choice.completion_tokens += len(delta.token_ids)
         if delta.token_ids and choice.first_token is None:
             choice.first_token = now
@@ -140,6 +180,19 @@ class _Stream:
                 convert.timing(self.prep.received, self.queued, choice.first_token, now)
             )
         return out
+
+    def _tool_calls(
+        self, tools: ToolOutput, out: generate_pb2.GenerateResponse, delta: Any
+    ) -> None:
+        """The chunk's text as content and tool calls; TOOL_CALLS when the choice stopped
+        (EOS, stop token or string, or its grammar completed) after making calls."""
+        stream = self.tool_streams.get(delta.index)
+        if stream is None:
+            stream = self.tool_streams[delta.index] = tools.stream()
+        out.text, calls = stream.update(delta)
+        out.tool_calls.extend(call_deltas(calls))
+        if delta.finish_reason == "stop" and stream.num_calls:
+            out.finish_reason = generate_pb2.FINISH_REASON_TOOL_CALLS
 
 
 async def stream(prep: Prepared) -> AsyncIterator[generate_pb2.GenerateResponse]:

@@ -43,16 +43,18 @@ class ModelFacts:
     vocab_size: int  # valid token ids are [0, vocab_size)
     quantization: str = ""  # of the source weights, e.g. "Q4_1"; "" when unquantised
     supports_images: bool = False
+    score_method: str | None = None  # "cross-encoder" | "cosine" | "yes-token"; None: no Score
+    labels: tuple[str, ...] = ()  # a classifier's label names, by label id
+    embedding_dimension: int = 0  # full embedding size of a model that embeds; else 0
 
 
 @dataclass
 class ModelHandle:
-    """One hosted model. `engine` is what serves its tasks (an AsyncEngine for generative
-    models); a pooling engine will sit here too, under the same interface of tasks."""
+    """One hosted model: one AsyncEngine serves every task it can do, at the same time."""
 
     name: str  # what requests put in `model`
-    tasks: frozenset[Task]
-    engine: Any  # AsyncEngine for GENERATE
+    tasks: frozenset[Task]  # the engine's tasks
+    engine: Any  # AsyncEngine
     tokenizer: Any  # PreTrainedTokenizerFast
     facts: ModelFacts
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
@@ -126,47 +128,69 @@ def engine_config_for(spec: ModelSpec, template: EngineConfig) -> EngineConfig:
     return replace(template, model=model)
 
 
-def load_generator(spec: ModelSpec, template: EngineConfig, max_pending: int) -> ModelHandle:
-    """Loads a causal LM behind an AsyncEngine (its own stepping thread)."""
-    from mmserve.engine.async_engine import AsyncEngine
+def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> ModelHandle:
+    """Loads a model behind an AsyncEngine (its own stepping thread); its tasks are whatever
+    the engine serves (generation, pooling, or both)."""
     from mmserve.engine.llm_engine import LLMEngine
 
     start = time.monotonic()
     engine = LLMEngine.from_config(engine_config_for(spec, template))
-    facts = _facts(spec, engine)
-    pool = engine.core.kv.pool
+    handle = handle_for(spec, engine, max_pending)
+    facts, pool = handle.facts, engine.core.kv.pool
+    cache = f"{pool.num_blocks} KV blocks of {template.cache.block_size} tokens"
     logger.info(
-        "model %r ready: %s from %s on %s in %s, context %d tokens, %d KV blocks of %d tokens "
-        "(%.1fs)",
+        "model %r ready: %s from %s on %s in %s, tasks %s, context %d tokens, %s (%.1fs)",
         spec.name,
         facts.architecture,
         spec.path,
         facts.device,
         facts.dtype,
+        ", ".join(engine.tasks),
         facts.max_context,
-        pool.num_blocks,
-        template.cache.block_size,
+        cache if pool.num_blocks else "no KV cache",
         time.monotonic() - start,
     )
+    return handle
+
+
+def handle_for(spec: ModelSpec, engine: Any, max_pending: int) -> ModelHandle:
+    """A loaded LLMEngine as a hosted model; starts its AsyncEngine's stepping thread."""
+    from mmserve.engine.async_engine import AsyncEngine
+    from mmserve.engine.pooling_api import MAX_IN_FLIGHT_PER_CALL
+
+    # Admission bounds the calls per model; one pooling call keeps up to
+    # MAX_IN_FLIGHT_PER_CALL requests in the engine, so the engine's own bound must allow that.
+    bound = max_pending * MAX_IN_FLIGHT_PER_CALL
     return ModelHandle(
         spec.name,
-        frozenset({Task.GENERATE}),
-        AsyncEngine(engine, max_pending=max_pending),
+        frozenset(Task(t) for t in engine.tasks),
+        AsyncEngine(engine, max_pending=bound),
         engine.tokenizer,
-        facts,
+        _facts(spec, engine),
     )
+
+
+load_generator = load_model  # the name from before models could pool
 
 
 def _facts(spec: ModelSpec, engine: Any) -> ModelFacts:
-    runner = engine.core.runner
+    from mmserve.models.loader import resolve_dtype
+
+    runner, setup = engine.core.runner, engine.setup
     # LLMEngine keeps no HF config; the implementation class is named after the architecture.
     architecture = getattr(engine, "architecture", None) or type(runner.model).__name__
     quant = _GGUF_QUANT.search(Path(spec.path).name)
+    # encoders keep no KV cache, so the compute dtype comes from the config, not the cache
+    dtype = resolve_dtype(engine.core.config.model.dtype, runner.device)
     return ModelFacts(
         architecture=architecture,
-        max_context=engine.max_model_len,
-        dtype=str(runner.kv_caches[0].dtype).removeprefix("torch."),
+        # a pure pooling model's limit is its input limit (sentence-transformers may set one)
+        max_context=engine.max_model_len if "generate" in engine.tasks else engine.max_pooling_len,
+        dtype=str(dtype).removeprefix("torch."),
         device=str(runner.device),
         vocab_size=engine.vocab_size,
         quantization=quant.group(1).upper() if quant else "",
+        score_method=setup.score_method,
+        labels=tuple(setup.labels),
+        embedding_dimension=(engine.hidden_size or 0) if "embed" in engine.tasks else 0,
     )

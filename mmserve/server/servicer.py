@@ -1,5 +1,6 @@
 """The mmserve.v1.Inference service: routing, admission and error mapping around the flows
-of generate.py and tokens.py. Proto <-> dataclass conversion lives in convert.py."""
+of generate.py, pooling.py and tokens.py. Proto <-> dataclass conversion lives in convert.py
+and convert_pooling.py."""
 
 from __future__ import annotations
 
@@ -10,16 +11,17 @@ from typing import Any, TypeAlias, TypeVar
 
 import grpc
 
-from mmserve.server import generate, tokens
+from mmserve.server import generate, pooling, tokens
 from mmserve.server.admission import Admission
 from mmserve.server.config import ServerConfig
 from mmserve.server.convert import model_info
-from mmserve.server.errors import Unimplemented, abort
+from mmserve.server.errors import abort
 from mmserve.server.models import ModelHandle, ModelRegistry, Task
 from mmserve_client._proto.mmserve.v1 import (
     generate_pb2,
     inference_pb2_grpc,
     models_pb2,
+    pooling_pb2,
     tokenize_pb2,
 )
 
@@ -91,21 +93,40 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             request_id=_request_id(request), models=[model_info(h) for h in handles]
         )
 
-    # The pooling tasks arrive with the pooling engine; until then they say so plainly.
-    async def Embed(self, request: Any, context: Context) -> Any:
-        await self._not_yet("Embed", context)
+    async def Embed(
+        self, request: pooling_pb2.EmbedRequest, context: Context
+    ) -> pooling_pb2.EmbedResponse:
+        rid, received = _request_id(request), time.monotonic()
+        return await self._unary(
+            context, request.model, Task.EMBED, lambda h: pooling.embed(request, h, rid, received)
+        )
 
-    async def Rerank(self, request: Any, context: Context) -> Any:
-        await self._not_yet("Rerank", context)
+    async def Rerank(
+        self, request: pooling_pb2.RerankRequest, context: Context
+    ) -> pooling_pb2.RerankResponse:
+        rid, received = _request_id(request), time.monotonic()
+        return await self._unary(
+            context, request.model, Task.RERANK, lambda h: pooling.rerank(request, h, rid, received)
+        )
 
-    async def Classify(self, request: Any, context: Context) -> Any:
-        await self._not_yet("Classify", context)
+    async def Classify(
+        self, request: pooling_pb2.ClassifyRequest, context: Context
+    ) -> pooling_pb2.ClassifyResponse:
+        rid, received = _request_id(request), time.monotonic()
+        return await self._unary(
+            context,
+            request.model,
+            Task.CLASSIFY,
+            lambda h: pooling.classify(request, h, rid, received),
+        )
 
-    async def Score(self, request: Any, context: Context) -> Any:
-        await self._not_yet("Score", context)
-
-    async def _not_yet(self, rpc: str, context: Context) -> None:
-        await abort(context, Unimplemented(f"{rpc} is not served yet"), self.config.retry_after_s)
+    async def Score(
+        self, request: pooling_pb2.ScoreRequest, context: Context
+    ) -> pooling_pb2.ScoreResponse:
+        rid, received = _request_id(request), time.monotonic()
+        return await self._unary(
+            context, request.model, Task.SCORE, lambda h: pooling.score(request, h, rid, received)
+        )
 
 
 def _request_id(request: Any) -> str:

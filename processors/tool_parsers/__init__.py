@@ -19,9 +19,18 @@ from collections.abc import Callable
 
 from mmserve.errors import InvalidArgument
 
-from .base import ContentDelta, Delta, StreamingToolParser, ToolCall, ToolCallDelta, ToolParser
+from .base import (
+    Accept,
+    ContentDelta,
+    Delta,
+    StreamingToolParser,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+)
 
 __all__ = [
+    "Accept",
     "ContentDelta",
     "Delta",
     "StreamingToolParser",

@@ -9,7 +9,8 @@ Contract (every format):
 - Arguments are canonical compact JSON: `json.dumps(value, separators=(",", ":"),
   ensure_ascii=False)` of the parsed object. This is the same string whatever the chunking,
   and the same for every format (pythonic calls have no JSON text to pass through).
-- A malformed call stays content, verbatim.
+- A malformed call stays content, verbatim; so does a call the caller's `accept(name,
+  arguments)` refuses (an unknown tool, arguments that break a strict tool's schema).
 - Text outside calls is content, verbatim, except whitespace between a call and the start
   or the end of the content (so an output of calls only has empty content).
 """
@@ -45,6 +46,7 @@ class ToolCallDelta:
 
 
 Delta = ContentDelta | ToolCallDelta
+Accept = Callable[[str, str], bool]  # (name, canonical arguments JSON) -> is it a call?
 
 
 def random_call_id() -> str:
@@ -94,8 +96,11 @@ class StreamingToolParser(abc.ABC):
     was chunked (tests/tool_parsers checks this at every split).
     """
 
-    def __init__(self, new_id: Callable[[], str] = random_call_id) -> None:
+    def __init__(
+        self, new_id: Callable[[], str] = random_call_id, accept: Accept | None = None
+    ) -> None:
         self._new_id = new_id
+        self._accept = accept  # None: every well-formed call is a call
         self._buf = ""  # text received but not yet turned into deltas
         self._final = False  # finish() was called: no more text will come
         self._out: list[Delta] = []
@@ -148,6 +153,9 @@ class StreamingToolParser(abc.ABC):
         self._content_started, self._call_last = True, False
         self._pending_ws = text[len(body) :]
 
+    def _accepts(self, name: str, arguments: str) -> bool:
+        return self._accept is None or self._accept(name, arguments)
+
     def _call(self, name: str, arguments: str, call_id: str | None = None) -> None:
         self._call_last = True
         self._out.append(ToolCallDelta(self._calls, call_id or self._new_id(), name, arguments))
@@ -159,6 +167,9 @@ class ToolParser:
 
     name: ClassVar[str]
     stream_class: ClassVar[type[StreamingToolParser]]
+    # The format's marker strings. Where a model's tokenizer has them as special tokens, the
+    # text given to the parser must keep them (see the package doc).
+    markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, new_id: Callable[[], str] | None = None) -> None:
         self.new_id = new_id or self.default_id
@@ -167,8 +178,9 @@ class ToolParser:
     def default_id() -> str:
         return random_call_id()
 
-    def stream(self) -> StreamingToolParser:
-        return self.stream_class(self.new_id)
+    def stream(self, accept: Accept | None = None) -> StreamingToolParser:
+        """A parser for one output; calls `accept` refuses stay content."""
+        return self.stream_class(self.new_id, accept)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a whole output."""

@@ -58,7 +58,7 @@ class HermesStream(StreamingToolParser):
             return self._malformed()
         name = value.get("name") if isinstance(value, dict) else None
         arguments = canonical_arguments(arguments_of(value)) if name else None
-        if not isinstance(name, str) or arguments is None:
+        if not isinstance(name, str) or arguments is None or not self._accepts(name, arguments):
             return self._malformed()
         self._take(region_end)
         self._scanner = None
@@ -75,3 +75,4 @@ class HermesStream(StreamingToolParser):
 class HermesParser(ToolParser):
     name = "hermes"
     stream_class = HermesStream
+    markers = (START, END)

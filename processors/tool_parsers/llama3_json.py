@@ -52,7 +52,7 @@ class Llama3JsonStream(StreamingToolParser):
         if state is Scan.NEED_MORE and not self._final:
             return False
         call = _call(self._buf[: self._scanner.pos]) if state is Scan.END else None
-        if call is None:  # malformed: this and everything after it is content
+        if call is None or not self._accepts(*call):  # malformed: this and the rest is content
             self._content(self._prefix)
             self._state = "text"
             return True
@@ -88,3 +88,4 @@ def _call(text: str) -> tuple[str, str] | None:
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     stream_class = Llama3JsonStream
+    markers = (PYTHON_TAG,)

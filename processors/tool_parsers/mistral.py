@@ -54,7 +54,8 @@ class MistralStream(StreamingToolParser):
         if state is Scan.NEED_MORE and not self._final:
             return False
         calls = _calls(self._buf[: self._scanner.pos]) if state is Scan.END else None
-        if calls is None:  # malformed: the marker is content, the rest is text again
+        if calls is None or not all(self._accepts(n, a) for n, a, _ in calls):
+            # malformed: the marker is content, the rest is text again
             self._scanner = None
             self._content(START)
             return True
@@ -94,6 +95,7 @@ def _call(item: Any) -> tuple[str, str, str | None] | None:
 class MistralParser(ToolParser):
     name = "mistral"
     stream_class = MistralStream
+    markers = (START,)
 
     @staticmethod
     def default_id() -> str:

@@ -50,7 +50,7 @@ class PythonicStream(StreamingToolParser):
         if state is Scan.NEED_MORE and not self._final:
             return False
         calls = parse_calls(self._buf[: self._scanner.pos]) if state is Scan.END else None
-        if calls is None:
+        if calls is None or not all(self._accepts(n, a) for n, a in calls):
             self._content(self._prefix)
             self._state = "text"
             return True
@@ -110,3 +110,4 @@ def _dotted_name(node: ast.expr) -> str | None:
 class PythonicParser(ToolParser):
     name = "pythonic"
     stream_class = PythonicStream
+    markers = (START, END)

@@ -9,6 +9,7 @@ from concurrent import futures
 import grpc
 import pytest
 from fake_inference import FakeInference
+
 from mmserve_client import Client
 from mmserve_client._proto.mmserve.v1 import inference_pb2_grpc
 

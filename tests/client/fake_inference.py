@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+
 from mmserve_client._proto.mmserve.v1 import (
     common_pb2,
     generate_pb2,

@@ -7,6 +7,7 @@ import asyncio
 import grpc
 import pytest
 from fake_inference import VECTOR, FakeInference
+
 from mmserve_client import AsyncClient, MMServeError
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from fake_inference import FakeInference
+
 from mmserve_client import Client, GenerateChunk, MMServeError, ToolCall, Usage
 
 

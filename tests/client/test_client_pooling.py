@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from fake_inference import VECTOR, FakeInference
+
 from mmserve_client import Client, Image, MMServeError, RerankResult, _responses
 from mmserve_client._proto.mmserve.v1 import common_pb2
 

@@ -6,6 +6,7 @@ import base64
 import json
 
 import pytest
+
 from mmserve_client import Image, ToolCall
 from mmserve_client._channel import SERVICE, service_config
 from mmserve_client._chat import chat_from_kwargs, chat_request

@@ -16,7 +16,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mmserve import envs
 from mmserve.server import cli
-from mmserve.server.config import DEFAULT_MODEL_NAME, ModelSpec, ServerConfig
+from mmserve.server.config import (
+    DEFAULT_EMBEDDER_NAME,
+    DEFAULT_MODEL_NAME,
+    ModelSpec,
+    ServerConfig,
+)
 from mmserve_client import Client, MMServeError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,8 +47,9 @@ def test_flags_env_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_default_model_and_bad_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     args = cli.build_parser().parse_args(["serve"])
-    (spec,) = cli.model_specs(args)
-    assert spec.name == DEFAULT_MODEL_NAME and spec.path.endswith(".gguf")
+    chat, embedder = cli.model_specs(args)
+    assert chat.name == DEFAULT_MODEL_NAME and chat.path.endswith(".gguf")
+    assert embedder.name == DEFAULT_EMBEDDER_NAME and Path(embedder.path, "modules.json").is_file()
     monkeypatch.setenv("MMSERVE_PORT", "eighty")
     assert cli.main(["serve"]) == 2
     with pytest.raises(ValueError, match="MMSERVE_PORT"):

@@ -67,7 +67,7 @@ CASES = [
     (_request(chat=_chat(tools=[BAD_TOOL])), INVALID, "chat.tools[0].parameters_json"),
     (_request(chat=generate_pb2.Chat()), INVALID, "messages"),
     (_request(structured=generate_pb2.StructuredOutput(json_schema="{")), INVALID, "structured"),
-    (_request(structured=generate_pb2.StructuredOutput(regex="a+")), UNIMPLEMENTED, "structured"),
+    (_request(structured=generate_pb2.StructuredOutput(regex="a(")), INVALID, "structured.regex"),
 ]
 
 
@@ -83,10 +83,17 @@ def test_bad_generate_input_then_next_request(
     assert ok[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
 
 
-def test_pooling_rpcs_say_unimplemented(stub: Any) -> None:
+def test_pooling_routing_on_decoders(stub: Any) -> None:
+    text = [common_pb2.Input(text="x")]
+    with pytest.raises(grpc.RpcError) as e:  # both tiny decoders can embed: name one
+        stub.Embed(pooling_pb2.EmbedRequest(inputs=text), timeout=10)
+    assert e.value.code() == INVALID and e.value.details().startswith("model: ")
     with pytest.raises(grpc.RpcError) as e:
-        stub.Embed(pooling_pb2.EmbedRequest(inputs=[common_pb2.Input(text="x")]), timeout=10)
-    assert e.value.code() == UNIMPLEMENTED and "Embed" in e.value.details()
+        stub.Classify(pooling_pb2.ClassifyRequest(model="tiny-b", inputs=text), timeout=10)
+    assert e.value.code() == INVALID and "cannot classify" in e.value.details()
+    ok = stub.Embed(pooling_pb2.EmbedRequest(model="tiny-b", inputs=text), timeout=30)
+    assert len(ok.embeddings) == 1 and len(ok.embeddings[0].values) > 0
+    assert ok.model == "tiny-b" and ok.usage.prompt_tokens >= 1
 
 
 LONG: dict[str, Any] = {"model": "tiny-a", "max_tokens": 600, "temperature": 0, "ignore_eos": True}

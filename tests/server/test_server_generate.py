@@ -33,7 +33,8 @@ def test_list_models(client: Client) -> None:
     models = {m.name: m for m in client.list_models()}
     assert list(models) == ["tiny-a", "tiny-b"]
     a = models["tiny-a"]
-    assert a.tasks == ("generate",)
+    assert a.tasks == ("generate", "embed")  # a decoder embeds too (last-token pooling)
+    assert (a.score_method, a.labels, a.embedding_dimension) == (None, (), 64)
     assert (a.max_context, a.vocab_size, a.device, a.dtype) == (1024, 368, "cpu", "float32")
     assert a.architecture == "LlamaForCausalLM"
     assert models["tiny-b"].max_context == 256
@@ -156,7 +157,7 @@ def test_raw_stub_request(stub: Any) -> None:
     assert sum(len(c.token_ids) for c in chunks) == 4
     listing = stub.ListModels(models_pb2.ListModelsRequest(request_id="r1"), timeout=10)
     assert listing.request_id == "r1"
-    assert list(listing.models[0].tasks) == [models_pb2.TASK_GENERATE]
+    assert list(listing.models[0].tasks) == [models_pb2.TASK_GENERATE, models_pb2.TASK_EMBED]
 
 
 def test_a_port_in_use_is_an_error(tiny_server: ServerThread) -> None:

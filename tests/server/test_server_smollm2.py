@@ -1,16 +1,19 @@
-"""The embedded default, SmolLM2-135M-Instruct, served for real (one server for the module)."""
+"""The embedded defaults, SmolLM2-135M-Instruct and all-MiniLM-L6-v2, served for real (one
+server for the module); SmolLM2 generates and embeds at once from one engine."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import grpc
+import numpy as np
 import pytest
 
 from mmserve import LLM, SamplingParams
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig
-from mmserve.server.config import DEFAULT_MODEL_NAME, embedded_default
-from mmserve.server.models import ModelRegistry, load_generator
+from mmserve.server.config import DEFAULT_EMBEDDER_NAME, DEFAULT_MODEL_NAME, embedded_defaults
+from mmserve.server.models import ModelRegistry, load_model
 from mmserve_client import Client, MMServeError
 from tests.server.conftest import TEST_CONFIG, ServerThread, wait_all_blocks_free
 from tests.utils.tiny_models import smollm2_gguf_path
@@ -29,8 +32,8 @@ TEMPLATE = EngineConfig(
 
 @pytest.fixture(scope="module")
 def smol() -> Iterator[ServerThread]:
-    handle = load_generator(embedded_default(), TEMPLATE, TEST_CONFIG.max_pending)
-    server = ServerThread(ModelRegistry([handle])).start()
+    handles = [load_model(s, TEMPLATE, TEST_CONFIG.max_pending) for s in embedded_defaults()]
+    server = ServerThread(ModelRegistry(handles)).start()
     yield server
     server.stop()
 
@@ -51,36 +54,73 @@ def test_streamed_chat_answers_paris(client: Client, smol: ServerThread) -> None
     whole = client.chat(FRANCE, max_tokens=32, temperature=0)  # model may be left empty
     assert whole.text == text and whole.model == DEFAULT_MODEL_NAME
     assert whole.token_ids == sum((c.token_ids for c in chunks), ())
-    wait_all_blocks_free(smol.handle())
+    wait_all_blocks_free(smol.handle(DEFAULT_MODEL_NAME))
 
 
 def test_token_ids_match_the_offline_api(client: Client) -> None:
-    offline = LLM(str(embedded_default().path), device="cpu", num_kv_blocks=64)
+    offline = LLM(str(embedded_defaults()[0].path), device="cpu", num_kv_blocks=64)
     expected = offline.chat(FRANCE, SamplingParams(max_tokens=32, temperature=0))[0]
     served = client.chat(FRANCE, max_tokens=32, temperature=0)
     assert served.token_ids == tuple(expected.outputs[0].token_ids)
     assert served.usage is not None
     assert served.usage.prompt_tokens == len(expected.prompt_token_ids)
-    assert client.tokenize(FRANCE).token_ids == tuple(expected.prompt_token_ids)
+    tokens = client.tokenize(FRANCE, model=DEFAULT_MODEL_NAME).token_ids
+    assert tokens == tuple(expected.prompt_token_ids)
 
 
 def test_model_facts_and_tokenizer(client: Client) -> None:
-    (info,) = client.list_models()
-    assert info.name == DEFAULT_MODEL_NAME and info.tasks == ("generate",)
+    info, embedder = client.list_models()
+    assert embedder.name == DEFAULT_EMBEDDER_NAME and embedder.embedding_dimension == 384
+    assert info.name == DEFAULT_MODEL_NAME
+    assert info.tasks == ("generate", "embed", "rerank", "score")
+    assert (info.score_method, info.embedding_dimension) == ("yes_token", 576)
     assert info.vocab_size == 49152
     assert info.max_context == 4096  # the model's 8192, capped by the 256 x 16-token KV cache
     assert info.architecture == "LlamaForCausalLM" and info.quantization == "Q4_1"
-    ids = client.tokenize("Hello world, this is a test.").token_ids
+    ids = client.tokenize("Hello world, this is a test.", model=DEFAULT_MODEL_NAME).token_ids
     assert ids == (19556, 905, 28, 451, 314, 253, 1028, 30)
-    assert client.detokenize(list(ids)) == "Hello world, this is a test."
+    assert client.detokenize(list(ids), model=DEFAULT_MODEL_NAME) == "Hello world, this is a test."
 
 
 def test_stop_string_system_prompt_and_images(client: Client) -> None:
     r = client.chat(FRANCE, max_tokens=32, temperature=0, stop=["Paris"])
     assert (r.text, r.finish_reason, r.stop) == ("The capital of France is ", "stop", "Paris")
     messages = [{"role": "system", "content": "You answer in French."}, *FRANCE]
-    prompt = client.detokenize(list(client.tokenize(messages).token_ids))
+    ids = client.tokenize(messages, model=DEFAULT_MODEL_NAME).token_ids
+    prompt = client.detokenize(list(ids), model=DEFAULT_MODEL_NAME)
     assert "You answer in French." in prompt and "SmolLM" not in prompt  # replaces the default
     with pytest.raises(MMServeError) as e:
         client.chat([{"role": "user", "content": [{"type": "image", "data": b"x"}]}])
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "image" in e.value.message
+
+
+EMBED_TEXTS = ["Hello world, this is a test.", "Paris is the capital of France.", "Ça va? 🙂"]
+
+
+def test_generate_and_embed_at_once_equal_each_alone(client: Client, smol: ServerThread) -> None:
+    """One SmolLM2 engine: a Generate stream and Embed calls (on SmolLM2 itself and on MiniLM)
+    in flight together give what each gives alone."""
+    alone_text = client.chat(FRANCE, max_tokens=32, temperature=0).token_ids
+    alone_smol = np.stack(client.embed(EMBED_TEXTS, model=DEFAULT_MODEL_NAME))
+    alone_minilm = np.stack(client.embed(EMBED_TEXTS, model=DEFAULT_EMBEDDER_NAME))
+    stream = client.chat_stream(FRANCE, max_tokens=32, temperature=0)
+    streamed = list(next(stream).token_ids)  # the stream is running in the engine now
+    models = [DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME, DEFAULT_EMBEDDER_NAME]
+    embedded: dict[int, np.ndarray] = {}
+
+    def embed(i: int) -> None:
+        embedded[i] = np.stack(client.embed(EMBED_TEXTS, model=models[i]))
+
+    threads = [threading.Thread(target=embed, args=(i,)) for i in range(len(models))]
+    for t in threads:
+        t.start()
+    for chunk in stream:
+        streamed += chunk.token_ids
+    for t in threads:
+        t.join(60)
+    assert tuple(streamed) == alone_text
+    assert alone_smol.shape == (3, 576) and alone_minilm.shape == (3, 384)
+    np.testing.assert_allclose(embedded[0], alone_smol, atol=1e-4)
+    np.testing.assert_allclose(embedded[1], alone_smol, atol=1e-4)
+    np.testing.assert_allclose(embedded[2], alone_minilm, atol=1e-5)
+    wait_all_blocks_free(smol.handle(DEFAULT_MODEL_NAME))

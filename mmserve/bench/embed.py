@@ -1,0 +1,237 @@
+"""`mmserve bench embed`: batched Embed throughput offline (the engine's pooling API on its
+AsyncEngine) and over gRPC (an in-process server on a free port, through the SDK), against
+sentence-transformers on the same model, the same weights and the same texts, in the same run.
+One JSON line per side.
+
+The three sides take turns batch by batch, so a machine whose load drifts (shared CI hosts)
+slows them alike; each side's calls run on a worker thread (our engine steps on one), as
+oversubscribed OpenMP teams on the main thread can be several times slower.
+
+With --model shape:NAME the weights are random: they are drawn once (fixed seed), saved as
+safetensors with sentence-transformers files (mean pooling, normalise), and both sides load
+that folder, so both compute the same function."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmserve.bench.models import SHAPES, make_model_folder
+from mmserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from mmserve.engine import pooling_api
+from mmserve.engine.llm_engine import LLMEngine
+
+SERVED_NAME = "bench-embedder"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options only `bench embed` reads (--model, --device, --dtype, --batch-size and
+    --max-num-batched-tokens are shared with the other kinds)."""
+    p.add_argument("--seq-len", type=int, default=128, help="embed: tokens per text (about)")
+    p.add_argument(
+        "--seq-len-spread",
+        type=float,
+        default=0.0,
+        help="embed: text lengths vary uniformly by this fraction of --seq-len (default 0)",
+    )
+    p.add_argument("--num-batches", type=int, default=10, help="embed: timed batches per side")
+    p.add_argument("--skip-grpc", action="store_true", help="embed: offline and baseline only")
+    p.add_argument("--threads", type=int, default=None, help="embed: torch CPU threads")
+
+
+def model_folder(model: str) -> Path:
+    """A model path as is; shape:NAME -> a folder with random weights saved as safetensors."""
+    if not model.startswith("shape:"):
+        return Path(model)
+    shape = model.split(":", 1)[1]
+    if shape in SHAPES and SHAPES[shape]["model_type"] != "bert":
+        raise ValueError(f"bench embed needs an encoder shape; {shape!r} is not one")
+    folder = make_model_folder(shape, Path(tempfile.mkdtemp()) / "model")
+    save_random_bert(folder)
+    return folder
+
+
+def save_random_bert(folder: Path, seed: int = 0) -> None:
+    """transformers' own random init (fixed seed) of the folder's config, as safetensors,
+    plus the sentence-transformers files of a mean-pooled, normalised embedder."""
+    from transformers import AutoConfig, BertModel
+
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(str(folder))
+    BertModel(config).save_pretrained(str(folder))
+    modules = [("Transformer", ""), ("Pooling", "1_Pooling"), ("Normalize", "2_Normalize")]
+    (folder / "modules.json").write_text(
+        json.dumps(
+            [
+                {
+                    "idx": i,
+                    "name": str(i),
+                    "path": path,
+                    "type": f"sentence_transformers.models.{kind}",
+                }
+                for i, (kind, path) in enumerate(modules)
+            ]
+        )
+    )
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "2_Normalize").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": config.hidden_size, "pooling_mode_mean_tokens": True}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    max_len = config.max_position_embeddings
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_len}))
+
+
+def make_texts(
+    tokenizer: Any, count: int, seq_len: int, spread: float = 0.0, seed: int = 0
+) -> list[str]:
+    """`count` different texts of random whole-word vocabulary entries, each tokenising to
+    about seq_len tokens (special tokens included), or to a length drawn uniformly from
+    seq_len * [1 - spread, 1 + spread]."""
+    rng = random.Random(seed)
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and w.isascii() and len(w) > 2)
+    texts = []
+    for _ in range(count):
+        length = round(seq_len * rng.uniform(1 - spread, 1 + spread)) if spread else seq_len
+        ids = tokenizer(" ".join(rng.choices(words, k=length)), add_special_tokens=False)
+        texts.append(tokenizer.decode(ids["input_ids"][: max(1, length - 2)]))
+    return texts
+
+
+class Sides:
+    """The engine behind an in-process server, sentence-transformers on a worker thread: one
+    callable per side, each embedding one batch and returning its float32 vectors."""
+
+    def __init__(self, engine: LLMEngine, folder: Path, device: torch.device, dtype: torch.dtype):
+        from sentence_transformers import SentenceTransformer
+
+        from mmserve.server.config import ModelSpec, ServerConfig
+        from mmserve.server.grpc_server import MMServer
+        from mmserve.server.models import ModelRegistry, handle_for
+        from mmserve_client import Client
+
+        handle = handle_for(ModelSpec(SERVED_NAME, str(folder)), engine, max_pending=4)
+        self.async_engine = handle.engine
+        self.server = MMServer(ModelRegistry([handle]), ServerConfig(port=0))
+        self.loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._loop_thread.start()
+        port = self._on_loop(self.server.start())
+        self.client = Client(f"127.0.0.1:{port}", timeout=600)
+        self.st_thread = ThreadPoolExecutor(1, thread_name_prefix="sentence-transformers")
+        self.st = self.st_thread.submit(
+            lambda: SentenceTransformer(
+                str(folder), device=str(device), model_kwargs={"dtype": dtype}
+            )
+        ).result()
+
+    def _on_loop(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(600)
+
+    def offline(self, batch: list[str]) -> np.ndarray:
+        result = self._on_loop(pooling_api.embed(self.async_engine, batch, truncate="right"))
+        return np.asarray(result.embeddings.numpy())
+
+    def grpc(self, batch: list[str]) -> np.ndarray:
+        return np.stack(self.client.embed(batch, model=SERVED_NAME, truncate="right"))
+
+    def sentence_transformers(self, batch: list[str]) -> np.ndarray:
+        encode = partial(self.st.encode, batch_size=len(batch), convert_to_numpy=True)
+        return np.asarray(self.st_thread.submit(encode, batch).result(), dtype=np.float32)
+
+    def close(self) -> None:
+        self.client.close()
+        self._on_loop(self.server.drain(grace=5))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._loop_thread.join(10)
+        self.st_thread.shutdown()
+
+
+def measure(
+    sides: dict[str, Callable[[list[str]], np.ndarray]], batches: Sequence[list[str]]
+) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """Seconds per side over batches[1:], taking turns batch by batch (batches[0] warms each
+    side up), and each side's vectors of batches[0]."""
+    first = {name: side(batches[0]) for name, side in sides.items()}
+    seconds = dict.fromkeys(sides, 0.0)
+    for batch in batches[1:]:
+        for name, side in sides.items():
+            start = time.perf_counter()
+            side(batch)
+            seconds[name] += time.perf_counter() - start
+    return seconds, first
+
+
+def run(args: argparse.Namespace) -> None:
+    from mmserve.models.loader import resolve_device, resolve_dtype
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = args.model or "shape:bert-base"
+    folder = model_folder(model)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=ModelConfig(model=str(folder), device=args.device, dtype=args.dtype),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=max(args.batch_size, 1),
+            ),
+        )
+    )
+    count = args.batch_size * (args.num_batches + 1)
+    texts = make_texts(engine.tokenizer, count, args.seq_len, args.seq_len_spread)
+    batches = [texts[i : i + args.batch_size] for i in range(0, len(texts), args.batch_size)]
+    encoded = [engine.input_encoder.encode(b, "right", "inputs") for b in batches[1:]]
+    tokens = sum(len(e.token_ids) for batch in encoded for e in batch)
+    sides = Sides(engine, folder, device, dtype)
+    try:
+        chosen: dict[str, Callable[[list[str]], np.ndarray]] = {
+            "offline": sides.offline,
+            "sentence-transformers": sides.sentence_transformers,
+        }
+        if not args.skip_grpc:
+            chosen["grpc"] = sides.grpc
+        seconds, first = measure(chosen, batches)
+    finally:
+        sides.close()
+    texts_timed = count - args.batch_size
+    common = {
+        "model": model,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "seq_len_spread": args.seq_len_spread,
+        "tokens_per_text": tokens / texts_timed,
+        "num_batches": args.num_batches,
+        "threads": torch.get_num_threads(),
+    }
+    base = seconds["sentence-transformers"]
+    for name, secs in seconds.items():
+        out: dict[str, Any] = {"bench": f"embed-{name}", **common}
+        out.update(texts_per_s=texts_timed / secs, tokens_per_s=tokens / secs)
+        if name != "sentence-transformers":
+            out["ratio_to_sentence_transformers"] = base / secs
+            out["min_cosine_to_sentence_transformers"] = _min_cosine(
+                first[name], first["sentence-transformers"]
+            )
+        print(json.dumps(out), flush=True)
+
+
+def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+    return float(((a * b).sum(-1) / norms).min())

@@ -1,0 +1,164 @@
+"""Pure functions between the pooling protos (Embed, Rerank, Classify, Score) and the engine's
+pooling API, applying the defaults the proto comments promise (unset truncate = NONE, unset
+encoding = FLOAT, unset normalize = true). Every bad field raises InvalidArgument naming it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mmserve.engine.pooling_inputs import TextOrIds
+from mmserve.engine.pooling_plans import ClassifyResult, EmbedResult, RerankResult, ScoreResult
+from mmserve.errors import InvalidArgument
+from mmserve_client._proto.mmserve.v1 import common_pb2, pooling_pb2
+
+_TRUNCATE = {
+    common_pb2.TRUNCATE_UNSPECIFIED: "none",
+    common_pb2.TRUNCATE_NONE: "none",
+    common_pb2.TRUNCATE_LEFT: "left",
+    common_pb2.TRUNCATE_RIGHT: "right",
+}
+# encoding -> numpy dtype of its packed bytes (little-endian); None = repeated float values
+_PACKED: dict[int, str | None] = {
+    pooling_pb2.ENCODING_UNSPECIFIED: None,
+    pooling_pb2.ENCODING_FLOAT: None,
+    pooling_pb2.ENCODING_FP32_BYTES: "<f4",
+    pooling_pb2.ENCODING_FP16_BYTES: "<f2",
+}
+
+
+def truncate_mode(value: int) -> str:
+    """A Truncate enum value as the pooling API spells it: "none", "left" or "right"."""
+    mode = _TRUNCATE.get(value)
+    if mode is None:
+        raise InvalidArgument("truncate", f"unknown value {value}; expected NONE, LEFT or RIGHT")
+    return mode
+
+
+def pooling_inputs(field: str, items: Sequence[common_pb2.Input]) -> list[TextOrIds]:
+    """Inputs as texts or token-id lists. No served model reads images yet: an image is
+    refused here, naming it (e.g. "inputs[2].image")."""
+    out: list[TextOrIds] = []
+    for i, item in enumerate(items):
+        kind = item.WhichOneof("kind")
+        if kind == "text":
+            out.append(item.text)
+        elif kind == "token_ids":
+            out.append(list(item.token_ids.ids))
+        elif kind == "image":
+            raise InvalidArgument(f"{field}[{i}].image", "not supported by this model")
+        else:
+            raise InvalidArgument(f"{field}[{i}]", "set one of text, token_ids or image")
+    return out
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    """An EmbedRequest's options with the proto's defaults applied."""
+
+    normalize: bool  # L2-normalise each vector (after Matryoshka truncation)
+    dimensions: int | None  # keep the first `dimensions` values; None = all
+    truncate: str  # "none" | "left" | "right"
+    packed: str | None  # numpy dtype of the packed bytes; None = repeated float values
+
+
+def embed_options(request: pooling_pb2.EmbedRequest) -> EmbedOptions:
+    if request.encoding not in _PACKED:
+        raise InvalidArgument(
+            "encoding",
+            f"unknown value {request.encoding}; expected FLOAT, FP32_BYTES or FP16_BYTES",
+        )
+    dimensions = request.dimensions if request.HasField("dimensions") else None
+    if dimensions == 0:
+        raise InvalidArgument("dimensions", "must be >= 1 when set")
+    return EmbedOptions(
+        normalize=request.normalize if request.HasField("normalize") else True,
+        dimensions=dimensions,
+        truncate=truncate_mode(request.truncate),
+        packed=_PACKED[request.encoding],
+    )
+
+
+def embeddings(vectors: torch.Tensor, packed: str | None) -> list[pooling_pb2.Embedding]:
+    """vectors: [num_inputs, dim] float32 on the CPU -> one Embedding each, in order."""
+    rows = vectors.numpy()
+    if packed is None:
+        return [pooling_pb2.Embedding(values=row) for row in rows.tolist()]
+    return [pooling_pb2.Embedding(packed=row.tobytes()) for row in rows.astype(np.dtype(packed))]
+
+
+def usage(prompt_tokens: int) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=prompt_tokens)
+
+
+def embed_response(
+    result: EmbedResult,
+    options: EmbedOptions,
+    request_id: str,
+    model: str,
+    timing: common_pb2.Timing,
+) -> pooling_pb2.EmbedResponse:
+    return pooling_pb2.EmbedResponse(
+        request_id=request_id,
+        embeddings=embeddings(result.embeddings, options.packed),
+        usage=usage(result.prompt_tokens),
+        timing=timing,
+        model=model,
+    )
+
+
+def rerank_response(
+    result: RerankResult,
+    return_documents: bool,
+    request_id: str,
+    model: str,
+    timing: common_pb2.Timing,
+) -> pooling_pb2.RerankResponse:
+    """Results as ranked (highest score first); documents copied only when asked for."""
+    results = [
+        pooling_pb2.RerankResult(
+            index=r.index, score=r.score, document=r.document if return_documents else ""
+        )
+        for r in result.results
+    ]
+    return pooling_pb2.RerankResponse(
+        request_id=request_id,
+        results=results,
+        usage=usage(result.prompt_tokens),
+        timing=timing,
+        model=model,
+    )
+
+
+def classify_response(
+    result: ClassifyResult, request_id: str, model: str, timing: common_pb2.Timing
+) -> pooling_pb2.ClassifyResponse:
+    results = [
+        pooling_pb2.Classification(
+            label=c.label,
+            scores=[pooling_pb2.LabelScore(label=s.label, score=s.score) for s in c.scores],
+        )
+        for c in result.results
+    ]
+    return pooling_pb2.ClassifyResponse(
+        request_id=request_id,
+        results=results,
+        usage=usage(result.prompt_tokens),
+        timing=timing,
+        model=model,
+    )
+
+
+def score_response(
+    result: ScoreResult, request_id: str, model: str, timing: common_pb2.Timing
+) -> pooling_pb2.ScoreResponse:
+    return pooling_pb2.ScoreResponse(
+        request_id=request_id,
+        scores=result.scores,
+        usage=usage(result.prompt_tokens),
+        timing=timing,
+        model=model,
+    )

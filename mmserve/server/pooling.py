@@ -1,0 +1,102 @@
+"""The Embed, Rerank, Classify and Score RPCs: proto -> the engine's pooling API -> proto.
+
+Each call is planned on a worker thread (tokenisation, truncation and every check: nothing
+invalid reaches the engine), then its inputs run as pooling requests on the model's shared
+engine, beside whatever else it serves (generation included)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TypeVar
+
+from mmserve.engine import pooling_api
+from mmserve.engine.pooling_plans import PoolingPlan
+from mmserve.server import convert
+from mmserve.server import convert_pooling as cp
+from mmserve.server.errors import EngineFailed
+from mmserve.server.models import ModelHandle
+from mmserve_client._proto.mmserve.v1 import common_pb2, pooling_pb2
+
+T = TypeVar("T")
+OFF_LOOP_VALUES = 1 << 16  # responses with more embedding values are built on a worker thread
+
+
+async def _run(handle: ModelHandle, plan: PoolingPlan[T]) -> tuple[T, float]:
+    """The plan's result and when it was handed to the engine (time.monotonic())."""
+    queued = time.monotonic()
+    try:
+        return await pooling_api.run_async(handle.engine, plan), queued
+    except RuntimeError as e:  # a failed request, or a dead engine
+        raise EngineFailed(f"model {handle.name!r} failed the request: {e}") from e
+
+
+def _timing(received: float, queued: float) -> common_pb2.Timing:
+    return convert.timing(received, queued, None, time.monotonic())
+
+
+async def embed(
+    request: pooling_pb2.EmbedRequest, handle: ModelHandle, request_id: str, received: float
+) -> pooling_pb2.EmbedResponse:
+    options = cp.embed_options(request)
+    inputs = cp.pooling_inputs("inputs", request.inputs)
+    plan = await asyncio.to_thread(
+        pooling_api.plan_embed,
+        handle.engine.engine,
+        inputs,
+        normalize=options.normalize,
+        dimensions=options.dimensions,
+        truncate=options.truncate,
+    )
+    result, queued = await _run(handle, plan)
+    args = (result, options, request_id, handle.name, _timing(received, queued))
+    if result.embeddings.numel() > OFF_LOOP_VALUES:
+        return await asyncio.to_thread(cp.embed_response, *args)
+    return cp.embed_response(*args)
+
+
+async def rerank(
+    request: pooling_pb2.RerankRequest, handle: ModelHandle, request_id: str, received: float
+) -> pooling_pb2.RerankResponse:
+    top_n = request.top_n if request.HasField("top_n") else None
+    plan = await asyncio.to_thread(
+        pooling_api.plan_rerank,
+        handle.engine.engine,
+        request.query,
+        list(request.documents),
+        top_n=top_n,
+        truncate=cp.truncate_mode(request.truncate),
+    )
+    result, queued = await _run(handle, plan)
+    timing = _timing(received, queued)
+    return cp.rerank_response(result, request.return_documents, request_id, handle.name, timing)
+
+
+async def classify(
+    request: pooling_pb2.ClassifyRequest, handle: ModelHandle, request_id: str, received: float
+) -> pooling_pb2.ClassifyResponse:
+    inputs = cp.pooling_inputs("inputs", request.inputs)
+    plan = await asyncio.to_thread(
+        pooling_api.plan_classify,
+        handle.engine.engine,
+        inputs,
+        truncate=cp.truncate_mode(request.truncate),
+    )
+    result, queued = await _run(handle, plan)
+    return cp.classify_response(result, request_id, handle.name, _timing(received, queued))
+
+
+async def score(
+    request: pooling_pb2.ScoreRequest, handle: ModelHandle, request_id: str, received: float
+) -> pooling_pb2.ScoreResponse:
+    first = cp.pooling_inputs("first", request.first)
+    second = cp.pooling_inputs("second", request.second)
+    plan = await asyncio.to_thread(
+        pooling_api.plan_score,
+        handle.engine.engine,
+        first,
+        second,
+        truncate=cp.truncate_mode(request.truncate),
+    )
+    result, queued = await _run(handle, plan)
+    return cp.score_response(result, request_id, handle.name, _timing(received, queued))

@@ -1,0 +1,166 @@
+"""Tool calling in Generate, the output side: each choice's deltas -> content and calls.
+
+Under tool_choice auto the model's parser reads the text. Some formats mark calls with
+special tokens (`<|python_tag|>`, `[TOOL_CALLS]`), which the engine's text drops under
+skip_special_tokens (the default). For such a model the choice's tokens are detokenised a
+second time here, with every special token removed *except* the format's markers: the
+parser sees the markers, the client sees no control tokens, and the engine's own text is
+left as the request asked. (Stop strings are matched on that text as well; it differs from
+the engine's only by the markers.) Where the markers are plain text, or the request keeps
+special tokens, the engine's text is parsed as it is.
+
+Under a forced tool_choice the output is JSON in the shape tools.py builds a schema for,
+parsed once complete (ForcedCallStream).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mmserve.errors import InvalidArgument
+from mmserve.params import SamplingParams
+from mmserve.processors.detokenizer import IncrementalDetokenizer
+from mmserve.processors.tool_parsers import (
+    Accept,
+    ContentDelta,
+    StreamingToolParser,
+    ToolCallDelta,
+    ToolParser,
+)
+from mmserve.processors.tool_parsers.base import (
+    arguments_of,
+    canonical_arguments,
+    loads_json,
+    random_call_id,
+)
+from mmserve.server.tools import ToolRequest
+from mmserve.structured_output.vocab import special_token_ids
+from mmserve_client._proto.mmserve.v1 import generate_pb2
+
+
+class ForcedCallStream(StreamingToolParser):
+    """The output of a forced tool_choice: one call object or an array of calls, emitted
+    when the output ends. Anything else (JSON cut short by max_tokens) stays content."""
+
+    def _step(self) -> bool:
+        if not self._final:
+            return False
+        calls = _forced_calls(self._buf)
+        text = self._take(len(self._buf))
+        if calls is None or not all(self._accepts(n, a) for n, a in calls):
+            self._content(text)
+        else:
+            for name, arguments in calls:
+                self._call(name, arguments)
+        return False
+
+
+def _forced_calls(text: str) -> list[tuple[str, str]] | None:
+    try:
+        value = loads_json(text)
+    except ValueError:
+        return None
+    calls = []
+    for item in value if isinstance(value, list) else [value]:
+        name = item.get("name") if isinstance(item, dict) else None
+        arguments = canonical_arguments(arguments_of(item)) if isinstance(name, str) else None
+        if not name or arguments is None:
+            return None
+        calls.append((name, arguments))
+    return calls or None
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """How one request's choices are read for tool calls."""
+
+    request: ToolRequest
+    parser: ToolParser | None  # the model's format; None under a forced tool_choice
+    new_id: Callable[[], str]  # call ids in the model's style (Mistral wants 9 characters)
+    accept: Accept  # which parsed calls are calls (tools.ToolRequest.accept)
+    retext: Callable[[], IncrementalDetokenizer] | None  # a detokeniser keeping the markers
+    drop_ids: frozenset[int]  # token ids the second detokenisation leaves out
+
+    def stream(self) -> ChoiceToolStream:
+        if self.parser is None:
+            parser: StreamingToolParser = ForcedCallStream(self.new_id, self.accept)
+        else:
+            parser = self.parser.stream(self.accept)
+        return ChoiceToolStream(parser, self.retext() if self.retext else None, self.drop_ids)
+
+
+def tool_output(
+    request: ToolRequest,
+    parser: ToolParser | None,
+    tokenizer: Any,
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+) -> ToolOutput:
+    """The reading of a request's output; `parser` is the model's (None if unknown, which
+    only a forced tool_choice can do without)."""
+    new_id = parser.new_id if parser is not None else random_call_id
+    if request.forced:
+        return ToolOutput(request, None, new_id, request.accept(), None, frozenset())
+    if parser is None:
+        raise InvalidArgument(
+            "chat.tools",
+            "no tool-call parser is known for this model's chat template or architecture; "
+            "the server can name one with --tool-parser (or use tool_choice required)",
+        )
+    special = special_token_ids(tokenizer)
+    added = tokenizer.added_tokens_encoder  # content -> id; special tokens are added tokens
+    markers = {added[m] for m in parser.markers if m in added} & special
+    retext = None
+    if params.skip_special_tokens and markers:
+        retext = functools.partial(
+            IncrementalDetokenizer,
+            tokenizer,
+            list(prompt_token_ids),
+            skip_special_tokens=False,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+    return ToolOutput(request, parser, new_id, request.accept(), retext, special - markers)
+
+
+class ChoiceToolStream:
+    """One choice's deltas -> (content text, tool-call deltas)."""
+
+    def __init__(
+        self,
+        parser: StreamingToolParser,
+        detok: IncrementalDetokenizer | None,
+        drop_ids: frozenset[int],
+    ) -> None:
+        self._parser = parser
+        self._detok = detok  # None: parse the engine's text
+        self._drop_ids = drop_ids
+        self.num_calls = 0
+
+    def update(self, delta: Any) -> tuple[str, list[ToolCallDelta]]:
+        """delta: a GenerationDelta of this choice."""
+        done = delta.finish_reason is not None
+        text = delta.text if self._detok is None else self._retext(delta.token_ids, done)
+        out = self._parser.feed(text)
+        if done:
+            out += self._parser.finish()
+        calls = [d for d in out if isinstance(d, ToolCallDelta)]
+        self.num_calls += len(calls)
+        return "".join(d.text for d in out if isinstance(d, ContentDelta)), calls
+
+    def _retext(self, token_ids: Sequence[int], done: bool) -> str:
+        assert self._detok is not None
+        text = self._detok.update([t for t in token_ids if t not in self._drop_ids]).text_delta
+        return text + self._detok.finish().text_delta if done else text
+
+
+def call_deltas(calls: Sequence[ToolCallDelta]) -> list[generate_pb2.ToolCallDelta]:
+    return [
+        generate_pb2.ToolCallDelta(
+            index=c.index, id=c.id, name=c.name, arguments_delta=c.arguments_delta
+        )
+        for c in calls
+    ]

@@ -1,0 +1,204 @@
+"""Tool calling in Generate, the request side: a Chat's tools and tool_choice, the parser
+that reads a model's calls, and the constraint that enforces a forced tool_choice.
+
+- auto (the default when there are tools): the tools are rendered into the prompt and the
+  model decides. Its output is read by the model's tool-call parser (found from its chat
+  template or architecture, or the server's --tool-parser) into content and calls.
+- none: the tools are not rendered, so the model does not know them, and nothing is parsed.
+- required / a named function: the tools are rendered, and the output is constrained by a
+  JSON schema built from the tools' parameter schemas (either grammar backend):
+  required: `[{"name": ..., "arguments": {...}}, ...]` (one call or more);
+  named: `{"name": "f", "arguments": {...}}`. This shape is the same for every model (not
+  the model's own markup, which the grammar makes unnecessary); tool_stream.py parses it.
+- strict: enforced by the grammar under required / named. Under auto no grammar applies:
+  a call whose arguments do not validate against its tool's schema stays content, as does a
+  call to a tool the request did not offer (the parser's `accept` hook).
+A request's own `structured` constraint applies under auto (calls are parsed from what it
+lets through); with a forced tool_choice, which is a constraint itself, it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from mmserve.errors import InvalidArgument
+from mmserve.processors.tool_parsers import Accept, ToolParser, get_parser, parser_for_model
+from mmserve.structured_output.keywords import OUTLINES_RULES, XGRAMMAR_RULES
+from mmserve.structured_output.params import StructuredOutputParams
+from mmserve.structured_output.schema_check import check_schema
+from mmserve_client._proto.mmserve.v1 import generate_pb2
+
+_Mode = generate_pb2.ToolChoice
+_RULES = {rules.backend: rules for rules in (XGRAMMAR_RULES, OUTLINES_RULES)}
+_NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
+# Schema keywords whose values are data, not subschemas: a "$ref" in there is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """One tool of a request, as the server checks calls against it."""
+
+    name: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+    strict: bool  # the arguments must validate against `parameters`
+    field: str  # the request field it came from, e.g. "chat.tools[0]"
+    description: str = ""  # for the model
+
+    def template(self) -> dict[str, Any]:
+        """The tool as chat templates take it (OpenAI's function-tool shape)."""
+        function = {"name": self.name, "description": self.description}
+        return {"type": "function", "function": {**function, "parameters": self.parameters}}
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """What a chat request asks of tool calling (absent when no tool may be called)."""
+
+    tools: tuple[ToolSpec, ...]
+    mode: str  # "auto" | "required" | "function"
+    function: str = ""  # mode "function": the tool that must be called
+
+    @property
+    def forced(self) -> bool:
+        return self.mode != "auto"
+
+    def accept(self) -> Accept:
+        """Whether a parsed call is a call: a tool of the request, with valid arguments
+        where the tool is strict (else the parser keeps the call's text as content)."""
+        validators = {t.name: _validator(t) if t.strict else None for t in self.tools}
+
+        def accept(name: str, arguments: str) -> bool:
+            if name not in validators:
+                return False
+            validator = validators[name]
+            return validator is None or bool(validator.is_valid(json.loads(arguments)))
+
+        return accept
+
+
+def chat_tools(chat: generate_pb2.Chat) -> tuple[list[dict[str, Any]] | None, ToolRequest | None]:
+    """(tools for the chat template, the ToolRequest); (None, None) when no tool can be
+    called (no tools, or tool_choice none). Raises InvalidArgument naming the field."""
+    specs = [_tool(f"chat.tools[{i}]", t) for i, t in enumerate(chat.tools)]
+    names = [s.name for s in specs]
+    for spec in specs:
+        if names.count(spec.name) > 1:
+            raise InvalidArgument(f"{spec.field}.name", f"{spec.name!r} is repeated")
+    mode, function = _choice(chat, names)
+    if mode == "none" or not specs:
+        return None, None
+    return [s.template() for s in specs], ToolRequest(tuple(specs), mode, function)
+
+
+def _choice(chat: generate_pb2.Chat, names: list[str]) -> tuple[str, str]:
+    """(mode, function name); unset is auto with tools, none without."""
+    which = chat.tool_choice.WhichOneof("choice") if chat.HasField("tool_choice") else None
+    if which == "function_name":
+        name = chat.tool_choice.function_name
+        if name not in names:
+            raise InvalidArgument(
+                "chat.tool_choice.function_name", f"{name!r} is not one of chat.tools {names}"
+            )
+        return "function", name
+    mode = chat.tool_choice.mode if which == "mode" else _Mode.MODE_UNSPECIFIED
+    if mode == _Mode.MODE_REQUIRED:
+        if not names:
+            raise InvalidArgument("chat.tool_choice.mode", "MODE_REQUIRED needs chat.tools")
+        return "required", ""
+    if mode == _Mode.MODE_NONE:
+        return "none", ""
+    if mode not in (_Mode.MODE_AUTO, _Mode.MODE_UNSPECIFIED):
+        raise InvalidArgument("chat.tool_choice.mode", f"unknown mode {mode}")
+    return "auto", ""
+
+
+def _tool(field: str, t: generate_pb2.Tool) -> ToolSpec:
+    if not t.name:
+        raise InvalidArgument(f"{field}.name", "must not be empty")
+    parameters = _NO_ARGUMENTS
+    if t.parameters_json:
+        try:
+            parameters = json.loads(t.parameters_json)
+        except (ValueError, RecursionError) as e:
+            raise InvalidArgument(f"{field}.parameters_json", f"invalid JSON: {e}") from None
+        if not isinstance(parameters, dict):
+            raise InvalidArgument(f"{field}.parameters_json", "must be a JSON Schema object")
+    return ToolSpec(t.name, parameters, t.strict, field, t.description)
+
+
+def _validator(tool: ToolSpec) -> Any:
+    """A jsonschema validator of a strict tool's arguments; a broken schema is the request's
+    fault (INVALID_ARGUMENT with a JSON pointer)."""
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(tool.parameters)
+    try:
+        cls.check_schema(tool.parameters)
+    except jsonschema.SchemaError as e:
+        pointer = "".join(f"/{p}" for p in e.path) or "/"
+        raise InvalidArgument(
+            f"{tool.field}.parameters_json", f"at {pointer}: {e.message}"
+        ) from None
+    return cls(tool.parameters, format_checker=cls.FORMAT_CHECKER)
+
+
+def tool_parser(chat_template: Any, architecture: str, forced: str | None) -> ToolParser | None:
+    """The parser of a model's tool-call format: `forced` (the server's --tool-parser), else
+    the one its chat template or architecture names; None if neither tells."""
+    if isinstance(chat_template, dict):  # several named templates
+        chat_template = "\n".join(str(t) for t in chat_template.values())
+    name = forced or parser_for_model(chat_template, architecture)
+    return get_parser(name) if name else None
+
+
+def forced_constraint(request: ToolRequest, backend: str) -> StructuredOutputParams:
+    """The JSON-schema constraint of a forced tool_choice (module doc). Each tool's schema is
+    checked first, so that a problem is reported at its own field with a pointer into it."""
+    named = [t for t in request.tools if t.name == request.function]
+    for tool in named or request.tools:  # the tools the constraint includes
+        check_schema(tool.parameters, _RULES[backend], f"{tool.field}.parameters_json")
+    schema: dict[str, Any]
+    if named:
+        schema = _call_schema(named[0], "/properties/arguments")
+    else:
+        calls = [
+            _call_schema(t, f"/items/anyOf/{i}/properties/arguments")
+            for i, t in enumerate(request.tools)
+        ]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return StructuredOutputParams("json_schema", json.dumps(schema), backend)
+
+
+def _call_schema(tool: ToolSpec, at: str) -> dict[str, Any]:
+    """One call's schema; the tool's schema is placed at JSON pointer `at` of the whole
+    schema, so its local references ("#/$defs/x") are moved there."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, "arguments": _relocate(tool.parameters, at)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _relocate(schema: Any, at: str) -> Any:
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> subschema
+                out[key] = {name: walk(sub) for name, sub in value.items()}
+            else:
+                out[key] = value if key in _DATA_KEYWORDS else walk(value)
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = "#" + at + ref[1:]
+        return out
+
+    return walk(schema)

