@@ -31,6 +31,7 @@ class EngineOutput:
     num_output_tokens: int = 0
     error: str | None = None  # set when the request failed inside the engine
     pooled: Any = None  # torch.Tensor (CPU, float32) for a pooling request that finished
+    first_scheduled_time: float | None = None  # time.monotonic() of its first step, if any
 
 
 @dataclass

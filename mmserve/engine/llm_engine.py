@@ -43,6 +43,7 @@ class GenerationDelta:
     num_output_tokens: int = 0
     error: str | None = None
     pooled: Any = None  # torch.Tensor result of a pooling request, on its final delta
+    first_scheduled_time: float | None = None  # time.monotonic() when it first ran a step
 
 
 @dataclass
@@ -257,6 +258,7 @@ class LLMEngine:
             num_output_tokens=out.num_output_tokens,
             error=out.error,
             pooled=out.pooled,
+            first_scheduled_time=out.first_scheduled_time,
         )
 
     def _forget(self, child_id: str, choice: _Choice) -> None:

@@ -264,4 +264,5 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_output_tokens=len(request.output_token_ids),
+            first_scheduled_time=request.first_scheduled_time,
         )

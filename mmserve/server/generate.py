@@ -176,8 +176,10 @@ class _Stream:
             out.usage.CopyFrom(
                 convert.usage(prompt_len, choice.completion_tokens, delta.num_cached_tokens)
             )
+            # queue_ms runs to the engine's first step for the request when it reports one
+            queued = delta.first_scheduled_time or self.queued
             out.timing.CopyFrom(
-                convert.timing(self.prep.received, self.queued, choice.first_token, now)
+                convert.timing(self.prep.received, queued, choice.first_token, now)
             )
         return out
 

@@ -121,6 +121,8 @@ def test_max_tokens_and_length_finish() -> None:
     core.add_request(r)
     reasons = []
     while core.has_unfinished:
-        reasons += [o.finish_reason for o in core.step()]
+        outs = core.step()
+        reasons += [o.finish_reason for o in outs]
+        assert all(r.arrival_time <= (o.first_scheduled_time or 0) for o in outs)
     assert reasons == [None] * 4 + ["length"]
     assert len(r.output_token_ids) == 5
