@@ -57,6 +57,8 @@ class ServeEnv:
     num_kv_blocks: int | None = field(default=None, metadata={"parse": int})
     kv_cache_memory: int | None = field(default=None, metadata={"parse": parse_bytes})
     enable_prefix_caching: bool | None = field(default=None, metadata={"parse": parse_bool})
+    gpu_memory_utilization: float | None = field(default=None, metadata={"parse": float})
+    enforce_eager: bool | None = field(default=None, metadata={"parse": parse_bool})
     seed: int | None = field(default=None, metadata={"parse": int})
     api_key_file: str | None = field(default=None, metadata={"parse": str})
     tls_cert: str | None = field(default=None, metadata={"parse": str})

@@ -1,5 +1,6 @@
-"""`mmserve bench latency | throughput | decode | prefill | embed`: engine benchmarks (embed
-also over gRPC, against sentence-transformers: mmserve/bench/embed.py).
+"""`mmserve bench latency | throughput | decode | prefill | embed | serve`: engine benchmarks
+(embed also over gRPC, against sentence-transformers: mmserve/bench/embed.py; serve is a gRPC
+load generator with Poisson arrivals: mmserve/bench/serve.py).
 
 Each prints one JSON object per line (the figure, its roofline where one applies, and the
 transformers baseline when --baseline is given), so results can be pasted into BENCHMARKS.md.
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mmserve.bench import embed, offline
+from mmserve.bench import embed, offline, serve
 from mmserve.bench.models import make_model_folder, weight_bytes
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mmserve.engine.llm_engine import LLMEngine
@@ -26,7 +27,7 @@ from mmserve.engine.llm_engine import LLMEngine
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (offline engine)")
-    p.add_argument("kind", choices=["latency", "throughput", "decode", "prefill", "embed"])
+    p.add_argument("kind", choices=["latency", "throughput", "decode", "prefill", "embed", "serve"])
     p.add_argument(
         "--model",
         default=None,
@@ -50,19 +51,24 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--bandwidth-gbs", type=float, default=4180.0, help="measured copy bandwidth, for the roofline")
     p.add_argument("--baseline", action="store_true", help="also time transformers generate")
     embed.add_arguments(p)
+    serve.add_arguments(p)
     p.set_defaults(func=run)
 
 
 def _engine(args: argparse.Namespace, folder: Path, dummy: bool) -> LLMEngine:
-    config = EngineConfig(
+    return LLMEngine.from_config(engine_config(args, str(folder), dummy))
+
+
+def engine_config(args: argparse.Namespace, model: str, dummy: bool) -> EngineConfig:
+    """The engine settings of the shared flags (serve.py's server uses them too)."""
+    return EngineConfig(
         model=ModelConfig(
-            model=str(folder), device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+            model=model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
             load_format="dummy" if dummy else "auto", enforce_eager=args.enforce_eager,
         ),
         cache=CacheConfig(num_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
     )
-    return LLMEngine.from_config(config)
 
 
 def _emit(**fields: Any) -> None:
@@ -72,6 +78,9 @@ def _emit(**fields: Any) -> None:
 def run(args: argparse.Namespace) -> None:
     if args.kind == "embed":
         embed.run(args)
+        return
+    if args.kind == "serve":
+        serve.run(args)
         return
     args.model = args.model or "shape:llama3-8b"
     dummy = args.model.startswith("shape:") or args.load_format == "dummy"

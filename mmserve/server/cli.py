@@ -30,6 +30,7 @@ _FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--max-num-seqs", int, "most requests running at once per model (default 64)"),
     ("--num-kv-blocks", int, "KV cache blocks per model (default: from --kv-cache-memory)"),
     ("--kv-cache-memory", envs.parse_bytes, "KV cache budget per model on CPU, e.g. 512MiB"),
+    ("--gpu-memory-utilization", float, "share of GPU memory for weights + KV cache (default 0.9)"),
     ("--seed", int, "seed of unseeded sampling (default 0)"),
     ("--api-key-file", str, "file of API keys, one per line (default: no keys)"),
     ("--tls-cert", str, "PEM certificate chain: serve TLS (with --tls-key)"),
@@ -67,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="reuse KV blocks of shared prompt prefixes (default on) "
         "[env MMSERVE_ENABLE_PREFIX_CACHING]",
     )
+    serve.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        help="no CUDA graphs: run every step eagerly (default off) [env MMSERVE_ENFORCE_EAGER]",
+    )
     env = envs.serve_env()
     serve.set_defaults(**{f.name: getattr(env, f.name) for f in fields(env)}, func=_serve)
     # Listed for --help only: main() hands `bench ...` to mmserve.bench.cli untouched.
@@ -82,13 +88,19 @@ def _given(args: argparse.Namespace, *names: str, **renames: str) -> dict[str, A
 
 def engine_template(args: argparse.Namespace) -> EngineConfig:
     """Engine settings shared by every served model (the model path is filled in per model)."""
+    share = args.gpu_memory_utilization
+    if share is not None and not 0 < share <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {share}")
     return EngineConfig(
-        model=ModelConfig(model="", **_given(args, "dtype", "device", "max_model_len")),
+        model=ModelConfig(
+            model="", **_given(args, "dtype", "device", "max_model_len", "enforce_eager")
+        ),
         cache=CacheConfig(
             **_given(
                 args,
                 "block_size",
                 "enable_prefix_caching",
+                "gpu_memory_utilization",
                 num_blocks="num_kv_blocks",
                 kv_cache_memory_bytes="kv_cache_memory",
             )
@@ -136,9 +148,9 @@ def _bench(argv: list[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        return _bench(argv[1:])
     try:
+        if argv[:1] == ["bench"]:
+            return _bench(argv[1:])
         args = build_parser().parse_args(argv)
         return int(args.func(args))
     except (ValueError, OSError) as e:  # bad settings, files or port: say which, no traceback

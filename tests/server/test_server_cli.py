@@ -115,3 +115,14 @@ def test_sigterm_drains(tiny_models: dict[str, Path]) -> None:
             proc.wait()
         assert proc.stderr is not None
         proc.stderr.close()
+
+
+def test_gpu_memory_utilization_and_enforce_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMSERVE_GPU_MEMORY_UTILIZATION", "0.5")
+    monkeypatch.setenv("MMSERVE_ENFORCE_EAGER", "true")
+    template = cli.engine_template(cli.build_parser().parse_args(["serve"]))
+    assert template.cache.gpu_memory_utilization == 0.5 and template.model.enforce_eager
+    flags = ["serve", "--gpu-memory-utilization", "0.7", "--no-enforce-eager"]
+    template = cli.engine_template(cli.build_parser().parse_args(flags))
+    assert template.cache.gpu_memory_utilization == 0.7 and not template.model.enforce_eager
+    assert cli.main(["serve", "--gpu-memory-utilization", "1.5"]) == 2
