@@ -49,3 +49,6 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0  # seed of the engine-wide generator used by unseeded sampling
+    # run the engine core in its own process (engine/core_proc.py); requests with a grammar
+    # are refused there for now. Off by default; meant to become the default on CUDA
+    multiprocess: bool = False

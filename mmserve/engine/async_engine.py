@@ -64,6 +64,7 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._commands.put(None)
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     async def generate(
         self,

@@ -103,6 +103,12 @@ class LLMEngine:
         sentence-transformers config says so (inputs beyond it were never trained on)."""
         return min(self.max_model_len, self.setup.max_input_len or self.max_model_len)
 
+    def shutdown(self) -> None:
+        """Stops the engine-core process, if the core runs in one."""
+        close = getattr(self.core, "shutdown", None)
+        if close is not None:
+            close()
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
@@ -123,6 +129,8 @@ class LLMEngine:
                 f"limit {self.max_model_len}",
             )
         params.validate_for_model(self.vocab_size, len(prompt_token_ids), self.max_model_len)
+        if params.structured is not None and not getattr(self.core, "supports_grammar", True):
+            raise InvalidArgument("structured", "not supported with a multiprocess engine core yet")
 
     def add_request(
         self,

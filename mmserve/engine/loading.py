@@ -26,6 +26,10 @@ DEFAULT_MAX_MODEL_LEN = 4096  # when the config states no limit
 def load_engine_parts(config: EngineConfig) -> LLMEngine:
     from mmserve.engine.llm_engine import LLMEngine
 
+    if config.multiprocess:
+        from mmserve.engine.core_proc import load_multiprocess_engine
+
+        return load_multiprocess_engine(config)
     start = time.monotonic()
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)

