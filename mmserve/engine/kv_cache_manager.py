@@ -20,6 +20,11 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # how many leading blocks are already in the cache
 
     @property
+    def num_blocks(self) -> int:
+        """Blocks of KV cache this model has (0 for a model that keeps none)."""
+        return self.pool.num_blocks if self.enabled else 0
+
+    @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 

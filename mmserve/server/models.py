@@ -136,8 +136,8 @@ def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> Mod
     start = time.monotonic()
     engine = LLMEngine.from_config(engine_config_for(spec, template))
     handle = handle_for(spec, engine, max_pending)
-    facts, pool = handle.facts, engine.core.kv.pool
-    cache = f"{pool.num_blocks} KV blocks of {template.cache.block_size} tokens"
+    facts, num_blocks = handle.facts, engine.core.kv.num_blocks
+    cache = f"{num_blocks} KV blocks of {template.cache.block_size} tokens"
     logger.info(
         "model %r ready: %s from %s on %s in %s, tasks %s, context %d tokens, %s (%.1fs)",
         spec.name,
@@ -147,7 +147,7 @@ def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> Mod
         facts.dtype,
         ", ".join(engine.tasks),
         facts.max_context,
-        cache if pool.num_blocks else "no KV cache",
+        cache if num_blocks else "no KV cache",
         time.monotonic() - start,
     )
     return handle
