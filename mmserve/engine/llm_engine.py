@@ -112,6 +112,12 @@ class LLMEngine:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
+    def check_token_ids(self, token_ids: list[int], field: str = "token_ids") -> None:
+        """Raises InvalidArgument naming field when an id is outside the vocabulary."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(field, f"token id {bad} outside [0, {self.vocab_size})")
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Every check that needs the model; raises InvalidArgument naming the field."""
         if "generate" not in self.tasks:
@@ -119,9 +125,7 @@ class LLMEngine:
             raise InvalidArgument("model", f"this model cannot generate (it can: {can})")
         if not prompt_token_ids:
             raise InvalidArgument("prompt", "must not be empty")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument("token_ids", f"token id {bad} outside [0, {self.vocab_size})")
+        self.check_token_ids(prompt_token_ids)
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidArgument(
                 "prompt",
@@ -209,9 +213,7 @@ class LLMEngine:
             raise InvalidArgument("task", f"this model cannot pool for {params.task!r}")
         if not prompt_token_ids:
             raise InvalidArgument("inputs", "an input has no tokens")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument("token_ids", f"token id {bad} outside [0, {self.vocab_size})")
+        self.check_token_ids(prompt_token_ids)
         if len(prompt_token_ids) > self.max_pooling_len:
             raise InvalidArgument(
                 "inputs", f"{len(prompt_token_ids)} tokens exceed the limit {self.max_pooling_len}"

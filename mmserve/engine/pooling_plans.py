@@ -236,9 +236,7 @@ def _encode(
 
 def _check_vocab(engine: LLMEngine, encoded: list[EncodedInput], names: list[str]) -> None:
     for item, name in zip(encoded, names, strict=True):
-        bad = next((t for t in item.token_ids if not 0 <= t < engine.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(name, f"token id {bad} outside [0, {engine.vocab_size})")
+        engine.check_token_ids(item.token_ids, name)
 
 
 def _count(encoded: list[EncodedInput]) -> int:

@@ -148,8 +148,6 @@ class LLM:
         cache_salt: str | None,
     ) -> list[RequestOutput]:
         per_prompt = _per_prompt_params(params, len(encoded))
-        for p in per_prompt:
-            p.validate()
         results: dict[str, RequestOutput] = {}
         order = []
         for (text, ids), p in zip(encoded, per_prompt):
