@@ -141,6 +141,18 @@ class StreamingToolParser(abc.ABC):
         head, self._buf = self._buf[:n], self._buf[n:]
         return head
 
+    def _content_until(self, marker: str) -> bool:
+        """Emits the buffer as content up to marker and consumes the marker (True), or, with
+        no marker yet, emits all but a tail that could start one (False)."""
+        i = self._buf.find(marker)
+        if i < 0:
+            keep = 0 if self._final else held_prefix(self._buf, marker)
+            self._content(self._take(len(self._buf) - keep))
+            return False
+        self._content(self._take(i))
+        self._take(len(marker))
+        return True
+
     def _content(self, text: str) -> None:
         body = text.rstrip()
         if not body:

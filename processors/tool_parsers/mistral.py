@@ -17,7 +17,6 @@ from .base import (
     ToolParser,
     arguments_of,
     canonical_arguments,
-    held_prefix,
     loads_json,
 )
 from .scan import BalancedScanner, Scan
@@ -38,13 +37,8 @@ class MistralStream(StreamingToolParser):
         return self._text() if self._scanner is None else self._inside()
 
     def _text(self) -> bool:
-        i = self._buf.find(START)
-        if i < 0:
-            keep = 0 if self._final else held_prefix(self._buf, START)
-            self._content(self._take(len(self._buf) - keep))
+        if not self._content_until(START):
             return False
-        self._content(self._take(i))
-        self._take(len(START))
         self._scanner = BalancedScanner(opening="[{")
         return True
 
