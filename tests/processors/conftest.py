@@ -8,16 +8,13 @@ system temp dir and later runs load that folder in well under a second.
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
-import transformers
 
 from mmserve.processors.tokenizer import load_tokenizer
+from tests.utils.tiny_models import smollm2_tokenizer_folder
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -37,19 +34,7 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_gguf: Path) -> Any:
-    key = f"{transformers.__version__}-{smollm2_gguf.stat().st_size}"
-    cache = Path(tempfile.gettempdir()) / f"mmserve-test-smollm2-tokenizer-{key}"
-    if (cache / "tokenizer.json").is_file():
-        return load_tokenizer(cache)
-    tokenizer = load_tokenizer(smollm2_gguf)
-    # Write then rename, so a concurrent or interrupted run never sees half a folder.
-    staging = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
-    tokenizer.save_pretrained(staging)
-    try:
-        os.replace(staging, cache)
-    except OSError:  # another run got there first
-        shutil.rmtree(staging, ignore_errors=True)
-    return tokenizer
+    return load_tokenizer(smollm2_tokenizer_folder(smollm2_gguf))
 
 
 @pytest.fixture(scope="session")

@@ -7,19 +7,16 @@ else from the GGUF itself, converted once to an HF folder in the temp dir.
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
-import transformers
 
 from mmserve.processors.tokenizer import load_tokenizer
 from mmserve.structured_output import StructuredOutputBackend, create_backend
 from mmserve.structured_output.vocab import token_bytes
 from tests.structured_output.walk import Vocab
+from tests.utils.tiny_models import smollm2_tokenizer_folder
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_VOCAB = 49152  # the tokenizer's size
@@ -48,19 +45,7 @@ def tokenizer() -> Any:
     folder = _converted_folder()
     if folder is not None:
         return load_tokenizer(folder)
-    gguf = _gguf_path()
-    key = f"{transformers.__version__}-{gguf.stat().st_size}"
-    cache = Path(tempfile.gettempdir()) / f"mmserve-test-smollm2-tokenizer-{key}"
-    if (cache / "tokenizer.json").is_file():
-        return load_tokenizer(cache)
-    tok = load_tokenizer(gguf)
-    staging = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
-    tok.save_pretrained(staging)
-    try:
-        os.replace(staging, cache)
-    except OSError:  # another run got there first
-        shutil.rmtree(staging, ignore_errors=True)
-    return tok
+    return load_tokenizer(smollm2_tokenizer_folder(_gguf_path()))
 
 
 _BACKENDS: dict[str, StructuredOutputBackend] = {}

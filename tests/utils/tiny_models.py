@@ -164,3 +164,27 @@ def smollm2_gguf_path() -> Path | None:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return path if path.is_file() else None
+
+
+def smollm2_tokenizer_folder(gguf: Path) -> Path:
+    """An HF tokenizer folder converted once from the GGUF into the temp dir (reading it out of
+    the GGUF takes seconds; the folder loads in well under one). Written then renamed, so a
+    concurrent or interrupted run never sees half a folder."""
+    import os
+    import shutil
+    import tempfile
+
+    import transformers
+
+    from mmserve.processors.tokenizer import load_tokenizer
+
+    key = f"{transformers.__version__}-{gguf.stat().st_size}"
+    cache = Path(tempfile.gettempdir()) / f"mmserve-test-smollm2-tokenizer-{key}"
+    if not (cache / "tokenizer.json").is_file():
+        staging = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
+        load_tokenizer(gguf).save_pretrained(staging)
+        try:
+            os.replace(staging, cache)
+        except OSError:  # another run got there first
+            shutil.rmtree(staging, ignore_errors=True)
+    return cache
