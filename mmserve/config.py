@@ -39,6 +39,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (all requests together)
     max_num_seqs: int = 64  # cap on running requests
     max_waiting: int = 1024  # admission bound on queued requests (server side)
+    encoder_cache_rows: int = 16384  # image-encoder output rows kept for reuse (LRU)
+    max_encoder_rows_per_step: int | None = None  # None = max_num_batched_tokens
 
 
 @dataclass(frozen=True)

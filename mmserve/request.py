@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.engine.block_hash import MMPlaceholder
+from mmserve.engine.multimodal import MMInput
 from mmserve.params import PoolingParams, SamplingParams
 
 
@@ -43,7 +44,9 @@ class Request:
     eos_token_ids: frozenset[int]  # tokens that end the output unless ignore_eos
     max_tokens: int  # resolved output cap (params.max_tokens or the context room)
     cache_salt: str | None = None  # isolates this request's prefix-cache blocks
-    mm_placeholders: tuple[MMPlaceholder, ...] = ()  # images in the prompt (prefix-cache keys)
+    mm_inputs: tuple[MMInput, ...] = ()  # images in the prompt, in order
+    mrope_positions: Any = None  # [3, num_prompt_tokens] int64 tensor for multimodal rotary
+    mrope_delta: int = 0  # a generated token at index i has (multimodal) position i + delta
     pooling: PoolingParams | None = None  # set for embed/classify/score: pooled, not sampled
     token_type_ids: list[int] | None = None  # segment ids of a text pair (BERT-style encoders)
     grammar: Any = None  # a structured_output GrammarMatcher fed every sampled token, or None
@@ -56,6 +59,11 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+
+    @property
+    def mm_placeholders(self) -> tuple[MMPlaceholder, ...]:
+        """Where the images sit: prefix-cache keys by image content."""
+        return tuple(mm.placeholder for mm in self.mm_inputs)
 
     @property
     def num_prompt_tokens(self) -> int:

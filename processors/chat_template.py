@@ -20,7 +20,7 @@ ROLES = ("system", "user", "assistant", "tool")
 _MESSAGE_KEYS = frozenset(
     {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 )
-_IMAGE_PART_TYPES = frozenset({"image", "image_url"})  # accepted once vision models land
+_IMAGE_PART_TYPES = frozenset({"image", "image_url"})  # for models that read images
 
 
 def _parse_bool(name: str, value: object) -> bool:
@@ -65,15 +65,20 @@ def render_and_tokenize(
     tools: Sequence[Mapping[str, Any]] | None = None,
     template_kwargs: Mapping[str, object] | None = None,
     sanitize_control_tokens: bool = True,
+    allow_images: bool = False,
 ) -> tuple[str, list[int]]:
     """Render messages and tokenise the prompt; returns (prompt_text, token_ids).
 
     Tokenised without adding special tokens: the template writes BOS itself if the model
     wants one. With sanitize_control_tokens, control tokens written *inside* message text
     (say a user typing "<|im_end|>") become plain text tokens, so a user cannot forge turn
-    boundaries; only the template's own control tokens are encoded as such.
+    boundaries; only the template's own control tokens are encoded as such. With
+    allow_images, {"type": "image"} parts reach the template, which places the model's image
+    token for each (ImagePrompts expands them).
     """
-    args = _template_args(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+    args = _template_args(
+        tokenizer, messages, add_generation_prompt, tools, template_kwargs, allow_images
+    )
     # Rendered twice when sanitising (transformers marks user strings before rendering);
     # both see the same validated inputs, so they agree (unless the template prints the time).
     text = str(_apply(tokenizer, args, tokenize=False))
@@ -90,11 +95,12 @@ def _template_args(
     add_generation_prompt: bool,
     tools: Sequence[Mapping[str, Any]] | None,
     template_kwargs: Mapping[str, object] | None,
+    allow_images: bool = False,
 ) -> dict[str, Any]:
     if not tokenizer.chat_template:
         raise InvalidArgument("chat", "this model has no chat template; send a prompt instead")
     args: dict[str, Any] = parse_template_kwargs(template_kwargs or {})
-    args["conversation"] = validate_messages(messages)
+    args["conversation"] = validate_messages(messages, allow_images)
     args["add_generation_prompt"] = add_generation_prompt
     if tools:
         args["tools"] = validate_tools(tools)
@@ -127,14 +133,16 @@ def parse_template_kwargs(kwargs: Mapping[str, object]) -> dict[str, object]:
     return parsed
 
 
-def validate_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def validate_messages(
+    messages: Sequence[Mapping[str, Any]], allow_images: bool = False
+) -> list[dict[str, Any]]:
     """Check roles, keys and content; return plain-dict copies ready for the template."""
     if not messages:
         raise InvalidArgument("messages", "must not be empty")
-    return [_validate_message(f"messages[{i}]", m) for i, m in enumerate(messages)]
+    return [_validate_message(f"messages[{i}]", m, allow_images) for i, m in enumerate(messages)]
 
 
-def _validate_message(field: str, message: Mapping[str, Any]) -> dict[str, Any]:
+def _validate_message(field: str, message: Mapping[str, Any], allow_images: bool) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise InvalidArgument(field, "must be an object with role and content")
     unknown = sorted(set(message) - _MESSAGE_KEYS)
@@ -158,28 +166,34 @@ def _validate_message(field: str, message: Mapping[str, Any]) -> dict[str, Any]:
         ]
     content = message.get("content")
     if content is not None:
-        out["content"] = _flatten_content(f"{field}.content", content)
+        out["content"] = _flatten_content(f"{field}.content", content, allow_images)
     elif "tool_calls" not in out:
         raise InvalidArgument(f"{field}.content", "is required")
     return out
 
 
-def _flatten_content(field: str, content: Any) -> str:
+def _flatten_content(field: str, content: Any, allow_images: bool) -> str | list[dict[str, str]]:
     # Text-only part lists become one string (joined by newlines, as vLLM does): every
     # template accepts string content, while many (SmolLM2's included) break on lists.
+    # With images the list stays, as [{"type": "text", "text"}, {"type": "image"}, ...].
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidArgument(field, "must be a string or a list of parts")
-    texts = []
+    parts: list[dict[str, str]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind in _IMAGE_PART_TYPES:
-            raise InvalidArgument(f"{field}[{j}]", "image parts are not supported by this model")
+            if not allow_images:
+                raise InvalidArgument(f"{field}[{j}]", "image parts are not supported by this model")
+            parts.append({"type": "image"})  # the pixels travel beside the messages
+            continue
         if kind != "text":
             raise InvalidArgument(f"{field}[{j}].type", f"must be 'text', got {kind!r}")
-        texts.append(_string(f"{field}[{j}].text", part.get("text")))
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": _string(f"{field}[{j}].text", part.get("text"))})
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
 
 
 def _validate_tool_call(field: str, call: Any) -> dict[str, Any]:

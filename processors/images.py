@@ -249,3 +249,19 @@ def read_media_file(path: str, media_dir: Path | None, field: str, limits: Image
             return f.read(limits.max_encoded_bytes + 1)  # decode_image refuses a grown file
     finally:
         os.close(fd)
+
+
+def local_image(image: object, field: str, limits: ImageLimits = ImageLimits()) -> DecodedImage:
+    """An image handed to the offline API: a DecodedImage, a PIL image, encoded bytes or a
+    local file path (the caller's own files: no media-dir rule); same checks as the server."""
+    if isinstance(image, DecodedImage):
+        return image
+    if isinstance(image, Image.Image):
+        _check_size(image.size, field, limits)
+        rgb = to_rgb(image)
+        return DecodedImage(image=rgb, content_hash=content_hash(rgb), source_format="PIL")
+    if isinstance(image, (bytes, bytearray)):
+        return decode_image(bytes(image), field, limits)
+    if isinstance(image, (str, Path)):
+        return decode_image(Path(image).read_bytes(), field, limits)
+    raise InvalidArgument(field, f"an image is a PIL image, bytes or a path; got {type(image).__name__}")

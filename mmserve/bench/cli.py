@@ -1,6 +1,7 @@
-"""`mmserve bench latency | throughput | decode | prefill | embed | serve`: engine benchmarks
-(embed also over gRPC, against sentence-transformers: mmserve/bench/embed.py; serve is a gRPC
-load generator with Poisson arrivals: mmserve/bench/serve.py).
+"""`mmserve bench latency | throughput | decode | prefill | embed | serve | structured`: engine
+benchmarks (embed also over gRPC, against sentence-transformers: mmserve/bench/embed.py; serve
+is a gRPC load generator with Poisson arrivals: mmserve/bench/serve.py; structured is the cost of
+constrained decoding: mmserve/bench/structured.py).
 
 Each prints one JSON object per line (the figure, its roofline where one applies, and the
 transformers baseline when --baseline is given), so results can be pasted into BENCHMARKS.md.
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mmserve.bench import embed, offline, serve
+from mmserve.bench import embed, offline, serve, structured
 from mmserve.bench.models import make_model_folder, weight_bytes
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mmserve.engine.llm_engine import LLMEngine
@@ -27,7 +28,8 @@ from mmserve.engine.llm_engine import LLMEngine
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (offline engine)")
-    p.add_argument("kind", choices=["latency", "throughput", "decode", "prefill", "embed", "serve"])
+    kinds = ["latency", "throughput", "decode", "prefill", "embed", "serve", "structured"]
+    p.add_argument("kind", choices=kinds)
     p.add_argument(
         "--model",
         default=None,
@@ -52,6 +54,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--baseline", action="store_true", help="also time transformers generate")
     embed.add_arguments(p)
     serve.add_arguments(p)
+    structured.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -81,6 +84,9 @@ def run(args: argparse.Namespace) -> None:
         return
     if args.kind == "serve":
         serve.run(args)
+        return
+    if args.kind == "structured":
+        structured.run(args)
         return
     args.model = args.model or "shape:llama3-8b"
     dummy = args.model.startswith("shape:") or args.load_format == "dummy"

@@ -27,6 +27,7 @@ class _Add:
     cache_salt: str | None
     sink: Callable[[GenerationDelta | BaseException], None]
     grammar: Any = None  # CompiledGrammar of params.structured, compiled off the loop
+    mm_inputs: tuple[Any, ...] = ()  # the prompt's images (MMInput), expanded already
 
 
 @dataclass
@@ -36,6 +37,7 @@ class _AddPooling:
     params: PoolingParams
     token_type_ids: list[int] | None
     sink: Callable[[GenerationDelta | BaseException], None]
+    mm_inputs: tuple[Any, ...] = ()  # an image input (dual encoders)
 
 
 @dataclass
@@ -72,17 +74,21 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        mm_inputs: tuple[Any, ...] = (),
     ) -> AsyncIterator[GenerationDelta]:
         """Yields deltas until every choice has finished. Validation errors raise before the
         first delta; leaving the iteration early aborts the request."""
         self.engine.validate(prompt_token_ids, params)
+        self.engine.check_images(prompt_token_ids, mm_inputs)
         grammar = None
         if params.structured is not None:  # compiling can take a while: not on the loop
             grammar = await asyncio.to_thread(self.engine.compile_grammar, params)
         request_id = request_id or self.engine.new_request_id()
 
         def make(sink: Callable[[GenerationDelta | BaseException], None]) -> _Add:
-            return _Add(request_id, list(prompt_token_ids), params, cache_salt, sink, grammar)
+            return _Add(
+                request_id, list(prompt_token_ids), params, cache_salt, sink, grammar, mm_inputs
+            )
 
         async for item in self._submit(request_id, make, params.n):
             yield item
@@ -93,13 +99,16 @@ class AsyncEngine:
         params: PoolingParams,
         token_type_ids: list[int] | None = None,
         request_id: str | None = None,
+        mm_inputs: tuple[Any, ...] = (),
     ) -> GenerationDelta:
         """Pools one input; returns its final delta (with `pooled`). Cancelling aborts it."""
-        self.engine.validate_pooling(prompt_token_ids, params)
+        self.engine.validate_pooling(prompt_token_ids, params, mm_inputs)
         request_id = request_id or self.engine.new_request_id()
 
         def make(sink: Callable[[GenerationDelta | BaseException], None]) -> _AddPooling:
-            return _AddPooling(request_id, list(prompt_token_ids), params, token_type_ids, sink)
+            return _AddPooling(
+                request_id, list(prompt_token_ids), params, token_type_ids, sink, mm_inputs
+            )
 
         result = None
         async for item in self._submit(request_id, make, 1):
@@ -170,12 +179,13 @@ class AsyncEngine:
             try:
                 if isinstance(cmd, _AddPooling):
                     self.engine.add_pooling_request(
-                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.token_type_ids
+                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.token_type_ids,
+                        cmd.mm_inputs,
                     )
                 else:
                     self.engine.add_request(
                         cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
-                        cmd.grammar,
+                        cmd.grammar, cmd.mm_inputs,
                     )
                 self._sinks[cmd.request_id] = cmd.sink
             except Exception as e:  # noqa: BLE001 - a bad request fails alone

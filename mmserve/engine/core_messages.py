@@ -7,6 +7,7 @@ import msgspec
 import torch
 
 from mmserve.engine.block_hash import MMPlaceholder
+from mmserve.engine.multimodal import MMInput
 from mmserve.outputs import EngineOutput, TokenLogprob
 from mmserve.params import PoolingParams, SamplingParams
 from mmserve.request import Request
@@ -29,6 +30,13 @@ class TensorData(msgspec.Struct):
         return flat.view(getattr(torch, self.dtype)).reshape(self.shape)
 
 
+class MMInputData(msgspec.Struct):
+    content_hash: str
+    offset: int
+    length: int
+    data: dict[str, TensorData]  # the image processor's tensors
+
+
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -36,7 +44,9 @@ class AddRequest(msgspec.Struct, tag=True):
     eos_token_ids: list[int]
     max_tokens: int
     cache_salt: str | None = None
-    mm_placeholders: list[tuple[str, int, int]] = []  # (content hash, offset, length)
+    mm_inputs: list[MMInputData] = []
+    mrope_positions: TensorData | None = None
+    mrope_delta: int = 0
     pooling: PoolingParams | None = None
     token_type_ids: list[int] | None = None
 
@@ -124,7 +134,17 @@ def encode_request(r: Request) -> AddRequest:
         sorted(r.eos_token_ids),
         r.max_tokens,
         r.cache_salt,
-        [(m.content_hash, m.offset, m.length) for m in r.mm_placeholders],
+        [
+            MMInputData(
+                m.placeholder.content_hash,
+                m.placeholder.offset,
+                m.placeholder.length,
+                {k: TensorData.of(v) for k, v in m.data.items()},
+            )
+            for m in r.mm_inputs
+        ],
+        TensorData.of(r.mrope_positions) if r.mrope_positions is not None else None,
+        r.mrope_delta,
         r.pooling,
         r.token_type_ids,
     )
@@ -138,7 +158,15 @@ def decode_request(m: AddRequest) -> Request:
         frozenset(m.eos_token_ids),
         m.max_tokens,
         m.cache_salt,
-        tuple(MMPlaceholder(*p) for p in m.mm_placeholders),
+        tuple(
+            MMInput(
+                MMPlaceholder(i.content_hash, i.offset, i.length),
+                {k: v.tensor() for k, v in i.data.items()},
+            )
+            for i in m.mm_inputs
+        ),
+        m.mrope_positions.tensor() if m.mrope_positions is not None else None,
+        m.mrope_delta,
         m.pooling,
         m.token_type_ids,
     )

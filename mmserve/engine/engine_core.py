@@ -8,6 +8,7 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.engine.kv_cache_manager import KVCacheManager
+from mmserve.engine.multimodal import grid_thw
 from mmserve.engine.scheduler import Scheduler
 from mmserve.models.base import CausalLM
 from mmserve.outputs import EngineOutput
@@ -67,6 +68,10 @@ class EngineCore:
         return max(1, budget // per_block)
 
     def add_request(self, request: Request) -> None:
+        if self.runner.mrope and request.mm_inputs and request.mrope_positions is None:
+            grids = [grid_thw(mm.data) for mm in request.mm_inputs]
+            positions, delta = self.runner.model.mrope_positions(request.prompt_token_ids, grids)
+            request.mrope_positions, request.mrope_delta = positions, delta
         self.scheduler.add_request(request)
 
     def abort(self, request_ids: list[str]) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmserve.config import EngineConfig
 from mmserve.engine.engine_core import EngineCore
+from mmserve.engine.multimodal import ImagePrompts, MMInput, check_placeholders
 from mmserve.engine.pooling_inputs import InputEncoder
 from mmserve.engine.pooling_setup import PoolingSetup
 from mmserve.errors import InvalidArgument
@@ -68,6 +69,7 @@ class LLMEngine:
         vocab_size: int,
         setup: PoolingSetup | None = None,
         architecture: str = "",
+        images: ImagePrompts | None = None,
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
@@ -76,6 +78,7 @@ class LLMEngine:
         # the tasks this engine serves and how it pools; generation only unless told
         self.setup = setup or PoolingSetup(("generate",), None, None)
         self.architecture = architecture  # HF architecture name, e.g. "BertModel"
+        self.images = images  # expands images in prompts; None: the model reads no images
         use_types = getattr(core.runner.model, "type_vocab_size", 1) > 1
         self.input_encoder = InputEncoder(tokenizer, self.max_pooling_len, use_types)
         self._choices: dict[str, _Choice] = {}
@@ -118,6 +121,23 @@ class LLMEngine:
         if bad is not None:
             raise InvalidArgument(field, f"token id {bad} outside [0, {self.vocab_size})")
 
+    @property
+    def supports_images(self) -> bool:
+        return self.images is not None
+
+    @property
+    def embeds_images(self) -> bool:
+        """A dual encoder (CLIP, SigLIP): Embed takes image inputs."""
+        return bool(getattr(self.core.runner.model, "is_dual_encoder", False))
+
+    def check_images(self, prompt_token_ids: list[int], mm_inputs: tuple[MMInput, ...]) -> None:
+        """Images only for models that read them; placeholder tokens exactly where images are."""
+        if self.images is None:
+            if mm_inputs:
+                raise InvalidArgument("images", "this model does not read images")
+            return
+        check_placeholders(prompt_token_ids, self.images.image_token_id, mm_inputs, "prompt")
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Every check that needs the model; raises InvalidArgument naming the field."""
         if "generate" not in self.tasks:
@@ -143,10 +163,13 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         grammar: Any = None,
+        mm_inputs: tuple[MMInput, ...] = (),
     ) -> None:
         """grammar: the CompiledGrammar of params.structured when the caller compiled it
-        already (off its event loop); compiled here otherwise."""
+        already (off its event loop); compiled here otherwise. mm_inputs: the prompt's images
+        as ImagePrompts.process() expanded them."""
         self.validate(prompt_token_ids, params)
+        self.check_images(prompt_token_ids, mm_inputs)
         if request_id in self._parents:
             raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
         if params.structured is not None and grammar is None:
@@ -170,7 +193,7 @@ class LLMEngine:
             self.core.add_request(
                 Request(
                     child_id, list(prompt_token_ids), child_params, self.eos_token_ids, max_tokens,
-                    cache_salt, grammar=grammar.matcher() if grammar is not None else None,
+                    cache_salt, mm_inputs, grammar=grammar.matcher() if grammar is not None else None,
                 )
             )
 
@@ -192,10 +215,12 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: PoolingParams,
         token_type_ids: list[int] | None = None,
+        mm_inputs: tuple[MMInput, ...] = (),
     ) -> None:
         """Queues one input to pool; its single delta carries `pooled`. Inputs must already
-        fit the context (truncation happens at the edge)."""
-        self.validate_pooling(prompt_token_ids, params)
+        fit the context (truncation happens at the edge). mm_inputs: an image to embed
+        (dual encoders: prompt_token_ids is then one placeholder token)."""
+        self.validate_pooling(prompt_token_ids, params, mm_inputs)
         if request_id in self._parents:
             raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
         child_id = f"{request_id}#0"
@@ -203,12 +228,16 @@ class LLMEngine:
         self._choices[child_id] = _Choice(request_id, 0, None)
         request = Request(
             child_id, list(prompt_token_ids), SamplingParams(max_tokens=1), frozenset(), 0,
-            pooling=params, token_type_ids=token_type_ids,
+            pooling=params, token_type_ids=token_type_ids, mm_inputs=mm_inputs,
         )
         self.core.add_request(request)
 
-    def validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
+    def validate_pooling(
+        self, prompt_token_ids: list[int], params: PoolingParams, mm_inputs: tuple[MMInput, ...] = ()
+    ) -> None:
         params.validate(self.hidden_size)
+        if mm_inputs and not self.embeds_images:
+            raise InvalidArgument("inputs", "this model does not embed images")
         if params.task not in self.setup.pooler_tasks:
             raise InvalidArgument("task", f"this model cannot pool for {params.task!r}")
         if not prompt_token_ids:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmserve.attention import get_attention_backend
 from mmserve.config import EngineConfig
 from mmserve.engine.engine_core import EngineCore
+from mmserve.engine.multimodal import ImagePrompts
 from mmserve.engine.pooling_setup import pooling_setup
 from mmserve.models.gguf_cache import materialize
 from mmserve.models.loader import load_model, resolve_device, resolve_dtype, resolve_model_source
@@ -53,4 +55,16 @@ def load_engine_parts(config: EngineConfig) -> LLMEngine:
         config.model.model, type(model).__name__, device, dtype,
         time.monotonic() - start, ", ".join(setup.tasks),
     )
-    return LLMEngine(core, tokenizer, frozenset(eos), vocab, setup, architecture_of(hf_config))
+    images = image_prompts(model, source.folder)
+    architecture = architecture_of(hf_config)
+    return LLMEngine(core, tokenizer, frozenset(eos), vocab, setup, architecture, images)
+
+
+def image_prompts(model: object, folder: Path) -> ImagePrompts | None:
+    """The image front end of a model that reads images (its own image processor from
+    preprocessor_config.json); None for text-only models."""
+    if not hasattr(model, "encode_images") and not hasattr(model, "embed_images"):
+        return None
+    from mmserve.processors.image_processing import ImagePreprocessor
+
+    return ImagePrompts(model, ImagePreprocessor.from_pretrained(folder))

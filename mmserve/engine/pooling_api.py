@@ -128,7 +128,11 @@ async def run_async(engine: AsyncEngine, plan: PoolingPlan[T]) -> T:
 
     async def one(item: EncodedInput) -> torch.Tensor:
         async with window:
-            return _pooled(await engine.pool(item.token_ids, plan.params, item.token_type_ids))
+            return _pooled(
+                await engine.pool(
+                    item.token_ids, plan.params, item.token_type_ids, mm_inputs=item.mm_inputs
+                )
+            )
 
     try:
         async with asyncio.TaskGroup() as group:
@@ -146,7 +150,9 @@ def run_sync(engine: LLMEngine, plan: PoolingPlan[T]) -> T:
     try:
         for index, item in enumerate(plan.inputs):
             request_id = engine.new_request_id()
-            engine.add_pooling_request(request_id, item.token_ids, plan.params, item.token_type_ids)
+            engine.add_pooling_request(
+                request_id, item.token_ids, plan.params, item.token_type_ids, item.mm_inputs
+            )
             ids[request_id] = index
         remaining = len(ids)
         while remaining:

@@ -36,6 +36,7 @@ class EncodedInput:
 
     token_ids: list[int]
     token_type_ids: list[int] | None  # segment ids, for models that use them; else None
+    mm_inputs: tuple[Any, ...] = ()  # an image input: its MMInput (token_ids: one placeholder)
 
 
 class InputEncoder:

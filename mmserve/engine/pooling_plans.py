@@ -13,6 +13,7 @@ import torch
 from mmserve.engine.pooling_inputs import EncodedInput, TextOrIds
 from mmserve.errors import InvalidArgument
 from mmserve.params import PoolingParams
+from mmserve.processors.images import DecodedImage
 
 if TYPE_CHECKING:
     from mmserve.engine.llm_engine import LLMEngine
@@ -89,7 +90,7 @@ def plan_embed(
     _check_count(len(inputs), "inputs")
     params = PoolingParams("embed", normalize=normalize, dimensions=dimensions)
     params.validate(engine.hidden_size)
-    encoded = _encode(engine, inputs, truncate, _names("inputs", len(inputs)))
+    encoded = _encode_with_images(engine, inputs, truncate, _names("inputs", len(inputs)))
     tokens = _count(encoded)
     return PoolingPlan(encoded, params, lambda pooled: EmbedResult(torch.stack(pooled), tokens))
 
@@ -232,6 +233,28 @@ def _encode(
     encoded = engine.input_encoder.encode(items, truncate, names)
     _check_vocab(engine, encoded, names)
     return encoded
+
+
+def _encode_with_images(
+    engine: LLMEngine, items: Sequence[TextOrIds | DecodedImage], truncate: str, names: list[str]
+) -> list[EncodedInput]:
+    """Texts and token ids as _encode does; each DecodedImage as one image input."""
+    images = {i for i, item in enumerate(items) if isinstance(item, DecodedImage)}
+    if not images:
+        return _encode(engine, items, truncate, names)  # type: ignore[arg-type]
+    if not engine.embeds_images or engine.images is None:
+        raise InvalidArgument(f"{names[min(images)]}.image", "this model does not embed images")
+    texts = [i for i in range(len(items)) if i not in images]
+    encoded = _encode(engine, [items[i] for i in texts], truncate, [names[i] for i in texts])  # type: ignore[misc]
+    out: list[EncodedInput] = []
+    rest = iter(encoded)
+    for i, item in enumerate(items):
+        if i in images:
+            mm = engine.images.single(item, f"{names[i]}.image")  # type: ignore[arg-type]
+            out.append(EncodedInput([0], None, (mm,)))
+        else:
+            out.append(next(rest))
+    return out
 
 
 def _check_vocab(engine: LLMEngine, encoded: list[EncodedInput], names: list[str]) -> None:

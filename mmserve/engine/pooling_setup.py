@@ -115,6 +115,8 @@ def pooling_setup(
         raise InvalidArgument("pooling", f"{method_flag!r} is not one of {POOLING_METHODS}")
     if hasattr(model, "compute_class_logits"):
         return _classifier_setup(model, hf_config)
+    if getattr(model, "is_dual_encoder", False):  # CLIP/SigLIP: the runner pools text and images
+        return PoolingSetup(("embed",), None, None, embedding_size=int(model.hidden_size))
     st = read_sentence_transformers(folder) if folder is not None else None
     # decoders (which declare nothing) pool their last token, which sees the whole input
     default = str(getattr(model, "default_pooling", "last"))
@@ -134,7 +136,7 @@ def pooling_setup(
         tasks,
         ModelPooler(model, config),
         score,
-        embedding_size=int(hf_config.hidden_size),
+        embedding_size=int(getattr(model, "hidden_size", None) or hf_config.hidden_size),
         max_input_len=st.max_seq_length if st else None,
         yes_no_ids=yes_no,
         st_normalize=bool(st and st.normalize),

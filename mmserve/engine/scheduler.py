@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from mmserve.config import SchedulerConfig
+from mmserve.engine.encoder_cache import EncoderCacheManager
 from mmserve.engine.kv_cache_manager import KVCacheManager
+from mmserve.engine.multimodal import MMInput
 from mmserve.outputs import EngineOutput, TokenLogprob
 from mmserve.params import PoolingParams, SamplingParams
 from mmserve.request import Request, RequestStatus
@@ -35,6 +37,9 @@ class ScheduledRequest:
     pooling: PoolingParams | None = None  # set when this step pools the request's whole input
     token_type_ids: list[int] | None = None  # segment ids of token_ids (pair encoders)
     grammar: Any = None  # the request's GrammarMatcher when it samples under a constraint
+    mm_inputs: tuple[MMInput, ...] = ()  # images whose placeholder tokens this step computes
+    mrope_positions: Any = None  # the request's [3, num_prompt_tokens] positions (Qwen2-VL)
+    mrope_delta: int = 0  # position offset of generated tokens under multimodal rotary
 
 
 @dataclass
@@ -44,6 +49,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # ended since the last step: drop state
     num_preempted: int = 0
+    encoder_free: list[str] = field(default_factory=list)  # image-encoder outputs to drop
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +81,10 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.encoder = EncoderCacheManager(
+            max(config.encoder_cache_rows, config.max_num_batched_tokens),
+            config.max_encoder_rows_per_step or config.max_num_batched_tokens,
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -105,10 +115,15 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
+        self.encoder.begin_step()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._fit_images(request, request.num_computed_tokens, num_new)
+            if num_new == 0:  # its next image waits for encoder budget
+                i += 1
+                continue
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # it preempted itself: nothing after it is running any more
             out.scheduled.append(self._scheduled(request, num_new))
@@ -124,7 +139,19 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        out.encoder_free = self.encoder.end_step()
         return out
+
+    def _fit_images(self, request: Request, start: int, num_new: int) -> int:
+        """num_new, or fewer so that the chunk stops before an image the encoder cannot run
+        this step (0: not this step). Reserves encoder-cache room for the images it keeps."""
+        touched = [mm for mm in request.mm_inputs if mm.overlaps(start, start + num_new)]
+        if request.pooling is not None:  # all of the input or nothing
+            return num_new if not touched or self.encoder.plan(touched) is not None else 0
+        for mm in touched:  # in prompt order: keep the images that fit, stop before the first that does not
+            if self.encoder.plan([mm]) is None:
+                return max(mm.start - start, 0)
+        return num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request, num_new):
@@ -146,6 +173,9 @@ class Scheduler:
             if budget < self.config.max_num_batched_tokens:
                 return 0
             num_new = request.num_tokens
+        num_new = self._fit_images(request, request.num_computed_tokens + num_hit_tokens, num_new)
+        if num_new == 0:
+            return 0
         if not self.kv.allocate_slots(request, num_new, hits):
             return 0
         request.num_computed_tokens += num_hit_tokens
@@ -178,6 +208,9 @@ class Scheduler:
             pooling=request.pooling if done else None,
             token_type_ids=request.token_type_ids,
             grammar=request.grammar if done else None,
+            mm_inputs=tuple(mm for mm in request.mm_inputs if mm.overlaps(start, start + num_new)),
+            mrope_positions=request.mrope_positions,
+            mrope_delta=request.mrope_delta,
         )
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:

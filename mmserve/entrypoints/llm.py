@@ -12,8 +12,10 @@ from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from mmserve.engine import pooling_api
 from mmserve.engine.llm_engine import GenerationDelta, LLMEngine
 from mmserve.engine.pooling_inputs import TextOrIds
+from mmserve.errors import InvalidArgument
 from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.params import SamplingParams
+from mmserve.processors.images import local_image
 
 Message = dict[str, Any]
 PROGRESS_MIN_PROMPTS = 16  # show a progress bar from this many prompts on
@@ -74,15 +76,27 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+        """One conversation (a list of messages) or a list of conversations. A content part
+        {"type": "image", "image": PIL image | bytes | path} puts an image in (models that
+        read images)."""
         from mmserve.processors.chat_template import render_and_tokenize
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        encoded = [
-            render_and_tokenize(self.tokenizer, list(conv), add_generation_prompt, tools, template_kwargs)
-            for conv in conversations  # type: ignore[arg-type]
-        ]
-        return self._run(encoded, params, use_tqdm, cache_salt)
+        encoded, images = [], []
+        for conv in conversations:
+            conv, decoded, fields = _take_images(conv)  # type: ignore[arg-type]
+            text, ids = render_and_tokenize(
+                self.tokenizer, conv, add_generation_prompt, tools, template_kwargs,
+                allow_images=bool(decoded),
+            )
+            mm: tuple[Any, ...] = ()
+            if decoded:
+                if self.engine.images is None:
+                    raise InvalidArgument(fields[0], "this model does not read images")
+                ids, mm = self.engine.images.process(ids, decoded, fields)
+            encoded.append((text, ids))
+            images.append(mm)
+        return self._run(encoded, params, use_tqdm, cache_salt, images)
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -91,17 +105,21 @@ class LLM:
 
     def embed(
         self,
-        inputs: TextOrIds | Sequence[TextOrIds],
+        inputs: TextOrIds | Any | Sequence[TextOrIds | Any],
         *,
         normalize: bool = True,
         dimensions: int | None = None,
         truncate: str = "none",
     ) -> list[list[float]]:
-        """One vector per input (text or token ids), in order. truncate: "none" (too long is
+        """One vector per input (text, token ids, or for CLIP/SigLIP-style models an image:
+        PIL image, encoded bytes or a pathlib.Path), in order. truncate: "none" (too long is
         an error), "left" or "right"."""
+        items = [
+            x if isinstance(x, (str, list, tuple)) else local_image(x, f"inputs[{i}]")
+            for i, x in enumerate(_listed(inputs))
+        ]
         plan = pooling_api.plan_embed(
-            self.engine, _listed(inputs), normalize=normalize, dimensions=dimensions,
-            truncate=truncate,
+            self.engine, items, normalize=normalize, dimensions=dimensions, truncate=truncate
         )
         vectors: list[list[float]] = pooling_api.run_sync(self.engine, plan).embeddings.tolist()
         return vectors
@@ -146,16 +164,19 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         cache_salt: str | None,
+        images: list[tuple[Any, ...]] | None = None,
     ) -> list[RequestOutput]:
         per_prompt = _per_prompt_params(params, len(encoded))
+        images = images or [()] * len(encoded)
         results: dict[str, RequestOutput] = {}
         order = []
-        for (text, ids), p in zip(encoded, per_prompt):
+        for (text, ids), p, mm in zip(encoded, per_prompt, images):
             rid = self.engine.new_request_id()
             self.engine.validate(ids, p)
-            order.append((rid, text, ids, p))
-        for rid, text, ids, p in order:  # all valid: now enqueue
-            self.engine.add_request(rid, ids, p, cache_salt)
+            self.engine.check_images(ids, mm)
+            order.append((rid, text, ids, p, mm))
+        for rid, text, ids, p, mm in order:  # all valid: now enqueue
+            self.engine.add_request(rid, ids, p, cache_salt, mm_inputs=mm)
             results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(i, "", [], None) for i in range(p.n)], finished=False)
         bar = tqdm(total=len(order), disable=not use_tqdm or len(order) < PROGRESS_MIN_PROMPTS, desc="generate")
         while self.engine.has_unfinished:
@@ -166,11 +187,35 @@ class LLM:
         return [results[rid] for rid, *_ in order]
 
 
-def _listed(inputs: TextOrIds | Sequence[TextOrIds]) -> list[TextOrIds]:
-    """A single text (or a single list of token ids) becomes a batch of one."""
-    if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
-        return [inputs]  # type: ignore[list-item]
-    return list(inputs)  # type: ignore[arg-type]
+def _take_images(conv: Sequence[Message]) -> tuple[list[Message], list[Any], list[str]]:
+    """The conversation with each image part as {"type": "image"}, the decoded images and
+    their fields, in order."""
+    out, decoded, fields = [], [], []
+    for i, message in enumerate(conv):
+        content = message.get("content")
+        if isinstance(content, list) and any(_is_image(p) for p in content):
+            parts = []
+            for j, part in enumerate(content):
+                if _is_image(part):
+                    field = f"messages[{i}].content[{j}].image"
+                    decoded.append(local_image(part.get("image"), field))
+                    fields.append(field)
+                    part = {"type": "image"}
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out, decoded, fields
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image"
+
+
+def _listed(inputs: Any) -> list[Any]:
+    """A single input (text, list of token ids, image) becomes a batch of one."""
+    if isinstance(inputs, (list, tuple)) and not (inputs and isinstance(inputs[0], int)):
+        return list(inputs)
+    return [inputs]
 
 
 def _per_prompt_params(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 import torch
@@ -37,4 +37,53 @@ class CausalLM(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Takes (HF parameter name, tensor) pairs; raises on a missing or unknown weight."""
+        ...
+
+
+class MultiModalCausalLM(CausalLM, Protocol):
+    """A CausalLM that also reads images (LLaVA, Qwen2-VL).
+
+    Each image in a prompt is one `image_token_id` after chat-template rendering; the engine
+    expands it into num_image_tokens() copies, and the runner replaces the embeddings of those
+    copies with the rows encode_images() returns for the image (in order), then calls forward()
+    with inputs_embeds. `data` is the model's image processor output for ONE image, as CPU
+    tensors: {"pixel_values": [1, 3, H, W]} for CLIP/SigLIP-style towers, {"pixel_values":
+    [patches, C*T*P*P], "image_grid_thw": [1, 3]} for Qwen2-VL.
+    """
+
+    image_token_id: int  # the placeholder token of one image in the rendered prompt
+    uses_mrope: bool  # True: forward() takes positions [3, T] (see mrope_positions)
+
+    def num_image_tokens(self, data: Mapping[str, torch.Tensor]) -> int:
+        """How many placeholder tokens (and encoder rows) this one image takes."""
+        ...
+
+    def encode_images(self, data: list[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Vision tower + projector: one [num_image_tokens(d), hidden_size] tensor per image,
+        in the LM's dtype on its device (inputs are moved there by the model)."""
+        ...
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        ...
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64, or [3, T] when uses_mrope
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: replaces input_ids' embeddings
+    ) -> torch.Tensor:
+        ...
+
+
+class MRopeModel(Protocol):
+    """Extra of a uses_mrope model (Qwen2-VL): positions computed once per prompt."""
+
+    def mrope_positions(
+        self, token_ids: list[int], grid_thws: list[tuple[int, int, int]]
+    ) -> tuple[torch.Tensor, int]:
+        """([3, len(token_ids)] int64 positions, delta) exactly as transformers' get_rope_index
+        for one sequence whose images (in order) have these grids; token i >= len(token_ids)
+        (a generated one) has position i + delta in all three rows."""
         ...

@@ -203,8 +203,9 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: used instead of input_ids'
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
         rope = self.rotary_emb(positions, x.dtype)  # shared by every layer
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -235,8 +236,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: e.g. with image rows filled in
     ) -> torch.Tensor:  # [T, hidden]
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [N, vocab]

@@ -11,6 +11,7 @@ from typing import Any
 from mmserve.errors import UnsupportedModel
 
 _LLAMA_CLS = ("mmserve.models.llama_classifier", "LlamaForSequenceClassification")
+_QWEN2_VL = ("mmserve.models.qwen2_vl", "Qwen2VLForConditionalGeneration")  # 2 and 2.5
 # architecture name (as in config.json "architectures") -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
@@ -21,6 +22,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForSequenceClassification": _LLAMA_CLS,
     "Qwen2ForSequenceClassification": _LLAMA_CLS,
     "Qwen3ForSequenceClassification": _LLAMA_CLS,
+    "LlavaForConditionalGeneration": ("mmserve.models.llava", "LlavaForConditionalGeneration"),
+    "CLIPModel": ("mmserve.models.clip", "CLIPModel"),
+    "SiglipModel": ("mmserve.models.siglip", "SiglipModel"),
+    "Qwen2VLForConditionalGeneration": _QWEN2_VL,
+    "Qwen2_5_VLForConditionalGeneration": _QWEN2_VL,
     "BertModel": ("mmserve.models.bert", "BertModel"),
     "BertForSequenceClassification": ("mmserve.models.bert", "BertForSequenceClassification"),
     "XLMRobertaModel": ("mmserve.models.bert", "XLMRobertaModel"),

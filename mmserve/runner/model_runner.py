@@ -8,11 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.attention import AttentionMetadata
+from mmserve.engine.multimodal import MMInput
 from mmserve.engine.scheduler import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from mmserve.models.base import CausalLM
 from mmserve.outputs import TokenLogprob
 from mmserve.runner.cuda_graphs import DecodeGraphs
-from mmserve.runner.pooler import Pooler
+from mmserve.runner.pooler import Pooler, finish_embedding
 from mmserve.runner.sampler import SamplingRow, sample, top_logprobs
 from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask
 
@@ -27,22 +28,36 @@ class FlatBatch:
     sample_rows: list[int]  # row of the last token of each request that samples
     sample_reqs: list[ScheduledRequest]  # the requests of sample_rows, same order
     token_type_ids: torch.Tensor | None  # [T] int64 when some request has segment ids
+    image_rows: list[tuple[int, MMInput, int, int]]  # (batch row, image, first, end row in it)
 
 
 def build_batch(
-    plan: SchedulerOutput, block_size: int, device: torch.device, causal: bool = True
+    plan: SchedulerOutput,
+    block_size: int,
+    device: torch.device,
+    causal: bool = True,
+    mrope: bool = False,
+    image_rows: bool = True,
 ) -> FlatBatch:
+    """image_rows False: the model embeds image inputs itself (dual encoders)."""
     input_ids: list[int] = []
     type_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     query_lens, seq_lens, sample_rows, sample_reqs = [], [], [], []
+    rows: list[tuple[int, MMInput, int, int]] = []
+    mrope_chunks: list[torch.Tensor] = []
     for item in plan.scheduled:
         n, start = len(item.token_ids), item.start_pos
+        for mm in item.mm_inputs if image_rows else ():  # rows of the image inside this chunk
+            first, end = max(start, mm.start), min(start + n, mm.end)
+            rows.append((len(input_ids) + first - start, mm, first - mm.start, end - mm.start))
         input_ids += item.token_ids
         type_ids += item.token_type_ids or [0] * n
         pos = range(start, start + n)
-        positions += pos
+        positions += pos if not mrope else range(start + item.mrope_delta, start + n + item.mrope_delta)
+        if mrope:
+            mrope_chunks.append(_mrope_chunk(item, start, n))
         if item.block_ids:
             slots += [item.block_ids[p // block_size] * block_size + p % block_size for p in pos]
         else:  # a model that keeps no KV cache
@@ -74,14 +89,28 @@ def build_batch(
         causal=causal,
     )
     has_types = any(s.token_type_ids for s in plan.scheduled)
+    in_prompt = any(s.mrope_positions is not None and s.start_pos < len(s.prompt_token_ids) for s in plan.scheduled)
     return FlatBatch(
         dev(input_ids, torch.int64),
-        dev(positions, torch.int64),
+        dev(torch.cat(mrope_chunks, dim=1) if in_prompt else positions, torch.int64),
         meta,
         sample_rows,
         sample_reqs,
         dev(type_ids, torch.int64) if has_types else None,
+        rows,
     )
+
+
+def _mrope_chunk(item: ScheduledRequest, start: int, n: int) -> torch.Tensor:
+    """[3, n] multimodal positions of one chunk: the prompt's precomputed rows, then
+    index + delta in all three rows for generated tokens (1-D positions stand for that)."""
+    table = item.mrope_positions
+    prompt = 0 if table is None else table.shape[1]
+    first_generated = max(start, prompt)
+    tail = torch.arange(first_generated, max(start + n, first_generated)) + item.mrope_delta
+    if start >= prompt:
+        return tail.expand(3, -1)
+    return torch.cat([table[:, start : min(start + n, prompt)], tail.expand(3, -1)], dim=1)
 
 
 class ModelRunner:
@@ -109,6 +138,11 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs() on CUDA
         self._generators: dict[str, torch.Generator] = {}
+        self.mrope = bool(getattr(model, "uses_mrope", False))
+        self.dual = bool(getattr(model, "is_dual_encoder", False))  # CLIP/SigLIP: Embed only
+        # image content hash -> encoder output rows [length, hidden]; the scheduler's
+        # EncoderCacheManager decides what stays (plan.encoder_free)
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Captures decode graphs (CUDA with a graph-safe attention backend only)."""
@@ -129,11 +163,16 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         for request_id in plan.finished_ids:
             self._generators.pop(request_id, None)
+        for key in plan.encoder_free:
+            self.encoder_outputs.pop(key, None)
         if plan.is_empty:
             return RunnerOutput()
-        batch = build_batch(plan, self.block_size, self.device, self.causal)
+        batch = build_batch(
+            plan, self.block_size, self.device, self.causal, self.mrope, image_rows=not self.dual
+        )
         hidden = self._forward(batch)
-        out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden), pooled=self._pool(plan, hidden))
+        pooled = self._pool(plan, hidden, self._embed_image_inputs(plan) if self.dual else {})
+        out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden), pooled=pooled)
         if batch.sample_rows:
             bitmask = self._grammar_bitmask(batch.sample_reqs)  # CPU work while the GPU runs
             logits = self.model.compute_logits(hidden[batch.sample_rows])
@@ -146,12 +185,30 @@ class ModelRunner:
         return out
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
-        if self.graphs is not None and batch.meta.max_query_len == 1 and batch.token_type_ids is None:
+        plain = batch.token_type_ids is None and not batch.image_rows
+        if self.graphs is not None and batch.meta.max_query_len == 1 and plain:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
             if hidden is not None:
                 return hidden
-        extra = {} if batch.token_type_ids is None else {"token_type_ids": batch.token_type_ids}
+        extra: dict[str, torch.Tensor] = {}
+        if batch.token_type_ids is not None:
+            extra["token_type_ids"] = batch.token_type_ids
+        if batch.image_rows:
+            extra["inputs_embeds"] = self._embeddings_with_images(batch)
         return self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, **extra)
+
+    def _embeddings_with_images(self, batch: FlatBatch) -> torch.Tensor:
+        """Token embeddings [T, hidden] with each image's placeholder rows replaced by its
+        encoder output (encoded now unless the encoder cache holds it)."""
+        missing = {mm.key: mm for _, mm, _, _ in batch.image_rows if mm.key not in self.encoder_outputs}
+        if missing:
+            encoded = self.model.encode_images([mm.data for mm in missing.values()])
+            for key, rows in zip(missing, encoded, strict=True):
+                self.encoder_outputs[key] = rows
+        x = self.model.embed_input_ids(batch.input_ids)
+        for row, mm, first, end in batch.image_rows:
+            x[row : row + end - first] = self.encoder_outputs[mm.key][first:end].to(x.dtype)
+        return x
 
     def _grammar_bitmask(self, reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]] | None:
         """Allowed tokens of each constrained row, [rows, ceil(vocab / 32)] int32 on the CPU."""
@@ -163,16 +220,44 @@ class ModelRunner:
             reqs[i].grammar.fill_bitmask(bitmask, i)
         return bitmask, rows
 
-    def _pool(self, plan: SchedulerOutput, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _pool(
+        self, plan: SchedulerOutput, hidden: torch.Tensor, images: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """images: a dual encoder's image inputs, already embedded (request id -> vector)."""
         out: dict[str, torch.Tensor] = {}
         row = 0
         for item in plan.scheduled:
             n = len(item.token_ids)
             if item.pooling is not None:
-                if self.pooler is None:
-                    raise RuntimeError("a pooling request reached a runner without a pooler")
-                out[item.request_id] = self.pooler(hidden[row : row + n], item.pooling).float().cpu()
+                out[item.request_id] = self._pool_one(item, hidden[row : row + n], images).cpu()
             row += n
+        return out
+
+    def _pool_one(
+        self, item: ScheduledRequest, rows: torch.Tensor, images: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        assert item.pooling is not None
+        if self.dual:
+            vector = images.get(item.request_id)
+            if vector is None:
+                vector = self.model.pool_text(rows, item.token_ids)
+            return finish_embedding(vector, item.pooling)
+        if self.pooler is None:
+            raise RuntimeError("a pooling request reached a runner without a pooler")
+        return self.pooler(rows, item.pooling).float()
+
+    def _embed_image_inputs(self, plan: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """A dual encoder's image inputs of this step, embedded in batches of one size."""
+        groups: dict[tuple[int, ...], list[tuple[str, torch.Tensor]]] = {}
+        for item in plan.scheduled:
+            if item.pooling is not None and item.mm_inputs:
+                pixels = item.mm_inputs[0].data["pixel_values"]
+                groups.setdefault(tuple(pixels.shape), []).append((item.request_id, pixels))
+        out: dict[str, torch.Tensor] = {}
+        for group in groups.values():
+            pixels = torch.cat([p for _, p in group]).to(self.device)
+            for (request_id, _), vector in zip(group, self.model.embed_images(pixels), strict=True):
+                out[request_id] = vector
         return out
 
     def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:

@@ -33,13 +33,21 @@ class ServerConfig:
     # grammar backend of requests that leave it to the server (one of STRUCTURED_BACKENDS)
     structured_output_backend: str = "xgrammar"
     tool_parser: str | None = None  # tool-call format of every model; None = each model's own
+    # images: server-side paths only under this folder; None = Image.path is refused
+    media_dir: str | None = None
+    max_image_pixels: int = 25_000_000  # width * height of one image (checked before decoding)
+    max_images_per_request: int = 16
+    image_uuid_cache_bytes: int = 512 << 20  # decoded images kept for uuid-only requests
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key: give both or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca needs tls_cert and tls_key (mTLS runs over TLS)")
-        for name in ("max_pending", "max_message_bytes", "max_n", "max_tokens"):
+        for name in (
+            "max_pending", "max_message_bytes", "max_n", "max_tokens", "max_image_pixels",
+            "max_images_per_request",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 <= self.port < 65536:

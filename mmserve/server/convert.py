@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.errors import InvalidArgument
 from mmserve.outputs import TokenLogprob
 from mmserve.params import SamplingParams
+from mmserve.processors.images import ImageSource
 from mmserve.server.config import ServerConfig
 from mmserve.server.errors import Unimplemented
+from mmserve.server.images import image_source
 from mmserve.server.models import ModelHandle, Task
 from mmserve.server.tools import ToolRequest, chat_tools
 from mmserve.structured_output.params import StructuredOutputParams
@@ -146,6 +148,7 @@ class ChatInput:
     add_generation_prompt: bool
     template_kwargs: dict[str, object]  # parsed values, checked against the allow-list later
     tool_request: ToolRequest | None = None  # what is asked of tool calls; None = no calls
+    images: list[tuple[str, ImageSource]] = field(default_factory=list)  # (field, source), in order
 
 
 def chat_input(chat: generate_pb2.Chat) -> ChatInput:
@@ -157,26 +160,33 @@ def chat_input(chat: generate_pb2.Chat) -> ChatInput:
             )
         raise Unimplemented("chat.continue_final_message: not supported yet")
     tools, tool_request = chat_tools(chat)
+    images: list[tuple[str, ImageSource]] = []
     return ChatInput(
-        messages=[_message(f"chat.messages[{i}]", m) for i, m in enumerate(chat.messages)],
+        messages=[_message(f"chat.messages[{i}]", m, images) for i, m in enumerate(chat.messages)],
         tools=tools,
         add_generation_prompt=add_generation_prompt,
         template_kwargs={k: _json_or_text(v) for k, v in chat.template_kwargs.items()},
         tool_request=tool_request,
+        images=images,
     )
 
 
-def _message(field: str, m: generate_pb2.Message) -> dict[str, Any]:
+def _message(
+    field: str, m: generate_pb2.Message, images: list[tuple[str, ImageSource]]
+) -> dict[str, Any]:
+    """The message as a template dict; its images are appended to `images`."""
     out: dict[str, Any] = {"role": m.role}
-    texts = []
+    parts: list[dict[str, str]] = []
     for j, part in enumerate(m.content):
         if part.WhichOneof("part") == "image":
-            raise InvalidArgument(f"{field}.content[{j}].image", "not supported by this model")
-        texts.append({"type": "text", "text": part.text})
-    if len(texts) == 1:
-        out["content"] = texts[0]["text"]  # plain strings suit every template
-    elif texts or not m.tool_calls:
-        out["content"] = texts or ""
+            images.append((f"{field}.content[{j}].image", image_source(part.image)))
+            parts.append({"type": "image"})
+        else:
+            parts.append({"type": "text", "text": part.text})
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        out["content"] = parts[0]["text"]  # plain strings suit every template
+    elif parts or not m.tool_calls:
+        out["content"] = parts or ""
     if m.tool_calls:
         out["tool_calls"] = [
             {

@@ -13,6 +13,8 @@ import torch
 from mmserve.engine.pooling_inputs import TextOrIds
 from mmserve.engine.pooling_plans import ClassifyResult, EmbedResult, RerankResult, ScoreResult
 from mmserve.errors import InvalidArgument
+from mmserve.processors.images import ImageSource
+from mmserve.server.images import image_source
 from mmserve_client._proto.mmserve.v1 import common_pb2, pooling_pb2
 
 _TRUNCATE = {
@@ -38,10 +40,12 @@ def truncate_mode(value: int) -> str:
     return mode
 
 
-def pooling_inputs(field: str, items: Sequence[common_pb2.Input]) -> list[TextOrIds]:
-    """Inputs as texts or token-id lists. No served model reads images yet: an image is
-    refused here, naming it (e.g. "inputs[2].image")."""
-    out: list[TextOrIds] = []
+def pooling_inputs(
+    field: str, items: Sequence[common_pb2.Input], allow_images: bool = False
+) -> list[TextOrIds | ImageSource]:
+    """Inputs as texts, token-id lists or (allow_images) ImageSources; an image where
+    none is allowed is refused here, naming it (e.g. "inputs[2].image")."""
+    out: list[TextOrIds | ImageSource] = []
     for i, item in enumerate(items):
         kind = item.WhichOneof("kind")
         if kind == "text":
@@ -49,7 +53,9 @@ def pooling_inputs(field: str, items: Sequence[common_pb2.Input]) -> list[TextOr
         elif kind == "token_ids":
             out.append(list(item.token_ids.ids))
         elif kind == "image":
-            raise InvalidArgument(f"{field}[{i}].image", "not supported by this model")
+            if not allow_images:
+                raise InvalidArgument(f"{field}[{i}].image", "images are not supported here")
+            out.append(image_source(item.image))
         else:
             raise InvalidArgument(f"{field}[{i}]", "set one of text, token_ids or image")
     return out

@@ -18,6 +18,7 @@ from mmserve.params import SamplingParams
 from mmserve.server import convert, tools
 from mmserve.server.config import ServerConfig
 from mmserve.server.errors import EngineFailed
+from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle
 from mmserve.server.tool_stream import ChoiceToolStream, ToolOutput, call_deltas, tool_output
 from mmserve.server.tools import ToolRequest
@@ -35,42 +36,66 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -
     return fn(*args, **kwargs)
 
 
-async def render_chat(handle: ModelHandle, chat: generate_pb2.Chat) -> tuple[str, list[int]]:
-    """The chat's prompt text and token ids, exactly as Generate feeds them to the model."""
-    return await render(handle, convert.chat_input(chat))
+async def render_chat(
+    handle: ModelHandle, chat: generate_pb2.Chat, images: ImageInputs | None, namespace: str = ""
+) -> tuple[str, list[int]]:
+    """The chat's prompt text and token ids (images expanded), as Generate feeds them."""
+    text, ids, _ = await chat_prompt(handle, convert.chat_input(chat), images, namespace)
+    return text, ids
 
 
-async def render(handle: ModelHandle, c: convert.ChatInput) -> tuple[str, list[int]]:
+async def chat_prompt(
+    handle: ModelHandle, c: convert.ChatInput, images: ImageInputs | None, namespace: str = ""
+) -> tuple[str, list[int], tuple[Any, ...]]:
+    """(prompt text, token ids, MMInputs): rendered, tokenised, each image's placeholder
+    expanded to its tokens. `namespace` (the cache_salt) scopes image uuids."""
     from mmserve.processors.chat_template import render_and_tokenize
 
+    decoded = []
+    if c.images:
+        first = c.images[0][0]
+        prompts = getattr(getattr(handle.engine, "engine", None), "images", None)
+        if prompts is None or images is None:
+            raise InvalidArgument(first, f"model {handle.name!r} does not read images")
+        decoded = await images.load(c.images, "chat.messages", namespace)
     # Templates are arbitrary jinja: always off the loop.
-    return await asyncio.to_thread(
+    text, ids = await asyncio.to_thread(
         render_and_tokenize,
         handle.tokenizer,
         c.messages,
         c.add_generation_prompt,
         c.tools,
         c.template_kwargs,
+        allow_images=bool(c.images),
     )
+    if not decoded:
+        return text, ids, ()
+    fields = [f for f, _ in c.images]
+    ids, mm_inputs = await asyncio.to_thread(prompts.process, ids, decoded, fields)
+    return text, ids, mm_inputs
 
 
 async def prompt_ids(
     request: generate_pb2.GenerateRequest,
     handle: ModelHandle,
     chat: convert.ChatInput | None = None,
-) -> tuple[str, list[int]]:
-    """(the input field's name, its token ids); `chat`: request.chat, converted already."""
+    images: ImageInputs | None = None,
+) -> tuple[str, list[int], tuple[Any, ...]]:
+    """(the input field's name, its token ids, its images as MMInputs); `chat`:
+    request.chat, converted already."""
     kind = request.WhichOneof("input")
     if kind == "prompt":
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         encode = handle.tokenizer.encode
         return kind, await off_loop(
             len(request.prompt), encode, request.prompt, add_special_tokens=add_special
-        )
+        ), ()
     if kind == "chat":
-        return kind, (await render(handle, chat or convert.chat_input(request.chat)))[1]
+        c = chat or convert.chat_input(request.chat)
+        _, ids, mm_inputs = await chat_prompt(handle, c, images, request.cache_salt)
+        return kind, ids, mm_inputs
     if kind == "token_ids":
-        return kind, list(request.token_ids.ids)
+        return kind, list(request.token_ids.ids), ()
     raise InvalidArgument("input", "set one of prompt, chat or token_ids")
 
 
@@ -85,6 +110,7 @@ class Prepared:
     cache_salt: str | None
     received: float  # time.monotonic() when the call arrived
     tools: ToolOutput | None = None  # how to read tool calls; None: the output is only text
+    mm_inputs: tuple[Any, ...] = ()  # the prompt's images (MMInput), placeholders expanded
 
 
 async def prepare(
@@ -92,13 +118,14 @@ async def prepare(
     handle: ModelHandle,
     config: ServerConfig,
     received: float,
+    images: ImageInputs | None = None,
 ) -> Prepared:
     """Everything checkable before the engine sees the request; InvalidArgument names the
     field (the engine validates again, as a backstop)."""
     structured = convert.structured_output(request, config.structured_output_backend)
     params = convert.sampling_params(request.params, config)
     chat = convert.chat_input(request.chat) if request.WhichOneof("input") == "chat" else None
-    field_name, ids = await prompt_ids(request, handle, chat)
+    field_name, ids, mm_inputs = await prompt_ids(request, handle, chat, images)
     context = handle.facts.max_context
     convert.check_prompt(field_name, ids, handle.facts.vocab_size, context)
     if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
@@ -113,7 +140,8 @@ async def prepare(
     if tool_request is not None:
         reading = _tool_output(request, tool_request, handle, config, ids, params)
     request_id = request.request_id or uuid.uuid4().hex
-    return Prepared(handle, request_id, ids, params, request.cache_salt or None, received, reading)
+    salt = request.cache_salt or None
+    return Prepared(handle, request_id, ids, params, salt, received, reading, mm_inputs)
 
 
 def _tool_output(
@@ -204,7 +232,9 @@ async def stream(prep: Prepared) -> AsyncIterator[generate_pb2.GenerateResponse]
     # The caller's request_id is only echoed: callers may reuse ids, the engine must not.
     engine_id = uuid.uuid4().hex
     state = _Stream(prep, queued=time.monotonic())
-    deltas = handle.engine.generate(prep.prompt_token_ids, prep.params, engine_id, prep.cache_salt)
+    deltas = handle.engine.generate(
+        prep.prompt_token_ids, prep.params, engine_id, prep.cache_salt, prep.mm_inputs
+    )
     try:
         async with aclosing(deltas):
             async for delta in deltas:

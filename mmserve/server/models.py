@@ -190,6 +190,8 @@ def _facts(spec: ModelSpec, engine: Any) -> ModelFacts:
         device=str(runner.device),
         vocab_size=engine.vocab_size,
         quantization=quant.group(1).upper() if quant else "",
+        supports_images=bool(getattr(engine, "supports_images", False))
+        or bool(getattr(engine, "embeds_images", False)),
         score_method=setup.score_method,
         labels=tuple(setup.labels),
         embedding_dimension=(engine.hidden_size or 0) if "embed" in engine.tasks else 0,

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from mmserve.engine import pooling_api
 from mmserve.engine.pooling_plans import PoolingPlan
+from mmserve.errors import InvalidArgument
+from mmserve.processors.images import ImageSource
 from mmserve.server import convert
 from mmserve.server import convert_pooling as cp
 from mmserve.server.errors import EngineFailed
+from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle
 from mmserve_client._proto.mmserve.v1 import common_pb2, pooling_pb2
 
@@ -36,10 +39,14 @@ def _timing(received: float, queued: float) -> common_pb2.Timing:
 
 
 async def embed(
-    request: pooling_pb2.EmbedRequest, handle: ModelHandle, request_id: str, received: float
+    request: pooling_pb2.EmbedRequest,
+    handle: ModelHandle,
+    request_id: str,
+    received: float,
+    images: ImageInputs | None = None,
 ) -> pooling_pb2.EmbedResponse:
     options = cp.embed_options(request)
-    inputs = cp.pooling_inputs("inputs", request.inputs)
+    inputs = await _decode_images(handle, cp.pooling_inputs("inputs", request.inputs, True), images)
     plan = await asyncio.to_thread(
         pooling_api.plan_embed,
         handle.engine.engine,
@@ -53,6 +60,22 @@ async def embed(
     if result.embeddings.numel() > OFF_LOOP_VALUES:
         return await asyncio.to_thread(cp.embed_response, *args)
     return cp.embed_response(*args)
+
+
+async def _decode_images(
+    handle: ModelHandle, inputs: list[Any], images: ImageInputs | None
+) -> list[Any]:
+    """Inputs with each ImageSource decoded (off the loop) into a DecodedImage."""
+    at = [i for i, x in enumerate(inputs) if isinstance(x, ImageSource)]
+    if not at:
+        return inputs
+    if images is None or not handle.facts.supports_images:
+        raise InvalidArgument(f"inputs[{at[0]}].image", f"model {handle.name!r} does not embed images")
+    decoded = await images.load([(f"inputs[{i}].image", inputs[i]) for i in at], "inputs", batch=True)
+    out = list(inputs)
+    for i, image in zip(at, decoded, strict=True):
+        out[i] = image
+    return out
 
 
 async def rerank(

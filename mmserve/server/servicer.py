@@ -16,6 +16,7 @@ from mmserve.server.admission import Admission
 from mmserve.server.config import ServerConfig
 from mmserve.server.convert import model_info
 from mmserve.server.errors import abort
+from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle, ModelRegistry, Task
 from mmserve_client._proto.mmserve.v1 import (
     generate_pb2,
@@ -37,6 +38,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.registry = registry
         self.config = config
         self.admission = admission
+        self.images = ImageInputs(config)  # limits, media dir and uuids of image inputs
 
     async def _unary(
         self,
@@ -59,7 +61,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             handle = self.registry.get(request.model, Task.GENERATE)
             with self.admission.slot(handle.name):
-                prep = await generate.prepare(request, handle, self.config, received)
+                prep = await generate.prepare(
+                    request, handle, self.config, received, self.images
+                )
                 async for chunk in generate.stream(prep):
                     yield chunk
         except Exception as e:  # noqa: BLE001 - CancelledError (client gone, deadline) passes
@@ -70,7 +74,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> tokenize_pb2.TokenizeResponse:
         rid = _request_id(request)
         return await self._unary(
-            context, request.model, None, lambda h: tokens.tokenize(request, h, rid)
+            context, request.model, None, lambda h: tokens.tokenize(request, h, rid, self.images)
         )
 
     async def Detokenize(
@@ -98,7 +102,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> pooling_pb2.EmbedResponse:
         rid, received = _request_id(request), time.monotonic()
         return await self._unary(
-            context, request.model, Task.EMBED, lambda h: pooling.embed(request, h, rid, received)
+            context, request.model, Task.EMBED, lambda h: pooling.embed(request, h, rid, received, self.images)
         )
 
     async def Rerank(

@@ -5,12 +5,16 @@ from __future__ import annotations
 from mmserve.errors import InvalidArgument
 from mmserve.server import convert
 from mmserve.server.generate import off_loop, render_chat
+from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle
 from mmserve_client._proto.mmserve.v1 import tokenize_pb2
 
 
 async def tokenize(
-    request: tokenize_pb2.TokenizeRequest, handle: ModelHandle, request_id: str
+    request: tokenize_pb2.TokenizeRequest,
+    handle: ModelHandle,
+    request_id: str,
+    images: ImageInputs | None = None,
 ) -> tokenize_pb2.TokenizeResponse:
     tokenizer = handle.tokenizer
     kind = request.WhichOneof("input")
@@ -21,7 +25,7 @@ async def tokenize(
             len(request.text), tokenizer.encode, request.text, add_special_tokens=add_special
         )
     elif kind == "chat":
-        text, ids = await render_chat(handle, request.chat)
+        text, ids = await render_chat(handle, request.chat, images)
         if explicit:  # the template placed its own special tokens; add the tokenizer's too
             ids = await off_loop(len(text), tokenizer.encode, text, add_special_tokens=True)
     else:

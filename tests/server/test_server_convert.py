@@ -116,8 +116,6 @@ def test_chat_messages_tools_and_kwargs() -> None:
 @pytest.mark.parametrize(
     "chat, error, named",
     [
-        (generate_pb2.Chat(messages=[Msg(role="user", content=[Part(image={"data": b"x"})])]),
-         InvalidArgument, "chat.messages[0].content[0].image"),
         (generate_pb2.Chat(tools=[generate_pb2.Tool(name="f", parameters_json="[1")]),
          InvalidArgument, "chat.tools[0].parameters_json"),
         (generate_pb2.Chat(tools=[generate_pb2.Tool(name="f"), generate_pb2.Tool(name="f")]),

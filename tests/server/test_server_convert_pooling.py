@@ -41,7 +41,7 @@ def test_inputs_texts_token_ids_and_refused_images() -> None:
     ]
     assert cp.pooling_inputs("inputs", items) == ["hi", [5, 6], []]
     image = common_pb2.Input(image=common_pb2.Image(data=b"png"))
-    with pytest.raises(InvalidArgument, match=r"^second\[1\]\.image: not supported"):
+    with pytest.raises(InvalidArgument, match=r"^second\[1\]\.image: images are not supported here"):
         cp.pooling_inputs("second", [items[0], image])
     with pytest.raises(InvalidArgument, match=r"^first\[0\]: set one of text"):
         cp.pooling_inputs("first", [common_pb2.Input()])

@@ -182,7 +182,7 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], str]] = [
     ("Embed", {"inputs": []}, "inputs: must not be empty"),
     ("Embed", {"inputs": ["word " * 600]}, "inputs[0]: 602 tokens exceed the limit of 256"),
     ("Embed", {"inputs": ["a"], "dimensions": 385}, "dimensions: 385 exceeds"),
-    ("Embed", {"inputs": ["a", b"\x89PNG"]}, "inputs[1].image: not supported by this model"),
+    ("Embed", {"inputs": ["a", b"\x89PNG"]}, "inputs[1].image: model"),
     ("Embed", {"inputs": [[1, 99999]]}, "inputs[0]: token id 99999"),
     ("Embed", {"inputs": ["a"], "encoding": 9}, "encoding: unknown value 9"),
     ("Classify", {"model": MINILM, "inputs": ["a"]}, "model: 'all-minilm-l6-v2' cannot classify"),

@@ -1,0 +1,106 @@
+"""`mmserve bench structured` end to end on a tiny random model (the compile line covers every
+shipped schema; the TPOT lines have sane figures and full-length constrained outputs), and the
+shipped schemas on both backends: xgrammar compiles all of them; outlines-core exactly those in
+OUTLINES_COMPILES, refusing the others with a pointer at the keyword or format it would not
+enforce (minimum / exclusiveMinimum, oneOf, format email / uri)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmserve.bench import cli
+from mmserve.bench.structured import (
+    SCHEMAS_DIR,
+    load_schemas,
+    parse_backends,
+    parse_batch_sizes,
+    percentile,
+)
+from mmserve.structured_output import SchemaError, StructuredOutputParams, create_backend
+from tests.utils.tiny_models import TINY_VOCAB_SIZE, make_tiny_model, make_tiny_tokenizer
+
+OUTLINES_COMPILES = {"postal_address"}
+OUTPUT_LEN = 16
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny tensor ops on a busy machine: torch's thread pool only adds contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", "structured", *flags])
+
+
+def test_parsing_and_percentiles() -> None:
+    assert parse_batch_sizes("1,64") == [1, 64]
+    assert parse_backends("xgrammar, outlines") == ["xgrammar", "outlines"]
+    for bad in ("", "0", "a,2"):
+        with pytest.raises(ValueError, match="--batch-sizes"):
+            parse_batch_sizes(bad)
+    for bad in ("", "auto", "xgrammar,llguidance"):
+        with pytest.raises(ValueError, match="--structured-backend"):
+            parse_backends(bad)
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([1.0, 9.0], 0.99) == 1.0
+
+
+def test_bench_structured_on_a_tiny_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], one_thread: None
+) -> None:
+    model = make_tiny_model(tmp_path, arch="llama", seed=0)
+    args = _args(
+        "--model", str(model), "--device", "cpu", "--dtype", "float32",
+        "--max-model-len", "256", "--num-kv-blocks", "64", "--input-len", "12",
+        "--output-len", str(OUTPUT_LEN), "--batch-sizes", "1,3",
+        "--compile-repeats", "1", "--tpot-repeats", "1",
+    )  # fmt: skip
+    args.func(args)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    (compiled,) = [line for line in lines if line["bench"] == "structured-compile"]
+    assert compiled["backend"] == "xgrammar" and compiled["device"] == "cpu"
+    assert compiled["num_schemas"] == compiled["compiled"] == len(load_schemas(SCHEMAS_DIR))
+    assert compiled["rejected"] == {} and compiled["backend_build_ms"] > 0
+    assert 0 < compiled["p50_ms"] <= compiled["p99_ms"] <= compiled["max_ms"]
+    tpot = [line for line in lines if line["bench"] == "structured-tpot"]
+    assert [line["batch_size"] for line in tpot] == [1, 3]
+    for line in tpot:
+        assert line["constraint"] == "endless" and math.isfinite(line["tpot_overhead_pct"])
+        for side in (line["unconstrained"], line["constrained"]):
+            assert 0 < side["tpot_ms_median"] <= side["tpot_ms_p99"]
+            assert side["steps_per_s"] > 0
+            # the endless schema never lets a constrained request stop early
+            assert side["output_tokens_mean"] == OUTPUT_LEN and side["finished_early"] == 0
+
+
+def test_shipped_schemas_compile_on_both_backends() -> None:
+    schemas = load_schemas(SCHEMAS_DIR)
+    assert len(schemas) >= 20
+    tokenizer = make_tiny_tokenizer()
+    eos = [tokenizer.eos_token_id]
+    compiled: dict[str, set[str]] = {"xgrammar": set(), "outlines": set()}
+    for backend_name, names in compiled.items():
+        backend = create_backend(backend_name, tokenizer, TINY_VOCAB_SIZE, eos)
+        for name, text in schemas.items():
+            params = StructuredOutputParams("json_schema", text, backend=backend_name)
+            try:
+                backend.compile(params)
+            except SchemaError as e:
+                assert backend_name == "outlines", (name, str(e))
+                assert e.pointer.startswith("/"), (name, str(e))
+                continue
+            names.add(name)
+    assert compiled["xgrammar"] == set(schemas)
+    assert compiled["outlines"] == OUTLINES_COMPILES

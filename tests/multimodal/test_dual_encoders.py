@@ -1,0 +1,63 @@
+"""CLIP and SigLIP through Embed (offline API): text and image embeddings equal transformers'
+get_text_features / get_image_features on the same tiny random checkpoint, mixed in one call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmserve.entrypoints.llm import LLM
+from mmserve.errors import InvalidArgument
+from tests.utils.tiny_vlm import make_tiny_clip, make_tiny_siglip
+
+
+def picture(height: int, width: int, seed: int) -> PIL.Image.Image:
+    rng = np.random.RandomState(seed)
+    return PIL.Image.fromarray(rng.randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    make = make_tiny_clip if request.param == "clip" else make_tiny_siglip
+    return make(tmp_path_factory.mktemp(request.param))
+
+
+def test_text_and_image_embeddings_match_transformers(folder: Path) -> None:
+    from transformers import AutoImageProcessor, AutoModel
+
+    llm = LLM(str(folder))
+    assert llm.tasks == ("embed",)
+    texts = ["a photo of a cat", "two dogs", "x"]
+    images = [picture(40, 30, 0), picture(28, 28, 1)]
+    ours = torch.tensor(llm.embed([texts[0], images[0], texts[1], images[1], texts[2]]))
+    hf = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = AutoImageProcessor.from_pretrained(folder)
+    with torch.no_grad():
+        text_ref = [
+            features(hf.get_text_features(input_ids=torch.tensor([llm.tokenizer(t)["input_ids"]])))
+            for t in texts
+        ]
+        image_ref = features(hf.get_image_features(**processor(images=images, return_tensors="pt")))
+    ref = [text_ref[0], image_ref[0:1], text_ref[1], image_ref[1:2], text_ref[2]]
+    expected = F.normalize(torch.cat(ref).float(), dim=-1)
+    assert torch.allclose(ours, expected, atol=1e-5)
+    raw = torch.tensor(llm.embed(images[0], normalize=False))
+    assert torch.allclose(raw[0], image_ref[0], atol=1e-4)
+
+
+def features(out: object) -> torch.Tensor:
+    """get_*_features returns the tensor, or (transformers 5) an output with pooler_output."""
+    return out if isinstance(out, torch.Tensor) else out.pooler_output  # type: ignore[attr-defined]
+
+
+def test_image_errors_name_the_input(folder: Path) -> None:
+    llm = LLM(str(folder))
+    with pytest.raises(InvalidArgument, match=r"inputs\[1\].*too small"):
+        llm.embed(["a", picture(1, 1, 0)])
+    with pytest.raises(InvalidArgument, match=r"inputs\[0\].*not a supported image"):
+        llm.embed(b"not an image")
