@@ -60,6 +60,7 @@ class ServeEnv:
     gpu_memory_utilization: float | None = field(default=None, metadata={"parse": float})
     enforce_eager: bool | None = field(default=None, metadata={"parse": parse_bool})
     seed: int | None = field(default=None, metadata={"parse": int})
+    engine_process: bool | None = field(default=None, metadata={"parse": parse_bool})
     api_key_file: str | None = field(default=None, metadata={"parse": str})
     tls_cert: str | None = field(default=None, metadata={"parse": str})
     tls_key: str | None = field(default=None, metadata={"parse": str})
@@ -72,6 +73,9 @@ class ServeEnv:
     shutdown_grace: float | None = field(default=None, metadata={"parse": float})
     structured_output_backend: str | None = field(default=None, metadata={"parse": str})
     tool_parser: str | None = field(default=None, metadata={"parse": str})
+    media_dir: str | None = field(default=None, metadata={"parse": str})
+    max_image_pixels: int | None = field(default=None, metadata={"parse": int})
+    max_images_per_request: int | None = field(default=None, metadata={"parse": int})
     log_level: str | None = field(default=None, metadata={"parse": str})
 
 

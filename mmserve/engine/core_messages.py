@@ -40,7 +40,7 @@ class MMInputData(msgspec.Struct):
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams  # structured is always None here (grammars stay in-process)
+    params: SamplingParams  # structured arrives as a dict: the core compiles it again
     eos_token_ids: list[int]
     max_tokens: int
     cache_salt: str | None = None
@@ -107,6 +107,10 @@ class Ready(msgspec.Struct, tag=True):
     max_input_len: int | None
     yes_no_ids: tuple[int, int] | None
     st_normalize: bool
+    num_kv_blocks: int
+    device: str  # e.g. "cuda:0"
+    compute_dtype: str  # e.g. "bfloat16"
+    reads_images: bool  # a VLM or dual encoder: the front end expands/decodes images
 
 
 class Stats(msgspec.Struct, tag=True):

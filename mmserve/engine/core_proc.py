@@ -5,24 +5,28 @@ The child ("spawn" context) loads the model from the EngineConfig and loops: app
 messages (blocking when idle), step, send the outputs. Only msgpack bytes cross the pipe
 (core_messages.py). `EngineCoreClient` stands in for EngineCore inside LLMEngine.
 
-Limits of this first version: requests with a grammar are refused (grammar matchers are
-live objects that cannot cross processes), and tests/benchmarks that reach into
-`core.scheduler` or `core.kv` need the in-process core."""
+Grammars: a matcher is a live object that cannot cross processes, so the front end compiles
+a request's constraint (to refuse a bad one with its field named) and the core compiles it
+again (cached) on a worker thread of its own; the request joins the scheduler once its
+grammar is ready, and no step waits for a compile. Images travel as msgspec tensors; the
+front end sizes their placeholders with a weightless (meta-device) copy of the model.
+Benchmarks that reach into `core.scheduler` or `core.kv` need the in-process core."""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import msgspec
 
 from mmserve.config import EngineConfig
 from mmserve.engine import core_messages as m
-from mmserve.errors import InvalidArgument
 from mmserve.outputs import EngineOutput
 from mmserve.request import Request
 
@@ -33,6 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0  # model load (weights, KV cache, CUDA graphs)
 STEP_WAIT_S = 0.05  # how long step() waits for news while requests are in flight
+GRAMMAR_THREADS = 2  # the core process's grammar compiles run beside its steps
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,6 @@ class EngineCoreClient:
     """EngineCore's interface (add_request, abort, stop, has_unfinished, step) over a pipe to
     the engine-core process. Not thread-safe: one thread drives it, as with EngineCore."""
 
-    supports_grammar = False
-
     def __init__(self, config: EngineConfig) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
@@ -76,7 +79,9 @@ class EngineCoreClient:
         ready = self._wait_for(m.Ready, READY_TIMEOUT_S)
         self.ready = ready
         self.max_model_len = ready.max_model_len
-        self.runner = RemoteRunner(
+        self.num_kv_blocks = ready.num_kv_blocks
+        self.device = ready.device
+        self.runner: Any = RemoteRunner(
             RemoteModel(ready.model_vocab_size, ready.hidden_size, ready.type_vocab_size)
         )
 
@@ -85,9 +90,7 @@ class EngineCoreClient:
         return self._proc.pid
 
     def add_request(self, request: Request) -> None:
-        if request.grammar is not None:
-            raise InvalidArgument("structured", "not supported with a multiprocess engine core yet")
-        self._send(m.encode_request(request))
+        self._send(m.encode_request(request))  # a grammar is rebuilt there from params
         self._in_flight.add(request.request_id)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -182,7 +185,8 @@ def run_core(conn: Connection, config_bytes: bytes, parent_pid: int) -> None:
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
         engine = load_engine_parts(replace(config, multiprocess=False))
         conn.send_bytes(m.encoder.encode(_ready(engine)))
-        _serve(conn, engine.core, parent_pid)
+        with ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar") as pool:
+            _serve(conn, engine, parent_pid, pool)
     except (EOFError, BrokenPipeError):
         pass  # the parent went away: nothing to report to
     except BaseException as e:
@@ -193,15 +197,47 @@ def run_core(conn: Connection, config_bytes: bytes, parent_pid: int) -> None:
             pass
 
 
-def _serve(conn: Connection, core: Any, parent_pid: int) -> None:
+class _Compiling:
+    """Requests whose grammar compiles on the pool; they join the core when it is ready."""
+
+    def __init__(self, engine: Any, pool: ThreadPoolExecutor) -> None:
+        self.engine, self.pool = engine, pool
+        self.pending: list[tuple[Future[Any], Request]] = []
+
+    def submit(self, request: Request) -> None:
+        structured = request.params.structured
+        if isinstance(structured, dict):  # msgspec decodes the Any-typed field as a dict
+            from mmserve.structured_output.params import StructuredOutputParams
+
+            request.params.structured = StructuredOutputParams(**structured)
+        self.pending.append((self.pool.submit(self.engine.compile_grammar, request.params), request))
+
+    def admit_ready(self, conn: Connection) -> None:
+        still = []
+        for future, request in self.pending:
+            if not future.done():
+                still.append((future, request))
+                continue
+            try:
+                request.grammar = future.result().matcher()
+                self.engine.core.add_request(request)
+            except Exception as e:  # noqa: BLE001 - a bad request fails alone
+                _fail(conn, request.request_id, e)
+        self.pending = still
+
+
+def _serve(conn: Connection, engine: Any, parent_pid: int, pool: ThreadPoolExecutor) -> None:
+    core, compiling = engine.core, _Compiling(engine, pool)
     while True:
+        compiling.admit_ready(conn)
         busy = core.has_unfinished
+        waiting = 0.0 if busy else (0.005 if compiling.pending else 1.0)
         # idle: block (in slices, to notice being orphaned); busy: take only what is queued
-        if conn.poll(0 if busy else 1.0):
+        if conn.poll(waiting):
             msg = m.to_core_decoder.decode(conn.recv_bytes())  # EOFError once the parent is gone
             if isinstance(msg, m.Shutdown):
                 return
-            _apply(conn, core, msg)
+            _apply(conn, core, msg, compiling)
         elif busy:
             outputs = core.step()
             if outputs:
@@ -210,14 +246,23 @@ def _serve(conn: Connection, core: Any, parent_pid: int) -> None:
             return
 
 
-def _apply(conn: Connection, core: Any, msg: Any) -> None:
+def _fail(conn: Connection, request_id: str, error: Exception) -> None:
+    failed = m.Output(request_id, [], None, None, "abort", error=str(error))
+    conn.send_bytes(m.encoder.encode(m.Outputs([failed])))
+
+
+def _apply(conn: Connection, core: Any, msg: Any, compiling: _Compiling) -> None:
     if isinstance(msg, m.AddRequest):
         try:
-            core.add_request(m.decode_request(msg))
+            request = m.decode_request(msg)
+            if request.params.structured is not None:
+                compiling.submit(request)
+            else:
+                core.add_request(request)
         except Exception as e:  # noqa: BLE001 - a bad request fails alone
-            failed = m.Output(msg.request_id, [], None, None, "abort", error=str(e))
-            conn.send_bytes(m.encoder.encode(m.Outputs([failed])))
+            _fail(conn, msg.request_id, e)
     elif isinstance(msg, m.Abort):
+        compiling.pending = [(f, r) for f, r in compiling.pending if r.request_id not in msg.request_ids]
         core.abort(msg.request_ids)
     elif isinstance(msg, m.Stop):
         core.stop(msg.request_id)
@@ -250,6 +295,10 @@ def _ready(engine: Any) -> m.Ready:
         setup.max_input_len,
         setup.yes_no_ids,
         setup.st_normalize,
+        engine.num_kv_blocks,
+        engine.device,
+        engine.compute_dtype,
+        engine.images is not None,
     )
 
 
@@ -272,7 +321,27 @@ def load_multiprocess_engine(config: EngineConfig) -> LLMEngine:
         r.yes_no_ids,
         r.st_normalize,
     )
+    images = None
+    if r.reads_images:  # size placeholders with a weightless copy of the model
+        from mmserve.engine.loading import image_prompts
+
+        client.runner = RemoteRunner(_meta_model(r.model_folder))
+        images = image_prompts(client.runner.model, Path(r.model_folder))
     core = cast("EngineCore", client)  # a duck-typed stand-in (see EngineCoreClient)
     return LLMEngine(
-        core, tokenizer, frozenset(r.eos_token_ids), r.vocab_size, setup, r.architecture
+        core, tokenizer, frozenset(r.eos_token_ids), r.vocab_size, setup, r.architecture, images
     )
+
+
+def _meta_model(folder: str) -> Any:
+    """The model class built on the meta device: its config-derived facts and methods
+    (image token counts, M-RoPE positions), no weights."""
+    import torch
+
+    from mmserve.attention.torch_ref import TorchAttentionBackend
+    from mmserve.models.loader import ModelSource, load_hf_config
+    from mmserve.models.registry import architecture_of, get_model_class
+
+    hf_config = load_hf_config(ModelSource(Path(folder), None))
+    with torch.device("meta"):
+        return get_model_class(architecture_of(hf_config))(hf_config, TorchAttentionBackend())

@@ -41,6 +41,9 @@ class EngineCore:
             model, num_blocks, cache.block_size, device, kv_dtype, config.seed, pooler
         )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.num_kv_blocks = num_blocks
+        self.device = str(device)
+        self.compute_dtype = str(kv_dtype).removeprefix("torch.")  # the model's dtype too
         limit = config.model.max_model_len or model_max_len
         kv_limit = num_blocks * cache.block_size if num_blocks else model_max_len
         self.max_model_len = min(limit, model_max_len, kv_limit)

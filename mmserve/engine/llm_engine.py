@@ -122,6 +122,19 @@ class LLMEngine:
             raise InvalidArgument(field, f"token id {bad} outside [0, {self.vocab_size})")
 
     @property
+    def num_kv_blocks(self) -> int:
+        return int(self.core.num_kv_blocks)
+
+    @property
+    def device(self) -> str:
+        return str(self.core.device)
+
+    @property
+    def compute_dtype(self) -> str:
+        """The model's dtype, e.g. "bfloat16"."""
+        return str(self.core.compute_dtype)
+
+    @property
     def supports_images(self) -> bool:
         return self.images is not None
 
@@ -153,8 +166,6 @@ class LLMEngine:
                 f"limit {self.max_model_len}",
             )
         params.validate_for_model(self.vocab_size, len(prompt_token_ids), self.max_model_len)
-        if params.structured is not None and not getattr(self.core, "supports_grammar", True):
-            raise InvalidArgument("structured", "not supported with a multiprocess engine core yet")
 
     def add_request(
         self,

@@ -241,11 +241,12 @@ def _encode_with_images(
     """Texts and token ids as _encode does; each DecodedImage as one image input."""
     images = {i for i, item in enumerate(items) if isinstance(item, DecodedImage)}
     if not images:
-        return _encode(engine, items, truncate, names)  # type: ignore[arg-type]
+        return _padded(engine, _encode(engine, items, truncate, names))  # type: ignore[arg-type]
     if not engine.embeds_images or engine.images is None:
         raise InvalidArgument(f"{names[min(images)]}.image", "this model does not embed images")
     texts = [i for i in range(len(items)) if i not in images]
     encoded = _encode(engine, [items[i] for i in texts], truncate, [names[i] for i in texts])  # type: ignore[misc]
+    encoded = _padded(engine, encoded)
     out: list[EncodedInput] = []
     rest = iter(encoded)
     for i, item in enumerate(items):
@@ -255,6 +256,21 @@ def _encode_with_images(
         else:
             out.append(next(rest))
     return out
+
+
+def _padded(engine: LLMEngine, encoded: list[EncodedInput]) -> list[EncodedInput]:
+    """Texts padded to the length the model was trained on (SigLIP: 64), if it says so."""
+    model = engine.core.runner.model
+    length = getattr(model, "pad_text_to", None)
+    if not length:
+        return encoded
+    pad_id = engine.tokenizer.pad_token_id
+    pad = [model.pad_token_id if pad_id is None else pad_id]
+    return [
+        EncodedInput(e.token_ids + pad * (length - len(e.token_ids)), e.token_type_ids, e.mm_inputs)
+        if len(e.token_ids) < length else e
+        for e in encoded
+    ]
 
 
 def _check_vocab(engine: LLMEngine, encoded: list[EncodedInput], names: list[str]) -> None:

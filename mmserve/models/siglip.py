@@ -138,6 +138,11 @@ class SiglipModel(nn.Module):
         self.hidden_size: int = vision.hidden_size  # the embedding's size
         self.vocab_size: int = text.vocab_size
         self.max_text_len: int = text.max_position_embeddings
+        # Embed pads each text to this many tokens with pad_token_id, as SigLIP's processor
+        # does (padding="max_length"): the last position is what it pools
+        self.pad_text_to: int = self.max_text_len
+        pad = getattr(text, "pad_token_id", None)
+        self.pad_token_id: int = 1 if pad is None else int(pad)  # the tokenizer's wins
         self.text_model = SiglipTextTransformer(text)
         if self.text_model.head.out_features != self.hidden_size:
             raise UnsupportedModel("SigLIP text projection_size != vision hidden_size")

@@ -136,7 +136,7 @@ def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> Mod
     start = time.monotonic()
     engine = LLMEngine.from_config(engine_config_for(spec, template))
     handle = handle_for(spec, engine, max_pending)
-    facts, num_blocks = handle.facts, engine.core.kv.num_blocks
+    facts, num_blocks = handle.facts, engine.num_kv_blocks
     cache = f"{num_blocks} KV blocks of {template.cache.block_size} tokens"
     logger.info(
         "model %r ready: %s from %s on %s in %s, tasks %s, context %d tokens, %s (%.1fs)",
@@ -174,20 +174,16 @@ load_generator = load_model  # the name from before models could pool
 
 
 def _facts(spec: ModelSpec, engine: Any) -> ModelFacts:
-    from mmserve.models.loader import resolve_dtype
-
-    runner, setup = engine.core.runner, engine.setup
+    setup = engine.setup
     # LLMEngine keeps no HF config; the implementation class is named after the architecture.
-    architecture = getattr(engine, "architecture", None) or type(runner.model).__name__
+    architecture = getattr(engine, "architecture", None) or type(engine.core.runner.model).__name__
     quant = _GGUF_QUANT.search(Path(spec.path).name)
-    # encoders keep no KV cache, so the compute dtype comes from the config, not the cache
-    dtype = resolve_dtype(engine.core.config.model.dtype, runner.device)
     return ModelFacts(
         architecture=architecture,
         # a pure pooling model's limit is its input limit (sentence-transformers may set one)
         max_context=engine.max_model_len if "generate" in engine.tasks else engine.max_pooling_len,
-        dtype=str(dtype).removeprefix("torch."),
-        device=str(runner.device),
+        dtype=engine.compute_dtype,
+        device=engine.device,
         vocab_size=engine.vocab_size,
         quantization=quant.group(1).upper() if quant else "",
         supports_images=bool(getattr(engine, "supports_images", False))

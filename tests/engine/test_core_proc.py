@@ -131,12 +131,50 @@ def test_abort_frees_blocks(llama: tuple[LLMEngine, LLMEngine]) -> None:
     assert after.num_requests == 0 and not remote.is_active("long")
 
 
-def test_grammar_refused_with_a_clear_error(llama: tuple[LLMEngine, LLMEngine]) -> None:
-    _, remote = llama
-    params = SamplingParams(structured=StructuredOutputParams("choice", ("yes", "no")))
-    with pytest.raises(InvalidArgument, match="multiprocess"):
-        remote.add_request("g", [1, 2, 3], params)
+def test_grammar_requests_match_in_process(llama: tuple[LLMEngine, LLMEngine]) -> None:
+    local, remote = llama
+    for constraint in (
+        StructuredOutputParams("choice", ("yes", "no", "maybe")),
+        StructuredOutputParams("regex", "[a-c]{3}x"),
+        StructuredOutputParams("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'),
+    ):
+        params = SamplingParams(max_tokens=24, temperature=0.0, structured=constraint)
+        want, got = _run(local, params), _run(remote, params)
+        assert {k: "".join(d.text for d in v) for k, v in got.items()} == {
+            k: "".join(d.text for d in v) for k, v in want.items()
+        }
+    bad = SamplingParams(structured=StructuredOutputParams("regex", "(unclosed"))
+    with pytest.raises(InvalidArgument, match="structured"):  # refused by the front end
+        remote.add_request("g", [1, 2, 3], bad)
     assert not remote.is_active("g")
+
+
+def test_images_cross_and_match_in_process(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import numpy as np
+    import PIL.Image
+
+    from mmserve.processors.images import local_image
+    from tests.utils.tiny_qwen_vl import make_tiny_qwen2_vl
+
+    engines = _engines(make_tiny_qwen2_vl(tmp_path_factory.mktemp("mp-vl")))
+    local, remote = next(engines)
+    try:
+        rng = np.random.RandomState(0)
+        image = local_image(PIL.Image.fromarray(rng.randint(0, 256, (24, 40, 3), dtype=np.uint8)), "image")
+        pad = local.images.image_token_id  # type: ignore[union-attr]
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        outs = []
+        for engine in (local, remote):
+            assert engine.supports_images
+            ids, mm = engine.images.process([1, 2, pad, 3], [image], ["image"])  # type: ignore[union-attr]
+            engine.add_request("v", ids, params, mm_inputs=mm)
+            tokens = []
+            while engine.has_unfinished:
+                tokens += [t for d in engine.step() for t in d.token_ids]
+            outs.append(tokens)
+        assert outs[0] == outs[1] and len(outs[0]) == 6
+    finally:
+        engines.close()  # shuts the child down
 
 
 def test_crash_fails_in_flight_requests(llama: tuple[LLMEngine, LLMEngine]) -> None:

@@ -37,9 +37,11 @@ def test_text_and_image_embeddings_match_transformers(folder: Path) -> None:
     ours = torch.tensor(llm.embed([texts[0], images[0], texts[1], images[1], texts[2]]))
     hf = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
     processor = AutoImageProcessor.from_pretrained(folder)
+    # SigLIP is used with texts padded to its 64 positions (its processor's max_length)
+    pad = {"padding": "max_length", "max_length": 64} if "siglip" in folder.name else {}
     with torch.no_grad():
         text_ref = [
-            features(hf.get_text_features(input_ids=torch.tensor([llm.tokenizer(t)["input_ids"]])))
+            features(hf.get_text_features(input_ids=torch.tensor([llm.tokenizer(t, **pad)["input_ids"]])))
             for t in texts
         ]
         image_ref = features(hf.get_image_features(**processor(images=images, return_tensors="pt")))
