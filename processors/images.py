@@ -200,9 +200,9 @@ def to_rgb(im: Image.Image) -> Image.Image:
         pixels = np.asarray(im, dtype=np.float64)
         scale = 255.0 / 65535.0 if im.mode != "F" else 255.0
         im = Image.fromarray(np.clip(pixels * scale + 0.5, 0, 255).astype(np.uint8), "L")
-    if im.mode == "P" and "transparency" in im.info:
+    if im.mode == "P" and im.has_transparency_data:  # tRNS or an RGBA palette
         im = im.convert("RGBA")
-    if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
+    if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or im.has_transparency_data:
         rgba = im.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh [tests|bench|all]; results under $OUT.
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench embed structured serve vlm (all =
+# tests bench); results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -11,12 +12,14 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
-what=${1:-all}
-if [ "$what" = tests ] || [ "$what" = all ]; then
+stages=" ${*:-all} "
+[ "$stages" = " all " ] && stages=" tests bench "
+has() { [[ "$stages" == *" $1 "* ]]; }
+B="python3 -m mmserve.bench.cli bench"
+if has tests; then
   python3 -m pytest -q -x ${TESTS:-tests/kernels tests/gpu} -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/tests.txt"
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  B="python3 -m mmserve.bench.cli bench"
+if has bench; then
   export MMSERVE_BENCH_PROFILE=$OUT/profile.txt
   { $B latency --input-len 128 --output-len 128 --max-num-seqs 1 --baseline
     $B decode --batch-size 1 --input-len 128 --max-num-seqs 1
@@ -24,4 +27,16 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     $B prefill --batch-size 8 --input-len 2048 --max-num-batched-tokens 16384 --max-num-seqs 8 --enforce-eager
     $B throughput --num-requests 1000 --input-len 512 --output-len 128 --baseline
   } 2>&1 | grep -v Warning | tee "$OUT/bench.txt"
+fi
+if has embed; then
+  $B embed --model shape:bert-base --device cuda --batch-size 64 --seq-len 128 2>&1 | grep -v Warning | tee "$OUT/embed.txt"
+fi
+if has structured; then
+  $B structured --model shape:llama3-8b --load-format dummy --batch-sizes 1,64 --input-len 128 --output-len 128 --max-num-seqs 64 2>&1 | grep -v Warning | tee "$OUT/structured.txt"
+fi
+if has serve; then
+  $B serve --model shape:llama3-8b --load-format dummy --request-rate 8,32 --num-requests 300 --input-len 512 --output-len 128 --engine-process 2>&1 | grep -v Warning | tee "$OUT/serve.txt"
+fi
+if has vlm; then
+  $B vlm --model shape:qwen2-vl-7b --load-format dummy --baseline 2>&1 | grep -v Warning | tee "$OUT/vlm.txt"
 fi

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mmserve.bench import embed, offline, serve, structured
+from mmserve.bench import embed, offline, serve, structured, vlm
 from mmserve.bench.models import make_model_folder, weight_bytes
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mmserve.engine.llm_engine import LLMEngine
@@ -28,7 +28,7 @@ from mmserve.engine.llm_engine import LLMEngine
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (offline engine)")
-    kinds = ["latency", "throughput", "decode", "prefill", "embed", "serve", "structured"]
+    kinds = ["latency", "throughput", "decode", "prefill", "embed", "serve", "structured", "vlm"]
     p.add_argument("kind", choices=kinds)
     p.add_argument(
         "--model",
@@ -50,11 +50,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--engine-process", action="store_true",
+                   help="serve: run the engine core in its own process (as `mmserve serve` on CUDA)")
     p.add_argument("--bandwidth-gbs", type=float, default=4180.0, help="measured copy bandwidth, for the roofline")
     p.add_argument("--baseline", action="store_true", help="also time transformers generate")
     embed.add_arguments(p)
     serve.add_arguments(p)
     structured.add_arguments(p)
+    vlm.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -62,8 +65,11 @@ def _engine(args: argparse.Namespace, folder: Path, dummy: bool) -> LLMEngine:
     return LLMEngine.from_config(engine_config(args, str(folder), dummy))
 
 
-def engine_config(args: argparse.Namespace, model: str, dummy: bool) -> EngineConfig:
-    """The engine settings of the shared flags (serve.py's server uses them too)."""
+def engine_config(
+    args: argparse.Namespace, model: str, dummy: bool, multiprocess: bool = False
+) -> EngineConfig:
+    """The engine settings of the shared flags (serve.py's server uses them too, with
+    multiprocess; the offline kinds read the in-process core's scheduler and KV cache)."""
     return EngineConfig(
         model=ModelConfig(
             model=model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -71,6 +77,7 @@ def engine_config(args: argparse.Namespace, model: str, dummy: bool) -> EngineCo
         ),
         cache=CacheConfig(num_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs),
+        multiprocess=multiprocess,
     )
 
 
@@ -87,6 +94,9 @@ def run(args: argparse.Namespace) -> None:
         return
     if args.kind == "structured":
         structured.run(args)
+        return
+    if args.kind == "vlm":
+        vlm.run(args)
         return
     args.model = args.model or "shape:llama3-8b"
     dummy = args.model.startswith("shape:") or args.load_format == "dummy"

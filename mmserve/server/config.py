@@ -57,6 +57,8 @@ class ServerConfig:
                 f"structured_output_backend must be one of {STRUCTURED_BACKENDS}, "
                 f"got {self.structured_output_backend!r}"
             )
+        if self.media_dir is not None and not Path(self.media_dir).is_dir():
+            raise ValueError(f"media_dir {self.media_dir!r} is not a directory")
         if self.tool_parser is not None:
             from mmserve.processors.tool_parsers import get_parser
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from mmserve.errors import InvalidArgument
 from mmserve.server import convert
 from mmserve.server.generate import off_loop, render_chat
@@ -27,7 +29,7 @@ async def tokenize(
     elif kind == "chat":
         text, ids = await render_chat(handle, request.chat, images)
         if explicit:  # the template placed its own special tokens; add the tokenizer's too
-            ids = await off_loop(len(text), tokenizer.encode, text, add_special_tokens=True)
+            ids = await off_loop(len(text), _with_special_tokens, tokenizer, text, ids)
     else:
         raise InvalidArgument("input", "set text or chat")
     tokens = tokenizer.convert_ids_to_tokens(ids) if request.return_tokens else []
@@ -38,6 +40,17 @@ async def tokenize(
         max_context=handle.facts.max_context,
         model=handle.name,
     )
+
+
+def _with_special_tokens(tokenizer: Any, text: str, ids: list[int]) -> list[int]:
+    """ids (the rendered chat, images expanded) wrapped in the special tokens the tokenizer
+    adds around `text` (e.g. BOS in front)."""
+    plain = tokenizer.encode(text, add_special_tokens=False)
+    full = tokenizer.encode(text, add_special_tokens=True)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start] + ids + full[start + len(plain) :]
+    raise InvalidArgument("add_special_tokens", "the tokenizer's special tokens do not wrap this chat")
 
 
 async def detokenize(

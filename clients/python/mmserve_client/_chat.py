@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from mmserve_client._proto.mmserve.v1 import common_pb2, generate_pb2
-from mmserve_client._requests import GenerateKwargs, image, json_text
+from mmserve_client._requests import GenerateKwargs, image, is_image, json_text
 from mmserve_client.types import Image, ToolCall
 
 _MODES = {
@@ -53,13 +53,15 @@ def chat_request(
     """Builds a Chat from OpenAI-style message and tool dicts.
 
     A message: {"role", "content": str | list of parts, "tool_calls", "tool_call_id", "name"}.
-    A part: a str (text), bytes (an encoded image), an Image, {"type": "text", "text"},
-    {"type": "image", "data" | "path" | "uuid"}, or {"type": "image_url", "image_url":
-    {"url": "data:...;base64,..."}} (the server fetches no URLs). A tool: {"type":
-    "function", "function": {...}} or the inner dict {"name", "description", "parameters"
-    (dict or JSON text), "strict"}. tool_choice: "auto" | "none" | "required", a function
-    name, or {"type": "function", "function": {"name"}}. template_kwargs values that are not
-    str are sent as JSON text.
+    A part: a str (text); an image: encoded bytes, an Image, a pathlib.Path (a local file,
+    read here) or a PIL image (sent as lossless PNG); {"type": "text", "text"};
+    {"type": "image", "image": any image or a str local file path, "uuid"?};
+    {"type": "image", "data" | "path" (server side, under its media dir) | "uuid"}; or
+    {"type": "image_url", "image_url": {"url": "data:...;base64,..."}} (the server fetches
+    no URLs). A tool: {"type": "function", "function": {...}} or the inner dict {"name",
+    "description", "parameters" (dict or JSON text), "strict"}. tool_choice: "auto" |
+    "none" | "required", a function name, or {"type": "function", "function": {"name"}}.
+    template_kwargs values that are not str are sent as JSON text.
     """
     out = generate_pb2.Chat(continue_final_message=continue_final_message)
     out.messages.extend(_message(m) for m in messages)
@@ -80,7 +82,7 @@ def _message(m: Mapping[str, Any]) -> generate_pb2.Message:
         role=m["role"], tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or ""
     )
     content = m.get("content")
-    parts = [content] if isinstance(content, (str, bytes, Image)) else content or ()
+    parts = [content] if isinstance(content, str) or is_image(content) else content or ()
     msg.content.extend(_part(p) for p in parts)
     msg.tool_calls.extend(_tool_call(c) for c in m.get("tool_calls") or ())
     return msg
@@ -89,15 +91,13 @@ def _message(m: Mapping[str, Any]) -> generate_pb2.Message:
 def _part(p: Any) -> generate_pb2.ContentPart:
     if isinstance(p, str):
         return generate_pb2.ContentPart(text=p)
-    if isinstance(p, (bytes, bytearray, Image)):
+    if is_image(p):
         return generate_pb2.ContentPart(image=image(p))
     kind = p.get("type") if isinstance(p, Mapping) else None
     if kind == "text":
         return generate_pb2.ContentPart(text=p["text"])
     if kind == "image":
-        return generate_pb2.ContentPart(
-            image=image(Image(data=p.get("data"), path=p.get("path"), uuid=p.get("uuid", "")))
-        )
+        return generate_pb2.ContentPart(image=_image_part(p))
     if kind == "image_url":
         url = p["image_url"]["url"] if isinstance(p["image_url"], Mapping) else p["image_url"]
         if not url.startswith("data:") or ";base64," not in url:
@@ -105,6 +105,16 @@ def _part(p: Any) -> generate_pb2.ContentPart:
         data = base64.b64decode(url.split(";base64,", 1)[1])
         return generate_pb2.ContentPart(image=common_pb2.Image(data=data))
     raise ValueError(f"unsupported content part: {p!r}")
+
+
+def _image_part(p: Mapping[str, Any]) -> common_pb2.Image:
+    uuid = p.get("uuid") or ""
+    if "image" not in p:
+        return image(Image(data=p.get("data"), path=p.get("path"), uuid=uuid))
+    if "data" in p or "path" in p:
+        raise ValueError("an image part takes one of 'image', 'data' or 'path'")
+    value = p["image"]  # as in the offline API: a str is a local file path
+    return image(Image.from_file(value) if isinstance(value, str) else value, uuid)
 
 
 def _tool_call(c: ToolCall | Mapping[str, Any]) -> generate_pb2.ToolCall:

@@ -7,11 +7,19 @@ ValueError here, before anything is sent; range checks are the server's (INVALID
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict, TypeVar
 
 from mmserve_client._proto.mmserve.v1 import common_pb2, generate_pb2, pooling_pb2, tokenize_pb2
-from mmserve_client.types import EmbeddingEncoding, Image, InputLike, Truncate
+from mmserve_client.types import (
+    EmbeddingEncoding,
+    Image,
+    ImageLike,
+    InputLike,
+    Truncate,
+    is_pil_image,
+)
 
 
 class GenerateKwargs(TypedDict, total=False):
@@ -147,13 +155,14 @@ def _set_constraint(req: generate_pb2.GenerateRequest, values: dict[str, Any]) -
         structured.backend = _lookup(_BACKENDS, values["structured_backend"], "structured_backend")
 
 
-def image(img: Image | bytes | bytearray) -> common_pb2.Image:
-    """An Image (or raw encoded bytes) as a proto."""
+def image(img: ImageLike, uuid: str = "") -> common_pb2.Image:
+    """An image as a proto: an Image as is, bytes as data, a local file (os.PathLike) read
+    here, a PIL image as lossless PNG. `uuid`, when given, replaces the Image's own."""
     if not isinstance(img, Image):
-        return common_pb2.Image(data=bytes(img))
+        img = _as_image(img)
     if img.data is not None and img.path is not None:
         raise ValueError("an Image takes data or path, not both")
-    out = common_pb2.Image(uuid=img.uuid)
+    out = common_pb2.Image(uuid=uuid or img.uuid)
     if img.data is not None:
         out.data = img.data
     elif img.path is not None:
@@ -161,25 +170,43 @@ def image(img: Image | bytes | bytearray) -> common_pb2.Image:
     return out
 
 
+def is_image(x: object) -> bool:
+    """Whether x is one image (never a str: text stays text)."""
+    return isinstance(x, (bytes, bytearray, memoryview, Image, os.PathLike)) or is_pil_image(x)
+
+
+def _as_image(x: object) -> Image:
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return Image(data=bytes(x))
+    if isinstance(x, os.PathLike):
+        return Image.from_file(x)
+    if is_pil_image(x):
+        return Image.from_pil(x)  # type: ignore[arg-type]
+    raise TypeError(f"an image is an Image, bytes, a Path or a PIL image; got {type(x).__name__}")
+
+
 def _is_token_ids(x: object) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(i, int) for i in x)
 
 
 def inputs(items: InputLike | Sequence[InputLike]) -> list[common_pb2.Input]:
-    """One input (a str, image bytes, Image or list of token ids) or a sequence of them."""
-    if isinstance(items, (str, bytes, bytearray, Image)) or _is_token_ids(items):
+    """One input (a str, an image (see ImageLike) or a list of token ids) or a sequence."""
+    if isinstance(items, str) or is_image(items) or _is_token_ids(items):
         return [_input(items)]
-    return [_input(x) for x in items]
+    return [_input(x) for x in items]  # type: ignore[union-attr]
 
 
 def _input(x: Any) -> common_pb2.Input:
     if isinstance(x, str):
         return common_pb2.Input(text=x)
-    if isinstance(x, (bytes, bytearray, Image)):
+    if is_image(x):
         return common_pb2.Input(image=image(x))
     if _is_token_ids(x):
         return common_pb2.Input(token_ids=common_pb2.TokenIds(ids=x))
-    raise TypeError(f"an input is a str, bytes, Image or non-empty list of ints; got {x!r:.80}")
+    raise TypeError(
+        f"an input is a str, an image (bytes, Image, Path, PIL image) or a non-empty list of "
+        f"ints; got {x!r:.80}"
+    )
 
 
 def embed_request(

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import sys
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+if TYPE_CHECKING:  # PIL is optional: imported only by callers that pass PIL images
+    import PIL.Image
 
 FinishReason = Literal["stop", "length", "tool_calls", "aborted"]
 """Why a choice ended (FinishReason in the proto, lower-cased, prefix dropped)."""
@@ -32,9 +39,47 @@ class Image:
     path: str | None = None
     uuid: str = ""
 
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], uuid: str = "") -> Image:
+        """A local file, read here (client side) and sent as data; no media dir needed."""
+        return cls(data=Path(path).read_bytes(), uuid=uuid)
 
-InputLike = Union[str, bytes, Image, "list[int]", "tuple[int, ...]"]
-"""One pooling input: text, encoded image bytes, an Image, or token ids."""
+    @classmethod
+    def from_pil(cls, image: PIL.Image.Image, uuid: str = "") -> Image:
+        """A PIL image, sent as lossless PNG: the server sees the same pixels (and so the
+        same content hash and cache entries) as the offline API given this image."""
+        return cls(data=pil_png(image), uuid=uuid)
+
+
+ImageLike = Union[Image, bytes, bytearray, "os.PathLike[str]", "PIL.Image.Image"]
+"""One image: an Image, encoded bytes, a local file (a Path, read client side), or a PIL image.
+A plain str is never an image (it is text); use Path(...) or Image.from_file(...)."""
+
+InputLike = Union[str, ImageLike, "list[int]", "tuple[int, ...]"]
+"""One pooling input: text, an image (see ImageLike), or token ids."""
+
+# PNG holds these modes as they are; any other mode is first converted as the server's
+# decoder would convert it, so that PNG -> server decode gives the offline API's pixels.
+_PNG_MODES = frozenset({"1", "L", "LA", "P", "RGB", "RGBA", "I;16", "I;16B"})
+
+
+def is_pil_image(value: object) -> bool:
+    """Whether value is a PIL image, without importing PIL (a PIL image implies PIL loaded)."""
+    module = sys.modules.get("PIL.Image")
+    return module is not None and isinstance(value, module.Image)
+
+
+def pil_png(image: PIL.Image.Image) -> bytes:
+    """PNG bytes of a PIL image (lossless; transparency kept, EXIF not written)."""
+    if image.mode == "I":  # 32-bit ints: the server reads 16-bit grey the same way
+        image = image.convert("I;16")
+    elif image.mode == "F":  # floats in [0, 1], as the server's decoder scales them
+        image = image.point(lambda v: v * 255 + 0.5).convert("L")
+    elif image.mode not in _PNG_MODES:  # CMYK, YCbCr, PA, RGBa, ...
+        image = image.convert("RGBA" if image.mode.upper().endswith("A") else "RGB")
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 @dataclass(frozen=True)
