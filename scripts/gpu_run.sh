@@ -11,7 +11,8 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || echo "pip install -e failed"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/gpu.txt"
+{ cat COMMIT 2>/dev/null || git rev-parse --short HEAD; } | tee -a "$OUT/gpu.txt"  # COMMIT: a git-archive snapshot
+[ -d bench_data ] && export MMSERVE_BENCH_DATA=$PWD/bench_data  # tokenizer copies (bert-base shape)
 stages=" ${*:-all} "
 [ "$stages" = " all " ] && stages=" tests bench "
 has() { [[ "$stages" == *" $1 "* ]]; }

@@ -10,6 +10,8 @@ import json
 import shutil
 from pathlib import Path
 
+from mmserve.envs import bench_data_dir
+
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -99,11 +101,15 @@ CHATML_VL_TEMPLATE = (
 
 
 def package_dir(name: str) -> Path:
-    """A data package's folder, found without importing it (some import missing modules)."""
+    """A data package's folder, found without importing it (some import missing modules),
+    else its copy under MMSERVE_BENCH_DATA."""
     spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {name!r} is not installed")
-    return Path(next(iter(spec.submodule_search_locations)))
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    copies = bench_data_dir()
+    if copies is not None and (copies / name).is_dir():
+        return copies / name
+    raise FileNotFoundError(f"package {name!r} is not installed (nor under MMSERVE_BENCH_DATA)")
 
 
 def weight_bytes(config: dict, bytes_per_param: int = 2) -> int:
