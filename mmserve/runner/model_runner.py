@@ -15,7 +15,7 @@ from mmserve.outputs import TokenLogprob
 from mmserve.runner.cuda_graphs import DecodeGraphs
 from mmserve.runner.pooler import Pooler, finish_embedding
 from mmserve.runner.sampler import SamplingRow, sample, top_logprobs
-from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask
+from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
 
 
 @dataclass
@@ -211,13 +211,13 @@ class ModelRunner:
         return x
 
     def _grammar_bitmask(self, reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]] | None:
-        """Allowed tokens of each constrained row, [rows, ceil(vocab / 32)] int32 on the CPU."""
+        """Allowed tokens of each constrained row, [rows, ceil(vocab / 32)] int32 on the CPU
+        (pinned when the logits are on a GPU, so apply_bitmask's copy is asynchronous)."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if not rows:
             return None
-        bitmask = allocate_bitmask(len(reqs), self.model.vocab_size)
-        for i in rows:
-            reqs[i].grammar.fill_bitmask(bitmask, i)
+        bitmask = allocate_bitmask(len(reqs), self.model.vocab_size, self.device.type == "cuda")
+        fill_bitmasks([reqs[i].grammar for i in rows], bitmask, rows)  # in parallel (xgrammar)
         return bitmask, rows
 
     def _pool(

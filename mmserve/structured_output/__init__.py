@@ -3,7 +3,8 @@
 One interface (backend.py), two engines behind a lazy registry (registry.py): xgrammar (the
 default) and outlines-core. Per model, a StructuredOutputManager compiles constraints
 (cached, time-limited, off the event loop); per request, `CompiledGrammar.matcher()` tracks
-the output, fills the token bitmask row on the CPU, and `apply_bitmask` masks the logits.
+the output; per step, `fill_bitmasks` fills the token bitmask rows of all constrained
+requests on the CPU (xgrammar's in parallel), and `apply_bitmask` masks the logits.
 
 Nothing is weakened silently: a schema keyword, format, or regex feature an engine would
 ignore is rejected with InvalidArgument and a JSON pointer (schema_check.py, keywords.py).
@@ -23,6 +24,8 @@ from .backend import (
     allocate_bitmask,
     apply_bitmask,
     bitmask_width,
+    default_fill_threads,
+    fill_bitmasks,
     unpack_bitmask,
 )
 from .params import BACKEND_NAMES, KINDS, StructuredOutputParams
@@ -50,6 +53,8 @@ __all__ = [
     "backend_names",
     "bitmask_width",
     "create_backend",
+    "default_fill_threads",
+    "fill_bitmasks",
     "get_backend_class",
     "unpack_bitmask",
 ]

@@ -8,8 +8,11 @@ the tokenizer's vocabulary (padded lm_head); tokens past the tokenizer are never
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+import functools
+import importlib.util
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Self
 
 import torch
 
@@ -36,6 +39,16 @@ class GrammarMatcher(abc.ABC):
         """Write the tokens allowed next into bitmask[row] (a contiguous CPU int32 tensor of
         shape [B, ceil(vocab_size / 32)]). Where the grammar is complete only stop tokens
         are set (also once terminated)."""
+
+    @classmethod
+    def fill_bitmasks(
+        cls, matchers: Sequence[Self], bitmask: torch.Tensor, rows: Sequence[int], threads: int
+    ) -> None:
+        """Fill bitmask[rows[i]] for each matchers[i], all of this class, on up to `threads`
+        threads; rows are distinct. The same result as `fill_bitmask` on each; the default
+        is that, one at a time. Call it through the module's `fill_bitmasks`."""
+        for matcher, row in zip(matchers, rows, strict=True):
+            matcher.fill_bitmask(bitmask, row)
 
     @abc.abstractmethod
     def rollback(self, num_tokens: int) -> None:
@@ -92,12 +105,46 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+def allocate_bitmask(batch_size: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
     """A CPU bitmask with every token allowed, [batch_size, ceil(vocab_size / 32)] int32.
 
     Rows of unconstrained requests stay all-ones; `apply_bitmask` skips them anyway.
+    pin_memory (CUDA only): page-locked, so the copy to the GPU is asynchronous.
     """
-    return torch.full((batch_size, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+    shape = (batch_size, bitmask_width(vocab_size))
+    return torch.full(shape, -1, dtype=torch.int32, pin_memory=pin_memory)
+
+
+def default_fill_threads() -> int:
+    """Threads for one step's bitmask fill: half the CPUs this process may use, at most 8
+    (the rest are for the scheduler, detokenising and the server)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(8, (cpus or 1) // 2) or 1
+
+
+def fill_bitmasks(
+    matchers: Sequence[GrammarMatcher],
+    bitmask: torch.Tensor,
+    rows: Sequence[int],
+    threads: int | None = None,
+) -> None:
+    """Fill bitmask[rows[i]] for each matchers[i]: the same result as `fill_bitmask` on each.
+
+    Matchers of one backend are filled by one call of their class's `fill_bitmasks` (xgrammar:
+    in parallel, on `threads` threads, default `default_fill_threads()`); a batch mixing
+    backends makes one call per backend. rows must be distinct rows of `bitmask`.
+    """
+    if len(matchers) != len(rows):
+        raise ValueError(f"{len(matchers)} matchers for {len(rows)} rows")
+    if len(set(rows)) != len(rows) or not all(0 <= r < bitmask.shape[0] for r in rows):
+        raise ValueError(f"rows must be distinct rows of a bitmask of {bitmask.shape[0]}")
+    groups: dict[type[GrammarMatcher], tuple[list[GrammarMatcher], list[int]]] = {}
+    for matcher, row in zip(matchers, rows):
+        group = groups.setdefault(type(matcher), ([], []))
+        group[0].append(matcher)
+        group[1].append(row)
+    for cls, (group_matchers, group_rows) in groups.items():
+        cls.fill_bitmasks(group_matchers, bitmask, group_rows, threads or default_fill_threads())
 
 
 def allow_tokens(words: torch.Tensor, token_ids: Iterable[int]) -> None:
@@ -122,8 +169,9 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     """Set disallowed tokens of logits[rows] to -inf, in place.
 
     logits: [B, V] float on any device; bitmask: [B, W] int32 with W * 32 >= V, row i
-    belonging to logits row i (usually on the CPU: it is copied to logits' device);
-    rows: the constrained rows (the others are left untouched).
+    belonging to logits row i (usually on the CPU, pinned when logits are on a GPU: it is
+    copied to logits' device without waiting); rows: the constrained rows (the others are
+    left untouched). CUDA logits are masked by xgrammar's Triton kernel when installed.
     """
     if not rows:
         return
@@ -132,7 +180,29 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     vocab_size = logits.shape[1]
     if bitmask.shape[1] * 32 < vocab_size:
         raise ValueError(f"bitmask covers {bitmask.shape[1] * 32} tokens, logits have {vocab_size}")
+    mask = bitmask.to(logits.device, non_blocking=True)  # async from pinned memory
+    kernel = _device_kernel(logits.device.type)
+    if kernel is not None and logits.stride(1) == 1 and mask.stride(1) == 1:
+        kernel(logits, mask, vocab_size=vocab_size, indices=list(rows))
+        return
     index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
-    mask = bitmask.to(logits.device, non_blocking=True).index_select(0, index)
-    allowed = unpack_bitmask(mask, vocab_size)  # [R, V]
+    allowed = unpack_bitmask(mask.index_select(0, index), vocab_size)  # [R, V]
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+# (logits [B, V], bitmask [B, W] on logits' device, vocab_size=V, indices=rows) -> None
+BitmaskKernel = Callable[..., None]
+
+
+@functools.cache
+def _device_kernel(device_type: str) -> BitmaskKernel | None:
+    """xgrammar's fused kernel (Triton) for CUDA logits where both packages are installed:
+    one launch, no [R, V] temporaries. Elsewhere None: the torch code above, the reference
+    the kernel is tested against."""
+    if device_type != "cuda" or not all(
+        importlib.util.find_spec(name) for name in ("xgrammar", "triton")
+    ):
+        return None
+    from xgrammar import apply_token_bitmask_inplace
+
+    return functools.partial(apply_token_bitmask_inplace, backend="triton")

@@ -63,6 +63,9 @@ class SchemaRules:
     # The engine matches a pattern against the raw JSON text between the quotes, so a
     # pattern that can match `"`, `\` or a control character yields invalid JSON.
     raw_json_patterns: bool = False
+    # The engine enforces a recursive $ref at every depth (a context-free grammar); a regex
+    # engine unrolls it a few levels and drops the rest (refs.py), so it must refuse it.
+    recursive_refs: bool = True
 
 
 XGRAMMAR_RULES = SchemaRules(
@@ -104,6 +107,7 @@ OUTLINES_RULES = SchemaRules(
     # time: a raw backslash) or invalid values (date: Unicode digits; date-time: no offset).
     formats=frozenset({"uuid"}),
     raw_json_patterns=True,
+    recursive_refs=False,
 )  # fmt: skip
 
 # For formats a backend only approximates: a pattern with the same approximation, which a

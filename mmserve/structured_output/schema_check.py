@@ -17,6 +17,7 @@ from mmserve.errors import InvalidArgument
 
 from . import keywords as kw
 from .disjoint import branches_disjoint
+from .refs import find_recursive_ref, pointer_join, resolve_local_ref
 from .regex_check import RegexProblem, check_json_string_pattern, strip_anchors
 
 MAX_SCHEMA_DEPTH = 32  # nesting of subschemas (a $ref counts once, where it is written)
@@ -48,10 +49,14 @@ def parse_schema(text: str, field: str = FIELD) -> Any:
 def check_schema(schema: Any, rules: kw.SchemaRules, field: str = FIELD) -> None:
     """Raise SchemaError at the first part of `schema` that `rules` does not enforce."""
     _Walk(schema, rules, field).node(schema, "", 0)
-
-
-def pointer_join(pointer: str, token: str | int) -> str:
-    return f"{pointer}/{str(token).replace('~', '~0').replace('/', '~1')}"
+    recursive = None if rules.recursive_refs else find_recursive_ref(schema)
+    if recursive is not None:
+        raise SchemaError(
+            recursive,
+            f"a recursive reference; the {rules.backend} backend would unroll it only a few "
+            "levels and not enforce the schema below them; use the xgrammar backend",
+            field,
+        )
 
 
 class _Walk:
@@ -271,16 +276,10 @@ class _Walk:
         """The schema a local $ref points to (only "#" and "#/..." are supported)."""
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise self.fail(ptr, 'only local references ("#" or "#/...") are supported')
-        target = self.root
-        for token in ref[2:].split("/") if ref != "#" else ():
-            token = token.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict) and token in target:
-                target = target[token]
-            elif isinstance(target, list) and token.isdigit() and int(token) < len(target):
-                target = target[int(token)]
-            else:
-                raise self.fail(ptr, f"reference {ref!r} does not resolve")
-        return target
+        resolved = resolve_local_ref(self.root, ref)
+        if resolved is None:
+            raise self.fail(ptr, f"reference {ref!r} does not resolve")
+        return resolved[1]
 
     def disjoint(self, branches: Any) -> bool:
         if not isinstance(branches, list):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Self, cast
 
 import torch
 import xgrammar as xgr
@@ -130,13 +131,34 @@ class XGrammarMatcher(GrammarMatcher):
         return accepted
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if bitmask.shape[-1] != self._width:  # xgrammar would write a wrongly strided mask
-            raise ValueError(f"bitmask width {bitmask.shape[-1]}, expected {self._width}")
-        if self._matcher.is_terminated():  # xgrammar refuses to fill then
-            bitmask[row].zero_()
-            allow_tokens(bitmask[row], self._stop_token_ids)
+        if self._filled_as_terminated(bitmask, row):
             return
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    @classmethod
+    def fill_bitmasks(
+        cls, matchers: Sequence[Self], bitmask: torch.Tensor, rows: Sequence[int], threads: int
+    ) -> None:
+        # One call: xgrammar splits the matchers over its threads, without holding the GIL.
+        live = [(m, r) for m, r in zip(matchers, rows, strict=True)
+                if not m._filled_as_terminated(bitmask, r)]  # fmt: skip
+        if live:  # xgrammar logs a warning for more threads than CPUs
+            threads = min(threads, len(live), os.cpu_count() or 1)
+            batch = xgr.BatchGrammarMatcher(max_threads=threads)
+            batch.batch_fill_next_token_bitmask(
+                [m._matcher for m, _ in live], bitmask, [r for _, r in live]
+            )
+
+    def _filled_as_terminated(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Check the width; once terminated (xgrammar refuses to fill then) allow only the
+        stop tokens in bitmask[row] and return True."""
+        if bitmask.shape[-1] != self._width:  # xgrammar would write a wrongly strided mask
+            raise ValueError(f"bitmask width {bitmask.shape[-1]}, expected {self._width}")
+        if not self._matcher.is_terminated():
+            return False
+        bitmask[row].zero_()
+        allow_tokens(bitmask[row], self._stop_token_ids)
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self._accepted:
