@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || echo "pip install -e failed"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . -e clients/python >/dev/null 2>&1 || echo "pip install -e failed"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/gpu.txt"
 { cat COMMIT 2>/dev/null || git rev-parse --short HEAD; } | tee -a "$OUT/gpu.txt"  # COMMIT: a git-archive snapshot
