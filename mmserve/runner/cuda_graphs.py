@@ -4,8 +4,10 @@ A decode step at small batch launches hundreds of small kernels; replaying a cap
 removes the launch overhead, which otherwise exceeds the GPU time itself. One graph per
 captured batch size; a step of B decodes runs the smallest graph of size >= B, with the
 extra rows padded (slot -1: no cache write; context length 1; output ignored). Inputs live
-in persistent buffers that every graph reads; max_seq_len is frozen at capture to the
-model's limit so the attention launch shape (split-KV count) is the same for every step.
+in persistent buffers that every graph reads. The attention launch shape (its split-KV count)
+follows max_seq_len, which a graph freezes: small batches, where split-KV matters, get one
+graph per context bucket (SEQ_BUCKETS, then the model's limit), so a short context is not
+split into empty pieces and merged; larger batches get one graph at the model's limit.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CAPTURE_TIME_LIMIT_S = 120.0  # stop capturing more sizes past this (start-up bound)
+SEQ_BUCKETS = (256, 1024)  # max_seq_len buckets below the model's limit, for small batches
+BUCKETED_MAX_BATCH = 8  # batches up to this size get a graph per bucket
 
 
 class DecodeGraphs:
@@ -47,26 +51,30 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, **i32)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)
         self.query_start_loc = torch.arange(n + 1, **i32)  # one token per request, always
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, max_seq_len)
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._pool = None
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def buckets(self, size: int) -> list[int]:
+        """The frozen max_seq_len values captured for a batch size, ascending."""
+        small = [b for b in SEQ_BUCKETS if b < self.max_seq_len] if size <= BUCKETED_MAX_BATCH else []
+        return [*small, self.max_seq_len]
+
+    def _meta(self, size: int, max_seq_len: int) -> AttentionMetadata:
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size],
             slot_mapping=self.slot_mapping[:size],
             max_query_len=1,
-            max_seq_len=self.max_seq_len,
+            max_seq_len=max_seq_len,
             query_lens_cpu=[1] * size,
             seq_lens_cpu=[1] * size,
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
-        return self.model.forward(
-            self.input_ids[:size], self.positions[:size], self.kv_caches, self._meta(size)
-        )
+    def _forward(self, size: int, max_seq_len: int) -> torch.Tensor:
+        meta = self._meta(size, max_seq_len)
+        return self.model.forward(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -77,22 +85,23 @@ class DecodeGraphs:
             if time.monotonic() - start > CAPTURE_TIME_LIMIT_S:
                 logger.warning("CUDA graph capture stopped at the time limit before size %d", size)
                 break
-            self._forward(size)  # warm-up: compiles kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._outputs[size] = self._forward(size)
-            self._pool = graph.pool()
-            self._graphs[size] = graph
+            for bucket in reversed(self.buckets(size)):
+                self._forward(size, bucket)  # warm-up: compiles kernels outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._outputs[size, bucket] = self._forward(size, bucket)
+                self._pool = graph.pool()
+                self._graphs[size, bucket] = graph
         torch.cuda.synchronize()
         used = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
         logger.info(
-            "captured %d CUDA graphs (batch %s) in %.1fs using %.0f MiB",
+            "captured %d CUDA graphs (batch, max_seq_len %s) in %.1fs using %.0f MiB",
             len(self._graphs), sorted(self._graphs), time.monotonic() - start, used,
         )
 
     def size_for(self, batch: int) -> int | None:
-        return next((s for s in sorted(self._graphs) if s >= batch), None)
+        return next((s for s in sorted({s for s, _ in self._graphs}) if s >= batch), None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Replays the graph for a decode-only batch; None when no graph fits it."""
@@ -103,6 +112,9 @@ class DecodeGraphs:
         width = meta.block_tables.shape[1]
         if width > self.block_tables.shape[1]:
             return None
+        bucket = next(b for b in self.buckets(size) if b >= meta.max_seq_len)
+        if (size, bucket) not in self._graphs:
+            return None
         self.input_ids[:batch].copy_(input_ids)
         self.positions[:batch].copy_(positions)
         self.slot_mapping[:batch].copy_(meta.slot_mapping)
@@ -110,5 +122,5 @@ class DecodeGraphs:
         self.seq_lens[:batch].copy_(meta.seq_lens)
         self.seq_lens[batch:size].fill_(1)
         self.block_tables[:batch, :width].copy_(meta.block_tables)
-        self._graphs[size].replay()
-        return self._outputs[size][:batch]
+        self._graphs[size, bucket].replay()
+        return self._outputs[size, bucket][:batch]
