@@ -81,6 +81,7 @@ class EngineCoreClient:
         self.max_model_len = ready.max_model_len
         self.num_kv_blocks = ready.num_kv_blocks
         self.device = ready.device
+        self.compute_dtype = ready.compute_dtype
         self.runner: Any = RemoteRunner(
             RemoteModel(ready.model_vocab_size, ready.hidden_size, ready.type_vocab_size)
         )

@@ -80,6 +80,9 @@ def test_greedy_matches_in_process(llama: tuple[LLMEngine, LLMEngine]) -> None:
     local, remote = llama
     assert remote.max_model_len == local.max_model_len
     assert remote.vocab_size == local.vocab_size and remote.tasks == local.tasks
+    assert (remote.num_kv_blocks, remote.device, remote.compute_dtype) == (
+        local.num_kv_blocks, local.device, local.compute_dtype
+    )
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, prompt_logprobs=1, n=2)
     want, got = _run(local, params), _run(remote, params)
     assert got.keys() == want.keys()
