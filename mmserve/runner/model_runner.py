@@ -223,14 +223,25 @@ class ModelRunner:
     def _pool(
         self, plan: SchedulerOutput, hidden: torch.Tensor, images: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """images: a dual encoder's image inputs, already embedded (request id -> vector)."""
-        out: dict[str, torch.Tensor] = {}
+        """images: a dual encoder's image inputs, already embedded (request id -> vector).
+        Results come to the CPU in one copy (one sync, not one per request)."""
+        ids: list[str] = []
+        results: list[torch.Tensor] = []
         row = 0
         for item in plan.scheduled:
             n = len(item.token_ids)
             if item.pooling is not None:
-                out[item.request_id] = self._pool_one(item, hidden[row : row + n], images).cpu()
+                ids.append(item.request_id)
+                results.append(self._pool_one(item, hidden[row : row + n], images).float())
             row += n
+        if not results:
+            return {}
+        flat = torch.cat([r.reshape(-1) for r in results]).cpu()
+        out: dict[str, torch.Tensor] = {}
+        start = 0
+        for request_id, r in zip(ids, results, strict=True):
+            out[request_id] = flat[start : start + r.numel()].reshape(r.shape)
+            start += r.numel()
         return out
 
     def _pool_one(
