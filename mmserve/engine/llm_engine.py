@@ -117,6 +117,8 @@ class LLMEngine:
 
     def check_token_ids(self, token_ids: list[int], field: str = "token_ids") -> None:
         """Raises InvalidArgument naming field when an id is outside the vocabulary."""
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < self.vocab_size):
+            return  # builtins at C speed; the bad id is looked for only when there is one
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidArgument(field, f"token id {bad} outside [0, {self.vocab_size})")

@@ -12,6 +12,7 @@ from mmserve.engine.multimodal import MMInput
 from mmserve.engine.scheduler import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from mmserve.models.base import CausalLM
 from mmserve.outputs import TokenLogprob
+from mmserve.params import PoolingParams
 from mmserve.runner.cuda_graphs import DecodeGraphs
 from mmserve.runner.pooler import Pooler, finish_embedding
 from mmserve.runner.sampler import SamplingRow, sample, top_logprobs
@@ -224,16 +225,29 @@ class ModelRunner:
         self, plan: SchedulerOutput, hidden: torch.Tensor, images: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """images: a dual encoder's image inputs, already embedded (request id -> vector).
-        Results come to the CPU in one copy (one sync, not one per request)."""
+        Embeddings sharing their params are pooled together; results come to the CPU in one
+        copy (one sync, not one per request)."""
         ids: list[str] = []
         results: list[torch.Tensor] = []
+        batches: dict[tuple[bool, int | None], list[tuple[str, int, int]]] = {}
+        batched = not self.dual and hasattr(self.pooler, "embed_batch")
         row = 0
         for item in plan.scheduled:
             n = len(item.token_ids)
             if item.pooling is not None:
-                ids.append(item.request_id)
-                results.append(self._pool_one(item, hidden[row : row + n], images).float())
+                if item.pooling.task == "embed" and batched:
+                    key = (item.pooling.normalize, item.pooling.dimensions)
+                    batches.setdefault(key, []).append((item.request_id, row, n))
+                else:
+                    ids.append(item.request_id)
+                    results.append(self._pool_one(item, hidden[row : row + n], images).float())
             row += n
+        for (normalize, dimensions), group in batches.items():
+            starts, lengths = [g[1] for g in group], [g[2] for g in group]
+            params = PoolingParams("embed", normalize=normalize, dimensions=dimensions)
+            vectors = self.pooler.embed_batch(hidden, starts, lengths, params)  # type: ignore[union-attr]
+            ids += [g[0] for g in group]
+            results += list(vectors)
         if not results:
             return {}
         flat = torch.cat([r.reshape(-1) for r in results]).cpu()

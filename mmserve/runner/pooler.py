@@ -41,6 +41,33 @@ def pool_tokens(hidden: torch.Tensor, method: str) -> torch.Tensor:
     raise ValueError(f"unknown pooling method {method!r}; choose one of {POOLING_METHODS}")
 
 
+def pool_tokens_batch(
+    hidden: torch.Tensor, starts: list[int], lengths: list[int], method: str
+) -> torch.Tensor:
+    """pool_tokens for several inputs at once: hidden [T, H] holds input i at rows
+    starts[i] .. starts[i] + lengths[i]; returns [R, H] (a handful of kernels in all)."""
+    device = hidden.device
+    if method in ("cls", "last"):
+        rows = starts if method == "cls" else [s + n - 1 for s, n in zip(starts, lengths)]
+        return hidden[torch.tensor(rows, device=device)]
+    if method == "mean":
+        counts = torch.tensor(lengths, device=device)
+        rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
+        owner = torch.repeat_interleave(torch.arange(len(starts), device=device), counts)
+        sums = torch.zeros(len(starts), hidden.shape[1], device=device, dtype=torch.float32)
+        sums.index_add_(0, owner, hidden[rows].float())
+        return (sums / counts[:, None]).to(hidden.dtype)
+    return torch.stack([pool_tokens(hidden[s : s + n], method) for s, n in zip(starts, lengths)])
+
+
+def finish_embeddings(vectors: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+    """finish_embedding for a batch [R, H] sharing one PoolingParams."""
+    vectors = vectors.float()
+    if params.dimensions is not None:
+        vectors = vectors[:, : params.dimensions]
+    return F.normalize(vectors, p=2.0, dim=-1) if params.normalize else vectors
+
+
 def finish_embedding(vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
     """Matryoshka truncation first, then L2 normalisation: a truncated Matryoshka vector is
     only unit-length if normalised after cutting."""
@@ -78,6 +105,13 @@ class ModelPooler:
     def __init__(self, model: Any, config: PoolerConfig) -> None:
         self.model = model
         self.config = config
+
+    def embed_batch(
+        self, hidden: torch.Tensor, starts: list[int], lengths: list[int], params: PoolingParams
+    ) -> torch.Tensor:
+        """Embeddings [R, D] of several inputs sharing params (task "embed")."""
+        pooled = pool_tokens_batch(hidden, starts, lengths, self.config.method)
+        return finish_embeddings(pooled, params)
 
     def __call__(self, hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         if params.task == "embed":
