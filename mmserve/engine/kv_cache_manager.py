@@ -17,6 +17,9 @@ class KVCacheManager:
         self.enabled = num_blocks > 0
         self.pool = BlockPool(max(num_blocks, 1), enable_caching and self.enabled)
         self._blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # the ids of _blocks, kept in step with it
+        # blocks a request held before its latest allocation: the ids that one left unchanged
+        self._num_kept: dict[str, int] = {}
         self._num_cached: dict[str, int] = {}  # how many leading blocks are already in the cache
 
     @property
@@ -29,7 +32,12 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        return list(self._block_ids.get(request_id, ()))
+
+    def num_kept_blocks(self, request_id: str) -> int:
+        """How many leading block ids the latest allocate_slots left as they were (all of the
+        request's blocks before it; 0 for its first allocation since admission)."""
+        return self._num_kept.get(request_id, 0)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of the request, in whole blocks, always leaving at least
@@ -54,23 +62,35 @@ class KVCacheManager:
         if not self.enabled:
             return True
         new_computed = new_computed or []
-        blocks = self._blocks.setdefault(request.request_id, [])
+        blocks = self._blocks.get(request.request_id)
+        if blocks is None:
+            blocks = self._blocks[request.request_id] = []
+            self._block_ids[request.request_id] = []
         num_tokens = request.num_computed_tokens + len(new_computed) * self.block_size
         num_tokens += num_new_tokens
         num_needed = -(-num_tokens // self.block_size) - len(blocks) - len(new_computed)
-        # a hit on a free block takes that block off the free list too
-        num_free = self.pool.num_free_blocks - sum(1 for b in new_computed if b.ref_cnt == 0)
+        num_free = self.pool.num_free_blocks
+        if new_computed:  # a hit on a free block takes that block off the free list too
+            num_free -= sum(1 for b in new_computed if b.ref_cnt == 0)
         if num_needed > num_free:
             return False
-        self.pool.touch(new_computed)
-        blocks.extend(new_computed)
+        self._num_kept[request.request_id] = len(blocks)
+        if new_computed:
+            self.pool.touch(new_computed)
+            self._append(request.request_id, new_computed)
         if num_needed > 0:
-            blocks.extend(self.pool.allocate(num_needed))
+            self._append(request.request_id, self.pool.allocate(num_needed))
         self._cache_full_blocks(request, num_tokens)
         return True
 
+    def _append(self, request_id: str, blocks: list[KVBlock]) -> None:
+        self._blocks[request_id] += blocks
+        self._block_ids[request_id] += [b.block_id for b in blocks]
+
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
+        self._num_kept.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mmserve.config import SchedulerConfig
+from mmserve.engine.block_pool import KVBlock
 from mmserve.engine.encoder_cache import EncoderCacheManager
 from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.multimodal import MMInput
@@ -40,6 +41,9 @@ class ScheduledRequest:
     mm_inputs: tuple[MMInput, ...] = ()  # images whose placeholder tokens this step computes
     mrope_positions: Any = None  # the request's [3, num_prompt_tokens] positions (Qwen2-VL)
     mrope_delta: int = 0  # position offset of generated tokens under multimodal rotary
+    # leading block_ids that are those of this request's previous step (0: treat all as new);
+    # lets the runner keep block tables across steps and write only the new ids
+    num_kept_blocks: int = 0
 
 
 @dataclass
@@ -145,6 +149,8 @@ class Scheduler:
     def _fit_images(self, request: Request, start: int, num_new: int) -> int:
         """num_new, or fewer so that the chunk stops before an image the encoder cannot run
         this step (0: not this step). Reserves encoder-cache room for the images it keeps."""
+        if not request.mm_inputs:
+            return num_new
         touched = [mm for mm in request.mm_inputs if mm.overlaps(start, start + num_new)]
         if request.pooling is not None:  # all of the input or nothing
             return num_new if not touched or self.encoder.plan(touched) is not None else 0
@@ -164,7 +170,8 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int) -> int:
         """Looks up the prefix cache and allocates; returns the tokens to compute (0 = no room)."""
-        hits, num_hit_tokens = [], 0
+        hits: list[KVBlock] = []
+        num_hit_tokens = 0
         if request.num_computed_tokens == 0:
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
         num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
@@ -195,6 +202,9 @@ class Scheduler:
         start = request.num_computed_tokens
         request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
         done = start + num_new == request.num_tokens
+        mm_inputs = request.mm_inputs
+        if mm_inputs:
+            mm_inputs = tuple(mm for mm in mm_inputs if mm.overlaps(start, start + num_new))
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_ids_range(start, start + num_new),
@@ -208,9 +218,10 @@ class Scheduler:
             pooling=request.pooling if done else None,
             token_type_ids=request.token_type_ids,
             grammar=request.grammar if done else None,
-            mm_inputs=tuple(mm for mm in request.mm_inputs if mm.overlaps(start, start + num_new)),
+            mm_inputs=mm_inputs,
             mrope_positions=request.mrope_positions,
             mrope_delta=request.mrope_delta,
+            num_kept_blocks=self.kv.num_kept_blocks(request.request_id),
         )
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
@@ -221,7 +232,8 @@ class Scheduler:
             if request is None or request.status.finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(item.token_ids)
-            self._collect_prompt_logprobs(request, result)
+            if result.prompt_logprobs:
+                self._collect_prompt_logprobs(request, result)
             sampled = result.sampled.get(item.request_id)
             if sampled is not None:
                 outputs.append(self._append_token(request, sampled))

@@ -3,115 +3,17 @@ logits only where a token is sampled (or prompt logprobs are wanted), and sample
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from mmserve.attention import AttentionMetadata
-from mmserve.engine.multimodal import MMInput
 from mmserve.engine.scheduler import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from mmserve.models.base import CausalLM
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams
 from mmserve.runner.cuda_graphs import DecodeGraphs
+from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder
 from mmserve.runner.pooler import Pooler, finish_embedding
 from mmserve.runner.sampler import SamplingRow, sample, top_logprobs
 from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
-
-
-@dataclass
-class FlatBatch:
-    """All new tokens of all scheduled requests, back to back."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    sample_rows: list[int]  # row of the last token of each request that samples
-    sample_reqs: list[ScheduledRequest]  # the requests of sample_rows, same order
-    token_type_ids: torch.Tensor | None  # [T] int64 when some request has segment ids
-    image_rows: list[tuple[int, MMInput, int, int]]  # (batch row, image, first, end row in it)
-
-
-def build_batch(
-    plan: SchedulerOutput,
-    block_size: int,
-    device: torch.device,
-    causal: bool = True,
-    mrope: bool = False,
-    image_rows: bool = True,
-) -> FlatBatch:
-    """image_rows False: the model embeds image inputs itself (dual encoders)."""
-    input_ids: list[int] = []
-    type_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_lens, seq_lens, sample_rows, sample_reqs = [], [], [], []
-    rows: list[tuple[int, MMInput, int, int]] = []
-    mrope_chunks: list[torch.Tensor] = []
-    for item in plan.scheduled:
-        n, start = len(item.token_ids), item.start_pos
-        for mm in item.mm_inputs if image_rows else ():  # rows of the image inside this chunk
-            first, end = max(start, mm.start), min(start + n, mm.end)
-            rows.append((len(input_ids) + first - start, mm, first - mm.start, end - mm.start))
-        input_ids += item.token_ids
-        type_ids += item.token_type_ids or [0] * n
-        pos = range(start, start + n)
-        positions += pos if not mrope else range(start + item.mrope_delta, start + n + item.mrope_delta)
-        if mrope:
-            mrope_chunks.append(_mrope_chunk(item, start, n))
-        if item.block_ids:
-            slots += [item.block_ids[p // block_size] * block_size + p % block_size for p in pos]
-        else:  # a model that keeps no KV cache
-            slots += [-1] * n
-        query_lens.append(n)
-        seq_lens.append(start + n)
-        if item.sample:
-            sample_rows.append(len(input_ids) - 1)
-            sample_reqs.append(item)
-    max_blocks = max(len(s.block_ids) for s in plan.scheduled)
-    tables = torch.zeros(len(plan.scheduled), max_blocks, dtype=torch.int32)
-    for i, item in enumerate(plan.scheduled):
-        tables[i, : len(item.block_ids)] = torch.tensor(item.block_ids, dtype=torch.int32)
-    qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(query_lens).cumsum(0)
-
-    def dev(x: list[int] | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
-
-    meta = AttentionMetadata(
-        query_start_loc=dev(qsl, torch.int32),
-        seq_lens=dev(seq_lens, torch.int32),
-        block_tables=dev(tables, torch.int32),
-        slot_mapping=dev(slots, torch.int64),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        causal=causal,
-    )
-    has_types = any(s.token_type_ids for s in plan.scheduled)
-    in_prompt = any(s.mrope_positions is not None and s.start_pos < len(s.prompt_token_ids) for s in plan.scheduled)
-    return FlatBatch(
-        dev(input_ids, torch.int64),
-        dev(torch.cat(mrope_chunks, dim=1) if in_prompt else positions, torch.int64),
-        meta,
-        sample_rows,
-        sample_reqs,
-        dev(type_ids, torch.int64) if has_types else None,
-        rows,
-    )
-
-
-def _mrope_chunk(item: ScheduledRequest, start: int, n: int) -> torch.Tensor:
-    """[3, n] multimodal positions of one chunk: the prompt's precomputed rows, then
-    index + delta in all three rows for generated tokens (1-D positions stand for that)."""
-    table = item.mrope_positions
-    prompt = 0 if table is None else table.shape[1]
-    first_generated = max(start, prompt)
-    tail = torch.arange(first_generated, max(start + n, first_generated)) + item.mrope_delta
-    if start >= prompt:
-        return tail.expand(3, -1)
-    return torch.cat([table[:, start : min(start + n, prompt)], tail.expand(3, -1)], dim=1)
 
 
 class ModelRunner:
@@ -141,6 +43,8 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.mrope = bool(getattr(model, "uses_mrope", False))
         self.dual = bool(getattr(model, "is_dual_encoder", False))  # CLIP/SigLIP: Embed only
+        # builds each step's flat batch; keeps block tables (and on CUDA pinned buffers)
+        self.input_batch = InputBatchBuilder(block_size, device, self.causal, self.mrope, not self.dual)
         # image content hash -> encoder output rows [length, hidden]; the scheduler's
         # EncoderCacheManager decides what stays (plan.encoder_free)
         self.encoder_outputs: dict[str, torch.Tensor] = {}
@@ -166,11 +70,10 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         for key in plan.encoder_free:
             self.encoder_outputs.pop(key, None)
+        self.input_batch.forget(plan.finished_ids)
         if plan.is_empty:
             return RunnerOutput()
-        batch = build_batch(
-            plan, self.block_size, self.device, self.causal, self.mrope, image_rows=not self.dual
-        )
+        batch = self.input_batch.build(plan)
         hidden = self._forward(batch)
         pooled = self._pool(plan, hidden, self._embed_image_inputs(plan) if self.dual else {})
         out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden), pooled=pooled)

@@ -28,19 +28,38 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [N, V] float32, one row per entry of rows. Returns the sampled token ids and, for
     rows that asked, their logprobs (taken from the raw model distribution)."""
+    wants_logprobs = [r.params.logprobs for r in rows]
+    adjusted = [i for i, r in enumerate(rows) if _adjusts_logits(r)]
+    if not adjusted and not any(wants_logprobs):  # the usual step: nothing to do per row
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist(), [None] * len(rows)
+        return _pick(logits, rows, generator, greedy), [None] * len(rows)
     raw_logprobs = None
-    if any(r.params.logprobs for r in rows):
+    if any(wants_logprobs):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-    logits = logits.clone()
-    for i, row in enumerate(rows):
-        _apply_bias_and_min_tokens(logits[i], row)
-        _apply_penalties(logits[i], row)
-    tokens = _pick(logits, rows, generator)
+    if adjusted:
+        logits = logits.clone()
+        for i in adjusted:
+            _apply_bias_and_min_tokens(logits[i], rows[i])
+            _apply_penalties(logits[i], rows[i])
+    tokens = _pick(logits, rows, generator, [r.params.greedy for r in rows])
     logprobs: list[TokenLogprob | None] = [
-        top_logprobs(raw_logprobs[i], t, r.params.logprobs) if raw_logprobs is not None and r.params.logprobs else None
-        for i, (t, r) in enumerate(zip(tokens, rows))
+        top_logprobs(raw_logprobs[i], t, k) if raw_logprobs is not None and k else None
+        for i, (t, k) in enumerate(zip(tokens, wants_logprobs))
     ]
     return tokens, logprobs
+
+
+def _adjusts_logits(row: SamplingRow) -> bool:
+    """Whether bias, min_tokens or a penalty changes this row's logits this step."""
+    params = row.params
+    return bool(
+        params.logit_bias
+        or len(row.output_token_ids) < params.min_tokens
+        or params.repetition_penalty != 1.0
+        or ((params.presence_penalty or params.frequency_penalty) and row.output_token_ids)
+    )
 
 
 def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
@@ -55,54 +74,62 @@ def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
 def _apply_bias_and_min_tokens(row_logits: torch.Tensor, row: SamplingRow) -> None:
     params = row.params
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-        row_logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=row_logits.dtype)
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row_logits.device)
+        bias = list(params.logit_bias.values())
+        row_logits[ids] += torch.tensor(bias, dtype=row_logits.dtype, device=row_logits.device)
     if len(row.output_token_ids) < params.min_tokens:
         banned = set(params.stop_token_ids)
         if not params.ignore_eos:
             banned |= row.eos_token_ids
         if banned:
-            row_logits[torch.tensor(sorted(banned), dtype=torch.long)] = float("-inf")
+            ids = torch.tensor(sorted(banned), dtype=torch.long, device=row_logits.device)
+            row_logits[ids] = float("-inf")
 
 
 def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
     params = row.params
     if params.repetition_penalty != 1.0:  # HF semantics: over prompt and output tokens
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)))
+        seen_ids = sorted(set(row.prompt_token_ids) | set(row.output_token_ids))
+        seen = torch.tensor(seen_ids, dtype=torch.long, device=row_logits.device)
         if seen.numel():
             vals = row_logits[seen]
             p = params.repetition_penalty
             row_logits[seen] = torch.where(vals > 0, vals / p, vals * p)
     if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
-        out = torch.tensor(row.output_token_ids, dtype=torch.long)
+        out = torch.tensor(row.output_token_ids, dtype=torch.long, device=row_logits.device)
         counts = torch.bincount(out, minlength=row_logits.numel()).to(row_logits.dtype)
         row_logits -= params.frequency_penalty * counts
         row_logits -= params.presence_penalty * (counts > 0).to(row_logits.dtype)
 
 
 def _pick(
-    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    generator: torch.Generator | None,
+    greedy: list[bool],  # per row
 ) -> list[int]:
-    greedy = torch.tensor([r.params.greedy for r in rows])
-    tokens = logits.argmax(dim=-1)
-    if not greedy.all():
-        probs = _filtered_probs(logits, rows)
-        noise = _exponential_noise(probs, rows, generator)
-        sampled = (probs / noise).argmax(dim=-1)  # Gumbel-max in exponential form
-        tokens = torch.where(greedy, tokens, sampled)
-    return tokens.tolist()
+    if all(greedy):
+        return logits.argmax(dim=-1).tolist()
+    probs = _filtered_probs(logits, rows)
+    noise = _exponential_noise(probs, rows, generator)
+    sampled = (probs / noise).argmax(dim=-1)  # Gumbel-max in exponential form
+    if not any(greedy):
+        return sampled.tolist()
+    is_greedy = torch.tensor(greedy, device=logits.device)
+    return torch.where(is_greedy, logits.argmax(dim=-1), sampled).tolist()
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, as probabilities: [N, V]."""
-    temps = torch.tensor([r.params.temperature or 1.0 for r in rows], dtype=logits.dtype)
+    dtype, device = logits.dtype, logits.device
+    temps = torch.tensor([r.params.temperature or 1.0 for r in rows], dtype=dtype, device=device)
     logits = logits / temps.unsqueeze(1)
     vocab = logits.shape[1]
-    top_k = torch.tensor([r.params.top_k or vocab for r in rows]).clamp(max=vocab)
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype)
+    top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device).clamp(max=vocab)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=dtype, device=device)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=dtype, device=device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab).unsqueeze(0)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
     drop = ranks >= top_k.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     sorted_probs = sorted_logits.softmax(dim=-1)

@@ -115,3 +115,55 @@ def test_logprobs_rank_and_top() -> None:
     assert lp[0] is not None
     assert lp[0].rank == 4 and abs(lp[0].logprob - float(ref[3])) < 1e-6
     assert [i for i, _ in lp[0].top] == [0, 1, 2]
+
+
+def _plain_rows(rng: torch.Generator, n: int, **extra) -> list[SamplingRow]:  # type: ignore[no-untyped-def]
+    """Rows without bias or penalties: greedy, random, top-k/p/min-p, seeded or not."""
+    out = []
+    for i in range(n):
+        kind = int(torch.randint(0, 4, (1,), generator=rng))
+        kw = [
+            {"temperature": 0.0},
+            {"temperature": 0.8, "top_k": 5, "top_p": 0.9, "min_p": 0.01},
+            {"temperature": 1.3, "top_k": 1},
+            {"temperature": 1.0},
+        ][kind]
+        out.append(row(seed=i if i % 3 == 0 else None, output=[1, 2], **kw, **extra))
+    return out
+
+
+def test_fast_paths_equal_the_general_path() -> None:
+    """Plain rows skip the per-row work; forcing it (a min_tokens that masks nothing, and
+    logprobs) must give the same tokens, greedy or random, all of a kind or mixed."""
+    rng = torch.Generator().manual_seed(0)
+    for step in range(30):
+        n = [1, 7, 64][step % 3]
+        logits = torch.randn(n, 97, generator=rng) * 3
+        before = logits.clone()
+        seed_state = int(torch.randint(0, 2**31, (1,), generator=rng))
+        if step % 5 == 0:  # all greedy
+            params: dict = {"temperature": 0.0}
+            fast_rows, slow_rows = (
+                [row(**params) for _ in range(n)],
+                [row(min_tokens=9, logprobs=2, **params) for _ in range(n)],
+            )
+        else:
+            fast_rows = _plain_rows(torch.Generator().manual_seed(step), n)
+            slow_rows = _plain_rows(
+                torch.Generator().manual_seed(step), n, min_tokens=9, logprobs=2
+            )
+        fast, fast_lp = sample(logits, fast_rows, torch.Generator().manual_seed(seed_state))
+        slow, slow_lp = sample(logits, slow_rows, torch.Generator().manual_seed(seed_state))
+        assert fast == slow
+        assert fast_lp == [None] * n and all(lp is not None for lp in slow_lp)
+        assert torch.equal(logits, before)  # the caller's logits are never modified
+        if step % 5 == 0:
+            assert fast == logits.argmax(-1).tolist()
+
+
+def test_bias_on_some_rows_leaves_the_others_alone() -> None:
+    logits = torch.tensor([LOGITS] * 3)
+    rows = [row(temperature=0.0), row(temperature=0.0, logit_bias={4: 50.0}), row(temperature=0.0)]
+    tokens, _ = sample(logits, rows)
+    assert tokens == [0, 4, 0]
+    assert torch.equal(logits, torch.tensor([LOGITS] * 3))
