@@ -79,7 +79,7 @@ class ModelRunner:
         out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden), pooled=pooled)
         if batch.sample_rows:
             bitmask = self._grammar_bitmask(batch.sample_reqs)  # CPU work while the GPU runs
-            logits = self.model.compute_logits(hidden[batch.sample_rows])
+            logits = self.model.compute_logits(self._sampled_rows(hidden, batch.sample_rows))
             if bitmask is not None:
                 apply_bitmask(logits, bitmask[0], bitmask[1])
             rows = [self._sampling_row(s) for s in batch.sample_reqs]
@@ -87,6 +87,14 @@ class ModelRunner:
             for item, token, lp in zip(batch.sample_reqs, tokens, logprobs):
                 out.sampled[item.request_id] = SampledToken(token, lp)
         return out
+
+    def _sampled_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """hidden[rows] without a blocking host-to-device copy of the index (which would
+        wait for the forward pass): a decode batch samples every row, in order."""
+        if len(rows) == hidden.shape[0]:
+            return hidden
+        index = torch.tensor(rows, dtype=torch.int64)
+        return hidden[index.to(hidden.device, non_blocking=True)]
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         plain = batch.token_type_ids is None and not batch.image_rows
