@@ -20,6 +20,7 @@ from mmserve.engine.multimodal import MMInput
 from mmserve.outputs import EngineOutput, TokenLogprob
 from mmserve.params import PoolingParams, SamplingParams
 from mmserve.request import Request, RequestStatus
+from mmserve.structured_output.backend import accept_tokens
 
 
 @dataclass
@@ -227,6 +228,7 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
         """Applies one step's results; returns news for every request that has any."""
         outputs, self._pending = self._pending, []
+        self._accept_grammar_tokens(plan, result)
         for item in plan.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status.finished:
@@ -242,6 +244,19 @@ class Scheduler:
                 outputs.append(self._output(request, [], None))
                 outputs[-1].pooled = result.pooled.get(item.request_id)
         return outputs
+
+    def _accept_grammar_tokens(self, plan: SchedulerOutput, result: RunnerOutput) -> None:
+        """Every constrained request's new token into its matcher, in one batched call (the
+        bitmask allowed only acceptable tokens; _check_stop then reads is_terminated)."""
+        matchers, tokens = [], []
+        for item in plan.scheduled:
+            sampled = result.sampled.get(item.request_id) if item.grammar is not None else None
+            request = self.requests.get(item.request_id)
+            if sampled is not None and request is not None and not request.status.finished:
+                matchers.append(item.grammar)
+                tokens.append(sampled.token_id)
+        if matchers:
+            accept_tokens(matchers, tokens)
 
     def _collect_prompt_logprobs(self, request: Request, result: RunnerOutput) -> None:
         chunk = result.prompt_logprobs.get(request.request_id)
@@ -259,10 +274,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params, num_out = request.params, len(request.output_token_ids)
-        if request.grammar is not None:
-            request.grammar.accept_token(token)  # the bitmask allowed only acceptable tokens
-            if request.grammar.is_terminated():
-                return RequestStatus.FINISHED_STOPPED, token if token in request.eos_token_ids else None
+        if request.grammar is not None and request.grammar.is_terminated():  # token accepted already
+            return RequestStatus.FINISHED_STOPPED, token if token in request.eos_token_ids else None
         if num_out >= params.min_tokens:
             if token in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED, token

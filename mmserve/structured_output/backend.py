@@ -50,6 +50,12 @@ class GrammarMatcher(abc.ABC):
         for matcher, row in zip(matchers, rows, strict=True):
             matcher.fill_bitmask(bitmask, row)
 
+    @classmethod
+    def accept_tokens(cls, matchers: Sequence[Self], tokens: Sequence[int]) -> list[bool]:
+        """accept_token(tokens[i]) on each matchers[i], all of this class; the default is
+        one at a time. Call it through the module's `accept_tokens`."""
+        return [m.accept_token(t) for m, t in zip(matchers, tokens, strict=True)]
+
     @abc.abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative decoding, rejected drafts).
@@ -145,6 +151,22 @@ def fill_bitmasks(
         group[1].append(row)
     for cls, (group_matchers, group_rows) in groups.items():
         cls.fill_bitmasks(group_matchers, bitmask, group_rows, threads or default_fill_threads())
+
+
+def accept_tokens(matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
+    """One step's sampled tokens into their matchers (one call per backend: xgrammar's is
+    a single native call for the batch); whether each was accepted, in order."""
+    if len(matchers) != len(tokens):
+        raise ValueError(f"{len(matchers)} matchers for {len(tokens)} tokens")
+    groups: dict[type[GrammarMatcher], list[int]] = {}
+    for i, matcher in enumerate(matchers):
+        groups.setdefault(type(matcher), []).append(i)
+    accepted = [False] * len(matchers)
+    for cls, where in groups.items():
+        results = cls.accept_tokens([matchers[i] for i in where], [tokens[i] for i in where])
+        for i, ok in zip(where, results, strict=True):
+            accepted[i] = ok
+    return accepted
 
 
 def allow_tokens(words: torch.Tensor, token_ids: Iterable[int]) -> None:

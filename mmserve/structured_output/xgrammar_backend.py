@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -116,6 +117,12 @@ class XGrammarCompiled(CompiledGrammar):
         return XGrammarMatcher(self._compiled, self._vocab_size, self._stop_token_ids)
 
 
+@functools.lru_cache(maxsize=8)
+def _batch_matcher(threads: int) -> xgr.BatchGrammarMatcher:
+    """xgrammar's batch filler (and its thread pool), made once per thread count."""
+    return xgr.BatchGrammarMatcher(max_threads=threads)
+
+
 class XGrammarMatcher(GrammarMatcher):
     def __init__(
         self, compiled: xgr.CompiledGrammar, vocab_size: int, stop_token_ids: Sequence[int]
@@ -144,10 +151,18 @@ class XGrammarMatcher(GrammarMatcher):
                 if not m._filled_as_terminated(bitmask, r)]  # fmt: skip
         if live:  # xgrammar logs a warning for more threads than CPUs
             threads = min(threads, len(live), os.cpu_count() or 1)
-            batch = xgr.BatchGrammarMatcher(max_threads=threads)
-            batch.batch_fill_next_token_bitmask(
+            _batch_matcher(threads).batch_fill_next_token_bitmask(
                 [m._matcher for m, _ in live], bitmask, [r for _, r in live]
             )
+
+    @classmethod
+    def accept_tokens(cls, matchers: Sequence[Self], tokens: Sequence[int]) -> list[bool]:
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(
+            [m._matcher for m in matchers], list(tokens)
+        )
+        for matcher, ok in zip(matchers, accepted, strict=True):
+            matcher._accepted += ok
+        return accepted
 
     def _filled_as_terminated(self, bitmask: torch.Tensor, row: int) -> bool:
         """Check the width; once terminated (xgrammar refuses to fill then) allow only the

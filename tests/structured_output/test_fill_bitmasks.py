@@ -177,3 +177,25 @@ def test_cuda_kernel_equals_the_cpu_path(dtype: torch.dtype) -> None:
     on_gpu = logits.cuda()
     apply_bitmask(on_gpu, bitmask.pin_memory(), [1, 7, 3])
     assert torch.equal(on_gpu.cpu(), expected)
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar"])  # the others accept one at a time
+def test_batched_accept_equals_one_by_one(tokenizer: Any, vocab: Vocab, backend_name: str) -> None:
+    from mmserve.structured_output.backend import accept_tokens, unpack_bitmask
+
+    one = random_states(tokenizer, vocab, backend_name, 24)
+    many = random_states(tokenizer, vocab, backend_name, 24)  # the same states, rebuilt
+    rng = random.Random(7)
+    tokens = [rng.randrange(vocab.size) for _ in one]  # mostly refused, some accepted
+    width = allocate_bitmask(1, PADDED_VOCAB)
+    for i, matcher in enumerate(one):  # an allowed token for every third matcher
+        if i % 3 == 0 and not matcher.is_terminated():
+            matcher.fill_bitmask(width, 0)
+            allowed = unpack_bitmask(width, vocab.size)[0].nonzero().flatten().tolist()
+            tokens[i] = allowed[0] if allowed else tokens[i]
+    want = [m.accept_token(t) for m, t in zip(one, tokens)]
+    assert accept_tokens(many, tokens) == want and any(want) and not all(want)
+    a, b = allocate_bitmask(len(one), PADDED_VOCAB), allocate_bitmask(len(one), PADDED_VOCAB)
+    fill_bitmasks(one, a, list(range(len(one))), 1)
+    fill_bitmasks(many, b, list(range(len(one))), 1)
+    assert torch.equal(a, b)  # the states moved alike
