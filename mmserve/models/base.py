@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -75,6 +75,29 @@ class MultiModalCausalLM(CausalLM, Protocol):
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: replaces input_ids' embeddings
     ) -> torch.Tensor:
         ...
+
+
+class LanguageModelWrapper:
+    """For VLMs: token embeddings, the decoder pass and the LM head are those of
+    `self.language_model` (a CausalLM with embed_input_ids). Mix in before nn.Module."""
+
+    language_model: Any
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.language_model.embed_input_ids(input_ids)  # type: ignore[no-any-return]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64, or [3, T] for M-RoPE models
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden], image rows filled in
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds)  # type: ignore[no-any-return]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)  # type: ignore[no-any-return]
 
 
 class MRopeModel(Protocol):

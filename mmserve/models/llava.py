@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmserve.attention import AttentionBackend, AttentionMetadata
+from mmserve.attention import AttentionBackend
 from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.models.base import LanguageModelWrapper
 from mmserve.models.clip import CLIPVisionTower
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.siglip import SiglipVisionTower
@@ -45,7 +46,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(LanguageModelWrapper, nn.Module):
     """The MultiModalCausalLM (mmserve.models.base) for LLaVA-1.5-style checkpoints."""
 
     uses_mrope = False
@@ -108,22 +109,6 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.drop_first_row:
             states = [s[:, 1:] for s in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
-        meta: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,  # [T, hidden], image rows filled in
-    ) -> torch.Tensor:  # [T, hidden]
-        return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Streams language-model tensors into LlamaForCausalLM.load_weights and the others

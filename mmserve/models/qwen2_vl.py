@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmserve.attention import AttentionBackend, AttentionMetadata
+from mmserve.attention import AttentionBackend
 from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.models.base import LanguageModelWrapper
 from mmserve.models.layers import Rope, RotaryEmbedding, load_into, rope_parameters
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.qwen2_vl_vision import VisionTransformer, vision_spec
@@ -105,7 +106,7 @@ def _image_positions(grid: Grid, merge_size: int, start: int) -> torch.Tensor:
     return torch.stack(axes).reshape(3, -1) + start
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(LanguageModelWrapper, nn.Module):
     """The MultiModalCausalLM and MRopeModel (mmserve.models.base) for Qwen2-VL and
     Qwen2.5-VL checkpoints (images only; no video)."""
 
@@ -165,22 +166,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
                 "pixel_values", f"{data['pixel_values'].shape[0]} patches != t*h*w"
             )
         return t, h, w
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [3, T] int64 (or [T] for text-only tokens)
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,  # [T, hidden], image rows filled in
-    ) -> torch.Tensor:  # [T, hidden]
-        return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Vision weights load here as they stream past; the LM's go on to llama.py's loader."""

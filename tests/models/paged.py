@@ -34,7 +34,12 @@ class PagedKV:
         self.block_size = block_size
         self.free = torch.randperm(num_blocks, generator=gen).tolist()
 
-    def step(self, model: Any, batch: list[tuple[PagedSeq, list[int]]]) -> torch.Tensor:
+    def step(
+        self,
+        model: Any,
+        batch: list[tuple[PagedSeq, list[int]]],
+        embeds: torch.Tensor | None = None,  # [total new tokens, hidden]: inputs_embeds
+    ) -> torch.Tensor:
         """Runs every (sequence, new token ids) pair as one flat batch; returns fp32 logits
         [total new tokens, vocab] in batch order."""
         ids: list[int] = []
@@ -50,11 +55,13 @@ class PagedKV:
             slots += [self._slot(seq, p) for p in range(start, seq.num_computed)]
         meta = self._metadata([s for s, _ in batch], [len(n) for _, n in batch], slots)
         device = self.caches[0].device
+        extra = {} if embeds is None else {"inputs_embeds": embeds}
         hidden = model.forward(
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),
             self.caches,
             meta,
+            **extra,
         )
         return model.compute_logits(hidden)
 

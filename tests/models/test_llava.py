@@ -28,33 +28,6 @@ CASES: dict[str, tuple[str, Any, int | list[int]]] = {  # name -> (tower, strate
 }
 
 
-class EmbedsKV(PagedKV):
-    """PagedKV whose step can pass inputs_embeds for the whole flat batch."""
-
-    def step_embeds(
-        self,
-        model: Any,
-        batch: list[tuple[PagedSeq, list[int]]],
-        embeds: torch.Tensor | None = None,  # [total new tokens, hidden]
-    ) -> torch.Tensor:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for seq, new in batch:
-            start = seq.num_computed
-            seq.num_computed += len(new)
-            while len(seq.blocks) * self.block_size < seq.num_computed:
-                seq.blocks.append(self.free.pop())
-            ids += new
-            positions += range(start, seq.num_computed)
-            slots += [self._slot(seq, p) for p in range(start, seq.num_computed)]
-        meta = self._metadata([s for s, _ in batch], [len(n) for _, n in batch], slots)
-        hidden = model.forward(
-            torch.tensor(ids), torch.tensor(positions), self.caches, meta, inputs_embeds=embeds
-        )
-        return model.compute_logits(hidden)
-
-
 class Setup:
     """One tiny checkpoint loaded both ways, with its tokenizer and image processor."""
 
@@ -121,10 +94,10 @@ def test_prompt_logits_and_greedy_decode_match_transformers(setup: Setup) -> Non
         (setup.prompt_ids("What is this?", one), one),
         (setup.prompt_ids("Compare them.", two), two),
     ]
-    kv = EmbedsKV(setup.ours, num_blocks=64)
+    kv = PagedKV(setup.ours, num_blocks=64)
     seqs = [PagedSeq(), PagedSeq()]
     with torch.no_grad():
-        logits = kv.step_embeds(
+        logits = kv.step(
             setup.ours, [(s, p) for s, (p, _) in zip(seqs, prompts)], setup.embeds(prompts)
         )
     rows = logits.split([len(p) for p, _ in prompts])
@@ -137,7 +110,7 @@ def test_prompt_logits_and_greedy_decode_match_transformers(setup: Setup) -> Non
 
 def _check_greedy(
     setup: Setup,
-    kv: EmbedsKV,
+    kv: PagedKV,
     seqs: list[PagedSeq],
     prompts: list[tuple[list[int], list[torch.Tensor]]],
     last: list[torch.Tensor],
