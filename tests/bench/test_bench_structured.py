@@ -9,13 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from mmserve.bench import cli
 from mmserve.bench.structured import (
     SCHEMAS_DIR,
     load_schemas,
@@ -24,25 +21,15 @@ from mmserve.bench.structured import (
     percentile,
 )
 from mmserve.structured_output import SchemaError, StructuredOutputParams, create_backend
+from tests.bench.conftest import bench_args
 from tests.utils.tiny_models import TINY_VOCAB_SIZE, make_tiny_model, make_tiny_tokenizer
 
 OUTLINES_COMPILES = {"postal_address"}
 OUTPUT_LEN = 16
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Tiny tensor ops on a busy machine: torch's thread pool only adds contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _args(*flags: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.add_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench", "structured", *flags])
+    return bench_args("structured", *flags)
 
 
 def test_parsing_and_percentiles() -> None:

@@ -7,31 +7,18 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from mmserve.bench import cli
 from mmserve.bench.models import make_model_folder
 from mmserve.bench.vlm import PHASES, parse_image_size
+from tests.bench.conftest import bench_args
 from tests.utils.tiny_qwen_vl import make_tiny_qwen2_vl
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Tiny tensor ops on a busy machine: torch's thread pool only adds contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _args(*flags: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.add_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["bench", "vlm", *flags])
+    return bench_args("vlm", *flags)
 
 
 def test_image_size_parsing() -> None:

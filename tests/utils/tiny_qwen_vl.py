@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mmserve.bench.models import CHATML_VL_TEMPLATE
 from tests.models.paged import PagedKV, PagedSeq
 from tests.utils.tiny_models import TINY_VOCAB_SIZE, _draw, _free_folder, make_tiny_tokenizer
 
@@ -24,15 +25,7 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 PATCH_SIZE = 4
 MIN_PIXELS = 8 * 8 * 4
 MAX_PIXELS = 48 * 48
-VL_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+VL_TEMPLATE = CHATML_VL_TEMPLATE  # ChatML; an image part is one <|image_pad|>
 
 
 def make_tiny_vl_tokenizer() -> Any:
