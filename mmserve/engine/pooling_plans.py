@@ -192,9 +192,10 @@ def _plan_cosine(
     first_names: list[str],
     second_names: list[str],
 ) -> PoolingPlan[ScoreResult]:
-    """Embeds each side once; a score is the dot product of two unit vectors."""
-    encoded = _encode(engine, first, truncate, first_names)
-    encoded += _encode(engine, second, truncate, second_names)
+    """Embeds each side once; a score is the dot product of two unit vectors. Images are
+    inputs too where the model embeds them (CLIP, SigLIP: text-image similarity)."""
+    encoded = _encode_with_images(engine, first, truncate, first_names)
+    encoded += _encode_with_images(engine, second, truncate, second_names)
     tokens = _count(encoded)
 
     def finish(pooled: list[torch.Tensor]) -> ScoreResult:

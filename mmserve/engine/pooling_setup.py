@@ -116,7 +116,8 @@ def pooling_setup(
     if hasattr(model, "compute_class_logits"):
         return _classifier_setup(model, hf_config)
     if getattr(model, "is_dual_encoder", False):  # CLIP/SigLIP: the runner pools text and images
-        return PoolingSetup(("embed",), None, None, embedding_size=int(model.hidden_size))
+        size = int(model.hidden_size)
+        return PoolingSetup(("embed", "score"), None, "cosine", embedding_size=size)
     st = read_sentence_transformers(folder) if folder is not None else None
     # decoders (which declare nothing) pool their last token, which sees the whole input
     default = str(getattr(model, "default_pooling", "last"))

@@ -114,12 +114,9 @@ class LLM:
         """One vector per input (text, token ids, or for CLIP/SigLIP-style models an image:
         PIL image, encoded bytes or a pathlib.Path), in order. truncate: "none" (too long is
         an error), "left" or "right"."""
-        items = [
-            x if isinstance(x, (str, list, tuple)) else local_image(x, f"inputs[{i}]")
-            for i, x in enumerate(_listed(inputs))
-        ]
         plan = pooling_api.plan_embed(
-            self.engine, items, normalize=normalize, dimensions=dimensions, truncate=truncate
+            self.engine, _with_images(inputs, "inputs"), normalize=normalize,
+            dimensions=dimensions, truncate=truncate,
         )
         vectors: list[list[float]] = pooling_api.run_sync(self.engine, plan).embeddings.tolist()
         return vectors
@@ -138,9 +135,11 @@ class LLM:
         *,
         truncate: str = "none",
     ) -> list[float]:
-        """One score per item of `second`, against the single `first` or pairwise."""
+        """One score per item of `second`, against the single `first` or pairwise. CLIP and
+        SigLIP take images on either side (PIL images, bytes or paths): cosine similarity."""
         plan = pooling_api.plan_score(
-            self.engine, _listed(first), _listed(second), truncate=truncate
+            self.engine, _with_images(first, "first"), _with_images(second, "second"),
+            truncate=truncate,
         )
         return pooling_api.run_sync(self.engine, plan).scores
 
@@ -185,6 +184,14 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [results[rid] for rid, *_ in order]
+
+
+def _with_images(inputs: Any, field: str) -> list[Any]:
+    """A batch of inputs with each image (anything not text or token ids) decoded."""
+    return [
+        x if isinstance(x, (str, list, tuple)) else local_image(x, f"{field}[{i}]")
+        for i, x in enumerate(_listed(inputs))
+    ]
 
 
 def _take_images(conv: Sequence[Message]) -> tuple[list[Message], list[Any], list[str]]:

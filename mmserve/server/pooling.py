@@ -46,7 +46,9 @@ async def embed(
     images: ImageInputs | None = None,
 ) -> pooling_pb2.EmbedResponse:
     options = cp.embed_options(request)
-    inputs = await _decode_images(handle, cp.pooling_inputs("inputs", request.inputs, True), images)
+    inputs = await _decode_images(
+        handle, cp.pooling_inputs("inputs", request.inputs, True), images, "inputs"
+    )
     plan = await asyncio.to_thread(
         pooling_api.plan_embed,
         handle.engine.engine,
@@ -63,15 +65,16 @@ async def embed(
 
 
 async def _decode_images(
-    handle: ModelHandle, inputs: list[Any], images: ImageInputs | None
+    handle: ModelHandle, inputs: list[Any], images: ImageInputs | None, field: str
 ) -> list[Any]:
-    """Inputs with each ImageSource decoded (off the loop) into a DecodedImage."""
+    """Inputs (the request's `field` list) with each ImageSource decoded, off the loop."""
     at = [i for i, x in enumerate(inputs) if isinstance(x, ImageSource)]
     if not at:
         return inputs
     if images is None or not handle.facts.supports_images:
-        raise InvalidArgument(f"inputs[{at[0]}].image", f"model {handle.name!r} does not embed images")
-    decoded = await images.load([(f"inputs[{i}].image", inputs[i]) for i in at], "inputs", batch=True)
+        raise InvalidArgument(f"{field}[{at[0]}].image", f"model {handle.name!r} does not embed images")
+    sources = [(f"{field}[{i}].image", inputs[i]) for i in at]
+    decoded = await images.load(sources, field, batch=True)
     out = list(inputs)
     for i, image in zip(at, decoded, strict=True):
         out[i] = image
@@ -110,10 +113,17 @@ async def classify(
 
 
 async def score(
-    request: pooling_pb2.ScoreRequest, handle: ModelHandle, request_id: str, received: float
+    request: pooling_pb2.ScoreRequest,
+    handle: ModelHandle,
+    request_id: str,
+    received: float,
+    images: ImageInputs | None = None,
 ) -> pooling_pb2.ScoreResponse:
-    first = cp.pooling_inputs("first", request.first)
-    second = cp.pooling_inputs("second", request.second)
+    """Images may be scored where the model embeds them (cosine: CLIP, SigLIP)."""
+    first = await _decode_images(handle, cp.pooling_inputs("first", request.first, True), images, "first")
+    second = await _decode_images(
+        handle, cp.pooling_inputs("second", request.second, True), images, "second"
+    )
     plan = await asyncio.to_thread(
         pooling_api.plan_score,
         handle.engine.engine,

@@ -129,7 +129,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> pooling_pb2.ScoreResponse:
         rid, received = _request_id(request), time.monotonic()
         return await self._unary(
-            context, request.model, Task.SCORE, lambda h: pooling.score(request, h, rid, received)
+            context, request.model, Task.SCORE, lambda h: pooling.score(request, h, rid, received, self.images)
         )
 
 

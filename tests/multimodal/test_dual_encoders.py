@@ -31,7 +31,7 @@ def test_text_and_image_embeddings_match_transformers(folder: Path) -> None:
     from transformers import AutoImageProcessor, AutoModel
 
     llm = LLM(str(folder))
-    assert llm.tasks == ("embed",)
+    assert llm.tasks == ("embed", "score")
     texts = ["a photo of a cat", "two dogs", "x"]
     images = [picture(40, 30, 0), picture(28, 28, 1)]
     ours = torch.tensor(llm.embed([texts[0], images[0], texts[1], images[1], texts[2]]))
@@ -63,3 +63,16 @@ def test_image_errors_name_the_input(folder: Path) -> None:
         llm.embed(["a", picture(1, 1, 0)])
     with pytest.raises(InvalidArgument, match=r"inputs\[0\].*not a supported image"):
         llm.embed(b"not an image")
+
+
+def test_score_texts_against_images_is_cosine(folder: Path) -> None:
+    llm = LLM(str(folder))
+    assert "score" in llm.tasks
+    images = [picture(40, 30, 5), picture(28, 28, 6)]
+    scores = llm.score("a photo of a cat", images)
+    text, *vectors = (torch.tensor(v) for v in llm.embed(["a photo of a cat", *images]))
+    assert scores == pytest.approx([float(text @ v) for v in vectors], abs=1e-5)
+    pairwise = llm.score([images[0], "dogs"], ["a cat", images[1]])
+    a = torch.tensor(llm.embed([images[0], "dogs"]))
+    b = torch.tensor(llm.embed(["a cat", images[1]]))
+    assert pairwise == pytest.approx((a * b).sum(-1).tolist(), abs=1e-5)

@@ -353,3 +353,17 @@ def test_image_settings_from_the_environment(
     assert config.media_dir == str(tmp_path)
     # the command line beats the environment
     assert (config.max_image_pixels, config.max_images_per_request) == (4096, 6)
+
+
+def test_score_texts_against_images(client: Client, folders: dict[str, Path]) -> None:
+    cat, dog = picture(40, 30, 40), picture(28, 28, 41)
+    scores = client.score("a photo of a cat", [encode(cat), dog], model="clip")
+    offline = LLM(str(folders["clip"]), dtype="float32", device="cpu")
+    assert scores == pytest.approx(offline.score("a photo of a cat", [cat, dog]), abs=1e-4)
+    message = refused(client.score, "a", ["b", png(1, 1, 0)], model="clip")
+    assert message.startswith("second[1].image: 1x1 is too small")
+    ids = client.list_models()
+    text_tasks = next(m.tasks for m in ids if m.name == "text")
+    if "score" in text_tasks:  # a model that scores text only refuses the image by name
+        message = refused(client.score, [encode(cat)], ["b"], model="text")
+        assert message.startswith("first[0].image: ")
