@@ -9,8 +9,8 @@ left as the request asked. (Stop strings are matched on that text as well; it di
 the engine's only by the markers.) Where the markers are plain text, or the request keeps
 special tokens, the engine's text is parsed as it is.
 
-Under a forced tool_choice the output is JSON in the shape tools.py builds a schema for,
-parsed once complete (ForcedCallStream).
+Under a forced tool_choice the output is JSON in the shape tools.py builds a schema for:
+a call object or an array of them, each call emitted as its object closes (ForcedCallStream).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from mmserve.processors.tool_parsers import (
 from mmserve.processors.tool_parsers.base import (
     arguments_of,
     canonical_arguments,
-    loads_json,
+    decode_json_prefix,
     random_call_id,
 )
 from mmserve.server.tools import ToolRequest
@@ -42,35 +42,69 @@ from mmserve_client._proto.mmserve.v1 import generate_pb2
 
 
 class ForcedCallStream(StreamingToolParser):
-    """The output of a forced tool_choice: one call object or an array of calls, emitted
-    when the output ends. Anything else (JSON cut short by max_tokens) stays content."""
+    """The output of a forced tool_choice: one call object or an array of calls. Each call
+    is emitted as soon as its object closes (a call object cannot grow once its braces
+    close, so the deltas do not depend on chunking); what does not parse as calls (JSON cut
+    short by max_tokens, a call the request does not accept) stays content."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._state = "start"  # start -> array (calls one by one) -> done; or "content"
+        self._held = ""  # JSON punctuation read since the last call: content if no call follows
 
     def _step(self) -> bool:
-        if not self._final:
+        buf = self._buf
+        body = buf.lstrip()
+        if self._state == "content" or (self._state == "done" and body):
+            self._to_content(self._take(len(buf)))
             return False
-        calls = _forced_calls(self._buf)
-        text = self._take(len(self._buf))
-        if calls is None or not all(self._accepts(n, a) for n, a in calls):
-            self._content(text)
-        else:
-            for name, arguments in calls:
-                self._call(name, arguments)
-        return False
+        if not body:
+            if self._final:
+                self._take(len(buf))  # whitespace around the JSON
+            return False
+        if self._state == "start":
+            self._state = "array" if body[0] == "[" else "object"
+            self._held += self._take(len(buf) - len(body) + (body[0] == "["))
+            return True
+        if self._state == "array" and body[0] in ",]":
+            self._state = "done" if body[0] == "]" else "array"
+            self._held += self._take(len(buf) - len(body) + 1)
+            return True
+        return self._next_call(len(buf) - len(body))
+
+    def _next_call(self, skip: int) -> bool:
+        """Decodes one complete call object at buf[skip:]; False when it is not complete."""
+        try:
+            value, end = decode_json_prefix(self._buf, skip)
+        except ValueError:
+            if self._final:  # cut short: the rest is content
+                self._to_content(self._take(len(self._buf)))
+            return False
+        call = _forced_call(value)
+        text = self._take(end)
+        if call is None or not self._accepts(*call):
+            self._to_content(text)
+            return True
+        self._held = ""
+        self._call(*call)
+        if self._state == "object":
+            self._state = "done"
+        return True
+
+    def _to_content(self, text: str) -> None:
+        """From here on the output is content, the punctuation held back included."""
+        self._state = "content"
+        self._content(self._held + text)
+        self._held = ""
 
 
-def _forced_calls(text: str) -> list[tuple[str, str]] | None:
-    try:
-        value = loads_json(text)
-    except ValueError:
+def _forced_call(value: object) -> tuple[str, str] | None:
+    """(name, canonical arguments) of one call object, or None."""
+    name = value.get("name") if isinstance(value, dict) else None
+    if not isinstance(name, str) or not name:
         return None
-    calls = []
-    for item in value if isinstance(value, list) else [value]:
-        name = item.get("name") if isinstance(item, dict) else None
-        arguments = canonical_arguments(arguments_of(item)) if isinstance(name, str) else None
-        if not name or arguments is None:
-            return None
-        calls.append((name, arguments))
-    return calls or None
+    arguments = canonical_arguments(arguments_of(value))
+    return None if arguments is None else (name, arguments)
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,15 @@ def loads_json(text: str) -> Any:
         raise ValueError("nested too deeply") from None
 
 
+def decode_json_prefix(text: str, start: int) -> tuple[Any, int]:
+    """The JSON value at text[start:] and where it ends (json's raw_decode, without
+    NaN/Infinity). Raises ValueError when there is no complete value there."""
+    try:
+        return _DECODER.raw_decode(text, start)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -222,3 +231,6 @@ def held_prefix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
