@@ -52,6 +52,14 @@ ENDLESS_SCHEMA = {
     "required": ["lines", "next"],
     "additionalProperties": False,
 }
+# For backends that refuse recursion (outlines): one long array of free strings; it can end,
+# so requests may finish early (the figures count them)
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {"lines": {"type": "array", "items": {"type": "string"}}},
+    "required": ["lines"],
+    "additionalProperties": False,
+}
 WARMUP_TOKENS = 8
 
 
@@ -228,9 +236,12 @@ def _fixed_length(n: int, structured: StructuredOutputParams | None) -> Sampling
 
 
 def tpot_constraint(backend_name: str, path: str | None) -> tuple[str, StructuredOutputParams]:
-    """The TPOT runs' schema: the file at --tpot-schema, else ENDLESS_SCHEMA."""
-    text = Path(path).read_text() if path else json.dumps(ENDLESS_SCHEMA)
-    name = Path(path).stem if path else "endless"
+    """The TPOT runs' schema: the file at --tpot-schema, else ENDLESS_SCHEMA (LONG_SCHEMA
+    for outlines, which refuses recursive references)."""
+    if path:
+        return Path(path).stem, StructuredOutputParams("json_schema", Path(path).read_text(), backend=backend_name)
+    name, schema = ("long", LONG_SCHEMA) if backend_name == "outlines" else ("endless", ENDLESS_SCHEMA)
+    text = json.dumps(schema)
     return name, StructuredOutputParams("json_schema", text, backend=backend_name)
 
 

@@ -19,6 +19,7 @@ from mmserve.bench.structured import (
     parse_backends,
     parse_batch_sizes,
     percentile,
+    tpot_constraint,
 )
 from mmserve.structured_output import SchemaError, StructuredOutputParams, create_backend
 from tests.bench.conftest import bench_args
@@ -91,3 +92,8 @@ def test_shipped_schemas_compile_on_both_backends() -> None:
             names.add(name)
     assert compiled["xgrammar"] == set(schemas)
     assert compiled["outlines"] == OUTLINES_COMPILES
+    for backend_name in compiled:  # each backend's default TPOT constraint compiles on it
+        backend = create_backend(backend_name, tokenizer, TINY_VOCAB_SIZE, eos)
+        name, params = tpot_constraint(backend_name, None)
+        backend.compile(params)
+        assert name == ("long" if backend_name == "outlines" else "endless")
