@@ -1,5 +1,6 @@
 """Transformer pieces shared by CLIP and SigLIP: the pre-norm encoder layer of both their
-towers, the text transformer of both dual encoders, and weight loading by HF name.
+towers, the tower and dual-encoder frames around it, the text transformer of both dual
+encoders, and weight loading by HF name.
 
 Module and parameter names are transformers' own (encoder.layers.0.self_attn.q_proj, ...), so
 a checkpoint name maps onto a parameter by stripping a prefix. Attention is
@@ -9,9 +10,9 @@ texts of a flat batch are padded into [B, L] with a mask that keeps each inside 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,103 @@ def check_image_size(pixel_values: torch.Tensor, image_size: int) -> None:
             "pixel_values",
             f"shape {tuple(pixel_values.shape)}; the tower takes [B, 3, {image_size}, {image_size}]",
         )
+
+
+class VisionTower(nn.Module):
+    """A CLIP/SigLIP vision model, built up to the deepest hidden state its owner reads.
+
+    num_layers: encoder layers to build (default all); with_pool: also the parts of the pooled
+    output (LLaVA reads hidden states only). Subclasses add their embeddings (embed()), the
+    pooled output (pooled()) and name the pooling parts' checkpoint prefixes."""
+
+    has_class_token: ClassVar[bool]  # one row per image besides the patches
+    pool_parts: ClassVar[tuple[str, ...]]  # checkpoint prefixes of the pooling parts
+
+    def __init__(self, config: Any, num_layers: int | None, with_pool: bool) -> None:
+        super().__init__()
+        spec = encoder_spec(config)
+        self.total_layers = spec.num_layers
+        self.image_size: int = config.image_size
+        self.patch_size: int = config.patch_size
+        self.encoder = Encoder(spec, spec.num_layers if num_layers is None else num_layers)
+        self.with_pool = with_pool
+        if with_pool:
+            self.post_layernorm = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
+
+    def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [B, 3, H, W] -> [B, N, h]
+        """The input of the first encoder layer (transformers' hidden state 0)."""
+        raise NotImplementedError
+
+    def num_tokens(self, height: int, width: int) -> int:
+        """Rows of each hidden state for one image: one per patch (and the class token)."""
+        return (height // self.patch_size) * (width // self.patch_size) + self.has_class_token
+
+    def hidden_states(
+        self, pixel_values: torch.Tensor, indices: Sequence[int]
+    ) -> list[torch.Tensor]:
+        """transformers' output_hidden_states[i] for each i (negative counts from the end of
+        the full tower's states; the last is before post_layernorm): [B, N, hidden] each."""
+        check_image_size(pixel_values, self.image_size)
+        resolved = [hidden_state_index(i, self.total_layers) for i in indices]
+        _, kept = self.encoder(self.embed(pixel_values), keep=frozenset(resolved))
+        return [kept[i] for i in resolved]
+
+    def param_name(self, name: str) -> str | None:
+        """Checkpoint name inside the tower -> parameter name; None for weights of parts
+        not built (layers past the deepest read, the pooling parts)."""
+        if name.startswith("encoder.layers."):
+            layer = int(name.split(".")[2])
+            if layer >= len(self.encoder.layers):
+                return None
+        if name.startswith(self.pool_parts) and not self.with_pool:
+            return None
+        return name
+
+
+class DualEncoder(nn.Module):
+    """What CLIPModel and SiglipModel show the engine: no KV cache, whole texts in one step
+    through `text_model` (forward), vectors from pool_text() and embed_images() (theirs)."""
+
+    num_layers = 0  # no KV cache
+    uses_kv_cache = False
+    causal = False  # for the engine: whole inputs in one step (CLIP's text tower masks causally)
+    is_dual_encoder = True
+    dropped_weights: ClassVar[tuple[str, ...]] = ()  # checkpoint entries not needed to embed
+    text_model: TextTransformer
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        text = hf_config.text_config
+        self.num_kv_heads = text.num_attention_heads
+        self.head_dim = text.hidden_size // text.num_attention_heads
+        self.vocab_size: int = text.vocab_size
+        self.max_text_len: int = text.max_position_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, whole texts back to back
+        positions: torch.Tensor,  # [T] int64, 0..n-1 within each text
+        kv_caches: list[torch.Tensor],  # unused
+        meta: AttentionMetadata,  # query_start_loc / query_lens_cpu delimit the texts
+    ) -> torch.Tensor:  # [T, text hidden]
+        return self.text_model(input_ids, positions, meta)  # type: ignore[no-any-return]
+
+    def pool_text(self, hidden_rows: torch.Tensor, input_ids: list[int]) -> torch.Tensor:
+        """One text's final rows [n, text hidden] (and its ids) -> its embedding (float32)."""
+        raise NotImplementedError
+
+    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B, D]
+        """The images' embeddings (float32, unnormalised)."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"{type(self).__name__} has no language-model head; it cannot generate")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_by_name(self, weights, self._param_name)
+
+    def _param_name(self, name: str) -> str | None:
+        return None if is_buffer_name(name) or name in self.dropped_weights else name
 
 
 class TextEmbeddings(nn.Module):
