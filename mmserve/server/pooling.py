@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from mmserve.engine import pooling_api
@@ -46,9 +47,7 @@ async def embed(
     images: ImageInputs | None = None,
 ) -> pooling_pb2.EmbedResponse:
     options = cp.embed_options(request)
-    inputs = await _decode_images(
-        handle, cp.pooling_inputs("inputs", request.inputs, True), images, "inputs"
-    )
+    inputs = await _inputs(handle, "inputs", request.inputs, images)
     plan = await asyncio.to_thread(
         pooling_api.plan_embed,
         handle.engine.engine,
@@ -64,10 +63,14 @@ async def embed(
     return cp.embed_response(*args)
 
 
-async def _decode_images(
-    handle: ModelHandle, inputs: list[Any], images: ImageInputs | None, field: str
+async def _inputs(
+    handle: ModelHandle,
+    field: str,
+    items: Sequence[common_pb2.Input],
+    images: ImageInputs | None,
 ) -> list[Any]:
-    """Inputs (the request's `field` list) with each ImageSource decoded, off the loop."""
+    """The request's `field` inputs as texts, token ids and images (decoded off the loop)."""
+    inputs: list[Any] = cp.pooling_inputs(field, items, allow_images=True)
     at = [i for i, x in enumerate(inputs) if isinstance(x, ImageSource)]
     if not at:
         return inputs
@@ -75,10 +78,9 @@ async def _decode_images(
         raise InvalidArgument(f"{field}[{at[0]}].image", f"model {handle.name!r} does not embed images")
     sources = [(f"{field}[{i}].image", inputs[i]) for i in at]
     decoded = await images.load(sources, field, batch=True)
-    out = list(inputs)
     for i, image in zip(at, decoded, strict=True):
-        out[i] = image
-    return out
+        inputs[i] = image
+    return inputs
 
 
 async def rerank(
@@ -120,10 +122,8 @@ async def score(
     images: ImageInputs | None = None,
 ) -> pooling_pb2.ScoreResponse:
     """Images may be scored where the model embeds them (cosine: CLIP, SigLIP)."""
-    first = await _decode_images(handle, cp.pooling_inputs("first", request.first, True), images, "first")
-    second = await _decode_images(
-        handle, cp.pooling_inputs("second", request.second, True), images, "second"
-    )
+    first = await _inputs(handle, "first", request.first, images)
+    second = await _inputs(handle, "second", request.second, images)
     plan = await asyncio.to_thread(
         pooling_api.plan_score,
         handle.engine.engine,
