@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +109,20 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> 
 
     config = tiny_config(arch, **overrides)
     model = getattr(transformers, _ARCH_CLASSES[arch][1])(config).eval()
+    return seed_weights(model, seed)
+
+
+Draw = Callable[[str, torch.Size, torch.Generator], torch.Tensor]
+
+
+def seed_weights(model: Any, seed: int, draw: Draw | None = None) -> Any:
+    """Every parameter of model drawn from one seeded generator, by draw(name, shape, gen)
+    (default _draw: O(1) activations); returns model."""
+    draw = draw or _draw
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_draw(name, param.shape, gen))
+            param.copy_(draw(name, param.shape, gen))
     return model
 
 

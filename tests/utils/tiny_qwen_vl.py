@@ -19,7 +19,13 @@ import torch
 
 from mmserve.bench.models import CHATML_VL_TEMPLATE
 from tests.models.paged import PagedKV, PagedSeq
-from tests.utils.tiny_models import TINY_VOCAB_SIZE, _draw, _free_folder, make_tiny_tokenizer
+from tests.utils.tiny_models import (
+    TINY_VOCAB_SIZE,
+    _draw,
+    _free_folder,
+    make_tiny_tokenizer,
+    seed_weights,
+)
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 PATCH_SIZE = 4
@@ -104,12 +110,7 @@ def make_tiny_hf_qwen2_vl(version: str = "2", seed: int = 0, **overrides: Any) -
         if version == "2"
         else "Qwen2_5_VLForConditionalGeneration"
     )
-    model = getattr(transformers, name)(config).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            param.copy_(_draw_vl(param_name, param.shape, gen))
-    return model
+    return seed_weights(getattr(transformers, name)(config).eval(), seed, _draw_vl)
 
 
 def _draw_vl(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:

@@ -17,7 +17,13 @@ from typing import Any, Literal
 
 import torch
 
-from tests.utils.tiny_models import TINY_VOCAB_SIZE, _free_folder, make_tiny_tokenizer, tiny_config
+from tests.utils.tiny_models import (
+    TINY_VOCAB_SIZE,
+    _free_folder,
+    make_tiny_tokenizer,
+    seed_weights,
+    tiny_config,
+)
 
 IMAGE_SIZE = 28
 PATCH_SIZE = 7
@@ -134,11 +140,7 @@ def _save(
     path: str | Path, name: str, model: Any, tokenizer: Any, processor: Any, seed: int
 ) -> Path:
     out = _free_folder(Path(path), name)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            param.copy_(_draw(param_name, param.shape, gen))
-    model.save_pretrained(out)
+    seed_weights(model, seed, _draw).save_pretrained(out)
     tokenizer.save_pretrained(out)
     processor.save_pretrained(out)
     return out
