@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 
@@ -10,7 +11,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.multimodal import grid_thw
 from mmserve.engine.scheduler import Scheduler
-from mmserve.models.base import CausalLM
+from mmserve.models.base import CausalLM, MRopeModel
 from mmserve.outputs import EngineOutput
 from mmserve.request import Request
 from mmserve.runner.model_runner import ModelRunner
@@ -73,7 +74,8 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         if self.runner.mrope and request.mm_inputs and request.mrope_positions is None:
             grids = [grid_thw(mm.data) for mm in request.mm_inputs]
-            positions, delta = self.runner.model.mrope_positions(request.prompt_token_ids, grids)
+            model = cast(MRopeModel, self.runner.model)
+            positions, delta = model.mrope_positions(request.prompt_token_ids, grids)
             request.mrope_positions, request.mrope_delta = positions, delta
         self.scheduler.add_request(request)
 

@@ -49,11 +49,9 @@ class MMInput:
         return self.start < end and start < self.end
 
 
-def grid_thw(data: Mapping[str, torch.Tensor]) -> tuple[int, int, int] | None:
-    grid = data.get("image_grid_thw")
-    if grid is None:
-        return None
-    t, h, w = (int(x) for x in grid.reshape(-1)[:3])
+def grid_thw(data: Mapping[str, torch.Tensor]) -> tuple[int, int, int]:
+    """(t, h, w) in patches of one image, from its processor output (Qwen2-VL's)."""
+    t, h, w = (int(x) for x in data["image_grid_thw"].reshape(-1)[:3])
     return t, h, w
 
 

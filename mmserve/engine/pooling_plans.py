@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -261,7 +261,7 @@ def _encode_with_images(
 
 def _padded(engine: LLMEngine, encoded: list[EncodedInput]) -> list[EncodedInput]:
     """Texts padded to the length the model was trained on (SigLIP: 64), if it says so."""
-    model = engine.core.runner.model
+    model: Any = engine.core.runner.model  # SigLIP's says pad_text_to and pad_token_id
     length = getattr(model, "pad_text_to", None)
     if not length:
         return encoded

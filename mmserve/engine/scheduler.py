@@ -250,7 +250,9 @@ class Scheduler:
         bitmask allowed only acceptable tokens; _check_stop then reads is_terminated)."""
         matchers, tokens = [], []
         for item in plan.scheduled:
-            sampled = result.sampled.get(item.request_id) if item.grammar is not None else None
+            if item.grammar is None:
+                continue
+            sampled = result.sampled.get(item.request_id)
             request = self.requests.get(item.request_id)
             if sampled is not None and request is not None and not request.status.finished:
                 matchers.append(item.grammar)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ class DecodeGraphs:
         self.sizes = sorted(s for s in sizes if s <= max_batch) or [max_batch]
         n = self.sizes[-1]
         self.max_seq_len = max_seq_len
-        i32 = {"dtype": torch.int32, "device": device}
+        i32: dict[str, Any] = {"dtype": torch.int32, "device": device}
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
@@ -53,7 +54,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, **i32)  # one token per request, always
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, max_seq_len)
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._pool = None
+        self._pool: Any = None  # the memory pool the first capture makes, shared by the rest
 
     def buckets(self, size: int) -> list[int]:
         """The frozen max_seq_len values captured for a batch size, ascending."""

@@ -3,10 +3,13 @@ logits only where a token is sampled (or prompt logprobs are wanted), and sample
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from mmserve.engine.scheduler import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
-from mmserve.models.base import CausalLM
+from mmserve.models.base import CausalLM, MultiModalCausalLM
+from mmserve.models.vision import DualEncoder
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams
 from mmserve.runner.cuda_graphs import DecodeGraphs
@@ -113,11 +116,12 @@ class ModelRunner:
         """Token embeddings [T, hidden] with each image's placeholder rows replaced by its
         encoder output (encoded now unless the encoder cache holds it)."""
         missing = {mm.key: mm for _, mm, _, _ in batch.image_rows if mm.key not in self.encoder_outputs}
+        model = cast(MultiModalCausalLM, self.model)
         if missing:
-            encoded = self.model.encode_images([mm.data for mm in missing.values()])
+            encoded = model.encode_images([mm.data for mm in missing.values()])
             for key, rows in zip(missing, encoded, strict=True):
                 self.encoder_outputs[key] = rows
-        x = self.model.embed_input_ids(batch.input_ids)
+        x = model.embed_input_ids(batch.input_ids)
         for row, mm, first, end in batch.image_rows:
             x[row : row + end - first] = self.encoder_outputs[mm.key][first:end].to(x.dtype)
         return x
@@ -176,7 +180,7 @@ class ModelRunner:
         if self.dual:
             vector = images.get(item.request_id)
             if vector is None:
-                vector = self.model.pool_text(rows, item.token_ids)
+                vector = cast(DualEncoder, self.model).pool_text(rows, item.token_ids)
             return finish_embedding(vector, item.pooling)
         if self.pooler is None:
             raise RuntimeError("a pooling request reached a runner without a pooler")
@@ -190,9 +194,10 @@ class ModelRunner:
                 pixels = item.mm_inputs[0].data["pixel_values"]
                 groups.setdefault(tuple(pixels.shape), []).append((item.request_id, pixels))
         out: dict[str, torch.Tensor] = {}
+        model = cast(DualEncoder, self.model)
         for group in groups.values():
             pixels = torch.cat([p for _, p in group]).to(self.device)
-            for (request_id, _), vector in zip(group, self.model.embed_images(pixels), strict=True):
+            for (request_id, _), vector in zip(group, model.embed_images(pixels), strict=True):
                 out[request_id] = vector
         return out
 

@@ -48,8 +48,8 @@ def pool_tokens_batch(
     starts[i] .. starts[i] + lengths[i]; returns [R, H] (a handful of kernels in all)."""
     device = hidden.device
     if method in ("cls", "last"):
-        rows = starts if method == "cls" else [s + n - 1 for s, n in zip(starts, lengths)]
-        return hidden[torch.tensor(rows, device=device)]
+        picked = starts if method == "cls" else [s + n - 1 for s, n in zip(starts, lengths)]
+        return hidden[torch.tensor(picked, device=device)]
     if method == "mean":
         counts = torch.tensor(lengths, device=device)
         rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)

@@ -51,7 +51,8 @@ async def chat_prompt(
     expanded to its tokens. `namespace` (the cache_salt) scopes image uuids."""
     from mmserve.processors.chat_template import render_and_tokenize
 
-    decoded = []
+    decoded: list[Any] = []
+    prompts: Any = None  # the engine's ImagePrompts, when the chat has images
     if c.images:
         first = c.images[0][0]
         prompts = getattr(getattr(handle.engine, "engine", None), "images", None)

@@ -362,8 +362,7 @@ def test_score_texts_against_images(client: Client, folders: dict[str, Path]) ->
     assert scores == pytest.approx(offline.score("a photo of a cat", [cat, dog]), abs=1e-4)
     message = refused(client.score, "a", ["b", png(1, 1, 0)], model="clip")
     assert message.startswith("second[1].image: 1x1 is too small")
-    ids = client.list_models()
-    text_tasks = next(m.tasks for m in ids if m.name == "text")
+    text_tasks = next(m.tasks for m in client.list_models() if m.name == "text")
     if "score" in text_tasks:  # a model that scores text only refuses the image by name
         message = refused(client.score, [encode(cat)], ["b"], model="text")
         assert message.startswith("first[0].image: ")
