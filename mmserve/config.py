@@ -41,6 +41,9 @@ class SchedulerConfig:
     max_waiting: int = 1024  # admission bound on queued requests (server side)
     encoder_cache_rows: int = 16384  # image-encoder output rows kept for reuse (LRU)
     max_encoder_rows_per_step: int | None = None  # None = max_num_batched_tokens
+    # schedule and launch step N+1 before step N's tokens reach the host (one step in flight),
+    # so the host's work overlaps the device's; False = one step at a time
+    async_scheduling: bool = True
 
 
 @dataclass(frozen=True)

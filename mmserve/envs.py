@@ -59,6 +59,7 @@ class ServeEnv:
     enable_prefix_caching: bool | None = field(default=None, metadata={"parse": parse_bool})
     gpu_memory_utilization: float | None = field(default=None, metadata={"parse": float})
     enforce_eager: bool | None = field(default=None, metadata={"parse": parse_bool})
+    async_scheduling: bool | None = field(default=None, metadata={"parse": parse_bool})
     seed: int | None = field(default=None, metadata={"parse": int})
     engine_process: bool | None = field(default=None, metadata={"parse": parse_bool})
     api_key_file: str | None = field(default=None, metadata={"parse": str})

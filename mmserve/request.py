@@ -11,6 +11,8 @@ from mmserve.engine.block_hash import MMPlaceholder
 from mmserve.engine.multimodal import MMInput
 from mmserve.params import PoolingParams, SamplingParams
 
+PLACEHOLDER = -1  # a token sampled by the step in flight; the runner fills it in on the device
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, not holding KV blocks
@@ -52,7 +54,10 @@ class Request:
     grammar: Any = None  # a structured_output GrammarMatcher fed every sampled token, or None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or is being computed)
+    # tokens sampled by a step still in flight (async scheduling): counted in num_tokens, their
+    # values not known on the host yet (PLACEHOLDER in token_ids_range)
+    num_pending: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache (-1 = not yet known)
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks so far
@@ -71,6 +76,11 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values are on the host (num_tokens less the pending ones)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -78,7 +88,11 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_range(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without copying the whole list."""
+        """Tokens [start, end) of prompt + output, without copying the whole list; pending
+        tokens (sampled by the step in flight) read as PLACEHOLDER."""
+        known = self.num_known_tokens
+        if end > known:
+            return self.token_ids_range(start, known) + [PLACEHOLDER] * (end - max(start, known))
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import time
@@ -13,7 +14,7 @@ from mmserve.params import SamplingParams
 
 @dataclass(frozen=True)
 class LatencyResult:
-    prefill_ms: float  # one step computing the whole prompt (and sampling the first token)
+    prefill_ms: float  # from adding the request to its first token on the host
     decode_ms_median: float  # one decode step at batch 1
     decode_ms_p99: float
     input_len: int
@@ -46,20 +47,22 @@ def _fixed_length(output_len: int) -> SamplingParams:
 
 
 def latency(engine: LLMEngine, input_len: int, output_len: int, repeats: int = 3) -> LatencyResult:
-    """Times each step of a lone request: the first step is the prefill, the rest decodes."""
+    """A lone request, timed by when its tokens reach the host: the first after the prefill,
+    then one per decode step (with async scheduling a step() returns before its own tokens
+    are ready, so step() calls are not timed)."""
     rng = random.Random(0)
     prefill, decode = [], []
     for r in range(repeats + 1):  # the first round warms up (allocations, autotuning)
         engine.core.kv.pool.reset_cache()
+        start = time.perf_counter()
         engine.add_request(f"lat-{r}", random_prompt(rng, input_len, engine.vocab_size), _fixed_length(output_len))
-        times = []
+        stamps = []
         while engine.has_unfinished:
-            t = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t)
+            if any(d.token_ids for d in engine.step()):
+                stamps.append(time.perf_counter())
         if r:
-            prefill.append(times[0])
-            decode += times[1:]
+            prefill.append(stamps[0] - start)
+            decode += [b - a for a, b in itertools.pairwise(stamps)]
     decode.sort()
     return LatencyResult(
         prefill_ms=1e3 * statistics.median(prefill),

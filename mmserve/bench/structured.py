@@ -169,8 +169,8 @@ def decode_run(
     tag: str,
     into: DecodeSamples | None = None,
 ) -> None:
-    """Runs every prompt at once to the end, timing each request's tokens from the step loop
-    (step() returns once the step's tokens are on the CPU)."""
+    """Runs every prompt at once to the end, timing each request's tokens by when step()
+    hands them over (with async scheduling, one call after the step that sampled them)."""
     engine.core.kv.pool.reset_cache()  # every run prefills the same prompts in full
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params, grammar=grammar)

@@ -10,11 +10,11 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.multimodal import grid_thw
-from mmserve.engine.scheduler import Scheduler
+from mmserve.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from mmserve.models.base import CausalLM, MRopeModel
 from mmserve.outputs import EngineOutput
 from mmserve.request import Request
-from mmserve.runner.model_runner import ModelRunner
+from mmserve.runner.model_runner import LaunchedStep, ModelRunner
 from mmserve.runner.pooler import Pooler
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class EngineCore:
         kv_limit = num_blocks * cache.block_size if num_blocks else model_max_len
         self.max_model_len = min(limit, model_max_len, kv_limit)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # sampled, not yet read
         if not config.model.enforce_eager:
             self.runner.capture_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         logger.info(
@@ -89,9 +91,24 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def step(self) -> list[EngineOutput]:
+        """One step. With async scheduling a step that samples stays in flight: the next
+        call schedules and launches the step after it first, then takes its tokens (so the
+        host's scheduling, batch building and launches overlap the device's work, and so do
+        the grammar accept and bitmask fill), and returns its outputs."""
         plan = self.scheduler.schedule()
-        result = self.runner.execute(plan)
-        return self.scheduler.update(plan, result)
+        step = self.runner.launch(plan)
+        outputs = []
+        if self._in_flight is not None:
+            before, launched = self._in_flight
+            self._in_flight = None
+            outputs = self.scheduler.update(before, self.runner.resolve(launched))
+        if step is None:
+            return outputs + self.scheduler.update(plan, RunnerOutput())
+        self.runner.sample(step, self.scheduler.requests)
+        if self.async_scheduling and step.samples:
+            self._in_flight = (plan, step)
+            return outputs
+        return outputs + self.scheduler.update(plan, self.runner.resolve(step))

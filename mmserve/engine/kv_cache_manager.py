@@ -88,6 +88,10 @@ class KVCacheManager:
         self._block_ids[request_id] += [b.block_id for b in blocks]
 
     def free(self, request: Request) -> None:
+        """Returns the request's blocks, caching first the full ones whose tokens became known
+        after their step was scheduled (async scheduling: a step in flight computes them)."""
+        if request.request_id in self._blocks:
+            self._cache_full_blocks(request, request.num_computed_tokens)
         blocks = self._blocks.pop(request.request_id, [])
         self._block_ids.pop(request.request_id, None)
         self._num_kept.pop(request.request_id, None)
@@ -96,10 +100,12 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Caches the blocks that the scheduled tokens fill. Their KV is written by this step;
-        a later request can only be scheduled against them after it."""
+        a later request can only be scheduled against them after it (steps run in order on
+        the device, so a step in flight is no exception)."""
         if not self.pool.enable_caching:
             return
-        num_full = num_tokens // self.block_size
+        # a block holding a pending token (its value still on the device) waits for a later step
+        num_full = min(num_tokens, request.num_known_tokens) // self.block_size
         start = self._num_cached.get(request.request_id, 0)
         if num_full <= start:
             return

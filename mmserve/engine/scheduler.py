@@ -125,6 +125,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new and request.num_pending and self._ends_by_length(request):
+                num_new = 0  # its pending token is its last: nothing more to compute
             num_new = self._fit_images(request, request.num_computed_tokens, num_new)
             if num_new == 0:  # its next image waits for encoder budget
                 i += 1
@@ -135,8 +137,8 @@ class Scheduler:
             budget -= num_new
             i += 1
         while self.waiting and budget > 0 and not out.num_preempted:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
+            if len(self.running) >= self.config.max_num_seqs or self.waiting[0].num_pending:
+                break  # (a request preempted with a token in flight waits for its value)
             num_new = self._admit(self.waiting[0], budget)
             if num_new == 0:
                 break  # FCFS: no later request overtakes one that does not fit
@@ -199,10 +201,20 @@ class Scheduler:
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _ends_by_length(self, request: Request) -> bool:
+        """Whether the request's pending tokens reach its output or context limit."""
+        num_out = len(request.output_token_ids) + request.num_pending
+        return num_out >= request.max_tokens or request.num_tokens >= self.max_model_len
+
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The request's share of this step, committed now: its computed count moves on, and
+        a token it will sample counts as pending until update() brings its value."""
         start = request.num_computed_tokens
         request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
         done = start + num_new == request.num_tokens
+        request.num_computed_tokens = start + num_new
+        if done and request.pooling is None:
+            request.num_pending += 1
         mm_inputs = request.mm_inputs
         if mm_inputs:
             mm_inputs = tuple(mm for mm in mm_inputs if mm.overlaps(start, start + num_new))
@@ -226,18 +238,19 @@ class Scheduler:
         )
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
-        """Applies one step's results; returns news for every request that has any."""
+        """Applies one step's results (with async scheduling, while the next step runs);
+        returns news for every request that has any."""
         outputs, self._pending = self._pending, []
         self._accept_grammar_tokens(plan, result)
         for item in plan.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status.finished:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += len(item.token_ids)
+                continue  # aborted, or ended by the step before, while the step ran
             if result.prompt_logprobs:
                 self._collect_prompt_logprobs(request, result)
             sampled = result.sampled.get(item.request_id)
             if sampled is not None:
+                request.num_pending -= 1
                 outputs.append(self._append_token(request, sampled))
             elif item.pooling is not None:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
@@ -283,7 +296,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED, token
             if token in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, token
-        if num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_out >= request.max_tokens or request.num_known_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 

@@ -13,6 +13,7 @@ import torch
 from mmserve.attention import AttentionMetadata
 from mmserve.engine.multimodal import MMInput
 from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from mmserve.request import PLACEHOLDER
 
 
 @dataclass
@@ -26,6 +27,15 @@ class FlatBatch:
     sample_reqs: list[ScheduledRequest]  # the requests of sample_rows, same order
     token_type_ids: torch.Tensor | None  # [T] int64 when some request has segment ids
     image_rows: list[tuple[int, MMInput, int, int]]  # (batch row, image, first, end row in it)
+
+
+@dataclass
+class SampledOnDevice:
+    """The tokens one step sampled, before they reach the host: [N] int64 on the device, and
+    the row of each request that sampled."""
+
+    tokens: torch.Tensor
+    rows: dict[str, int]
 
 
 class _HostBuffers:
@@ -161,15 +171,17 @@ class InputBatchBuilder:
         costs a table row, never a wrong batch (its next first step rewrites its row)."""
         self._tables.drop(request_ids)
 
-    def build(self, plan: SchedulerOutput) -> FlatBatch:
+    def build(self, plan: SchedulerOutput, previous: SampledOnDevice | None = None) -> FlatBatch:
+        """previous: the tokens the step before sampled, still on the device; each request's
+        PLACEHOLDER (its last token, with async scheduling) is taken from there."""
         self.forget(plan.finished_ids)
         self._host.begin()
         try:
-            return self._build(plan)
+            return self._build(plan, previous)
         finally:
             self._host.end()
 
-    def _build(self, plan: SchedulerOutput) -> FlatBatch:
+    def _build(self, plan: SchedulerOutput, previous: SampledOnDevice | None) -> FlatBatch:
         scheduled = plan.scheduled
         token_ids: list[int] = []
         query_lens: list[int] = []
@@ -178,10 +190,17 @@ class InputBatchBuilder:
         sample_rows: list[int] = []
         sample_reqs: list[ScheduledRequest] = []
         rows: list[tuple[int, MMInput, int, int]] = []
+        filled: list[int] = []  # rows holding a placeholder
+        sources: list[int] = []  # their rows in previous.tokens
         for item in scheduled:  # the only per-request Python loop
             row = len(token_ids)
             token_ids += item.token_ids
             n = len(token_ids) - row
+            if token_ids[-1] == PLACEHOLDER:
+                if previous is None or item.request_id not in previous.rows:
+                    raise RuntimeError(f"request {item.request_id}: a pending token without its step")
+                filled.append(row + n - 1)
+                sources.append(previous.rows[item.request_id])
             query_lens.append(n)
             starts.append(item.start_pos)
             num_blocks.append(len(item.block_ids))
@@ -215,8 +234,12 @@ class InputBatchBuilder:
             seq_lens_cpu=seq_lens_cpu,
             causal=self.causal,
         )
+        input_ids = self._to_device(host.fill("input_ids", token_ids, np.int64))
+        if filled:
+            assert previous is not None
+            self._fill_placeholders(input_ids, filled, sources, previous.tokens)
         return FlatBatch(
-            self._to_device(host.fill("input_ids", token_ids, np.int64)),
+            input_ids,
             self._positions(scheduled, positions, req_of_token),
             meta,
             sample_rows,
@@ -224,6 +247,16 @@ class InputBatchBuilder:
             self._token_type_ids(scheduled),
             rows,
         )
+
+    def _fill_placeholders(
+        self, input_ids: torch.Tensor, rows: list[int], sources: list[int], tokens: torch.Tensor
+    ) -> None:
+        """input_ids[rows] = tokens[sources], on the device (no wait for the step before)."""
+        if len(rows) == len(input_ids) == len(tokens) and sources == rows:
+            input_ids.copy_(tokens)  # a decode batch in the same order as the step before
+            return
+        index = self._to_device(self._host.fill("filled_rows", rows + sources, np.int64))
+        input_ids[index[: len(rows)]] = tokens[index[len(rows) :]]
 
     def _block_tables(self, scheduled: list[ScheduledRequest], num_blocks: list[int]) -> np.ndarray:
         """[num_reqs, max_blocks] int32, each request's blocks padded with 0."""

@@ -3,6 +3,8 @@ logits only where a token is sampled (or prompt logprobs are wanted), and sample
 
 from __future__ import annotations
 
+from collections.abc import Container
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -13,10 +15,26 @@ from mmserve.models.vision import DualEncoder
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams
 from mmserve.runner.cuda_graphs import DecodeGraphs
-from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder
+from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder, SampledOnDevice
 from mmserve.runner.pooler import Pooler, finish_embedding
-from mmserve.runner.sampler import SamplingRow, sample, top_logprobs
+from mmserve.runner.sampler import SamplingRow, sample_on_device, top_logprobs
 from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass is enqueued; sample() and resolve() finish it."""
+
+    batch: FlatBatch
+    hidden: torch.Tensor
+    out: RunnerOutput  # pooled results and prompt logprobs already; sampled tokens by resolve()
+    logprobs: list[TokenLogprob | None] | None = None
+    host_tokens: torch.Tensor | None = None  # the sampled tokens on the host, once copied
+    copied: torch.cuda.Event | None = None  # recorded after the copy (CUDA)
+
+    @property
+    def samples(self) -> bool:
+        return bool(self.batch.sample_rows)
 
 
 class ModelRunner:
@@ -51,6 +69,7 @@ class ModelRunner:
         # image content hash -> encoder output rows [length, hidden]; the scheduler's
         # EncoderCacheManager decides what stays (plan.encoder_free)
         self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self._previous: SampledOnDevice | None = None  # the tokens the latest step sampled
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Captures decode graphs (CUDA with a graph-safe attention backend only)."""
@@ -69,26 +88,65 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """One whole step: launch, sample, wait for the tokens."""
+        step = self.launch(plan)
+        if step is None:
+            return RunnerOutput()
+        self.sample(step)
+        return self.resolve(step)
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput) -> LaunchedStep | None:
+        """Builds the batch and enqueues the forward pass (None for an empty plan). Pooled
+        results and prompt logprobs are computed here, on the host when it returns."""
         for request_id in plan.finished_ids:
             self._generators.pop(request_id, None)
         for key in plan.encoder_free:
             self.encoder_outputs.pop(key, None)
         self.input_batch.forget(plan.finished_ids)
         if plan.is_empty:
-            return RunnerOutput()
-        batch = self.input_batch.build(plan)
+            return None
+        batch = self.input_batch.build(plan, self._previous)
         hidden = self._forward(batch)
         pooled = self._pool(plan, hidden, self._embed_image_inputs(plan) if self.dual else {})
         out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden), pooled=pooled)
-        if batch.sample_rows:
-            bitmask = self._grammar_bitmask(batch.sample_reqs)  # CPU work while the GPU runs
-            logits = self.model.compute_logits(self._sampled_rows(hidden, batch.sample_rows))
-            if bitmask is not None:
-                apply_bitmask(logits, bitmask[0], bitmask[1])
-            rows = [self._sampling_row(s) for s in batch.sample_reqs]
-            tokens, logprobs = sample(logits, rows, self.generator)
-            for item, token, lp in zip(batch.sample_reqs, tokens, logprobs):
-                out.sampled[item.request_id] = SampledToken(token, lp)
+        return LaunchedStep(batch, hidden, out)
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep, live: Container[str] | None = None) -> None:
+        """Enqueues logits, grammar masks and sampling for a launched step; the tokens start
+        on their way to the host. live: the requests still running (rows of others are
+        sampled and ignored; their grammars are not consulted). With async scheduling the
+        grammar matchers have taken the step before's tokens by now."""
+        batch = step.batch
+        if not batch.sample_rows:
+            return
+        reqs = batch.sample_reqs
+        bitmask = self._grammar_bitmask(reqs, live)  # CPU work while the GPU runs
+        logits = self.model.compute_logits(self._sampled_rows(step.hidden, batch.sample_rows))
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask[0], bitmask[1])
+        rows = [self._sampling_row(s) for s in reqs]
+        tokens, step.logprobs = sample_on_device(logits, rows, self.generator)
+        self._previous = SampledOnDevice(tokens, {s.request_id: i for i, s in enumerate(reqs)})
+        if tokens.device.type == "cuda":
+            step.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            step.host_tokens.copy_(tokens, non_blocking=True)
+            step.copied = torch.cuda.Event()
+            step.copied.record()
+        else:
+            step.host_tokens = tokens
+
+    def resolve(self, step: LaunchedStep) -> RunnerOutput:
+        """Waits for a sampled step's tokens; its complete output."""
+        out = step.out
+        if step.host_tokens is None:
+            return out
+        if step.copied is not None:
+            step.copied.synchronize()
+        logprobs = step.logprobs or [None] * len(step.batch.sample_reqs)
+        for item, token, lp in zip(step.batch.sample_reqs, step.host_tokens.tolist(), logprobs):
+            out.sampled[item.request_id] = SampledToken(token, lp)
         return out
 
     def _sampled_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -126,10 +184,16 @@ class ModelRunner:
             x[row : row + end - first] = self.encoder_outputs[mm.key][first:end].to(x.dtype)
         return x
 
-    def _grammar_bitmask(self, reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]] | None:
+    def _grammar_bitmask(
+        self, reqs: list[ScheduledRequest], live: Container[str] | None
+    ) -> tuple[torch.Tensor, list[int]] | None:
         """Allowed tokens of each constrained row, [rows, ceil(vocab / 32)] int32 on the CPU
         (pinned when the logits are on a GPU, so apply_bitmask's copy is asynchronous)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        rows = [
+            i
+            for i, r in enumerate(reqs)
+            if r.grammar is not None and (live is None or r.request_id in live)
+        ]
         if not rows:
             return None
         bitmask = allocate_bitmask(len(reqs), self.model.vocab_size, self.device.type == "cuda")

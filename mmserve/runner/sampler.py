@@ -28,12 +28,21 @@ def sample(
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [N, V] float32, one row per entry of rows. Returns the sampled token ids and, for
     rows that asked, their logprobs (taken from the raw model distribution)."""
+    tokens, logprobs = sample_on_device(logits, rows, generator)
+    return tokens.tolist(), logprobs
+
+
+def sample_on_device(
+    logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+    """sample(), with the tokens left on the logits' device ([N] int64): nothing waits for the
+    device unless a row asked for logprobs (their top-k reads values on the host)."""
     wants_logprobs = [r.params.logprobs for r in rows]
     adjusted = [i for i, r in enumerate(rows) if _adjusts_logits(r)]
     if not adjusted and not any(wants_logprobs):  # the usual step: nothing to do per row
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist(), [None] * len(rows)
+            return logits.argmax(dim=-1), [None] * len(rows)
         return _pick(logits, rows, generator, greedy), [None] * len(rows)
     raw_logprobs = None
     if any(wants_logprobs):
@@ -44,9 +53,12 @@ def sample(
             _apply_bias_and_min_tokens(logits[i], rows[i])
             _apply_penalties(logits[i], rows[i])
     tokens = _pick(logits, rows, generator, [r.params.greedy for r in rows])
+    if raw_logprobs is None:
+        return tokens, [None] * len(rows)
+    values = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [
-        top_logprobs(raw_logprobs[i], t, k) if raw_logprobs is not None and k else None
-        for i, (t, k) in enumerate(zip(tokens, wants_logprobs))
+        top_logprobs(raw_logprobs[i], t, k) if k else None
+        for i, (t, k) in enumerate(zip(values, wants_logprobs))
     ]
     return tokens, logprobs
 
@@ -107,27 +119,33 @@ def _pick(
     rows: list[SamplingRow],
     generator: torch.Generator | None,
     greedy: list[bool],  # per row
-) -> list[int]:
+) -> torch.Tensor:
     if all(greedy):
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     probs = _filtered_probs(logits, rows)
     noise = _exponential_noise(probs, rows, generator)
     sampled = (probs / noise).argmax(dim=-1)  # Gumbel-max in exponential form
     if not any(greedy):
-        return sampled.tolist()
-    is_greedy = torch.tensor(greedy, device=logits.device)
-    return torch.where(is_greedy, logits.argmax(dim=-1), sampled).tolist()
+        return sampled
+    is_greedy = _to(logits.device, greedy, torch.bool)
+    return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+
+
+def _to(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small tensor of per-row values on the device, copied without a stream synchronisation
+    (the forward pass before it keeps running)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, as probabilities: [N, V]."""
     dtype, device = logits.dtype, logits.device
-    temps = torch.tensor([r.params.temperature or 1.0 for r in rows], dtype=dtype, device=device)
+    temps = _to(device, [r.params.temperature or 1.0 for r in rows], dtype)
     logits = logits / temps.unsqueeze(1)
     vocab = logits.shape[1]
-    top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device).clamp(max=vocab)
-    top_p = torch.tensor([r.params.top_p for r in rows], dtype=dtype, device=device)
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=dtype, device=device)
+    top_k = _to(device, [min(r.params.top_k or vocab, vocab) for r in rows], torch.int64)
+    top_p = _to(device, [r.params.top_p for r in rows], dtype)
+    min_p = _to(device, [r.params.min_p for r in rows], dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     drop = ranks >= top_k.unsqueeze(1)

@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="no CUDA graphs: run every step eagerly (default off) [env MMSERVE_ENFORCE_EAGER]",
     )
     serve.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        help="schedule and launch each step before the previous step's tokens reach the host, "
+        "so host work overlaps the device's (default on) [env MMSERVE_ASYNC_SCHEDULING]",
+    )
+    serve.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         help="run each engine core in its own process, so tokenising, detokenising and gRPC "
@@ -114,7 +120,9 @@ def engine_template(args: argparse.Namespace) -> EngineConfig:
                 kv_cache_memory_bytes="kv_cache_memory",
             )
         ),
-        scheduler=SchedulerConfig(**_given(args, "max_num_batched_tokens", "max_num_seqs")),
+        scheduler=SchedulerConfig(
+            **_given(args, "max_num_batched_tokens", "max_num_seqs", "async_scheduling")
+        ),
         multiprocess=_engine_process(args),
         **_given(args, "seed"),
     )

@@ -16,11 +16,14 @@ def make_core(
     budget: int = 256,
     max_seqs: int = 16,
     caching: bool = True,
+    async_scheduling: bool = True,
 ) -> EngineCore:
     config = EngineConfig(
         model=ModelConfig(model="fake"),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=max_seqs, async_scheduling=async_scheduling
+        ),
     )
     return EngineCore(config, model or FakeModel(), 512, torch.device("cpu"), torch.float32)
 

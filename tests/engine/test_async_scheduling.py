@@ -1,0 +1,149 @@
+"""Async scheduling (one step in flight: step N+1 is scheduled and launched before step N's
+tokens reach the host) must give exactly the outputs of synchronous scheduling, whatever ends
+requests (eos, stop tokens, length, the context limit, aborts, preemption) and whatever the
+batch mixes (chunked prefills, prefix-cache hits, pooling, grammars, penalties)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mmserve.request import PLACEHOLDER
+from tests.engine.conftest import assert_all_blocks_free, make_core, make_request, run_all
+from tests.fake_model import FakeModel
+
+MODEL = FakeModel()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(MODEL.vocab_size) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def both(make_requests, **kwargs) -> tuple[dict, dict, list, list]:  # type: ignore[no-untyped-def]
+    """Runs the same requests with and without async scheduling."""
+    results = []
+    for mode in (False, True):
+        core = make_core(MODEL, async_scheduling=mode, **kwargs)
+        reqs = make_requests()
+        out = run_all(core, reqs)
+        assert_all_blocks_free(core)
+        results.append((out, reqs))
+    (sync_out, sync_reqs), (async_out, async_reqs) = results
+    return sync_out, async_out, sync_reqs, async_reqs
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"budget": 5}, {"budget": 1}, {"num_blocks": 14, "budget": 16}, {"max_seqs": 2}, {"caching": False}],
+)
+def test_async_equals_sync_and_reference(kwargs: dict) -> None:
+    ps = prompts(6)
+
+    def reqs():  # type: ignore[no-untyped-def]
+        return [make_request(f"r{i}", p, max_tokens=3 + i) for i, p in enumerate(ps)]
+
+    sync_out, async_out, _, _ = both(reqs, **kwargs)
+    assert async_out == sync_out
+    assert async_out == {f"r{i}": MODEL.reference_greedy(p, 3 + i) for i, p in enumerate(ps)}
+
+
+def test_stops_mid_batch_discard_the_step_in_flight() -> None:
+    """Requests ending on a stop token keep going one step on the device; that token is
+    dropped, their blocks come back, and the others are unaffected."""
+    ps = prompts(8, seed=5)
+    refs = [MODEL.reference_greedy(p, 12) for p in ps]
+
+    def reqs():  # type: ignore[no-untyped-def]
+        # stop on the reference's 3rd token (or none): outputs end there, stop token included
+        return [
+            make_request(f"r{i}", p, max_tokens=12, stop_token_ids=[refs[i][2]] if i % 2 else [])
+            for i, p in enumerate(ps)
+        ]
+
+    sync_out, async_out, _, async_reqs = both(reqs)
+    assert async_out == sync_out
+    for i, r in enumerate(async_reqs):
+        expected = refs[i][: refs[i].index(refs[i][2]) + 1] if i % 2 else refs[i]
+        assert async_out[f"r{i}"] == expected
+        assert r.status.finished
+
+
+def test_context_limit_with_a_token_in_flight() -> None:
+    """A request whose pending token reaches max_model_len is not scheduled again."""
+    core = make_core(MODEL, async_scheduling=True)
+    core.max_model_len = core.scheduler.max_model_len = 20
+    p = list(range(1, 16))
+    r = make_request("a", p, max_tokens=100)
+    out = run_all(core, [r])
+    assert len(p) + len(out["a"]) == 20
+    assert out["a"] == MODEL.reference_greedy(p, 5)
+    assert r.status.value == "length"
+    assert_all_blocks_free(core)
+
+
+def test_one_step_in_flight() -> None:
+    """A decode step's tokens come back from the next call of step(), and that next step ran
+    with the pending token as a placeholder filled in on the device."""
+    core = make_core(MODEL, async_scheduling=True)
+    p = prompts(1, seed=1)[0]
+    core.add_request(make_request("a", p, max_tokens=4))
+    assert core.step() == []  # the prefill samples; its token is not on the host yet
+    plan_tokens = []
+    schedule = core.scheduler.schedule
+
+    def spy():  # type: ignore[no-untyped-def]
+        plan = schedule()
+        plan_tokens.append([s.token_ids for s in plan.scheduled])
+        return plan
+
+    core.scheduler.schedule = spy  # type: ignore[method-assign]
+    got = []
+    while core.has_unfinished:
+        got += [t for o in core.step() for t in o.new_token_ids]
+    assert got == MODEL.reference_greedy(p, 4)
+    # steps 2..4 each computed the placeholder of the step before; then one empty step
+    assert plan_tokens[:3] == [[[PLACEHOLDER]]] * 3
+    assert plan_tokens[3:] == [[]]
+
+
+def test_abort_with_a_step_in_flight() -> None:
+    core = make_core(MODEL, async_scheduling=True)
+    ps = prompts(3, seed=4)
+    for i, p in enumerate(ps):
+        core.add_request(make_request(f"r{i}", p, max_tokens=8))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    for _ in range(3):
+        for o in core.step():
+            out[o.request_id] += o.new_token_ids
+    core.abort(["r1"])  # its next token is on the device
+    while core.has_unfinished:
+        for o in core.step():
+            out[o.request_id] += o.new_token_ids
+    assert out["r0"] == MODEL.reference_greedy(ps[0], 8)
+    assert out["r2"] == MODEL.reference_greedy(ps[2], 8)
+    assert out["r1"] == MODEL.reference_greedy(ps[1], 8)[: len(out["r1"])]
+    assert_all_blocks_free(core)
+
+
+def test_penalties_and_logprobs_see_every_token() -> None:
+    """Penalties read the outputs on the host: the step before's token is there in time."""
+    ps = prompts(4, seed=6)
+
+    def reqs():  # type: ignore[no-untyped-def]
+        return [
+            make_request(f"r{i}", p, max_tokens=10, repetition_penalty=3.0, frequency_penalty=1.5,
+                         logprobs=2)
+            for i, p in enumerate(ps)
+        ]
+
+    sync_out, async_out, _, _ = both(reqs)
+    assert async_out == sync_out
+
+
+def test_generated_blocks_are_cached_when_the_request_ends() -> None:
+    """A block filled by a token still pending when it was scheduled is cached once known."""
+    core = make_core(MODEL, num_blocks=16, async_scheduling=True)
+    run_all(core, [make_request("b", [40, 41, 42], max_tokens=2)])  # block 0: 3 prompt + 1 out
+    assert core.kv.pool.num_cached_blocks == 1
