@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,8 @@ class AttentionMetadata:
     query_lens_cpu: list[int]  # host copy of the query lengths (the reference path loops on it)
     seq_lens_cpu: list[int]  # host copy of seq_lens
     causal: bool = True  # False for encoders (bidirectional, no KV cache kept)
+    # tensors a backend derives from the above once per step and reuses in every layer
+    derived: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

@@ -60,9 +60,13 @@ class TritonAttentionBackend(AttentionBackend):
         if k.stride() != v.stride():
             k, v = k.contiguous(), v.contiguous()
         starts = meta.query_start_loc
-        query_lens = starts[1:] - starts[:-1]  # each request's context is its own tokens
-        offsets = torch.arange(meta.max_query_len, dtype=starts.dtype, device=starts.device)
-        block_tables = starts[:-1, None] + offsets  # [num_reqs, max_query_len] token rows
+        own = meta.derived.get("own_tokens")
+        if own is None:  # the same for every layer: computed by the first
+            query_lens = starts[1:] - starts[:-1]  # each request's context is its own tokens
+            offsets = torch.arange(meta.max_query_len, dtype=starts.dtype, device=starts.device)
+            block_tables = starts[:-1, None] + offsets  # [num_reqs, max_query_len] token rows
+            own = meta.derived["own_tokens"] = (query_lens, block_tables)
+        query_lens, block_tables = own
         return paged_attention(
             q,
             k.unsqueeze(1),

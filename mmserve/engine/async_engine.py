@@ -41,6 +41,20 @@ class _AddPooling:
 
 
 @dataclass
+class PoolInput:
+    """One input of a pooling batch."""
+
+    token_ids: list[int]
+    token_type_ids: list[int] | None = None
+    mm_inputs: tuple[Any, ...] = ()
+
+
+@dataclass
+class _AddPoolingBatch:
+    items: list[_AddPooling]
+
+
+@dataclass
 class _Abort:
     request_id: str
 
@@ -51,7 +65,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_pending: int = 1024) -> None:
         self.engine = engine
         self.max_pending = max_pending  # admission bound on requests in flight
-        self._commands: queue.SimpleQueue[_Add | _AddPooling | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _AddPooling | _AddPoolingBatch | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[GenerationDelta | BaseException], None]] = {}
         self._num_in_flight = 0
         self._lock = threading.Lock()
@@ -116,6 +130,69 @@ class AsyncEngine:
         assert result is not None  # _submit yields exactly once or raises
         return result
 
+    async def pool_batch(
+        self, inputs: list[PoolInput], params: PoolingParams
+    ) -> list[GenerationDelta]:
+        """Pools several inputs as one command (they reach the engine together, so they share
+        its steps) with one wakeup of the caller's loop when the last one finishes; their
+        final deltas, in order. The first failure fails the batch and aborts the rest; so
+        does cancelling it."""
+        for item in inputs:
+            self.engine.validate_pooling(item.token_ids, params, item.mm_inputs)
+        if self.dead is not None:
+            raise RuntimeError(f"engine is dead: {self.dead}")
+        count = len(inputs)
+        with self._lock:
+            if self._num_in_flight + count > self.max_pending:
+                raise ResourceExhausted(f"{self._num_in_flight} requests in flight; retry later")
+            self._num_in_flight += count
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[GenerationDelta]] = loop.create_future()
+        results: list[GenerationDelta | None] = [None] * count
+        remaining = [count]  # touched on the engine thread only
+
+        def finish(item: list[GenerationDelta] | BaseException) -> None:  # on the loop
+            if done.done():
+                return
+            if isinstance(item, BaseException):
+                done.set_exception(item)
+            else:
+                done.set_result(item)
+
+        def sink_for(index: int) -> Callable[[GenerationDelta | BaseException], None]:
+            def sink(item: GenerationDelta | BaseException) -> None:  # on the engine thread
+                if isinstance(item, BaseException):
+                    loop.call_soon_threadsafe(finish, item)
+                    return
+                results[index] = item
+                remaining[0] -= 1
+                if not remaining[0]:
+                    loop.call_soon_threadsafe(finish, results)  # type: ignore[arg-type]
+
+            return sink
+
+        ids = [self.engine.new_request_id() for _ in inputs]
+        self._commands.put(
+            _AddPoolingBatch(
+                [
+                    _AddPooling(
+                        rid, list(item.token_ids), params, item.token_type_ids, sink_for(i),
+                        item.mm_inputs,
+                    )
+                    for i, (rid, item) in enumerate(zip(ids, inputs, strict=True))
+                ]
+            )
+        )
+        try:
+            return await done
+        finally:
+            with self._lock:
+                self._num_in_flight -= count
+            if not done.done() or done.cancelled() or done.exception() is not None:
+                for request_id, result in zip(ids, results, strict=True):
+                    if result is None:
+                        self._commands.put(_Abort(request_id))
+
     async def _submit(
         self,
         request_id: str,
@@ -176,20 +253,24 @@ class AsyncEngine:
             if isinstance(cmd, _Abort):
                 self.engine.abort(cmd.request_id)
                 continue
-            try:
-                if isinstance(cmd, _AddPooling):
-                    self.engine.add_pooling_request(
-                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.token_type_ids,
-                        cmd.mm_inputs,
-                    )
-                else:
-                    self.engine.add_request(
-                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
-                        cmd.grammar, cmd.mm_inputs,
-                    )
-                self._sinks[cmd.request_id] = cmd.sink
-            except Exception as e:  # noqa: BLE001 - a bad request fails alone
-                cmd.sink(e)
+            for add in cmd.items if isinstance(cmd, _AddPoolingBatch) else [cmd]:
+                self._add(add)
+
+    def _add(self, cmd: _Add | _AddPooling) -> None:
+        try:
+            if isinstance(cmd, _AddPooling):
+                self.engine.add_pooling_request(
+                    cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.token_type_ids,
+                    cmd.mm_inputs,
+                )
+            else:
+                self.engine.add_request(
+                    cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
+                    cmd.grammar, cmd.mm_inputs,
+                )
+            self._sinks[cmd.request_id] = cmd.sink
+        except Exception as e:  # noqa: BLE001 - a bad request fails alone
+            cmd.sink(e)
 
     def _dispatch(self, deltas: list[GenerationDelta]) -> None:
         for d in deltas:

@@ -4,8 +4,8 @@ the async functions here on an AsyncEngine, the offline LLM runs the same plans 
 Each call is planned first (mmserve.engine.pooling_plans: every InvalidArgument is raised
 before anything reaches the engine), then each input runs as its own pooling request, so the
 items of one call and of concurrent calls share engine steps under the token budget beside
-generation. A call keeps at most MAX_IN_FLIGHT_PER_CALL requests in the engine at once and
-queues the rest, so a large batch is split, never refused for its size up to
+generation. A call keeps at most MAX_IN_FLIGHT_PER_CALL requests in the engine at once, sent
+in batches, and queues the rest, so a large batch is split, never refused for its size up to
 MAX_INPUTS_PER_CALL inputs.
 """
 
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from mmserve.engine.async_engine import PoolInput
 from mmserve.engine.pooling_inputs import EncodedInput, TextOrIds
 from mmserve.engine.pooling_plans import (
     MAX_INPUTS_PER_CALL,
@@ -122,24 +123,26 @@ async def rerank(
 
 
 async def run_async(engine: AsyncEngine, plan: PoolingPlan[T]) -> T:
-    """Runs a plan's requests concurrently, at most MAX_IN_FLIGHT_PER_CALL at a time. The
-    first failure fails the call and aborts the rest; so does cancelling the call."""
-    window = asyncio.Semaphore(MAX_IN_FLIGHT_PER_CALL)
+    """Runs a plan's requests in batches of MAX_IN_FLIGHT_PER_CALL // 2, two batches in the
+    engine at a time (each batch reaches the engine as one command, so its inputs share
+    steps). The first failure fails the call and aborts the rest; so does cancelling it."""
+    size = max(MAX_IN_FLIGHT_PER_CALL // 2, 1)
+    window = asyncio.Semaphore(2)
 
-    async def one(item: EncodedInput) -> torch.Tensor:
+    async def one(items: Sequence[EncodedInput]) -> list[torch.Tensor]:
+        inputs = [PoolInput(i.token_ids, i.token_type_ids, i.mm_inputs) for i in items]
         async with window:
-            return _pooled(
-                await engine.pool(
-                    item.token_ids, plan.params, item.token_type_ids, mm_inputs=item.mm_inputs
-                )
-            )
+            return [_pooled(d) for d in await engine.pool_batch(inputs, plan.params)]
 
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(one(item)) for item in plan.inputs]
+            tasks = [
+                group.create_task(one(plan.inputs[i : i + size]))
+                for i in range(0, len(plan.inputs), size)
+            ]
     except BaseExceptionGroup as errors:
         raise _first_leaf(errors) from None
-    return plan.finish([t.result() for t in tasks])
+    return plan.finish([pooled for t in tasks for pooled in t.result()])
 
 
 def run_sync(engine: LLMEngine, plan: PoolingPlan[T]) -> T:

@@ -99,3 +99,25 @@ def test_cosine_score_and_rerank(minilm_llm: LLM, sentence_transformer: Any) -> 
     ranked = minilm_llm.rerank(query, docs, top_n=2)
     assert [r.index for r in ranked] == sorted(range(3), key=lambda i: -expected[i])[:2]
     assert ranked[0].document == docs[ranked[0].index]
+
+
+def test_a_cancelled_call_aborts_its_batch(minilm_async: AsyncEngine, reference: torch.Tensor) -> None:
+    """Cancelling a call aborts the inputs it sent as one batch; the engine empties and the
+    next call gets correct results."""
+
+    async def cancel_then_embed() -> pooling_api.EmbedResult:
+        task = asyncio.create_task(pooling_api.embed(minilm_async, TEXTS * 40, truncate="right"))
+        while minilm_async.num_in_flight == 0:  # its first batches are in the engine
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # the aborts reach the engine thread
+            if minilm_async.num_in_flight == 0 and not minilm_async.engine.has_unfinished:
+                break
+            await asyncio.sleep(0.01)
+        return await pooling_api.embed(minilm_async, TEXTS, truncate="right")
+
+    result = asyncio.run(cancel_then_embed())
+    assert minilm_async.num_in_flight == 0 and not minilm_async.engine.has_unfinished
+    assert_matches(result.embeddings, reference)
