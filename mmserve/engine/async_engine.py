@@ -38,6 +38,7 @@ class _AddPooling:
     token_type_ids: list[int] | None
     sink: Callable[[GenerationDelta | BaseException], None]
     mm_inputs: tuple[Any, ...] = ()  # an image input (dual encoders)
+    checked: bool = False  # validate_pooling ran on the caller's side already
 
 
 @dataclass
@@ -137,7 +138,7 @@ class AsyncEngine:
         its steps) with one wakeup of the caller's loop when the last one finishes; their
         final deltas, in order. The first failure fails the batch and aborts the rest; so
         does cancelling it."""
-        for item in inputs:
+        for item in inputs:  # here, so that a bad input fails before anything is sent
             self.engine.validate_pooling(item.token_ids, params, item.mm_inputs)
         if self.dead is not None:
             raise RuntimeError(f"engine is dead: {self.dead}")
@@ -177,7 +178,7 @@ class AsyncEngine:
                 [
                     _AddPooling(
                         rid, list(item.token_ids), params, item.token_type_ids, sink_for(i),
-                        item.mm_inputs,
+                        item.mm_inputs, checked=True,
                     )
                     for i, (rid, item) in enumerate(zip(ids, inputs, strict=True))
                 ]
@@ -261,7 +262,7 @@ class AsyncEngine:
             if isinstance(cmd, _AddPooling):
                 self.engine.add_pooling_request(
                     cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.token_type_ids,
-                    cmd.mm_inputs,
+                    cmd.mm_inputs, cmd.checked,
                 )
             else:
                 self.engine.add_request(

@@ -97,7 +97,8 @@ class EngineCore:
         """One step. With async scheduling a step that samples stays in flight: the next
         call schedules and launches the step after it first, then takes its tokens (so the
         host's scheduling, batch building and launches overlap the device's work, and so do
-        the grammar accept and bitmask fill), and returns its outputs."""
+        the grammar accept and bitmask fill), and returns its outputs. So does a step that
+        pools: its results come to the host while the next step is launched."""
         plan = self.scheduler.schedule()
         step = self.runner.launch(plan)
         outputs = []
@@ -108,7 +109,7 @@ class EngineCore:
         if step is None:
             return outputs + self.scheduler.update(plan, RunnerOutput())
         self.runner.sample(step, self.scheduler.requests)
-        if self.async_scheduling and step.samples:
+        if self.async_scheduling and step.pending:
             self._in_flight = (plan, step)
             return outputs
         return outputs + self.scheduler.update(plan, self.runner.resolve(step))

@@ -229,11 +229,14 @@ class LLMEngine:
         params: PoolingParams,
         token_type_ids: list[int] | None = None,
         mm_inputs: tuple[MMInput, ...] = (),
+        checked: bool = False,
     ) -> None:
         """Queues one input to pool; its single delta carries `pooled`. Inputs must already
         fit the context (truncation happens at the edge). mm_inputs: an image to embed
-        (dual encoders: prompt_token_ids is then one placeholder token)."""
-        self.validate_pooling(prompt_token_ids, params, mm_inputs)
+        (dual encoders: prompt_token_ids is then one placeholder token). checked: the caller
+        ran validate_pooling on these very arguments already."""
+        if not checked:
+            self.validate_pooling(prompt_token_ids, params, mm_inputs)
         if request_id in self._parents:
             raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
         child_id = f"{request_id}#0"

@@ -1,12 +1,13 @@
 """Embed, Classify, Score and Rerank over one engine, free of protobuf: the gRPC servicer calls
 the async functions here on an AsyncEngine, the offline LLM runs the same plans with run_sync.
 
-Each call is planned first (mmserve.engine.pooling_plans: every InvalidArgument is raised
-before anything reaches the engine), then each input runs as its own pooling request, so the
-items of one call and of concurrent calls share engine steps under the token budget beside
-generation. A call keeps at most MAX_IN_FLIGHT_PER_CALL requests in the engine at once, sent
-in batches, and queues the rest, so a large batch is split, never refused for its size up to
-MAX_INPUTS_PER_CALL inputs.
+Each call is planned first (mmserve.engine.pooling_plans: the call's own checks), then its
+inputs are encoded (checked, tokenised) a chunk at a time, each chunk going to the engine as
+soon as it is encoded; each input runs as its own pooling request, so the items of one call
+and of concurrent calls share engine steps under the token budget beside generation. An
+input that fails its checks fails the call; what was already sent is aborted. A call keeps
+at most MAX_IN_FLIGHT_PER_CALL requests in the engine at once and queues the rest, so a
+large batch is split, never refused for its size up to MAX_INPUTS_PER_CALL inputs.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ __all__ = [
 ]
 
 MAX_IN_FLIGHT_PER_CALL = 256  # one call's requests in the engine at once (< AsyncEngine's bound)
+PIPELINE_MIN_CHUNK = 16  # smallest batch of a call's inputs sent to the engine at once
 T = TypeVar("T")
 
 
@@ -123,35 +125,50 @@ async def rerank(
 
 
 async def run_async(engine: AsyncEngine, plan: PoolingPlan[T]) -> T:
-    """Runs a plan's requests in batches of MAX_IN_FLIGHT_PER_CALL // 2, two batches in the
-    engine at a time (each batch reaches the engine as one command, so its inputs share
-    steps). The first failure fails the call and aborts the rest; so does cancelling it."""
-    size = max(MAX_IN_FLIGHT_PER_CALL // 2, 1)
-    window = asyncio.Semaphore(2)
+    """Encodes a plan's inputs a chunk at a time on a worker thread and sends each chunk to
+    the engine as one batch as soon as it is encoded, so tokenising the next chunk overlaps
+    the engine's work on this one; at most MAX_IN_FLIGHT_PER_CALL inputs are in the engine
+    at once. The first failure (an input's InvalidArgument included) fails the call and
+    aborts what was sent; so does cancelling it."""
+    size = chunk_size(plan.count)
+    window = asyncio.Semaphore(max(MAX_IN_FLIGHT_PER_CALL // size, 1))
+    tokens = 0
 
-    async def one(items: Sequence[EncodedInput]) -> list[torch.Tensor]:
-        inputs = [PoolInput(i.token_ids, i.token_type_ids, i.mm_inputs) for i in items]
-        async with window:
+    async def one(items: list[EncodedInput]) -> list[torch.Tensor]:
+        try:
+            inputs = [PoolInput(i.token_ids, i.token_type_ids, i.mm_inputs) for i in items]
             return [_pooled(d) for d in await engine.pool_batch(inputs, plan.params)]
+        finally:
+            window.release()
 
+    tasks = []
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [
-                group.create_task(one(plan.inputs[i : i + size]))
-                for i in range(0, len(plan.inputs), size)
-            ]
+            for start in range(0, plan.count, size):
+                await window.acquire()
+                items = await asyncio.to_thread(plan.encode, start, min(start + size, plan.count))
+                tokens += sum(len(i.token_ids) for i in items)
+                tasks.append(group.create_task(one(items)))
     except BaseExceptionGroup as errors:
         raise _first_leaf(errors) from None
-    return plan.finish([pooled for t in tasks for pooled in t.result()])
+    return plan.finish([pooled for t in tasks for pooled in t.result()], tokens)
+
+
+def chunk_size(count: int) -> int:
+    """Inputs per batch sent to the engine: a quarter of the call (so tokenising overlaps
+    the engine), at least PIPELINE_MIN_CHUNK, at most half the call's window."""
+    quarter = -(-count // 4)
+    return max(1, min(max(PIPELINE_MIN_CHUNK, quarter), MAX_IN_FLIGHT_PER_CALL // 2))
 
 
 def run_sync(engine: LLMEngine, plan: PoolingPlan[T]) -> T:
     """Runs a plan on a synchronous engine (the offline API), stepping until all finish; on
     a failure the plan's other requests are aborted."""
+    inputs = plan.encode()
     ids: dict[str, int] = {}  # request id -> input index
-    pooled: list[torch.Tensor | None] = [None] * len(plan.inputs)
+    pooled: list[torch.Tensor | None] = [None] * len(inputs)
     try:
-        for index, item in enumerate(plan.inputs):
+        for index, item in enumerate(inputs):
             request_id = engine.new_request_id()
             engine.add_pooling_request(
                 request_id, item.token_ids, plan.params, item.token_type_ids, item.mm_inputs
@@ -167,7 +184,8 @@ def run_sync(engine: LLMEngine, plan: PoolingPlan[T]) -> T:
         for request_id in ids:
             engine.abort(request_id)
         raise
-    return plan.finish(pooled)  # type: ignore[arg-type]  # every slot is filled
+    tokens = sum(len(i.token_ids) for i in inputs)
+    return plan.finish(pooled, tokens)  # type: ignore[arg-type]  # every slot is filled
 
 
 def _pooled(delta: GenerationDelta) -> torch.Tensor:

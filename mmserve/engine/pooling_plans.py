@@ -1,6 +1,7 @@
 """Planning Embed, Classify, Score and Rerank calls: every check, tokenisation and truncation
-happens here, before anything reaches the engine; a plan then lists one pooling request per
-input and says how to turn their results into the call's answer. Free of protobuf."""
+happens here. A plan checks the call when it is made, encodes (checks and tokenises) its
+inputs a slice at a time on demand, one pooling request per input, and says how to turn
+their results into the call's answer. Free of protobuf."""
 
 from __future__ import annotations
 
@@ -67,15 +68,24 @@ class RerankResult:
 
 @dataclass
 class PoolingPlan(Generic[T]):
-    """Validated engine work for one call, and how to turn its results into the answer."""
+    """Validated engine work for one call, and how to turn its results into the answer. The
+    call's own checks ran when it was planned; each input's checks and tokenisation run in
+    encode(), a slice at a time, so a runner can send the first inputs to the engine while
+    it tokenises the next."""
 
-    inputs: list[EncodedInput]  # one pooling request each
+    count: int  # pooling requests: one per input
     params: PoolingParams  # shared by all of them
-    finish: Callable[[list[torch.Tensor]], T]  # pooled results in input order -> answer
+    encode_range: Callable[[int, int], list[EncodedInput]]  # inputs [start, end), checked
+    finish: Callable[[list[torch.Tensor], int], T]  # (pooled in input order, prompt tokens)
+
+    def encode(self, start: int = 0, end: int | None = None) -> list[EncodedInput]:
+        """Inputs [start, end) (default all) checked and tokenised; raises InvalidArgument."""
+        return self.encode_range(start, self.count if end is None else end)
 
     @property
-    def prompt_tokens(self) -> int:
-        return sum(len(i.token_ids) for i in self.inputs)
+    def inputs(self) -> list[EncodedInput]:
+        """Every input, encoded (all at once)."""
+        return self.encode()
 
 
 def plan_embed(
@@ -90,9 +100,14 @@ def plan_embed(
     _check_count(len(inputs), "inputs")
     params = PoolingParams("embed", normalize=normalize, dimensions=dimensions)
     params.validate(engine.hidden_size)
-    encoded = _encode_with_images(engine, inputs, truncate, _names("inputs", len(inputs)))
-    tokens = _count(encoded)
-    return PoolingPlan(encoded, params, lambda pooled: EmbedResult(torch.stack(pooled), tokens))
+    names = _names("inputs", len(inputs))
+
+    def encode(start: int, end: int) -> list[EncodedInput]:
+        return _encode_with_images(engine, inputs[start:end], truncate, names[start:end])
+
+    return PoolingPlan(
+        len(inputs), params, encode, lambda pooled, tokens: EmbedResult(torch.stack(pooled), tokens)
+    )
 
 
 def plan_classify(
@@ -100,13 +115,16 @@ def plan_classify(
 ) -> PoolingPlan[ClassifyResult]:
     _require(engine, "classify")
     _check_count(len(inputs), "inputs")
-    encoded = _encode(engine, inputs, truncate, _names("inputs", len(inputs)))
-    labels, tokens = engine.setup.labels, _count(encoded)
+    names = _names("inputs", len(inputs))
+    labels = engine.setup.labels
 
-    def finish(pooled: list[torch.Tensor]) -> ClassifyResult:
+    def encode(start: int, end: int) -> list[EncodedInput]:
+        return _encode(engine, inputs[start:end], truncate, names[start:end])
+
+    def finish(pooled: list[torch.Tensor], tokens: int) -> ClassifyResult:
         return ClassifyResult([_classification(labels, p) for p in pooled], tokens)
 
-    return PoolingPlan(encoded, PoolingParams("classify"), finish)
+    return PoolingPlan(len(inputs), PoolingParams("classify"), encode, finish)
 
 
 def plan_score(
@@ -144,13 +162,13 @@ def plan_rerank(
     names = _names("documents", len(documents))
     scored = _plan_pairs(engine, [query], documents, truncate, ["query"], names)
 
-    def finish(pooled: list[torch.Tensor]) -> RerankResult:
-        scores = scored.finish(pooled).scores
+    def finish(pooled: list[torch.Tensor], tokens: int) -> RerankResult:
+        scores = scored.finish(pooled, tokens).scores
         order = sorted(range(len(documents)), key=lambda i: -scores[i])[:top_n]
         ranked = [RankedDocument(i, scores[i], documents[i]) for i in order]
-        return RerankResult(ranked, scored.prompt_tokens)
+        return RerankResult(ranked, tokens)
 
-    return PoolingPlan(scored.inputs, scored.params, finish)
+    return PoolingPlan(scored.count, scored.params, scored.encode_range, finish)
 
 
 def _plan_pairs(
@@ -171,16 +189,22 @@ def _plan_pairs(
         for j, b, name in zip(index, second, second_names, strict=True)
     ]
     encoder = engine.input_encoder
-    if engine.setup.score_method == "yes-token":
-        encoded = [encoder.encode_yes_no(a, b, truncate, fa, fb) for a, b, fa, fb in pairs]
-    else:
-        encoded = encoder.encode_pairs([(a, b) for a, b, _, _ in pairs], truncate, second_names)
-    _check_vocab(engine, encoded, second_names)
-    tokens = _count(encoded)
+    yes_no = engine.setup.score_method == "yes-token"
+
+    def encode(start: int, end: int) -> list[EncodedInput]:
+        chunk, names = pairs[start:end], second_names[start:end]
+        if yes_no:
+            encoded = [encoder.encode_yes_no(a, b, truncate, fa, fb) for a, b, fa, fb in chunk]
+        else:
+            encoded = encoder.encode_pairs([(a, b) for a, b, _, _ in chunk], truncate, names)
+        _check_vocab(engine, encoded, names)
+        return encoded
+
     return PoolingPlan(
-        encoded,
+        len(pairs),
         PoolingParams("score"),
-        lambda pooled: ScoreResult([float(p[0]) for p in pooled], tokens),
+        encode,
+        lambda pooled, tokens: ScoreResult([float(p[0]) for p in pooled], tokens),
     )
 
 
@@ -194,15 +218,17 @@ def _plan_cosine(
 ) -> PoolingPlan[ScoreResult]:
     """Embeds each side once; a score is the dot product of two unit vectors. Images are
     inputs too where the model embeds them (CLIP, SigLIP: text-image similarity)."""
-    encoded = _encode_with_images(engine, first, truncate, first_names)
-    encoded += _encode_with_images(engine, second, truncate, second_names)
-    tokens = _count(encoded)
+    items = [*first, *second]
+    names = first_names + second_names
 
-    def finish(pooled: list[torch.Tensor]) -> ScoreResult:
+    def encode(start: int, end: int) -> list[EncodedInput]:
+        return _encode_with_images(engine, items[start:end], truncate, names[start:end])
+
+    def finish(pooled: list[torch.Tensor], tokens: int) -> ScoreResult:
         a, b = torch.stack(pooled[: len(first)]), torch.stack(pooled[len(first) :])
         return ScoreResult((a * b).sum(-1).tolist(), tokens)  # one `first` row broadcasts
 
-    return PoolingPlan(encoded, PoolingParams("embed", normalize=True), finish)
+    return PoolingPlan(len(items), PoolingParams("embed", normalize=True), encode, finish)
 
 
 def _require(engine: LLMEngine, task: str) -> None:
@@ -277,10 +303,6 @@ def _padded(engine: LLMEngine, encoded: list[EncodedInput]) -> list[EncodedInput
 def _check_vocab(engine: LLMEngine, encoded: list[EncodedInput], names: list[str]) -> None:
     for item, name in zip(encoded, names, strict=True):
         engine.check_token_ids(item.token_ids, name)
-
-
-def _count(encoded: list[EncodedInput]) -> int:
-    return sum(len(e.token_ids) for e in encoded)
 
 
 def _classification(labels: Sequence[str], probs: torch.Tensor) -> Classification:

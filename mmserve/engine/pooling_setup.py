@@ -12,6 +12,7 @@ files and the tokenizer:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ class PoolingSetup:
     yes_no_ids: tuple[int, int] | None = None  # yes-token scoring: the "yes" and "no" ids
     st_normalize: bool = False  # the sentence-transformers pipeline ends in Normalize
 
-    @property
+    @functools.cached_property
     def pooler_tasks(self) -> frozenset[str]:
         """PoolingParams tasks this engine's pooler computes (cosine scoring uses "embed")."""
         tasks: set[str] = {t for t in ("embed", "classify") if t in self.tasks}

@@ -3,6 +3,7 @@ logits only where a token is sampled (or prompt logprobs are wanted), and sample
 
 from __future__ import annotations
 
+import math
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import cast
@@ -21,20 +22,56 @@ from mmserve.runner.sampler import SamplingRow, sample_on_device, top_logprobs
 from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
 
 
+def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A host copy of a device tensor, started now, and the event that marks it done (CUDA:
+    into pinned memory, without waiting; on the CPU the tensor itself and no event)."""
+    if tensor.device.type != "cuda":
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
+
+
+@dataclass
+class PooledOnDevice:
+    """A step's pooled results on their way to the host: one flat float32 tensor holding
+    each request's result (of the given shape) in order."""
+
+    ids: list[str]
+    shapes: list[tuple[int, ...]]
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    def resolve(self) -> dict[str, torch.Tensor]:
+        """request id -> its result on the host (waits for the copy)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        sizes = [math.prod(shape) for shape in self.shapes]
+        parts = self.host.split(sizes)
+        return {
+            request_id: part.view(shape)
+            for request_id, part, shape in zip(self.ids, parts, self.shapes, strict=True)
+        }
+
+
 @dataclass
 class LaunchedStep:
     """A step whose forward pass is enqueued; sample() and resolve() finish it."""
 
     batch: FlatBatch
     hidden: torch.Tensor
-    out: RunnerOutput  # pooled results and prompt logprobs already; sampled tokens by resolve()
+    out: RunnerOutput  # prompt logprobs already; sampled tokens and pooled by resolve()
+    pooled: PooledOnDevice | None = None
     logprobs: list[TokenLogprob | None] | None = None
     host_tokens: torch.Tensor | None = None  # the sampled tokens on the host, once copied
-    copied: torch.cuda.Event | None = None  # recorded after the copy (CUDA)
+    copied: torch.cuda.Event | None = None  # recorded after the tokens' copy (CUDA)
 
     @property
-    def samples(self) -> bool:
-        return bool(self.batch.sample_rows)
+    def pending(self) -> bool:
+        """Whether results of this step are still on their way to the host."""
+        return bool(self.batch.sample_rows) or self.pooled is not None
 
 
 class ModelRunner:
@@ -109,8 +146,8 @@ class ModelRunner:
         batch = self.input_batch.build(plan, self._previous)
         hidden = self._forward(batch)
         pooled = self._pool(plan, hidden, self._embed_image_inputs(plan) if self.dual else {})
-        out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden), pooled=pooled)
-        return LaunchedStep(batch, hidden, out)
+        out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden))
+        return LaunchedStep(batch, hidden, out, pooled=pooled)
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, live: Container[str] | None = None) -> None:
@@ -129,24 +166,20 @@ class ModelRunner:
         rows = [self._sampling_row(s) for s in reqs]
         tokens, step.logprobs = sample_on_device(logits, rows, self.generator)
         self._previous = SampledOnDevice(tokens, {s.request_id: i for i, s in enumerate(reqs)})
-        if tokens.device.type == "cuda":
-            step.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            step.host_tokens.copy_(tokens, non_blocking=True)
-            step.copied = torch.cuda.Event()
-            step.copied.record()
-        else:
-            step.host_tokens = tokens
+        step.host_tokens, step.copied = _to_host(tokens)
 
     def resolve(self, step: LaunchedStep) -> RunnerOutput:
-        """Waits for a sampled step's tokens; its complete output."""
+        """Waits for a step's tokens and pooled results to reach the host; its output."""
         out = step.out
-        if step.host_tokens is None:
-            return out
         if step.copied is not None:
             step.copied.synchronize()
-        logprobs = step.logprobs or [None] * len(step.batch.sample_reqs)
-        for item, token, lp in zip(step.batch.sample_reqs, step.host_tokens.tolist(), logprobs):
-            out.sampled[item.request_id] = SampledToken(token, lp)
+        if step.host_tokens is not None:
+            logprobs = step.logprobs or [None] * len(step.batch.sample_reqs)
+            tokens = step.host_tokens.tolist()
+            for item, token, lp in zip(step.batch.sample_reqs, tokens, logprobs):
+                out.sampled[item.request_id] = SampledToken(token, lp)
+        if step.pooled is not None:
+            out.pooled = step.pooled.resolve()
         return out
 
     def _sampled_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -202,10 +235,10 @@ class ModelRunner:
 
     def _pool(
         self, plan: SchedulerOutput, hidden: torch.Tensor, images: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
+    ) -> PooledOnDevice | None:
         """images: a dual encoder's image inputs, already embedded (request id -> vector).
-        Embeddings sharing their params are pooled together; results come to the CPU in one
-        copy (one sync, not one per request)."""
+        Embeddings sharing their params are pooled together; the results start on their way
+        to the host in one copy (nothing waits for them here)."""
         ids: list[str] = []
         results: list[torch.Tensor] = []
         batches: dict[tuple[bool, int | None], list[tuple[str, int, int]]] = {}
@@ -221,21 +254,18 @@ class ModelRunner:
                     ids.append(item.request_id)
                     results.append(self._pool_one(item, hidden[row : row + n], images).float())
             row += n
+        shapes = [tuple(r.shape) for r in results]
         for (normalize, dimensions), group in batches.items():
             starts, lengths = [g[1] for g in group], [g[2] for g in group]
             params = PoolingParams("embed", normalize=normalize, dimensions=dimensions)
             vectors = self.pooler.embed_batch(hidden, starts, lengths, params)  # type: ignore[union-attr]
             ids += [g[0] for g in group]
-            results += list(vectors)
+            shapes += [tuple(vectors.shape[1:])] * len(group)
+            results.append(vectors)
         if not results:
-            return {}
-        flat = torch.cat([r.reshape(-1) for r in results]).cpu()
-        out: dict[str, torch.Tensor] = {}
-        start = 0
-        for request_id, r in zip(ids, results, strict=True):
-            out[request_id] = flat[start : start + r.numel()].reshape(r.shape)
-            start += r.numel()
-        return out
+            return None
+        host, copied = _to_host(torch.cat([r.reshape(-1) for r in results]))
+        return PooledOnDevice(ids, shapes, host, copied)
 
     def _pool_one(
         self, item: ScheduledRequest, rows: torch.Tensor, images: dict[str, torch.Tensor]

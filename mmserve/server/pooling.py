@@ -1,8 +1,8 @@
 """The Embed, Rerank, Classify and Score RPCs: proto -> the engine's pooling API -> proto.
 
-Each call is planned on a worker thread (tokenisation, truncation and every check: nothing
-invalid reaches the engine), then its inputs run as pooling requests on the model's shared
-engine, beside whatever else it serves (generation included)."""
+Each call is planned (its own checks), then its inputs are tokenised and checked on a worker
+thread a chunk at a time, each chunk running as pooling requests on the model's shared engine
+while the next is tokenised, beside whatever else the engine serves (generation included)."""
 
 from __future__ import annotations
 

@@ -66,7 +66,12 @@ def hf_tokenize(path: Path, *texts: str) -> dict[str, list[int]]:
 def raw_logits(llm: LLM, inputs: list[list[int]]) -> torch.Tensor:
     """Our classifier logits without activation, for token-id inputs."""
     encoded = llm.engine.input_encoder.encode(inputs, "none", "inputs")
-    plan = PoolingPlan(encoded, PoolingParams("classify", activation=False), torch.stack)
+    plan = PoolingPlan(
+        len(encoded),
+        PoolingParams("classify", activation=False),
+        lambda start, end: encoded[start:end],
+        lambda pooled, _tokens: torch.stack(pooled),
+    )
     return run_sync(llm.engine, plan)
 
 

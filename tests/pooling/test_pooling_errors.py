@@ -79,3 +79,26 @@ def test_async_errors_raise_before_the_engine(minilm_async: AsyncEngine) -> None
     with pytest.raises(InvalidArgument, match="^first: has 2 items"):
         asyncio.run(call(pooling_api.score(minilm_async, ["a", "b"], ["c"])))
     assert minilm_async.num_in_flight == 0
+
+
+def test_a_bad_input_in_a_later_chunk_fails_the_call_and_frees_the_engine(
+    minilm_async: AsyncEngine,
+) -> None:
+    """Inputs go to the engine a chunk at a time; a bad one past the first chunk fails the call
+    naming it, the chunks already sent are aborted, and the engine serves the next call."""
+    texts = ["a short text"] * 70
+    texts[67] = LONG
+    assert pooling_api.chunk_size(len(texts)) < 67
+
+    async def call() -> None:
+        with pytest.raises(InvalidArgument, match=r"inputs\[67\]"):
+            await pooling_api.embed(minilm_async, texts, truncate="none")
+        for _ in range(200):
+            if minilm_async.num_in_flight == 0 and not minilm_async.engine.has_unfinished:
+                break
+            await asyncio.sleep(0.01)
+        assert minilm_async.num_in_flight == 0 and not minilm_async.engine.has_unfinished
+        result = await pooling_api.embed(minilm_async, texts[:3])
+        assert result.embeddings.shape == (3, 384)
+
+    asyncio.run(call())
