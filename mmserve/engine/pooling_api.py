@@ -64,7 +64,10 @@ __all__ = [
 ]
 
 MAX_IN_FLIGHT_PER_CALL = 256  # one call's requests in the engine at once (< AsyncEngine's bound)
-PIPELINE_MIN_CHUNK = 16  # smallest batch of a call's inputs sent to the engine at once
+# smallest batch of a call's inputs sent to the engine at once: one engine step of this many
+# beats smaller pipelined ones (H200, bert-base, 64 x 128 tokens: 13.3 ms per call as one
+# batch, 18.7 ms as two of 32, 20.6 ms as four of 16)
+PIPELINE_MIN_CHUNK = 64
 T = TypeVar("T")
 
 

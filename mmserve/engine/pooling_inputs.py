@@ -58,7 +58,7 @@ class InputEncoder:
         names = [f"{field}[{i}]" for i in range(len(inputs))] if isinstance(field, str) else field
         texts = [(i, x.strip()) for i, x in enumerate(inputs) if isinstance(x, str)]
         rust = self._rust(truncate)
-        by_index = dict(zip((i for i, _ in texts), rust.encode_batch([t for _, t in texts])))
+        by_index = dict(zip((i for i, _ in texts), _encode_batch(rust, [t for _, t in texts])))
         out = []
         for i, (item, name) in enumerate(zip(inputs, names, strict=True)):
             enc = by_index.get(i)
@@ -74,7 +74,7 @@ class InputEncoder:
         """Each (first, second) pair tokenised together, as a cross-encoder reads it;
         truncation takes tokens from the longer text first (transformers' longest_first)."""
         stripped = [(a.strip(), b.strip()) for a, b in pairs]
-        encodings = self._rust(truncate).encode_batch(stripped) if stripped else []
+        encodings = _encode_batch(self._rust(truncate), stripped) if stripped else []
         return [
             self._checked(enc.ids, enc.type_ids, truncate, field)
             for enc, field in zip(encodings, fields, strict=True)
@@ -151,6 +151,13 @@ class InputEncoder:
             )
         assert self._yes_no_parts is not None
         return self._yes_no_parts
+
+
+def _encode_batch(rust: Any, inputs: list[Any]) -> list[Any]:
+    """The Rust tokenizer's encodings of inputs (texts or pairs), without character offsets
+    where the tokenizers release can skip them (encode_batch_fast: about a quarter faster)."""
+    fast = getattr(rust, "encode_batch_fast", None)
+    return fast(inputs) if fast is not None else rust.encode_batch(inputs)  # type: ignore[no-any-return]
 
 
 def _token_ids(item: object, field: str) -> list[int]:
