@@ -1,4 +1,5 @@
-"""Rotary position embedding, neox style (rotate_half, as in HF Llama), on q and k together.
+"""Rotary position embedding, neox style (rotate_half, as in HF Llama), on q and k together
+(one launch for both).
 
 For head_dim D and half = D/2: out[:half] = x1*cos1 - x2*sin1 and out[half:] = x2*cos2 + x1*sin2,
 where x1, x2 are the halves of x. cos/sin tables are [max_pos, D/2] (cos1 = cos2) or HF's
@@ -22,21 +23,13 @@ from mmserve.kernels._common import (
 
 
 @triton.jit
-def _rotary_kernel(
-    out_ptr, x_ptr, positions_ptr, cos_ptr, sin_ptr,
-    stride_xt, stride_xh, stride_ot, stride_oh, stride_table, second_half_col, num_heads,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _rotate_heads(
+    out_ptr, x_ptr, token, first_head, num_heads, stride_xt, stride_xh, stride_ot, stride_oh,
+    cos1, sin1, cos2, sin2, cols, col_mask,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    col_mask = cols < HALF
+    heads = first_head + tl.arange(0, BLOCK_H)[:, None]
     mask = (heads < num_heads) & col_mask
-    row = tl.load(positions_ptr + token).to(tl.int64) * stride_table
-    cos1 = tl.load(cos_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
     x_offs = token * stride_xt + heads * stride_xh + cols
     x1 = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -46,21 +39,58 @@ def _rotary_kernel(
     tl.store(out_ptr + out_offs + HALF, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask)
 
 
+@triton.jit
+def _rotary_kernel(
+    q_out_ptr, q_ptr, k_out_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh, stride_kot, stride_koh,
+    stride_table, second_half_col, num_q_heads, num_k_heads, q_blocks,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """One launch for q and k: programs [0, q_blocks) rotate q's heads, the rest k's."""
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    col_mask = cols < HALF
+    row = tl.load(positions_ptr + token).to(tl.int64) * stride_table
+    cos1 = tl.load(cos_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if block < q_blocks:
+        _rotate_heads(
+            q_out_ptr, q_ptr, token, block * BLOCK_H, num_q_heads,
+            stride_qt, stride_qh, stride_qot, stride_qoh, cos1, sin1, cos2, sin2, cols, col_mask,
+            HALF, BLOCK_H,
+        )  # fmt: skip
+    else:
+        _rotate_heads(
+            k_out_ptr, k_ptr, token, (block - q_blocks) * BLOCK_H, num_k_heads,
+            stride_kt, stride_kh, stride_kot, stride_koh, cos1, sin1, cos2, sin2, cols, col_mask,
+            HALF, BLOCK_H,
+        )  # fmt: skip
+
+
 def _apply(
-    out: torch.Tensor,
-    x: torch.Tensor,
+    q_out: torch.Tensor,
+    q: torch.Tensor,
+    k_out: torch.Tensor,
+    k: torch.Tensor,
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> None:
-    num_tokens, num_heads, head_dim = x.shape
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(num_heads), max(1, 2048 // block_half))
-    _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        out, x, positions, cos, sin,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-        half if cos.shape[1] == head_dim else 0, num_heads,
+    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, 2048 // block_half))
+    q_blocks = triton.cdiv(num_q_heads, block_h)
+    grid = (num_tokens, q_blocks + triton.cdiv(num_k_heads, block_h))
+    _rotary_kernel[grid](
+        q_out, q, k_out, k, positions, cos, sin,
+        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1),
+        k.stride(0), k.stride(1), k_out.stride(0), k_out.stride(1),
+        cos.stride(0), half if cos.shape[1] == head_dim else 0, num_q_heads, num_k_heads, q_blocks,
         HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
         num_warps=4 if block_h * block_half >= 1024 else 1,
     )  # fmt: skip
@@ -102,8 +132,7 @@ def rotary_embedding(
     q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens > 0:
-        _apply(q_out, q, positions, cos, sin)
-        _apply(k_out, k, positions, cos, sin)
+        _apply(q_out, q, k_out, k, positions, cos, sin)
     return q_out, k_out
 
 

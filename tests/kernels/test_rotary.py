@@ -22,6 +22,8 @@ def tables(max_pos, head_dim, full, device):
         (1, 4, 1, 64),
         (13, 6, 2, 128),
         (5, 3, 3, 80),
+        (3, 40, 8, 128),  # q spans two head blocks of 32
+        (2, 8, 33, 128),  # k spans two head blocks, after q's one
     ],
 )
 def test_matches_reference(num_tokens, num_heads, num_kv_heads, head_dim, full, dtype, device, tol):
