@@ -8,8 +8,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from mmserve.request import PLACEHOLDER
+from mmserve.structured_output.backend import GrammarMatcher, allow_tokens
 from tests.engine.conftest import assert_all_blocks_free, make_core, make_request, run_all
 from tests.fake_model import FakeModel
 
@@ -147,3 +149,58 @@ def test_generated_blocks_are_cached_when_the_request_ends() -> None:
     core = make_core(MODEL, num_blocks=16, async_scheduling=True)
     run_all(core, [make_request("b", [40, 41, 42], max_tokens=2)])  # block 0: 3 prompt + 1 out
     assert core.kv.pool.num_cached_blocks == 1
+
+
+class EvenTokens(GrammarMatcher):
+    """Allows even token ids only; after `length` tokens, only the stop token 0."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.accepted: list[int] = []
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id % 2 or (len(self.accepted) >= self.length and token_id != 0):
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        allowed = [0] if len(self.accepted) >= self.length else range(0, MODEL.vocab_size, 2)
+        bitmask[row].zero_()
+        allow_tokens(bitmask[row], allowed)
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens :]
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) > self.length
+
+    def reset(self) -> None:
+        self.accepted.clear()
+
+
+def test_grammar_masks_filled_on_a_worker_thread_equal_sync() -> None:
+    """Constrained requests (masks filled while the host schedules the next step) next to
+    unconstrained ones: the same tokens as synchronous scheduling, every one allowed, and
+    each constrained request ends on its stop token."""
+    ps = prompts(5, seed=7)
+
+    def reqs():  # type: ignore[no-untyped-def]
+        out = []
+        for i, p in enumerate(ps):
+            r = make_request(f"r{i}", p, max_tokens=20)
+            if i % 2 == 0:
+                r.grammar = EvenTokens(length=3 + i)
+            out.append(r)
+        return out
+
+    sync_out, async_out, _, async_reqs = both(reqs)
+    assert async_out == sync_out
+    for i, r in enumerate(async_reqs):
+        if i % 2 == 0:
+            tokens = async_out[f"r{i}"]
+            assert len(tokens) == 3 + i + 1 and tokens[-1] == 0
+            assert all(t % 2 == 0 for t in tokens)
+            assert r.grammar.accepted == tokens
+        else:
+            assert async_out[f"r{i}"] == MODEL.reference_greedy(ps[i], 20)
