@@ -94,40 +94,22 @@ class EngineCore:
         return self.scheduler.has_unfinished or self._in_flight is not None
 
     def step(self) -> list[EngineOutput]:
-        """One step. With async scheduling one step stays in flight: its forward pass
-        enqueued, its grammar masks being filled, its sampling not yet enqueued. The next
-        call schedules and builds the step after it, samples it (its masks are ready by
-        then), launches the new step's forward pass at once (the device never waits for the
-        host between the two), takes the sampled tokens and applies them (stops, grammar
-        accept), and starts the new step's masks, all while the device runs the new forward
-        pass. Pooled results reach the host the same way."""
-        if not self.async_scheduling:
-            return self._step_sync()
+        """One step. With async scheduling a step that samples stays in flight: the next
+        call schedules and launches the step after it first, then takes its tokens (so the
+        host's scheduling, batch building and launches overlap the device's work, and so do
+        the grammar accept and bitmask fill), and returns its outputs. So does a step that
+        pools: its results come to the host while the next step is launched."""
         plan = self.scheduler.schedule()
-        before = self._in_flight
-        self._in_flight = None
-        previous = before[1] if before is not None else None
-        batch = self.runner.prepare(plan, previous)
-        if previous is not None:
-            self.runner.sample(previous)
-        step = self.runner.launch(plan, batch, previous) if batch is not None else None
+        step = self.runner.launch(plan)
         outputs = []
-        if before is not None:
-            outputs = self.scheduler.update(before[0], self.runner.resolve(before[1]))
+        if self._in_flight is not None:
+            before, launched = self._in_flight
+            self._in_flight = None
+            outputs = self.scheduler.update(before, self.runner.resolve(launched))
         if step is None:
             return outputs + self.scheduler.update(plan, RunnerOutput())
-        if step.pending:
-            self.runner.start_fill(step, self.scheduler.requests)
+        self.runner.sample(step, self.scheduler.requests)
+        if self.async_scheduling and step.pending:
             self._in_flight = (plan, step)
             return outputs
         return outputs + self.scheduler.update(plan, self.runner.resolve(step))
-
-    def _step_sync(self) -> list[EngineOutput]:
-        """One step, start to end: schedule, launch, sample, wait, apply."""
-        plan = self.scheduler.schedule()
-        batch = self.runner.prepare(plan)
-        if batch is None:
-            return self.scheduler.update(plan, RunnerOutput())
-        step = self.runner.launch(plan, batch)
-        self.runner.sample(step, self.scheduler.requests)
-        return self.scheduler.update(plan, self.runner.resolve(step))

@@ -27,9 +27,15 @@ class FlatBatch:
     sample_reqs: list[ScheduledRequest]  # the requests of sample_rows, same order
     token_type_ids: torch.Tensor | None  # [T] int64 when some request has segment ids
     image_rows: list[tuple[int, MMInput, int, int]]  # (batch row, image, first, end row in it)
-    # rows whose token is a PLACEHOLDER, their rows among the step before's sampled tokens,
-    # and both as one device index tensor (rows, then sources); None when there are none
-    placeholders: tuple[list[int], list[int], torch.Tensor] | None = None
+
+
+@dataclass
+class SampledOnDevice:
+    """The tokens one step sampled, before they reach the host: [N] int64 on the device, and
+    the row of each request that sampled."""
+
+    tokens: torch.Tensor
+    rows: dict[str, int]
 
 
 class _HostBuffers:
@@ -165,18 +171,17 @@ class InputBatchBuilder:
         costs a table row, never a wrong batch (its next first step rewrites its row)."""
         self._tables.drop(request_ids)
 
-    def build(self, plan: SchedulerOutput, previous_rows: dict[str, int] | None = None) -> FlatBatch:
-        """previous_rows: each request's row among the tokens the step before samples (async
-        scheduling); a request's PLACEHOLDER (its last token) is to be taken from there, by
-        fill_placeholders once those tokens are on the device."""
+    def build(self, plan: SchedulerOutput, previous: SampledOnDevice | None = None) -> FlatBatch:
+        """previous: the tokens the step before sampled, still on the device; each request's
+        PLACEHOLDER (its last token, with async scheduling) is taken from there."""
         self.forget(plan.finished_ids)
         self._host.begin()
         try:
-            return self._build(plan, previous_rows)
+            return self._build(plan, previous)
         finally:
             self._host.end()
 
-    def _build(self, plan: SchedulerOutput, previous_rows: dict[str, int] | None) -> FlatBatch:
+    def _build(self, plan: SchedulerOutput, previous: SampledOnDevice | None) -> FlatBatch:
         scheduled = plan.scheduled
         token_ids: list[int] = []
         query_lens: list[int] = []
@@ -192,10 +197,10 @@ class InputBatchBuilder:
             token_ids += item.token_ids
             n = len(token_ids) - row
             if token_ids[-1] == PLACEHOLDER:
-                if previous_rows is None or item.request_id not in previous_rows:
+                if previous is None or item.request_id not in previous.rows:
                     raise RuntimeError(f"request {item.request_id}: a pending token without its step")
                 filled.append(row + n - 1)
-                sources.append(previous_rows[item.request_id])
+                sources.append(previous.rows[item.request_id])
             query_lens.append(n)
             starts.append(item.start_pos)
             num_blocks.append(len(item.block_ids))
@@ -230,10 +235,9 @@ class InputBatchBuilder:
             causal=self.causal,
         )
         input_ids = self._to_device(host.fill("input_ids", token_ids, np.int64))
-        placeholders = None
         if filled:
-            index = self._to_device(host.fill("filled_rows", filled + sources, np.int64))
-            placeholders = (filled, sources, index)
+            assert previous is not None
+            self._fill_placeholders(input_ids, filled, sources, previous.tokens)
         return FlatBatch(
             input_ids,
             self._positions(scheduled, positions, req_of_token),
@@ -242,20 +246,16 @@ class InputBatchBuilder:
             sample_reqs,
             self._token_type_ids(scheduled),
             rows,
-            placeholders,
         )
 
-    @staticmethod
-    def fill_placeholders(batch: FlatBatch, tokens: torch.Tensor) -> None:
-        """Writes the step before's sampled tokens ([N] on the device) into the batch's
-        placeholder rows, on the device (nothing waits for them)."""
-        if batch.placeholders is None:
-            return
-        rows, sources, index = batch.placeholders
-        input_ids = batch.input_ids
+    def _fill_placeholders(
+        self, input_ids: torch.Tensor, rows: list[int], sources: list[int], tokens: torch.Tensor
+    ) -> None:
+        """input_ids[rows] = tokens[sources], on the device (no wait for the step before)."""
         if len(rows) == len(input_ids) == len(tokens) and sources == rows:
             input_ids.copy_(tokens)  # a decode batch in the same order as the step before
             return
+        index = self._to_device(self._host.fill("filled_rows", rows + sources, np.int64))
         input_ids[index[: len(rows)]] = tokens[index[len(rows) :]]
 
     def _block_tables(self, scheduled: list[ScheduledRequest], num_blocks: list[int]) -> np.ndarray:

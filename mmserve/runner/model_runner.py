@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
 
@@ -17,7 +16,7 @@ from mmserve.models.vision import DualEncoder
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams
 from mmserve.runner.cuda_graphs import DecodeGraphs
-from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder
+from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder, SampledOnDevice
 from mmserve.runner.pooler import Pooler, finish_embedding
 from mmserve.runner.sampler import SamplingRow, sample_on_device, top_logprobs
 from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
@@ -65,16 +64,9 @@ class LaunchedStep:
     hidden: torch.Tensor
     out: RunnerOutput  # prompt logprobs already; sampled tokens and pooled by resolve()
     pooled: PooledOnDevice | None = None
-    fill: Future[tuple[torch.Tensor, list[int]] | None] | None = None  # grammar masks, started
-    tokens: torch.Tensor | None = None  # the sampled tokens on the device, once sampled
     logprobs: list[TokenLogprob | None] | None = None
     host_tokens: torch.Tensor | None = None  # the sampled tokens on the host, once copied
     copied: torch.cuda.Event | None = None  # recorded after the tokens' copy (CUDA)
-
-    @property
-    def sample_index(self) -> dict[str, int]:
-        """Each sampling request's row among the sampled tokens."""
-        return {s.request_id: i for i, s in enumerate(self.batch.sample_reqs)}
 
     @property
     def pending(self) -> bool:
@@ -114,8 +106,7 @@ class ModelRunner:
         # image content hash -> encoder output rows [length, hidden]; the scheduler's
         # EncoderCacheManager decides what stays (plan.encoder_free)
         self.encoder_outputs: dict[str, torch.Tensor] = {}
-        # fills grammar bitmasks while the host does other work (start_fill)
-        self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="mmserve-grammar")
+        self._previous: SampledOnDevice | None = None  # the tokens the latest step sampled
 
     def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Captures decode graphs (CUDA with a graph-safe attention backend only)."""
@@ -134,18 +125,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        """One whole step: build, launch, sample, wait for the results."""
-        batch = self.prepare(plan)
-        if batch is None:
+        """One whole step: launch, sample, wait for the tokens."""
+        step = self.launch(plan)
+        if step is None:
             return RunnerOutput()
-        step = self.launch(plan, batch)
         self.sample(step)
         return self.resolve(step)
 
-    def prepare(self, plan: SchedulerOutput, previous: LaunchedStep | None = None) -> FlatBatch | None:
-        """Drops the state of ended requests and builds the plan's batch (None when empty).
-        previous: the step before, when its tokens are still to come (async scheduling):
-        the batch's placeholders refer to its sampled rows."""
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput) -> LaunchedStep | None:
+        """Builds the batch and enqueues the forward pass (None for an empty plan). Pooled
+        results and prompt logprobs are computed here, on the host when it returns."""
         for request_id in plan.finished_ids:
             self._generators.pop(request_id, None)
         for key in plan.encoder_free:
@@ -153,53 +143,30 @@ class ModelRunner:
         self.input_batch.forget(plan.finished_ids)
         if plan.is_empty:
             return None
-        return self.input_batch.build(plan, previous.sample_index if previous else None)
-
-    @torch.inference_mode()
-    def launch(
-        self, plan: SchedulerOutput, batch: FlatBatch, previous: LaunchedStep | None = None
-    ) -> LaunchedStep:
-        """Enqueues the forward pass of a prepared batch (after previous's sampling, whose
-        tokens fill the placeholders). Pooled results start on their way to the host;
-        prompt logprobs are computed here."""
-        if batch.placeholders is not None:
-            if previous is None or previous.tokens is None:
-                raise RuntimeError("a batch with pending tokens, launched before their step sampled")
-            self.input_batch.fill_placeholders(batch, previous.tokens)
+        batch = self.input_batch.build(plan, self._previous)
         hidden = self._forward(batch)
         pooled = self._pool(plan, hidden, self._embed_image_inputs(plan) if self.dual else {})
         out = RunnerOutput(prompt_logprobs=self._prompt_logprobs(plan, hidden))
         return LaunchedStep(batch, hidden, out, pooled=pooled)
 
-    def start_fill(self, step: LaunchedStep, live: Container[str]) -> None:
-        """Starts filling the step's grammar bitmasks on a worker thread (xgrammar fills
-        without the GIL), to overlap whatever the host does before sample(); the matchers
-        must have taken every earlier token, and nothing may feed them until sample()."""
-        reqs = step.batch.sample_reqs
-        rows = self._grammar_rows(reqs, live)
-        if rows:
-            step.fill = self._fill_thread.submit(self._fill_bitmask, reqs, rows)
-
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, live: Container[str] | None = None) -> None:
         """Enqueues logits, grammar masks and sampling for a launched step; the tokens start
         on their way to the host. live: the requests still running (rows of others are
-        sampled and ignored; their grammars are not consulted); unused when start_fill
-        began the masks already."""
+        sampled and ignored; their grammars are not consulted). With async scheduling the
+        grammar matchers have taken the step before's tokens by now."""
         batch = step.batch
         if not batch.sample_rows:
             return
         reqs = batch.sample_reqs
-        if step.fill is not None:
-            bitmask = step.fill.result()
-        else:  # CPU work while the GPU runs
-            bitmask = self._fill_bitmask(reqs, self._grammar_rows(reqs, live))
+        bitmask = self._grammar_bitmask(reqs, live)  # CPU work while the GPU runs
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, batch.sample_rows))
         if bitmask is not None:
             apply_bitmask(logits, bitmask[0], bitmask[1])
         rows = [self._sampling_row(s) for s in reqs]
-        step.tokens, step.logprobs = sample_on_device(logits, rows, self.generator)
-        step.host_tokens, step.copied = _to_host(step.tokens)
+        tokens, step.logprobs = sample_on_device(logits, rows, self.generator)
+        self._previous = SampledOnDevice(tokens, {s.request_id: i for i, s in enumerate(reqs)})
+        step.host_tokens, step.copied = _to_host(tokens)
 
     def resolve(self, step: LaunchedStep) -> RunnerOutput:
         """Waits for a step's tokens and pooled results to reach the host; its output."""
@@ -250,20 +217,16 @@ class ModelRunner:
             x[row : row + end - first] = self.encoder_outputs[mm.key][first:end].to(x.dtype)
         return x
 
-    @staticmethod
-    def _grammar_rows(reqs: list[ScheduledRequest], live: Container[str] | None) -> list[int]:
-        """The sampled rows under a grammar whose request is still running."""
-        return [
+    def _grammar_bitmask(
+        self, reqs: list[ScheduledRequest], live: Container[str] | None
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """Allowed tokens of each constrained row, [rows, ceil(vocab / 32)] int32 on the CPU
+        (pinned when the logits are on a GPU, so apply_bitmask's copy is asynchronous)."""
+        rows = [
             i
             for i, r in enumerate(reqs)
             if r.grammar is not None and (live is None or r.request_id in live)
         ]
-
-    def _fill_bitmask(
-        self, reqs: list[ScheduledRequest], rows: list[int]
-    ) -> tuple[torch.Tensor, list[int]] | None:
-        """Allowed tokens of each constrained row, [rows, ceil(vocab / 32)] int32 on the CPU
-        (pinned when the logits are on a GPU, so apply_bitmask's copy is asynchronous)."""
         if not rows:
             return None
         bitmask = allocate_bitmask(len(reqs), self.model.vocab_size, self.device.type == "cuda")

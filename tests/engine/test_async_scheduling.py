@@ -179,8 +179,8 @@ class EvenTokens(GrammarMatcher):
         self.accepted.clear()
 
 
-def test_grammar_masks_filled_on_a_worker_thread_equal_sync() -> None:
-    """Constrained requests (masks filled while the host schedules the next step) next to
+def test_grammar_masks_with_a_step_in_flight_equal_sync() -> None:
+    """Constrained requests (masks filled after the step before's tokens are accepted) next to
     unconstrained ones: the same tokens as synchronous scheduling, every one allowed, and
     each constrained request ends on its stop token."""
     ps = prompts(5, seed=7)
