@@ -128,7 +128,7 @@ class Scheduler:
             if num_new and request.num_pending and self._ends_by_length(request):
                 num_new = 0  # its pending token is its last: nothing more to compute
             num_new = self._fit_images(request, request.num_computed_tokens, num_new)
-            if num_new == 0:  # its next image waits for encoder budget
+            if num_new == 0:  # its next image waits for encoder budget, or it is done
                 i += 1
                 continue
             if not self._allocate_or_preempt(request, num_new, out):

@@ -134,8 +134,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput) -> LaunchedStep | None:
-        """Builds the batch and enqueues the forward pass (None for an empty plan). Pooled
-        results and prompt logprobs are computed here, on the host when it returns."""
+        """Builds the batch and enqueues the forward pass (None for an empty plan); the
+        step before's sampled tokens fill this batch's placeholders on the device. Pooled
+        results start on their way to the host; prompt logprobs are computed here."""
         for request_id in plan.finished_ids:
             self._generators.pop(request_id, None)
         for key in plan.encoder_free:
