@@ -44,12 +44,10 @@ def _reshape_and_cache_kernel(
     tl.store(value_cache_ptr + cache_offs, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache(
+def check_cache_write(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Writes k, v [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping
-    [T] (int32/int64, -1 = skip). Slots must lie in [-1, num_blocks * block_size); they are not
-    range-checked (that would cost a device sync)."""
+    """The shape, dtype and device checks of writing k, v into kv_cache at slot_mapping."""
     check_ndim("k", k, 3, "[num_tokens, num_kv_heads, head_dim]")
     check_shape("v", v, tuple(k.shape))
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -61,6 +59,16 @@ def reshape_and_cache(
         check_float(name, t)
         check_last_dim_contiguous(name, t)
     check_same_device(k=k, v=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
+
+
+def reshape_and_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes k, v [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping
+    [T] (int32/int64, -1 = skip). Slots must lie in [-1, num_blocks * block_size); they are not
+    range-checked (that would cost a device sync)."""
+    check_cache_write(k, v, kv_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     key_cache, value_cache = kv_cache[0], kv_cache[1]

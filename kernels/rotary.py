@@ -20,6 +20,7 @@ from mmserve.kernels._common import (
     check_same_device,
     check_shape,
 )
+from mmserve.kernels.reshape_and_cache import check_cache_write
 
 
 @triton.jit
@@ -96,18 +97,9 @@ def _apply(
     )  # fmt: skip
 
 
-def rotary_embedding(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    inplace: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates q [T, H, D] and k [T, Hkv, D] at positions [T] (int32/int64, each below
-    max_pos; not range-checked, that would cost a device sync). cos, sin: [max_pos, D/2] or
-    [max_pos, D]. Returns (q, k) rotated: the inputs themselves when inplace, else new tensors."""
+def _check_inputs(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
     check_ndim("q", q, 3, "[num_tokens, num_heads, head_dim]")
     check_ndim("k", k, 3, "[num_tokens, num_kv_heads, head_dim]")
     num_tokens, _, head_dim = q.shape
@@ -129,11 +121,111 @@ def rotary_embedding(
     if sin.stride(0) != cos.stride(0):
         raise ValueError("cos and sin must have the same row stride")
     check_same_device(positions=positions, q=q, k=k, cos=cos, sin=sin)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q [T, H, D] and k [T, Hkv, D] at positions [T] (int32/int64, each below
+    max_pos; not range-checked, that would cost a device sync). cos, sin: [max_pos, D/2] or
+    [max_pos, D]. Returns (q, k) rotated: the inputs themselves when inplace, else new tensors."""
+    _check_inputs(positions, q, k, cos, sin)
     q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if num_tokens > 0:
+    if q.shape[0] > 0:
         _apply(q_out, q, k_out, k, positions, cos, sin)
     return q_out, k_out
+
+
+@triton.jit
+def _rotary_cache_kernel(
+    q_out_ptr, q_ptr, k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    positions_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,  # shared: key and value caches are halves of one tensor
+    stride_table, second_half_col, num_q_heads, num_k_heads, q_blocks,
+    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    """Programs [0, q_blocks) rotate q's heads into q_out; the rest rotate k's heads into the
+    key cache at the token's slot and copy v's into the value cache (slot -1: skipped)."""
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    col_mask = cols < HALF
+    row = tl.load(positions_ptr + token).to(tl.int64) * stride_table
+    cos1 = tl.load(cos_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if block < q_blocks:
+        _rotate_heads(
+            q_out_ptr, q_ptr, token, block * BLOCK_H, num_q_heads,
+            stride_qt, stride_qh, stride_qot, stride_qoh, cos1, sin1, cos2, sin2, cols, col_mask,
+            HALF, BLOCK_H,
+        )  # fmt: skip
+    else:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            first = (block - q_blocks) * BLOCK_H
+            base = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+            _rotate_heads(
+                key_cache_ptr + base, k_ptr, token, first, num_k_heads,
+                stride_kt, stride_kh, 0, stride_ch, cos1, sin1, cos2, sin2, cols, col_mask,
+                HALF, BLOCK_H,
+            )  # fmt: skip
+            heads = first + tl.arange(0, BLOCK_H)[:, None]
+            mask = (heads < num_k_heads) & col_mask
+            v_offs = token * stride_vt + heads * stride_vh + cols
+            cache_offs = base + heads * stride_ch + cols
+            dtype = value_cache_ptr.dtype.element_ty
+            v1 = tl.load(v_ptr + v_offs, mask=mask)
+            v2 = tl.load(v_ptr + v_offs + HALF, mask=mask)
+            tl.store(value_cache_ptr + cache_offs, v1.to(dtype), mask=mask)
+            tl.store(value_cache_ptr + cache_offs + HALF, v2.to(dtype), mask=mask)
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """rotary_embedding, then reshape_and_cache of the rotated k and of v, in one launch:
+    returns q rotated (a new tensor); k rotated and v go only into kv_cache [2, num_blocks,
+    block_size, Hkv, D] at slot_mapping [T] (-1 = skip). The checks of both."""
+    _check_inputs(positions, q, k, cos, sin)
+    check_cache_write(k, v, kv_cache, slot_mapping)
+    num_tokens, num_q_heads, head_dim = q.shape
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    num_k_heads = k.shape[1]
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, 2048 // block_half))
+    q_blocks = triton.cdiv(num_q_heads, block_h)
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    grid = (num_tokens, q_blocks + triton.cdiv(num_k_heads, block_h))
+    _rotary_cache_kernel[grid](
+        q_out, q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
+        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        cos.stride(0), half if cos.shape[1] == head_dim else 0, num_q_heads, num_k_heads, q_blocks,
+        HALF=half, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=block_h, BLOCK_HALF=block_half,
+        num_warps=4 if block_h * block_half >= 1024 else 1,
+    )  # fmt: skip
+    return q_out
 
 
 def rotary_embedding_ref(

@@ -34,6 +34,18 @@ class TritonAttentionBackend(AttentionBackend):
         if kv_cache is None:
             return self._attend_own_tokens(q, k, v, meta, scale, sliding_window)
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        return self.forward_cached(q, kv_cache, meta, scale, sliding_window)
+
+    @staticmethod
+    def forward_cached(
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """forward() for a step whose K/V are in kv_cache already (written by the model's
+        fused rotary-and-cache kernel): the paged attention alone."""
         return paged_attention(
             q,
             kv_cache[0],

@@ -97,6 +97,23 @@ class Rope:
             return rotary_embedding(self.positions, q, k, self.cos, self.sin)
         return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
+    def apply_and_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """CUDA only (positions set): q rotated; k rotated and v written into kv_cache at
+        slot_mapping, all in one launch."""
+        from mmserve.kernels.rotary import rotary_embedding_and_cache
+
+        assert self.positions is not None
+        return rotary_embedding_and_cache(
+            self.positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping
+        )
+
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate the two halves of each head)."""

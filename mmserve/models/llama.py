@@ -140,8 +140,14 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, k)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        attend_cached = getattr(self.backend, "forward_cached", None)
+        if attend_cached is not None and rope.positions is not None and kv_cache is not None:
+            # the Triton path: rotary and the cache write in one kernel, then attention
+            q = rope.apply_and_cache(q, k, v, kv_cache, meta.slot_mapping)
+            out = attend_cached(q, kv_cache, meta, self.scale, self.sliding_window)
+        else:
+            q, k = rope.apply(q, k)
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

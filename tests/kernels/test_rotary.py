@@ -3,7 +3,12 @@ import math
 import pytest
 import torch
 
-from mmserve.kernels.rotary import rotary_embedding, rotary_embedding_ref
+from mmserve.kernels.reshape_and_cache import reshape_and_cache_ref
+from mmserve.kernels.rotary import (
+    rotary_embedding,
+    rotary_embedding_and_cache,
+    rotary_embedding_ref,
+)
 
 
 def tables(max_pos, head_dim, full, device):
@@ -78,3 +83,32 @@ def test_rejects_bad_inputs(device):
         rotary_embedding(positions.float(), q, k, cos, sin)
     with pytest.raises(ValueError, match="k must have shape"):
         rotary_embedding(positions, q, k[:, :, :32], cos, sin)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_heads,num_kv_heads,head_dim,block_size",
+    [
+        (1, 4, 1, 64, 16),  # a decode token
+        (13, 6, 2, 128, 16),
+        (7, 40, 8, 128, 5),  # q spans two head blocks; odd block size
+        (5, 3, 3, 80, 16),  # head_dim not a power of two
+    ],
+)
+def test_rotary_and_cache_equals_rotary_then_cache(
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, tol
+):
+    """One launch: q rotated out, k rotated and v written to their slots (-1 skipped)."""
+    cos, sin = tables(97, head_dim, False, device)
+    positions = torch.randint(0, 97, (num_tokens,), device=device)
+    q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.randn(2, 6, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    slots = torch.randperm(6 * block_size, device=device)[:num_tokens]
+    slots[1::3] = -1  # padding tokens: nothing written
+    expected_q, expected_k = rotary_embedding_ref(positions, q, k, cos, sin)
+    expected = cache.clone()
+    reshape_and_cache_ref(expected_k, v, expected, slots)
+    out_q = rotary_embedding_and_cache(positions, q, k, v, cos, sin, cache, slots)
+    torch.testing.assert_close(out_q, expected_q, **tol)
+    torch.testing.assert_close(cache, expected, **tol)
