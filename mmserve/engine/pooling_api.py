@@ -80,8 +80,7 @@ async def embed(
     truncate: str = "none",
 ) -> EmbedResult:
     """One vector per input (text or token ids). truncate: "none" | "left" | "right"."""
-    plan = await asyncio.to_thread(
-        plan_embed,
+    plan = plan_embed(
         engine.engine,
         inputs,
         normalize=normalize,
@@ -95,7 +94,7 @@ async def classify(
     engine: AsyncEngine, inputs: Sequence[TextOrIds], *, truncate: str = "none"
 ) -> ClassifyResult:
     """Label probabilities per input, all labels, highest first."""
-    plan = await asyncio.to_thread(plan_classify, engine.engine, inputs, truncate=truncate)
+    plan = plan_classify(engine.engine, inputs, truncate=truncate)
     return await run_async(engine, plan)
 
 
@@ -108,7 +107,7 @@ async def score(
 ) -> ScoreResult:
     """One score per item of `second`, against first[0] or pairwise (engine.setup.score_method
     says how: "cross-encoder", "cosine" or "yes-token")."""
-    plan = await asyncio.to_thread(plan_score, engine.engine, first, second, truncate=truncate)
+    plan = plan_score(engine.engine, first, second, truncate=truncate)
     return await run_async(engine, plan)
 
 
@@ -121,9 +120,7 @@ async def rerank(
     truncate: str = "none",
 ) -> RerankResult:
     """Documents by score against the query, highest first, at most top_n."""
-    plan = await asyncio.to_thread(
-        plan_rerank, engine.engine, query, documents, top_n=top_n, truncate=truncate
-    )
+    plan = plan_rerank(engine.engine, query, documents, top_n=top_n, truncate=truncate)
     return await run_async(engine, plan)
 
 

@@ -50,20 +50,20 @@ def pool_tokens_batch(
     device = hidden.device
     if method in ("cls", "last"):
         picked = starts if method == "cls" else [s + n - 1 for s, n in zip(starts, lengths)]
-        return hidden[torch.tensor(picked, device=device)]
+        return hidden[torch.tensor(picked).to(device, non_blocking=True)]  # no stream sync
     if method == "mean":
         lens = np.asarray(lengths, dtype=np.int64)
         owner_np = np.repeat(np.arange(len(lens)), lens)
         counts = torch.from_numpy(lens).to(device, non_blocking=True)
         owner = torch.from_numpy(owner_np).to(device, non_blocking=True)
         if starts == [0, *np.cumsum(lens[:-1]).tolist()] and lens.sum() == hidden.shape[0]:
-            picked = hidden  # the inputs are the whole batch, back to back (an embed step)
+            tokens = hidden  # the inputs are the whole batch, back to back (an embed step)
         else:
             first = np.repeat(np.asarray(starts, dtype=np.int64) - (lens.cumsum() - lens), lens)
             rows = torch.from_numpy(np.arange(len(owner_np)) + first)
-            picked = hidden[rows.to(device, non_blocking=True)]
+            tokens = hidden[rows.to(device, non_blocking=True)]
         sums = torch.zeros(len(starts), hidden.shape[1], device=device, dtype=torch.float32)
-        sums.index_add_(0, owner, picked.float())
+        sums.index_add_(0, owner, tokens.float())
         return (sums / counts[:, None]).to(hidden.dtype)
     return torch.stack([pool_tokens(hidden[s : s + n], method) for s, n in zip(starts, lengths)])
 

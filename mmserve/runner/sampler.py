@@ -86,15 +86,15 @@ def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
 def _apply_bias_and_min_tokens(row_logits: torch.Tensor, row: SamplingRow) -> None:
     params = row.params
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row_logits.device)
+        ids = _to(row_logits.device, list(params.logit_bias), torch.long)
         bias = list(params.logit_bias.values())
-        row_logits[ids] += torch.tensor(bias, dtype=row_logits.dtype, device=row_logits.device)
+        row_logits[ids] += _to(row_logits.device, bias, row_logits.dtype)
     if len(row.output_token_ids) < params.min_tokens:
         banned = set(params.stop_token_ids)
         if not params.ignore_eos:
             banned |= row.eos_token_ids
         if banned:
-            ids = torch.tensor(sorted(banned), dtype=torch.long, device=row_logits.device)
+            ids = _to(row_logits.device, sorted(banned), torch.long)
             row_logits[ids] = float("-inf")
 
 
@@ -102,13 +102,13 @@ def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
     params = row.params
     if params.repetition_penalty != 1.0:  # HF semantics: over prompt and output tokens
         seen_ids = sorted(set(row.prompt_token_ids) | set(row.output_token_ids))
-        seen = torch.tensor(seen_ids, dtype=torch.long, device=row_logits.device)
+        seen = _to(row_logits.device, seen_ids, torch.long)
         if seen.numel():
             vals = row_logits[seen]
             p = params.repetition_penalty
             row_logits[seen] = torch.where(vals > 0, vals / p, vals * p)
     if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
-        out = torch.tensor(row.output_token_ids, dtype=torch.long, device=row_logits.device)
+        out = _to(row_logits.device, row.output_token_ids, torch.long)
         counts = torch.bincount(out, minlength=row_logits.numel()).to(row_logits.dtype)
         row_logits -= params.frequency_penalty * counts
         row_logits -= params.presence_penalty * (counts > 0).to(row_logits.dtype)
@@ -132,8 +132,8 @@ def _pick(
 
 
 def _to(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
-    """A small tensor of per-row values on the device, copied without a stream synchronisation
-    (the forward pass before it keeps running)."""
+    """A small tensor of host values on the device, copied without a stream synchronisation
+    (torch.tensor(..., device=cuda) would wait for the forward pass before it)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 

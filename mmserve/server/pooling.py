@@ -48,8 +48,7 @@ async def embed(
 ) -> pooling_pb2.EmbedResponse:
     options = cp.embed_options(request)
     inputs = await _inputs(handle, "inputs", request.inputs, images)
-    plan = await asyncio.to_thread(
-        pooling_api.plan_embed,
+    plan = pooling_api.plan_embed(
         handle.engine.engine,
         inputs,
         normalize=options.normalize,
@@ -87,8 +86,7 @@ async def rerank(
     request: pooling_pb2.RerankRequest, handle: ModelHandle, request_id: str, received: float
 ) -> pooling_pb2.RerankResponse:
     top_n = request.top_n if request.HasField("top_n") else None
-    plan = await asyncio.to_thread(
-        pooling_api.plan_rerank,
+    plan = pooling_api.plan_rerank(
         handle.engine.engine,
         request.query,
         list(request.documents),
@@ -104,8 +102,7 @@ async def classify(
     request: pooling_pb2.ClassifyRequest, handle: ModelHandle, request_id: str, received: float
 ) -> pooling_pb2.ClassifyResponse:
     inputs = cp.pooling_inputs("inputs", request.inputs)
-    plan = await asyncio.to_thread(
-        pooling_api.plan_classify,
+    plan = pooling_api.plan_classify(
         handle.engine.engine,
         inputs,
         truncate=cp.truncate_mode(request.truncate),
@@ -124,8 +121,7 @@ async def score(
     """Images may be scored where the model embeds them (cosine: CLIP, SigLIP)."""
     first = await _inputs(handle, "first", request.first, images)
     second = await _inputs(handle, "second", request.second, images)
-    plan = await asyncio.to_thread(
-        pooling_api.plan_score,
+    plan = pooling_api.plan_score(
         handle.engine.engine,
         first,
         second,
