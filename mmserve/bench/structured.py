@@ -96,6 +96,7 @@ class DecodeSamples:
     output_tokens: list[int] = field(default_factory=list)  # per request
     decode_steps: int = 0  # steps once every request of a run had its first token
     decode_s: float = 0.0  # their wall time
+    sample_text: str = ""  # the first request's output (of the last run): what was decoded
 
     def summary(self, output_len: int) -> dict[str, Any]:
         return {
@@ -105,6 +106,7 @@ class DecodeSamples:
             "output_tokens_mean": statistics.fmean(self.output_tokens),
             # stopped before output_len: their grammar reached an end (not with ENDLESS_SCHEMA)
             "finished_early": sum(n < output_len for n in self.output_tokens),
+            "sample_output": self.sample_text[:400],  # what one request decoded, cut
         }
 
 
@@ -178,12 +180,15 @@ def decode_run(
     last: dict[str, float] = {}
     tokens: dict[str, int] = {}
     decode_start, decode_steps = 0.0, 0
+    sample = ""
     while engine.has_unfinished:
         deltas = engine.step()
         now = time.perf_counter()
         if len(first) == len(prompts):  # every request had its first token before this step
             decode_steps += 1
         for delta in deltas:
+            if into is not None and delta.request_id == f"{tag}-0":
+                sample += delta.text
             if delta.token_ids:
                 first.setdefault(delta.request_id, now)
                 last[delta.request_id] = now
@@ -195,6 +200,7 @@ def decode_run(
         into.output_tokens += tokens.values()
         into.decode_steps += decode_steps
         into.decode_s += time.perf_counter() - decode_start
+        into.sample_text = sample
 
 
 def tpot_figures(

@@ -71,6 +71,8 @@ def test_bench_structured_on_a_tiny_model(
             assert side["steps_per_s"] > 0
             # the endless schema never lets a constrained request stop early
             assert side["output_tokens_mean"] == OUTPUT_LEN and side["finished_early"] == 0
+        # a constrained request's text starts the schema's object (whitespace allowed first)
+        assert line["constrained"]["sample_output"].lstrip().startswith("{")
 
 
 def test_shipped_schemas_compile_on_both_backends() -> None:
