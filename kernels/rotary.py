@@ -8,6 +8,8 @@ where x1, x2 are the halves of x. cos/sin tables are [max_pos, D/2] (cos1 = cos2
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -80,21 +82,45 @@ def _apply(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> None:
+    t = _tiling(q, k, cos)
+    _rotary_kernel[t.grid](
+        q_out, q, k_out, k, positions, cos, sin,
+        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1),
+        k.stride(0), k.stride(1), k_out.stride(0), k_out.stride(1),
+        cos.stride(0), t.second_half_col, q.shape[1], k.shape[1], t.q_blocks,
+        HALF=t.half, BLOCK_H=t.block_h, BLOCK_HALF=t.block_half, num_warps=t.num_warps,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Tiling:
+    """Launch shape: one program per (token, block of BLOCK_H heads), q's blocks first."""
+
+    half: int
+    block_half: int
+    block_h: int
+    q_blocks: int
+    grid: tuple[int, int]
+    second_half_col: int  # where cos/sin's second half starts in a row (0: half tables)
+    num_warps: int
+
+
+def _tiling(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> _Tiling:
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, 2048 // block_half))
     q_blocks = triton.cdiv(num_q_heads, block_h)
-    grid = (num_tokens, q_blocks + triton.cdiv(num_k_heads, block_h))
-    _rotary_kernel[grid](
-        q_out, q, k_out, k, positions, cos, sin,
-        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1),
-        k.stride(0), k.stride(1), k_out.stride(0), k_out.stride(1),
-        cos.stride(0), half if cos.shape[1] == head_dim else 0, num_q_heads, num_k_heads, q_blocks,
-        HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=4 if block_h * block_half >= 1024 else 1,
-    )  # fmt: skip
+    return _Tiling(
+        half,
+        block_half,
+        block_h,
+        q_blocks,
+        (num_tokens, q_blocks + triton.cdiv(num_k_heads, block_h)),
+        half if cos.shape[1] == head_dim else 0,
+        4 if block_h * block_half >= 1024 else 1,
+    )
 
 
 def _check_inputs(
@@ -205,25 +231,19 @@ def rotary_embedding_and_cache(
     block_size, Hkv, D] at slot_mapping [T] (-1 = skip). The checks of both."""
     _check_inputs(positions, q, k, cos, sin)
     check_cache_write(k, v, kv_cache, slot_mapping)
-    num_tokens, num_q_heads, head_dim = q.shape
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if num_tokens == 0:
+    if q.shape[0] == 0:
         return q_out
-    num_k_heads = k.shape[1]
-    half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), max(1, 2048 // block_half))
-    q_blocks = triton.cdiv(num_q_heads, block_h)
+    t = _tiling(q, k, cos)
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    grid = (num_tokens, q_blocks + triton.cdiv(num_k_heads, block_h))
-    _rotary_cache_kernel[grid](
+    _rotary_cache_kernel[t.grid](
         q_out, q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        cos.stride(0), half if cos.shape[1] == head_dim else 0, num_q_heads, num_k_heads, q_blocks,
-        HALF=half, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=4 if block_h * block_half >= 1024 else 1,
+        cos.stride(0), t.second_half_col, q.shape[1], k.shape[1], t.q_blocks,
+        HALF=t.half, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=t.block_h, BLOCK_HALF=t.block_half,
+        num_warps=t.num_warps,
     )  # fmt: skip
     return q_out
 
