@@ -137,3 +137,13 @@ def test_engine_process_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not cli.engine_template(parse(["serve", "--no-engine-process"])).multiprocess
     monkeypatch.setenv("MMSERVE_ENGINE_PROCESS", "false")
     assert not cli.engine_template(cli.build_parser().parse_args(["serve"])).multiprocess
+
+
+def test_async_scheduling_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    parse = cli.build_parser().parse_args
+    assert cli.engine_template(parse(["serve"])).scheduler.async_scheduling  # default on
+    assert not cli.engine_template(parse(["serve", "--no-async-scheduling"])).scheduler.async_scheduling
+    monkeypatch.setenv("MMSERVE_ASYNC_SCHEDULING", "false")
+    parse = cli.build_parser().parse_args  # the environment is read when the parser is built
+    assert not cli.engine_template(parse(["serve"])).scheduler.async_scheduling
+    assert cli.engine_template(parse(["serve", "--async-scheduling"])).scheduler.async_scheduling
