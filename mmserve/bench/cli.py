@@ -115,10 +115,10 @@ def run(args: argparse.Namespace) -> None:
     wbytes = weight_bytes(config) if config.get("model_type") in ("llama", "mistral", "qwen2") else None
     bw = args.bandwidth_gbs * 1e9
     if args.kind == "latency":
-        r = offline.latency(engine, args.input_len, args.output_len)
+        lat = offline.latency(engine, args.input_len, args.output_len)
         floor_ms = 1e3 * wbytes / bw if wbytes else None
-        _emit(bench="latency", **asdict(r), weight_bytes=wbytes, bandwidth_floor_ms=floor_ms,
-              fraction_of_roofline=floor_ms / r.decode_ms_median if floor_ms else None)
+        _emit(bench="latency", **asdict(lat), weight_bytes=wbytes, bandwidth_floor_ms=floor_ms,
+              fraction_of_roofline=floor_ms / lat.decode_ms_median if floor_ms else None)
     elif args.kind == "decode":
         ms, kv_bytes = decode_step_ms(engine, args.batch_size, args.input_len)
         floor_ms = 1e3 * ((wbytes or 0) + kv_bytes) / bw

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,13 +32,13 @@ def load_hf_model(folder: Path, device: str, dtype: torch.dtype, dummy: bool) ->
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
-        model.to(device)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=dtype, local_files_only=True)
+        model = loaded.to(device)
     return model.eval()
 
 
 @torch.inference_mode()
-def hf_generate(model: torch.nn.Module, batch_size: int, input_len: int, output_len: int, vocab: int) -> HFResult:
+def hf_generate(model: Any, batch_size: int, input_len: int, output_len: int, vocab: int) -> HFResult:
     device = next(model.parameters()).device
     ids = torch.randint(100, vocab - 100, (batch_size, input_len), device=device)
     kwargs = {"max_new_tokens": output_len, "min_new_tokens": output_len, "do_sample": False, "pad_token_id": 0}

@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> None:
     with local_server(args) as target, ProcessPoolExecutor(1, mp_context=spawn) as client:
         for i, rate in enumerate(rates):
             salt = f"{run_id}-{i}"
-            line = client.submit(
+            result = client.submit(
                 bench_in_this_process, client_args, target, SERVED_NAME, rate, salt
             )
-            print(line.result(), flush=True)
+            print(result.result(), flush=True)
