@@ -38,7 +38,6 @@ class _AddPooling:
     token_type_ids: list[int] | None
     sink: Callable[[GenerationDelta | BaseException], None]
     mm_inputs: tuple[Any, ...] = ()  # an image input (dual encoders)
-    checked: bool = False  # validate_pooling ran on the caller's side already
 
 
 @dataclass
@@ -66,7 +65,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_pending: int = 1024) -> None:
         self.engine = engine
         self.max_pending = max_pending  # admission bound on requests in flight
-        self._commands: queue.SimpleQueue[_Add | _AddPooling | _AddPoolingBatch | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _AddPoolingBatch | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[GenerationDelta | BaseException], None]] = {}
         self._num_in_flight = 0
         self._lock = threading.Lock()
@@ -107,29 +106,6 @@ class AsyncEngine:
 
         async for item in self._submit(request_id, make, params.n):
             yield item
-
-    async def pool(
-        self,
-        prompt_token_ids: list[int],
-        params: PoolingParams,
-        token_type_ids: list[int] | None = None,
-        request_id: str | None = None,
-        mm_inputs: tuple[Any, ...] = (),
-    ) -> GenerationDelta:
-        """Pools one input; returns its final delta (with `pooled`). Cancelling aborts it."""
-        self.engine.validate_pooling(prompt_token_ids, params, mm_inputs)
-        request_id = request_id or self.engine.new_request_id()
-
-        def make(sink: Callable[[GenerationDelta | BaseException], None]) -> _AddPooling:
-            return _AddPooling(
-                request_id, list(prompt_token_ids), params, token_type_ids, sink, mm_inputs
-            )
-
-        result = None
-        async for item in self._submit(request_id, make, 1):
-            result = item  # exhausting the generator runs its bookkeeping now
-        assert result is not None  # _submit yields exactly once or raises
-        return result
 
     async def pool_batch(
         self, inputs: list[PoolInput], params: PoolingParams
@@ -178,7 +154,7 @@ class AsyncEngine:
                 [
                     _AddPooling(
                         rid, list(item.token_ids), params, item.token_type_ids, sink_for(i),
-                        item.mm_inputs, checked=True,
+                        item.mm_inputs,
                     )
                     for i, (rid, item) in enumerate(zip(ids, inputs, strict=True))
                 ]
@@ -197,7 +173,7 @@ class AsyncEngine:
     async def _submit(
         self,
         request_id: str,
-        make: Callable[[Callable[[GenerationDelta | BaseException], None]], _Add | _AddPooling],
+        make: Callable[[Callable[[GenerationDelta | BaseException], None]], _Add],
         num_choices: int,
     ) -> AsyncIterator[GenerationDelta]:
         if self.dead is not None:
@@ -262,7 +238,7 @@ class AsyncEngine:
             if isinstance(cmd, _AddPooling):
                 self.engine.add_pooling_request(
                     cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.token_type_ids,
-                    cmd.mm_inputs, cmd.checked,
+                    cmd.mm_inputs, checked=True,  # pool_batch validated it before sending
                 )
             else:
                 self.engine.add_request(

@@ -82,11 +82,6 @@ class PoolingPlan(Generic[T]):
         """Inputs [start, end) (default all) checked and tokenised; raises InvalidArgument."""
         return self.encode_range(start, self.count if end is None else end)
 
-    @property
-    def inputs(self) -> list[EncodedInput]:
-        """Every input, encoded (all at once)."""
-        return self.encode()
-
 
 def plan_embed(
     engine: LLMEngine,
