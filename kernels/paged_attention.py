@@ -38,7 +38,6 @@ _DECODE_TILES = {64: (16, 128, 4, 3), 128: (16, 64, 4, 2), 256: (16, 64, 4, 2)}
 _PREFILL_TILES = {64: (64, 128, 4, 3), 128: (64, 32, 4, 2), 256: (64, 32, 8, 2)}
 _MAX_SPLITS = 32
 _PROGRAMS_PER_SM = 4  # a decode program is latency-bound; several per SM hide it
-_MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in merging than it saves
 # A finite "minus infinity": fully masked rows then never compute inf - inf = NaN.
 _NO_SCORE = tl.constexpr(-1.0e30)
 
@@ -65,11 +64,12 @@ def choose_tiling(head_dim: int, group: int, max_query_len: int) -> AttentionTil
 
 def choose_num_splits(num_programs: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
     """Splits the KV range of a batch too small to fill the GPU until there are about
-    _PROGRAMS_PER_SM programs per SM, each split at least _MIN_TILES_PER_SPLIT tiles long.
-    num_sms=0 (no GPU) means no split."""
+    _PROGRAMS_PER_SM programs per SM, each split at least one KV tile long. Short contexts
+    split too: at batch 1 (8B shape, 8 programs) a 129-256 token context takes 5.8-5.9 us in
+    3-4 splits against 6.3-7.6 us in one (H200, bf16). num_sms=0 (no GPU) means no split."""
     if num_programs <= 0 or num_programs >= num_sms:
         return 1
-    by_length = max_seq_len // (block_n * _MIN_TILES_PER_SPLIT)
+    by_length = triton.cdiv(max_seq_len, block_n)
     by_occupancy = triton.cdiv(_PROGRAMS_PER_SM * num_sms, num_programs)
     return max(1, min(_MAX_SPLITS, by_length, by_occupancy))
 

@@ -133,7 +133,8 @@ def test_choose_tiling():
 def test_choose_num_splits():
     assert choose_num_splits(8, max_seq_len=32768, block_n=64, num_sms=132) == 32
     assert choose_num_splits(64, max_seq_len=32768, block_n=64, num_sms=132) == 9
-    assert choose_num_splits(8, max_seq_len=300, block_n=64, num_sms=132) == 1  # too short
+    assert choose_num_splits(8, max_seq_len=300, block_n=64, num_sms=132) == 5  # one tile each
+    assert choose_num_splits(8, max_seq_len=64, block_n=64, num_sms=132) == 1  # one tile
     assert choose_num_splits(256, max_seq_len=32768, block_n=64, num_sms=132) == 1  # busy
     assert choose_num_splits(8, max_seq_len=32768, block_n=64, num_sms=0) == 1  # no GPU
 
