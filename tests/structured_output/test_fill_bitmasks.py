@@ -199,3 +199,18 @@ def test_batched_accept_equals_one_by_one(tokenizer: Any, vocab: Vocab, backend_
     fill_bitmasks(one, a, list(range(len(one))), 1)
     fill_bitmasks(many, b, list(range(len(one))), 1)
     assert torch.equal(a, b)  # the states moved alike
+
+
+@pytest.mark.parametrize("backend_name", ["xgrammar", "outlines"])
+def test_fill_overwrites_whole_rows(tokenizer: Any, vocab: Vocab, backend_name: str) -> None:
+    """The runner reuses its bitmask buffers without resetting them: a filled row must not
+    depend on what the row held before (terminated matchers included)."""
+    matchers = random_states(tokenizer, vocab, backend_name, 12)
+    assert any(m.is_terminated() for m in matchers)
+    rows = list(range(len(matchers)))
+    clean = allocate_bitmask(len(matchers), PADDED_VOCAB)
+    fill_bitmasks(matchers, clean, rows, 2)
+    for fill in (0, -1, 0x5A5A5A5A):
+        dirty = torch.full_like(clean, fill)
+        fill_bitmasks(matchers, dirty, rows, 2)
+        assert torch.equal(dirty, clean)
