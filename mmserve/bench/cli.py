@@ -52,7 +52,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-async-scheduling", action="store_true", help="one step at a time (A/B)")
     p.add_argument("--engine-process", action="store_true",
-                   help="serve: run the engine core in its own process (as `mmserve serve` on CUDA)")
+                   help="serve, embed: run the (gRPC side's) engine core in its own process "
+                        "(as `mmserve serve` on CUDA; embed does so on CUDA anyway)")
     p.add_argument("--bandwidth-gbs", type=float, default=4180.0, help="measured copy bandwidth, for the roofline")
     p.add_argument("--baseline", action="store_true", help="also time transformers generate")
     embed.add_arguments(p)

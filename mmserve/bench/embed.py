@@ -1,7 +1,13 @@
 """`mmserve bench embed`: batched Embed throughput offline (the engine's pooling API on its
-AsyncEngine) and over gRPC (an in-process server on a free port, through the SDK), against
-sentence-transformers on the same model, the same weights and the same texts, in the same run.
-One JSON line per side.
+AsyncEngine) and over gRPC (a server on a free port, called through the SDK from a client
+process of its own), against sentence-transformers on the same model, the same weights and the
+same texts, in the same run. One JSON line per side.
+
+The gRPC side is deployed as `mmserve serve` deploys it: on CUDA (or with --engine-process)
+the server's engine core runs in a process of its own, a second copy of the model beside the
+offline side's; on the CPU the server shares the offline side's engine. The client process
+times each call itself, as a user's program would (in the server's process it would contend
+for the GIL with the front end and the engine thread, as `bench serve` notes).
 
 The three sides take turns batch by batch, so a machine whose load drifts (shared CI hosts)
 slows them alike; each side's calls run on a worker thread (our engine steps on one), as
@@ -16,12 +22,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -111,25 +119,39 @@ def make_texts(
 
 
 class Sides:
-    """The engine behind an in-process server, sentence-transformers on a worker thread: one
-    callable per side, each embedding one batch and returning its float32 vectors."""
+    """The engine behind a server, sentence-transformers on a worker thread: one callable per
+    side, each embedding one batch and returning its float32 vectors and the seconds the call
+    took."""
 
-    def __init__(self, engine: LLMEngine, folder: Path, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        folder: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        server_engine: LLMEngine | None = None,
+    ):
+        """server_engine: the gRPC side's engine (default: the offline side's)."""
         from sentence_transformers import SentenceTransformer
 
         from mmserve.server.config import ModelSpec, ServerConfig
         from mmserve.server.grpc_server import MMServer
         from mmserve.server.models import ModelRegistry, handle_for
-        from mmserve_client import Client
 
-        handle = handle_for(ModelSpec(SERVED_NAME, str(folder)), engine, max_pending=4)
-        self.async_engine = handle.engine
+        spec = ModelSpec(SERVED_NAME, str(folder))
+        offline = handle_for(spec, engine, max_pending=4)
+        self.async_engine = offline.engine
+        handle = offline if server_engine is None else handle_for(spec, server_engine, 4)
+        self._own_offline = handle is not offline  # the server shuts down only its own
         self.server = MMServer(ModelRegistry([handle]), ServerConfig(port=0))
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._loop_thread.start()
         port = self._on_loop(self.server.start())
-        self.client = Client(f"127.0.0.1:{port}", timeout=600)
+        spawn = multiprocessing.get_context("spawn")
+        self.client = ProcessPoolExecutor(
+            1, mp_context=spawn, initializer=_client_start, initargs=(f"127.0.0.1:{port}",)
+        )
         self.st_thread = ThreadPoolExecutor(1, thread_name_prefix="sentence-transformers")
         self.st = self.st_thread.submit(
             lambda: SentenceTransformer(
@@ -140,37 +162,65 @@ class Sides:
     def _on_loop(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(600)
 
-    def offline(self, batch: list[str]) -> np.ndarray:
+    def offline(self, batch: list[str]) -> tuple[np.ndarray, float]:
+        start = time.perf_counter()
         result = self._on_loop(pooling_api.embed(self.async_engine, batch, truncate="right"))
-        return np.asarray(result.embeddings.numpy())
+        return np.asarray(result.embeddings.numpy()), time.perf_counter() - start
 
-    def grpc(self, batch: list[str]) -> np.ndarray:
-        return np.stack(self.client.embed(batch, model=SERVED_NAME, truncate="right"))
+    def grpc(self, batch: list[str]) -> tuple[np.ndarray, float]:
+        return self.client.submit(_client_embed, batch).result()
 
-    def sentence_transformers(self, batch: list[str]) -> np.ndarray:
+    def sentence_transformers(self, batch: list[str]) -> tuple[np.ndarray, float]:
         encode = partial(self.st.encode, batch_size=len(batch), convert_to_numpy=True)
-        return np.asarray(self.st_thread.submit(encode, batch).result(), dtype=np.float32)
+
+        def timed() -> tuple[np.ndarray, float]:
+            start = time.perf_counter()
+            vectors = np.asarray(encode(batch), dtype=np.float32)
+            return vectors, time.perf_counter() - start
+
+        return self.st_thread.submit(timed).result()
 
     def close(self) -> None:
-        self.client.close()
+        self.client.shutdown()
         self._on_loop(self.server.drain(grace=5))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._loop_thread.join(10)
         self.st_thread.shutdown()
+        if self._own_offline:
+            self.async_engine.shutdown()
+
+
+_client: Any = None  # the client process's SDK client
+
+
+def _client_start(target: str) -> None:
+    from mmserve_client import Client
+
+    global _client
+    _client = Client(target, timeout=600)
+
+
+def _client_embed(batch: list[str]) -> tuple[np.ndarray, float]:
+    """In the client process: one Embed call through the SDK, timed there."""
+    start = time.perf_counter()
+    vectors = _client.embed(batch, model=SERVED_NAME, truncate="right")
+    seconds = time.perf_counter() - start
+    return np.stack(vectors), seconds
+
+
+Side = Callable[[list[str]], tuple[np.ndarray, float]]  # batch -> (vectors, seconds)
 
 
 def measure(
-    sides: dict[str, Callable[[list[str]], np.ndarray]], batches: Sequence[list[str]]
+    sides: dict[str, Side], batches: Sequence[list[str]]
 ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """Seconds per side over batches[1:], taking turns batch by batch (batches[0] warms each
-    side up), and each side's vectors of batches[0]."""
-    first = {name: side(batches[0]) for name, side in sides.items()}
+    """Seconds per side over batches[1:] (as each side timed its calls), taking turns batch
+    by batch (batches[0] warms each side up), and each side's vectors of batches[0]."""
+    first = {name: side(batches[0])[0] for name, side in sides.items()}
     seconds = dict.fromkeys(sides, 0.0)
     for batch in batches[1:]:
         for name, side in sides.items():
-            start = time.perf_counter()
-            side(batch)
-            seconds[name] += time.perf_counter() - start
+            seconds[name] += side(batch)[1]
     return seconds, first
 
 
@@ -183,23 +233,26 @@ def run(args: argparse.Namespace) -> None:
     folder = model_folder(model)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    engine = LLMEngine.from_config(
-        EngineConfig(
-            model=ModelConfig(model=str(folder), device=args.device, dtype=args.dtype),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=max(args.batch_size, 1),
-            ),
-        )
+    config = EngineConfig(
+        model=ModelConfig(model=str(folder), device=args.device, dtype=args.dtype),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=max(args.batch_size, 1),
+        ),
     )
+    engine = LLMEngine.from_config(config)
+    engine_process = (device.type == "cuda" or args.engine_process) and not args.skip_grpc
+    server_engine = None
+    if engine_process:  # as `mmserve serve` runs on CUDA: the core in its own process
+        server_engine = LLMEngine.from_config(replace(config, multiprocess=True))
     count = args.batch_size * (args.num_batches + 1)
     texts = make_texts(engine.tokenizer, count, args.seq_len, args.seq_len_spread)
     batches = [texts[i : i + args.batch_size] for i in range(0, len(texts), args.batch_size)]
     encoded = [engine.input_encoder.encode(b, "right", "inputs") for b in batches[1:]]
     tokens = sum(len(e.token_ids) for batch in encoded for e in batch)
-    sides = Sides(engine, folder, device, dtype)
+    sides = Sides(engine, folder, device, dtype, server_engine)
     try:
-        chosen: dict[str, Callable[[list[str]], np.ndarray]] = {
+        chosen: dict[str, Side] = {
             "offline": sides.offline,
             "sentence-transformers": sides.sentence_transformers,
         }
@@ -219,6 +272,7 @@ def run(args: argparse.Namespace) -> None:
         "tokens_per_text": tokens / texts_timed,
         "num_batches": args.num_batches,
         "threads": torch.get_num_threads(),
+        "grpc_engine_process": engine_process,
     }
     base = seconds["sentence-transformers"]
     for name, secs in seconds.items():
