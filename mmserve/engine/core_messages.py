@@ -51,6 +51,13 @@ class AddRequest(msgspec.Struct, tag=True):
     token_type_ids: list[int] | None = None
 
 
+class AddRequests(msgspec.Struct, tag=True):
+    """The requests added since the front end last stepped, in order: one message, so the
+    core sees a burst (a pooling call's inputs) whole and schedules it in one step."""
+
+    requests: list[AddRequest]
+
+
 class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
 
@@ -123,7 +130,7 @@ class Error(msgspec.Struct, tag=True):
     message: str  # the child failed; it exits after sending this
 
 
-ToCore = AddRequest | Abort | Stop | GetStats | Shutdown
+ToCore = AddRequests | Abort | Stop | GetStats | Shutdown
 FromCore = Outputs | Ready | Stats | Error
 encoder = msgspec.msgpack.Encoder()
 to_core_decoder = msgspec.msgpack.Decoder(ToCore)

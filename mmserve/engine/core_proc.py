@@ -75,6 +75,7 @@ class EngineCoreClient:
         child_conn.close()  # only the child holds it now: its death reads as EOF here
         self._in_flight: set[str] = set()
         self._pending: list[EngineOutput] = []
+        self._outbox: list[m.AddRequest] = []  # added since the last step (see add_request)
         self.dead: str | None = None
         ready = self._wait_for(m.Ready, READY_TIMEOUT_S)
         self.ready = ready
@@ -91,7 +92,11 @@ class EngineCoreClient:
         return self._proc.pid
 
     def add_request(self, request: Request) -> None:
-        self._send(m.encode_request(request))  # a grammar is rebuilt there from params
+        """Queued here and sent with the others added before the next step (or any other
+        message): one AddRequests. Sent one by one, a burst reached the core in pieces and
+        its first step ran on a few of them (a 64-input Embed call took several steps)."""
+        self._check_alive()
+        self._outbox.append(m.encode_request(request))  # a grammar is rebuilt there
         self._in_flight.add(request.request_id)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -106,7 +111,9 @@ class EngineCoreClient:
         return bool(self._in_flight or self._pending)
 
     def step(self) -> list[EngineOutput]:
-        """Outputs received so far; waits up to STEP_WAIT_S for some while requests run."""
+        """Sends the requests added since the last call; returns the outputs received so
+        far, waiting up to STEP_WAIT_S for some while requests run."""
+        self._flush()
         if not self._pending and self._in_flight:
             self._receive(STEP_WAIT_S)
         self._receive(0.0)
@@ -134,6 +141,16 @@ class EngineCoreClient:
         self.dead = self.dead or "shut down"
 
     def _send(self, msg: Any) -> None:
+        """Sends msg after any queued requests (so an abort finds what it aborts)."""
+        self._flush()
+        self._write(msg)
+
+    def _flush(self) -> None:
+        if self._outbox:
+            requests, self._outbox = self._outbox, []
+            self._write(m.AddRequests(requests))
+
+    def _write(self, msg: Any) -> None:
         self._check_alive()
         try:
             self._conn.send_bytes(m.encoder.encode(msg))
@@ -253,15 +270,16 @@ def _fail(conn: Connection, request_id: str, error: Exception) -> None:
 
 
 def _apply(conn: Connection, core: Any, msg: Any, compiling: _Compiling) -> None:
-    if isinstance(msg, m.AddRequest):
-        try:
-            request = m.decode_request(msg)
-            if request.params.structured is not None:
-                compiling.submit(request)
-            else:
-                core.add_request(request)
-        except Exception as e:  # noqa: BLE001 - a bad request fails alone
-            _fail(conn, msg.request_id, e)
+    if isinstance(msg, m.AddRequests):
+        for added in msg.requests:
+            try:
+                request = m.decode_request(added)
+                if request.params.structured is not None:
+                    compiling.submit(request)
+                else:
+                    core.add_request(request)
+            except Exception as e:  # noqa: BLE001 - a bad request fails alone
+                _fail(conn, added.request_id, e)
     elif isinstance(msg, m.Abort):
         compiling.pending = [(f, r) for f, r in compiling.pending if r.request_id not in msg.request_ids]
         core.abort(msg.request_ids)

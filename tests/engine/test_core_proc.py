@@ -10,6 +10,7 @@ import signal
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -224,6 +225,36 @@ def test_pooled_results_cross(bert: tuple[LLMEngine, LLMEngine]) -> None:
     want, got = _pool(local, params), _pool(remote, params)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want)
+
+
+def _pool_all(engine: LLMEngine, ids: dict[str, list[int]], abort: str) -> dict[str, Any]:
+    for request_id, tokens in ids.items():
+        engine.add_pooling_request(request_id, tokens, PoolingParams(task="embed"))
+    engine.abort(abort)
+    final = {}
+    while engine.has_unfinished:
+        final |= {d.request_id: d for d in engine.step() if d.finish_reason is not None}
+    return final
+
+
+def test_a_burst_crosses_as_one_message(
+    bert: tuple[LLMEngine, LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests added between two steps reach the core in one AddRequests message (so it
+    schedules them together, not the first few alone); an abort sent after them still
+    finds its request, and the others pool as in-process."""
+    local, remote = bert
+    client = _client(remote)
+    sent: list[Any] = []
+    write = client._write
+    monkeypatch.setattr(client, "_write", lambda msg: (sent.append(msg), write(msg))[1])
+    ids = {f"b{i}": [101, 2023 + i, 2003, 102] for i in range(5)}
+    got, want = _pool_all(remote, ids, "b3"), _pool_all(local, ids, "b3")
+    assert [type(msg) for msg in sent] == [m.AddRequests, m.Abort]
+    assert [r.request_id for r in sent[0].requests] == [f"{i}#0" for i in ids]  # child ids
+    assert got["b3"].finish_reason == want["b3"].finish_reason == "abort"
+    for request_id in ("b0", "b1", "b2", "b4"):
+        torch.testing.assert_close(got[request_id].pooled, want[request_id].pooled)
 
 
 def test_shutdown_leaves_no_child(bert: tuple[LLMEngine, LLMEngine]) -> None:
