@@ -54,6 +54,6 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0  # seed of the engine-wide generator used by unseeded sampling
-    # run the engine core in its own process (engine/core_proc.py); requests with a grammar
-    # are refused there for now. Off by default; meant to become the default on CUDA
+    # run the engine core in its own process (engine/core_proc.py; grammars are compiled again
+    # there). Off here; `mmserve serve` turns it on for CUDA (--[no-]engine-process)
     multiprocess: bool = False
