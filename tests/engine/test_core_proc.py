@@ -241,8 +241,8 @@ def test_a_burst_crosses_as_one_message(
     bert: tuple[LLMEngine, LLMEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Requests added between two steps reach the core in one AddRequests message (so it
-    schedules them together, not the first few alone); an abort sent after them still
-    finds its request, and the others pool as in-process."""
+    schedules them together, not the first few alone), ahead of an abort sent after them;
+    the others pool as in-process."""
     local, remote = bert
     client = _client(remote)
     sent: list[Any] = []
@@ -252,7 +252,8 @@ def test_a_burst_crosses_as_one_message(
     got, want = _pool_all(remote, ids, "b3"), _pool_all(local, ids, "b3")
     assert [type(msg) for msg in sent] == [m.AddRequests, m.Abort]
     assert [r.request_id for r in sent[0].requests] == [f"{i}#0" for i in ids]  # child ids
-    assert got["b3"].finish_reason == want["b3"].finish_reason == "abort"
+    assert want["b3"].finish_reason == "abort"  # in-process: aborted before any step
+    assert "b3" in got  # there the abort races the core's first step: either end is right
     for request_id in ("b0", "b1", "b2", "b4"):
         torch.testing.assert_close(got[request_id].pooled, want[request_id].pooled)
 
