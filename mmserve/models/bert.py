@@ -19,7 +19,7 @@ from torch import nn
 
 from mmserve.attention import AttentionBackend, AttentionMetadata
 from mmserve.errors import UnsupportedModel
-from mmserve.models.layers import load_into
+from mmserve.models.layers import add_layer_norm, load_into
 
 # transformers' per-layer names (after "encoder.layer.{i}.") -> (our name, qkv row block or None)
 _LAYER_NAMES = {
@@ -88,7 +88,7 @@ class Embeddings(nn.Module):
             token_type_ids = torch.zeros_like(input_ids)
         # transformers' order of additions, so that float rounding matches
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
-        return self.LayerNorm(x + self.position_embeddings(positions))
+        return add_layer_norm(self.LayerNorm, x, self.position_embeddings(positions))
 
 
 class EncoderLayer(nn.Module):
@@ -122,8 +122,8 @@ class EncoderLayer(nn.Module):
             for t in self.qkv(x).split(hidden, dim=-1)
         )
         attn = self.backend.forward(q, k, v, None, meta, self.scale)
-        x = self.attn_norm(x + self.attn_out(attn.reshape(num_tokens, hidden)))
-        return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
+        x = add_layer_norm(self.attn_norm, x, self.attn_out(attn.reshape(num_tokens, hidden)))
+        return add_layer_norm(self.ffn_norm, x, self.ffn_out(self.act(self.ffn_in(x))))
 
 
 class BertModel(nn.Module):

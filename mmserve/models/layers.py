@@ -48,6 +48,16 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def add_layer_norm(norm: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """norm(x + residual), the sum rounded to x's dtype first (as transformers adds it); one
+    Triton kernel on CUDA (mmserve.kernels.layernorm) instead of an add and a layer norm."""
+    if x.is_cuda and norm.weight is not None and norm.bias is not None:
+        from mmserve.kernels.layernorm import add_layer_norm as fused
+
+        return fused(x, residual, norm.weight, norm.bias, norm.eps)
+    return norm(x + residual)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2 * I] (gate then up) -> [..., I] = silu(gate) * up (one Triton kernel on CUDA)."""
     if gate_up.is_cuda:

@@ -47,3 +47,19 @@ def test_gpu_bf16_logits_close(tmp_path) -> None:  # type: ignore[no-untyped-def
         first_r, first_g = r.outputs[0].logprobs[0], g.outputs[0].logprobs[0]  # type: ignore[index]
         assert abs(first_r.logprob - first_g.logprob) < 0.1
         assert r.outputs[0].token_ids[0] == g.outputs[0].token_ids[0]
+
+
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_gpu_encoder_embeddings_equal_cpu(tmp_path, family: str) -> None:  # type: ignore[no-untyped-def]
+    """Encoders on the GPU (Triton attention, fused residual-add + LayerNorm) against the CPU
+    path: fp32 within float tolerance, bf16 by cosine."""
+    from tests.pooling.tiny_pooling_models import make_tiny_bert, make_tiny_xlm_roberta
+
+    make = make_tiny_bert if family == "bert" else make_tiny_xlm_roberta
+    path = str(make(tmp_path / family, None))
+    texts = [p[:200] for p in PROMPTS]
+    ref = torch.tensor(LLM(path, device="cpu", dtype="float32").embed(texts, truncate="right"))
+    fp32 = torch.tensor(LLM(path, device="cuda", dtype="float32").embed(texts, truncate="right"))
+    torch.testing.assert_close(fp32, ref, atol=1e-4, rtol=1e-4)
+    bf16 = torch.tensor(LLM(path, device="cuda", dtype="bfloat16").embed(texts, truncate="right"))
+    assert torch.nn.functional.cosine_similarity(bf16, ref).min() > 0.999
