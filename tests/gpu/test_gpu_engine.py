@@ -53,13 +53,28 @@ def test_gpu_bf16_logits_close(tmp_path) -> None:  # type: ignore[no-untyped-def
 def test_gpu_encoder_embeddings_equal_cpu(tmp_path, family: str) -> None:  # type: ignore[no-untyped-def]
     """Encoders on the GPU (Triton attention, fused residual-add + LayerNorm) against the CPU
     path: fp32 within float tolerance, bf16 by cosine."""
-    from tests.pooling.tiny_pooling_models import make_tiny_bert, make_tiny_xlm_roberta
+    from tests.pooling.tiny_pooling_models import make_tiny_xlm_roberta
 
-    make = make_tiny_bert if family == "bert" else make_tiny_xlm_roberta
-    path = str(make(tmp_path / family, None))
+    path = str(_tiny_bert(tmp_path) if family == "bert" else make_tiny_xlm_roberta(tmp_path, None))
     texts = [p[:200] for p in PROMPTS]
     ref = torch.tensor(LLM(path, device="cpu", dtype="float32").embed(texts, truncate="right"))
     fp32 = torch.tensor(LLM(path, device="cuda", dtype="float32").embed(texts, truncate="right"))
     torch.testing.assert_close(fp32, ref, atol=1e-4, rtol=1e-4)
     bf16 = torch.tensor(LLM(path, device="cuda", dtype="bfloat16").embed(texts, truncate="right"))
     assert torch.nn.functional.cosine_similarity(bf16, ref).min() > 0.999
+
+
+def _tiny_bert(folder):  # type: ignore[no-untyped-def]
+    """A random 2-layer BERT with mean pooling and the MiniLM tokenizer, which the GPU
+    machine has (under MMSERVE_BENCH_DATA) without MiniLM's weights."""
+    import json
+
+    from mmserve.bench.embed import save_random_bert
+    from mmserve.bench.models import make_model_folder
+
+    folder = make_model_folder("bert-base", folder / "bert")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_random_bert(folder)
+    return folder
