@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from mmserve.bench.models import SHAPES, make_model_folder
-from mmserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mmserve.engine import pooling_api
 from mmserve.engine.llm_engine import LLMEngine
 
@@ -233,18 +233,12 @@ def run(args: argparse.Namespace) -> None:
     folder = model_folder(model)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    config = EngineConfig(
-        model=ModelConfig(model=str(folder), device=args.device, dtype=args.dtype),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=max(args.batch_size, 1),
-        ),
-    )
-    engine = LLMEngine.from_config(config)
     engine_process = (device.type == "cuda" or args.engine_process) and not args.skip_grpc
+    config, server_config = engine_configs(args, folder, engine_process)
+    engine = LLMEngine.from_config(config)
     server_engine = None
-    if engine_process:  # as `mmserve serve` runs on CUDA: the core in its own process
-        server_engine = LLMEngine.from_config(replace(config, multiprocess=True))
+    if server_config is not None:  # as `mmserve serve` runs on CUDA: the core in its own process
+        server_engine = LLMEngine.from_config(server_config)
     count = args.batch_size * (args.num_batches + 1)
     texts = make_texts(engine.tokenizer, count, args.seq_len, args.seq_len_spread)
     batches = [texts[i : i + args.batch_size] for i in range(0, len(texts), args.batch_size)]
@@ -284,6 +278,28 @@ def run(args: argparse.Namespace) -> None:
                 first[name], first["sentence-transformers"]
             )
         print(json.dumps(out), flush=True)
+
+
+def engine_configs(
+    args: argparse.Namespace, folder: Path, engine_process: bool
+) -> tuple[EngineConfig, EngineConfig | None]:
+    """The offline side's engine config, and the gRPC side's when it gets an engine process
+    of its own. Two engines on one GPU split --gpu-memory-utilization: each sizes its KV cache
+    from the share of the whole card it may use, counting what is in use already, so the
+    first takes half and the second the rest (encoders keep no KV cache either way)."""
+    share = args.gpu_memory_utilization
+    config = EngineConfig(
+        model=ModelConfig(model=str(folder), device=args.device, dtype=args.dtype),
+        cache=CacheConfig(gpu_memory_utilization=share / 2 if engine_process else share),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=max(args.batch_size, 1),
+        ),
+    )
+    if not engine_process:
+        return config, None
+    server = replace(config, cache=CacheConfig(gpu_memory_utilization=share), multiprocess=True)
+    return config, server
 
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:

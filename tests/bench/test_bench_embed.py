@@ -71,3 +71,20 @@ def test_bench_embed_reports_every_side(
     for side in ("embed-offline", "embed-grpc"):
         assert by_side[side]["min_cosine_to_sentence_transformers"] > 0.9999
         assert by_side[side]["ratio_to_sentence_transformers"] > 0
+
+
+def test_two_engines_split_the_gpu_memory_share(tiny_embedder: Path) -> None:
+    """With its own engine process the gRPC side is a second engine on the same GPU: the
+    offline engine may take half of --gpu-memory-utilization, the server's the rest."""
+    from mmserve.bench.embed import engine_configs
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "embed", "--gpu-memory-utilization", "0.8"])
+    offline, server = engine_configs(args, tiny_embedder, engine_process=True)
+    assert server is not None and server.multiprocess and not offline.multiprocess
+    assert offline.cache.gpu_memory_utilization == 0.4
+    assert server.cache.gpu_memory_utilization == 0.8
+    assert server.model == offline.model and server.scheduler == offline.scheduler
+    alone, none = engine_configs(args, tiny_embedder, engine_process=False)
+    assert none is None and alone.cache.gpu_memory_utilization == 0.8
