@@ -224,7 +224,6 @@ def local_server(args: argparse.Namespace) -> Iterator[str]:
 
     from mmserve.bench.cli import engine_config
     from mmserve.bench.models import make_model_folder
-    from mmserve.heap import startup_heap_frozen
     from mmserve.server.config import ModelSpec, ServerConfig
     from mmserve.server.grpc_server import MMServer
     from mmserve.server.models import ModelRegistry, load_model
@@ -246,8 +245,7 @@ def local_server(args: argparse.Namespace) -> Iterator[str]:
     thread.start()
     try:
         port = asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
-        with startup_heap_frozen("bench server"):  # as `mmserve serve` serves
-            yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}"
     finally:
         asyncio.run_coroutine_threadsafe(server.drain(grace=5.0), loop).result(60)
         loop.call_soon_threadsafe(loop.stop)

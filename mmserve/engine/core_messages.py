@@ -118,7 +118,6 @@ class Ready(msgspec.Struct, tag=True):
     device: str  # e.g. "cuda:0"
     compute_dtype: str  # e.g. "bfloat16"
     reads_images: bool  # a VLM or dual encoder: the front end expands/decodes images
-    frozen_objects: int = 0  # start-up objects the core froze out of the collector (heap.py)
 
 
 class Stats(msgspec.Struct, tag=True):

@@ -198,16 +198,12 @@ class EngineCoreClient:
 def run_core(conn: Connection, config_bytes: bytes, parent_pid: int) -> None:
     """The child's main: load, report Ready, then serve until Shutdown or the parent goes."""
     from mmserve.engine.loading import load_engine_parts
-    from mmserve.heap import startup_heap_frozen
 
     try:
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
         engine = load_engine_parts(replace(config, multiprocess=False))
-        with (
-            startup_heap_frozen("engine core") as frozen,
-            ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar") as pool,
-        ):
-            conn.send_bytes(m.encoder.encode(_ready(engine, frozen)))
+        conn.send_bytes(m.encoder.encode(_ready(engine)))
+        with ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar") as pool:
             _serve(conn, engine, parent_pid, pool)
     except (EOFError, BrokenPipeError):
         pass  # the parent went away: nothing to report to
@@ -295,7 +291,7 @@ def _apply(conn: Connection, core: Any, msg: Any, compiling: _Compiling) -> None
         conn.send_bytes(m.encoder.encode(stats))
 
 
-def _ready(engine: Any, frozen_objects: int) -> m.Ready:
+def _ready(engine: Any) -> m.Ready:
     from mmserve.models.gguf_cache import materialize
     from mmserve.models.loader import resolve_model_source
 
@@ -322,7 +318,6 @@ def _ready(engine: Any, frozen_objects: int) -> m.Ready:
         engine.device,
         engine.compute_dtype,
         engine.images is not None,
-        frozen_objects,
     )
 
 

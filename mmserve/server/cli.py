@@ -151,7 +151,6 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from mmserve.heap import startup_heap_frozen
     from mmserve.server.grpc_server import serve
     from mmserve.server.models import ModelRegistry, load_model
 
@@ -164,8 +163,7 @@ def _serve(args: argparse.Namespace) -> int:
         "loading %d model(s): %s", len(specs), ", ".join(f"{s.name}={s.path}" for s in specs)
     )
     registry = ModelRegistry([load_model(s, template, config.max_pending) for s in specs])
-    with startup_heap_frozen("server"):
-        asyncio.run(serve(registry, config))
+    asyncio.run(serve(registry, config))
     return 0
 
 

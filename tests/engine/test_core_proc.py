@@ -220,7 +220,6 @@ def _pool(engine: LLMEngine, params: PoolingParams) -> torch.Tensor:
 
 def test_pooled_results_cross(bert: tuple[LLMEngine, LLMEngine]) -> None:
     local, remote = bert
-    assert _client(remote).ready.frozen_objects > 0  # the core froze its start-up heap
     assert remote.hidden_size == local.hidden_size and remote.tasks == local.tasks
     params = PoolingParams(task="embed", dimensions=16)
     want, got = _pool(local, params), _pool(remote, params)

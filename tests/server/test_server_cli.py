@@ -60,9 +60,8 @@ def test_default_model_and_bad_settings(monkeypatch: pytest.MonkeyPatch) -> None
         ModelSpec.parse("=path")
 
 
-def _start(model: Path, *flags: str) -> tuple[subprocess.Popen[str], int, list[str]]:
-    """`mmserve serve` in a subprocess; returns it, its port (read from its log) and the
-    log up to there."""
+def _start(model: Path, *flags: str) -> tuple[subprocess.Popen[str], int]:
+    """`mmserve serve` in a subprocess; returns it and its port, read from its log."""
     env = {**os.environ, "MMSERVE_LOG_LEVEL": "INFO", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
         [
@@ -85,15 +84,12 @@ def _start(model: Path, *flags: str) -> tuple[subprocess.Popen[str], int, list[s
         log.append(line)
         found = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
         if found:
-            return proc, int(found.group(1)), log
+            return proc, int(found.group(1))
     raise AssertionError("server did not start:\n" + "".join(log))
 
 
 def test_sigterm_drains(tiny_models: dict[str, Path]) -> None:
-    proc, port, log = _start(tiny_models["tiny-a"], "--shutdown-grace", "60", "--num-kv-blocks", "300")
-    # start-up objects leave the collector's passes before serving (mmserve/heap.py)
-    frozen = [re.search(r"server: (\d+) start-up objects frozen", line) for line in log]
-    assert any(f and int(f.group(1)) > 0 for f in frozen), "".join(log)
+    proc, port = _start(tiny_models["tiny-a"], "--shutdown-grace", "60", "--num-kv-blocks", "300")
     target = f"127.0.0.1:{port}"
     try:
         with Client(target, timeout=60, retry_attempts=1) as c:
