@@ -27,12 +27,12 @@ import random
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ from mmserve.engine import pooling_api
 from mmserve.engine.llm_engine import LLMEngine
 
 SERVED_NAME = "bench-embedder"
+T = TypeVar("T")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="embed: text lengths vary uniformly by this fraction of --seq-len (default 0)",
     )
     p.add_argument("--num-batches", type=int, default=10, help="embed: timed batches per side")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="embed: Embed calls in flight at once on the offline and gRPC sides (each of "
+        "--batch-size texts; sentence-transformers encodes them one after another); "
+        "--num-batches counts rounds of this many calls",
+    )
     p.add_argument("--skip-grpc", action="store_true", help="embed: offline and baseline only")
     p.add_argument("--threads", type=int, default=None, help="embed: torch CPU threads")
 
@@ -130,8 +139,10 @@ class Sides:
         device: torch.device,
         dtype: torch.dtype,
         server_engine: LLMEngine | None = None,
+        concurrency: int = 1,
     ):
-        """server_engine: the gRPC side's engine (default: the offline side's)."""
+        """server_engine: the gRPC side's engine (default: the offline side's); concurrency:
+        Embed calls in flight at once."""
         from sentence_transformers import SentenceTransformer
 
         from mmserve.server.config import ModelSpec, ServerConfig
@@ -139,9 +150,10 @@ class Sides:
         from mmserve.server.models import ModelRegistry, handle_for
 
         spec = ModelSpec(SERVED_NAME, str(folder))
-        offline = handle_for(spec, engine, max_pending=4)
+        pending = max(4, concurrency)
+        offline = handle_for(spec, engine, max_pending=pending)
         self.async_engine = offline.engine
-        handle = offline if server_engine is None else handle_for(spec, server_engine, 4)
+        handle = offline if server_engine is None else handle_for(spec, server_engine, pending)
         self._own_offline = handle is not offline  # the server shuts down only its own
         self.server = MMServer(ModelRegistry([handle]), ServerConfig(port=0))
         self.loop = asyncio.new_event_loop()
@@ -150,7 +162,10 @@ class Sides:
         port = self._on_loop(self.server.start())
         spawn = multiprocessing.get_context("spawn")
         self.client = ProcessPoolExecutor(
-            1, mp_context=spawn, initializer=_client_start, initargs=(f"127.0.0.1:{port}",)
+            1,
+            mp_context=spawn,
+            initializer=_client_start,
+            initargs=(f"127.0.0.1:{port}", concurrency),
         )
         self.st_thread = ThreadPoolExecutor(1, thread_name_prefix="sentence-transformers")
         self.st = self.st_thread.submit(
@@ -162,21 +177,20 @@ class Sides:
     def _on_loop(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(600)
 
-    def offline(self, batch: list[str]) -> tuple[np.ndarray, float]:
+    def offline(self, calls: list[list[str]]) -> tuple[np.ndarray, float]:
         start = time.perf_counter()
-        result = self._on_loop(pooling_api.embed(self.async_engine, batch, truncate="right"))
-        return np.asarray(result.embeddings.numpy()), time.perf_counter() - start
+        embed = partial(pooling_api.embed, self.async_engine, truncate="right")
+        results = self._on_loop(_gather(embed(batch) for batch in calls))
+        return np.asarray(results[0].embeddings.numpy()), time.perf_counter() - start
 
-    def grpc(self, batch: list[str]) -> tuple[np.ndarray, float]:
-        return self.client.submit(_client_embed, batch).result()
+    def grpc(self, calls: list[list[str]]) -> tuple[np.ndarray, float]:
+        return self.client.submit(_client_embed, calls).result()
 
-    def sentence_transformers(self, batch: list[str]) -> tuple[np.ndarray, float]:
-        encode = partial(self.st.encode, batch_size=len(batch), convert_to_numpy=True)
-
+    def sentence_transformers(self, calls: list[list[str]]) -> tuple[np.ndarray, float]:
         def timed() -> tuple[np.ndarray, float]:
             start = time.perf_counter()
-            vectors = np.asarray(encode(batch), dtype=np.float32)
-            return vectors, time.perf_counter() - start
+            vectors = [self.st.encode(b, batch_size=len(b), convert_to_numpy=True) for b in calls]
+            return np.asarray(vectors[0], dtype=np.float32), time.perf_counter() - start
 
         return self.st_thread.submit(timed).result()
 
@@ -190,37 +204,46 @@ class Sides:
             self.async_engine.shutdown()
 
 
+async def _gather(calls: Iterable[Awaitable[T]]) -> list[T]:
+    return list(await asyncio.gather(*calls))
+
+
 _client: Any = None  # the client process's SDK client
+_callers: ThreadPoolExecutor | None = None  # its threads, one per call in flight
 
 
-def _client_start(target: str) -> None:
+def _client_start(target: str, concurrency: int) -> None:
     from mmserve_client import Client
 
-    global _client
+    global _client, _callers
     _client = Client(target, timeout=600)
+    _callers = ThreadPoolExecutor(concurrency, thread_name_prefix="caller")
 
 
-def _client_embed(batch: list[str]) -> tuple[np.ndarray, float]:
-    """In the client process: one Embed call through the SDK, timed there."""
+def _client_embed(calls: list[list[str]]) -> tuple[np.ndarray, float]:
+    """In the client process: the Embed calls at once through the SDK (one thread each),
+    timed there; the first call's vectors."""
+    assert _callers is not None
+    embed = partial(_client.embed, model=SERVED_NAME, truncate="right")
     start = time.perf_counter()
-    vectors = _client.embed(batch, model=SERVED_NAME, truncate="right")
+    results = list(_callers.map(embed, calls))
     seconds = time.perf_counter() - start
-    return np.stack(vectors), seconds
+    return np.stack(results[0]), seconds
 
 
-Side = Callable[[list[str]], tuple[np.ndarray, float]]  # batch -> (vectors, seconds)
+Side = Callable[[list[list[str]]], tuple[np.ndarray, float]]  # calls -> (vectors, seconds)
 
 
 def measure(
-    sides: dict[str, Side], batches: Sequence[list[str]]
+    sides: dict[str, Side], rounds: Sequence[list[list[str]]]
 ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """Seconds per side over batches[1:] (as each side timed its calls), taking turns batch
-    by batch (batches[0] warms each side up), and each side's vectors of batches[0]."""
-    first = {name: side(batches[0])[0] for name, side in sides.items()}
+    """Seconds per side over rounds[1:] (as each side timed them), taking turns round by
+    round (rounds[0] warms each side up), and each side's vectors of rounds[0][0]."""
+    first = {name: side(rounds[0])[0] for name, side in sides.items()}
     seconds = dict.fromkeys(sides, 0.0)
-    for batch in batches[1:]:
+    for calls in rounds[1:]:
         for name, side in sides.items():
-            seconds[name] += side(batch)[1]
+            seconds[name] += side(calls)[1]
     return seconds, first
 
 
@@ -239,12 +262,18 @@ def run(args: argparse.Namespace) -> None:
     server_engine = None
     if server_config is not None:  # as `mmserve serve` runs on CUDA: the core in its own process
         server_engine = LLMEngine.from_config(server_config)
-    count = args.batch_size * (args.num_batches + 1)
+    if args.concurrency < 1:
+        raise ValueError("--concurrency must be >= 1")
+    per_round = args.batch_size * args.concurrency
+    count = per_round * (args.num_batches + 1)
     texts = make_texts(engine.tokenizer, count, args.seq_len, args.seq_len_spread)
     batches = [texts[i : i + args.batch_size] for i in range(0, len(texts), args.batch_size)]
-    encoded = [engine.input_encoder.encode(b, "right", "inputs") for b in batches[1:]]
-    tokens = sum(len(e.token_ids) for batch in encoded for e in batch)
-    sides = Sides(engine, folder, device, dtype, server_engine)
+    rounds = [batches[i : i + args.concurrency] for i in range(0, len(batches), args.concurrency)]
+    timed = [b for calls in rounds[1:] for b in calls]
+    tokens = sum(
+        len(e.token_ids) for b in timed for e in engine.input_encoder.encode(b, "right", "inputs")
+    )
+    sides = Sides(engine, folder, device, dtype, server_engine, args.concurrency)
     try:
         chosen: dict[str, Side] = {
             "offline": sides.offline,
@@ -252,10 +281,10 @@ def run(args: argparse.Namespace) -> None:
         }
         if not args.skip_grpc:
             chosen["grpc"] = sides.grpc
-        seconds, first = measure(chosen, batches)
+        seconds, first = measure(chosen, rounds)
     finally:
         sides.close()
-    texts_timed = count - args.batch_size
+    texts_timed = count - per_round
     common = {
         "model": model,
         "device": str(device),
@@ -265,6 +294,7 @@ def run(args: argparse.Namespace) -> None:
         "seq_len_spread": args.seq_len_spread,
         "tokens_per_text": tokens / texts_timed,
         "num_batches": args.num_batches,
+        "concurrency": args.concurrency,
         "threads": torch.get_num_threads(),
         "grpc_engine_process": engine_process,
     }

@@ -49,16 +49,18 @@ def test_texts_tokenise_to_the_asked_length(tiny_embedder: Path) -> None:
     assert all(abs(len(tokenizer(t)["input_ids"]) - 40) <= 2 for t in texts)
 
 
-@pytest.mark.parametrize("engine_process", [False, True])
+@pytest.mark.parametrize(("engine_process", "concurrency"), [(False, 1), (True, 1), (False, 3)])
 def test_bench_embed_reports_every_side(
-    tiny_embedder: Path, capsys: pytest.CaptureFixture[str], engine_process: bool
+    tiny_embedder: Path, capsys: pytest.CaptureFixture[str], engine_process: bool, concurrency: int
 ) -> None:
     """With --engine-process (the default on CUDA) the gRPC side's server runs its own
-    engine core process, a second copy of the model: its vectors must agree all the same."""
+    engine core process, a second copy of the model: its vectors must agree all the same.
+    With --concurrency the offline and gRPC sides keep that many calls in flight."""
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers(dest="command"))
     flags = ["--model", str(tiny_embedder), "--device", "cpu", "--batch-size", "4"]
     flags += ["--engine-process"] if engine_process else []
+    flags += ["--concurrency", str(concurrency)]
     args = parser.parse_args(["bench", "embed", *flags, "--seq-len", "24", "--num-batches", "2"])
     args.func(args)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -68,6 +70,7 @@ def test_bench_embed_reports_every_side(
         assert line["texts_per_s"] > 0 and line["tokens_per_s"] > line["texts_per_s"]
         assert (line["batch_size"], line["seq_len"], line["tokens_per_text"]) == (4, 24, 24)
         assert line["grpc_engine_process"] is engine_process
+        assert line["concurrency"] == concurrency
     for side in ("embed-offline", "embed-grpc"):
         assert by_side[side]["min_cosine_to_sentence_transformers"] > 0.9999
         assert by_side[side]["ratio_to_sentence_transformers"] > 0
