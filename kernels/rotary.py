@@ -26,6 +26,17 @@ from mmserve.kernels.reshape_and_cache import check_cache_write
 
 
 @triton.jit
+def _cos_sin(positions_ptr, cos_ptr, sin_ptr, token, stride_table, second_half_col, cols, col_mask):
+    """The token's cos and sin for the first and the second half of a head, in fp32."""
+    row = tl.load(positions_ptr + token).to(tl.int64) * stride_table
+    cos1 = tl.load(cos_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return cos1, sin1, cos2, sin2
+
+
+@triton.jit
 def _rotate_heads(
     out_ptr, x_ptr, token, first_head, num_heads, stride_xt, stride_xh, stride_ot, stride_oh,
     cos1, sin1, cos2, sin2, cols, col_mask,
@@ -54,11 +65,9 @@ def _rotary_kernel(
     block = tl.program_id(1)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     col_mask = cols < HALF
-    row = tl.load(positions_ptr + token).to(tl.int64) * stride_table
-    cos1 = tl.load(cos_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
+    cos1, sin1, cos2, sin2 = _cos_sin(
+        positions_ptr, cos_ptr, sin_ptr, token, stride_table, second_half_col, cols, col_mask
+    )
     if block < q_blocks:
         _rotate_heads(
             q_out_ptr, q_ptr, token, block * BLOCK_H, num_q_heads,
@@ -184,11 +193,9 @@ def _rotary_cache_kernel(
     block = tl.program_id(1)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     col_mask = cols < HALF
-    row = tl.load(positions_ptr + token).to(tl.int64) * stride_table
-    cos1 = tl.load(cos_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + row + cols, mask=col_mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + row + second_half_col + cols, mask=col_mask, other=0.0).to(tl.float32)
+    cos1, sin1, cos2, sin2 = _cos_sin(
+        positions_ptr, cos_ptr, sin_ptr, token, stride_table, second_half_col, cols, col_mask
+    )
     if block < q_blocks:
         _rotate_heads(
             q_out_ptr, q_ptr, token, block * BLOCK_H, num_q_heads,
