@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from mmserve.engine import pooling_api
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.entrypoints.llm import LLM
+from tests.utils.engine_idle import is_idle, wait_until_idle
 
 TEXTS = [
     "Hello world, this is a test.",
@@ -112,12 +113,9 @@ def test_a_cancelled_call_aborts_its_batch(minilm_async: AsyncEngine, reference:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):  # the aborts reach the engine thread
-            if minilm_async.num_in_flight == 0 and not minilm_async.engine.has_unfinished:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_idle(minilm_async)  # the aborts reach the engine thread
         return await pooling_api.embed(minilm_async, TEXTS, truncate="right")
 
     result = asyncio.run(cancel_then_embed())
-    assert minilm_async.num_in_flight == 0 and not minilm_async.engine.has_unfinished
+    assert is_idle(minilm_async)
     assert_matches(result.embeddings, reference)

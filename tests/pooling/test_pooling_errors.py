@@ -14,6 +14,7 @@ from mmserve.engine.async_engine import AsyncEngine
 from mmserve.entrypoints.llm import LLM
 from mmserve.errors import InvalidArgument
 from mmserve.params import SamplingParams
+from tests.utils.engine_idle import is_idle, wait_until_idle
 
 LONG = "word " * 400  # > 256 tokens
 
@@ -93,11 +94,8 @@ def test_a_bad_input_in_a_later_chunk_fails_the_call_and_frees_the_engine(
     async def call() -> None:
         with pytest.raises(InvalidArgument, match=r"inputs\[67\]"):
             await pooling_api.embed(minilm_async, texts, truncate="none")
-        for _ in range(200):
-            if minilm_async.num_in_flight == 0 and not minilm_async.engine.has_unfinished:
-                break
-            await asyncio.sleep(0.01)
-        assert minilm_async.num_in_flight == 0 and not minilm_async.engine.has_unfinished
+        await wait_until_idle(minilm_async)  # the aborts reach the engine thread
+        assert is_idle(minilm_async)
         result = await pooling_api.embed(minilm_async, texts[:3])
         assert result.embeddings.shape == (3, 384)
 

@@ -20,6 +20,7 @@ from mmserve_client._proto.mmserve.v1 import common_pb2, inference_pb2_grpc, poo
 from tests.pooling.test_minilm_embeddings import TEXTS
 from tests.pooling.tiny_pooling_models import LABELS, make_tiny_bert, minilm_path
 from tests.server.conftest import ServerThread, serve
+from tests.utils.engine_idle import is_idle
 
 MINILM = DEFAULT_EMBEDDER_NAME
 MIN_COSINE = 0.9999
@@ -242,7 +243,7 @@ def test_an_expired_deadline_aborts_the_call_in_the_engine(
     server.wait_idle()
     engine = server.handle(MINILM).engine
     deadline = time.monotonic() + 10
-    while (engine.num_in_flight or engine.engine.has_unfinished) and time.monotonic() < deadline:
+    while not is_idle(engine) and time.monotonic() < deadline:
         time.sleep(0.01)  # aborts reach the engine thread asynchronously
-    assert engine.num_in_flight == 0 and not engine.engine.has_unfinished
+    assert is_idle(engine)
     assert len(client.embed(["next"], model=MINILM)) == 1
