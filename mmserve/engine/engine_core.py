@@ -52,7 +52,10 @@ class EngineCore:
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # sampled, not yet read
         if not config.model.enforce_eager:
-            self.runner.capture_graphs(config.scheduler.max_num_seqs, self.max_model_len)
+            scheduler = config.scheduler
+            self.runner.capture_graphs(
+                scheduler.max_num_seqs, self.max_model_len, scheduler.max_num_batched_tokens
+            )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens at most in flight), max_model_len %d",
             num_blocks, cache.block_size, num_blocks * cache.block_size, self.max_model_len,

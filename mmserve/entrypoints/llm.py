@@ -38,10 +38,13 @@ class LLM:
         max_num_seqs: int = 64,
         seed: int = 0,
         pooling: str | None = None,
+        enforce_eager: bool = False,
     ) -> None:
+        """enforce_eager: no CUDA graphs (they apply on CUDA only)."""
         config = EngineConfig(
             model=ModelConfig(
-                model, dtype=dtype, device=device, max_model_len=max_model_len, pooling=pooling
+                model, dtype=dtype, device=device, max_model_len=max_model_len, pooling=pooling,
+                enforce_eager=enforce_eager,
             ),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),

@@ -253,11 +253,13 @@ class XLMRobertaModel(BertModel):
         pad = self.spec.pad_token_id or 0
         is_token = (input_ids != pad).long()
         counts = is_token.cumsum(0)  # over the flat batch; rebased per input below
-        starts = meta.query_start_loc.long()
-        before = torch.cat([counts.new_zeros(1), counts])[starts[:-1]]  # [num_reqs]
-        lengths = starts[1:] - starts[:-1]
-        counts = counts - before.repeat_interleave(lengths)
-        return counts * is_token + pad
+        starts = meta.query_start_loc
+        before = torch.cat([counts.new_zeros(1), counts])[starts[:-1].long()]  # [num_reqs]
+        # each token's input, found on the device (no host sync, so CUDA graphs can hold it);
+        # rows past the last input (graph padding) take the last one's base
+        rows = torch.arange(input_ids.shape[0], dtype=starts.dtype, device=starts.device)
+        owner = torch.searchsorted(starts[1:], rows, right=True).clamp_(max=starts.shape[0] - 2)
+        return (counts - before[owner]) * is_token + pad
 
 
 class _ClassifierHead(nn.Module):

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps, and for encoder steps.
 
 A decode step at small batch launches hundreds of small kernels; replaying a captured graph
 removes the launch overhead, which otherwise exceeds the GPU time itself. One graph per
@@ -8,6 +8,11 @@ in persistent buffers that every graph reads. The attention launch shape (its sp
 follows max_seq_len, which a graph freezes: small batches, where split-KV matters, get one
 graph per context bucket (SEQ_BUCKETS, then the model's limit), so a short context is not
 split into empty pieces and merged; larger batches get one graph at the model's limit.
+
+An encoder step (BERT, XLM-RoBERTa: whole inputs, no KV cache) launches about ten kernels per
+layer, whose host time (~3.4 ms for a bert-base step, H200) about equals their GPU time and
+holds the engine thread, so encoders get graphs too (EncoderGraphs): one per token-count
+bucket, the step padded up to it with zero-length requests and pad tokens.
 """
 
 from __future__ import annotations
@@ -125,3 +130,128 @@ class DecodeGraphs:
         self.block_tables[:batch, :width].copy_(meta.block_tables)
         self._graphs[size, bucket].replay()
         return self._outputs[size, bucket][:batch]
+
+
+# token counts of the captured encoder steps (below the step budget, which is always one)
+ENCODER_TOKEN_SIZES = (64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+
+
+class EncoderGraphs:
+    """CUDA graphs for encoder steps (a model with uses_kv_cache False and the Triton
+    attention backend). A step of T tokens in R requests runs the graph of the smallest
+    size >= T; its rows T.. are pad tokens at position 0 and its requests R.. are empty
+    (query_start_loc T), which attention skips, so they change no real row (every other
+    layer works row by row). The attention launch freezes max_query_len at
+    min(size, max_len) (it steers tiling only). A step with more tokens than the largest
+    size (one input over the budget) runs eagerly.
+
+    Until capture() (which needs CUDA) run() runs the same padded forward eagerly, so the
+    padding is tested where there is no GPU.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        max_tokens: int,
+        max_reqs: int,
+        max_len: int,
+        device: torch.device,
+        sizes: tuple[int, ...] = ENCODER_TOKEN_SIZES,
+    ) -> None:
+        self.model = model
+        self.sizes = sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+        self.max_reqs = max_reqs
+        self.max_len = max_len
+        n = self.sizes[-1]
+        pad = getattr(getattr(model, "spec", None), "pad_token_id", None)
+        self.pad_id = pad or 0
+        self.input_ids = torch.full((n,), self.pad_id, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.token_type_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(self.reqs_for(n) + 1, dtype=torch.int32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pool: Any = None
+
+    def reqs_for(self, size: int) -> int:
+        """Requests a graph of size tokens holds (each has at least one token)."""
+        return min(self.max_reqs, size)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        reqs = self.reqs_for(size)
+        starts = self.query_start_loc[: reqs + 1]
+        return AttentionMetadata(
+            query_start_loc=starts,
+            seq_lens=starts[1:],  # unread: an encoder attends over its own rows
+            block_tables=starts.new_zeros(reqs, 0),
+            slot_mapping=self.positions.new_empty(0),
+            max_query_len=min(size, self.max_len),
+            max_seq_len=min(size, self.max_len),
+            query_lens_cpu=[],
+            seq_lens_cpu=[0] * reqs,
+            causal=False,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model.forward(
+            self.input_ids[:size],
+            self.positions[:size],
+            [],
+            self._meta(size),
+            token_type_ids=self.token_type_ids[:size],  # type: ignore[call-arg]
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every size, the largest first so the rest reuse its memory pool."""
+        start = time.monotonic()
+        free_before = torch.cuda.mem_get_info()[0]
+        for size in reversed(self.sizes):
+            if time.monotonic() - start > CAPTURE_TIME_LIMIT_S:
+                logger.warning("encoder graph capture stopped at the time limit before %d tokens", size)
+                break
+            self._forward(size)  # warm-up: compiles kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._outputs[size] = self._forward(size)
+            self._pool = graph.pool()
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+        used = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
+        logger.info(
+            "captured %d encoder CUDA graphs (tokens %s) in %.1fs using %.0f MiB",
+            len(self._graphs), sorted(self._graphs), time.monotonic() - start, used,
+        )
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        token_type_ids: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Hidden states [T, hidden] of an encoder step; None when no graph fits it."""
+        num_tokens, num_reqs = input_ids.shape[0], meta.num_reqs
+        size = next((s for s in self.sizes if s >= num_tokens), None)
+        if size is None or num_reqs > self.reqs_for(size) or meta.max_query_len > self.max_len:
+            return None
+        graph = self._graphs.get(size)
+        if graph is None and self._graphs:
+            return None  # not captured (the time limit)
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.input_ids[num_tokens:size].fill_(self.pad_id)
+        self.positions[:num_tokens].copy_(positions)
+        self.positions[num_tokens:size].zero_()
+        if token_type_ids is None:
+            self.token_type_ids[:size].zero_()
+        else:
+            self.token_type_ids[:num_tokens].copy_(token_type_ids)
+            self.token_type_ids[num_tokens:size].zero_()
+        self.query_start_loc[: num_reqs + 1].copy_(meta.query_start_loc)
+        self.query_start_loc[num_reqs + 1 : self.reqs_for(size) + 1].fill_(num_tokens)
+        if graph is None:
+            with torch.inference_mode():
+                return self._forward(size)[:num_tokens]
+        graph.replay()
+        return self._outputs[size][:num_tokens]

@@ -15,7 +15,7 @@ from mmserve.models.base import CausalLM, MultiModalCausalLM
 from mmserve.models.vision import DualEncoder
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams
-from mmserve.runner.cuda_graphs import DecodeGraphs
+from mmserve.runner.cuda_graphs import DecodeGraphs, EncoderGraphs
 from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder, SampledOnDevice
 from mmserve.runner.pooler import Pooler, finish_embedding
 from mmserve.runner.sampler import SamplingRow, sample_on_device, top_logprobs
@@ -98,6 +98,7 @@ class ModelRunner:
         ]
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs() on CUDA
+        self.encoder_graphs: EncoderGraphs | None = None  # the same, for an encoder
         self._generators: dict[str, torch.Generator] = {}
         self.mrope = bool(getattr(model, "uses_mrope", False))
         self.dual = bool(getattr(model, "is_dual_encoder", False))  # CLIP/SigLIP: Embed only
@@ -109,9 +110,17 @@ class ModelRunner:
         self._previous: SampledOnDevice | None = None  # the tokens the latest step sampled
         self._bitmasks = [torch.empty(0, 0, dtype=torch.int32)] * 2  # see _bitmask_buffer
 
-    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """Captures decode graphs (CUDA with a graph-safe attention backend only)."""
-        if self.device.type != "cuda" or not self.kv_caches:
+    def capture_graphs(self, max_batch: int, max_model_len: int, max_tokens: int) -> None:
+        """Captures decode graphs, or an encoder's step graphs up to max_tokens (CUDA only,
+        where attention is the graph-safe Triton backend)."""
+        if self.device.type != "cuda":
+            return
+        if not self.kv_caches:
+            if not self.causal and not self.dual:
+                self.encoder_graphs = EncoderGraphs(
+                    self.model, max_tokens, max_batch, max_model_len, self.device
+                )
+                self.encoder_graphs.capture()
             return
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(
@@ -194,10 +203,14 @@ class ModelRunner:
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         plain = batch.token_type_ids is None and not batch.image_rows
+        hidden = None
         if self.graphs is not None and batch.meta.max_query_len == 1 and plain:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
-            if hidden is not None:
-                return hidden
+        elif self.encoder_graphs is not None and not batch.image_rows:
+            meta, types = batch.meta, batch.token_type_ids
+            hidden = self.encoder_graphs.run(batch.input_ids, batch.positions, meta, types)
+        if hidden is not None:
+            return hidden
         extra: dict[str, torch.Tensor] = {}
         if batch.token_type_ids is not None:
             extra["token_type_ids"] = batch.token_type_ids

@@ -64,10 +64,33 @@ def test_gpu_encoder_embeddings_equal_cpu(tmp_path, family: str) -> None:  # typ
     assert torch.nn.functional.cosine_similarity(bf16, ref).min() > 0.999
 
 
-def _tiny_bert(folder):  # type: ignore[no-untyped-def]
-    """A random 2-layer BERT with mean pooling and the MiniLM tokenizer, which the GPU
-    machine has (under MMSERVE_BENCH_DATA) without MiniLM's weights."""
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_gpu_encoder_graphs_equal_eager(tmp_path, family: str) -> None:  # type: ignore[no-untyped-def]
+    """Encoder steps replayed from CUDA graphs (padded up to a captured size) equal eager
+    steps: cross-encoder scores (BERT's with segment ids) and classifications, for steps of
+    1 to 40 inputs of mixed lengths."""
+    from tests.pooling.tiny_pooling_models import make_tiny_xlm_roberta
+
+    path = str(_tiny_bert(tmp_path, 1) if family == "bert" else make_tiny_xlm_roberta(tmp_path, 1))
+    texts = [(PROMPTS[i % 4] * 3)[: 5 + 11 * i] for i in range(40)]
+
+    def results(eager: bool) -> list[list[float]]:
+        llm = LLM(path, device="cuda", dtype="float32", max_num_batched_tokens=1024, enforce_eager=eager)
+        assert (llm.engine.core.runner.encoder_graphs is None) == eager
+        out = [llm.score(texts[0], texts[:n], truncate="right") for n in (1, 7, 40)]
+        out += [[s.score for c in llm.classify(texts[:n], truncate="right") for s in c.scores] for n in (3, 40)]
+        return out
+
+    for got, expected in zip(results(False), results(True), strict=True):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-5, rtol=1e-5)
+
+
+def _tiny_bert(folder, num_labels=None):  # type: ignore[no-untyped-def]
+    """A random 2-layer BERT (with mean pooling, or a classifier of num_labels) and the MiniLM
+    tokenizer, which the GPU machine has (under MMSERVE_BENCH_DATA) without MiniLM's weights."""
     import json
+
+    from transformers import BertConfig, BertForSequenceClassification
 
     from mmserve.bench.embed import save_random_bert
     from mmserve.bench.models import make_model_folder
@@ -75,6 +98,14 @@ def _tiny_bert(folder):  # type: ignore[no-untyped-def]
     folder = make_model_folder("bert-base", folder / "bert")
     config = json.loads((folder / "config.json").read_text())
     config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    if num_labels is not None:
+        config.update(architectures=["BertForSequenceClassification"], num_labels=num_labels)
     (folder / "config.json").write_text(json.dumps(config))
-    save_random_bert(folder)
+    if num_labels is None:
+        save_random_bert(folder)
+    else:
+        from tests.pooling.tiny_pooling_models import _randomise  # O(1) weights: scores spread
+
+        model = BertForSequenceClassification(BertConfig.from_pretrained(str(folder)))
+        _randomise(model, seed=0).save_pretrained(str(folder))
     return folder
