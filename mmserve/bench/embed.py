@@ -9,8 +9,8 @@ offline side's; on the CPU the server shares the offline side's engine. The clie
 times each call itself, as a user's program would (in the server's process it would contend
 for the GIL with the front end and the engine thread, as `bench serve` notes).
 
-The three sides take turns batch by batch, so a machine whose load drifts (shared CI hosts)
-slows them alike; each side's calls run on a worker thread (our engine steps on one), as
+The three sides take turns round by round (a round: 4 calls of each concurrent client), so a
+machine whose load drifts (shared CI hosts) slows them alike; each side's calls run on a worker thread (our engine steps on one), as
 oversubscribed OpenMP teams on the main thread can be several times slower.
 
 With --model shape:NAME the weights are random: they are drawn once (fixed seed), saved as
@@ -27,7 +27,7 @@ import random
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -43,6 +43,7 @@ from mmserve.engine import pooling_api
 from mmserve.engine.llm_engine import LLMEngine
 
 SERVED_NAME = "bench-embedder"
+CALLS_PER_CLIENT = 4  # calls of each concurrent client in one timed round
 T = TypeVar("T")
 
 
@@ -56,14 +57,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="embed: text lengths vary uniformly by this fraction of --seq-len (default 0)",
     )
-    p.add_argument("--num-batches", type=int, default=10, help="embed: timed batches per side")
+    p.add_argument(
+        "--num-batches",
+        type=int,
+        default=10,
+        help=f"embed: timed rounds per side, each of {CALLS_PER_CLIENT} x --concurrency calls",
+    )
     p.add_argument(
         "--concurrency",
         type=int,
         default=1,
         help="embed: Embed calls in flight at once on the offline and gRPC sides (each of "
-        "--batch-size texts; sentence-transformers encodes them one after another); "
-        "--num-batches counts rounds of this many calls",
+        "--batch-size texts), as that many clients each sending its next call when the last "
+        "returns; sentence-transformers encodes the calls one after another",
     )
     p.add_argument("--skip-grpc", action="store_true", help="embed: offline and baseline only")
     p.add_argument("--threads", type=int, default=None, help="embed: torch CPU threads")
@@ -150,6 +156,7 @@ class Sides:
         from mmserve.server.models import ModelRegistry, handle_for
 
         spec = ModelSpec(SERVED_NAME, str(folder))
+        self.concurrency = concurrency
         pending = max(4, concurrency)
         offline = handle_for(spec, engine, max_pending=pending)
         self.async_engine = offline.engine
@@ -180,7 +187,7 @@ class Sides:
     def offline(self, calls: list[list[str]]) -> tuple[np.ndarray, float]:
         start = time.perf_counter()
         embed = partial(pooling_api.embed, self.async_engine, truncate="right")
-        results = self._on_loop(_gather(embed(batch) for batch in calls))
+        results = self._on_loop(_closed_loop(embed, calls, self.concurrency))
         return np.asarray(results[0].embeddings.numpy()), time.perf_counter() - start
 
     def grpc(self, calls: list[list[str]]) -> tuple[np.ndarray, float]:
@@ -204,8 +211,20 @@ class Sides:
             self.async_engine.shutdown()
 
 
-async def _gather(calls: Iterable[Awaitable[T]]) -> list[T]:
-    return list(await asyncio.gather(*calls))
+async def _closed_loop(
+    call: Callable[[list[str]], Awaitable[T]], batches: list[list[str]], clients: int
+) -> list[T]:
+    """call(batch) for every batch, from `clients` loops that each start the next batch as
+    soon as their last call returns (as the SDK client's threads do); results in order."""
+    results: list[T | None] = [None] * len(batches)
+    pending = iter(enumerate(batches))
+
+    async def client() -> None:
+        for i, batch in pending:  # shared: each loop takes the next batch not yet taken
+            results[i] = await call(batch)
+
+    await asyncio.gather(*(client() for _ in range(min(clients, len(batches)))))
+    return results  # type: ignore[return-value]  # every slot is filled
 
 
 _client: Any = None  # the client process's SDK client
@@ -221,8 +240,9 @@ def _client_start(target: str, concurrency: int) -> None:
 
 
 def _client_embed(calls: list[list[str]]) -> tuple[np.ndarray, float]:
-    """In the client process: the Embed calls at once through the SDK (one thread each),
-    timed there; the first call's vectors."""
+    """In the client process: the Embed calls through the SDK from as many threads as
+    --concurrency (each sends its next call when its last returns), timed there; the first
+    call's vectors."""
     assert _callers is not None
     embed = partial(_client.embed, model=SERVED_NAME, truncate="right")
     start = time.perf_counter()
@@ -264,11 +284,12 @@ def run(args: argparse.Namespace) -> None:
         server_engine = LLMEngine.from_config(server_config)
     if args.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
-    per_round = args.batch_size * args.concurrency
+    per_round = args.batch_size * args.concurrency * CALLS_PER_CLIENT
     count = per_round * (args.num_batches + 1)
     texts = make_texts(engine.tokenizer, count, args.seq_len, args.seq_len_spread)
     batches = [texts[i : i + args.batch_size] for i in range(0, len(texts), args.batch_size)]
-    rounds = [batches[i : i + args.concurrency] for i in range(0, len(batches), args.concurrency)]
+    calls = args.concurrency * CALLS_PER_CLIENT
+    rounds = [batches[i : i + calls] for i in range(0, len(batches), calls)]
     timed = [b for calls in rounds[1:] for b in calls]
     tokens = sum(
         len(e.token_ids) for b in timed for e in engine.input_encoder.encode(b, "right", "inputs")

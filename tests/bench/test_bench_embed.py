@@ -91,3 +91,35 @@ def test_two_engines_split_the_gpu_memory_share(tiny_embedder: Path) -> None:
     assert server.model == offline.model and server.scheduler == offline.scheduler
     alone, none = engine_configs(args, tiny_embedder, engine_process=False)
     assert none is None and alone.cache.gpu_memory_utilization == 0.8
+
+
+def test_each_client_sends_its_next_call_when_its_last_returns() -> None:
+    """Two clients, four calls: the first call returns only after the third has returned,
+    which needs the second client to go on without waiting for the first (calls started in
+    fixed groups of two would hang here)."""
+    import asyncio
+
+    from mmserve.bench.embed import _closed_loop
+
+    async def scenario() -> tuple[list[str], int]:
+        third_done = asyncio.Event()
+        in_flight, most = [0], [0]
+
+        async def call(batch: list[str]) -> str:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            if batch == ["a"]:
+                await third_done.wait()
+            await asyncio.sleep(0)
+            if batch == ["c"]:
+                third_done.set()
+            in_flight[0] -= 1
+            return batch[0].upper()
+
+        batches = [["a"], ["b"], ["c"], ["d"]]
+        results = await asyncio.wait_for(_closed_loop(call, batches, 2), 10)
+        return results, most[0]
+
+    results, most = asyncio.run(scenario())
+    assert results == ["A", "B", "C", "D"]
+    assert most == 2
