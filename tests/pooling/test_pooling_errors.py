@@ -100,3 +100,23 @@ def test_a_bad_input_in_a_later_chunk_fails_the_call_and_frees_the_engine(
         assert result.embeddings.shape == (3, 384)
 
     asyncio.run(call())
+
+
+def test_a_call_on_an_idle_engine_goes_in_halves(
+    minilm_async: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding the engine idle, a 64-input call sends its first half as soon as it is
+    tokenised (the model runs it while the second half is tokenised); with other requests in
+    the engine its inputs go as one batch (chunk_size's idle=False)."""
+    sizes: list[int] = []
+    real = minilm_async.pool_batch
+
+    async def spy(inputs, params):  # type: ignore[no-untyped-def]
+        sizes.append(len(inputs))
+        return await real(inputs, params)
+
+    monkeypatch.setattr(minilm_async, "pool_batch", spy)
+    result = asyncio.run(pooling_api.embed(minilm_async, [f"text {i}" for i in range(64)]))
+    assert result.embeddings.shape == (64, 384)
+    assert sizes == [32, 32]
+    assert pooling_api.chunk_size(64, idle=False) == 64
