@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,6 +34,38 @@ DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CAPTURE_TIME_LIMIT_S = 120.0  # stop capturing more sizes past this (start-up bound)
 SEQ_BUCKETS = (256, 1024)  # max_seq_len buckets below the model's limit, for small batches
 BUCKETED_MAX_BATCH = 8  # batches up to this size get a graph per bucket
+
+
+class _Capture:
+    """One start-up capture: its time limit, the memory pool the first graph makes (the
+    largest, so the rest fit in it), and the log line that closes it."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.free_before = torch.cuda.mem_get_info()[0]
+        self.pool: Any = None
+
+    def out_of_time(self, next_one: str) -> bool:
+        late = time.monotonic() - self.start > CAPTURE_TIME_LIMIT_S
+        if late:
+            logger.warning("CUDA graph capture stopped at the time limit before %s", next_one)
+        return late
+
+    def graph(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """forward() run once (its kernels compile outside the capture), then captured; the
+        graph and its output tensor."""
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+        self.pool = graph.pool()
+        return graph, out
+
+    def done(self, what: str) -> None:
+        torch.cuda.synchronize()
+        used = (self.free_before - torch.cuda.mem_get_info()[0]) / 2**20
+        logger.info("captured %s in %.1fs using %.0f MiB", what, time.monotonic() - self.start, used)
 
 
 class DecodeGraphs:
@@ -59,7 +93,6 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, **i32)  # one token per request, always
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, max_seq_len)
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self._pool: Any = None  # the memory pool the first capture makes, shared by the rest
 
     def buckets(self, size: int) -> list[int]:
         """The frozen max_seq_len values captured for a batch size, ascending."""
@@ -85,26 +118,14 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Captures the largest size first so smaller graphs reuse its memory pool."""
-        start = time.monotonic()
-        free_before = torch.cuda.mem_get_info()[0]
+        capture = _Capture()
         for size in reversed(self.sizes):
-            if time.monotonic() - start > CAPTURE_TIME_LIMIT_S:
-                logger.warning("CUDA graph capture stopped at the time limit before size %d", size)
+            if capture.out_of_time(f"batch size {size}"):
                 break
             for bucket in reversed(self.buckets(size)):
-                self._forward(size, bucket)  # warm-up: compiles kernels outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self._outputs[size, bucket] = self._forward(size, bucket)
-                self._pool = graph.pool()
-                self._graphs[size, bucket] = graph
-        torch.cuda.synchronize()
-        used = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
-        logger.info(
-            "captured %d CUDA graphs (batch, max_seq_len %s) in %.1fs using %.0f MiB",
-            len(self._graphs), sorted(self._graphs), time.monotonic() - start, used,
-        )
+                key = (size, bucket)
+                self._graphs[key], self._outputs[key] = capture.graph(partial(self._forward, *key))
+        capture.done(f"{len(self._graphs)} CUDA graphs (batch, max_seq_len {sorted(self._graphs)})")
 
     def size_for(self, batch: int) -> int | None:
         return next((s for s in sorted({s for s, _ in self._graphs}) if s >= batch), None)
@@ -171,7 +192,6 @@ class EncoderGraphs:
         self.query_start_loc = torch.zeros(self.reqs_for(n) + 1, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
-        self._pool: Any = None
 
     def reqs_for(self, size: int) -> int:
         """Requests a graph of size tokens holds (each has at least one token)."""
@@ -204,25 +224,12 @@ class EncoderGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Captures every size, the largest first so the rest reuse its memory pool."""
-        start = time.monotonic()
-        free_before = torch.cuda.mem_get_info()[0]
+        capture = _Capture()
         for size in reversed(self.sizes):
-            if time.monotonic() - start > CAPTURE_TIME_LIMIT_S:
-                logger.warning("encoder graph capture stopped at the time limit before %d tokens", size)
+            if capture.out_of_time(f"{size} tokens"):
                 break
-            self._forward(size)  # warm-up: compiles kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._outputs[size] = self._forward(size)
-            self._pool = graph.pool()
-            self._graphs[size] = graph
-        torch.cuda.synchronize()
-        used = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
-        logger.info(
-            "captured %d encoder CUDA graphs (tokens %s) in %.1fs using %.0f MiB",
-            len(self._graphs), sorted(self._graphs), time.monotonic() - start, used,
-        )
+            self._graphs[size], self._outputs[size] = capture.graph(partial(self._forward, size))
+        capture.done(f"{len(self._graphs)} encoder CUDA graphs (tokens {sorted(self._graphs)})")
 
     def run(
         self,
