@@ -10,8 +10,9 @@ times each call itself, as a user's program would (in the server's process it wo
 for the GIL with the front end and the engine thread, as `bench serve` notes).
 
 The three sides take turns round by round (a round: 4 calls of each concurrent client), so a
-machine whose load drifts (shared CI hosts) slows them alike; each side's calls run on a worker thread (our engine steps on one), as
-oversubscribed OpenMP teams on the main thread can be several times slower.
+machine whose load drifts (shared CI hosts) slows them alike; each side's calls run on a
+worker thread (our engine steps on one), as oversubscribed OpenMP teams on the main thread can
+be several times slower.
 
 With --model shape:NAME the weights are random: they are drawn once (fixed seed), saved as
 safetensors with sentence-transformers files (mean pooling, normalise), and both sides load

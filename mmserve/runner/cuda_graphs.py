@@ -153,7 +153,7 @@ class DecodeGraphs:
         return self._outputs[size, bucket][:batch]
 
 
-# token counts of the captured encoder steps (below the step budget, which is always one)
+# token counts of the captured encoder steps: those below the step budget, and the budget itself
 ENCODER_TOKEN_SIZES = (64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 
 
