@@ -19,6 +19,8 @@ class ModelConfig:
     load_format: str = "auto"  # "auto" = the checkpoint's weights; "dummy" = random (benchmarks)
     pooling: str | None = None  # embeddings' pooling: "cls"/"mean"/"max"/"last"; None = from the
     # model's sentence-transformers files, else its architecture (encoders cls, decoders last)
+    quantization: str | None = None  # None = the weights as loaded; "fp8" = w8a8 FP8, quantised
+    # when loading (decoder projections: FP8 weights with per-channel scales, activations per token)
 
 
 @dataclass(frozen=True)

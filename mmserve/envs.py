@@ -51,6 +51,7 @@ class ServeEnv:
     device: str | None = field(default=None, metadata={"parse": str})
     dtype: str | None = field(default=None, metadata={"parse": str})
     max_model_len: int | None = field(default=None, metadata={"parse": int})
+    quantization: str | None = field(default=None, metadata={"parse": str})
     block_size: int | None = field(default=None, metadata={"parse": int})
     max_num_batched_tokens: int | None = field(default=None, metadata={"parse": int})
     max_num_seqs: int | None = field(default=None, metadata={"parse": int})

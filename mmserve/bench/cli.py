@@ -50,6 +50,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="fp8: w8a8 FP8 decoder projections")
     p.add_argument("--no-async-scheduling", action="store_true", help="one step at a time (A/B)")
     p.add_argument("--engine-process", action="store_true",
                    help="serve, embed: run the (gRPC side's) engine core in its own process "
@@ -76,6 +77,7 @@ def engine_config(
         model=ModelConfig(
             model=model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
             load_format="dummy" if dummy else "auto", enforce_eager=args.enforce_eager,
+            quantization=getattr(args, "quantization", None),
         ),
         cache=CacheConfig(num_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization),
         scheduler=SchedulerConfig(
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> None:
     if args.baseline:  # first, and freed after: both cannot hold the GPU's memory at once
         _baseline(args, folder, dummy, config)
     engine = _engine(args, folder, dummy)
-    wbytes = weight_bytes(config) if config.get("model_type") in ("llama", "mistral", "qwen2") else None
+    wbytes = weight_bytes(config, quantization=args.quantization) if config.get("model_type") in ("llama", "mistral", "qwen2") else None
     bw = args.bandwidth_gbs * 1e9
     if args.kind == "latency":
         lat = offline.latency(engine, args.input_len, args.output_len)

@@ -39,12 +39,14 @@ class LLM:
         seed: int = 0,
         pooling: str | None = None,
         enforce_eager: bool = False,
+        quantization: str | None = None,
     ) -> None:
-        """enforce_eager: no CUDA graphs (they apply on CUDA only)."""
+        """enforce_eager: no CUDA graphs (they apply on CUDA only). quantization: "fp8" =
+        FP8 weights and activations for a Llama-family decoder (mmserve.models.fp8)."""
         config = EngineConfig(
             model=ModelConfig(
                 model, dtype=dtype, device=device, max_model_len=max_model_len, pooling=pooling,
-                enforce_eager=enforce_eager,
+                enforce_eager=enforce_eager, quantization=quantization,
             ),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),

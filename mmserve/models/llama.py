@@ -222,6 +222,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The CausalLM (mmserve.models.base) for Llama, Mistral, Qwen2 and Qwen3 checkpoints."""
 
+    supports_fp8 = True  # mmserve.models.fp8 may swap the decoder layers' projections
+
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:
         super().__init__()
         self.spec = llama_spec(hf_config)

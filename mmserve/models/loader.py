@@ -21,6 +21,7 @@ from mmserve.attention import AttentionBackend
 from mmserve.config import ModelConfig
 from mmserve.errors import InvalidArgument, UnsupportedModel
 from mmserve.models.base import CausalLM
+from mmserve.models.fp8 import check_quantization, quantize_fp8
 from mmserve.models.gguf import iter_gguf_weights
 from mmserve.models.registry import architecture_of, get_model_class
 
@@ -163,6 +164,7 @@ def load_model(
         raise InvalidArgument("sliding_window_policy", f"not one of {_SLIDING_WINDOW_POLICIES}")
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
+    check_quantization(model_config.quantization, device)
     source = resolve_model_source(model_config.model)
     hf_config = load_hf_config(source)
     model_class = get_model_class(architecture_of(hf_config))
@@ -178,6 +180,8 @@ def load_model(
         init_dummy_weights(model)
     else:
         model.load_weights(iter_weights(source, hf_config))
+    if model_config.quantization == "fp8":
+        quantize_fp8(model)
     model.requires_grad_(False)
     model.eval()
     return model, hf_config, load_generation_config(source)

@@ -25,6 +25,11 @@ _FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     ("--device", str, "cpu, cuda, cuda:N or auto (default auto)"),
     ("--dtype", str, "auto, float32, float16 or bfloat16 (default auto: float32 on CPU)"),
     ("--max-model-len", int, "cap on prompt + output tokens (default: the model's own)"),
+    (
+        "--quantization",
+        str,
+        "fp8: FP8 weights and activations of Llama-family decoders (others load as they are)",
+    ),
     ("--block-size", int, "tokens per KV cache block (default 16)"),
     ("--max-num-batched-tokens", int, "token budget of one engine step (default 2048)"),
     ("--max-num-seqs", int, "most requests running at once per model (default 64)"),
@@ -108,7 +113,8 @@ def engine_template(args: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {share}")
     return EngineConfig(
         model=ModelConfig(
-            model="", **_given(args, "dtype", "device", "max_model_len", "enforce_eager")
+            model="",
+            **_given(args, "dtype", "device", "max_model_len", "enforce_eager", "quantization"),
         ),
         cache=CacheConfig(
             **_given(

@@ -123,8 +123,22 @@ class ModelRegistry:
 
 
 def engine_config_for(spec: ModelSpec, template: EngineConfig) -> EngineConfig:
-    """The template's settings (device, dtype, cache, scheduler) applied to one model."""
-    model = replace(template.model, model=spec.path, served_name=spec.name)
+    """The template's settings (device, dtype, cache, scheduler) applied to one model.
+    --quantization applies to the models that can be quantised; the others (encoders,
+    image models) load as they are, with a warning, and ListModels reports them unquantised."""
+    from mmserve.models.fp8 import supports_quantization
+
+    quantization = template.model.quantization
+    if quantization and not supports_quantization(spec.path):
+        logger.warning(
+            "model %r: quantization %s does not apply to it, loaded unquantised",
+            spec.name,
+            quantization,
+        )
+        quantization = None
+    model = replace(
+        template.model, model=spec.path, served_name=spec.name, quantization=quantization
+    )
     return replace(template, model=model)
 
 
@@ -134,8 +148,11 @@ def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> Mod
     from mmserve.engine.llm_engine import LLMEngine
 
     start = time.monotonic()
-    engine = LLMEngine.from_config(engine_config_for(spec, template))
+    config = engine_config_for(spec, template)
+    engine = LLMEngine.from_config(config)
     handle = handle_for(spec, engine, max_pending)
+    if config.model.quantization:
+        handle.facts = replace(handle.facts, quantization=config.model.quantization)
     facts, num_blocks = handle.facts, engine.num_kv_blocks
     cache = f"{num_blocks} KV blocks of {template.cache.block_size} tokens"
     logger.info(

@@ -109,3 +109,37 @@ def _tiny_bert(folder, num_labels=None):  # type: ignore[no-untyped-def]
         model = BertForSequenceClassification(BertConfig.from_pretrained(str(folder)))
         _randomise(model, seed=0).save_pretrained(str(folder))
     return folder
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_gpu_fp8_linear_equals_the_reference(rows: int) -> None:
+    """torch._scaled_mm on FP8 tensor cores (Triton per-token quantisation) against the
+    float32 reference of the same FP8 operands."""
+    from mmserve.models.fp8 import Fp8Linear, fp8_linear_ref
+
+    torch.manual_seed(rows)
+    for n, k in [(96, 64), (6144, 4096), (4096, 14336)]:
+        linear = torch.nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
+        fp8 = Fp8Linear.from_linear(linear)
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        got = fp8(x)
+        expected = fp8_linear_ref(x, fp8.weight, fp8.weight_scale, fp8.bias)
+        assert got.dtype == torch.bfloat16
+        assert ((got.float() - expected).norm() / expected.norm()).item() < 1e-2
+        torch.testing.assert_close(got.float(), expected, atol=0.05 * expected.abs().max().item(), rtol=0.02)
+
+
+def test_gpu_fp8_engine_equals_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The FP8 engine on CUDA: float32 (dequantised FP8 products) gives the CPU path's greedy
+    tokens; bfloat16 (FP8 tensor cores, CUDA graphs) its first token and logprob."""
+    path = str(make_tiny_model(tmp_path, arch="llama"))
+    cpu = _outputs(path, "cpu", "float32", quantization="fp8")
+    assert _outputs(path, "cuda", "float32", quantization="fp8") == cpu
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    ref = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64, quantization="fp8")
+    got = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=64, quantization="fp8")
+    outputs = [m.generate(PROMPTS[:2], params, use_tqdm=False) for m in (ref, got)]
+    for r, g in zip(*outputs, strict=True):
+        first_r, first_g = r.outputs[0].logprobs[0], g.outputs[0].logprobs[0]  # type: ignore[index]
+        assert abs(first_r.logprob - first_g.logprob) < 0.1
+        assert r.outputs[0].token_ids[0] == g.outputs[0].token_ids[0]

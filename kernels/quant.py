@@ -1,0 +1,85 @@
+"""Dynamic per-token FP8 quantisation of activations, for the FP8 linear layers (w8a8).
+
+Each row x[t] gets its own scale s[t] = max(|x[t]|) / 448 (448 is float8_e4m3fn's largest
+finite value) and q[t] = clamp(x[t] / s[t], -448, 448) rounded to float8_e4m3fn, so that
+x[t] ~= q[t] * s[t]. One program per row: a first pass over the row finds its max, a second
+quantises it (the row is back from L2 by then).
+
+The Triton interpreter rounds to float8 wrongly, so on CPU the kernel is tested with a float16
+or float32 `out_dtype` (which checks the max, the scale and the clamp); float8 itself is tested
+on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmserve.kernels._common import check_float, check_same_device
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero row gets this scale (and zeros), never 0 / 0
+_OUT_DTYPES = (FP8_DTYPE, torch.float16, torch.float32)
+
+
+@triton.jit
+def _per_token_quant_kernel(
+    q_ptr, scale_ptr, x_ptr, stride_x, cols, fp8_max, min_scale, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, cols, BLOCK):
+        mask = start + offs < cols
+        x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0) / fp8_max, min_scale)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, cols, BLOCK):
+        mask = start + offs < cols
+        x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        tl.store(q_ptr + row * cols + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def per_token_quant_fp8(
+    x: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (q [T, K] in out_dtype, scale [T, 1] float32) with x ~= q * scale.
+    out_dtype other than float8_e4m3fn is for tests under the interpreter."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, features] (2-D), got shape {list(x.shape)}")
+    check_float("x", x)
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    check_same_device(x=x)
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, cols = x.shape
+    q = torch.empty((rows, cols), dtype=out_dtype, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows and cols:
+        block = min(4096, triton.next_power_of_2(cols))
+        _per_token_quant_kernel[(rows,)](
+            q, scale, x, x.stride(0), cols, FP8_MAX, MIN_SCALE,
+            BLOCK=block, num_warps=min(8, max(1, block // 256)),
+        )  # fmt: skip
+    return q, scale
+
+
+def per_token_quant_ref(
+    x: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference (and the CPU path of the FP8 linear layers)."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(out_dtype), scale
+
+
+def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (float8_e4m3fn [N, K], float32 scale [N]), one scale per output row
+    (the same rounding as per_token_quant_ref, per row of the weight)."""
+    q, scale = per_token_quant_ref(weight)
+    return q, scale.view(-1)

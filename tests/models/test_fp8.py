@@ -1,0 +1,165 @@
+"""FP8 (w8a8) quantisation against transformers running the same quantised arithmetic.
+
+The reference is transformers' own model with each decoder projection's weight replaced by its
+FP8-rounded value (per-output-channel scale) and its input rounded to FP8 per token by a
+forward pre-hook: the operands our Fp8Linear multiplies, computed independently of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mmserve.attention.torch_ref import TorchAttentionBackend
+from mmserve.config import ModelConfig
+from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.kernels.quant import FP8_DTYPE, FP8_MAX, per_token_quant_ref, quantize_weight_fp8
+from mmserve.models.fp8 import Fp8Linear, fp8_linear_ref
+from mmserve.models.loader import load_model
+from tests.models.paged import PagedKV, PagedSeq
+from tests.utils.tiny_models import make_tiny_model
+
+PROMPT = [5, 17, 42, 99, 250, 7, 300, 12, 64, 128, 3, 77, 200, 31]
+# measured 1.3e-6; the margin is for float32 sums in another order moving an activation across
+# an FP8 rounding boundary (fixed seeds: it would show every run). Quantisation moves logits ~0.3
+ATOL = 1e-3
+
+
+def fake_quant_hf(path: Path) -> Any:
+    """transformers' float32 model computing what FP8 w8a8 computes, by its own modules."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    hf.eval()
+
+    def quantise_input(_module: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        x = args[0]
+        q, scale = per_token_quant_ref(x.reshape(-1, x.shape[-1]))
+        return ((q.float() * scale).view(x.shape),)
+
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for module in layer.modules():
+                if isinstance(module, torch.nn.Linear):
+                    q, scale = quantize_weight_fp8(module.weight)
+                    module.weight.copy_(q.float() * scale[:, None])
+                    module.register_forward_pre_hook(quantise_input)
+    return hf
+
+
+def load_ours(path: Path, quantization: str | None = "fp8") -> Any:
+    config = ModelConfig(model=str(path), quantization=quantization)
+    return load_model(config, "cpu", "float32", TorchAttentionBackend())[0]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arch, overrides = {"llama": ("llama", {}), "qwen2": ("qwen2", {})}[
+        request.param
+    ]  # qwen2: q/k/v biases
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), arch, **overrides)
+
+
+@torch.no_grad()
+def test_logits_match_transformers_with_the_same_fp8_arithmetic(tiny: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = load_ours(tiny)
+    logits = PagedKV(model).step(model, [(PagedSeq(), PROMPT)])
+    expected = fake_quant_hf(tiny)(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    # and the quantisation is real: the unquantised model's logits are measurably elsewhere
+    plain = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    assert (plain(torch.tensor([PROMPT])).logits[0] - logits).abs().max() > 50 * ATOL
+
+
+@torch.no_grad()
+def test_chunked_prefill_and_decode_match_the_full_forward(tiny: Path) -> None:
+    model = load_ours(tiny)
+    expected = PagedKV(model).step(model, [(PagedSeq(), PROMPT)])
+    kv, seq = PagedKV(model, block_size=4), PagedSeq()
+    chunks = [PROMPT[:5], PROMPT[5:11]] + [[t] for t in PROMPT[11:]]
+    rows = torch.cat([kv.step(model, [(seq, chunk)]) for chunk in chunks])
+    torch.testing.assert_close(
+        rows, expected, atol=1e-5, rtol=0
+    )  # per-token scales: no batch effect
+
+
+def test_greedy_tokens_match_transformers_generate(tiny: Path) -> None:
+    from mmserve.entrypoints.llm import LLM
+    from mmserve.params import SamplingParams
+
+    hf = fake_quant_hf(tiny)
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False, min_new_tokens=16
+        )
+    expected = out[0, len(PROMPT) :].tolist()
+    llm = LLM(str(tiny), quantization="fp8", dtype="float32")
+    got = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert got[0].outputs[0].token_ids == expected
+
+
+def test_projections_are_fp8_and_the_rest_is_not(tiny: Path) -> None:
+    model = load_ours(tiny)
+    layer = model.model.layers[0]
+    for proj in (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    ):
+        assert isinstance(proj, Fp8Linear) and proj.weight.dtype == FP8_DTYPE
+    assert model.lm_head.weight.dtype == torch.float32
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    plain = load_ours(tiny, quantization=None)
+    fp8_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    plain_bytes = sum(p.numel() * p.element_size() for p in plain.model.layers[0].parameters())
+    assert fp8_bytes < 0.3 * plain_bytes  # float32 -> 1 byte per weight, plus scales and norms
+
+
+def test_weight_scales_are_per_output_channel() -> None:
+    weight = torch.randn(32, 48) * torch.logspace(-3, 2, 32)[:, None]  # rows 5 decades apart
+    q, scale = quantize_weight_fp8(weight)
+    assert q.dtype == FP8_DTYPE and scale.shape == (32,)
+    torch.testing.assert_close(q.float().abs().amax(1), torch.full((32,), FP8_MAX))
+    # e4m3 keeps 3 mantissa bits: each element within half a step (1/16 relative) of its value
+    err = (q.float() * scale[:, None] - weight).abs()
+    assert (err <= weight.abs() / 16 + scale[:, None] * 2**-9).all()
+
+
+def test_linear_reference_and_module_agree_with_explicit_dequantisation() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32, bias=True)
+    x = torch.randn(7, 64) * torch.logspace(-2, 1, 7)[:, None]  # rows at different scales
+    fp8 = Fp8Linear.from_linear(linear)
+    xq, xs = per_token_quant_ref(x)
+    wq, ws = quantize_weight_fp8(linear.weight.data)
+    expected = (xq.double() * xs.double()) @ (
+        wq.double() * ws.double()[:, None]
+    ).t() + linear.bias.double()
+    torch.testing.assert_close(fp8(x).double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        fp8_linear_ref(x, wq, ws, linear.bias).double(), expected, atol=1e-5, rtol=1e-5
+    )
+    # the quantisation error itself stays small against the unquantised product
+    assert ((fp8(x) - linear(x)).norm() / linear(x).norm()).item() < 0.05
+    assert fp8(x[:0]).shape == (0, 32)
+    assert fp8(x.view(7, 1, 64)).shape == (7, 1, 32)
+
+
+def test_an_unknown_method_is_refused_naming_the_field(tiny: Path) -> None:
+    with pytest.raises(InvalidArgument, match="quantization"):
+        load_ours(tiny, quantization="int3")
+
+
+def test_an_encoder_cannot_be_quantised(tmp_path: Path) -> None:
+    from tests.pooling.tiny_pooling_models import make_tiny_bert
+
+    with pytest.raises(UnsupportedModel, match="fp8"):
+        load_ours(make_tiny_bert(tmp_path / "bert"))
