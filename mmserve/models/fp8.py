@@ -126,7 +126,8 @@ def quantize_fp8(model: nn.Module) -> int:
         if param.dtype != torch.bfloat16:
             logger.warning(
                 "fp8 in %s on CUDA: the FP8 tensor cores take bfloat16 only, so each product "
-                "runs as the float32 reference (slow; for tests)", param.dtype
+                "runs as the float32 reference (slow; for tests)",
+                param.dtype,
             )
     return replaced
 
