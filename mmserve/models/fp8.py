@@ -60,11 +60,16 @@ class Fp8Linear(nn.Module):
         return out.view(*shape[:-1], self.out_features)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """On the FP8 tensor cores: a few rows (decode) by our kernel, which reads the weights
+        at the memory's speed; more by torch._scaled_mm (CUTLASS)."""
+        from mmserve.kernels.fp8_gemm import MAX_ROWS, fp8_gemm_rows
         from mmserve.kernels.quant import per_token_quant_fp8
 
         if x.shape[0] == 0:
             return x.new_empty((0, self.out_features))
         q, scale = per_token_quant_fp8(x)
+        if x.shape[0] <= MAX_ROWS:
+            return fp8_gemm_rows(q, scale, self.weight, self.weight_scale)
         return torch._scaled_mm(
             q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=torch.bfloat16
         )

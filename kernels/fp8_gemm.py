@@ -1,0 +1,98 @@
+"""FP8 x FP8 products for a few rows (decode steps): out = (xq @ wq^T) * x_scale * w_scale.
+
+torch._scaled_mm's kernels are built for large products: at 1-16 rows they read an 8B model's
+FP8 weights no faster than cuBLAS reads bf16 ones (measured on the H200), which throws away
+FP8's halved bytes. Here each program owns BLOCK_N output channels, streams their weights once
+over K, and multiplies on the tensor cores with the rows padded to 16; the grid is N / BLOCK_N
+programs, enough to keep every SM's loads in flight. Same operands and fp32 accumulation as
+_scaled_mm with row-wise scales, so a request's tokens do not depend on its batch's size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmserve.kernels._common import check_same_device, check_shape
+
+MAX_ROWS = 16  # one tensor-core tile of rows; larger products go to torch._scaled_mm
+_FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+@triton.jit
+def _fp8_gemm_rows_kernel(
+    out_ptr, xq_ptr, xs_ptr, wq_ptr, ws_ptr,
+    rows, n, k, stride_x, stride_w, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < rows
+    mask_n = offs_n < n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        mask_k = start + offs_k < k
+        a = tl.load(
+            xq_ptr + offs_m[:, None] * stride_x + start + offs_k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+        )  # fmt: skip
+        b = tl.load(
+            wq_ptr + offs_n[:, None].to(tl.int64) * stride_w + start + offs_k[None, :],
+            mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+        )  # fmt: skip
+        acc = tl.dot(a, tl.trans(b), acc)
+    xs = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
+    ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
+    out = acc * xs[:, None] * ws[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_out + offs_n[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :],
+    )  # fmt: skip
+
+
+def fp8_gemm_rows(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_n: int | None = None,
+    block_k: int = 256,
+) -> torch.Tensor:
+    """xq [M <= 16, K] and wq [N, K] in float8_e4m3fn (or, under the interpreter, any float
+    dtype), x_scale [M, 1] and w_scale [1, N] float32 -> [M, N] in out_dtype."""
+    if xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
+        raise ValueError(
+            f"xq [M, K] and wq [N, K] must share K, got {list(xq.shape)} and {list(wq.shape)}"
+        )
+    rows, k = xq.shape
+    n = wq.shape[0]
+    if rows > MAX_ROWS:
+        raise ValueError(f"xq has {rows} rows; this kernel takes at most {MAX_ROWS}")
+    if xq.dtype != wq.dtype:
+        raise ValueError(f"xq and wq must share a dtype, got {xq.dtype} and {wq.dtype}")
+    check_shape("x_scale", x_scale, (rows, 1))
+    check_shape("w_scale", w_scale, (1, n))
+    for name, t in (("xq", xq), ("wq", wq)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got {t.stride()}")
+    check_same_device(xq=xq, x_scale=x_scale, wq=wq, w_scale=w_scale)
+    out = torch.empty((rows, n), dtype=out_dtype, device=xq.device)
+    if rows and n:
+        block_n = block_n or (32 if n <= 8192 else 64)
+        _fp8_gemm_rows_kernel[(triton.cdiv(n, block_n),)](
+            out, xq, x_scale.float(), wq, w_scale.float(),
+            rows, n, k, xq.stride(0), wq.stride(0), out.stride(0),
+            BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
+        )  # fmt: skip
+    return out
+
+
+def fp8_gemm_rows_ref(
+    xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor
+) -> torch.Tensor:
+    """float32 [M, N]: the torch reference."""
+    return (xq.float() @ wq.float().t()) * x_scale.float() * w_scale.float()

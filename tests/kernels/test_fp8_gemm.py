@@ -1,0 +1,58 @@
+"""The few-rows FP8 product (kernels/fp8_gemm.py) against its torch reference: float8 operands
+(loads and tensor-core products of float8 are exact under the interpreter too), odd sizes."""
+
+import pytest
+import torch
+
+from mmserve.kernels.fp8_gemm import MAX_ROWS, fp8_gemm_rows, fp8_gemm_rows_ref
+from mmserve.kernels.quant import FP8_DTYPE, per_token_quant_ref, quantize_weight_fp8
+from tests.kernels.conftest import DEVICE
+
+CASES = [(1, 96, 64), (3, 100, 300), (16, 64, 512), (7, 4096 + 32, 256 + 16)]
+
+
+def _operands(rows: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    x = torch.randn(rows, k, device=DEVICE) * torch.logspace(-2, 2, rows, device=DEVICE)[:, None]
+    w = torch.randn(n, k, device=DEVICE) * torch.logspace(-3, 0, n, device=DEVICE)[:, None]
+    xq, xs = per_token_quant_ref(x)
+    wq, ws = quantize_weight_fp8(w)
+    return xq, xs, wq, ws.view(1, -1)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_the_reference(case, out_dtype):
+    xq, xs, wq, ws = _operands(*case)
+    out = fp8_gemm_rows(xq, xs, wq, ws, out_dtype)
+    expected = fp8_gemm_rows_ref(xq, xs, wq, ws)
+    assert out.shape == (case[0], case[1]) and out.dtype == out_dtype
+    tol = 1e-5 if out_dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(
+        out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item()
+    )
+
+
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_block_sizes_do_not_change_the_result(block_n):
+    xq, xs, wq, ws = _operands(4, 200, 384)
+    base = fp8_gemm_rows(xq, xs, wq, ws, torch.float32)
+    torch.testing.assert_close(
+        fp8_gemm_rows(xq, xs, wq, ws, torch.float32, block_n=block_n, block_k=128), base
+    )
+
+
+def test_rejects_bad_operands():
+    xq, xs, wq, ws = _operands(2, 32, 64)
+    with pytest.raises(ValueError, match="at most 16"):
+        fp8_gemm_rows(
+            torch.zeros(MAX_ROWS + 1, 64, dtype=FP8_DTYPE, device=DEVICE),
+            torch.ones(17, 1, device=DEVICE),
+            wq,
+            ws,
+        )
+    with pytest.raises(ValueError, match="share K"):
+        fp8_gemm_rows(xq[:, :32], xs, wq, ws)
+    with pytest.raises(ValueError, match="w_scale"):
+        fp8_gemm_rows(xq, xs, wq, ws[:, :8])
+    with pytest.raises(ValueError, match="share a dtype"):
+        fp8_gemm_rows(xq.float(), xs, wq, ws)
