@@ -3,9 +3,10 @@
 torch._scaled_mm's kernels are built for large products: at 1-16 rows they read an 8B model's
 FP8 weights no faster than cuBLAS reads bf16 ones (measured on the H200), which throws away
 FP8's halved bytes. Here each program owns BLOCK_N output channels, streams their weights once
-over K, and multiplies on the tensor cores with the rows padded to 16; the grid is N / BLOCK_N
-programs, enough to keep every SM's loads in flight. Same operands and fp32 accumulation as
-_scaled_mm with row-wise scales, so a request's tokens do not depend on its batch's size.
+over K, and multiplies on the tensor cores with the rows padded to 16. Same operands and fp32
+accumulation as _scaled_mm with row-wise scales, so a request's results change with its
+batch's size only by the order of fp32 sums. Measured at one row: 89% of the copy bandwidth on Llama-3-8B's gate_up
+projection, 70% on q/k/v, 60% on down (K = 14,336 over only 64 programs: K is not split).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def fp8_gemm_rows(
     w_scale: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     block_n: int | None = None,
-    block_k: int = 256,
+    block_k: int | None = None,
 ) -> torch.Tensor:
     """xq [M <= 16, K] and wq [N, K] in float8_e4m3fn (or, under the interpreter, any float
     dtype), x_scale [M, 1] and w_scale [1, N] float32 -> [M, N] in out_dtype."""
@@ -82,7 +83,10 @@ def fp8_gemm_rows(
     check_same_device(xq=xq, x_scale=x_scale, wq=wq, w_scale=w_scale)
     out = torch.empty((rows, n), dtype=out_dtype, device=xq.device)
     if rows and n:
-        block_n = block_n or (32 if n <= 8192 else 64)
+        # measured on the H200 at 1-16 rows (Llama-3-8B's projections): 64 channels per
+        # program; K in tiles of 512, or of 128 when there are hundreds of programs
+        block_n = block_n or 64
+        block_k = block_k or (128 if triton.cdiv(n, block_n) >= 256 else 512)
         _fp8_gemm_rows_kernel[(triton.cdiv(n, block_n),)](
             out, xq, x_scale.float(), wq, w_scale.float(),
             rows, n, k, xq.stride(0), wq.stride(0), out.stride(0),
