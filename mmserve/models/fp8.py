@@ -24,6 +24,7 @@ from mmserve.kernels.quant import FP8_DTYPE, per_token_quant_ref, quantize_weigh
 logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("fp8",)
 _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper onwards
+FEW_ROWS = 16  # products of up to this many rows run on kernels/fp8_gemm.py (measured)
 _ALIGN = 16  # torch._scaled_mm wants both matrix dimensions in multiples of 16
 
 
@@ -62,13 +63,13 @@ class Fp8Linear(nn.Module):
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """On the FP8 tensor cores: a few rows (decode) by our kernel, which reads the weights
         at the memory's speed; more by torch._scaled_mm (CUTLASS)."""
-        from mmserve.kernels.fp8_gemm import MAX_ROWS, fp8_gemm_rows
+        from mmserve.kernels.fp8_gemm import fp8_gemm_rows
         from mmserve.kernels.quant import per_token_quant_fp8
 
         if x.shape[0] == 0:
             return x.new_empty((0, self.out_features))
         q, scale = per_token_quant_fp8(x)
-        if x.shape[0] <= MAX_ROWS:
+        if x.shape[0] <= FEW_ROWS:
             return fp8_gemm_rows(q, scale, self.weight, self.weight_scale)
         return torch._scaled_mm(
             q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=torch.bfloat16
