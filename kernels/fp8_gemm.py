@@ -86,12 +86,16 @@ def fp8_gemm_rows(
     if rows and n:
         # measured on the H200 at 1-16 rows (Llama-3-8B's projections): 64 channels per
         # program; K in tiles of 512, or of 128 when there are hundreds of programs
+        block_m = max(16, triton.next_power_of_2(rows))
         block_n = block_n or 64
         block_k = block_k or (128 if triton.cdiv(n, block_n) >= 256 else 512)
+        # four pipeline stages of both tiles must fit the SM's shared memory (H100/H200: 228 KiB)
+        while (block_m + block_n) * block_k * xq.element_size() * 4 > 160 * 1024 and block_k > 32:
+            block_k //= 2
         _fp8_gemm_rows_kernel[(triton.cdiv(n, block_n),)](
             out, xq, x_scale.float(), wq, w_scale.float(),
             rows, n, k, xq.stride(0), wq.stride(0), out.stride(0),
-            BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
         )  # fmt: skip
     return out
 
