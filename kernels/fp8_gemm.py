@@ -1,9 +1,9 @@
 """FP8 x FP8 products of a few rows (decode steps): out = (xq @ wq^T) * x_scale * w_scale.
 
-torch._scaled_mm's kernels are built for large products: at 1-64 rows they read an 8B model's
+torch._scaled_mm's kernels are built for large products: at 1-32 rows they read an 8B model's
 FP8 weights no faster than cuBLAS reads bf16 ones (measured on the H200), which throws away
 FP8's halved bytes. Here each program owns BLOCK_N output channels, streams their weights once
-over K, and multiplies on the tensor cores with the rows padded to 16, 32 or 64. Same operands
+over K, and multiplies on the tensor cores with the rows padded to 16 or 32. Same operands
 and fp32 accumulation as _scaled_mm with row-wise scales, so a request's results change with
 its batch's size only by the order of fp32 sums. Measured at one row: 89% of the copy
 bandwidth on Llama-3-8B's gate_up projection, 70% on q/k/v, 60% on down (K = 14,336 over only
@@ -18,7 +18,9 @@ import triton.language as tl
 
 from mmserve.kernels._common import check_same_device, check_shape
 
-MAX_ROWS = 64  # rows are padded to a tile of 16, 32 or 64
+# rows are padded to a tile of 16 or 32. A 64-row tile compiled to Hopper's wgmma, whose FP8
+# accumulation is not float32-exact: it missed the reference by more than float rounding (H200)
+MAX_ROWS = 32
 _FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
@@ -64,7 +66,7 @@ def fp8_gemm_rows(
     block_n: int | None = None,
     block_k: int | None = None,
 ) -> torch.Tensor:
-    """xq [M <= 64, K] and wq [N, K] in float8_e4m3fn (or, under the interpreter, any float
+    """xq [M <= 32, K] and wq [N, K] in float8_e4m3fn (or, under the interpreter, any float
     dtype), x_scale [M, 1] and w_scale [1, N] float32 -> [M, N] in out_dtype."""
     if xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
         raise ValueError(

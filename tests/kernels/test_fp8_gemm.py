@@ -13,8 +13,8 @@ CASES = [
     (3, 100, 300),
     (16, 64, 512),
     (7, 4096 + 32, 256 + 16),
-    (40, 48, 160),
-    (64, 32, 64),
+    (24, 48, 160),
+    (32, 32, 64),
 ]
 
 
@@ -50,7 +50,7 @@ def test_block_sizes_do_not_change_the_result(block_n):
 
 def test_rejects_bad_operands():
     xq, xs, wq, ws = _operands(2, 32, 64)
-    with pytest.raises(ValueError, match="at most 64"):
+    with pytest.raises(ValueError, match="at most 32"):
         fp8_gemm_rows(
             torch.zeros(MAX_ROWS + 1, 64, dtype=FP8_DTYPE, device=DEVICE),
             torch.ones(17, 1, device=DEVICE),
