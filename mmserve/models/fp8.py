@@ -2,10 +2,10 @@
 
 Weights: float8_e4m3fn with one float32 scale per output channel, so they take half the
 memory of bfloat16 and half the bytes a decode step reads. Activations: quantised per token
-when each layer runs (dynamic scales, no calibration). On CUDA the product runs on the FP8
-tensor cores (torch._scaled_mm with row-wise scales, bfloat16 out); elsewhere, and for other
-compute dtypes, the same quantised operands are dequantised and multiplied in float32: the
-reference the CUDA path is tested against.
+when each layer runs (dynamic scales, no calibration). On CUDA in bfloat16 the product runs on
+the FP8 tensor cores: up to FEW_ROWS rows on kernels/fp8_gemm.py, more on torch._scaled_mm with
+row-wise scales; elsewhere, and for other compute dtypes, the same FP8 operands are multiplied
+in float32 and scaled: the reference the CUDA path is tested against.
 
 Quantised: every projection inside the decoder layers (q/k/v, o, gate/up, down). Kept in the
 model dtype: embeddings, norms and the LM head (as vLLM's fp8 does).
