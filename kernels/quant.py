@@ -5,6 +5,8 @@ finite value) and q[t] = clamp(x[t] / s[t], -448, 448) rounded to float8_e4m3fn,
 x[t] ~= q[t] * s[t]. One program per row: a first pass over the row finds its max, a second
 quantises it (the row is back from L2 by then).
 
+A checkpoint calibrated with static activation scales gives one scale for all rows instead.
+
 The Triton interpreter rounds to float8 wrongly, so on CPU the kernel is tested with a float16
 or float32 `out_dtype` (which checks the max, the scale and the clamp); float8 itself is tested
 on the GPU.
@@ -26,16 +28,20 @@ _OUT_DTYPES = (FP8_DTYPE, torch.float16, torch.float32)
 
 @triton.jit
 def _per_token_quant_kernel(
-    q_ptr, scale_ptr, x_ptr, stride_x, cols, fp8_max, min_scale, BLOCK: tl.constexpr
-):
+    q_ptr, scale_ptr, x_ptr, static_scale_ptr, stride_x, cols, fp8_max, min_scale,
+    STATIC: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, cols, BLOCK):
-        mask = start + offs < cols
-        x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0) / fp8_max, min_scale)
+    if STATIC:  # the checkpoint's calibrated scale, the same for every row
+        scale = tl.load(static_scale_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, cols, BLOCK):
+            mask = start + offs < cols
+            x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, 0) / fp8_max, min_scale)
     tl.store(scale_ptr + row, scale)
     for start in range(0, cols, BLOCK):
         mask = start + offs < cols
@@ -45,16 +51,24 @@ def _per_token_quant_kernel(
 
 
 def per_token_quant_fp8(
-    x: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
+    x: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE, static_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (q [T, K] in out_dtype, scale [T, 1] float32) with x ~= q * scale.
+    """x [T, K] -> (q [T, K] in out_dtype, scale [T, 1] float32) with x ~= q * scale. With
+    static_scale (one float32 element) every row takes that scale instead of its own.
     out_dtype other than float8_e4m3fn is for tests under the interpreter."""
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, features] (2-D), got shape {list(x.shape)}")
     check_float("x", x)
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
-    check_same_device(x=x)
+    tensors = {"x": x}
+    if static_scale is not None:
+        if static_scale.numel() != 1 or static_scale.dtype != torch.float32:
+            raise ValueError(
+                f"static_scale must be one float32 element, got {static_scale.dtype} {list(static_scale.shape)}"
+            )
+        tensors["static_scale"] = static_scale
+    check_same_device(**tensors)
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         x = x.contiguous()
     rows, cols = x.shape
@@ -63,18 +77,22 @@ def per_token_quant_fp8(
     if rows and cols:
         block = min(4096, triton.next_power_of_2(cols))
         _per_token_quant_kernel[(rows,)](
-            q, scale, x, x.stride(0), cols, FP8_MAX, MIN_SCALE,
-            BLOCK=block, num_warps=min(8, max(1, block // 256)),
+            q, scale, x, scale if static_scale is None else static_scale,
+            x.stride(0), cols, FP8_MAX, MIN_SCALE,
+            STATIC=static_scale is not None, BLOCK=block, num_warps=min(8, max(1, block // 256)),
         )  # fmt: skip
     return q, scale
 
 
 def per_token_quant_ref(
-    x: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE
+    x: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE, static_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference (and the CPU path of the FP8 linear layers)."""
     xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    if static_scale is None:
+        scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    else:
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(out_dtype), scale
 
 

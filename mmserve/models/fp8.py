@@ -14,14 +14,19 @@ model dtype: embeddings, norms and the LM head (as vLLM's fp8 does).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
-from mmserve.kernels.quant import FP8_DTYPE, per_token_quant_ref, quantize_weight_fp8
 
 logger = logging.getLogger(__name__)
+# mmserve.kernels.* are imported where used: a Triton kernel module imported before the tests
+# set TRITON_INTERPRET=1 would be compiled for a GPU the CPU machine does not have
+FP8_DTYPE = torch.float8_e4m3fn
 QUANTIZATION_METHODS = ("fp8",)
 _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper onwards
 # products of up to this many rows run on kernels/fp8_gemm.py: on the H200 it beats
@@ -31,25 +36,44 @@ _ALIGN = 16  # torch._scaled_mm wants both matrix dimensions in multiples of 16
 
 
 class Fp8Linear(nn.Module):
-    """y = x W^T + b with W in float8_e4m3fn (per-output-channel scales) and x quantised per
-    token on the fly."""
+    """y = x W^T + b with W in float8_e4m3fn (per-output-channel scales) and x quantised to FP8
+    on the fly: per token, or with the checkpoint's static input_scale when it has one."""
 
     def __init__(
-        self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_scale: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight, requires_grad=False)  # [N, K] float8_e4m3fn
-        self.weight_scale = nn.Parameter(
-            weight_scale.view(1, -1), requires_grad=False
-        )  # [1, N] fp32
+        self.weight_scale = nn.Parameter(weight_scale.reshape(-1), requires_grad=False)  # [N] fp32
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.input_scale = (  # [1] fp32: static activation scale; None = per token
+            None
+            if input_scale is None
+            else nn.Parameter(input_scale.reshape(1), requires_grad=False)
+        )
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        from mmserve.kernels.quant import quantize_weight_fp8
+
         weight, scale = quantize_weight_fp8(linear.weight.data)
         bias = None if linear.bias is None else linear.bias.data
         return cls(weight, scale, bias)
+
+    @classmethod
+    def empty_like(cls, linear: nn.Linear, static_input: bool) -> Fp8Linear:
+        """Zeros in the shapes an FP8 checkpoint fills (the bias keeps the model dtype)."""
+        device = linear.weight.device
+        n, k = linear.out_features, linear.in_features
+        bias = None if linear.bias is None else torch.zeros_like(linear.bias)
+        input_scale = torch.zeros(1, device=device) if static_input else None
+        weight = torch.zeros(n, k, device=device, dtype=FP8_DTYPE)
+        return cls(weight, torch.zeros(n, device=device), bias, input_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -57,7 +81,8 @@ class Fp8Linear(nn.Module):
         if x2.is_cuda and x2.dtype == torch.bfloat16:
             out = self._scaled_mm(x2)
         else:
-            out = fp8_linear_ref(x2, self.weight, self.weight_scale, None).to(x.dtype)
+            out = fp8_linear_ref(x2, self.weight, self.weight_scale, None, self.input_scale)
+            out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*shape[:-1], self.out_features)
@@ -70,23 +95,32 @@ class Fp8Linear(nn.Module):
 
         if x.shape[0] == 0:
             return x.new_empty((0, self.out_features))
-        q, scale = per_token_quant_fp8(x)
+        q, scale = per_token_quant_fp8(x, static_scale=self.input_scale)
+        w_scale = self.weight_scale.view(1, -1)
         if x.shape[0] <= FEW_ROWS:
-            return fp8_gemm_rows(q, scale, self.weight, self.weight_scale)
+            return fp8_gemm_rows(q, scale, self.weight, w_scale)
         return torch._scaled_mm(
-            q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=torch.bfloat16
+            q, self.weight.t(), scale_a=scale, scale_b=w_scale, out_dtype=torch.bfloat16
         )
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8"
+        acts = "static" if self.input_scale is not None else "per token"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8, activations {acts}"
 
 
 def fp8_linear_ref(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float32 [T, N]: x quantised per token, the FP8 operands multiplied in fp32, then scaled
-    by the token's and the output channel's scales (as the FP8 GEMM does)."""
-    q, scale = per_token_quant_ref(x)
+    """float32 [T, N]: x quantised (per token, or by the static input_scale), the FP8 operands
+    multiplied in fp32, then scaled by the token's and the output channel's scales (as the FP8
+    GEMM does)."""
+    from mmserve.kernels.quant import per_token_quant_ref
+
+    q, scale = per_token_quant_ref(x, static_scale=input_scale)
     out = (q.float() @ weight.float().t()) * scale * weight_scale.view(1, -1)
     return out if bias is None else out + bias.float()
 
@@ -108,8 +142,22 @@ def check_quantization(method: str | None, device: torch.device) -> None:
 
 @torch.no_grad()
 def quantize_fp8(model: nn.Module) -> int:
-    """Replaces the projections of the model's decoder layers by Fp8Linear, one at a time (so
-    at most one layer's weights exist twice); returns how many were replaced."""
+    """Replaces the projections of the model's decoder layers by Fp8Linear quantised from
+    their weights, one at a time (at most one layer's weights exist twice); returns how many
+    were replaced."""
+    return _replace_projections(model, Fp8Linear.from_linear)
+
+
+@torch.no_grad()
+def prepare_fp8_checkpoint(model: nn.Module, checkpoint: Fp8Checkpoint) -> int:
+    """Before an FP8 checkpoint's weights load: the projections become empty Fp8Linear for
+    load_scale and the weight loader to fill."""
+    return _replace_projections(
+        model, lambda linear: Fp8Linear.empty_like(linear, checkpoint.static_activations)
+    )
+
+
+def _replace_projections(model: nn.Module, make: Callable[[nn.Linear], Fp8Linear]) -> int:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not getattr(model, "supports_fp8", False) or layers is None:
         raise UnsupportedModel(
@@ -126,7 +174,7 @@ def quantize_fp8(model: nn.Module) -> int:
                         f"quantization fp8 needs layer sizes in multiples of {_ALIGN}; "
                         f"{name} is {child.out_features} x {child.in_features}"
                     )
-                setattr(parent, name, Fp8Linear.from_linear(child))
+                setattr(parent, name, make(child))
                 replaced += 1
     param = next(model.parameters())
     if param.is_cuda:
@@ -144,6 +192,28 @@ def is_fp8(model: nn.Module) -> bool:
     return any(p.dtype == FP8_DTYPE for p in model.parameters())
 
 
+def load_scale(param: torch.Tensor, tensor: torch.Tensor, name: str, rows: slice | None) -> None:
+    """Loads a checkpoint's weight_scale or input_scale into an Fp8Linear's (rows: the part
+    of a merged projection). A per-tensor weight scale becomes that part's per-channel scales;
+    the parts of a merged projection share one input, so it takes the largest input scale."""
+    tensor = tensor.detach().float().reshape(-1)
+    if name.endswith("input_scale"):
+        if tensor.numel() != 1:
+            raise UnsupportedModel(
+                f"{name}: a static input scale has one element, got {tensor.numel()}"
+            )
+        param.data.copy_(torch.maximum(param.data, tensor.to(param.device)))
+        return
+    target = param.data if rows is None else param.data[rows]
+    if tensor.numel() == 1:
+        tensor = tensor.expand(target.shape[0])
+    if tensor.shape != target.shape:
+        raise UnsupportedModel(
+            f"weight {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
+
+
 def supports_quantization(model_path: str) -> bool:
     """Whether the checkpoint at model_path is of an architecture quantize_fp8 handles (read
     from its config; nothing is loaded)."""
@@ -152,3 +222,66 @@ def supports_quantization(model_path: str) -> bool:
 
     hf_config = load_hf_config(resolve_model_source(model_path))
     return bool(getattr(get_model_class(architecture_of(hf_config)), "supports_fp8", False))
+
+
+def checkpoint_quantization(model_path: str) -> str | None:
+    """ "fp8" when the checkpoint at model_path holds FP8 weights, else None."""
+    from mmserve.models.loader import load_hf_config, resolve_model_source
+
+    return "fp8" if checkpoint_fp8(load_hf_config(resolve_model_source(model_path))) else None
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """An FP8 checkpoint in the compressed-tensors format (llm-compressor's FP8 and
+    FP8-dynamic): weights float8_e4m3fn with per-channel or per-tensor weight_scale."""
+
+    static_activations: bool  # input_scale per projection (else activations are per token)
+
+
+def checkpoint_fp8(hf_config: Any) -> Fp8Checkpoint | None:
+    """The FP8 scheme of a checkpoint's quantization_config; None without one. A scheme we
+    cannot run exactly raises UnsupportedModel naming what."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    where = "quantization_config"
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise UnsupportedModel(
+            f"{where}.quant_method {method!r}: only FP8 checkpoints in the compressed-tensors "
+            "format load (or load an unquantised checkpoint with --quantization fp8)"
+        )
+    if qc.get("format") not in ("float-quantized", "naive-quantized"):
+        raise UnsupportedModel(f"{where}.format {qc.get('format')!r} is not float-quantized")
+    if qc.get("kv_cache_scheme"):
+        raise UnsupportedModel(f"{where}.kv_cache_scheme: an FP8 KV cache is not supported")
+    ignored = [m for m in qc.get("ignore") or [] if m not in ("lm_head", "re:.*lm_head")]
+    if ignored:
+        raise UnsupportedModel(f"{where}.ignore {ignored}: only lm_head may stay unquantised")
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise UnsupportedModel(f"{where}.config_groups: one group expected, got {len(groups)}")
+    group = groups[0]
+    if "Linear" not in (group.get("targets") or []):
+        raise UnsupportedModel(f"{where}.config_groups targets {group.get('targets')} lack Linear")
+    weights, acts = group.get("weights") or {}, group.get("input_activations")
+    if (
+        not _is_fp8_args(weights)
+        or weights.get("strategy") not in ("channel", "tensor")
+        or weights.get("dynamic")
+    ):
+        raise UnsupportedModel(f"{where} weights {weights}: FP8 per channel or per tensor expected")
+    if not acts or not _is_fp8_args(acts):
+        raise UnsupportedModel(f"{where} input_activations {acts}: FP8 activations expected (w8a8)")
+    dynamic = bool(acts.get("dynamic"))
+    if (acts.get("strategy"), dynamic) not in (("token", True), ("tensor", False)):
+        raise UnsupportedModel(
+            f"{where} input_activations {acts}: dynamic per token or static per tensor expected"
+        )
+    return Fp8Checkpoint(static_activations=not dynamic)
+
+
+def _is_fp8_args(args: dict) -> bool:
+    return args.get("num_bits") == 8 and args.get("type") == "float" and args.get("symmetric", True)

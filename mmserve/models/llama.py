@@ -17,6 +17,7 @@ from torch import nn
 
 from mmserve.attention import AttentionBackend, AttentionMetadata
 from mmserve.errors import UnsupportedModel
+from mmserve.models.fp8 import load_scale
 from mmserve.models.layers import (
     RMSNorm,
     Rope,
@@ -36,6 +37,7 @@ _MERGED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+_FP8_SCALES = ("weight_scale", "input_scale")  # an FP8 checkpoint's, beside each weight
 _MERGED_PARTS = Counter(merged for merged, _ in _MERGED.values())  # qkv_proj: 3, gate_up_proj: 2
 
 
@@ -277,11 +279,15 @@ class LlamaForCausalLM(nn.Module):
                 raise UnsupportedModel(f"unexpected weight {name}")
             owner = self.get_submodule(module_path)
             assert isinstance(owner, (Attention, MLP))  # only they own merged projections
-            load_into(params[key], tensor, name, owner.merged_rows(index))
+            load = load_scale if kind in _FP8_SCALES else load_into
+            load(params[key], tensor, name, owner.merged_rows(index))
             return f"{key}#{index}"
         if name not in params:
             raise UnsupportedModel(f"unexpected weight {name}")
-        load_into(params[name], tensor, name)
+        if kind in _FP8_SCALES:
+            load_scale(params[name], tensor, name, None)
+        else:
+            load_into(params[name], tensor, name)
         return name
 
 

@@ -21,7 +21,13 @@ from mmserve.attention import AttentionBackend
 from mmserve.config import ModelConfig
 from mmserve.errors import InvalidArgument, UnsupportedModel
 from mmserve.models.base import CausalLM
-from mmserve.models.fp8 import check_quantization, quantize_fp8
+from mmserve.models.fp8 import (
+    check_quantization,
+    checkpoint_fp8,
+    is_fp8,
+    prepare_fp8_checkpoint,
+    quantize_fp8,
+)
 from mmserve.models.gguf import iter_gguf_weights
 from mmserve.models.registry import architecture_of, get_model_class
 
@@ -176,11 +182,16 @@ def load_model(
         raise UnsupportedModel(
             f"the model uses a sliding window ({windows[0]}) and the policy is refuse"
         )
+    fp8_checkpoint = checkpoint_fp8(hf_config)
     if model_config.load_format == "dummy":
         init_dummy_weights(model)
+    elif fp8_checkpoint is not None:
+        check_quantization("fp8", device)  # the checkpoint's FP8 weights load as they are
+        prepare_fp8_checkpoint(model, fp8_checkpoint)
+        model.load_weights(iter_weights(source, hf_config))
     else:
         model.load_weights(iter_weights(source, hf_config))
-    if model_config.quantization == "fp8":
+    if model_config.quantization == "fp8" and not is_fp8(model):
         quantize_fp8(model)
     model.requires_grad_(False)
     model.eval()

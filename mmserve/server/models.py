@@ -14,6 +14,7 @@ from typing import Any
 
 from mmserve.config import EngineConfig
 from mmserve.errors import InvalidArgument
+from mmserve.models.fp8 import checkpoint_quantization, supports_quantization
 from mmserve.server.config import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -126,8 +127,6 @@ def engine_config_for(spec: ModelSpec, template: EngineConfig) -> EngineConfig:
     """The template's settings (device, dtype, cache, scheduler) applied to one model.
     --quantization applies to the models that can be quantised; the others (encoders,
     image models) load as they are, with a warning, and ListModels reports them unquantised."""
-    from mmserve.models.fp8 import supports_quantization
-
     quantization = template.model.quantization
     if quantization and not supports_quantization(spec.path):
         logger.warning(
@@ -151,8 +150,9 @@ def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> Mod
     config = engine_config_for(spec, template)
     engine = LLMEngine.from_config(config)
     handle = handle_for(spec, engine, max_pending)
-    if config.model.quantization:
-        handle.facts = replace(handle.facts, quantization=config.model.quantization)
+    quantization = config.model.quantization or checkpoint_quantization(spec.path)
+    if quantization:
+        handle.facts = replace(handle.facts, quantization=quantization)
     facts, num_blocks = handle.facts, engine.num_kv_blocks
     cache = f"{num_blocks} KV blocks of {template.cache.block_size} tokens"
     logger.info(

@@ -145,3 +145,23 @@ def test_gpu_fp8_engine_equals_cpu(tmp_path) -> None:  # type: ignore[no-untyped
         # twice the unquantised test's drift allowance (measured 0.102 on the H200)
         assert abs(first_r.logprob - first_g.logprob) < 0.2
         assert r.outputs[0].token_ids[0] == g.outputs[0].token_ids[0]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_gpu_fp8_checkpoint_equals_cpu(tmp_path, static: bool) -> None:  # type: ignore[no-untyped-def]
+    """An FP8 checkpoint (compressed-tensors; static input scales or per-token) on CUDA: greedy
+    tokens of the CPU path in float32, its first token and logprob in bfloat16."""
+    from tests.models.test_fp8 import save_fp8_checkpoint
+
+    src = make_tiny_model(tmp_path, arch="llama", name="model")
+    save_fp8_checkpoint(src, tmp_path / "fp8", "tensor" if static else "channel", static)
+    path = str(tmp_path / "fp8")
+    assert _outputs(path, "cuda", "float32") == _outputs(path, "cpu", "float32")
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    ref = LLM(path, device="cpu", dtype="float32", num_kv_blocks=64)
+    got = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=64)
+    outputs = [m.generate(PROMPTS[:2], params, use_tqdm=False) for m in (ref, got)]
+    for r, g in zip(*outputs, strict=True):
+        first_r, first_g = r.outputs[0].logprobs[0], g.outputs[0].logprobs[0]  # type: ignore[index]
+        assert abs(first_r.logprob - first_g.logprob) < 0.2  # as test_gpu_fp8_engine_equals_cpu
+        assert r.outputs[0].token_ids[0] == g.outputs[0].token_ids[0]

@@ -29,6 +29,11 @@ def test_matches_the_reference(shape, out_dtype, dtype, device):
     q_ref, scale_ref = per_token_quant_ref(x, out_dtype)
     assert q.dtype == out_dtype and scale.shape == (shape[0], 1) and scale.dtype == torch.float32
     torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
+    _assert_q_close(q, q_ref, out_dtype)
+    assert q.float().abs().amax() <= FP8_MAX
+
+
+def _assert_q_close(q: torch.Tensor, q_ref: torch.Tensor, out_dtype: torch.dtype) -> None:
     if out_dtype == FP8_DTYPE:
         # x / scale may differ in its last bit between the two: at most a rare element rounds
         # to the neighbouring FP8 value
@@ -37,10 +42,8 @@ def test_matches_the_reference(shape, out_dtype, dtype, device):
         step = (q_ref.float().abs() / 8).clamp(min=2**-9)
         assert ((q.float() - q_ref.float()).abs() <= step * 1.01).all()
     else:
-        torch.testing.assert_close(
-            q.float(), q_ref.float(), rtol=2e-3 if out_dtype == torch.float16 else 1e-6, atol=0
-        )
-    assert q.float().abs().amax() <= FP8_MAX
+        rtol = 2e-3 if out_dtype == torch.float16 else 1e-6
+        torch.testing.assert_close(q.float(), q_ref.float(), rtol=rtol, atol=0)
 
 
 def test_each_row_reaches_the_fp8_max(device):
@@ -75,3 +78,17 @@ def test_empty_and_bad_inputs(device):
         per_token_quant_fp8(torch.randn(2, 32, device=device), torch.int8)
     with pytest.raises(ValueError, match="x must be float"):
         per_token_quant_fp8(torch.ones(2, 32, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+def test_a_static_scale_is_used_for_every_row_and_clamps(out_dtype, device):
+    x = torch.randn(5, 300, device=device) * torch.logspace(-2, 1, 5, device=device)[:, None]
+    static = torch.tensor([0.01], device=device)  # rows past 4.48 in magnitude saturate
+    q, scale = per_token_quant_fp8(x, out_dtype, static_scale=static)
+    q_ref, scale_ref = per_token_quant_ref(x, out_dtype, static_scale=static)
+    torch.testing.assert_close(scale, torch.full((5, 1), 0.01, device=device))
+    torch.testing.assert_close(scale_ref, scale)
+    _assert_q_close(q, q_ref, out_dtype)
+    assert q.float().abs().amax().item() == pytest.approx(FP8_MAX)  # the loud rows clamped
+    with pytest.raises(ValueError, match="static_scale"):
+        per_token_quant_fp8(x, static_scale=torch.tensor([1.0, 2.0], device=device))

@@ -163,3 +163,187 @@ def test_an_encoder_cannot_be_quantised(tmp_path: Path) -> None:
 
     with pytest.raises(UnsupportedModel, match="fp8"):
         load_ours(make_tiny_bert(tmp_path / "bert"))
+
+
+# --- FP8 checkpoints (compressed-tensors, as llm-compressor saves FP8 and FP8-dynamic models)
+
+CALIBRATION = PROMPT[:6]  # static input scales from a shorter prompt: PROMPT's loudest rows clamp
+
+
+def save_fp8_checkpoint(
+    src: Path, out: Path, weights: str, static: bool
+) -> dict[str, torch.Tensor]:
+    """src's model in the compressed-tensors FP8 format under out: FP8 projection weights with
+    per-channel float32 or per-tensor bfloat16 weight_scale, and (static) a bfloat16
+    input_scale per projection calibrated on CALIBRATION. Returns the scales by module name."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    input_amax: dict[str, float] = {}
+    if static:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                module.register_forward_pre_hook(
+                    lambda _m, args, name=name: input_amax.__setitem__(
+                        name, args[0].abs().max().item()
+                    )
+                )
+        with torch.no_grad():
+            hf(torch.tensor([CALIBRATION]))
+    scales: dict[str, torch.Tensor] = {}
+    for name in [n for n in tensors if ".layers." in n and n.endswith("proj.weight")]:
+        module, w = name.removesuffix(".weight"), tensors[name].float()
+        if weights == "channel":
+            q, scale = quantize_weight_fp8(w)
+            tensors[f"{module}.weight_scale"] = scale.view(-1, 1)
+        else:
+            scale = (w.abs().max() / FP8_MAX).to(torch.bfloat16).view(1)
+            q = (w / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            tensors[f"{module}.weight_scale"] = scale
+        tensors[name] = q
+        scales[module] = tensors[f"{module}.weight_scale"].float()
+        if static:
+            tensors[f"{module}.input_scale"] = torch.tensor([input_amax[module] / FP8_MAX]).to(
+                torch.bfloat16
+            )
+            scales[f"{module}.input"] = tensors[f"{module}.input_scale"].float()
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    activations = {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": "token",
+        "dynamic": True,
+    }
+    if static:
+        activations.update(strategy="tensor", dynamic=False)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "symmetric": True,
+                    "strategy": weights,
+                    "dynamic": False,
+                },
+                "input_activations": activations,
+            }
+        },
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    return scales
+
+
+def checkpoint_reference(src: Path, scales: dict[str, torch.Tensor], static: bool) -> Any:
+    """transformers on src's config with the checkpoint's dequantised FP8 weights, each
+    projection's input rounded to FP8 (per token, or by its own static input_scale)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        src, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    tensors = load_file(str(src.parent / (src.name + "-fp8") / "model.safetensors"))
+    with torch.no_grad():
+        for module_name, scale in scales.items():
+            if module_name.endswith(".input"):
+                continue
+            module = hf.get_submodule(module_name)
+            module.weight.copy_(tensors[f"{module_name}.weight"].float() * scale.view(-1, 1))
+            static_scale = scales.get(f"{module_name}.input") if static else None
+
+            def quantise_input(_m: Any, args: Any, static_scale: Any = static_scale) -> Any:
+                x = args[0]
+                q, s = per_token_quant_ref(x.reshape(-1, x.shape[-1]), static_scale=static_scale)
+                return ((q.float() * s).view(x.shape),)
+
+            module.register_forward_pre_hook(quantise_input)
+    return hf
+
+
+@pytest.mark.parametrize(
+    ("arch", "weights", "static"),
+    [("llama", "channel", False), ("qwen2", "tensor", True), ("llama", "channel", True)],
+    ids=["fp8-dynamic-channel", "fp8-static-tensor-bias", "fp8-static-channel"],
+)
+@torch.no_grad()
+def test_an_fp8_checkpoint_loads_as_it_is(
+    tmp_path: Path, arch: str, weights: str, static: bool
+) -> None:
+    src = make_tiny_model(tmp_path, arch, name="model")
+    scales = save_fp8_checkpoint(src, tmp_path / "model-fp8", weights, static)
+    model = load_ours(tmp_path / "model-fp8", quantization=None)  # FP8 because the checkpoint is
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Fp8Linear) and (qkv.input_scale is not None) == static
+    logits = PagedKV(model).step(model, [(PagedSeq(), PROMPT)])
+    expected = checkpoint_reference(src, scales, static)(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    # quantising again at load changes nothing: the checkpoint's weights are used as they are
+    again = load_ours(tmp_path / "model-fp8", quantization="fp8")
+    torch.testing.assert_close(PagedKV(again).step(again, [(PagedSeq(), PROMPT)]), logits)
+
+
+def test_an_fp8_checkpoint_is_reported_as_fp8(tmp_path: Path) -> None:
+    from mmserve.models.fp8 import checkpoint_quantization
+
+    src = make_tiny_model(tmp_path, "llama", name="model")
+    save_fp8_checkpoint(src, tmp_path / "model-fp8", "channel", False)
+    assert checkpoint_quantization(str(tmp_path / "model-fp8")) == "fp8"
+    assert checkpoint_quantization(str(src)) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"quant_method": "gptq"}, "quant_method 'gptq'"),
+        ({"kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
+        ({"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "ignore"),
+        (
+            {"weights": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128}},
+            "weights",
+        ),
+        ({"weights": {"num_bits": 4, "type": "int", "strategy": "channel"}}, "weights"),
+        ({"input_activations": None}, "input_activations"),
+        (
+            {
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "strategy": "token",
+                    "dynamic": False,
+                }
+            },
+            "input_activations",
+        ),
+    ],
+)
+def test_fp8_schemes_we_cannot_run_exactly_are_refused(
+    tmp_path: Path, change: dict, message: str
+) -> None:
+    import json
+
+    src = make_tiny_model(tmp_path, "llama", name="model")
+    save_fp8_checkpoint(src, tmp_path / "model-fp8", "channel", False)
+    path = tmp_path / "model-fp8" / "config.json"
+    config = json.loads(path.read_text())
+    qc = config["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    for key, value in change.items():
+        (group if key in ("weights", "input_activations") else qc)[key] = value
+    path.write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match=message):
+        load_ours(tmp_path / "model-fp8", quantization=None)
