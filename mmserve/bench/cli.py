@@ -25,6 +25,11 @@ from mmserve.bench.models import make_model_folder, weight_bytes
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mmserve.engine.llm_engine import LLMEngine
 
+# measured on the H200 (issue 5; BENCHMARKS.md): bf16 matmul at 8192^3, and torch._scaled_mm
+# with row-wise FP8 scales on Llama-3-8B's projections at 1k-16k rows
+BF16_MATMUL_TFLOPS = 800.0
+FP8_MATMUL_TFLOPS = 1300.0
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (offline engine)")
@@ -56,6 +61,9 @@ def add_parser(sub: Any) -> None:
                    help="serve, embed: run the (gRPC side's) engine core in its own process "
                         "(as `mmserve serve` on CUDA; embed does so on CUDA anyway)")
     p.add_argument("--bandwidth-gbs", type=float, default=4180.0, help="measured copy bandwidth, for the roofline")
+    p.add_argument("--matmul-tflops", type=float, default=None,
+                   help="measured matmul rate for throughput's FLOP bound (default: the H200's, "
+                        f"{BF16_MATMUL_TFLOPS:.0f} bf16, {FP8_MATMUL_TFLOPS:.0f} with --quantization fp8)")
     p.add_argument("--baseline", action="store_true", help="also time transformers generate")
     embed.add_arguments(p)
     serve.add_arguments(p)
@@ -134,8 +142,13 @@ def run(args: argparse.Namespace) -> None:
               tflops=flops / ms / 1e9 if flops else None)
     else:
         r = offline.throughput(engine, args.num_requests, args.input_len, args.output_len)
+        # the matmuls of every request's whole sequence, at the measured matmul rate
+        flops = throughput_flops(config, args.num_requests, args.input_len, args.output_len) if wbytes else None
+        tflops = args.matmul_tflops or (FP8_MATMUL_TFLOPS if args.quantization == "fp8" else BF16_MATMUL_TFLOPS)
+        bound_s = flops / (tflops * 1e12) if flops else None
         _emit(bench="throughput", **asdict(r), output_tokens_per_s=r.output_tokens_per_s,
-              total_tokens_per_s=r.total_tokens_per_s)
+              total_tokens_per_s=r.total_tokens_per_s, matmul_tflops=tflops, flop_bound_s=bound_s,
+              fraction_of_flop_bound=bound_s / r.seconds if bound_s else None)
 
 
 def decode_step_ms(engine: LLMEngine, batch: int, context: int) -> tuple[float, int]:
@@ -209,6 +222,16 @@ def prefill_flops(config: dict, batch: int, input_len: int) -> float:
     params = weight_bytes(config, 1) - config["vocab_size"] * config["hidden_size"]  # no embedding gather
     attn = 2 * 2 * config["num_hidden_layers"] * config["hidden_size"] * batch * input_len * input_len / 2
     return 2 * params * tokens + attn
+
+
+def throughput_flops(config: dict, requests: int, input_len: int, output_len: int) -> float:
+    """Matmul FLOPs of `requests` sequences of input_len + output_len tokens: every token
+    through the decoder layers, causal attention over its prefix, and the LM head only where a
+    token is sampled (output_len per request)."""
+    tokens = input_len + output_len
+    head = config["vocab_size"] * config["hidden_size"]
+    layers_only = prefill_flops(config, requests, tokens) - 2 * head * requests * tokens
+    return layers_only + 2 * head * requests * output_len
 
 
 def _baseline(args: argparse.Namespace, folder: Path, dummy: bool, config: dict) -> None:
