@@ -118,6 +118,7 @@ class Ready(msgspec.Struct, tag=True):
     device: str  # e.g. "cuda:0"
     compute_dtype: str  # e.g. "bfloat16"
     reads_images: bool  # a VLM or dual encoder: the front end expands/decodes images
+    quantization: str  # of the loaded weights: "fp8", or "" when unquantised
 
 
 class Stats(msgspec.Struct, tag=True):

@@ -83,6 +83,7 @@ class EngineCoreClient:
         self.num_kv_blocks = ready.num_kv_blocks
         self.device = ready.device
         self.compute_dtype = ready.compute_dtype
+        self.quantization = ready.quantization
         self.runner: Any = RemoteRunner(
             RemoteModel(ready.model_vocab_size, ready.hidden_size, ready.type_vocab_size)
         )
@@ -318,6 +319,7 @@ def _ready(engine: Any) -> m.Ready:
         engine.device,
         engine.compute_dtype,
         engine.images is not None,
+        engine.quantization,
     )
 
 

@@ -12,6 +12,7 @@ from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.multimodal import grid_thw
 from mmserve.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from mmserve.models.base import CausalLM, MRopeModel
+from mmserve.models.fp8 import is_fp8
 from mmserve.outputs import EngineOutput
 from mmserve.request import Request
 from mmserve.runner.model_runner import LaunchedStep, ModelRunner
@@ -45,6 +46,7 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         self.device = str(device)
         self.compute_dtype = str(kv_dtype).removeprefix("torch.")  # the model's dtype too
+        self.quantization = "fp8" if is_fp8(model) else ""
         limit = config.model.max_model_len or model_max_len
         kv_limit = num_blocks * cache.block_size if num_blocks else model_max_len
         self.max_model_len = min(limit, model_max_len, kv_limit)

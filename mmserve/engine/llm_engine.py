@@ -137,6 +137,11 @@ class LLMEngine:
         return str(self.core.compute_dtype)
 
     @property
+    def quantization(self) -> str:
+        """The loaded weights' quantisation: "fp8", or "" when unquantised."""
+        return str(self.core.quantization)
+
+    @property
     def supports_images(self) -> bool:
         return self.images is not None
 

@@ -188,7 +188,7 @@ def _replace_projections(model: nn.Module, make: Callable[[nn.Linear], Fp8Linear
     return replaced
 
 
-def is_fp8(model: nn.Module) -> bool:
+def is_fp8(model: Any) -> bool:  # an nn.Module
     return any(p.dtype == FP8_DTYPE for p in model.parameters())
 
 
@@ -217,18 +217,13 @@ def load_scale(param: torch.Tensor, tensor: torch.Tensor, name: str, rows: slice
 def supports_quantization(model_path: str) -> bool:
     """Whether the checkpoint at model_path is of an architecture quantize_fp8 handles (read
     from its config; nothing is loaded)."""
+    from mmserve.models.gguf_cache import materialize
     from mmserve.models.loader import load_hf_config, resolve_model_source
     from mmserve.models.registry import architecture_of, get_model_class
 
-    hf_config = load_hf_config(resolve_model_source(model_path))
+    # a GGUF's config is read from its converted folder (made once, loaded from right after)
+    hf_config = load_hf_config(materialize(resolve_model_source(model_path)))
     return bool(getattr(get_model_class(architecture_of(hf_config)), "supports_fp8", False))
-
-
-def checkpoint_quantization(model_path: str) -> str | None:
-    """ "fp8" when the checkpoint at model_path holds FP8 weights, else None."""
-    from mmserve.models.loader import load_hf_config, resolve_model_source
-
-    return "fp8" if checkpoint_fp8(load_hf_config(resolve_model_source(model_path))) else None
 
 
 @dataclass(frozen=True)

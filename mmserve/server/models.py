@@ -14,7 +14,7 @@ from typing import Any
 
 from mmserve.config import EngineConfig
 from mmserve.errors import InvalidArgument
-from mmserve.models.fp8 import checkpoint_quantization, supports_quantization
+from mmserve.models.fp8 import supports_quantization
 from mmserve.server.config import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -147,12 +147,8 @@ def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> Mod
     from mmserve.engine.llm_engine import LLMEngine
 
     start = time.monotonic()
-    config = engine_config_for(spec, template)
-    engine = LLMEngine.from_config(config)
+    engine = LLMEngine.from_config(engine_config_for(spec, template))
     handle = handle_for(spec, engine, max_pending)
-    quantization = config.model.quantization or checkpoint_quantization(spec.path)
-    if quantization:
-        handle.facts = replace(handle.facts, quantization=quantization)
     facts, num_blocks = handle.facts, engine.num_kv_blocks
     cache = f"{num_blocks} KV blocks of {template.cache.block_size} tokens"
     logger.info(
@@ -202,7 +198,8 @@ def _facts(spec: ModelSpec, engine: Any) -> ModelFacts:
         dtype=engine.compute_dtype,
         device=engine.device,
         vocab_size=engine.vocab_size,
-        quantization=quant.group(1).upper() if quant else "",
+        quantization=getattr(engine, "quantization", "")
+        or (quant.group(1).upper() if quant else ""),
         supports_images=bool(getattr(engine, "supports_images", False))
         or bool(getattr(engine, "embeds_images", False)),
         score_method=setup.score_method,

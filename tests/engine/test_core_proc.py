@@ -30,18 +30,18 @@ from tests.utils.tiny_models import make_tiny_model
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
 
-def _config(path: Path, multiprocess: bool) -> EngineConfig:
+def _config(path: Path, multiprocess: bool, quantization: str | None = None) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model=str(path), dtype="float32", device="cpu"),
+        model=ModelConfig(model=str(path), dtype="float32", device="cpu", quantization=quantization),
         cache=CacheConfig(block_size=4, num_blocks=64),
         multiprocess=multiprocess,
     )
 
 
-def _engines(path: Path) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+def _engines(path: Path, quantization: str | None = None) -> Iterator[tuple[LLMEngine, LLMEngine]]:
     with ThreadPoolExecutor(1) as pool:  # the child loads while this process does
-        starting = pool.submit(LLMEngine.from_config, _config(path, True))
-        local = LLMEngine.from_config(_config(path, False))
+        starting = pool.submit(LLMEngine.from_config, _config(path, True, quantization))
+        local = LLMEngine.from_config(_config(path, False, quantization))
         remote = starting.result()
     try:
         yield local, remote
@@ -52,6 +52,21 @@ def _engines(path: Path) -> Iterator[tuple[LLMEngine, LLMEngine]]:
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLMEngine, LLMEngine]]:
     yield from _engines(make_tiny_model(tmp_path_factory.mktemp("core_proc")))
+
+
+def test_an_fp8_engine_crosses(tmp_path: Path) -> None:
+    """--quantization fp8 reaches the child process, which says so in its Ready message."""
+    engines = _engines(make_tiny_model(tmp_path), quantization="fp8")
+    local, remote = next(engines)
+    try:
+        assert remote.quantization == local.quantization == "fp8"
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        want, got = _run(local, params), _run(remote, params)
+        assert {k: [d.token_ids for d in v] for k, v in got.items()} == {
+            k: [d.token_ids for d in v] for k, v in want.items()
+        }
+    finally:
+        engines.close()
 
 
 def _client(engine: LLMEngine) -> EngineCoreClient:

@@ -297,13 +297,14 @@ def test_an_fp8_checkpoint_loads_as_it_is(
     torch.testing.assert_close(PagedKV(again).step(again, [(PagedSeq(), PROMPT)]), logits)
 
 
-def test_an_fp8_checkpoint_is_reported_as_fp8(tmp_path: Path) -> None:
-    from mmserve.models.fp8 import checkpoint_quantization
+def test_engines_say_whether_their_weights_are_fp8(tmp_path: Path) -> None:
+    from mmserve.entrypoints.llm import LLM
 
     src = make_tiny_model(tmp_path, "llama", name="model")
     save_fp8_checkpoint(src, tmp_path / "model-fp8", "channel", False)
-    assert checkpoint_quantization(str(tmp_path / "model-fp8")) == "fp8"
-    assert checkpoint_quantization(str(src)) is None
+    assert LLM(str(tmp_path / "model-fp8")).engine.quantization == "fp8"  # the checkpoint's
+    assert LLM(str(src), quantization="fp8").engine.quantization == "fp8"  # quantised at load
+    assert LLM(str(src)).engine.quantization == ""
 
 
 @pytest.mark.parametrize(
