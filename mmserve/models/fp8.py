@@ -14,7 +14,7 @@ model dtype: embeddings, norms and the LM head (as vLLM's fp8 does).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,10 +228,13 @@ def supports_quantization(model_path: str) -> bool:
 
 @dataclass(frozen=True)
 class Fp8Checkpoint:
-    """An FP8 checkpoint in the compressed-tensors format (llm-compressor's FP8 and
-    FP8-dynamic): weights float8_e4m3fn with per-channel or per-tensor weight_scale."""
+    """An FP8 checkpoint: compressed-tensors (llm-compressor's FP8 and FP8-dynamic: weights
+    float8_e4m3fn with per-channel or per-tensor weight_scale), loaded as FP8; or transformers'
+    block-wise "fp8" (DeepSeek-V3, Qwen3-FP8: weight_scale_inv per block of weights), whose
+    weights are dequantised as they load (no block-scaled GEMM here yet)."""
 
-    static_activations: bool  # input_scale per projection (else activations are per token)
+    static_activations: bool = False  # input_scale per projection (else activations per token)
+    block: tuple[int, int] | None = None  # block-wise weight scales: (rows, columns) per block
 
 
 def checkpoint_fp8(hf_config: Any) -> Fp8Checkpoint | None:
@@ -243,10 +246,12 @@ def checkpoint_fp8(hf_config: Any) -> Fp8Checkpoint | None:
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     where = "quantization_config"
     method = qc.get("quant_method")
+    if method == "fp8":
+        return _block_fp8(qc)
     if method != "compressed-tensors":
         raise UnsupportedModel(
-            f"{where}.quant_method {method!r}: only FP8 checkpoints in the compressed-tensors "
-            "format load (or load an unquantised checkpoint with --quantization fp8)"
+            f"{where}.quant_method {method!r}: FP8 checkpoints (compressed-tensors, or block-wise "
+            '"fp8") load; others do not (or load an unquantised checkpoint with --quantization fp8)'
         )
     if qc.get("format") not in ("float-quantized", "naive-quantized"):
         raise UnsupportedModel(f"{where}.format {qc.get('format')!r} is not float-quantized")
@@ -276,6 +281,71 @@ def checkpoint_fp8(hf_config: Any) -> Fp8Checkpoint | None:
             f"{where} input_activations {acts}: dynamic per token or static per tensor expected"
         )
     return Fp8Checkpoint(static_activations=not dynamic)
+
+
+def _block_fp8(qc: dict) -> Fp8Checkpoint:
+    block = qc.get("weight_block_size")
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise UnsupportedModel(
+            f"quantization_config.weight_block_size {block!r}: [rows, columns] expected"
+        )
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise UnsupportedModel(
+            f"quantization_config.activation_scheme {qc.get('activation_scheme')!r}: dynamic expected"
+        )
+    return Fp8Checkpoint(block=(block[0], block[1]))
+
+
+def dequantize_blocks(
+    weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A block-wise FP8 checkpoint's (name, tensor) pairs with each FP8 weight multiplied by
+    its weight_scale_inv (one per block of rows x columns; the last blocks may be partial), in
+    float32; other tensors pass as they are. A weight waits for its scale (or a scale for its
+    weight) whichever comes first."""
+    weights_by_name: dict[str, torch.Tensor] = {}
+    scales_by_name: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name.endswith(".weight_scale_inv"):
+            weight_name = name.removesuffix("_scale_inv")
+            if weight_name in weights_by_name:
+                yield (
+                    weight_name,
+                    _dequantize(weight_name, weights_by_name.pop(weight_name), tensor, block),
+                )
+            else:
+                scales_by_name[weight_name] = tensor
+        elif tensor.dtype == FP8_DTYPE:
+            if name in scales_by_name:
+                yield name, _dequantize(name, tensor, scales_by_name.pop(name), block)
+            else:
+                weights_by_name[name] = tensor
+        else:
+            yield name, tensor
+    unpaired = sorted(weights_by_name) + [f"{n}_scale_inv" for n in sorted(scales_by_name)]
+    if unpaired:
+        raise UnsupportedModel(
+            f"FP8 checkpoint: weights and scales without their pair: {unpaired[:4]}"
+        )
+
+
+def _dequantize(
+    name: str, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    rows, cols = q.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale.shape) != grid:
+        raise UnsupportedModel(
+            f"{name}_scale_inv: shape {tuple(scale.shape)}, expected {grid} for blocks of {block}"
+        )
+    full = (
+        scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    )
+    return q.float() * full
 
 
 def _is_fp8_args(args: dict) -> bool:

@@ -24,6 +24,7 @@ from mmserve.models.base import CausalLM
 from mmserve.models.fp8 import (
     check_quantization,
     checkpoint_fp8,
+    dequantize_blocks,
     is_fp8,
     prepare_fp8_checkpoint,
     quantize_fp8,
@@ -185,6 +186,8 @@ def load_model(
     fp8_checkpoint = checkpoint_fp8(hf_config)
     if model_config.load_format == "dummy":
         init_dummy_weights(model)
+    elif fp8_checkpoint is not None and fp8_checkpoint.block is not None:
+        model.load_weights(dequantize_blocks(iter_weights(source, hf_config), fp8_checkpoint.block))
     elif fp8_checkpoint is not None:
         check_quantization("fp8", device)  # the checkpoint's FP8 weights load as they are
         prepare_fp8_checkpoint(model, fp8_checkpoint)

@@ -348,3 +348,138 @@ def test_fp8_schemes_we_cannot_run_exactly_are_refused(
     path.write_text(json.dumps(config))
     with pytest.raises(UnsupportedModel, match=message):
         load_ours(tmp_path / "model-fp8", quantization=None)
+
+
+# --- block-wise FP8 checkpoints (transformers' "fp8": DeepSeek-V3, Qwen3-FP8), dequantised at load
+
+
+def save_block_fp8_checkpoint(
+    src: Path, out: Path, block: tuple[int, int]
+) -> dict[str, torch.Tensor]:
+    """src's model with each projection weight in FP8 and a float32 weight_scale_inv per block
+    (block by block, in plain loops); returns the dequantised weights by name."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    dequantised = {}
+    for name in [n for n in tensors if ".layers." in n and n.endswith("proj.weight")]:
+        w = tensors[name].float()
+        rows, cols = w.shape
+        grid = (-(-rows // block[0]), -(-cols // block[1]))
+        scale, q = torch.zeros(grid), torch.zeros(rows, cols, dtype=FP8_DTYPE)
+        back = torch.zeros(rows, cols)
+        for i in range(grid[0]):
+            for j in range(grid[1]):
+                r, c = (
+                    slice(i * block[0], (i + 1) * block[0]),
+                    slice(j * block[1], (j + 1) * block[1]),
+                )
+                scale[i, j] = w[r, c].abs().max() / FP8_MAX
+                q[r, c] = (w[r, c] / scale[i, j]).to(FP8_DTYPE)
+                back[r, c] = q[r, c].float() * scale[i, j]
+        tensors[name], tensors[f"{name}_scale_inv"], dequantised[name] = q, scale, back
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    return dequantised
+
+
+@torch.no_grad()
+def test_a_block_fp8_checkpoint_loads_as_transformers_loads_it(tmp_path: Path) -> None:
+    """transformers, with no GPU, dequantises such a checkpoint as it loads: the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_model(tmp_path, "qwen3", name="model")
+    save_block_fp8_checkpoint(src, tmp_path / "fp8", (32, 32))
+    model = load_ours(tmp_path / "fp8", quantization=None)
+    assert not any(p.dtype == FP8_DTYPE for p in model.parameters())  # dequantised
+    logits = PagedKV(model).step(model, [(PagedSeq(), PROMPT)])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.float32).eval()
+    expected = hf(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    plain = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    assert (plain(torch.tensor([PROMPT])).logits[0] - logits).abs().max() > 1e-2  # FP8 weights
+
+
+@torch.no_grad()
+def test_partial_blocks_and_requantising(tmp_path: Path) -> None:
+    """Blocks that do not divide the weights (which transformers refuses) against weights
+    dequantised block by block; with --quantization fp8 the projections become FP8 again."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    src = make_tiny_model(tmp_path, "llama", name="model")
+    dequantised = save_block_fp8_checkpoint(src, tmp_path / "fp8", (48, 40))
+    reference = tmp_path / "dequantised"
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors.update(dequantised)
+    shutil.copytree(src, reference)
+    save_file(tensors, str(reference / "model.safetensors"))
+    expected = (
+        AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+        .eval()(torch.tensor([PROMPT]))
+        .logits[0]
+    )
+    model = load_ours(tmp_path / "fp8", quantization=None)
+    torch.testing.assert_close(
+        PagedKV(model).step(model, [(PagedSeq(), PROMPT)]), expected, atol=1e-4, rtol=0
+    )
+    requantised = load_ours(tmp_path / "fp8", quantization="fp8")
+    assert isinstance(requantised.model.layers[0].mlp.down_proj, Fp8Linear)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"weight_block_size": [128]}, "weight_block_size"),
+        ({"activation_scheme": "static"}, "activation_scheme"),
+        (
+            {"weight_block_size": [16, 16]},
+            "shape \\(2, 4\\), expected \\(4, 8\\) for blocks of \\(16, 16\\)",
+        ),
+    ],
+)
+def test_block_fp8_checkpoints_we_cannot_read_are_refused(
+    tmp_path: Path, change: dict, message: str
+) -> None:
+    import json
+
+    src = make_tiny_model(tmp_path, "llama", name="model")
+    save_block_fp8_checkpoint(src, tmp_path / "fp8", (32, 32))
+    path = tmp_path / "fp8" / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"].update(change)
+    path.write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match=message):
+        load_ours(tmp_path / "fp8", quantization=None)
+
+
+def test_a_weight_without_its_scale_is_refused() -> None:
+    from mmserve.models.fp8 import dequantize_blocks
+
+    q = torch.zeros(4, 4, dtype=FP8_DTYPE)
+    pairs = [
+        ("a.weight", q),
+        ("a.weight_scale_inv", torch.ones(1, 1)),
+        ("b.weight", q),
+        ("n.bias", torch.ones(4)),
+    ]
+    with pytest.raises(UnsupportedModel, match="b.weight"):
+        list(dequantize_blocks(pairs, (4, 4)))
+    scale_first = [
+        ("a.weight_scale_inv", torch.full((1, 1), 2.0)),
+        ("a.weight", torch.ones(4, 4).to(FP8_DTYPE)),
+    ]
+    ((name, w),) = list(dequantize_blocks(scale_first, (4, 4)))
+    assert name == "a.weight" and torch.equal(w, torch.full((4, 4), 2.0))
