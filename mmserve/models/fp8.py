@@ -230,7 +230,7 @@ def supports_quantization(model_path: str) -> bool:
 class Fp8Checkpoint:
     """An FP8 checkpoint: compressed-tensors (llm-compressor's FP8 and FP8-dynamic: weights
     float8_e4m3fn with per-channel or per-tensor weight_scale), loaded as FP8; or transformers'
-    block-wise "fp8" (DeepSeek-V3, Qwen3-FP8: weight_scale_inv per block of weights), whose
+    block-wise "fp8" (as Qwen3-FP8 ships: weight_scale_inv per block of weights), whose
     weights are dequantised as they load (no block-scaled GEMM here yet)."""
 
     static_activations: bool = False  # input_scale per projection (else activations per token)

@@ -350,7 +350,7 @@ def test_fp8_schemes_we_cannot_run_exactly_are_refused(
         load_ours(tmp_path / "model-fp8", quantization=None)
 
 
-# --- block-wise FP8 checkpoints (transformers' "fp8": DeepSeek-V3, Qwen3-FP8), dequantised at load
+# --- block-wise FP8 checkpoints (transformers' "fp8", as Qwen3-FP8 ships them), dequantised at load
 
 
 def save_block_fp8_checkpoint(
