@@ -1,4 +1,6 @@
-"""FP8 (w8a8) linear layers, quantised when the model loads (`--quantization fp8`).
+"""FP8 (w8a8) linear layers: quantised when the model loads (`--quantization fp8`), or read
+from an FP8 checkpoint (compressed-tensors; block-wise ones are dequantised instead, see
+Fp8Checkpoint).
 
 Weights: float8_e4m3fn with one float32 scale per output channel, so they take half the
 memory of bfloat16 and half the bytes a decode step reads. Activations: quantised per token
