@@ -42,7 +42,8 @@ class LLM:
         quantization: str | None = None,
     ) -> None:
         """enforce_eager: no CUDA graphs (they apply on CUDA only). quantization: "fp8" =
-        FP8 weights and activations for a Llama-family decoder (mmserve.models.fp8)."""
+        FP8 weights and activations for a Llama-family decoder or a VLM's language model
+        (mmserve.models.fp8)."""
         config = EngineConfig(
             model=ModelConfig(
                 model, dtype=dtype, device=device, max_model_len=max_model_len, pooling=pooling,

@@ -9,8 +9,9 @@ the FP8 tensor cores: up to FEW_ROWS rows on kernels/fp8_gemm.py, more on torch.
 row-wise scales; elsewhere, and for other compute dtypes, the same FP8 operands are multiplied
 in float32 and scaled: the reference the CUDA path is tested against.
 
-Quantised: every projection inside the decoder layers (q/k/v, o, gate/up, down). Kept in the
-model dtype: embeddings, norms and the LM head (as vLLM's fp8 does).
+Quantised: every projection inside the decoder layers (q/k/v, o, gate/up, down), a VLM's
+language model's included. Kept in the model dtype: embeddings, norms, the LM head (as vLLM's
+fp8 does) and image towers.
 """
 
 from __future__ import annotations
@@ -160,10 +161,12 @@ def prepare_fp8_checkpoint(model: nn.Module, checkpoint: Fp8Checkpoint) -> int:
 
 
 def _replace_projections(model: nn.Module, make: Callable[[nn.Linear], Fp8Linear]) -> int:
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    decoder = getattr(model, "language_model", model)  # a VLM's, or the model itself
+    layers = getattr(getattr(decoder, "model", None), "layers", None)
     if not getattr(model, "supports_fp8", False) or layers is None:
         raise UnsupportedModel(
-            f"quantization fp8 is supported for Llama-family decoders, not {type(model).__name__}"
+            f"quantization fp8 is supported for Llama-family decoders and the VLMs built on them, "
+            f"not {type(model).__name__}"
         )
     replaced = 0
     for layer in layers:

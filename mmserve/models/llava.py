@@ -50,6 +50,7 @@ class LlavaForConditionalGeneration(LanguageModelWrapper, nn.Module):
     """The MultiModalCausalLM (mmserve.models.base) for LLaVA-1.5-style checkpoints."""
 
     uses_mrope = False
+    supports_fp8 = True  # mmserve.models.fp8 swaps its language model's projections
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:
         super().__init__()

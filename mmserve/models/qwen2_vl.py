@@ -111,6 +111,7 @@ class Qwen2VLForConditionalGeneration(LanguageModelWrapper, nn.Module):
     Qwen2.5-VL checkpoints (images only; no video)."""
 
     uses_mrope = True
+    supports_fp8 = True  # mmserve.models.fp8 swaps its language model's projections
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:
         super().__init__()

@@ -35,7 +35,12 @@ def fake_quant_hf(path: Path) -> Any:
     hf = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     )
-    hf.eval()
+    return fake_quantise(hf.eval(), lambda name: ".layers." in name)
+
+
+def fake_quantise(hf: Any, selected: Any) -> Any:
+    """Each nn.Linear of hf whose name `selected` accepts gets its weight rounded to FP8 (per
+    output channel) and its input rounded to FP8 per token by a forward pre-hook."""
 
     def quantise_input(_module: Any, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x = args[0]
@@ -43,12 +48,11 @@ def fake_quant_hf(path: Path) -> Any:
         return ((q.float() * scale).view(x.shape),)
 
     with torch.no_grad():
-        for layer in hf.model.layers:
-            for module in layer.modules():
-                if isinstance(module, torch.nn.Linear):
-                    q, scale = quantize_weight_fp8(module.weight)
-                    module.weight.copy_(q.float() * scale[:, None])
-                    module.register_forward_pre_hook(quantise_input)
+        for name, module in hf.named_modules():
+            if isinstance(module, torch.nn.Linear) and selected(name):
+                q, scale = quantize_weight_fp8(module.weight)
+                module.weight.copy_(q.float() * scale[:, None])
+                module.register_forward_pre_hook(quantise_input)
     return hf
 
 
@@ -483,3 +487,33 @@ def test_a_weight_without_its_scale_is_refused() -> None:
     ]
     ((name, w),) = list(dequantize_blocks(scale_first, (4, 4)))
     assert name == "a.weight" and torch.equal(w, torch.full((4, 4), 2.0))
+
+
+@torch.no_grad()
+def test_a_vlm_language_model_in_fp8_matches_transformers(tmp_path: Path) -> None:
+    """LLaVA with --quantization fp8: its language model's projections in FP8, the image tower
+    and projector as they were; logits of a prompt with an image against transformers with the
+    same FP8 arithmetic in its language model."""
+    from mmserve.models.fp8 import quantize_fp8
+    from tests.models.test_llava import Setup
+    from tests.utils.tiny_vlm import make_tiny_llava
+
+    setup = Setup(make_tiny_llava(tmp_path, "clip"))
+    assert quantize_fp8(setup.ours) == 2 * 4  # two layers of four projections
+    assert not any(isinstance(m, Fp8Linear) for m in setup.ours.vision_tower.modules())
+    fake_quantise(setup.hf, lambda name: "language_model" in name and ".layers." in name)
+    pixels = setup.pixels([(40, 30)], seed=1)
+    ids = setup.prompt_ids("What is this?", pixels)
+    logits = PagedKV(setup.ours, num_blocks=64).step(
+        setup.ours, [(PagedSeq(), ids)], setup.embeds([(ids, pixels)])
+    )
+    expected = setup.hf(torch.tensor([ids]), pixel_values=torch.cat(pixels)).logits[0]
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_a_qwen2_vl_quantises_its_language_model(tmp_path: Path) -> None:
+    from tests.utils.tiny_qwen_vl import make_tiny_qwen2_vl
+
+    model = load_ours(make_tiny_qwen2_vl(tmp_path), quantization="fp8")
+    assert isinstance(model.language_model.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert not any(isinstance(m, Fp8Linear) for m in model.visual.modules())
