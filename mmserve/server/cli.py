@@ -28,8 +28,7 @@ _FLAGS: list[tuple[str, Callable[[str], Any], str]] = [
     (
         "--quantization",
         str,
-        "fp8: FP8 weights and activations of Llama-family decoders and VLMs' language models "
-        "(others load as they are)",
+        "fp8: FP8 weights and activations of decoders and VLMs' language models (others as they are)",
     ),
     ("--block-size", int, "tokens per KV cache block (default 16)"),
     ("--max-num-batched-tokens", int, "token budget of one engine step (default 2048)"),
