@@ -184,12 +184,13 @@ def _replace_projections(model: nn.Module, make: Callable[[nn.Linear], Fp8Linear
     param = next(model.parameters())
     if param.is_cuda:
         torch.cuda.empty_cache()  # the freed weights go back to the KV cache's budget
-        if param.dtype != torch.bfloat16:
-            logger.warning(
-                "fp8 in %s on CUDA: the FP8 tensor cores take bfloat16 only, so each product "
-                "runs as the float32 reference (slow; for tests)",
-                param.dtype,
-            )
+    if not param.is_cuda or param.dtype != torch.bfloat16:
+        logger.warning(
+            "fp8 in %s on %s: FP8 products run on CUDA tensor cores in bfloat16 only; here each "
+            "runs as the float32 reference (exact, but slower than unquantised)",
+            param.dtype,
+            param.device.type,
+        )
     return replaced
 
 
