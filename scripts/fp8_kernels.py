@@ -1,0 +1,82 @@
+"""FP8 products on Llama-3-8B's projection shapes, on the GPU: bf16 (cuBLAS), torch._scaled_mm
+with row-wise scales, and kernels/fp8_gemm.py (its default blocks, or --sweep over block
+sizes), plus the per-token quantisation kernel. One JSON line per (rows, projection); times in
+microseconds per product over back-to-back launches replayed from a CUDA graph.
+
+    python scripts/fp8_kernels.py [--rows 1,16,32,256,4096] [--sweep]
+
+(The session-6 figures in BENCHMARKS.md came from the same measurements in ad-hoc scripts.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+BANDWIDTH = 4.18e12  # bytes/s, the H200's measured copy rate (BENCHMARKS.md)
+
+
+def time_us(fn: Callable[[], object], iters: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,16,32,256,1024,4096,16384")
+    parser.add_argument("--sweep", action="store_true", help="also every block size of the few-rows kernel")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from mmserve.kernels.fp8_gemm import MAX_ROWS, fp8_gemm_rows
+    from mmserve.kernels.quant import per_token_quant_fp8, quantize_weight_fp8
+
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name, (n, k) in SHAPES.items():
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            wq, ws = quantize_weight_fp8(w)
+            ws = ws.view(1, -1)
+            xq, xs = per_token_quant_fp8(x)
+            line: dict[str, object] = {"rows": rows, "product": name, "n": n, "k": k}
+            line["fp8_weight_floor_us"] = n * k / BANDWIDTH * 1e6
+            line["bf16_us"] = time_us(lambda: x @ w.t())
+            line["scaled_mm_us"] = time_us(
+                lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+            )
+            line["quant_us"] = time_us(lambda: per_token_quant_fp8(x))
+            if rows <= MAX_ROWS:
+                line["ours_us"] = time_us(lambda: fp8_gemm_rows(xq, xs, wq, ws))
+                if args.sweep:
+                    for bn in (16, 32, 64, 128):
+                        for bk in (128, 256, 512):
+                            line[f"ours_n{bn}_k{bk}_us"] = time_us(
+                                lambda bn=bn, bk=bk: fp8_gemm_rows(xq, xs, wq, ws, block_n=bn, block_k=bk)
+                            )
+            flops = 2 * rows * n * k
+            line["scaled_mm_tflops"] = flops / float(line["scaled_mm_us"]) / 1e6  # type: ignore[arg-type]
+            line["bf16_tflops"] = flops / float(line["bf16_us"]) / 1e6  # type: ignore[arg-type]
+            print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
