@@ -11,6 +11,7 @@ microseconds per product over back-to-back launches replayed from a CUDA graph.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -38,43 +39,49 @@ def time_us(fn: Callable[[], object], iters: int = 50) -> float:
     return start.elapsed_time(end) / iters * 1e3
 
 
+def measure(rows: int, name: str, n: int, k: int, sweep: bool) -> dict[str, object]:
+    """One JSON line: the products of `rows` rows by the [n, k] projection, every way."""
+    from mmserve.kernels.fp8_gemm import MAX_ROWS, fp8_gemm_rows
+    from mmserve.kernels.quant import per_token_quant_fp8, quantize_weight_fp8
+
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    wq, ws = quantize_weight_fp8(w)
+    ws = ws.view(1, -1)
+    xq, xs = per_token_quant_fp8(x)
+    line: dict[str, object] = {"rows": rows, "product": name, "n": n, "k": k}
+    line["fp8_weight_floor_us"] = n * k / BANDWIDTH * 1e6
+    bf16 = line["bf16_us"] = time_us(lambda: x @ w.t())
+    scaled = line["scaled_mm_us"] = time_us(
+        lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+    )
+    line["quant_us"] = time_us(lambda: per_token_quant_fp8(x))
+    if rows <= MAX_ROWS:
+        line["ours_us"] = time_us(lambda: fp8_gemm_rows(xq, xs, wq, ws))
+        for bn, bk in (
+            [(bn, bk) for bn in (16, 32, 64, 128) for bk in (128, 256, 512)] if sweep else []
+        ):
+            line[f"ours_n{bn}_k{bk}_us"] = time_us(
+                functools.partial(fp8_gemm_rows, xq, xs, wq, ws, block_n=bn, block_k=bk)
+            )
+    line["bf16_tflops"] = 2 * rows * n * k / bf16 / 1e6
+    line["scaled_mm_tflops"] = 2 * rows * n * k / scaled / 1e6
+    return line
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,16,32,256,1024,4096,16384")
-    parser.add_argument("--sweep", action="store_true", help="also every block size of the few-rows kernel")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also every block size of the few-rows kernel"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    from mmserve.kernels.fp8_gemm import MAX_ROWS, fp8_gemm_rows
-    from mmserve.kernels.quant import per_token_quant_fp8, quantize_weight_fp8
-
     for rows in (int(r) for r in args.rows.split(",")):
         for name, (n, k) in SHAPES.items():
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-            wq, ws = quantize_weight_fp8(w)
-            ws = ws.view(1, -1)
-            xq, xs = per_token_quant_fp8(x)
-            line: dict[str, object] = {"rows": rows, "product": name, "n": n, "k": k}
-            line["fp8_weight_floor_us"] = n * k / BANDWIDTH * 1e6
-            line["bf16_us"] = time_us(lambda: x @ w.t())
-            line["scaled_mm_us"] = time_us(
-                lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
-            )
-            line["quant_us"] = time_us(lambda: per_token_quant_fp8(x))
-            if rows <= MAX_ROWS:
-                line["ours_us"] = time_us(lambda: fp8_gemm_rows(xq, xs, wq, ws))
-                if args.sweep:
-                    for bn in (16, 32, 64, 128):
-                        for bk in (128, 256, 512):
-                            line[f"ours_n{bn}_k{bk}_us"] = time_us(
-                                lambda bn=bn, bk=bk: fp8_gemm_rows(xq, xs, wq, ws, block_n=bn, block_k=bk)
-                            )
-            flops = 2 * rows * n * k
-            line["scaled_mm_tflops"] = flops / float(line["scaled_mm_us"]) / 1e6  # type: ignore[arg-type]
-            line["bf16_tflops"] = flops / float(line["bf16_us"]) / 1e6  # type: ignore[arg-type]
-            print(json.dumps(line), flush=True)
+            print(json.dumps(measure(rows, name, n, k, args.sweep)), flush=True)
     return 0
 
 
