@@ -21,7 +21,6 @@ from mmserve.kernels._common import check_same_device, check_shape
 # rows are padded to a tile of 16 or 32. A 64-row tile compiled to Hopper's wgmma, whose FP8
 # accumulation is not float32-exact: it missed the reference by more than float rounding (H200)
 MAX_ROWS = 32
-_FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 @triton.jit
@@ -87,7 +86,9 @@ def fp8_gemm_rows(
     out = torch.empty((rows, n), dtype=out_dtype, device=xq.device)
     if rows and n:
         # measured on the H200 at 1-16 rows (Llama-3-8B's projections): 64 channels per
-        # program; K in tiles of 512, or of 128 when there are hundreds of programs
+        # program; K in tiles of 512, or of 128 when there are hundreds of programs. At 17-32
+        # rows the cap below halves K's tile to 256 (tested that way; 512 measured faster there
+        # in a sweep, e.g. the down projection 29 vs 41 us, and is worth testing next)
         block_m = max(16, triton.next_power_of_2(rows))
         block_n = block_n or 64
         block_k = block_k or (128 if triton.cdiv(n, block_n) >= 256 else 512)
