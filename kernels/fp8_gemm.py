@@ -91,10 +91,13 @@ def fp8_gemm_rows(
         # in a sweep, e.g. the down projection 29 vs 41 us, and is worth testing next)
         block_m = max(16, triton.next_power_of_2(rows))
         block_n = block_n or 64
-        block_k = block_k or (128 if triton.cdiv(n, block_n) >= 256 else 512)
-        # four pipeline stages of both tiles must fit the SM's shared memory (H100/H200: 228 KiB)
-        while (block_m + block_n) * block_k * xq.element_size() * 4 > 160 * 1024 and block_k > 32:
-            block_k //= 2
+        if block_k is None:  # given ones are used as they are (scripts/fp8_kernels.py sweeps)
+            block_k = 128 if triton.cdiv(n, block_n) >= 256 else 512
+            # four pipeline stages of both tiles fit the SM's shared memory (H100/H200: 228 KiB)
+            while (
+                block_m + block_n
+            ) * block_k * xq.element_size() * 4 > 160 * 1024 and block_k > 32:
+                block_k //= 2
         _fp8_gemm_rows_kernel[(triton.cdiv(n, block_n),)](
             out, xq, x_scale.float(), wq, w_scale.float(),
             rows, n, k, xq.stride(0), wq.stride(0), out.stride(0),
