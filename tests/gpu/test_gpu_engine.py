@@ -111,7 +111,7 @@ def _tiny_bert(folder, num_labels=None):  # type: ignore[no-untyped-def]
     return folder
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("rows", [1, 7, 16, 24, 32, 33, 64, 300])  # both sides of FEW_ROWS
 def test_gpu_fp8_linear_equals_the_reference(rows: int) -> None:
     """torch._scaled_mm on FP8 tensor cores (Triton per-token quantisation) against the
     float32 reference of the same FP8 operands."""
