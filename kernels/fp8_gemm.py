@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels._common import check_same_device, check_shape
+from mmserve.kernels._common import check_last_dim_contiguous, check_same_device, check_shape
 
 # rows are padded to a tile of 16 or 32. A 64-row tile compiled to Hopper's wgmma, whose FP8
 # accumulation is not float32-exact: it missed the reference by more than float rounding (H200)
@@ -79,9 +79,8 @@ def fp8_gemm_rows(
         raise ValueError(f"xq and wq must share a dtype, got {xq.dtype} and {wq.dtype}")
     check_shape("x_scale", x_scale, (rows, 1))
     check_shape("w_scale", w_scale, (1, n))
-    for name, t in (("xq", xq), ("wq", wq)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension, got {t.stride()}")
+    check_last_dim_contiguous("xq", xq)
+    check_last_dim_contiguous("wq", wq)
     check_same_device(xq=xq, x_scale=x_scale, wq=wq, w_scale=w_scale)
     out = torch.empty((rows, n), dtype=out_dtype, device=xq.device)
     if rows and n:
@@ -109,5 +108,5 @@ def fp8_gemm_rows(
 def fp8_gemm_rows_ref(
     xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor
 ) -> torch.Tensor:
-    """float32 [M, N]: the torch reference."""
+    """float32 [M, N]: the torch reference, and the CPU path of mmserve.models.fp8.Fp8Linear."""
     return (xq.float() @ wq.float().t()) * x_scale.float() * w_scale.float()

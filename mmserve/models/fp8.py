@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.models.layers import load_into
 
 logger = logging.getLogger(__name__)
 # mmserve.kernels.* are imported where used: a Triton kernel module imported before the tests
@@ -122,10 +123,11 @@ def fp8_linear_ref(
     """float32 [T, N]: x quantised (per token, or by the static input_scale), the FP8 operands
     multiplied in fp32, then scaled by the token's and the output channel's scales (as the FP8
     GEMM does)."""
+    from mmserve.kernels.fp8_gemm import fp8_gemm_rows_ref
     from mmserve.kernels.quant import per_token_quant_ref
 
     q, scale = per_token_quant_ref(x, static_scale=input_scale)
-    out = (q.float() @ weight.float().t()) * scale * weight_scale.view(1, -1)
+    out = fp8_gemm_rows_ref(q, scale, weight, weight_scale.view(1, -1))
     return out if bias is None else out + bias.float()
 
 
@@ -211,14 +213,9 @@ def load_scale(param: torch.Tensor, tensor: torch.Tensor, name: str, rows: slice
             )
         param.data.copy_(torch.maximum(param.data, tensor.to(param.device)))
         return
-    target = param.data if rows is None else param.data[rows]
-    if tensor.numel() == 1:
-        tensor = tensor.expand(target.shape[0])
-    if tensor.shape != target.shape:
-        raise UnsupportedModel(
-            f"weight {name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}"
-        )
-    target.copy_(tensor)
+    if tensor.numel() == 1:  # per tensor: the same scale for each channel of the part
+        tensor = tensor.expand((param.data if rows is None else param.data[rows]).shape[0])
+    load_into(param, tensor, name, rows)
 
 
 def supports_quantization(model_path: str) -> bool:
