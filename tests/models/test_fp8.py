@@ -174,18 +174,42 @@ def test_an_encoder_cannot_be_quantised(tmp_path: Path) -> None:
 CALIBRATION = PROMPT[:6]  # static input scales from a shorter prompt: PROMPT's loudest rows clamp
 
 
+def write_checkpoint(
+    src: Path, out: Path, tensors: dict[str, torch.Tensor], quantization_config: dict | None = None
+) -> None:
+    """src's folder copied to out with tensors as its model.safetensors and, when given,
+    quantization_config in its config.json."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, out)
+    save_file(tensors, str(out / "model.safetensors"))
+    if quantization_config is not None:
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"] = quantization_config
+        (out / "config.json").write_text(json.dumps(config))
+
+
+def edit_quantization_config(folder: Path, edit: Any) -> None:
+    """edit(quantization_config) applied to folder's config.json in place."""
+    import json
+
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config["quantization_config"])
+    path.write_text(json.dumps(config))
+
+
 def save_fp8_checkpoint(
     src: Path, out: Path, weights: str, static: bool
 ) -> dict[str, torch.Tensor]:
     """src's model in the compressed-tensors FP8 format under out: FP8 projection weights with
     per-channel float32 or per-tensor bfloat16 weight_scale, and (static) a bfloat16
     input_scale per projection calibrated on CALIBRATION. Returns the scales by module name."""
-    import json
-    import shutil
+    from safetensors.torch import load_file
 
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, out)
     tensors = load_file(str(src / "model.safetensors"))
     input_amax: dict[str, float] = {}
     if static:
@@ -218,8 +242,6 @@ def save_fp8_checkpoint(
                 torch.bfloat16
             )
             scales[f"{module}.input"] = tensors[f"{module}.input_scale"].float()
-    save_file(tensors, str(out / "model.safetensors"))
-    config = json.loads((out / "config.json").read_text())
     activations = {
         "num_bits": 8,
         "type": "float",
@@ -229,7 +251,7 @@ def save_fp8_checkpoint(
     }
     if static:
         activations.update(strategy="tensor", dynamic=False)
-    config["quantization_config"] = {
+    quantization_config = {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "quantization_status": "compressed",
@@ -248,20 +270,22 @@ def save_fp8_checkpoint(
             }
         },
     }
-    (out / "config.json").write_text(json.dumps(config))
+    write_checkpoint(src, out, tensors, quantization_config)
     return scales
 
 
-def checkpoint_reference(src: Path, scales: dict[str, torch.Tensor], static: bool) -> Any:
-    """transformers on src's config with the checkpoint's dequantised FP8 weights, each
-    projection's input rounded to FP8 (per token, or by its own static input_scale)."""
+def checkpoint_reference(
+    src: Path, fp8: Path, scales: dict[str, torch.Tensor], static: bool
+) -> Any:
+    """transformers on src's config with the dequantised FP8 weights of the checkpoint at fp8,
+    each projection's input rounded to FP8 (per token, or by its own static input_scale)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(
         src, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    tensors = load_file(str(src.parent / (src.name + "-fp8") / "model.safetensors"))
+    tensors = load_file(str(fp8 / "model.safetensors"))
     with torch.no_grad():
         for module_name, scale in scales.items():
             if module_name.endswith(".input"):
@@ -294,7 +318,8 @@ def test_an_fp8_checkpoint_loads_as_it_is(
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, Fp8Linear) and (qkv.input_scale is not None) == static
     logits = PagedKV(model).step(model, [(PagedSeq(), PROMPT)])
-    expected = checkpoint_reference(src, scales, static)(torch.tensor([PROMPT])).logits[0]
+    reference = checkpoint_reference(src, tmp_path / "model-fp8", scales, static)
+    expected = reference(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
     # quantising again at load changes nothing: the checkpoint's weights are used as they are
     again = load_ours(tmp_path / "model-fp8", quantization="fp8")
@@ -339,17 +364,15 @@ def test_engines_say_whether_their_weights_are_fp8(tmp_path: Path) -> None:
 def test_fp8_schemes_we_cannot_run_exactly_are_refused(
     tmp_path: Path, change: dict, message: str
 ) -> None:
-    import json
+
+    def apply(qc: dict) -> None:
+        group = qc["config_groups"]["group_0"]
+        for key, value in change.items():
+            (group if key in ("weights", "input_activations") else qc)[key] = value
 
     src = make_tiny_model(tmp_path, "llama", name="model")
     save_fp8_checkpoint(src, tmp_path / "model-fp8", "channel", False)
-    path = tmp_path / "model-fp8" / "config.json"
-    config = json.loads(path.read_text())
-    qc = config["quantization_config"]
-    group = qc["config_groups"]["group_0"]
-    for key, value in change.items():
-        (group if key in ("weights", "input_activations") else qc)[key] = value
-    path.write_text(json.dumps(config))
+    edit_quantization_config(tmp_path / "model-fp8", apply)
     with pytest.raises(UnsupportedModel, match=message):
         load_ours(tmp_path / "model-fp8", quantization=None)
 
@@ -362,12 +385,8 @@ def save_block_fp8_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """src's model with each projection weight in FP8 and a float32 weight_scale_inv per block
     (block by block, in plain loops); returns the dequantised weights by name."""
-    import json
-    import shutil
+    from safetensors.torch import load_file
 
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, out)
     tensors = load_file(str(src / "model.safetensors"))
     dequantised = {}
     for name in [n for n in tensors if ".layers." in n and n.endswith("proj.weight")]:
@@ -386,14 +405,12 @@ def save_block_fp8_checkpoint(
                 q[r, c] = (w[r, c] / scale[i, j]).to(FP8_DTYPE)
                 back[r, c] = q[r, c].float() * scale[i, j]
         tensors[name], tensors[f"{name}_scale_inv"], dequantised[name] = q, scale, back
-    save_file(tensors, str(out / "model.safetensors"))
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {
+    quantization_config = {
         "quant_method": "fp8",
         "activation_scheme": "dynamic",
         "weight_block_size": list(block),
     }
-    (out / "config.json").write_text(json.dumps(config))
+    write_checkpoint(src, out, tensors, quantization_config)
     return dequantised
 
 
@@ -418,18 +435,13 @@ def test_a_block_fp8_checkpoint_loads_as_transformers_loads_it(tmp_path: Path) -
 def test_partial_blocks_and_requantising(tmp_path: Path) -> None:
     """Blocks that do not divide the weights (which transformers refuses) against weights
     dequantised block by block; with --quantization fp8 the projections become FP8 again."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     src = make_tiny_model(tmp_path, "llama", name="model")
     dequantised = save_block_fp8_checkpoint(src, tmp_path / "fp8", (48, 40))
     reference = tmp_path / "dequantised"
-    tensors = load_file(str(src / "model.safetensors"))
-    tensors.update(dequantised)
-    shutil.copytree(src, reference)
-    save_file(tensors, str(reference / "model.safetensors"))
+    write_checkpoint(src, reference, {**load_file(str(src / "model.safetensors")), **dequantised})
     expected = (
         AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
         .eval()(torch.tensor([PROMPT]))
@@ -457,14 +469,9 @@ def test_partial_blocks_and_requantising(tmp_path: Path) -> None:
 def test_block_fp8_checkpoints_we_cannot_read_are_refused(
     tmp_path: Path, change: dict, message: str
 ) -> None:
-    import json
-
     src = make_tiny_model(tmp_path, "llama", name="model")
     save_block_fp8_checkpoint(src, tmp_path / "fp8", (32, 32))
-    path = tmp_path / "fp8" / "config.json"
-    config = json.loads(path.read_text())
-    config["quantization_config"].update(change)
-    path.write_text(json.dumps(config))
+    edit_quantization_config(tmp_path / "fp8", lambda qc: qc.update(change))
     with pytest.raises(UnsupportedModel, match=message):
         load_ours(tmp_path / "fp8", quantization=None)
 
