@@ -85,7 +85,7 @@ def engine_config(
         model=ModelConfig(
             model=model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
             load_format="dummy" if dummy else "auto", enforce_eager=args.enforce_eager,
-            quantization=getattr(args, "quantization", None),
+            quantization=args.quantization,
         ),
         cache=CacheConfig(num_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization),
         scheduler=SchedulerConfig(

@@ -186,14 +186,14 @@ def load_model(
     fp8_checkpoint = checkpoint_fp8(hf_config)
     if model_config.load_format == "dummy":
         init_dummy_weights(model)
-    elif fp8_checkpoint is not None and fp8_checkpoint.block is not None:
-        model.load_weights(dequantize_blocks(iter_weights(source, hf_config), fp8_checkpoint.block))
-    elif fp8_checkpoint is not None:
-        check_quantization("fp8", device)  # the checkpoint's FP8 weights load as they are
-        prepare_fp8_checkpoint(model, fp8_checkpoint)
-        model.load_weights(iter_weights(source, hf_config))
     else:
-        model.load_weights(iter_weights(source, hf_config))
+        weights = iter_weights(source, hf_config)
+        if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
+            weights = dequantize_blocks(weights, fp8_checkpoint.block)
+        elif fp8_checkpoint is not None:
+            check_quantization("fp8", device)  # the checkpoint's FP8 weights load as they are
+            prepare_fp8_checkpoint(model, fp8_checkpoint)
+        model.load_weights(weights)
     if model_config.quantization == "fp8" and not is_fp8(model):
         quantize_fp8(model)
     model.requires_grad_(False)

@@ -126,7 +126,7 @@ class ModelRegistry:
 def engine_config_for(spec: ModelSpec, template: EngineConfig) -> EngineConfig:
     """The template's settings (device, dtype, cache, scheduler) applied to one model.
     --quantization applies to the models that can be quantised; the others (encoders,
-    image models) load as they are, with a warning, and ListModels reports them unquantised."""
+    CLIP/SigLIP) load as they are, with a warning, and ListModels reports them unquantised."""
     quantization = template.model.quantization
     if quantization and not supports_quantization(spec.path):
         logger.warning(
