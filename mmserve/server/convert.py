@@ -19,7 +19,7 @@ from mmserve.server.images import image_source
 from mmserve.server.models import ModelHandle, Task
 from mmserve.server.tools import ToolRequest, chat_tools
 from mmserve.structured_output.params import StructuredOutputParams
-from mmserve_client._proto.mmserve.v1 import common_pb2, generate_pb2, models_pb2
+from mmserve_client.v1 import common_pb2, generate_pb2, models_pb2
 
 MAX_SEED = 2**63 - 1  # n > 1 seeds choices seed, seed + 1, ...: keep those in torch's range
 _FINISH = {

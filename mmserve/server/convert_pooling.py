@@ -15,7 +15,7 @@ from mmserve.engine.pooling_plans import ClassifyResult, EmbedResult, RerankResu
 from mmserve.errors import InvalidArgument
 from mmserve.processors.images import ImageSource
 from mmserve.server.images import image_source
-from mmserve_client._proto.mmserve.v1 import common_pb2, pooling_pb2
+from mmserve_client.v1 import common_pb2, pooling_pb2
 
 _TRUNCATE = {
     common_pb2.TRUNCATE_UNSPECIFIED: "none",

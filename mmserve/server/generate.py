@@ -22,7 +22,7 @@ from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle
 from mmserve.server.tool_stream import ChoiceToolStream, ToolOutput, call_deltas, tool_output
 from mmserve.server.tools import ToolRequest
-from mmserve_client._proto.mmserve.v1 import generate_pb2
+from mmserve_client.v1 import generate_pb2
 
 T = TypeVar("T")
 OFF_LOOP_CHARS = 2048  # texts longer than this are tokenised on a worker thread

@@ -19,7 +19,7 @@ from mmserve.server.auth import ApiKeyInterceptor, load_api_keys
 from mmserve.server.config import ServerConfig
 from mmserve.server.models import ModelRegistry
 from mmserve.server.servicer import InferenceServicer
-from mmserve_client._proto.mmserve.v1 import inference_pb2, inference_pb2_grpc
+from mmserve_client.v1 import inference_pb2, inference_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name

@@ -20,7 +20,7 @@ from mmserve.processors.images import (
     load_image,
 )
 from mmserve.server.config import ServerConfig
-from mmserve_client._proto.mmserve.v1 import common_pb2
+from mmserve_client.v1 import common_pb2
 
 EMBED_BATCH_FACTOR = 16  # an Embed batch may hold 16 x max_images_per_request images
 

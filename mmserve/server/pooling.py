@@ -20,7 +20,7 @@ from mmserve.server import convert_pooling as cp
 from mmserve.server.errors import EngineFailed
 from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle
-from mmserve_client._proto.mmserve.v1 import common_pb2, pooling_pb2
+from mmserve_client.v1 import common_pb2, pooling_pb2
 
 T = TypeVar("T")
 OFF_LOOP_VALUES = 1 << 16  # responses with more embedding values are built on a worker thread

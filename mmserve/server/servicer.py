@@ -18,7 +18,7 @@ from mmserve.server.convert import model_info
 from mmserve.server.errors import abort
 from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle, ModelRegistry, Task
-from mmserve_client._proto.mmserve.v1 import (
+from mmserve_client.v1 import (
     generate_pb2,
     inference_pb2_grpc,
     models_pb2,

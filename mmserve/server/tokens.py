@@ -9,7 +9,7 @@ from mmserve.server import convert
 from mmserve.server.generate import off_loop, render_chat
 from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle
-from mmserve_client._proto.mmserve.v1 import tokenize_pb2
+from mmserve_client.v1 import tokenize_pb2
 
 
 async def tokenize(

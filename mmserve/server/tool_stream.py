@@ -38,7 +38,7 @@ from mmserve.processors.tool_parsers.base import (
 )
 from mmserve.server.tools import ToolRequest
 from mmserve.structured_output.vocab import special_token_ids
-from mmserve_client._proto.mmserve.v1 import generate_pb2
+from mmserve_client.v1 import generate_pb2
 
 
 class ForcedCallStream(StreamingToolParser):

@@ -28,7 +28,7 @@ from mmserve.processors.tool_parsers import Accept, ToolParser, get_parser, pars
 from mmserve.structured_output.keywords import OUTLINES_RULES, XGRAMMAR_RULES
 from mmserve.structured_output.params import StructuredOutputParams
 from mmserve.structured_output.schema_check import check_schema
-from mmserve_client._proto.mmserve.v1 import generate_pb2
+from mmserve_client.v1 import generate_pb2
 
 _Mode = generate_pb2.ToolChoice
 _RULES = {rules.backend: rules for rules in (XGRAMMAR_RULES, OUTLINES_RULES)}

@@ -11,7 +11,7 @@ import pytest
 from fake_inference import FakeInference
 
 from mmserve_client import Client
-from mmserve_client._proto.mmserve.v1 import inference_pb2_grpc
+from mmserve_client.v1 import inference_pb2_grpc
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from mmserve_client._proto.mmserve.v1 import (
+from mmserve_client.v1 import (
     common_pb2,
     generate_pb2,
     inference_pb2_grpc,

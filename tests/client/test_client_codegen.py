@@ -42,7 +42,7 @@ def test_buf_lint_is_clean() -> None:
 
 
 def test_generated_imports_resolve_inside_the_sdk() -> None:
-    from mmserve_client._proto.mmserve.v1 import generate_pb2, inference_pb2_grpc
+    from mmserve_client.v1 import generate_pb2, inference_pb2_grpc
 
     assert generate_pb2.DESCRIPTOR.name == "mmserve/v1/generate.proto"  # canonical names
     assert hasattr(inference_pb2_grpc, "InferenceStub")

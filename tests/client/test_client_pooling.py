@@ -7,7 +7,7 @@ import pytest
 from fake_inference import VECTOR, FakeInference
 
 from mmserve_client import Client, Image, MMServeError, RerankResult, _responses
-from mmserve_client._proto.mmserve.v1 import common_pb2
+from mmserve_client.v1 import common_pb2
 
 
 @pytest.mark.parametrize("encoding", ["fp32", "fp16", "float"])

@@ -19,7 +19,7 @@ from mmserve.config import CacheConfig, EngineConfig, ModelConfig
 from mmserve.server.config import ModelSpec, ServerConfig
 from mmserve.server.grpc_server import MMServer
 from mmserve.server.models import ModelHandle, ModelRegistry, load_model
-from mmserve_client._proto.mmserve.v1 import inference_pb2_grpc
+from mmserve_client.v1 import inference_pb2_grpc
 from tests.utils.tiny_models import make_tiny_model
 
 T = TypeVar("T")

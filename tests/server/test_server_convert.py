@@ -17,7 +17,7 @@ from mmserve.server import convert
 from mmserve.server.config import ModelSpec, ServerConfig
 from mmserve.server.errors import Unimplemented, code_of, rich_status
 from mmserve.server.models import ModelFacts, ModelHandle, ModelRegistry, Task
-from mmserve_client._proto.mmserve.v1 import generate_pb2, models_pb2
+from mmserve_client.v1 import generate_pb2, models_pb2
 
 CONFIG = ServerConfig()
 Msg = generate_pb2.Message

@@ -19,7 +19,7 @@ from mmserve.errors import InvalidArgument
 from mmserve.server import convert_pooling as cp
 from mmserve.server.convert import model_info
 from mmserve.server.models import ModelFacts, ModelHandle, Task
-from mmserve_client._proto.mmserve.v1 import common_pb2, models_pb2, pooling_pb2
+from mmserve_client.v1 import common_pb2, models_pb2, pooling_pb2
 
 TIMING = common_pb2.Timing(queue_ms=1, first_token_ms=2, total_ms=2)
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from mmserve_client import Client, MMServeError
-from mmserve_client._proto.mmserve.v1 import common_pb2, generate_pb2, pooling_pb2
+from mmserve_client.v1 import common_pb2, generate_pb2, pooling_pb2
 from tests.server.conftest import ServerThread, wait_all_blocks_free
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -17,7 +17,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.server.config import ServerConfig
 from mmserve.server.grpc_server import MMServer
 from mmserve_client import Client, MMServeError
-from mmserve_client._proto.mmserve.v1 import common_pb2, generate_pb2, models_pb2
+from mmserve_client.v1 import common_pb2, generate_pb2, models_pb2
 from tests.server.conftest import ServerThread
 
 PROMPT = "Hello world, this is a test."

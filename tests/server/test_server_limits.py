@@ -16,7 +16,7 @@ from grpc_status import rpc_status
 
 from mmserve.server.config import ModelSpec
 from mmserve_client import Client, MMServeError
-from mmserve_client._proto.mmserve.v1 import inference_pb2_grpc, tokenize_pb2
+from mmserve_client.v1 import inference_pb2_grpc, tokenize_pb2
 from tests.server.conftest import ServerThread, serve, wait_all_blocks_free
 
 MESSAGE_LIMIT = 16 * 1024

@@ -16,7 +16,7 @@ import torch
 
 from mmserve.server.config import DEFAULT_EMBEDDER_NAME, ModelSpec
 from mmserve_client import Client, MMServeError
-from mmserve_client._proto.mmserve.v1 import common_pb2, inference_pb2_grpc, pooling_pb2
+from mmserve_client.v1 import common_pb2, inference_pb2_grpc, pooling_pb2
 from tests.pooling.test_minilm_embeddings import TEXTS
 from tests.pooling.tiny_pooling_models import LABELS, make_tiny_bert, minilm_path
 from tests.server.conftest import ServerThread, serve

@@ -8,7 +8,7 @@
 
 AsyncClient has the same methods as coroutines / async iterators. Every failed call raises
 MMServeError(code, message). The generated protobuf / gRPC modules live in
-mmserve_client._proto.mmserve.v1 (made by scripts/gen_protos.sh; the server imports them too).
+mmserve_client.v1 (made by scripts/gen_protos.sh; the server imports them too).
 """
 
 from mmserve_client._chat import ChatKwargs, ChatOptions

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from mmserve_client._proto.mmserve.v1 import inference_pb2, inference_pb2_grpc
+from mmserve_client.v1 import inference_pb2, inference_pb2_grpc
 from mmserve_client._requests import GenerateKwargs, generate_request
 
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]

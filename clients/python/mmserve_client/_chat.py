@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
-from mmserve_client._proto.mmserve.v1 import common_pb2, generate_pb2
+from mmserve_client.v1 import common_pb2, generate_pb2
 from mmserve_client._requests import GenerateKwargs, image, is_image, json_text
 from mmserve_client.types import Image, ToolCall
 

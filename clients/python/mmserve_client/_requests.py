@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict, TypeVar
 
-from mmserve_client._proto.mmserve.v1 import common_pb2, generate_pb2, pooling_pb2, tokenize_pb2
+from mmserve_client.v1 import common_pb2, generate_pb2, pooling_pb2, tokenize_pb2
 from mmserve_client.types import (
     EmbeddingEncoding,
     Image,

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve_client._proto.mmserve.v1 import (
+from mmserve_client.v1 import (
     common_pb2,
     generate_pb2,
     models_pb2,

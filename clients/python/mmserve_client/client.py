@@ -11,7 +11,7 @@ import grpc
 from mmserve_client import _requests, _responses
 from mmserve_client._channel import ClientBase
 from mmserve_client._chat import ChatKwargs, ChatOptions, chat_from_kwargs, chat_request
-from mmserve_client._proto.mmserve.v1 import models_pb2, tokenize_pb2
+from mmserve_client.v1 import models_pb2, tokenize_pb2
 from mmserve_client._requests import GenerateKwargs
 from mmserve_client.errors import MMServeError
 from mmserve_client.streams import GenerateStream

@@ -3,10 +3,10 @@
 import grpc
 import warnings
 
-from mmserve_client._proto.mmserve.v1 import generate_pb2 as mmserve_dot_v1_dot_generate__pb2
-from mmserve_client._proto.mmserve.v1 import models_pb2 as mmserve_dot_v1_dot_models__pb2
-from mmserve_client._proto.mmserve.v1 import pooling_pb2 as mmserve_dot_v1_dot_pooling__pb2
-from mmserve_client._proto.mmserve.v1 import tokenize_pb2 as mmserve_dot_v1_dot_tokenize__pb2
+from mmserve_client.v1 import generate_pb2 as mmserve_dot_v1_dot_generate__pb2
+from mmserve_client.v1 import models_pb2 as mmserve_dot_v1_dot_models__pb2
+from mmserve_client.v1 import pooling_pb2 as mmserve_dot_v1_dot_pooling__pb2
+from mmserve_client.v1 import tokenize_pb2 as mmserve_dot_v1_dot_tokenize__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

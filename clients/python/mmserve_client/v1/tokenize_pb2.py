@@ -22,7 +22,7 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from mmserve_client._proto.mmserve.v1 import generate_pb2 as mmserve_dot_v1_dot_generate__pb2
+from mmserve_client.v1 import generate_pb2 as mmserve_dot_v1_dot_generate__pb2
 
 
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mmserve/v1/tokenize.proto\x12\nmmserve.v1\x1a\x19mmserve/v1/generate.proto\"\xbe\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x04 \x01(\x0b\x32\x10.mmserve.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x15\n\rreturn_tokens\x18\x06 \x01(\x08\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"m\n\x10TokenizeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\t\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\r\n\x05model\x18\x05 \x01(\t\"f\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x04 \x01(\x08\"E\n\x12\x44\x65tokenizeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\tb\x06proto3')

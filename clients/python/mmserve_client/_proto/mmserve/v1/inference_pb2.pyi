@@ -1,8 +1,0 @@
-from mmserve_client._proto.mmserve.v1 import generate_pb2 as _generate_pb2
-from mmserve_client._proto.mmserve.v1 import models_pb2 as _models_pb2
-from mmserve_client._proto.mmserve.v1 import pooling_pb2 as _pooling_pb2
-from mmserve_client._proto.mmserve.v1 import tokenize_pb2 as _tokenize_pb2
-from google.protobuf import descriptor as _descriptor
-from typing import ClassVar as _ClassVar
-
-DESCRIPTOR: _descriptor.FileDescriptor
