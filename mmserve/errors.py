@@ -21,3 +21,7 @@ class ResourceExhausted(MMServeError):
 
 class UnsupportedModel(MMServeError, ValueError):
     """The model's architecture or a feature of its config is not supported."""
+
+
+class EngineDead(MMServeError, RuntimeError):
+    """A model's engine can serve nothing more (its process died, or its loop crashed)."""

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 from mmserve.errors import InvalidArgument
+from mmserve.structured_output.params import StructuredOutputParams
 
 MAX_N = 16  # cap on choices per request
 MAX_LOGPROBS = 20  # cap on top-k logprobs per token
@@ -36,15 +36,15 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added logit
     skip_special_tokens: bool = True  # in detokenised text
     include_stop_str_in_output: bool = False
-    # a mmserve.structured_output.StructuredOutputParams constraining the output, or None
-    structured: Any = None
+    structured: StructuredOutputParams | None = None  # a constraint on the output
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
     def validate(self) -> None:
-        """Checks that need no model. Raises InvalidArgument naming the field."""
+        """Checks that need no model (`structured` checks itself: its errors name
+        structured.*). Raises InvalidArgument naming the field."""
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
         if self.max_tokens is not None:
@@ -70,14 +70,11 @@ class SamplingParams:
         )
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
-        if self.structured is not None:
-            self.structured.validate()
         for tok, bias in self.logit_bias.items():
             _check(_finite(bias) and -100 <= bias <= 100, f"logit_bias[{tok}]", "must be in [-100, 100]")
 
     def validate_for_model(self, vocab_size: int, prompt_len: int, max_model_len: int) -> None:
-        """Checks against the model: vocabulary and context length."""
-        self.validate()
+        """Checks against the model: vocabulary and context length (validate() first)."""
         for tok in self.stop_token_ids:
             _check(0 <= tok < vocab_size, "stop_token_ids", f"token id {tok} outside [0, {vocab_size})")
         for tok in self.logit_bias:
@@ -92,8 +89,6 @@ class SamplingParams:
             )
 
     def clone(self, **changes: object) -> SamplingParams:
-        from dataclasses import replace
-
         return replace(self, **changes)  # type: ignore[arg-type]
 
 

@@ -7,8 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve.engine.block_hash import MMPlaceholder
-from mmserve.engine.multimodal import MMInput
+from mmserve.inputs import MMInput, MMPlaceholder
 from mmserve.params import PoolingParams, SamplingParams
 
 PLACEHOLDER = -1  # a token sampled by the step in flight; the runner fills it in on the device
@@ -36,7 +35,8 @@ _FINISHED = {
 
 @dataclass
 class Request:
-    """One sequence to generate. Invariant: num_computed_tokens <= num_tokens; the scheduler
+    """The engine's state of one sequence: a generation, or one pooling input (pooling set:
+    its whole input runs in one step and is pooled, nothing is sampled). Invariant: num_computed_tokens <= num_tokens; the scheduler
     lets num_computed_tokens catch up with num_tokens, and a token is sampled whenever the two
     meet. There is no prefill or decode phase."""
 

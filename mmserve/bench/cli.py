@@ -23,7 +23,7 @@ import torch
 from mmserve.bench import embed, offline, serve, structured, vlm
 from mmserve.bench.models import make_model_folder, weight_bytes
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from mmserve.engine.llm_engine import LLMEngine
+from mmserve.frontend.frontend import FrontEnd
 
 # measured on the H200 (issue 5; BENCHMARKS.md): bf16 matmul at 8192^3, and torch._scaled_mm
 # with row-wise FP8 scales on Llama-3-8B's projections at 1k-16k rows
@@ -72,8 +72,8 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _engine(args: argparse.Namespace, folder: Path, dummy: bool) -> LLMEngine:
-    return LLMEngine.from_config(engine_config(args, str(folder), dummy))
+def _engine(args: argparse.Namespace, folder: Path, dummy: bool) -> FrontEnd:
+    return FrontEnd.start(engine_config(args, str(folder), dummy))
 
 
 def engine_config(
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> None:
               fraction_of_flop_bound=bound_s / r.seconds if bound_s else None)
 
 
-def decode_step_ms(engine: LLMEngine, batch: int, context: int) -> tuple[float, int]:
+def decode_step_ms(engine: FrontEnd, batch: int, context: int) -> tuple[float, int]:
     """Median time of a decode step with `batch` requests at about `context` tokens each."""
     import random
 
@@ -179,7 +179,7 @@ def envs_profile_path() -> str | None:
     return os.environ.get("MMSERVE_BENCH_PROFILE")  # bench-only switch, not a server setting
 
 
-def _profile_steps(engine: LLMEngine, steps: int) -> None:
+def _profile_steps(engine: FrontEnd, steps: int) -> None:
     """Writes the top kernels and CPU ops of a few decode steps to $MMSERVE_BENCH_PROFILE."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -196,7 +196,7 @@ def _profile_steps(engine: LLMEngine, steps: int) -> None:
         f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15) + "\n")
 
 
-def prefill_ms(engine: LLMEngine, batch: int, input_len: int) -> tuple[float, int]:
+def prefill_ms(engine: FrontEnd, batch: int, input_len: int) -> tuple[float, int]:
     """Time from launching one step that prefills `batch` prompts of input_len tokens together
     to their first tokens on the host."""
     import random

@@ -1,5 +1,5 @@
 """`mmserve bench embed`: batched Embed throughput offline (the engine's pooling API on its
-AsyncEngine) and over gRPC (a server on a free port, called through the SDK from a client
+AsyncFrontEnd) and over gRPC (a server on a free port, called through the SDK from a client
 process of its own), against sentence-transformers on the same model, the same weights and the
 same texts, in the same run. One JSON line per side.
 
@@ -40,8 +40,8 @@ import torch
 
 from mmserve.bench.models import SHAPES, make_model_folder
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from mmserve.engine import pooling_api
-from mmserve.engine.llm_engine import LLMEngine
+from mmserve.frontend import pooling as pooling_api
+from mmserve.frontend.frontend import FrontEnd
 
 SERVED_NAME = "bench-embedder"
 CALLS_PER_CLIENT = 4  # calls of each concurrent client in one timed round
@@ -141,11 +141,11 @@ class Sides:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: FrontEnd,
         folder: Path,
         device: torch.device,
         dtype: torch.dtype,
-        server_engine: LLMEngine | None = None,
+        server_engine: FrontEnd | None = None,
         concurrency: int = 1,
     ):
         """server_engine: the gRPC side's engine (default: the offline side's); concurrency:
@@ -279,10 +279,10 @@ def run(args: argparse.Namespace) -> None:
     dtype = resolve_dtype(args.dtype, device)
     engine_process = (device.type == "cuda" or args.engine_process) and not args.skip_grpc
     config, server_config = engine_configs(args, folder, engine_process)
-    engine = LLMEngine.from_config(config)
+    engine = FrontEnd.start(config)
     server_engine = None
     if server_config is not None:  # as `mmserve serve` runs on CUDA: the core in its own process
-        server_engine = LLMEngine.from_config(server_config)
+        server_engine = FrontEnd.start(server_config)
     if args.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
     per_round = args.batch_size * args.concurrency * CALLS_PER_CLIENT

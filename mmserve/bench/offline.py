@@ -8,7 +8,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from mmserve.engine.llm_engine import LLMEngine
+from mmserve.frontend.frontend import FrontEnd
 from mmserve.params import SamplingParams
 
 
@@ -46,7 +46,7 @@ def _fixed_length(output_len: int) -> SamplingParams:
     return SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0, ignore_eos=True)
 
 
-def latency(engine: LLMEngine, input_len: int, output_len: int, repeats: int = 3) -> LatencyResult:
+def latency(engine: FrontEnd, input_len: int, output_len: int, repeats: int = 3) -> LatencyResult:
     """A lone request, timed by when its tokens reach the host: the first after the prefill,
     then one per decode step (with async scheduling a step() returns before its own tokens
     are ready, so step() calls are not timed)."""
@@ -74,7 +74,7 @@ def latency(engine: LLMEngine, input_len: int, output_len: int, repeats: int = 3
 
 
 def throughput(
-    engine: LLMEngine, num_requests: int, input_len: int, output_len: int, random_ratio: float = 0.0
+    engine: FrontEnd, num_requests: int, input_len: int, output_len: int, random_ratio: float = 0.0
 ) -> ThroughputResult:
     """All requests queued at once; lengths vary by +-random_ratio when it is > 0."""
     rng = random.Random(0)

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from mmserve.bench.offline import random_prompt
-from mmserve.engine.llm_engine import LLMEngine
 from mmserve.errors import InvalidArgument
+from mmserve.frontend.frontend import FrontEnd
 from mmserve.params import SamplingParams
 from mmserve.structured_output import BACKEND_NAMES, StructuredOutputParams
 
@@ -124,7 +124,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def compile_figures(
-    engine: LLMEngine, backend_name: str, schemas: dict[str, str], repeats: int
+    engine: FrontEnd, backend_name: str, schemas: dict[str, str], repeats: int
 ) -> dict[str, Any]:
     """Cold compile times (ms) of each schema on the engine's backend, and the refusals."""
     start = time.perf_counter()
@@ -164,7 +164,7 @@ def compile_figures(
 
 
 def decode_run(
-    engine: LLMEngine,
+    engine: FrontEnd,
     prompts: list[list[int]],
     params: SamplingParams,
     grammar: Any,
@@ -175,7 +175,7 @@ def decode_run(
     hands them over (with async scheduling, one call after the step that sampled them)."""
     engine.core.kv.pool.reset_cache()  # every run prefills the same prompts in full
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, params, grammar=grammar)
+        engine.add_request(f"{tag}-{i}", prompt, params)  # its grammar: compiled, cached
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     tokens: dict[str, int] = {}
@@ -204,7 +204,7 @@ def decode_run(
 
 
 def tpot_figures(
-    engine: LLMEngine, backend_name: str, batch: int, args: argparse.Namespace
+    engine: FrontEnd, backend_name: str, batch: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     """`batch` requests run unconstrained and constrained in turns, --tpot-repeats times each,
     after one warm-up of each (so neither side gains from running second)."""
@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> None:
     if model.startswith("shape:"):
         shape = model.split(":", 1)[1]
         folder, dummy = make_model_folder(shape, Path(tempfile.mkdtemp()) / "model"), True
-    engine = LLMEngine.from_config(engine_config(args, str(folder), dummy))
+    engine = FrontEnd.start(engine_config(args, str(folder), dummy))
     device = resolve_device(args.device)
     common = {
         "model": model,

@@ -34,8 +34,9 @@ import PIL.Image
 import torch
 
 from mmserve.bench.structured import percentile
-from mmserve.engine.llm_engine import LLMEngine
-from mmserve.engine.multimodal import MMInput, expand_placeholders
+from mmserve.frontend.frontend import FrontEnd
+from mmserve.frontend.images import expand_placeholders
+from mmserve.inputs import MMInput
 from mmserve.params import SamplingParams
 from mmserve.processors.chat_template import render_and_tokenize
 from mmserve.processors.images import local_image
@@ -111,7 +112,7 @@ def phase_prefix(phase: str, index: int) -> str | None:
 
 
 def encode_prompt(
-    engine: LLMEngine, image: PIL.Image.Image, prefix: str | None
+    engine: FrontEnd, image: PIL.Image.Image, prefix: str | None
 ) -> tuple[list[int], tuple[MMInput, ...]]:
     """What LLM.chat does before enqueueing: placeholder-expanded ids and the image input."""
     assert engine.images is not None  # checked in run()
@@ -121,7 +122,7 @@ def encode_prompt(
     return engine.images.process(ids, [decoded], [field])
 
 
-def timed_request(engine: LLMEngine, image: PIL.Image.Image, phase: str, index: int) -> Sample:
+def timed_request(engine: FrontEnd, image: PIL.Image.Image, phase: str, index: int) -> Sample:
     start = time.perf_counter()
     ids, mm = encode_prompt(engine, image, phase_prefix(phase, index))
     enqueued = time.perf_counter()
@@ -147,7 +148,7 @@ def timed_request(engine: LLMEngine, image: PIL.Image.Image, phase: str, index: 
     )
 
 
-def run_phases(engine: LLMEngine, images: list[PIL.Image.Image]) -> list[Sample]:
+def run_phases(engine: FrontEnd, images: list[PIL.Image.Image]) -> list[Sample]:
     """cold, encoder-warm, prefix-hit for each image in turn, after one unrecorded round on
     a warm-up image (kernel compilation, allocator growth)."""
     for phase in PHASES:
@@ -177,7 +178,7 @@ def phase_figures(samples: list[Sample], phase: str, cold_median: float) -> dict
 
 
 @torch.inference_mode()
-def encoder_ms(engine: LLMEngine, images: list[PIL.Image.Image]) -> list[float]:
+def encoder_ms(engine: FrontEnd, images: list[PIL.Image.Image]) -> list[float]:
     """The vision tower alone on each image (its outputs are not cached)."""
     model = cast("MultiModalCausalLM", engine.core.runner.model)  # run() checked engine.images
     times = []
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> None:
             forward_ms_median=statistics.median(times),
             forward_ms_p90=percentile(times, 0.9),
         )
-    engine = LLMEngine.from_config(engine_config(args, str(folder), dummy))
+    engine = FrontEnd.start(engine_config(args, str(folder), dummy))
     if engine.images is None:
         raise ValueError(f"--model: {model} does not read images")
     samples = run_phases(engine, images)

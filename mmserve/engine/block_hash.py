@@ -12,18 +12,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from mmserve.inputs import MMPlaceholder
 
 ROOT_HASH = b"mmserve-v1"  # parent of the first block; bump when the KV layout changes
-
-
-@dataclass(frozen=True)
-class MMPlaceholder:
-    """Where one image's tokens sit in the prompt."""
-
-    content_hash: str  # hash of the image content (and of its preprocessing)
-    offset: int  # index of its first placeholder token in the prompt
-    length: int  # number of placeholder tokens
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> bytes:

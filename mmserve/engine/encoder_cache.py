@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from mmserve.engine.multimodal import MMInput
+from mmserve.inputs import MMInput
 
 
 class EncoderCacheManager:

@@ -8,18 +8,23 @@ from typing import cast
 import torch
 
 from mmserve.config import EngineConfig
+from mmserve.engine.grammars import PendingGrammars
 from mmserve.engine.kv_cache_manager import KVCacheManager
-from mmserve.engine.multimodal import grid_thw
-from mmserve.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from mmserve.engine.messages import EngineOutput, EngineRequest
+from mmserve.engine.sched_output import RunnerOutput, SchedulerOutput
+from mmserve.engine.scheduler import Scheduler
+from mmserve.inputs import grid_thw
 from mmserve.models.base import CausalLM, MRopeModel
 from mmserve.models.fp8 import is_fp8
-from mmserve.outputs import EngineOutput
 from mmserve.request import Request
 from mmserve.runner.model_runner import LaunchedStep, ModelRunner
 from mmserve.runner.pooler import Pooler
+from mmserve.structured_output.backend import CompiledGrammar
+from mmserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 GPU_ACTIVATION_RESERVE = 4 << 30  # bytes kept free for activations, logits and CUDA graphs
+COMPILE_POLL_S = 0.005  # an engine waiting only for grammar compiles checks this often
 
 
 class EngineCore:
@@ -33,7 +38,10 @@ class EngineCore:
         device: torch.device,
         kv_dtype: torch.dtype,
         pooler: Pooler | None = None,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
+        """structured: compiles the output constraints of requests (None: the model cannot
+        generate, and no request carries one)."""
         self.config = config
         cache = config.cache
         num_blocks = 0  # encoders keep no KV cache
@@ -53,6 +61,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # sampled, not yet read
+        self.structured = structured
+        self._compiling = PendingGrammars(structured) if structured is not None else None
+        self._failed: list[EngineOutput] = []  # requests that failed before they ran
         if not config.model.enforce_eager:
             scheduler = config.scheduler
             self.runner.capture_graphs(
@@ -78,7 +89,31 @@ class EngineCore:
             )
         return max(1, budget // per_block)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineRequest) -> None:
+        """Queues a validated request; a constrained one joins once its grammar compiled."""
+        if request.params.structured is None:
+            self._admit_or_fail(request, None)
+        elif self._compiling is None:
+            self._fail(request, ValueError("this model does not generate"))
+        else:
+            self._compiling.submit(request)
+
+    def _admit_or_fail(self, request: EngineRequest, grammar: CompiledGrammar | None) -> None:
+        try:
+            self._admit(request, grammar)
+        except Exception as e:  # noqa: BLE001 - a bad request fails alone
+            self._fail(request, e)
+
+    def _admit(self, er: EngineRequest, grammar: CompiledGrammar | None) -> None:
+        request = Request(
+            er.request_id, er.prompt_token_ids, er.params, er.eos_token_ids, er.max_tokens,
+            er.cache_salt, er.mm_inputs, pooling=er.pooling, token_type_ids=er.token_type_ids,
+            grammar=grammar.matcher() if grammar is not None else None,
+        )
+        self.add(request)
+
+    def add(self, request: Request) -> None:
+        """A request in the engine's own form joins the scheduler (tests build these)."""
         if self.runner.mrope and request.mm_inputs and request.mrope_positions is None:
             grids = [grid_thw(mm.data) for mm in request.mm_inputs]
             model = cast(MRopeModel, self.runner.model)
@@ -86,7 +121,25 @@ class EngineCore:
             request.mrope_positions, request.mrope_delta = positions, delta
         self.scheduler.add_request(request)
 
+    def _fail(self, request: EngineRequest, error: Exception) -> None:
+        self._failed.append(
+            EngineOutput(request.request_id, [], None, None, "abort", error=str(error))
+        )
+
+    def _admit_compiled(self) -> list[EngineOutput]:
+        """Requests whose grammar is ready join the scheduler; the outputs of those that
+        failed before they ran."""
+        if self._compiling is not None:
+            idle = not self.scheduler.has_unfinished and self._in_flight is None
+            if idle and not self._failed:
+                self._compiling.wait(COMPILE_POLL_S)
+            self._compiling.ready(self._admit, self._fail)
+        failed, self._failed = self._failed, []
+        return failed
+
     def abort(self, request_ids: list[str]) -> None:
+        if self._compiling is not None:
+            self._compiling.drop(request_ids)
         for request_id in request_ids:
             self.scheduler.abort(request_id)
 
@@ -96,7 +149,12 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self._in_flight is not None
+        busy = self.scheduler.has_unfinished or self._in_flight is not None
+        return busy or bool(self._compiling) or bool(self._failed)
+
+    def shutdown(self) -> None:
+        if self._compiling is not None:
+            self._compiling.close()
 
     def step(self) -> list[EngineOutput]:
         """One step. With async scheduling a step that samples stays in flight: the next
@@ -104,13 +162,13 @@ class EngineCore:
         host's scheduling, batch building and launches overlap the device's work, and so do
         the grammar accept and bitmask fill), and returns its outputs. So does a step that
         pools: its results come to the host while the next step is launched."""
+        outputs = self._admit_compiled()
         plan = self.scheduler.schedule()
         step = self.runner.launch(plan)
-        outputs = []
         if self._in_flight is not None:
             before, launched = self._in_flight
             self._in_flight = None
-            outputs = self.scheduler.update(before, self.runner.resolve(launched))
+            outputs += self.scheduler.update(before, self.runner.resolve(launched))
         if step is None:
             return outputs + self.scheduler.update(plan, RunnerOutput())
         self.runner.sample(step, self.scheduler.requests)

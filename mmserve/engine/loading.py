@@ -1,37 +1,43 @@
-"""Builds an LLMEngine from an EngineConfig: weights, tokenizer, KV cache."""
+"""Builds an engine core from an EngineConfig (weights, tokenizer facts, KV cache) and the
+EngineInfo it answers to the layers above."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
-from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import Any
 
 from mmserve.attention import get_attention_backend
 from mmserve.config import EngineConfig
 from mmserve.engine.engine_core import EngineCore
-from mmserve.engine.multimodal import ImagePrompts
-from mmserve.engine.pooling_setup import pooling_setup
+from mmserve.engine.messages import EngineInfo, ImageTokenCount
+from mmserve.engine.pooling_setup import PoolingSetup, pooling_setup
 from mmserve.models.gguf_cache import materialize
-from mmserve.models.loader import load_model, resolve_device, resolve_dtype, resolve_model_source
+from mmserve.models.loader import (
+    ModelSource,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_source,
+)
 from mmserve.models.registry import architecture_of
 from mmserve.processors.tokenizer import eos_token_ids, load_tokenizer, vocab_size
-
-if TYPE_CHECKING:
-    from mmserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096  # when the config states no limit
 
 
-def load_engine_parts(config: EngineConfig) -> LLMEngine:
-    from mmserve.engine.llm_engine import LLMEngine
+@dataclass
+class LoadedEngine:
+    """An engine core with what its front end needs to start."""
 
-    if config.multiprocess:
-        from mmserve.engine.core_proc import load_multiprocess_engine
+    core: EngineCore
+    info: EngineInfo
+    tokenizer: Any  # the model's transformers tokenizer, loaded once here
 
-        return load_multiprocess_engine(config)
+
+def load_engine(config: EngineConfig) -> LoadedEngine:
     start = time.monotonic()
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
@@ -47,24 +53,71 @@ def load_engine_parts(config: EngineConfig) -> LLMEngine:
         or DEFAULT_MAX_MODEL_LEN
     )
     setup = pooling_setup(model, hf_config, source.folder, tokenizer, config.model.pooling)
-    core = EngineCore(config, model, model_max_len, device, dtype, pooler=setup.pooler)
-    eos = eos_token_ids(tokenizer, getattr(gen_config, "eos_token_id", None))
-    vocab = min(vocab_size(tokenizer), model.vocab_size)
+    eos = frozenset(eos_token_ids(tokenizer, getattr(gen_config, "eos_token_id", None)))
+    structured = None
+    if "generate" in setup.tasks:
+        from mmserve.structured_output.manager import StructuredOutputManager
+
+        structured = StructuredOutputManager(tokenizer, model.vocab_size, sorted(eos))
+    core = EngineCore(
+        config, model, model_max_len, device, dtype, pooler=setup.pooler, structured=structured
+    )
+    info = engine_info(core, model, setup, source, architecture_of(hf_config), eos,
+                       min(vocab_size(tokenizer), model.vocab_size))
     logger.info(
         "loaded %s (%s) on %s in %s in %.1fs; tasks %s",
         config.model.model, type(model).__name__, device, dtype,
         time.monotonic() - start, ", ".join(setup.tasks),
     )
-    images = image_prompts(model, source.folder)
-    architecture = architecture_of(hf_config)
-    return LLMEngine(core, tokenizer, frozenset(eos), vocab, setup, architecture, images)
+    return LoadedEngine(core, info, tokenizer)
 
 
-def image_prompts(model: object, folder: Path) -> ImagePrompts | None:
-    """The image front end of a model that reads images (its own image processor from
-    preprocessor_config.json); None for text-only models."""
-    if not hasattr(model, "encode_images") and not hasattr(model, "embed_images"):
-        return None
-    from mmserve.processors.image_processing import ImagePreprocessor
+def engine_info(
+    core: EngineCore,
+    model: Any,
+    setup: PoolingSetup,
+    source: ModelSource,
+    architecture: str,
+    eos: frozenset[int],
+    vocab: int,
+) -> EngineInfo:
+    reads_images = hasattr(model, "encode_images")
+    return EngineInfo(
+        model_folder=str(source.folder),
+        gguf_file=source.gguf_file,
+        architecture=architecture,
+        tasks=setup.tasks,
+        max_model_len=core.max_model_len,
+        vocab_size=vocab,
+        logits_width=model.vocab_size,
+        eos_token_ids=eos,
+        device=core.device,
+        dtype=core.compute_dtype,
+        quantization=core.quantization,
+        num_kv_blocks=core.num_kv_blocks,
+        block_size=core.config.cache.block_size,
+        hidden_size=int(getattr(model, "hidden_size", 0) or 0),
+        uses_token_types=getattr(model, "type_vocab_size", 1) > 1,
+        score_method=setup.score_method,
+        labels=setup.labels,
+        embedding_size=setup.embedding_size,
+        max_input_len=setup.max_input_len,
+        pooler_tasks=setup.pooler_tasks,
+        reads_images=reads_images,
+        embeds_images=bool(getattr(model, "is_dual_encoder", False)),
+        uses_mrope=bool(getattr(model, "uses_mrope", False)),
+        image_token_id=int(getattr(model, "image_token_id", -1)),
+        image_tokens=_image_tokens(model) if reads_images else None,
+        pad_text_to=getattr(model, "pad_text_to", None),
+        pad_token_id=getattr(model, "pad_token_id", None),
+    )
 
-    return ImagePrompts(model, ImagePreprocessor.from_pretrained(folder))
+
+def _image_tokens(model: Any) -> ImageTokenCount:
+    if getattr(model, "uses_mrope", False):
+        return ImageTokenCount(merge_size=int(model.merge_size))
+    size = int(model.vision_tower.image_size)
+    return ImageTokenCount(
+        per_image=int(model.vision_tower.num_tokens(size, size)) - int(model.drop_first_row),
+        image_size=size,
+    )

@@ -7,78 +7,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from mmserve.config import SchedulerConfig
 from mmserve.engine.block_pool import KVBlock
 from mmserve.engine.encoder_cache import EncoderCacheManager
 from mmserve.engine.kv_cache_manager import KVCacheManager
-from mmserve.engine.multimodal import MMInput
-from mmserve.outputs import EngineOutput, TokenLogprob
-from mmserve.params import PoolingParams, SamplingParams
+from mmserve.engine.messages import EngineOutput
+from mmserve.engine.sched_output import (
+    RunnerOutput,
+    SampledToken,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from mmserve.outputs import TokenLogprob
 from mmserve.request import Request, RequestStatus
 from mmserve.structured_output.backend import accept_tokens
-
-
-@dataclass
-class ScheduledRequest:
-    """What the runner needs to compute one request's share of a step."""
-
-    request_id: str
-    token_ids: list[int]  # the tokens computed this step, at positions start_pos, start_pos + 1, ..
-    start_pos: int  # tokens already in the KV cache (num_computed_tokens before this step)
-    block_ids: list[int]  # the request's KV blocks, in order; enough for start_pos + len(token_ids)
-    sample: bool  # this step reaches the last known token, so a new token is sampled
-    params: SamplingParams
-    prompt_token_ids: list[int]  # shared with the request (read-only): repetition penalty, targets
-    output_token_ids: list[int]  # shared with the request (read-only): penalties, min_tokens
-    eos_token_ids: frozenset[int]  # masked while fewer than min_tokens are out
-    pooling: PoolingParams | None = None  # set when this step pools the request's whole input
-    token_type_ids: list[int] | None = None  # segment ids of token_ids (pair encoders)
-    grammar: Any = None  # the request's GrammarMatcher when it samples under a constraint
-    mm_inputs: tuple[MMInput, ...] = ()  # images whose placeholder tokens this step computes
-    mrope_positions: Any = None  # the request's [3, num_prompt_tokens] positions (Qwen2-VL)
-    mrope_delta: int = 0  # position offset of generated tokens under multimodal rotary
-    # leading block_ids that are those of this request's previous step (0: treat all as new);
-    # lets the runner keep block tables across steps and write only the new ids
-    num_kept_blocks: int = 0
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's plan. Requests appear in batch order."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # ended since the last step: drop state
-    num_preempted: int = 0
-    encoder_free: list[str] = field(default_factory=list)  # image-encoder outputs to drop
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class SampledToken:
-    """The runner's answer for one request that sampled."""
-
-    token_id: int
-    logprob: TokenLogprob | None = None  # when the request asked for logprobs
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, SampledToken] = field(default_factory=dict)  # request id -> new token
-    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> result (CPU)
-    # request id -> (position of the first target token, logprobs of this chunk's prompt tokens)
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 class Scheduler:

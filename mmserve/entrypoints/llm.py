@@ -9,10 +9,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from mmserve.engine import pooling_api
-from mmserve.engine.llm_engine import GenerationDelta, LLMEngine
-from mmserve.engine.pooling_inputs import TextOrIds
 from mmserve.errors import InvalidArgument
+from mmserve.frontend import pooling as pooling_api
+from mmserve.frontend.frontend import FrontEnd, GenerateJob, GenerationDelta
+from mmserve.frontend.pooling_inputs import TextOrIds
 from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.params import SamplingParams
 from mmserve.processors.images import local_image
@@ -53,8 +53,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
             seed=seed,
         )
-        self.engine = LLMEngine.from_config(config)
-        self.tokenizer = self.engine.tokenizer
+        self.frontend = FrontEnd.start(config)
+        self.tokenizer = self.frontend.tokenizer
 
     def generate(
         self,
@@ -97,9 +97,10 @@ class LLM:
             )
             mm: tuple[Any, ...] = ()
             if decoded:
-                if self.engine.images is None:
+                images_in = self.frontend.images
+                if images_in is None or not self.frontend.info.reads_images:
                     raise InvalidArgument(fields[0], "this model does not read images")
-                ids, mm = self.engine.images.process(ids, decoded, fields)
+                ids, mm = images_in.process(ids, decoded, fields)
             encoded.append((text, ids))
             images.append(mm)
         return self._run(encoded, params, use_tqdm, cache_salt, images)
@@ -107,7 +108,7 @@ class LLM:
     @property
     def tasks(self) -> tuple[str, ...]:
         """What the model serves: "generate", "embed", "classify", "score", "rerank"."""
-        return self.engine.tasks
+        return self.frontend.tasks
 
     def embed(
         self,
@@ -121,18 +122,18 @@ class LLM:
         PIL image, encoded bytes or a pathlib.Path), in order. truncate: "none" (too long is
         an error), "left" or "right"."""
         plan = pooling_api.plan_embed(
-            self.engine, _with_images(inputs, "inputs"), normalize=normalize,
+            self.frontend, _with_images(inputs, "inputs"), normalize=normalize,
             dimensions=dimensions, truncate=truncate,
         )
-        vectors: list[list[float]] = pooling_api.run_sync(self.engine, plan).embeddings.tolist()
+        vectors: list[list[float]] = pooling_api.run_sync(self.frontend, plan).embeddings.tolist()
         return vectors
 
     def classify(
         self, inputs: TextOrIds | Sequence[TextOrIds], *, truncate: str = "none"
     ) -> list[pooling_api.Classification]:
         """Label probabilities for each input (all labels, highest first)."""
-        plan = pooling_api.plan_classify(self.engine, _listed(inputs), truncate=truncate)
-        return pooling_api.run_sync(self.engine, plan).results
+        plan = pooling_api.plan_classify(self.frontend, _listed(inputs), truncate=truncate)
+        return pooling_api.run_sync(self.frontend, plan).results
 
     def score(
         self,
@@ -144,10 +145,10 @@ class LLM:
         """One score per item of `second`, against the single `first` or pairwise. CLIP and
         SigLIP take images on either side (PIL images, bytes or paths): cosine similarity."""
         plan = pooling_api.plan_score(
-            self.engine, _with_images(first, "first"), _with_images(second, "second"),
+            self.frontend, _with_images(first, "first"), _with_images(second, "second"),
             truncate=truncate,
         )
-        return pooling_api.run_sync(self.engine, plan).scores
+        return pooling_api.run_sync(self.frontend, plan).scores
 
     def rerank(
         self,
@@ -159,9 +160,9 @@ class LLM:
     ) -> list[pooling_api.RankedDocument]:
         """Documents by relevance to the query, highest first."""
         plan = pooling_api.plan_rerank(
-            self.engine, query, documents, top_n=top_n, truncate=truncate
+            self.frontend, query, documents, top_n=top_n, truncate=truncate
         )
-        return pooling_api.run_sync(self.engine, plan).results
+        return pooling_api.run_sync(self.frontend, plan).results
 
     def _run(
         self,
@@ -173,23 +174,29 @@ class LLM:
     ) -> list[RequestOutput]:
         per_prompt = _per_prompt_params(params, len(encoded))
         images = images or [()] * len(encoded)
+        jobs: list[tuple[str | None, GenerateJob]] = [
+            (text, self.frontend.validate(
+                ids, p, cache_salt=cache_salt, mm_inputs=mm,
+                field="prompt" if text is not None else "token_ids",
+            ))
+            for (text, ids), p, mm in zip(encoded, per_prompt, images)
+        ]
+        for _, job in jobs:  # a constraint that fails to compile names its field, before any runs
+            self.frontend.compile_grammar(job.params)
         results: dict[str, RequestOutput] = {}
-        order = []
-        for (text, ids), p, mm in zip(encoded, per_prompt, images):
-            rid = self.engine.new_request_id()
-            self.engine.validate(ids, p)
-            self.engine.check_images(ids, mm)
-            order.append((rid, text, ids, p, mm))
-        for rid, text, ids, p, mm in order:  # all valid: now enqueue
-            self.engine.add_request(rid, ids, p, cache_salt, mm_inputs=mm)
-            results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(i, "", [], None) for i in range(p.n)], finished=False)
-        bar = tqdm(total=len(order), disable=not use_tqdm or len(order) < PROGRESS_MIN_PROMPTS, desc="generate")
-        while self.engine.has_unfinished:
-            for delta in self.engine.step():
-                if _apply(results[delta.request_id], delta):
+        for text, job in jobs:  # all valid: now enqueue
+            self.frontend.add(job)
+            choices = [CompletionOutput(i, "", [], None) for i in range(job.params.n)]
+            results[job.request_id] = RequestOutput(
+                job.request_id, text, job.prompt_token_ids, choices, finished=False
+            )
+        bar = tqdm(total=len(jobs), disable=not use_tqdm or len(jobs) < PROGRESS_MIN_PROMPTS, desc="generate")
+        while self.frontend.has_unfinished:
+            for delta in self.frontend.step():
+                if isinstance(delta, GenerationDelta) and _apply(results[delta.request_id], delta):
                     bar.update(1)
         bar.close()
-        return [results[rid] for rid, *_ in order]
+        return [results[job.request_id] for _, job in jobs]
 
 
 def _with_images(inputs: Any, field: str) -> list[Any]:

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from mmserve.attention import AttentionMetadata
-from mmserve.engine.multimodal import MMInput
-from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from mmserve.engine.sched_output import ScheduledRequest, SchedulerOutput
+from mmserve.inputs import MMInput
 from mmserve.request import PLACEHOLDER
 
 

@@ -10,7 +10,12 @@ from typing import cast
 
 import torch
 
-from mmserve.engine.scheduler import RunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from mmserve.engine.sched_output import (
+    RunnerOutput,
+    SampledToken,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from mmserve.models.base import CausalLM, MultiModalCausalLM
 from mmserve.models.vision import DualEncoder
 from mmserve.outputs import TokenLogprob

@@ -88,22 +88,7 @@ def sampling_params(p: generate_pb2.SamplingParams, config: ServerConfig) -> Sam
         skip_special_tokens=_opt(p, "skip_special_tokens", True),
         include_stop_str_in_output=p.include_stop_str_in_output,
     )
-    _as_params_field(params.validate)
-    return params
-
-
-def validate_for_model(
-    params: SamplingParams, vocab_size: int, prompt_len: int, context: int
-) -> None:
-    """The checks that need the model (vocabulary, room left in the context)."""
-    _as_params_field(lambda: params.validate_for_model(vocab_size, prompt_len, context))
-
-
-def _as_params_field(check: Callable[[], None]) -> None:
-    try:
-        check()
-    except InvalidArgument as e:  # name the field as the proto path spells it
-        raise InvalidArgument(f"params.{e.field}", str(e).removeprefix(f"{e.field}: ")) from e
+    return params  # the model's front end validates it (once), naming params.* fields
 
 
 def resolve_max_tokens(params: SamplingParams, prompt_len: int, context: int, cap: int) -> None:
@@ -115,8 +100,8 @@ def resolve_max_tokens(params: SamplingParams, prompt_len: int, context: int, ca
 def structured_output(
     request: generate_pb2.GenerateRequest, default_backend: str
 ) -> StructuredOutputParams | None:
-    """The request's output constraint, validated (the backend compiles it, off the loop,
-    when the engine takes the request); None when it sets none."""
+    """The request's output constraint (the front end validates and compiles it, off the
+    loop); None when it sets none."""
     s = request.structured
     kind = s.WhichOneof("constraint") if request.HasField("structured") else None
     if kind is None:
@@ -126,9 +111,7 @@ def structured_output(
     value = "" if kind == "json_object" else getattr(s, kind)
     if kind == "choice":
         value = tuple(s.choice.choices)
-    params = StructuredOutputParams(kind, value, structured_backend(request, default_backend))
-    params.validate()
-    return params
+    return StructuredOutputParams(kind, value, structured_backend(request, default_backend))
 
 
 def structured_backend(request: generate_pb2.GenerateRequest, default_backend: str) -> str:
@@ -209,24 +192,6 @@ def _json_or_text(text: str) -> object:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
-
-
-def check_prompt(field: str, ids: Sequence[int], vocab_size: int, limit: int) -> None:
-    """A prompt must be non-empty, in the vocabulary and shorter than `limit` tokens (room
-    for at least one output token)."""
-    if not ids:
-        raise InvalidArgument(field, "must not be empty")
-    check_token_ids(field, ids, vocab_size)
-    if len(ids) >= limit:
-        raise InvalidArgument(
-            field, f"{len(ids)} tokens leave no room to generate: the limit is {limit} tokens"
-        )
-
-
-def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
-    bad = next((t for t in ids if t >= vocab_size), None)
-    if bad is not None:
-        raise InvalidArgument(field, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def response(delta: Any, request_id: str, token_text: TokenText) -> generate_pb2.GenerateResponse:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mmserve.engine.pooling_inputs import TextOrIds
-from mmserve.engine.pooling_plans import ClassifyResult, EmbedResult, RerankResult, ScoreResult
 from mmserve.errors import InvalidArgument
+from mmserve.frontend.pooling_inputs import TextOrIds
+from mmserve.frontend.pooling_plans import ClassifyResult, EmbedResult, RerankResult, ScoreResult
 from mmserve.processors.images import ImageSource
 from mmserve.server.images import image_source
 from mmserve_client.v1 import common_pb2, pooling_pb2

@@ -13,7 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mmserve.errors import InvalidArgument
+from mmserve.errors import EngineDead, InvalidArgument
 from mmserve.params import SamplingParams
 from mmserve.server import convert, tools
 from mmserve.server.config import ServerConfig
@@ -52,10 +52,9 @@ async def chat_prompt(
     from mmserve.processors.chat_template import render_and_tokenize
 
     decoded: list[Any] = []
-    prompts: Any = None  # the engine's ImagePrompts, when the chat has images
+    prompts = handle.frontend.images if handle.frontend.info.reads_images else None
     if c.images:
         first = c.images[0][0]
-        prompts = getattr(getattr(handle.engine, "engine", None), "images", None)
         if prompts is None or images is None:
             raise InvalidArgument(first, f"model {handle.name!r} does not read images")
         decoded = await images.load(c.images, "chat.messages", namespace)
@@ -69,7 +68,7 @@ async def chat_prompt(
         c.template_kwargs,
         allow_images=bool(c.images),
     )
-    if not decoded:
+    if not decoded or prompts is None:
         return text, ids, ()
     fields = [f for f, _ in c.images]
     ids, mm_inputs = await asyncio.to_thread(prompts.process, ids, decoded, fields)
@@ -106,6 +105,7 @@ class Prepared:
 
     handle: ModelHandle
     request_id: str  # the caller's, or a generated one
+    field: str  # the request field of the prompt: "prompt", "chat" or "token_ids"
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
@@ -121,20 +121,17 @@ async def prepare(
     received: float,
     images: ImageInputs | None = None,
 ) -> Prepared:
-    """Everything checkable before the engine sees the request; InvalidArgument names the
-    field (the engine validates again, as a backstop)."""
+    """The request as front-end values, with the server's own limits applied; InvalidArgument
+    names the field. The model's front end checks it against the model when it streams."""
     structured = convert.structured_output(request, config.structured_output_backend)
     params = convert.sampling_params(request.params, config)
     chat = convert.chat_input(request.chat) if request.WhichOneof("input") == "chat" else None
     field_name, ids, mm_inputs = await prompt_ids(request, handle, chat, images)
-    context = handle.facts.max_context
-    convert.check_prompt(field_name, ids, handle.facts.vocab_size, context)
     if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
         raise InvalidArgument(
             field_name, f"{len(ids)} tokens exceed the server limit {config.max_prompt_tokens}"
         )
-    convert.resolve_max_tokens(params, len(ids), context, config.max_tokens)
-    convert.validate_for_model(params, handle.facts.vocab_size, len(ids), context)
+    convert.resolve_max_tokens(params, len(ids), handle.facts.max_context, config.max_tokens)
     params.structured = structured  # validated on its own: its errors name structured.*
     tool_request = chat.tool_request if chat is not None else None
     reading = None
@@ -142,7 +139,7 @@ async def prepare(
         reading = _tool_output(request, tool_request, handle, config, ids, params)
     request_id = request.request_id or uuid.uuid4().hex
     salt = request.cache_salt or None
-    return Prepared(handle, request_id, ids, params, salt, received, reading, mm_inputs)
+    return Prepared(handle, request_id, field_name, ids, params, salt, received, reading, mm_inputs)
 
 
 def _tool_output(
@@ -234,7 +231,8 @@ async def stream(prep: Prepared) -> AsyncIterator[generate_pb2.GenerateResponse]
     engine_id = uuid.uuid4().hex
     state = _Stream(prep, queued=time.monotonic())
     deltas = handle.engine.generate(
-        prep.prompt_token_ids, prep.params, engine_id, prep.cache_salt, prep.mm_inputs
+        prep.prompt_token_ids, prep.params, engine_id, prep.cache_salt, prep.mm_inputs,
+        field=prep.field, params_field="params.",
     )
     try:
         async with aclosing(deltas):
@@ -242,7 +240,5 @@ async def stream(prep: Prepared) -> AsyncIterator[generate_pb2.GenerateResponse]
                 if delta.error:
                     raise EngineFailed(f"model {handle.name!r} failed the request: {delta.error}")
                 yield state.chunk(delta)
-    except RuntimeError as e:
-        if handle.dead is None:
-            raise
-        raise EngineFailed(f"model {handle.name!r}: engine failed: {handle.dead}") from e
+    except EngineDead as e:
+        raise EngineFailed(f"model {handle.name!r}: engine failed: {handle.dead or e}") from e

@@ -13,7 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.config import EngineConfig
+from mmserve.engine.messages import EngineInfo
 from mmserve.errors import InvalidArgument
+from mmserve.frontend.async_frontend import AsyncFrontEnd
+from mmserve.frontend.frontend import FrontEnd
+from mmserve.frontend.pooling import MAX_IN_FLIGHT_PER_CALL
 from mmserve.models.fp8 import supports_quantization
 from mmserve.server.config import ModelSpec
 
@@ -51,11 +55,11 @@ class ModelFacts:
 
 @dataclass
 class ModelHandle:
-    """One hosted model: one AsyncEngine serves every task it can do, at the same time."""
+    """One hosted model: one AsyncFrontEnd serves every task it can do, at the same time."""
 
     name: str  # what requests put in `model`
     tasks: frozenset[Task]  # the engine's tasks
-    engine: Any  # AsyncEngine
+    engine: AsyncFrontEnd
     tokenizer: Any  # PreTrainedTokenizerFast
     facts: ModelFacts
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
@@ -68,9 +72,13 @@ class ModelHandle:
         return text
 
     @property
+    def frontend(self) -> FrontEnd:
+        return self.engine.frontend
+
+    @property
     def dead(self) -> BaseException | None:
         """Set when the model's engine loop crashed: the model can serve nothing more."""
-        return getattr(self.engine, "dead", None)
+        return self.engine.dead
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -135,21 +143,17 @@ def engine_config_for(spec: ModelSpec, template: EngineConfig) -> EngineConfig:
             quantization,
         )
         quantization = None
-    model = replace(
-        template.model, model=spec.path, served_name=spec.name, quantization=quantization
-    )
+    model = replace(template.model, model=spec.path, quantization=quantization)
     return replace(template, model=model)
 
 
 def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> ModelHandle:
-    """Loads a model behind an AsyncEngine (its own stepping thread); its tasks are whatever
+    """Loads a model behind an AsyncFrontEnd (its own stepping thread); its tasks are whatever
     the engine serves (generation, pooling, or both)."""
-    from mmserve.engine.llm_engine import LLMEngine
-
     start = time.monotonic()
-    engine = LLMEngine.from_config(engine_config_for(spec, template))
-    handle = handle_for(spec, engine, max_pending)
-    facts, num_blocks = handle.facts, engine.num_kv_blocks
+    frontend = FrontEnd.start(engine_config_for(spec, template))
+    handle = handle_for(spec, frontend, max_pending)
+    facts, num_blocks = handle.facts, frontend.info.num_kv_blocks
     cache = f"{num_blocks} KV blocks of {template.cache.block_size} tokens"
     logger.info(
         "model %r ready: %s from %s on %s in %s, tasks %s, context %d tokens, %s (%.1fs)",
@@ -158,7 +162,7 @@ def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> Mod
         spec.path,
         facts.device,
         facts.dtype,
-        ", ".join(engine.tasks),
+        ", ".join(frontend.tasks),
         facts.max_context,
         cache if num_blocks else "no KV cache",
         time.monotonic() - start,
@@ -166,43 +170,32 @@ def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> Mod
     return handle
 
 
-def handle_for(spec: ModelSpec, engine: Any, max_pending: int) -> ModelHandle:
-    """A loaded LLMEngine as a hosted model; starts its AsyncEngine's stepping thread."""
-    from mmserve.engine.async_engine import AsyncEngine
-    from mmserve.engine.pooling_api import MAX_IN_FLIGHT_PER_CALL
-
+def handle_for(spec: ModelSpec, frontend: FrontEnd, max_pending: int) -> ModelHandle:
+    """A started FrontEnd as a hosted model; starts its AsyncFrontEnd's stepping thread."""
     # Admission bounds the calls per model; one pooling call keeps up to
     # MAX_IN_FLIGHT_PER_CALL requests in the engine, so the engine's own bound must allow that.
     bound = max_pending * MAX_IN_FLIGHT_PER_CALL
     return ModelHandle(
         spec.name,
-        frozenset(Task(t) for t in engine.tasks),
-        AsyncEngine(engine, max_pending=bound),
-        engine.tokenizer,
-        _facts(spec, engine),
+        frozenset(Task(t) for t in frontend.tasks),
+        AsyncFrontEnd(frontend, max_pending=bound),
+        frontend.tokenizer,
+        _facts(spec, frontend.info),
     )
 
 
-load_generator = load_model  # the name from before models could pool
-
-
-def _facts(spec: ModelSpec, engine: Any) -> ModelFacts:
-    setup = engine.setup
-    # LLMEngine keeps no HF config; the implementation class is named after the architecture.
-    architecture = getattr(engine, "architecture", None) or type(engine.core.runner.model).__name__
+def _facts(spec: ModelSpec, info: EngineInfo) -> ModelFacts:
     quant = _GGUF_QUANT.search(Path(spec.path).name)
     return ModelFacts(
-        architecture=architecture,
+        architecture=info.architecture,
         # a pure pooling model's limit is its input limit (sentence-transformers may set one)
-        max_context=engine.max_model_len if "generate" in engine.tasks else engine.max_pooling_len,
-        dtype=engine.compute_dtype,
-        device=engine.device,
-        vocab_size=engine.vocab_size,
-        quantization=getattr(engine, "quantization", "")
-        or (quant.group(1).upper() if quant else ""),
-        supports_images=bool(getattr(engine, "supports_images", False))
-        or bool(getattr(engine, "embeds_images", False)),
-        score_method=setup.score_method,
-        labels=tuple(setup.labels),
-        embedding_dimension=(engine.hidden_size or 0) if "embed" in engine.tasks else 0,
+        max_context=info.max_model_len if "generate" in info.tasks else info.max_pooling_len,
+        dtype=info.dtype,
+        device=info.device,
+        vocab_size=info.vocab_size,
+        quantization=info.quantization or (quant.group(1).upper() if quant else ""),
+        supports_images=info.reads_images or info.embeds_images,
+        score_method=info.score_method,
+        labels=info.labels,
+        embedding_dimension=(info.embedding_size or info.hidden_size) if "embed" in info.tasks else 0,
     )

@@ -11,9 +11,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from mmserve.engine import pooling_api
-from mmserve.engine.pooling_plans import PoolingPlan
 from mmserve.errors import InvalidArgument
+from mmserve.frontend import pooling as pooling_api
+from mmserve.frontend.pooling_plans import PoolingPlan
 from mmserve.processors.images import ImageSource
 from mmserve.server import convert
 from mmserve.server import convert_pooling as cp
@@ -49,7 +49,7 @@ async def embed(
     options = cp.embed_options(request)
     inputs = await _inputs(handle, "inputs", request.inputs, images)
     plan = pooling_api.plan_embed(
-        handle.engine.engine,
+        handle.frontend,
         inputs,
         normalize=options.normalize,
         dimensions=options.dimensions,
@@ -87,7 +87,7 @@ async def rerank(
 ) -> pooling_pb2.RerankResponse:
     top_n = request.top_n if request.HasField("top_n") else None
     plan = pooling_api.plan_rerank(
-        handle.engine.engine,
+        handle.frontend,
         request.query,
         list(request.documents),
         top_n=top_n,
@@ -103,7 +103,7 @@ async def classify(
 ) -> pooling_pb2.ClassifyResponse:
     inputs = cp.pooling_inputs("inputs", request.inputs)
     plan = pooling_api.plan_classify(
-        handle.engine.engine,
+        handle.frontend,
         inputs,
         truncate=cp.truncate_mode(request.truncate),
     )
@@ -122,7 +122,7 @@ async def score(
     first = await _inputs(handle, "first", request.first, images)
     second = await _inputs(handle, "second", request.second, images)
     plan = pooling_api.plan_score(
-        handle.engine.engine,
+        handle.frontend,
         first,
         second,
         truncate=cp.truncate_mode(request.truncate),

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from mmserve.errors import InvalidArgument
-from mmserve.server import convert
 from mmserve.server.generate import off_loop, render_chat
 from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle
@@ -57,7 +56,7 @@ async def detokenize(
     request: tokenize_pb2.DetokenizeRequest, handle: ModelHandle, request_id: str
 ) -> tokenize_pb2.DetokenizeResponse:
     ids = list(request.token_ids)
-    convert.check_token_ids("token_ids", ids, handle.facts.vocab_size)
+    handle.frontend.check_token_ids(ids, "token_ids")
     # ~4 characters per token: the same threshold as for text.
     text = await off_loop(
         4 * len(ids), handle.tokenizer.decode, ids, skip_special_tokens=request.skip_special_tokens

@@ -36,7 +36,7 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 8, **params: obj
 def run_all(core: EngineCore, requests: list[Request], max_steps: int = 10_000) -> dict[str, list[int]]:
     """Adds the requests, steps until all finish; returns each request's output tokens."""
     for r in requests:
-        core.add_request(r)
+        core.add(r)
     out: dict[str, list[int]] = {r.request_id: [] for r in requests}
     for _ in range(max_steps):
         if not core.has_unfinished:

@@ -90,7 +90,7 @@ def test_one_step_in_flight() -> None:
     with the pending token as a placeholder filled in on the device."""
     core = make_core(MODEL, async_scheduling=True)
     p = prompts(1, seed=1)[0]
-    core.add_request(make_request("a", p, max_tokens=4))
+    core.add(make_request("a", p, max_tokens=4))
     assert core.step() == []  # the prefill samples; its token is not on the host yet
     plan_tokens = []
     schedule = core.scheduler.schedule
@@ -114,7 +114,7 @@ def test_abort_with_a_step_in_flight() -> None:
     core = make_core(MODEL, async_scheduling=True)
     ps = prompts(3, seed=4)
     for i, p in enumerate(ps):
-        core.add_request(make_request(f"r{i}", p, max_tokens=8))
+        core.add(make_request(f"r{i}", p, max_tokens=8))
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
     for _ in range(3):
         for o in core.step():

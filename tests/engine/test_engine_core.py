@@ -101,8 +101,8 @@ def test_abort_frees_blocks_mid_prefill_and_mid_decode() -> None:
     core = make_core(MODEL, budget=8)
     a = make_request("a", list(range(1, 30)), max_tokens=50)
     b = make_request("b", [3, 4, 5], max_tokens=50)
-    core.add_request(a)
-    core.add_request(b)
+    core.add(a)
+    core.add(b)
     core.step()  # a is mid-prefill
     core.abort(["a"])
     for _ in range(3):
@@ -118,7 +118,7 @@ def test_abort_frees_blocks_mid_prefill_and_mid_decode() -> None:
 def test_max_tokens_and_length_finish() -> None:
     core = make_core(MODEL)
     r = make_request("a", [1, 2, 3], max_tokens=5)
-    core.add_request(r)
+    core.add(r)
     reasons = []
     while core.has_unfinished:
         outs = core.step()

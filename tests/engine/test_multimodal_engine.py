@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from mmserve.attention.torch_ref import attend
-from mmserve.engine.block_hash import MMPlaceholder
-from mmserve.engine.core_messages import decode_request, encode_request
+from mmserve.engine import messages as m
 from mmserve.engine.encoder_cache import EncoderCacheManager
-from mmserve.engine.multimodal import MMInput, check_placeholders, expand_placeholders
 from mmserve.errors import InvalidArgument
+from mmserve.frontend.images import check_placeholders, expand_placeholders
+from mmserve.inputs import MMInput, MMPlaceholder
+from mmserve.params import SamplingParams
 from tests.engine.conftest import assert_all_blocks_free, make_core, make_request, run_all
 from tests.fake_model import FakeModel
 
@@ -134,7 +135,7 @@ def test_encoder_budget_cuts_chunk_before_an_image() -> None:
     core.scheduler.encoder.rows_per_step = 8
     ids, inputs = mm_prompt([text(3, 1), text(2, 2), text(2, 3)], [image(6, 1), image(6, 2)])
     r = mm_request("a", ids, inputs)
-    core.add_request(r)
+    core.add(r)
     plan = core.scheduler.schedule()
     assert len(plan.scheduled[0].token_ids) == inputs[1].start  # stops before the 2nd image
     core.scheduler.update(plan, core.runner.execute(plan))
@@ -171,9 +172,10 @@ def test_placeholder_checks_name_the_field() -> None:
 
 def test_images_cross_the_process_boundary() -> None:
     ids, inputs = mm_prompt([text(2, 1), text(1, 2)], [image(3, 1)])
-    r = mm_request("a", ids, inputs)
-    r.mrope_positions, r.mrope_delta = torch.arange(3 * len(ids)).view(3, -1), -2
-    back = decode_request(encode_request(r))
+    r = m.EngineRequest("a", ids, SamplingParams(max_tokens=4), frozenset({2}), 4, mm_inputs=inputs)
+    back = m.to_core_decoder.decode(m.encoder.encode(m.AddRequests([r]))).requests[0]
+    assert (back.request_id, back.prompt_token_ids, back.params, back.eos_token_ids) == (
+        r.request_id, r.prompt_token_ids, r.params, r.eos_token_ids
+    )
     assert back.mm_inputs[0].placeholder == inputs[0].placeholder
     assert torch.equal(back.mm_inputs[0].data["pixel_values"], inputs[0].data["pixel_values"])
-    assert torch.equal(back.mrope_positions, r.mrope_positions) and back.mrope_delta == -2

@@ -35,9 +35,9 @@ def test_pooling_and_generation_share_steps() -> None:
     c = core(budget=24)
     gen = make_request("g", list(range(1, 30)), max_tokens=6)
     pools = [pool_request(f"p{i}", [i + 1] * (5 + 3 * i)) for i in range(4)]
-    c.add_request(gen)
+    c.add(gen)
     for p in pools:
-        c.add_request(p)
+        c.add(p)
     pooled, tokens, steps = {}, [], 0
     while c.has_unfinished:
         steps += 1
@@ -56,7 +56,7 @@ def test_pooling_and_generation_share_steps() -> None:
 def test_pooling_request_longer_than_budget_runs_alone() -> None:
     c = core(budget=8)
     p = pool_request("p", list(range(1, 21)))
-    c.add_request(p)
+    c.add(p)
     outs = c.step() + c.step()  # one step computes all 20 tokens (async: the next returns them)
     assert not c.has_unfinished
     assert len(outs) == 1 and outs[0].pooled is not None

@@ -96,7 +96,7 @@ def test_prefix_cache_hit_same_output_and_counted(tiny: str) -> None:
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens >= 4 * ((len(llm.tokenizer.encode(system)) - 4) // 4)
     assert second.outputs[0].token_ids == run(tiny, [system + "The quick"], enable_prefix_caching=False)[0]
-    pool = llm.engine.core.kv.pool
+    pool = llm.frontend.core.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
 
 
@@ -123,7 +123,7 @@ def test_stop_strings_and_token_ids(tiny: str) -> None:
     tok = full.token_ids[3]
     out = llm.generate([PROMPTS[1]], GREEDY.clone(stop_token_ids=[tok]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == full.token_ids[: full.token_ids.index(tok) + 1]
-    assert llm.engine.core.kv.pool.num_free_blocks == llm.engine.core.kv.pool.num_blocks
+    assert llm.frontend.core.kv.pool.num_free_blocks == llm.frontend.core.kv.pool.num_blocks
 
 
 def test_logprobs_and_prompt_logprobs_match_transformers(tiny: str) -> None:
@@ -164,7 +164,7 @@ def test_bad_params_name_the_field(tiny: str, params: dict, field: str) -> None:
     with pytest.raises(InvalidArgument) as e:
         llm.generate(["hi"], SamplingParams(**params), use_tqdm=False)
     assert e.value.field == field
-    assert not llm.engine.has_unfinished
+    assert not llm.frontend.has_unfinished
 
 
 def test_out_of_vocab_prompt_ids(tiny: str) -> None:

@@ -76,7 +76,7 @@ def test_gpu_encoder_graphs_equal_eager(tmp_path, family: str) -> None:  # type:
 
     def results(eager: bool) -> list[list[float]]:
         llm = LLM(path, device="cuda", dtype="float32", max_num_batched_tokens=1024, enforce_eager=eager)
-        assert (llm.engine.core.runner.encoder_graphs is None) == eager
+        assert (llm.frontend.core.runner.encoder_graphs is None) == eager
         out = [llm.score(texts[0], texts[:n], truncate="right") for n in (1, 7, 40)]
         out += [[s.score for c in llm.classify(texts[:n], truncate="right") for s in c.scores] for n in (3, 40)]
         return out

@@ -96,7 +96,7 @@ def test_greedy_equals_transformers(folder: Path, budget: int) -> None:
 
 def test_repeated_image_hits_both_caches(folder: Path) -> None:
     llm = LLM(str(folder), block_size=4)
-    runner = llm.engine.core.runner
+    runner = llm.frontend.core.runner
     calls: list[int] = []
     encode = runner.model.encode_images
     runner.model.encode_images = lambda data: calls.append(len(data)) or encode(data)  # type: ignore[method-assign]
@@ -120,6 +120,6 @@ def test_image_errors_name_the_field(folder: Path) -> None:
     llm = LLM(str(folder), block_size=4)
     with pytest.raises(InvalidArgument, match=r"messages\[0\]\.content\[0\]\.image.*too small"):
         llm.chat(conversation(picture(1, 1, 0)), GREEDY, use_tqdm=False)
-    pad = llm.engine.images.image_token_id
+    pad = llm.frontend.images.image_token_id
     with pytest.raises(InvalidArgument, match="appears where no image is"):
         llm.generate([[1, pad, 2]], GREEDY, use_tqdm=False)

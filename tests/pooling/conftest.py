@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from mmserve.config import EngineConfig, ModelConfig, SchedulerConfig
-from mmserve.engine.async_engine import AsyncEngine
-from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints.llm import LLM
+from mmserve.frontend.async_frontend import AsyncFrontEnd
+from mmserve.frontend.frontend import FrontEnd
 from tests.pooling.tiny_pooling_models import (
     make_tiny_bert,
     make_tiny_chat_decoder,
@@ -39,12 +39,12 @@ def load_llm(path: Path, **options: Any) -> LLM:
     return LLM(str(path), dtype="float32", device="cpu", **options)
 
 
-def load_engine(path: Path, max_num_batched_tokens: int = 2048) -> LLMEngine:
+def load_engine(path: Path, max_num_batched_tokens: int = 2048) -> FrontEnd:
     config = EngineConfig(
         model=ModelConfig(model=str(path), dtype="float32", device="cpu"),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
     )
-    return LLMEngine.from_config(config)
+    return FrontEnd.start(config)
 
 
 @pytest.fixture(scope="session")
@@ -61,8 +61,8 @@ def minilm_llm(minilm: Path) -> LLM:
 
 
 @pytest.fixture(scope="session")
-def minilm_async(minilm: Path) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(load_engine(minilm))
+def minilm_async(minilm: Path) -> Iterator[AsyncFrontEnd]:
+    engine = AsyncFrontEnd(load_engine(minilm))
     yield engine
     engine.shutdown()
 

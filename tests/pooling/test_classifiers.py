@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmserve.engine.pooling_api import PoolingPlan, run_sync
 from mmserve.entrypoints.llm import LLM
+from mmserve.frontend.pooling import PoolingPlan, run_sync
 from mmserve.params import PoolingParams
 from tests.pooling.conftest import load_llm
 from tests.pooling.tiny_pooling_models import LABELS
@@ -65,14 +65,14 @@ def hf_tokenize(path: Path, *texts: str) -> dict[str, list[int]]:
 
 def raw_logits(llm: LLM, inputs: list[list[int]]) -> torch.Tensor:
     """Our classifier logits without activation, for token-id inputs."""
-    encoded = llm.engine.input_encoder.encode(inputs, "none", "inputs")
+    encoded = llm.frontend.input_encoder.encode(inputs, "none", "inputs")
     plan = PoolingPlan(
         len(encoded),
         PoolingParams("classify", activation=False),
         lambda start, end: encoded[start:end],
         lambda pooled, _tokens: torch.stack(pooled),
     )
-    return run_sync(llm.engine, plan)
+    return run_sync(llm.frontend, plan)
 
 
 @pytest.mark.parametrize("name", CLASSIFIERS)
@@ -81,7 +81,7 @@ def test_classifier_logits_match_transformers(
 ) -> None:
     path, llm = tiny_models(name), tiny_llms(name)
     assert llm.tasks == ("classify",)
-    assert llm.engine.setup.labels == tuple(LABELS.values())
+    assert llm.frontend.info.labels == tuple(LABELS.values())
     encodings = [hf_tokenize(path, t) for t in TEXTS]
     expected = hf_logits(path, encodings)
     ours = raw_logits(llm, [e["input_ids"] for e in encodings])
@@ -114,7 +114,7 @@ def test_cross_encoder_scores_and_rerank_match_transformers(
 ) -> None:
     path, llm = tiny_models(name), tiny_llms(name)
     assert llm.tasks == ("classify", "score", "rerank")
-    assert llm.engine.setup.score_method == "cross-encoder"
+    assert llm.frontend.info.score_method == "cross-encoder"
     pairs = [hf_tokenize(path, QUERY, doc) for doc in DOCS]
     expected = torch.sigmoid(hf_logits(path, pairs)[:, 0])
     assert llm.score(QUERY, DOCS) == pytest.approx(expected.tolist(), abs=ATOL)
@@ -132,7 +132,7 @@ def test_bert_pairs_carry_segment_ids(
 ) -> None:
     """Pairwise scoring tokenises each pair as transformers does, token_type_ids included."""
     path, llm = tiny_models("bert-cross-encoder"), tiny_llms("bert-cross-encoder")
-    encoded = llm.engine.input_encoder.encode_pairs([(QUERY, DOCS[0])], "none", ["second[0]"])[0]
+    encoded = llm.frontend.input_encoder.encode_pairs([(QUERY, DOCS[0])], "none", ["second[0]"])[0]
     reference = hf_tokenize(path, QUERY, DOCS[0])
     assert encoded.token_ids == reference["input_ids"]
     assert encoded.token_type_ids == reference["token_type_ids"]

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmserve.engine import pooling_api
-from mmserve.engine.async_engine import AsyncEngine
 from mmserve.entrypoints.llm import LLM
+from mmserve.frontend import pooling as pooling_api
+from mmserve.frontend.async_frontend import AsyncFrontEnd
 from mmserve.params import SamplingParams
 from tests.pooling.conftest import load_engine
 
@@ -38,15 +38,15 @@ def hf_final_hidden(path: Path, ids: list[list[int]]) -> tuple[torch.Tensor, tor
 def test_decoder_tasks(tiny_llms: Callable[[str], LLM]) -> None:
     llm = tiny_llms("chat-decoder")
     assert llm.tasks == ("generate", "embed", "score", "rerank")
-    assert llm.engine.setup.score_method == "yes-token"
-    assert llm.engine.setup.pooler is not None and llm.engine.setup.pooler.config.method == "last"
+    assert llm.frontend.info.score_method == "yes-token"
+    assert llm.frontend.core.runner.pooler is not None and llm.frontend.core.runner.pooler.config.method == "last"
 
 
 def test_last_token_embeddings_match_transformers(
     tiny_models: Callable[[str], Path], tiny_llms: Callable[[str], LLM]
 ) -> None:
     llm = tiny_llms("chat-decoder")
-    ids = [e.token_ids for e in llm.engine.input_encoder.encode(TEXTS, "none", "inputs")]
+    ids = [e.token_ids for e in llm.frontend.input_encoder.encode(TEXTS, "none", "inputs")]
     hidden, _ = hf_final_hidden(tiny_models("chat-decoder"), ids)
     ours = torch.tensor(llm.embed(TEXTS))
     torch.testing.assert_close(ours, F.normalize(hidden, dim=-1), atol=1e-5, rtol=1e-4)
@@ -56,13 +56,13 @@ def test_yes_token_scores_match_transformers(
     tiny_models: Callable[[str], Path], tiny_llms: Callable[[str], LLM]
 ) -> None:
     llm = tiny_llms("chat-decoder")
-    encoder = llm.engine.input_encoder
+    encoder = llm.frontend.input_encoder
     prompts = [
         encoder.encode_yes_no("Where is Paris?", d, "none", "q", "d").token_ids for d in DOCS
     ]
     assert all(p[-3:] == prompts[0][-3:] for p in prompts)  # same answer cue at the end
     _, logits = hf_final_hidden(tiny_models("chat-decoder"), prompts)
-    yes, no = llm.engine.setup.yes_no_ids  # type: ignore[misc]
+    yes, no = llm.frontend.core.runner.pooler.config.yes_no_ids  # type: ignore[misc]
     expected = torch.sigmoid(logits[:, yes] - logits[:, no])
     assert llm.score("Where is Paris?", DOCS) == pytest.approx(expected.tolist(), abs=1e-5)
     ranked = llm.rerank("Where is Paris?", DOCS)
@@ -70,7 +70,7 @@ def test_yes_token_scores_match_transformers(
 
 
 def test_yes_token_truncation_shortens_the_document_only(tiny_llms: Callable[[str], LLM]) -> None:
-    encoder = tiny_llms("chat-decoder").engine.input_encoder
+    encoder = tiny_llms("chat-decoder").frontend.input_encoder
     full = encoder.encode_yes_no("q", "word " * 300, "right", "q", "d").token_ids
     assert len(full) == encoder.max_len
     with pytest.raises(ValueError, match=r"^d: .*limit of 256"):
@@ -78,8 +78,8 @@ def test_yes_token_truncation_shortens_the_document_only(tiny_llms: Callable[[st
 
 
 def test_generate_and_embed_concurrently_equal_alone(tiny_models: Callable[[str], Path]) -> None:
-    engine = AsyncEngine(load_engine(tiny_models("chat-decoder"), max_num_batched_tokens=64))
-    prompt = engine.engine.tokenizer.encode("The quick brown fox")
+    engine = AsyncFrontEnd(load_engine(tiny_models("chat-decoder"), max_num_batched_tokens=64))
+    prompt = engine.frontend.tokenizer.encode("The quick brown fox")
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
     async def generate(log: list[str] | None = None) -> list[int]:

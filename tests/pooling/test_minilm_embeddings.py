@@ -1,5 +1,5 @@
 """all-MiniLM-L6-v2 through our engine equals sentence-transformers (mean pooling, normalise,
-truncation at max_seq_length 256), offline and through the AsyncEngine."""
+truncation at max_seq_length 256), offline and through the AsyncFrontEnd."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmserve.engine import pooling_api
-from mmserve.engine.async_engine import AsyncEngine
 from mmserve.entrypoints.llm import LLM
+from mmserve.frontend import pooling as pooling_api
+from mmserve.frontend.async_frontend import AsyncFrontEnd
 from tests.utils.engine_idle import is_idle, wait_until_idle
 
 TEXTS = [
@@ -42,12 +42,12 @@ def assert_matches(ours: torch.Tensor, reference: torch.Tensor) -> None:
 
 
 def test_setup_reads_sentence_transformers_files(minilm_llm: LLM) -> None:
-    setup = minilm_llm.engine.setup
+    setup = minilm_llm.frontend.info
     assert minilm_llm.tasks == ("embed", "score", "rerank")
     assert setup.pooler is not None and setup.pooler.config.method == "mean"
     assert setup.st_normalize and setup.max_input_len == 256
     assert setup.score_method == "cosine" and setup.embedding_size == 384
-    assert minilm_llm.engine.max_pooling_len == 256
+    assert minilm_llm.frontend.info.max_pooling_len == 256
 
 
 def test_offline_embeddings_match_sentence_transformers(
@@ -58,7 +58,7 @@ def test_offline_embeddings_match_sentence_transformers(
 
 
 def test_async_embeddings_match_sentence_transformers(
-    minilm_async: AsyncEngine, reference: torch.Tensor
+    minilm_async: AsyncFrontEnd, reference: torch.Tensor
 ) -> None:
     async def both() -> tuple[pooling_api.EmbedResult, pooling_api.EmbedResult]:
         # two calls at once: their inputs share engine steps
@@ -73,7 +73,7 @@ def test_async_embeddings_match_sentence_transformers(
 
 
 def test_a_call_larger_than_its_window_is_split(
-    minilm_async: AsyncEngine, reference: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+    minilm_async: AsyncFrontEnd, reference: torch.Tensor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(pooling_api, "MAX_IN_FLIGHT_PER_CALL", 2)
     result = asyncio.run(pooling_api.embed(minilm_async, TEXTS, truncate="right"))
@@ -102,7 +102,7 @@ def test_cosine_score_and_rerank(minilm_llm: LLM, sentence_transformer: Any) -> 
     assert ranked[0].document == docs[ranked[0].index]
 
 
-def test_a_cancelled_call_aborts_its_batch(minilm_async: AsyncEngine, reference: torch.Tensor) -> None:
+def test_a_cancelled_call_aborts_its_batch(minilm_async: AsyncFrontEnd, reference: torch.Tensor) -> None:
     """Cancelling a call aborts the inputs it sent as one batch; the engine empties and the
     next call gets correct results."""
 

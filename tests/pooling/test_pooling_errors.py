@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from mmserve.engine import pooling_api
-from mmserve.engine.async_engine import AsyncEngine
 from mmserve.entrypoints.llm import LLM
 from mmserve.errors import InvalidArgument
+from mmserve.frontend import pooling as pooling_api
+from mmserve.frontend.async_frontend import AsyncFrontEnd
 from mmserve.params import SamplingParams
 from tests.utils.engine_idle import is_idle, wait_until_idle
 
@@ -67,7 +67,7 @@ def test_score_and_rerank_errors(minilm_llm: LLM, tiny_llms: Callable[[str], LLM
     assert field_of(lambda: cross.rerank("a", ["ok", "b " * 100])) == "documents[1]"
 
 
-def test_async_errors_raise_before_the_engine(minilm_async: AsyncEngine) -> None:
+def test_async_errors_raise_before_the_engine(minilm_async: AsyncFrontEnd) -> None:
     async def call(coro: Any) -> None:
         await coro
 
@@ -83,7 +83,7 @@ def test_async_errors_raise_before_the_engine(minilm_async: AsyncEngine) -> None
 
 
 def test_a_bad_input_in_a_later_chunk_fails_the_call_and_frees_the_engine(
-    minilm_async: AsyncEngine,
+    minilm_async: AsyncFrontEnd,
 ) -> None:
     """Inputs go to the engine a chunk at a time; a bad one past the first chunk fails the call
     naming it, the chunks already sent are aborted, and the engine serves the next call."""
@@ -103,7 +103,7 @@ def test_a_bad_input_in_a_later_chunk_fails_the_call_and_frees_the_engine(
 
 
 def test_a_call_on_an_idle_engine_goes_in_halves(
-    minilm_async: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+    minilm_async: AsyncFrontEnd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finding the engine idle, a 64-input call sends its first half as soon as it is
     tokenised (the model runs it while the second half is tokenised); with other requests in

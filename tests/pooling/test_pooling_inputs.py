@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from mmserve.engine.pooling_inputs import InputEncoder
 from mmserve.errors import InvalidArgument
+from mmserve.frontend.pooling_inputs import InputEncoder
 
 LIMIT = 8
 CLS, SEP = 101, 102

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from mmserve.attention import AttentionMetadata
-from mmserve.engine.block_hash import MMPlaceholder
-from mmserve.engine.multimodal import MMInput
-from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from mmserve.engine.sched_output import ScheduledRequest, SchedulerOutput
+from mmserve.inputs import MMInput, MMPlaceholder
 from mmserve.params import SamplingParams
 from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder, build_batch
 

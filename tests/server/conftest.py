@@ -109,7 +109,7 @@ def stub(tiny_server: ServerThread) -> Iterator[Any]:
 def wait_all_blocks_free(handle: ModelHandle, timeout: float = 10.0) -> None:
     """Every KV block of the model free (empty or cached), within `timeout` (an abort reaches
     the engine thread asynchronously)."""
-    pool = handle.engine.engine.core.kv.pool
+    pool = handle.frontend.core.kv.pool
     deadline = time.monotonic() + timeout
     while pool.num_free_blocks != pool.num_blocks and time.monotonic() < deadline:
         time.sleep(0.01)

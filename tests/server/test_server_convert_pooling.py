@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from mmserve.engine.pooling_plans import (
+from mmserve.errors import InvalidArgument
+from mmserve.frontend.pooling_plans import (
     Classification,
     ClassifyResult,
     EmbedResult,
@@ -15,7 +16,6 @@ from mmserve.engine.pooling_plans import (
     RerankResult,
     ScoreResult,
 )
-from mmserve.errors import InvalidArgument
 from mmserve.server import convert_pooling as cp
 from mmserve.server.convert import model_info
 from mmserve.server.models import ModelFacts, ModelHandle, Task

@@ -94,7 +94,7 @@ def test_dead_engine_is_internal_and_not_serving(tiny_models: dict[str, Path]) -
         def broken_step() -> None:
             raise RuntimeError("simulated device failure")
 
-        handle.engine.engine.step = broken_step
+        handle.frontend.step = broken_step
         with Client(server.target, timeout=30) as c:
             with pytest.raises(MMServeError) as e:
                 c.generate("Hello", max_tokens=3)

@@ -80,5 +80,5 @@ def test_bad_schema_is_invalid_argument_and_engine_goes_on(llm: LLM) -> None:
     bad = {"type": "array", "uniqueItems": True, "items": {"type": "integer"}}
     with pytest.raises(InvalidArgument, match="uniqueItems"):
         chat(llm, "x", StructuredOutputParams("json_schema", json.dumps(bad)))
-    assert not llm.engine.has_unfinished
+    assert not llm.frontend.has_unfinished
     assert chat(llm, "Capital of France?", StructuredOutputParams("choice", ["Paris", "Rome"]))

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
-from mmserve.engine.pooling_inputs import EncodedInput, TextOrIds
 from mmserve.errors import InvalidArgument
+from mmserve.frontend.frontend import FrontEnd
+from mmserve.frontend.pooling_inputs import EncodedInput, TextOrIds
 from mmserve.params import PoolingParams
 from mmserve.processors.images import DecodedImage
-
-if TYPE_CHECKING:
-    from mmserve.engine.llm_engine import LLMEngine
 
 MAX_INPUTS_PER_CALL = 2048  # inputs (or score pairs, or rerank documents) in one call
 T = TypeVar("T")
@@ -84,17 +82,17 @@ class PoolingPlan(Generic[T]):
 
 
 def plan_embed(
-    engine: LLMEngine,
+    engine: FrontEnd,
     inputs: Sequence[TextOrIds],
     *,
     normalize: bool = True,
     dimensions: int | None = None,
     truncate: str = "none",
 ) -> PoolingPlan[EmbedResult]:
-    _require(engine, "embed")
+    engine.require("embed")
     _check_count(len(inputs), "inputs")
     params = PoolingParams("embed", normalize=normalize, dimensions=dimensions)
-    params.validate(engine.hidden_size)
+    params.validate(engine.embedding_size)
     names = _names("inputs", len(inputs))
 
     def encode(start: int, end: int) -> list[EncodedInput]:
@@ -106,12 +104,12 @@ def plan_embed(
 
 
 def plan_classify(
-    engine: LLMEngine, inputs: Sequence[TextOrIds], *, truncate: str = "none"
+    engine: FrontEnd, inputs: Sequence[TextOrIds], *, truncate: str = "none"
 ) -> PoolingPlan[ClassifyResult]:
-    _require(engine, "classify")
+    engine.require("classify")
     _check_count(len(inputs), "inputs")
     names = _names("inputs", len(inputs))
-    labels = engine.setup.labels
+    labels = engine.info.labels
 
     def encode(start: int, end: int) -> list[EncodedInput]:
         return _encode(engine, inputs[start:end], truncate, names[start:end])
@@ -123,14 +121,14 @@ def plan_classify(
 
 
 def plan_score(
-    engine: LLMEngine,
+    engine: FrontEnd,
     first: Sequence[TextOrIds],
     second: Sequence[TextOrIds],
     *,
     truncate: str = "none",
 ) -> PoolingPlan[ScoreResult]:
     """`first` has one item (scored against each of `second`) or one per item of `second`."""
-    _require(engine, "score")
+    engine.require("score")
     _check_count(len(second), "second")
     if len(first) not in (1, len(second)):
         raise InvalidArgument(
@@ -141,14 +139,14 @@ def plan_score(
 
 
 def plan_rerank(
-    engine: LLMEngine,
+    engine: FrontEnd,
     query: str,
     documents: Sequence[str],
     *,
     top_n: int | None = None,
     truncate: str = "none",
 ) -> PoolingPlan[RerankResult]:
-    _require(engine, "rerank")
+    engine.require("rerank")
     _check_count(len(documents), "documents")
     if top_n is not None and top_n < 1:
         raise InvalidArgument("top_n", "must be >= 1 when set")
@@ -167,7 +165,7 @@ def plan_rerank(
 
 
 def _plan_pairs(
-    engine: LLMEngine,
+    engine: FrontEnd,
     first: Sequence[TextOrIds],
     second: Sequence[TextOrIds],
     truncate: str,
@@ -176,7 +174,7 @@ def _plan_pairs(
 ) -> PoolingPlan[ScoreResult]:
     """Scores second[i] against first[0] (one first) or first[i] (pairwise), as the model's
     score method says: cosine of embeddings, or one joint pass per pair."""
-    if engine.setup.score_method == "cosine":
+    if engine.info.score_method == "cosine":
         return _plan_cosine(engine, first, second, truncate, first_names, second_names)
     index = [0 if len(first) == 1 else i for i in range(len(second))]
     pairs = [
@@ -184,7 +182,7 @@ def _plan_pairs(
         for j, b, name in zip(index, second, second_names, strict=True)
     ]
     encoder = engine.input_encoder
-    yes_no = engine.setup.score_method == "yes-token"
+    yes_no = engine.info.score_method == "yes-token"
 
     def encode(start: int, end: int) -> list[EncodedInput]:
         chunk, names = pairs[start:end], second_names[start:end]
@@ -204,7 +202,7 @@ def _plan_pairs(
 
 
 def _plan_cosine(
-    engine: LLMEngine,
+    engine: FrontEnd,
     first: Sequence[TextOrIds],
     second: Sequence[TextOrIds],
     truncate: str,
@@ -226,12 +224,6 @@ def _plan_cosine(
     return PoolingPlan(len(items), PoolingParams("embed", normalize=True), encode, finish)
 
 
-def _require(engine: LLMEngine, task: str) -> None:
-    if task not in engine.tasks:
-        can = ", ".join(engine.tasks)
-        raise InvalidArgument("model", f"this model cannot {task} (it can: {can})")
-
-
 def _check_count(count: int, field: str) -> None:
     if count == 0:
         raise InvalidArgument(field, "must not be empty")
@@ -250,7 +242,7 @@ def _text(item: TextOrIds, field: str) -> str:
 
 
 def _encode(
-    engine: LLMEngine, items: Sequence[TextOrIds], truncate: str, names: list[str]
+    engine: FrontEnd, items: Sequence[TextOrIds], truncate: str, names: list[str]
 ) -> list[EncodedInput]:
     encoded = engine.input_encoder.encode(items, truncate, names)
     _check_vocab(engine, encoded, names)
@@ -258,13 +250,13 @@ def _encode(
 
 
 def _encode_with_images(
-    engine: LLMEngine, items: Sequence[TextOrIds | DecodedImage], truncate: str, names: list[str]
+    engine: FrontEnd, items: Sequence[TextOrIds | DecodedImage], truncate: str, names: list[str]
 ) -> list[EncodedInput]:
     """Texts and token ids as _encode does; each DecodedImage as one image input."""
     images = {i for i, item in enumerate(items) if isinstance(item, DecodedImage)}
     if not images:
         return _padded(engine, _encode(engine, items, truncate, names))  # type: ignore[arg-type]
-    if not engine.embeds_images or engine.images is None:
+    if not engine.info.embeds_images or engine.images is None:
         raise InvalidArgument(f"{names[min(images)]}.image", "this model does not embed images")
     texts = [i for i in range(len(items)) if i not in images]
     encoded = _encode(engine, [items[i] for i in texts], truncate, [names[i] for i in texts])  # type: ignore[misc]
@@ -280,14 +272,13 @@ def _encode_with_images(
     return out
 
 
-def _padded(engine: LLMEngine, encoded: list[EncodedInput]) -> list[EncodedInput]:
+def _padded(engine: FrontEnd, encoded: list[EncodedInput]) -> list[EncodedInput]:
     """Texts padded to the length the model was trained on (SigLIP: 64), if it says so."""
-    model: Any = engine.core.runner.model  # SigLIP's says pad_text_to and pad_token_id
-    length = getattr(model, "pad_text_to", None)
+    length = engine.info.pad_text_to  # SigLIP's
     if not length:
         return encoded
     pad_id = engine.tokenizer.pad_token_id
-    pad = [model.pad_token_id if pad_id is None else pad_id]
+    pad = [engine.info.pad_token_id if pad_id is None else pad_id]
     return [
         EncodedInput(e.token_ids + pad * (length - len(e.token_ids)), e.token_type_ids, e.mm_inputs)
         if len(e.token_ids) < length else e
@@ -295,7 +286,7 @@ def _padded(engine: LLMEngine, encoded: list[EncodedInput]) -> list[EncodedInput
     ]
 
 
-def _check_vocab(engine: LLMEngine, encoded: list[EncodedInput], names: list[str]) -> None:
+def _check_vocab(engine: FrontEnd, encoded: list[EncodedInput], names: list[str]) -> None:
     for item, name in zip(encoded, names, strict=True):
         engine.check_token_ids(item.token_ids, name)
 

@@ -1,7 +1,7 @@
-"""Embed, Classify, Score and Rerank over one engine, free of protobuf: the gRPC servicer calls
-the async functions here on an AsyncEngine, the offline LLM runs the same plans with run_sync.
+"""Embed, Classify, Score and Rerank over one model, free of protobuf: the gRPC servicer calls
+the async functions here on an AsyncFrontEnd, the offline LLM runs the same plans with run_sync.
 
-Each call is planned first (mmserve.engine.pooling_plans: the call's own checks), then its
+Each call is planned first (mmserve.frontend.pooling_plans: the call's own checks), then its
 inputs are encoded (checked, tokenised) a chunk at a time, each chunk going to the engine as
 soon as it is encoded; each input runs as its own pooling request, so the items of one call
 and of concurrent calls share engine steps under the token budget beside generation. An
@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 
-from mmserve.engine.async_engine import PoolInput
-from mmserve.engine.pooling_inputs import EncodedInput, TextOrIds
-from mmserve.engine.pooling_plans import (
+from mmserve.frontend.async_frontend import AsyncFrontEnd, PoolInput
+from mmserve.frontend.frontend import FrontEnd, PooledResult
+from mmserve.frontend.pooling_inputs import EncodedInput, TextOrIds
+from mmserve.frontend.pooling_plans import (
     MAX_INPUTS_PER_CALL,
     Classification,
     ClassifyResult,
@@ -35,10 +36,6 @@ from mmserve.engine.pooling_plans import (
     plan_rerank,
     plan_score,
 )
-
-if TYPE_CHECKING:
-    from mmserve.engine.async_engine import AsyncEngine
-    from mmserve.engine.llm_engine import GenerationDelta, LLMEngine
 
 __all__ = [
     "MAX_INPUTS_PER_CALL",
@@ -63,7 +60,7 @@ __all__ = [
     "score",
 ]
 
-MAX_IN_FLIGHT_PER_CALL = 256  # one call's requests in the engine at once (< AsyncEngine's bound)
+MAX_IN_FLIGHT_PER_CALL = 256  # one call's requests in the engine at once (< AsyncFrontEnd's bound)
 # smallest batch of a call's inputs sent to the engine at once while other requests are in
 # it: one engine step of this many beats smaller pipelined ones. A call that finds the engine
 # idle goes in chunks from IDLE_PIPELINE_MIN_CHUNK, so tokenising its second half overlaps the
@@ -75,7 +72,7 @@ T = TypeVar("T")
 
 
 async def embed(
-    engine: AsyncEngine,
+    engine: AsyncFrontEnd,
     inputs: Sequence[TextOrIds],
     *,
     normalize: bool = True,
@@ -84,7 +81,7 @@ async def embed(
 ) -> EmbedResult:
     """One vector per input (text or token ids). truncate: "none" | "left" | "right"."""
     plan = plan_embed(
-        engine.engine,
+        engine.frontend,
         inputs,
         normalize=normalize,
         dimensions=dimensions,
@@ -94,28 +91,28 @@ async def embed(
 
 
 async def classify(
-    engine: AsyncEngine, inputs: Sequence[TextOrIds], *, truncate: str = "none"
+    engine: AsyncFrontEnd, inputs: Sequence[TextOrIds], *, truncate: str = "none"
 ) -> ClassifyResult:
     """Label probabilities per input, all labels, highest first."""
-    plan = plan_classify(engine.engine, inputs, truncate=truncate)
+    plan = plan_classify(engine.frontend, inputs, truncate=truncate)
     return await run_async(engine, plan)
 
 
 async def score(
-    engine: AsyncEngine,
+    engine: AsyncFrontEnd,
     first: Sequence[TextOrIds],
     second: Sequence[TextOrIds],
     *,
     truncate: str = "none",
 ) -> ScoreResult:
-    """One score per item of `second`, against first[0] or pairwise (engine.setup.score_method
-    says how: "cross-encoder", "cosine" or "yes-token")."""
-    plan = plan_score(engine.engine, first, second, truncate=truncate)
+    """One score per item of `second`, against first[0] or pairwise (info.score_method says
+    how: "cross-encoder", "cosine" or "yes-token")."""
+    plan = plan_score(engine.frontend, first, second, truncate=truncate)
     return await run_async(engine, plan)
 
 
 async def rerank(
-    engine: AsyncEngine,
+    engine: AsyncFrontEnd,
     query: str,
     documents: Sequence[str],
     *,
@@ -123,11 +120,11 @@ async def rerank(
     truncate: str = "none",
 ) -> RerankResult:
     """Documents by score against the query, highest first, at most top_n."""
-    plan = plan_rerank(engine.engine, query, documents, top_n=top_n, truncate=truncate)
+    plan = plan_rerank(engine.frontend, query, documents, top_n=top_n, truncate=truncate)
     return await run_async(engine, plan)
 
 
-async def run_async(engine: AsyncEngine, plan: PoolingPlan[T]) -> T:
+async def run_async(engine: AsyncFrontEnd, plan: PoolingPlan[T]) -> T:
     """Encodes a plan's inputs a chunk at a time on a worker thread and sends each chunk to
     the engine as one batch as soon as it is encoded, so tokenising the next chunk overlaps
     the engine's work on this one; at most MAX_IN_FLIGHT_PER_CALL inputs are in the engine
@@ -166,24 +163,24 @@ def chunk_size(count: int, idle: bool = False) -> int:
     return max(1, min(max(least, quarter), MAX_IN_FLIGHT_PER_CALL // 2))
 
 
-def run_sync(engine: LLMEngine, plan: PoolingPlan[T]) -> T:
+def run_sync(engine: FrontEnd, plan: PoolingPlan[T]) -> T:
     """Runs a plan on a synchronous engine (the offline API), stepping until all finish; on
     a failure the plan's other requests are aborted."""
     inputs = plan.encode()
-    ids: dict[str, int] = {}  # request id -> input index
+    for item in inputs:
+        engine.validate_pooling(item.token_ids, plan.params, item.mm_inputs)
+    ids = {engine.new_request_id(): index for index in range(len(inputs))}
     pooled: list[torch.Tensor | None] = [None] * len(inputs)
     try:
-        for index, item in enumerate(inputs):
-            request_id = engine.new_request_id()
-            engine.add_pooling_request(
-                request_id, item.token_ids, plan.params, item.token_type_ids, item.mm_inputs
-            )
-            ids[request_id] = index
+        engine.add_pooling(
+            [(rid, i.token_ids, i.token_type_ids, i.mm_inputs) for rid, i in zip(ids, inputs)],
+            plan.params,
+        )
         remaining = len(ids)
         while remaining:
-            for delta in engine.step():
-                if delta.request_id in ids:
-                    pooled[ids[delta.request_id]] = _pooled(delta)
+            for news in engine.step():
+                if isinstance(news, PooledResult) and news.request_id in ids:
+                    pooled[ids[news.request_id]] = _pooled(news)
                     remaining -= 1
     except BaseException:
         for request_id in ids:
@@ -193,12 +190,11 @@ def run_sync(engine: LLMEngine, plan: PoolingPlan[T]) -> T:
     return plan.finish(pooled, tokens)  # type: ignore[arg-type]  # every slot is filled
 
 
-def _pooled(delta: GenerationDelta) -> torch.Tensor:
-    if delta.pooled is None:
-        reason = delta.error or delta.finish_reason
-        raise RuntimeError(f"pooling request {delta.request_id} failed: {reason}")
-    pooled: torch.Tensor = delta.pooled
-    return pooled
+def _pooled(result: PooledResult) -> torch.Tensor:
+    out = result.output
+    if out.pooled is None:
+        raise RuntimeError(f"pooling request {result.request_id} failed: {out.error or out.finish_reason}")
+    return out.pooled
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

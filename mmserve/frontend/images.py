@@ -1,8 +1,9 @@
 """Images in prompts: decoded images -> expanded placeholder tokens + what the encoder reads.
 
 The chat template places one `image_token_id` per image. ImagePrompts runs the model's own
-image processor (cached by content hash), asks the model how many tokens each image takes,
-and expands each placeholder into that many copies; each image becomes an MMInput that says
+image processor (cached by content hash), counts the tokens each image takes (the engine's
+EngineInfo says how: the model is not read here), and expands each placeholder into that many
+copies; each image becomes an MMInput that says
 where its tokens sit (an MMPlaceholder, which also keys the prefix cache by image content)
 and carries the processor's tensors for the vision encoder. CPU work: the server calls
 process() on a worker thread.
@@ -11,48 +12,15 @@ process() on a worker thread.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
 
 import torch
 
-from mmserve.engine.block_hash import MMPlaceholder
+from mmserve.engine.messages import EngineInfo, ImageTokenCount
 from mmserve.errors import InvalidArgument
-
-if TYPE_CHECKING:  # light at import: request.py uses MMInput
-    from mmserve.processors.image_processing import ImagePreprocessor
-    from mmserve.processors.images import DecodedImage
-
-
-@dataclass(frozen=True)
-class MMInput:
-    """One image of a request."""
-
-    placeholder: MMPlaceholder  # its tokens in the prompt; content_hash keys the caches
-    data: Mapping[str, torch.Tensor]  # the image processor's output for it (CPU, read-only)
-
-    @property
-    def key(self) -> str:
-        """Encoder-cache key: equal content gives equal encoder output."""
-        return self.placeholder.content_hash
-
-    @property
-    def start(self) -> int:
-        return self.placeholder.offset
-
-    @property
-    def end(self) -> int:
-        return self.placeholder.offset + self.placeholder.length
-
-    def overlaps(self, start: int, end: int) -> bool:
-        """Whether any of its tokens lies in prompt positions [start, end)."""
-        return self.start < end and start < self.end
-
-
-def grid_thw(data: Mapping[str, torch.Tensor]) -> tuple[int, int, int]:
-    """(t, h, w) in patches of one image, from its processor output (Qwen2-VL's)."""
-    t, h, w = (int(x) for x in data["image_grid_thw"].reshape(-1)[:3])
-    return t, h, w
+from mmserve.inputs import MMInput, MMPlaceholder, grid_thw
+from mmserve.processors.image_processing import ImagePreprocessor
+from mmserve.processors.images import DecodedImage
 
 
 def expand_placeholders(
@@ -98,20 +66,44 @@ def check_placeholders(
         )
 
 
-class ImagePrompts:
-    """Expands the images of prompts for one multimodal model (thread-safe)."""
+def count_image_tokens(rule: ImageTokenCount, data: Mapping[str, torch.Tensor]) -> int:
+    """How many placeholder tokens (and encoder rows) this one image takes."""
+    if rule.merge_size:
+        t, h, w = grid_thw(data)
+        return t * h * w // rule.merge_size**2
+    pixel_values, size = data["pixel_values"], rule.image_size
+    if tuple(pixel_values.shape[-3:]) != (3, size, size):
+        raise InvalidArgument(
+            "pixel_values", f"shape {tuple(pixel_values.shape)}; expected [1, 3, {size}, {size}]"
+        )
+    return rule.per_image
 
-    def __init__(self, model: Any, preprocessor: ImagePreprocessor) -> None:
-        self.model = model  # a MultiModalCausalLM (mmserve.models.base)
+
+class ImagePrompts:
+    """Expands the images of prompts for one model that reads or embeds images
+    (thread-safe)."""
+
+    def __init__(self, info: EngineInfo, preprocessor: ImagePreprocessor) -> None:
         self.preprocessor = preprocessor
-        self.image_token_id: int = getattr(model, "image_token_id", -1)  # -1: dual encoders
+        self.image_token_id = info.image_token_id  # -1: dual encoders (one image per input)
+        self.rule = info.image_tokens  # None: dual encoders (never expanded)
+
+    @classmethod
+    def of(cls, info: EngineInfo) -> ImagePrompts | None:
+        """The image front end of a model that reads or embeds images (its own image
+        processor from preprocessor_config.json); None for text-only models."""
+        if not (info.reads_images or info.embeds_images):
+            return None
+        return cls(info, ImagePreprocessor.from_pretrained(Path(info.model_folder)))
 
     def process(
         self, token_ids: Sequence[int], images: Sequence[DecodedImage], fields: Sequence[str]
     ) -> tuple[list[int], tuple[MMInput, ...]]:
         """(expanded token ids, one MMInput per image); InvalidArgument names the field."""
+        if self.rule is None:
+            raise InvalidArgument(fields[0] if fields else "prompt", "this model reads no images")
         data = [self.preprocessor.preprocess(im, f).tensors for im, f in zip(images, fields)]
-        lengths = [self.model.num_image_tokens(d) for d in data]
+        lengths = [count_image_tokens(self.rule, d) for d in data]
         field = fields[0].split(".content")[0] if fields else "prompt"
         ids, spans = expand_placeholders(token_ids, self.image_token_id, lengths, field)
         inputs = tuple(

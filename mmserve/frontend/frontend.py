@@ -1,0 +1,358 @@
+"""One model's front end: validation (once, into typed engine requests), the output side
+(detokenising, stop strings, n > 1 fan-in) and the engine client it drives.
+
+It reads the engine's EngineInfo, never the runner or the model. Synchronous and
+single-threaded on its engine side (add_* and step); AsyncFrontEnd runs that on a thread.
+The gRPC servicer and the offline LLM both call it."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmserve.config import EngineConfig
+from mmserve.engine.client import EngineClient, InProcessClient, start_engine
+from mmserve.engine.engine_core import EngineCore
+from mmserve.engine.messages import EngineInfo, EngineOutput, EngineRequest
+from mmserve.errors import InvalidArgument
+from mmserve.frontend.images import ImagePrompts, check_placeholders
+from mmserve.frontend.pooling_inputs import InputEncoder
+from mmserve.inputs import MMInput
+from mmserve.outputs import TokenLogprob
+from mmserve.params import PoolingParams, SamplingParams
+from mmserve.processors.detokenizer import IncrementalDetokenizer
+from mmserve.processors.tokenizer import load_tokenizer
+from mmserve.structured_output.backend import CompiledGrammar
+from mmserve.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationDelta:
+    """News for one choice of one generation request, with text."""
+
+    request_id: str  # the caller's id (shared by the n choices)
+    index: int  # which choice
+    text: str  # new text since the last delta
+    token_ids: list[int]  # new tokens since the last delta
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # eos/stop token id or the stop string
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+    first_scheduled_time: float | None = None  # time.monotonic() when it first ran a step
+
+
+@dataclass
+class PooledResult:
+    """The result of one pooling request."""
+
+    request_id: str
+    output: EngineOutput  # its final output: `pooled` set, or `error` / finish "abort"
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """A generation request validated by FrontEnd.validate: ready for the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    mm_inputs: tuple[MMInput, ...] = ()  # the prompt's images, placeholders expanded
+
+
+@dataclass
+class _Choice:
+    parent_id: str
+    index: int
+    detok: IncrementalDetokenizer | None  # None for pooling requests (no text)
+    stopped: str | None = None  # the stop string that ended it, once seen
+
+
+@dataclass
+class _Parent:
+    children: list[str] = field(default_factory=list)
+
+
+class FrontEnd:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: Any,
+        structured: StructuredOutputManager | None = None,
+    ) -> None:
+        """structured: the grammar compiler to share with an in-process engine; None makes
+        one of this front end's own on first use."""
+        self.client = client
+        self.info: EngineInfo = client.info
+        self.tokenizer = tokenizer
+        self.images = ImagePrompts.of(self.info)  # None: the model reads no images
+        self.input_encoder = InputEncoder(
+            tokenizer, self.info.max_pooling_len, self.info.uses_token_types
+        )
+        self._structured = structured
+        self._choices: dict[str, _Choice] = {}
+        self._parents: dict[str, _Parent] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> FrontEnd:
+        """Starts the engine of config (in its own process when config.multiprocess)."""
+        client, loaded = start_engine(config)
+        if loaded is not None:
+            return cls(client, loaded.tokenizer, loaded.core.structured)
+        info = client.info
+        return cls(client, load_tokenizer(info.model_folder, info.gguf_file))
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """What this model serves: "generate", "embed", "classify", "score", "rerank"."""
+        return self.info.tasks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size  # valid token ids are [0, vocab_size)
+
+    @property
+    def embedding_size(self) -> int | None:
+        """Full embedding size (the bound of Matryoshka `dimensions`)."""
+        return self.info.embedding_size or self.info.hidden_size or None
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+    @property
+    def core(self) -> EngineCore:
+        """The engine core, when it runs in this process (benchmarks and tests look inside);
+        TypeError for an engine process."""
+        if not isinstance(self.client, InProcessClient):
+            raise TypeError("the engine core runs in its own process")
+        return self.client.core
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    # -- validation: every check that needs the model, once ------------------------------
+
+    def check_token_ids(self, token_ids: Sequence[int], field: str = "token_ids") -> None:
+        """Raises InvalidArgument naming field when an id is outside the vocabulary."""
+        vocab = self.info.vocab_size
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab):
+            return  # builtins at C speed; the bad id is looked for only when there is one
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(field, f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def validate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        mm_inputs: tuple[MMInput, ...] = (),
+        field: str = "prompt",
+        params_field: str = "",
+    ) -> GenerateJob:
+        """The request checked against the model; InvalidArgument names the field (the
+        prompt's as `field`, a parameter's under `params_field`, e.g. "params.")."""
+        self.require("generate")
+        if not prompt_token_ids:
+            raise InvalidArgument(field, "must not be empty")
+        self.check_token_ids(prompt_token_ids, field)
+        limit = self.info.max_model_len
+        if len(prompt_token_ids) >= limit:
+            raise InvalidArgument(
+                field,
+                f"{len(prompt_token_ids)} tokens leave no room to generate: the limit is "
+                f"{limit} tokens",
+            )
+        try:
+            params.validate()
+            params.validate_for_model(self.info.vocab_size, len(prompt_token_ids), limit)
+        except InvalidArgument as e:
+            if not params_field:
+                raise
+            raise InvalidArgument(params_field + e.field, str(e).removeprefix(f"{e.field}: ")) from e
+        if params.structured is not None:
+            params.structured.validate()
+        self._check_images(prompt_token_ids, mm_inputs)
+        rid = request_id or self.new_request_id()
+        return GenerateJob(rid, list(prompt_token_ids), params, cache_salt, mm_inputs)
+
+    def require(self, task: str) -> None:
+        if task not in self.info.tasks:
+            can = ", ".join(self.info.tasks)
+            raise InvalidArgument("model", f"this model cannot {task} (it can: {can})")
+
+    def _check_images(self, prompt_token_ids: list[int], mm_inputs: tuple[MMInput, ...]) -> None:
+        """Images only for models that read them; placeholder tokens exactly where images are."""
+        if self.images is None or not self.info.reads_images:
+            if mm_inputs:
+                raise InvalidArgument("images", "this model does not read images")
+            return
+        check_placeholders(prompt_token_ids, self.images.image_token_id, mm_inputs, "prompt")
+
+    def validate_pooling(
+        self, prompt_token_ids: list[int], params: PoolingParams, mm_inputs: tuple[MMInput, ...] = ()
+    ) -> None:
+        params.validate(self.embedding_size)
+        if mm_inputs and not self.info.embeds_images:
+            raise InvalidArgument("inputs", "this model does not embed images")
+        if params.task not in self.info.pooler_tasks:
+            raise InvalidArgument("task", f"this model cannot pool for {params.task!r}")
+        if not prompt_token_ids:
+            raise InvalidArgument("inputs", "an input has no tokens")
+        self.check_token_ids(prompt_token_ids)
+        limit = self.info.max_pooling_len
+        if len(prompt_token_ids) > limit:
+            raise InvalidArgument("inputs", f"{len(prompt_token_ids)} tokens exceed the limit {limit}")
+
+    @functools.cached_property
+    def structured(self) -> StructuredOutputManager:
+        """Compiles output constraints for this model (built on first use)."""
+        if self._structured is not None:
+            return self._structured
+        info = self.info  # bitmasks cover the logits' full width
+        return StructuredOutputManager(self.tokenizer, info.logits_width, sorted(info.eos_token_ids))
+
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """params.structured compiled (cached; blocks: call it off the event loop). The
+        engine compiles it again for itself; here it refuses a bad one, naming its field."""
+        return self.structured.compile(params.structured) if params.structured is not None else None
+
+    # -- the engine side: one thread --------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        cache_salt: str | None = None, mm_inputs: tuple[MMInput, ...] = (),
+    ) -> None:
+        """validate() then add(), compiling a constraint here (blocking): for callers that
+        step the engine themselves (benchmarks, tests)."""
+        job = self.validate(
+            prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt,
+            mm_inputs=mm_inputs,
+        )
+        self.compile_grammar(params)
+        self.add(job)
+
+    def add(self, job: GenerateJob) -> None:
+        """Sends a validated request to the engine: one engine request per choice."""
+        if job.request_id in self._parents:
+            raise InvalidArgument("request_id", f"{job.request_id!r} is already in flight")
+        params, prompt = job.params, job.prompt_token_ids
+        max_tokens = params.max_tokens or self.info.max_model_len - len(prompt)
+        parent = self._parents[job.request_id] = _Parent()
+        requests = []
+        for i in range(params.n):
+            child = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i
+            )
+            child_id = f"{job.request_id}#{i}"
+            self._choices[child_id] = _Choice(job.request_id, i, self._detokenizer(prompt, params))
+            parent.children.append(child_id)
+            requests.append(EngineRequest(
+                child_id, prompt, child, self.info.eos_token_ids, max_tokens, job.cache_salt,
+                job.mm_inputs,
+            ))
+        self.client.add(requests)
+
+    def _detokenizer(self, prompt: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+
+    def add_pooling(
+        self,
+        items: Sequence[tuple[str, list[int], list[int] | None, tuple[MMInput, ...]]],
+        params: PoolingParams,
+    ) -> None:
+        """Sends validated pooling inputs, (request id, token ids, segment ids, images)
+        each, as one batch; each gets one PooledResult."""
+        requests = []
+        for request_id, ids, type_ids, mm_inputs in items:
+            if request_id in self._parents:
+                raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
+            child_id = f"{request_id}#0"
+            self._parents[request_id] = _Parent([child_id])
+            self._choices[child_id] = _Choice(request_id, 0, None)
+            requests.append(EngineRequest(
+                child_id, ids, SamplingParams(max_tokens=1), frozenset(), 0,
+                pooling=params, token_type_ids=type_ids, mm_inputs=mm_inputs,
+            ))
+        self.client.add(requests)
+
+    def abort(self, request_id: str) -> None:
+        parent = self._parents.get(request_id)
+        if parent is not None:
+            self.client.abort(parent.children)
+
+    def is_active(self, request_id: str) -> bool:
+        """Whether any choice of the request is still running."""
+        return request_id in self._parents
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.client.has_unfinished
+
+    def step(self) -> list[GenerationDelta | PooledResult]:
+        """The engine's news since the last call, as text deltas and pooled results."""
+        return [self._news(o) for o in self.client.outputs() if o.request_id in self._choices]
+
+    def _news(self, out: EngineOutput) -> GenerationDelta | PooledResult:
+        choice = self._choices[out.request_id]
+        if choice.detok is None:
+            self._forget(out.request_id, choice)
+            return PooledResult(choice.parent_id, out)
+        text, stop_reason, finish = "", out.stop_reason, out.finish_reason
+        if out.new_token_ids and choice.stopped is None:
+            d = choice.detok.update(out.new_token_ids)
+            text = d.text_delta
+            if d.stopped_on is not None:
+                choice.stopped = d.stopped_on
+                stop_reason, finish = d.stopped_on, "stop"
+                self.client.stop(out.request_id)
+        if finish is not None and finish != "abort" and choice.stopped is None:
+            text += choice.detok.finish().text_delta
+        if finish is not None:
+            self._forget(out.request_id, choice)
+        return GenerationDelta(
+            request_id=choice.parent_id,
+            index=choice.index,
+            text=text,
+            token_ids=out.new_token_ids,
+            logprobs=out.new_logprobs,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            prompt_logprobs=out.prompt_logprobs,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            num_output_tokens=out.num_output_tokens,
+            error=out.error,
+            first_scheduled_time=out.first_scheduled_time,
+        )
+
+    def _forget(self, child_id: str, choice: _Choice) -> None:
+        del self._choices[child_id]
+        parent = self._parents.get(choice.parent_id)
+        if parent is not None:
+            parent.children.remove(child_id)
+            if not parent.children:
+                del self._parents[choice.parent_id]
