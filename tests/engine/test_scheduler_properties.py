@@ -120,7 +120,9 @@ class FakeRunner:
 
 
 @st.composite
-def prompts(draw: st.DrawFn, prefixes: list[list[int]], max_len: int) -> tuple[list[int], list[MMPlaceholder]]:
+def prompts(
+    draw: st.DrawFn, prefixes: list[list[int]], max_len: int
+) -> tuple[list[int], list[MMPlaceholder]]:
     """A shared prefix (maybe empty), then text and images (placeholder runs) up to max_len."""
     ids = list(draw(st.sampled_from(prefixes)))[:max_len]
     images: list[MMPlaceholder] = []
@@ -199,7 +201,9 @@ def check_blocks(scheduler: Scheduler, ids: list[str]) -> None:
     assert all(pool.lookup(b.block_hash) is b for b in cached if b.block_hash is not None)
 
 
-def check_plan(w: Workload, scheduler: Scheduler, plan: SchedulerOutput, before: list[Request]) -> None:
+def check_plan(
+    w: Workload, scheduler: Scheduler, plan: SchedulerOutput, before: list[Request]
+) -> None:
     assert plan.num_tokens <= w.budget
     assert len(scheduler.running) <= w.max_seqs and len(plan.scheduled) <= w.max_seqs
     assert len({s.request_id for s in plan.scheduled}) == len(plan.scheduled)
@@ -277,10 +281,27 @@ def test_scheduler_invariants_and_outputs(w: Workload) -> None:
     run = drive(w)
     pool = run.scheduler.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
-    for i, spec in enumerate(w.specs):
+    assert_outputs_match_reference(run)
+
+
+def assert_outputs_match_reference(run: Run) -> None:
+    for i, spec in enumerate(run.w.specs):
         expected, reason = reference(spec)
         got = run.tokens[f"r{i}"]
         if run.reasons[f"r{i}"] == "abort":
             assert spec.abort_at is not None and got == expected[: len(got)]
         else:
             assert (got, run.reasons[f"r{i}"]) == (expected, reason), f"r{i}"
+
+
+def test_images_split_differently_do_not_share_kv() -> None:
+    """The same two images over the same placeholder run, split at another offset: a block
+    holds the same tokens and the same images, but not the same KV."""
+    prompt = (IMAGE,) * 8 + (1,)
+
+    def spec(arrival: int, split: int) -> Spec:
+        images = (MMPlaceholder("a", 0, split), MMPlaceholder("b", split, 8 - split))
+        return Spec(arrival, prompt, images, 4, True, None, None)
+
+    w = Workload(4, 16, 64, 4, True, False, (spec(0, 2), spec(20, 3)))
+    assert_outputs_match_reference(drive(w))
