@@ -18,7 +18,7 @@ from mmserve.structured_output import (
     StructuredOutputParams,
 )
 from mmserve.structured_output.keywords import OUTLINES_RULES, XGRAMMAR_RULES
-from mmserve.structured_output.schema_check import SchemaError, check_schema, parse_schema
+from mmserve.structured_output.schema_check import check_schema, parse_schema
 
 OBJ = {"type": "object"}
 
