@@ -1,5 +1,5 @@
-"""Vision-language models on the GPU path against transformers on the same weights (float32:
-the same greedy tokens), dual encoders against the CPU path. Skipped without CUDA."""
+"""Vision-language models and dual encoders on the GPU path against the CPU reference path
+(float32: the same greedy tokens; bfloat16: close first logprobs). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -47,31 +47,12 @@ def _chat(folder: Path, device: str, dtype: str, **kw: object) -> list[list[int]
     return [o.outputs[0].token_ids for o in llm.chat(CONVERSATIONS, params, use_tqdm=False)]
 
 
-def _hf_chat(folder: Path) -> list[list[int]]:
-    """transformers' greedy tokens for CONVERSATIONS on the same weights (CPU, float32)."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(folder)
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    out = []
-    for conversation in CONVERSATIONS:
-        inputs = processor.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, return_dict=True,
-            return_tensors="pt",
-        )
-        with torch.no_grad():
-            ids = model.generate(**inputs, max_new_tokens=16, min_new_tokens=16, do_sample=False)
-        out.append(ids[0, inputs["input_ids"].shape[1] :].tolist())
-    return out
-
-
 @pytest.mark.parametrize("kind", ["qwen2", "qwen2.5", "llava-clip", "llava-siglip"])
-def test_gpu_vlm_greedy_equals_transformers_fp32(tmp_path: Path, kind: str) -> None:
+def test_gpu_vlm_greedy_equals_cpu_fp32(tmp_path: Path, kind: str) -> None:
     folder = _make(kind, tmp_path)
-    reference = _hf_chat(folder)
-    assert _chat(folder, "cuda", "float32") == reference
-    chunked = _chat(folder, "cuda", "float32", max_num_batched_tokens=16)  # chunks split images
-    assert chunked == reference
+    cpu = _chat(folder, "cpu", "float32")
+    assert _chat(folder, "cuda", "float32") == cpu
+    assert _chat(folder, "cuda", "float32", max_num_batched_tokens=16) == cpu  # chunked in images
     bf16 = _chat(folder, "cuda", "bfloat16")
     assert all(len(t) == 16 for t in bf16)
 
