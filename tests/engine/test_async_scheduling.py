@@ -147,8 +147,12 @@ def test_penalties_and_logprobs_see_every_token() -> None:
 def test_generated_blocks_are_cached_when_the_request_ends() -> None:
     """A block filled by a token still pending when it was scheduled is cached once known."""
     core = make_core(MODEL, num_blocks=16, async_scheduling=True)
-    run_all(core, [make_request("b", [40, 41, 42], max_tokens=2)])  # block 0: 3 prompt + 1 out
+    out = run_all(core, [make_request("b", [40, 41, 42], max_tokens=2)])  # block 0: 3 prompt + 1 out
     assert core.kv.pool.num_cached_blocks == 1
+    prompt = [40, 41, 42, out["b"][0], 7]  # its KV must be that of the token sampled, once known
+    again = make_request("c", prompt)
+    assert run_all(core, [again])["c"] == MODEL.reference_greedy(prompt, 8)
+    assert again.num_cached_tokens == 4
 
 
 class EvenTokens(GrammarMatcher):

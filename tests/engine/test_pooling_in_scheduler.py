@@ -38,9 +38,18 @@ def test_pooling_and_generation_share_steps() -> None:
     c.add(gen)
     for p in pools:
         c.add(p)
-    pooled, tokens, steps = {}, [], 0
+    mixed_steps = 0  # steps whose batch holds both a pooling and a generating request
+    launch = c.runner.launch
+
+    def spy(plan):  # type: ignore[no-untyped-def]
+        nonlocal mixed_steps
+        kinds = {s.pooling is None for s in plan.scheduled}
+        mixed_steps += kinds == {True, False}
+        return launch(plan)
+
+    c.runner.launch = spy  # type: ignore[method-assign]
+    pooled, tokens = {}, []
     while c.has_unfinished:
-        steps += 1
         for o in c.step():
             tokens += o.new_token_ids
             if o.pooled is not None:
@@ -50,6 +59,7 @@ def test_pooling_and_generation_share_steps() -> None:
     for p in pools:
         ref = MODEL.reference_hidden(p.prompt_token_ids).mean(0)
         torch.testing.assert_close(pooled[p.request_id], ref, rtol=1e-5, atol=1e-5)
+    assert mixed_steps > 0
     assert_all_blocks_free(c)
 
 

@@ -146,7 +146,18 @@ def test_reflection_lists_the_services(tiny_server: ServerThread) -> None:
         assert "mmserve/v1/inference.proto" == method.name
 
 
-def test_raw_stub_request(stub: Any) -> None:
+def hf_greedy(path: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy tokens on the same weights: the reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+    return ids[0, len(prompt) :].tolist()
+
+
+def test_raw_stub_request(stub: Any, tiny_models: dict[str, Path]) -> None:
     request = generate_pb2.GenerateRequest(
         model="tiny-a", token_ids=common_pb2.TokenIds(ids=[5, 6, 7])
     )
@@ -154,7 +165,8 @@ def test_raw_stub_request(stub: Any) -> None:
     request.params.temperature = 0
     chunks = list(stub.Generate(request, timeout=30))
     assert chunks[0].request_id and chunks[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
-    assert sum(len(c.token_ids) for c in chunks) == 4
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == hf_greedy(tiny_models["tiny-a"], [5, 6, 7], 4)
     listing = stub.ListModels(models_pb2.ListModelsRequest(request_id="r1"), timeout=10)
     assert listing.request_id == "r1"
     assert list(listing.models[0].tasks) == [models_pb2.TASK_GENERATE, models_pb2.TASK_EMBED]
