@@ -135,9 +135,7 @@ def engine_config_for(spec: ModelSpec, template: EngineConfig) -> EngineConfig:
             quantization,
         )
         quantization = None
-    model = replace(
-        template.model, model=spec.path, served_name=spec.name, quantization=quantization
-    )
+    model = replace(template.model, model=spec.path, quantization=quantization)
     return replace(template, model=model)
 
 
