@@ -105,7 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def settings_table() -> str:
-    """README's table of `mmserve serve` flags (tests/server/test_settings_doc.py checks it)."""
+    """README's table of `mmserve serve` flags (tests/server/test_settings.py checks it)."""
     rows = ["| flag | variable | default | what |", "|---|---|---|---|"]
     for s in serve_settings():
         rows.append(f"| `{_flag_text(s)}` | `{s.env}` | {s.shown} | {s.help} |")
