@@ -1,8 +1,29 @@
-"""Frozen configuration dataclasses: the one source of truth for settings."""
+"""Frozen configuration dataclasses: the one source of truth for settings.
+
+A field made with `setting(...)` is a setting: its default, help text and parser are declared
+here, and the `mmserve serve` flag, the MMSERVE_* variable and the LLM(...) keyword are derived
+from it (mmserve/settings.py). Fields made otherwise are internal.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mmserve.settings import (
+    Setting,
+    build,
+    check_known,
+    parse_bytes,
+    parse_list,
+    setting,
+    settings_of,
+)
+
+# mmserve.structured_output's backends (its registry is not imported here: it loads torch)
+STRUCTURED_BACKENDS = ("xgrammar", "outlines")
 
 
 @dataclass(frozen=True)
@@ -10,42 +31,77 @@ class ModelConfig:
     """Which weights to load and how."""
 
     model: str  # HF folder, a .gguf file, or a folder holding exactly one .gguf
-    dtype: str = "auto"  # "auto" = float32 on CPU, bfloat16 on CUDA; else "float32"/"float16"/"bfloat16"
-    device: str = "auto"  # "auto" = cuda when available, else cpu
-    max_model_len: int | None = None  # cap on prompt + output tokens; None = the model's own limit
-    served_name: str | None = None  # name clients use in `model`; None = derived from the path
-    sliding_window_policy: str = "honour"  # "honour" = apply the config's window, "refuse" = error
-    enforce_eager: bool = False  # True = no CUDA graphs (they apply on CUDA only)
-    load_format: str = "auto"  # "auto" = the checkpoint's weights; "dummy" = random (benchmarks)
-    pooling: str | None = None  # embeddings' pooling: "cls"/"mean"/"max"/"last"; None = from the
-    # model's sentence-transformers files, else its architecture (encoders cls, decoders last)
-    quantization: str | None = None  # None = the weights as loaded; "fp8" = w8a8 FP8, quantised
-    # when loading (decoder projections: FP8 weights with per-channel scales, activations per token)
+    dtype: str = setting(
+        "auto", "float32, float16 or bfloat16; auto = float32 on CPU, bfloat16 on CUDA"
+    )
+    device: str = setting("auto", "cpu, cuda or cuda:N; auto = CUDA when present")
+    max_model_len: int | None = setting(
+        None, "cap on prompt + output tokens", shown="the model's"
+    )
+    sliding_window_policy: str = setting(
+        "honour", "honour = apply the config's sliding window; refuse = error", cli=False
+    )
+    enforce_eager: bool = setting(False, "run every step eagerly, no CUDA graphs (CUDA only)")
+    load_format: str = setting(
+        "auto", "auto = the checkpoint's weights; dummy = random (benchmarks)", cli=False
+    )
+    pooling: str | None = setting(
+        None,
+        "embeddings' pooling: cls, mean, max or last",
+        shown="from the model's sentence-transformers files, else its architecture "
+        "(encoders cls, decoders last)",
+        cli=False,
+    )
+    quantization: str | None = setting(
+        None,
+        "fp8: FP8 weights and activations for Llama-family decoders and the language models "
+        "of LLaVA and Qwen2-VL, quantised at load (FP8 tensor cores on CUDA, compute "
+        "capability 8.9+; a float32 reference on CPU); other models load unquantised, and "
+        "ListModels says which are",
+    )
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache."""
 
-    block_size: int = 16  # tokens per KV block
-    num_blocks: int | None = None  # None = sized from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024  # CPU budget when num_blocks is None
-    gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use
-    enable_prefix_caching: bool = True
+    block_size: int = setting(16, "tokens per KV cache block")
+    num_blocks: int | None = setting(
+        None, "KV cache blocks per model", name="num_kv_blocks", shown="from --kv-cache-memory"
+    )
+    kv_cache_memory_bytes: int = setting(
+        512 * 1024 * 1024,
+        "KV cache budget per model on CPU when --num-kv-blocks is unset, e.g. 2GiB",
+        name="kv_cache_memory",
+        parse=parse_bytes,
+    )
+    gpu_memory_utilization: float = setting(
+        0.9, "share of GPU memory the engine may use (weights + KV cache); CUDA only"
+    )
+    enable_prefix_caching: bool = setting(True, "reuse the KV cache of shared prompt prefixes")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits."""
 
-    max_num_batched_tokens: int = 2048  # token budget of one step (all requests together)
-    max_num_seqs: int = 64  # cap on running requests
-    max_waiting: int = 1024  # admission bound on queued requests (server side)
-    encoder_cache_rows: int = 16384  # image-encoder output rows kept for reuse (LRU)
-    max_encoder_rows_per_step: int | None = None  # None = max_num_batched_tokens
-    # schedule and launch step N+1 before step N's tokens reach the host (one step in flight),
-    # so the host's work overlaps the device's; False = one step at a time
-    async_scheduling: bool = True
+    max_num_batched_tokens: int = setting(
+        2048, "token budget of one engine step (all requests together)"
+    )
+    max_num_seqs: int = setting(64, "requests running at once per model")
+    encoder_cache_rows: int = setting(
+        16384, "image-encoder output rows kept for reuse (LRU)", cli=False
+    )
+    max_encoder_rows_per_step: int | None = setting(
+        None, "image-encoder rows one step may compute", shown="max_num_batched_tokens", cli=False
+    )
+    # one step in flight lets the host's work overlap the device's
+    async_scheduling: bool = setting(
+        True,
+        "schedule and launch each step before the previous step's tokens reach the host (one "
+        "step in flight), so scheduling, batch building, grammar masks and launches overlap "
+        "the GPU",
+    )
 
 
 @dataclass(frozen=True)
@@ -55,7 +111,134 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    seed: int = 0  # seed of the engine-wide generator used by unseeded sampling
+    seed: int = setting(0, "seed of unseeded sampling (the engine-wide generator)")
     # run the engine core in its own process (engine/core_proc.py; grammars are compiled again
-    # there). Off here; `mmserve serve` turns it on for CUDA (--[no-]engine-process)
+    # there). Off here; `mmserve serve` turns it on for CUDA (ServeOptions.engine_process)
     multiprocess: bool = False
+
+    @classmethod
+    def from_settings(cls, model: str, **settings: Any) -> EngineConfig:
+        """`model` with the given engine settings (engine_settings(); README's flag table,
+        names without dashes, e.g. num_kv_blocks=64); the rest take their defaults. An
+        unknown name raises TypeError listing the valid ones."""
+        check_known(settings, engine_settings())
+        return build(
+            cls,
+            settings,
+            model=build(ModelConfig, settings, model=model),
+            cache=build(CacheConfig, settings),
+            scheduler=build(SchedulerConfig, settings),
+        )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server listens, whom it lets in and how much it takes at once."""
+
+    # loopback by default: exposing the server is a deliberate choice
+    host: str = setting("127.0.0.1", "address to listen on (the default: this machine only)")
+    port: int = setting(50051, "port; 0 picks a free one (logged)")
+    api_key_file: str | None = setting(
+        None, "API keys, one per line (# comments); every call must carry one (see Security)"
+    )
+    tls_cert: str | None = setting(None, "PEM certificate chain: serve TLS (with --tls-key)")
+    tls_key: str | None = setting(None, "PEM private key of --tls-cert")
+    tls_client_ca: str | None = setting(
+        None, "PEM CA bundle: require client certificates it signed (mTLS)"
+    )
+    max_pending: int = setting(256, "calls in flight per model; more get RESOURCE_EXHAUSTED")
+    max_message_bytes: int = setting(
+        64 * 1024 * 1024, "largest gRPC message, both directions", parse=parse_bytes
+    )
+    max_n: int = setting(16, "cap on choices per Generate request")
+    max_tokens: int = setting(4096, "cap on max_tokens, and its value when unset")
+    max_prompt_tokens: int | None = setting(
+        None, "cap on prompt tokens", shown="the model's context"
+    )
+    shutdown_grace: float = setting(30.0, "seconds running calls get to finish on SIGTERM")
+    retry_after_s: float = 1.0  # RetryInfo delay suggested with RESOURCE_EXHAUSTED
+    structured_output_backend: str = setting(
+        "xgrammar", "grammar backend when a request says BACKEND_AUTO: xgrammar or outlines"
+    )
+    tool_parser: str | None = setting(
+        None,
+        "force a tool-call format on every model: hermes, llama3_json, mistral or pythonic",
+        shown="each model's own",
+    )
+    media_dir: str | None = setting(
+        None,
+        "the folder server-side Image.path values must lie in",
+        shown="none: Image.path is refused",
+    )
+    max_image_pixels: int = setting(
+        25_000_000, "width x height of one image, checked (from its header) before decoding"
+    )
+    max_images_per_request: int = setting(
+        16, "images in one chat (an Embed batch may hold 16x as many)"
+    )
+    image_uuid_cache_bytes: int = 512 << 20  # decoded images kept for uuid-only requests
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (mTLS runs over TLS)")
+        for name in (
+            "max_pending", "max_message_bytes", "max_n", "max_tokens", "max_image_pixels",
+            "max_images_per_request",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.structured_output_backend not in STRUCTURED_BACKENDS:
+            raise ValueError(
+                f"structured_output_backend must be one of {STRUCTURED_BACKENDS}, "
+                f"got {self.structured_output_backend!r}"
+            )
+        if self.media_dir is not None and not Path(self.media_dir).is_dir():
+            raise ValueError(f"media_dir {self.media_dir!r} is not a directory")
+        if self.tool_parser is not None:
+            from mmserve.processors.tool_parsers import get_parser
+
+            get_parser(self.tool_parser)  # an unknown name lists the valid ones
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Settings of the `mmserve serve` command itself, beyond one engine's or the server's."""
+
+    model: Sequence[str] = setting(
+        (),
+        "PATH or NAME=PATH: an HF folder, a .gguf file, or a folder holding one .gguf "
+        "(the variable is comma-separated)",
+        parse=parse_list,
+        shown="the embedded SmolLM2-135M-Instruct and all-MiniLM-L6-v2",
+    )
+    # None: decided by the device (serve's engine_template), hence no dataclass default to show
+    engine_process: bool | None = setting(
+        None,
+        "run each engine core in its own process (msgpack over a pipe), so tokenising, "
+        "detokenising and gRPC never delay a step",
+        shown="on with CUDA, off on CPU",
+    )
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+
+
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, EngineConfig)
+
+
+def engine_settings() -> list[Setting]:
+    """Every engine setting: the keywords of EngineConfig.from_settings and LLM(...)."""
+    return [s for cls in ENGINE_CONFIGS for s in settings_of(cls)]
+
+
+def serve_settings() -> list[Setting]:
+    """The settings of `mmserve serve`, in --help and README order: each a flag and a variable
+    (ServeOptions.model is the positional MODEL arguments)."""
+    every = [*settings_of(ServeOptions), *settings_of(ServerConfig), *engine_settings()]
+    return [s for s in every if s.cli]

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mmserve import envs
 from mmserve.bench import embed, offline, serve, structured, vlm
 from mmserve.bench.models import make_model_folder, weight_bytes
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -162,7 +163,7 @@ def decode_step_ms(engine: FrontEnd, batch: int, context: int) -> tuple[float, i
     times: list[float] = []
     while engine.has_unfinished:
         decoding = all(r.num_computed_tokens > 0 for r in engine.core.scheduler.running) and not engine.core.scheduler.waiting
-        if decoding and len(times) == 8 and envs_profile_path():
+        if decoding and len(times) == 8 and envs.bench_profile_path():
             _profile_steps(engine, 5)
         t = time.perf_counter()
         engine.step()
@@ -173,12 +174,6 @@ def decode_step_ms(engine: FrontEnd, batch: int, context: int) -> tuple[float, i
     return 1e3 * statistics.median(times[2:]), batch * (context + 32) * kv_per_token
 
 
-def envs_profile_path() -> str | None:
-    import os
-
-    return os.environ.get("MMSERVE_BENCH_PROFILE")  # bench-only switch, not a server setting
-
-
 def _profile_steps(engine: FrontEnd, steps: int) -> None:
     """Writes the top kernels and CPU ops of a few decode steps to $MMSERVE_BENCH_PROFILE."""
     from torch.profiler import ProfilerActivity, profile
@@ -187,7 +182,7 @@ def _profile_steps(engine: FrontEnd, steps: int) -> None:
     with profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()
-    path = envs_profile_path()
+    path = envs.bench_profile_path()
     assert path is not None
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     with open(path, "a") as f:

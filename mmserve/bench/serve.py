@@ -220,8 +220,6 @@ def bench_in_this_process(
 @contextlib.contextmanager
 def local_server(args: argparse.Namespace) -> Iterator[str]:
     """A server of --model on a free loopback port, on its own event-loop thread."""
-    from dataclasses import replace
-
     from mmserve.bench.cli import engine_config
     from mmserve.bench.models import make_model_folder
     from mmserve.server.config import ModelSpec, ServerConfig
@@ -235,9 +233,6 @@ def local_server(args: argparse.Namespace) -> Iterator[str]:
     pending = args.num_requests + args.num_warmup
     config = ServerConfig(host="127.0.0.1", port=0, max_pending=pending)
     template = engine_config(args, "", dummy, getattr(args, "engine_process", False))
-    template = replace(
-        template, scheduler=replace(template.scheduler, max_waiting=max(pending, 1024))
-    )
     handle = load_model(ModelSpec(SERVED_NAME, str(folder)), template, pending)
     server = MMServer(ModelRegistry([handle]), config)
     loop = asyncio.new_event_loop()

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from mmserve.config import EngineConfig
 from mmserve.errors import InvalidArgument
 from mmserve.frontend import pooling as pooling_api
 from mmserve.frontend.frontend import FrontEnd, GenerateJob, GenerationDelta
@@ -24,35 +24,13 @@ PROGRESS_MIN_PROMPTS = 16  # show a progress bar from this many prompts on
 class LLM:
     """Batches every prompt through one engine and returns results in input order."""
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 64,
-        seed: int = 0,
-        pooling: str | None = None,
-        enforce_eager: bool = False,
-        quantization: str | None = None,
-    ) -> None:
-        """enforce_eager: no CUDA graphs (they apply on CUDA only). quantization: "fp8" =
-        FP8 weights and activations for a Llama-family decoder or a VLM's language model
-        (mmserve.models.fp8)."""
-        config = EngineConfig(
-            model=ModelConfig(
-                model, dtype=dtype, device=device, max_model_len=max_model_len, pooling=pooling,
-                enforce_eager=enforce_eager, quantization=quantization,
-            ),
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
-            seed=seed,
-        )
+    def __init__(self, model: str, **settings: Any) -> None:
+        """model: an HF folder, a .gguf file, or a folder holding one .gguf. settings: engine
+        settings by name, as `mmserve serve` flags without the dashes (README's table; all are
+        mmserve.config.engine_settings()), e.g. dtype="float32", num_kv_blocks=64,
+        enforce_eager=True (no CUDA graphs), quantization="fp8", pooling="mean"; the others
+        take the config dataclasses' defaults. An unknown name raises TypeError listing them."""
+        config = EngineConfig.from_settings(model, **settings)
         self.frontend = FrontEnd.start(config)
         self.tokenizer = self.frontend.tokenizer
 

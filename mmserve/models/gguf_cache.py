@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from mmserve import envs
 from mmserve.models.loader import ModelSource, iter_weights, load_hf_config
 
 logger = logging.getLogger(__name__)
@@ -22,8 +22,8 @@ FORMAT_VERSION = "1"  # bump when the conversion changes
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("MMSERVE_CACHE_DIR") or Path.home() / ".cache" / "mmserve"
-    return Path(root) / "gguf"
+    """Where converted GGUF checkpoints live: under envs.cache_dir() (MMSERVE_CACHE_DIR)."""
+    return envs.cache_dir() / "gguf"
 
 
 def _key(gguf_path: Path) -> str:

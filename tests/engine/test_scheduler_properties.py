@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 
 from mmserve.config import SchedulerConfig
 from mmserve.engine.kv_cache_manager import KVCacheManager
+from mmserve.engine.messages import EngineOutput
 
 # the only import of the scheduler's output types (moving to engine/sched_output.py)
 from mmserve.engine.sched_output import RunnerOutput, SampledToken, SchedulerOutput
 from mmserve.engine.scheduler import Scheduler
 from mmserve.inputs import MMInput, MMPlaceholder
-from mmserve.outputs import EngineOutput
 from mmserve.params import SamplingParams
 from mmserve.request import PLACEHOLDER, Request, RequestStatus
 

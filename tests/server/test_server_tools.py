@@ -296,7 +296,7 @@ def test_server_flags_pick_the_backend_and_the_parser(tools_model: Path) -> None
     config = server_config(build_parser().parse_args(flags))
     assert (config.structured_output_backend, config.tool_parser) == ("outlines", "mistral")
     env = envs.serve_env({"MMSERVE_STRUCTURED_OUTPUT_BACKEND": "outlines"})
-    assert env.structured_output_backend == "outlines"
+    assert env["structured_output_backend"] == "outlines"
     with pytest.raises(ValueError, match="structured_output_backend"):
         ServerConfig(structured_output_backend="auto")
     with pytest.raises(ValueError, match="valid: hermes, llama3_json, mistral, pythonic"):
