@@ -42,11 +42,12 @@ def assert_matches(ours: torch.Tensor, reference: torch.Tensor) -> None:
 
 
 def test_setup_reads_sentence_transformers_files(minilm_llm: LLM) -> None:
-    setup = minilm_llm.frontend.info
+    info = minilm_llm.frontend.info
     assert minilm_llm.tasks == ("embed", "score", "rerank")
-    assert setup.pooler is not None and setup.pooler.config.method == "mean"
-    assert setup.st_normalize and setup.max_input_len == 256
-    assert setup.score_method == "cosine" and setup.embedding_size == 384
+    pooler = minilm_llm.frontend.core.runner.pooler
+    assert pooler is not None and pooler.config.method == "mean"  # type: ignore[attr-defined]
+    assert info.max_input_len == 256
+    assert info.score_method == "cosine" and info.embedding_size == 384
     assert minilm_llm.frontend.info.max_pooling_len == 256
 
 
