@@ -13,6 +13,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.engine_core import EngineCore
 from mmserve.engine.multimodal import ImagePrompts
 from mmserve.engine.pooling_setup import pooling_setup
+from mmserve.models.base import CausalLM
 from mmserve.models.gguf_cache import materialize
 from mmserve.models.loader import load_model, resolve_device, resolve_dtype, resolve_model_source
 from mmserve.models.registry import architecture_of
@@ -42,7 +43,7 @@ def load_engine_parts(config: EngineConfig) -> LLMEngine:
     tokenizer = load_tokenizer(source.folder, source.gguf_file)
     # a model may know better than its config (XLM-R spends two positions on padding)
     model_max_len = (
-        getattr(model, "max_model_len", None)
+        model.max_model_len
         or getattr(hf_config, "max_position_embeddings", None)
         or DEFAULT_MAX_MODEL_LEN
     )
@@ -60,10 +61,10 @@ def load_engine_parts(config: EngineConfig) -> LLMEngine:
     return LLMEngine(core, tokenizer, frozenset(eos), vocab, setup, architecture, images)
 
 
-def image_prompts(model: object, folder: Path) -> ImagePrompts | None:
+def image_prompts(model: CausalLM, folder: Path) -> ImagePrompts | None:
     """The image front end of a model that reads images (its own image processor from
     preprocessor_config.json); None for text-only models."""
-    if not hasattr(model, "encode_images") and not hasattr(model, "embed_images"):
+    if not model.capabilities.reads_images and not model.capabilities.dual_encoder:
         return None
     from mmserve.processors.image_processing import ImagePreprocessor
 
