@@ -6,23 +6,28 @@ without any cache, the oracle for chunking, batching, preemption and prefix cach
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
 from mmserve.attention import AttentionMetadata
 from mmserve.attention.torch_ref import TorchAttentionBackend, attend
+from mmserve.models.base import ModelBase, ModelCapabilities
 
 
-class FakeModel(nn.Module):
+class FakeModel(ModelBase):
+    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities()  # a plain decoder
     num_layers = 1
     num_kv_heads = 2
     head_dim = 8
+    hidden_size = num_kv_heads * 2 * head_dim  # q has twice the KV heads
 
     def __init__(self, vocab_size: int = 64, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.vocab_size = vocab_size
-        hidden = self.num_kv_heads * 2 * self.head_dim
+        hidden = self.hidden_size
         self.embed = nn.Embedding(vocab_size, hidden)
         self.pos = nn.Embedding(4096, hidden)
         self.q = nn.Linear(hidden, hidden)

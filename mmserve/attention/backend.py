@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -44,7 +45,13 @@ class AttentionBackend(ABC):
       returns [num_tokens, num_heads, head_dim] in q's dtype.
     num_heads must be a multiple of num_kv_heads (GQA). A query at position p attends to keys at
     positions <= p (causal), and with a sliding window w only to keys at positions > p - w.
+
+    A backend with supports_forward_cached also offers forward_cached(): the same attention
+    for a step whose new K/V the caller has already written into kv_cache (the model's fused
+    rotary-and-cache kernel), so forward() would write them twice.
     """
+
+    supports_forward_cached: ClassVar[bool] = False
 
     @abstractmethod
     def forward(
@@ -57,6 +64,17 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor: ...
+
+    def forward_cached(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """forward() without the cache write; only where supports_forward_cached."""
+        raise NotImplementedError(f"{type(self).__name__} has no forward_cached")
 
 
 _BACKENDS: dict[str, tuple[str, str]] = {

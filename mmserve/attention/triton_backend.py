@@ -21,6 +21,8 @@ class TritonAttentionBackend(AttentionBackend):
     strides.
     """
 
+    supports_forward_cached = True
+
     def forward(
         self,
         q: torch.Tensor,
@@ -36,8 +38,8 @@ class TritonAttentionBackend(AttentionBackend):
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         return self.forward_cached(q, kv_cache, meta, scale, sliding_window)
 
-    @staticmethod
     def forward_cached(
+        self,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,

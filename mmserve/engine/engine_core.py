@@ -45,7 +45,7 @@ class EngineCore:
         self.config = config
         cache = config.cache
         num_blocks = 0  # encoders keep no KV cache
-        if getattr(model, "uses_kv_cache", True):
+        if model.capabilities.uses_kv_cache:
             num_blocks = cache.num_blocks or self._blocks_for_budget(model, kv_dtype, device)
         self.runner = ModelRunner(
             model, num_blocks, cache.block_size, device, kv_dtype, config.seed, pooler

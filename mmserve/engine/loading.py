@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from mmserve.attention import get_attention_backend
 from mmserve.config import EngineConfig
 from mmserve.engine.engine_core import EngineCore
-from mmserve.engine.messages import EngineInfo, ImageTokenCount
+from mmserve.engine.messages import EngineInfo
 from mmserve.engine.pooling_setup import PoolingSetup, pooling_setup
+from mmserve.models.base import CausalLM, MultiModalCausalLM
 from mmserve.models.gguf_cache import materialize
 from mmserve.models.loader import (
     ModelSource,
@@ -48,7 +49,7 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     tokenizer = load_tokenizer(source.folder, source.gguf_file)
     # a model may know better than its config (XLM-R spends two positions on padding)
     model_max_len = (
-        getattr(model, "max_model_len", None)
+        model.max_model_len
         or getattr(hf_config, "max_position_embeddings", None)
         or DEFAULT_MAX_MODEL_LEN
     )
@@ -74,14 +75,14 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
 
 def engine_info(
     core: EngineCore,
-    model: Any,
+    model: CausalLM,
     setup: PoolingSetup,
     source: ModelSource,
     architecture: str,
     eos: frozenset[int],
     vocab: int,
 ) -> EngineInfo:
-    reads_images = hasattr(model, "encode_images")
+    caps = model.capabilities
     return EngineInfo(
         model_folder=str(source.folder),
         gguf_file=source.gguf_file,
@@ -96,28 +97,18 @@ def engine_info(
         quantization=core.quantization,
         num_kv_blocks=core.num_kv_blocks,
         block_size=core.config.cache.block_size,
-        hidden_size=int(getattr(model, "hidden_size", 0) or 0),
-        uses_token_types=getattr(model, "type_vocab_size", 1) > 1,
+        hidden_size=model.hidden_size,
+        uses_token_types=model.type_vocab_size > 1,
         score_method=setup.score_method,
         labels=setup.labels,
         embedding_size=setup.embedding_size,
         max_input_len=setup.max_input_len,
         pooler_tasks=setup.pooler_tasks,
-        reads_images=reads_images,
-        embeds_images=bool(getattr(model, "is_dual_encoder", False)),
-        uses_mrope=bool(getattr(model, "uses_mrope", False)),
-        image_token_id=int(getattr(model, "image_token_id", -1)),
-        image_tokens=_image_tokens(model) if reads_images else None,
-        pad_text_to=getattr(model, "pad_text_to", None),
-        pad_token_id=getattr(model, "pad_token_id", None),
-    )
-
-
-def _image_tokens(model: Any) -> ImageTokenCount:
-    if getattr(model, "uses_mrope", False):
-        return ImageTokenCount(merge_size=int(model.merge_size))
-    size = int(model.vision_tower.image_size)
-    return ImageTokenCount(
-        per_image=int(model.vision_tower.num_tokens(size, size)) - int(model.drop_first_row),
-        image_size=size,
+        reads_images=caps.reads_images,
+        embeds_images=caps.dual_encoder,
+        uses_mrope=caps.uses_mrope,
+        image_token_id=model.image_token_id,
+        image_tokens=cast(MultiModalCausalLM, model).image_tokens if caps.reads_images else None,
+        pad_text_to=model.pad_text_to,
+        pad_token_id=model.pad_token_id,
     )

@@ -14,17 +14,9 @@ import msgspec
 import torch
 
 from mmserve.inputs import MMInput
+from mmserve.models.base import ImageTokenCount
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams, SamplingParams
-
-
-class ImageTokenCount(msgspec.Struct, frozen=True):
-    """How many placeholder tokens one image takes, as data the front end applies without
-    the model (a VLM's tower fixes it)."""
-
-    per_image: int = 0  # fixed-size towers (LLaVA): tokens per image
-    image_size: int = 0  # ... whose pixel_values must be [1, 3, image_size, image_size]
-    merge_size: int = 0  # grid towers (Qwen2-VL): t * h * w // merge_size**2 of image_grid_thw
 
 
 class EngineRequest(msgspec.Struct):

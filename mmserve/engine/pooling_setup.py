@@ -114,19 +114,19 @@ def pooling_setup(
     by the architecture; classifier heads always read the token they were trained on."""
     if method_flag is not None and method_flag not in POOLING_METHODS:
         raise InvalidArgument("pooling", f"{method_flag!r} is not one of {POOLING_METHODS}")
-    if hasattr(model, "compute_class_logits"):
+    if model.capabilities.classifier:
         return _classifier_setup(model, hf_config)
-    if getattr(model, "is_dual_encoder", False):  # CLIP/SigLIP: the runner pools text and images
+    if model.capabilities.dual_encoder:  # CLIP/SigLIP: the runner pools text and images
         size = int(model.hidden_size)
         return PoolingSetup(("embed", "score"), None, "cosine", embedding_size=size)
     st = read_sentence_transformers(folder) if folder is not None else None
-    # decoders (which declare nothing) pool their last token, which sees the whole input
-    default = str(getattr(model, "default_pooling", "last"))
+    # decoders pool their last token ("last"), which sees the whole input
+    default = model.capabilities.default_pooling
     method = method_flag or (st.method if st else None) or default
     tasks: tuple[str, ...]
     score: str | None
     yes_no = None
-    if not getattr(model, "uses_kv_cache", True):  # an encoder: embeddings, cosine scores
+    if not model.capabilities.uses_kv_cache:  # an encoder: embeddings, cosine scores
         tasks, score = ("embed", "score", "rerank"), "cosine"
     else:
         yes_no = yes_no_token_ids(tokenizer)
@@ -138,7 +138,7 @@ def pooling_setup(
         tasks,
         ModelPooler(model, config),
         score,
-        embedding_size=int(getattr(model, "hidden_size", None) or hf_config.hidden_size),
+        embedding_size=model.hidden_size,
         max_input_len=st.max_seq_length if st else None,
         yes_no_ids=yes_no,
         st_normalize=bool(st and st.normalize),
@@ -151,7 +151,7 @@ def _classifier_setup(model: Any, hf_config: Any) -> PoolingSetup:
     activation = "sigmoid" if num_labels == 1 or multi_label else "softmax"
     cross_encoder = num_labels == 1  # one relevance logit: the pair is scored jointly
     config = PoolerConfig(
-        method=getattr(model, "default_pooling", "cls"),
+        method=model.capabilities.default_pooling,
         activation=activation,
         score="cross-encoder" if cross_encoder else None,
     )

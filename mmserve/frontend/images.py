@@ -11,14 +11,12 @@ process() on a worker thread.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
-from mmserve.engine.messages import EngineInfo, ImageTokenCount
+from mmserve.engine.messages import EngineInfo
 from mmserve.errors import InvalidArgument
-from mmserve.inputs import MMInput, MMPlaceholder, grid_thw
+from mmserve.inputs import MMInput, MMPlaceholder
 from mmserve.processors.image_processing import ImagePreprocessor
 from mmserve.processors.images import DecodedImage
 
@@ -66,19 +64,6 @@ def check_placeholders(
         )
 
 
-def count_image_tokens(rule: ImageTokenCount, data: Mapping[str, torch.Tensor]) -> int:
-    """How many placeholder tokens (and encoder rows) this one image takes."""
-    if rule.merge_size:
-        t, h, w = grid_thw(data)
-        return t * h * w // rule.merge_size**2
-    pixel_values, size = data["pixel_values"], rule.image_size
-    if tuple(pixel_values.shape[-3:]) != (3, size, size):
-        raise InvalidArgument(
-            "pixel_values", f"shape {tuple(pixel_values.shape)}; expected [1, 3, {size}, {size}]"
-        )
-    return rule.per_image
-
-
 class ImagePrompts:
     """Expands the images of prompts for one model that reads or embeds images
     (thread-safe)."""
@@ -103,7 +88,7 @@ class ImagePrompts:
         if self.rule is None:
             raise InvalidArgument(fields[0] if fields else "prompt", "this model reads no images")
         data = [self.preprocessor.preprocess(im, f).tensors for im, f in zip(images, fields)]
-        lengths = [count_image_tokens(self.rule, d) for d in data]
+        lengths = [self.rule.count(d) for d in data]
         field = fields[0].split(".content")[0] if fields else "prompt"
         ids, spans = expand_placeholders(token_ids, self.image_token_id, lengths, field)
         inputs = tuple(

@@ -1,7 +1,8 @@
 """BERT and XLM-RoBERTa encoders, and their sequence-classification heads (cross-encoder
 rerankers, plain classifiers).
 
-Encoders see each input whole in one step and keep no KV cache (`uses_kv_cache = False`):
+Encoders see each input whole in one step and keep no KV cache (capabilities.uses_kv_cache
+False):
 attention goes through the backend with kv_cache None and meta.causal False, so each request
 attends to all of its own tokens and nothing else. Checkpoint names follow transformers
 (with or without the "bert." / "roberta." prefix) except the merged attention projection
@@ -11,7 +12,7 @@ attends to all of its own tokens and nothing else. Checkpoint names follow trans
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from mmserve.attention import AttentionBackend, AttentionMetadata
 from mmserve.errors import UnsupportedModel
+from mmserve.models.base import ModelBase, ModelCapabilities
 from mmserve.models.layers import add_layer_norm, load_into
 
 # transformers' per-layer names (after "encoder.layer.{i}.") -> (our name, qkv row block or None)
@@ -35,6 +37,10 @@ _LAYER_NAMES = {
 # Checkpoint entries that are buffers or heads we do not run (masked-LM heads, position ids).
 _IGNORED_SUFFIXES = ("position_ids", "token_type_ids")
 _IGNORED_PREFIXES = ("cls.", "lm_head.")
+# bidirectional attention within each input, no KV cache; [CLS] pooling without
+# sentence-transformers files (as vLLM does for BERT), and what the classifier heads read
+_ENCODER = ModelCapabilities(causal=False, uses_kv_cache=False, default_pooling="cls")
+_CLASSIFIER = replace(_ENCODER, classifier=True)
 
 
 @dataclass(frozen=True)
@@ -126,12 +132,10 @@ class EncoderLayer(nn.Module):
         return add_layer_norm(self.ffn_norm, x, self.ffn_out(self.act(self.ffn_in(x))))
 
 
-class BertModel(nn.Module):
+class BertModel(ModelBase):
     """The encoder: final hidden states of every token, [T, hidden]. Serves embeddings."""
 
-    uses_kv_cache = False  # the engine allocates no KV cache for it
-    causal = False  # bidirectional attention within each input
-    default_pooling = "cls"  # without sentence-transformers files (as vLLM does for BERT)
+    capabilities: ClassVar[ModelCapabilities] = _ENCODER
     checkpoint_prefix = "bert."
     # (checkpoint name, our module) of weights beyond the encoder; {} = none expected
     head_names: ClassVar[dict[str, str]] = {}
@@ -144,6 +148,7 @@ class BertModel(nn.Module):
         self.num_kv_heads, self.head_dim = spec.num_heads, spec.hidden_size // spec.num_heads
         self.hidden_size = spec.hidden_size
         self.type_vocab_size = spec.type_vocab_size
+        self.pad_token_id = spec.pad_token_id  # graph padding rows (EncoderGraphs) use it
         self.max_model_len = spec.max_positions - self.position_offset(spec)
         self.embeddings = Embeddings(spec)
         self.layers = nn.ModuleList(
@@ -174,9 +179,6 @@ class BertModel(nn.Module):
         for layer in self.layers:
             x = layer(x, meta)
         return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError(f"{type(self).__name__} has no language-model head; it cannot generate")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -241,6 +243,7 @@ class XLMRobertaModel(BertModel):
     """XLM-RoBERTa: BERT's encoder with positions counted from padding_idx + 1 and padding
     tokens at position padding_idx (fairseq's convention, as transformers computes it)."""
 
+    capabilities: ClassVar[ModelCapabilities] = _ENCODER
     checkpoint_prefix = "roberta."
 
     @staticmethod
@@ -292,6 +295,7 @@ class _SequenceClassifier:
 class BertForSequenceClassification(_SequenceClassifier, BertModel):
     """BERT + classifier on the first ([CLS]) token: classifiers and cross-encoders."""
 
+    capabilities: ClassVar[ModelCapabilities] = _CLASSIFIER
     head_names: ClassVar[dict[str, str]] = {"pooler.dense": "head.dense", "classifier": "head.out"}
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:
@@ -302,6 +306,7 @@ class BertForSequenceClassification(_SequenceClassifier, BertModel):
 class XLMRobertaForSequenceClassification(_SequenceClassifier, XLMRobertaModel):
     """XLM-RoBERTa + classification head on <s>: bge-reranker and similar cross-encoders."""
 
+    capabilities: ClassVar[ModelCapabilities] = _CLASSIFIER
     head_names: ClassVar[dict[str, str]] = {
         "classifier.dense": "head.dense",
         "classifier.out_proj": "head.out",

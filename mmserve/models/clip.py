@@ -3,13 +3,14 @@ into one space (transformers' CLIPModel get_image_features / get_text_features).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from mmserve.attention import AttentionBackend
-from mmserve.models.vision import DualEncoder, TextTransformer, VisionTower
+from mmserve.models.base import ModelCapabilities
+from mmserve.models.vision import DUAL_ENCODER, DualEncoder, TextTransformer, VisionTower
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -53,12 +54,13 @@ class CLIPModel(DualEncoder):
     of whole texts (no KV cache); pool_text() and embed_images() give the projected vectors
     transformers' get_text_features / get_image_features give (unnormalised)."""
 
+    capabilities: ClassVar[ModelCapabilities] = DUAL_ENCODER
     dropped_weights = ("logit_scale",)  # similarity scores only
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend | None = None) -> None:
         super().__init__(hf_config)
         text, vision = hf_config.text_config, hf_config.vision_config
-        self.hidden_size: int = hf_config.projection_dim  # the embedding's size
+        self.hidden_size = hf_config.projection_dim  # the embedding's size
         self.eos_token_id: int | None = text.eos_token_id
         self.text_model = TextTransformer(text, causal=True)
         self.vision_model = CLIPVisionTower(vision)

@@ -19,13 +19,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.models.base import Fp8Model, ModelBase
+from mmserve.models.gguf_cache import materialize
 from mmserve.models.layers import load_into
+from mmserve.models.registry import architecture_of, get_model_class
+from mmserve.models.source import load_hf_config, resolve_model_source
 
 logger = logging.getLogger(__name__)
 # mmserve.kernels.* are imported where used: a Triton kernel module imported before the tests
@@ -147,7 +151,7 @@ def check_quantization(method: str | None, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def quantize_fp8(model: nn.Module) -> int:
+def quantize_fp8(model: ModelBase) -> int:
     """Replaces the projections of the model's decoder layers by Fp8Linear quantised from
     their weights, one at a time (at most one layer's weights exist twice); returns how many
     were replaced."""
@@ -155,7 +159,7 @@ def quantize_fp8(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def prepare_fp8_checkpoint(model: nn.Module, checkpoint: Fp8Checkpoint) -> int:
+def prepare_fp8_checkpoint(model: ModelBase, checkpoint: Fp8Checkpoint) -> int:
     """Before an FP8 checkpoint's weights load: the projections become empty Fp8Linear for
     load_scale and the weight loader to fill."""
     return _replace_projections(
@@ -163,16 +167,14 @@ def prepare_fp8_checkpoint(model: nn.Module, checkpoint: Fp8Checkpoint) -> int:
     )
 
 
-def _replace_projections(model: nn.Module, make: Callable[[nn.Linear], Fp8Linear]) -> int:
-    decoder = getattr(model, "language_model", model)  # a VLM's, or the model itself
-    layers = getattr(getattr(decoder, "model", None), "layers", None)
-    if not getattr(model, "supports_fp8", False) or layers is None:
+def _replace_projections(model: ModelBase, make: Callable[[nn.Linear], Fp8Linear]) -> int:
+    if not model.capabilities.supports_fp8:
         raise UnsupportedModel(
             f"quantization fp8 is supported for Llama-family decoders and the VLMs built on them, "
             f"not {type(model).__name__}"
         )
     replaced = 0
-    for layer in layers:
+    for layer in cast(Fp8Model, model).decoder_layers():  # a VLM's language model's
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
                 if not isinstance(child, nn.Linear):
@@ -221,13 +223,9 @@ def load_scale(param: torch.Tensor, tensor: torch.Tensor, name: str, rows: slice
 def supports_quantization(model_path: str) -> bool:
     """Whether the checkpoint at model_path is of an architecture quantize_fp8 handles (read
     from its config; nothing is loaded)."""
-    from mmserve.models.gguf_cache import materialize
-    from mmserve.models.loader import load_hf_config, resolve_model_source
-    from mmserve.models.registry import architecture_of, get_model_class
-
     # a GGUF's config is read from its converted folder (made once, loaded from right after)
     hf_config = load_hf_config(materialize(resolve_model_source(model_path)))
-    return bool(getattr(get_model_class(architecture_of(hf_config)), "supports_fp8", False))
+    return get_model_class(architecture_of(hf_config)).capabilities.supports_fp8
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from mmserve import envs
-from mmserve.models.loader import ModelSource, iter_weights, load_hf_config
+from mmserve.models.source import ModelSource, iter_weights, load_hf_config
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = "1"  # bump when the conversion changes

@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from mmserve.attention import AttentionBackend, AttentionMetadata
 from mmserve.errors import UnsupportedModel
+from mmserve.models.base import ModelBase, ModelCapabilities
 from mmserve.models.fp8 import load_scale
 from mmserve.models.layers import (
     RMSNorm,
@@ -142,11 +143,11 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        attend_cached = getattr(self.backend, "forward_cached", None)
-        if attend_cached is not None and rope.positions is not None and kv_cache is not None:
+        fused = self.backend.supports_forward_cached and rope.positions is not None
+        if fused and kv_cache is not None:
             # the Triton path: rotary and the cache write in one kernel, then attention
             q = rope.apply_and_cache(q, k, v, kv_cache, meta.slot_mapping)
-            out = attend_cached(q, kv_cache, meta, self.scale, self.sliding_window)
+            out = self.backend.forward_cached(q, kv_cache, meta, self.scale, self.sliding_window)
         else:
             q, k = rope.apply(q, k)
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
@@ -221,10 +222,11 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
-    """The CausalLM (mmserve.models.base) for Llama, Mistral, Qwen2 and Qwen3 checkpoints."""
+class LlamaForCausalLM(ModelBase):
+    """The CausalLM and Fp8Model (mmserve.models.base) for Llama, Mistral, Qwen2 and Qwen3
+    checkpoints."""
 
-    supports_fp8 = True  # mmserve.models.fp8 may swap the decoder layers' projections
+    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities(supports_fp8=True)
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:
         super().__init__()
@@ -252,6 +254,9 @@ class LlamaForCausalLM(nn.Module):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         return self.model.embed_tokens(input_ids)
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [N, vocab]

@@ -3,21 +3,26 @@ head (no bias) read at the last token, as transformers does for unpadded inputs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from mmserve.attention import AttentionBackend
+from mmserve.models.base import ModelCapabilities
 from mmserve.models.llama import LlamaForCausalLM
 
 
 class LlamaForSequenceClassification(LlamaForCausalLM):
     """Llama / Mistral / Qwen2 / Qwen3 classifiers and reward-style scorers. Runs through
     the paged KV cache like the causal LM (so prefix caching and chunking rules are the
-    same), but has no language-model head: it classifies, it cannot generate."""
+    same), but has no language-model head: it classifies, it cannot generate. A
+    ClassifierModel (mmserve.models.base); fp8 quantises its decoder as the causal LM's."""
 
-    default_pooling = "last"
+    # the score head reads the last token, which sees the whole input
+    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities(
+        classifier=True, default_pooling="last", supports_fp8=True
+    )
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:
         super().__init__(hf_config, attention_backend)

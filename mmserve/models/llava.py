@@ -11,14 +11,19 @@ language_model.lm_head.weight. load_weights() takes all of these.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from mmserve.attention import AttentionBackend
-from mmserve.errors import InvalidArgument, UnsupportedModel
-from mmserve.models.base import LanguageModelWrapper
+from mmserve.errors import UnsupportedModel
+from mmserve.models.base import (
+    ImageTokenCount,
+    LanguageModelWrapper,
+    ModelBase,
+    ModelCapabilities,
+)
 from mmserve.models.clip import CLIPVisionTower
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.siglip import SiglipVisionTower
@@ -46,11 +51,13 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(LanguageModelWrapper, nn.Module):
-    """The MultiModalCausalLM (mmserve.models.base) for LLaVA-1.5-style checkpoints."""
+class LlavaForConditionalGeneration(LanguageModelWrapper, ModelBase):
+    """The MultiModalCausalLM and Fp8Model (mmserve.models.base) for LLaVA-1.5-style
+    checkpoints; fp8 swaps its language model's projections."""
 
-    uses_mrope = False
-    supports_fp8 = True  # mmserve.models.fp8 swaps its language model's projections
+    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities(
+        reads_images=True, supports_fp8=True
+    )
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:
         super().__init__()
@@ -70,7 +77,10 @@ class LlavaForConditionalGeneration(LanguageModelWrapper, nn.Module):
         in_features = vision.hidden_size * len(self.feature_layers)
         self.multi_modal_projector = LlavaMultiModalProjector(hf_config, in_features)
         self.language_model = LlamaForCausalLM(hf_config.text_config, attention_backend)
-        self.image_token_id: int = hf_config.image_token_id
+        self.image_token_id = hf_config.image_token_id
+        size = self.vision_tower.image_size  # the processor resizes every image to it
+        per_image = self.vision_tower.num_tokens(size, size) - int(self.drop_first_row)
+        self.image_tokens = ImageTokenCount(per_image=per_image, image_size=size)
         lm = self.language_model
         self.num_layers, self.num_kv_heads = lm.num_layers, lm.num_kv_heads
         self.head_dim, self.vocab_size, self.hidden_size = (
@@ -81,14 +91,7 @@ class LlavaForConditionalGeneration(LanguageModelWrapper, nn.Module):
         self.sliding_windows = lm.sliding_windows
 
     def num_image_tokens(self, data: Mapping[str, torch.Tensor]) -> int:
-        pixel_values = data["pixel_values"]
-        size = self.vision_tower.image_size
-        if tuple(pixel_values.shape[-3:]) != (3, size, size):
-            raise InvalidArgument(
-                "pixel_values",
-                f"shape {tuple(pixel_values.shape)}; expected [1, 3, {size}, {size}]",
-            )
-        return self.vision_tower.num_tokens(size, size) - int(self.drop_first_row)
+        return self.image_tokens.count(data)
 
     def encode_images(self, data: list[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Images of one size run as one batch; one [num_image_tokens, hidden] each, in order."""

@@ -1,18 +1,14 @@
-"""Finds a checkpoint, reads its config, builds the model and streams the weights into it.
+"""Builds the model for a checkpoint and streams the weights into it (quantised or prepared
+for an FP8 checkpoint first); finding and reading checkpoints is mmserve.models.source.
 
 Checkpoints: a HF folder (config.json + model.safetensors, or shards listed in
-model.safetensors.index.json), a .gguf file, or a folder holding exactly one .gguf. Weights
-are read lazily, one tensor at a time (safetensors safe_open or the gguf reader's memory
-map), and never with torch.load or remote code.
+model.safetensors.index.json), a .gguf file, or a folder holding exactly one .gguf.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,37 +25,31 @@ from mmserve.models.fp8 import (
     prepare_fp8_checkpoint,
     quantize_fp8,
 )
-from mmserve.models.gguf import iter_gguf_weights
 from mmserve.models.registry import architecture_of, get_model_class
+from mmserve.models.source import (
+    ModelSource,
+    iter_safetensors_weights,
+    iter_weights,
+    load_generation_config,
+    load_hf_config,
+    resolve_model_source,
+)
 
+# the source names stay importable from here, as they were before source.py
+__all__ = [
+    "ModelSource",
+    "init_dummy_weights",
+    "iter_safetensors_weights",
+    "iter_weights",
+    "load_generation_config",
+    "load_hf_config",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_model_source",
+]
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SLIDING_WINDOW_POLICIES = ("honour", "refuse")
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a checkpoint lives."""
-
-    folder: Path  # the HF folder, or the folder that holds the GGUF file
-    gguf_file: str | None  # the GGUF file's name inside folder; None for a safetensors folder
-
-
-def resolve_model_source(model: str | Path) -> ModelSource:
-    """Classifies a ModelConfig.model path; a path that is none of the accepted forms raises
-    InvalidArgument naming the field."""
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(path.parent, path.name)
-    if not path.is_dir():
-        raise InvalidArgument("model", f"{path} is neither a folder nor a .gguf file")
-    if (path / "config.json").is_file():
-        return ModelSource(path, None)
-    ggufs = sorted(p.name for p in path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return ModelSource(path, ggufs[0])
-    if ggufs:
-        raise InvalidArgument("model", f"{path} holds several .gguf files, name one: {ggufs}")
-    raise InvalidArgument("model", f"{path} has neither config.json nor a .gguf file")
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -78,57 +68,6 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.
     if name not in _DTYPES:
         raise InvalidArgument("dtype", f"{name!r} is not one of {['auto', *_DTYPES]}")
     return _DTYPES[name]
-
-
-def load_hf_config(source: ModelSource) -> Any:
-    """The transformers config (PretrainedConfig), from config.json or from GGUF metadata."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(
-            str(source.folder),
-            gguf_file=source.gguf_file,
-            trust_remote_code=False,
-            local_files_only=True,
-        )
-    except (ValueError, KeyError) as e:  # unknown model_type, custom code, malformed file
-        raise UnsupportedModel(f"cannot read the config of {source.folder}: {e}") from e
-
-
-def load_generation_config(source: ModelSource) -> Any | None:
-    """The folder's generation_config.json as a transformers GenerationConfig, else None
-    (callers then fall back to hf_config.eos_token_id)."""
-    if not (source.folder / "generation_config.json").is_file():
-        return None
-    from transformers import GenerationConfig
-
-    return GenerationConfig.from_pretrained(str(source.folder), local_files_only=True)
-
-
-def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) one at a time from model.safetensors or the indexed shards."""
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise UnsupportedModel(
-            f"{folder} has no model.safetensors(.index.json); other formats are not loaded"
-        )
-    for file in files:
-        with safe_open(str(folder / file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield name, f.get_tensor(name)
-
-
-def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs of the checkpoint, whatever its format."""
-    if source.gguf_file is not None:
-        return iter_gguf_weights(source.folder / source.gguf_file, hf_config)
-    return iter_safetensors_weights(source.folder)
 
 
 @contextmanager
@@ -178,7 +117,7 @@ def load_model(
     with _default_dtype(torch_dtype), device:
         model = model_class(hf_config, attention_backend)
     model.to(device)  # buffers computed on the CPU (rotary frequencies) follow the weights
-    windows = [w for w in getattr(model, "sliding_windows", ()) if w is not None]
+    windows = [w for w in model.sliding_windows if w is not None]
     if windows and model_config.sliding_window_policy == "refuse":
         raise UnsupportedModel(
             f"the model uses a sliding window ({windows[0]}) and the policy is refuse"

@@ -15,19 +15,23 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from mmserve.attention import AttentionBackend
 from mmserve.errors import InvalidArgument, UnsupportedModel
-from mmserve.models.base import LanguageModelWrapper
+from mmserve.models.base import (
+    Grid,
+    ImageTokenCount,
+    LanguageModelWrapper,
+    ModelBase,
+    ModelCapabilities,
+    image_grid,
+)
 from mmserve.models.layers import Rope, RotaryEmbedding, load_into, rope_parameters
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.qwen2_vl_vision import VisionTransformer, vision_spec
-
-Grid = tuple[int, int, int]  # (t, h, w) in patches, as the processor's image_grid_thw
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -106,12 +110,14 @@ def _image_positions(grid: Grid, merge_size: int, start: int) -> torch.Tensor:
     return torch.stack(axes).reshape(3, -1) + start
 
 
-class Qwen2VLForConditionalGeneration(LanguageModelWrapper, nn.Module):
-    """The MultiModalCausalLM and MRopeModel (mmserve.models.base) for Qwen2-VL and
-    Qwen2.5-VL checkpoints (images only; no video)."""
+class Qwen2VLForConditionalGeneration(LanguageModelWrapper, ModelBase):
+    """The MultiModalCausalLM, MRopeModel and Fp8Model (mmserve.models.base) for Qwen2-VL
+    and Qwen2.5-VL checkpoints (images only; no video); fp8 swaps its language model's
+    projections."""
 
-    uses_mrope = True
-    supports_fp8 = True  # mmserve.models.fp8 swaps its language model's projections
+    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities(
+        reads_images=True, uses_mrope=True, supports_fp8=True
+    )
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:
         super().__init__()
@@ -128,8 +134,9 @@ class Qwen2VLForConditionalGeneration(LanguageModelWrapper, nn.Module):
         inv_freq, scale = rope_parameters(text, lm.head_dim)
         max_positions = getattr(text, "max_position_embeddings", 0) or 0
         lm.model.rotary_emb = MRotaryEmbedding(inv_freq, scale, section, max_positions)
-        self.image_token_id: int = hf_config.image_token_id
+        self.image_token_id = hf_config.image_token_id
         self.merge_size = spec.merge_size
+        self.image_tokens = ImageTokenCount(merge_size=spec.merge_size)
         self.num_layers = lm.num_layers
         self.num_kv_heads = lm.num_kv_heads
         self.head_dim = lm.head_dim
@@ -143,30 +150,15 @@ class Qwen2VLForConditionalGeneration(LanguageModelWrapper, nn.Module):
         return mrope_positions(token_ids, grid_thws, self.image_token_id, self.merge_size)
 
     def num_image_tokens(self, data: Mapping[str, torch.Tensor]) -> int:
-        t, h, w = self._grid(data)
-        return t * h * w // self.merge_size**2
+        return self.image_tokens.count(data)
 
     def encode_images(self, data: list[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
         """All images in one tower pass (attention stays within each image), then split."""
-        grids = [self._grid(d) for d in data]
+        grids = [image_grid(d, self.merge_size) for d in data]
         param = next(self.visual.parameters())
         patches = torch.cat([d["pixel_values"] for d in data]).to(param.device, param.dtype)
         tokens = self.visual(patches, grids).to(self.language_model.lm_head.weight.dtype)
         return list(tokens.split([t * h * w // self.merge_size**2 for t, h, w in grids]))
-
-    def _grid(self, data: Mapping[str, torch.Tensor]) -> Grid:
-        """The image's (t, h, w), checked against its pixel_values."""
-        grid = data["image_grid_thw"]
-        if grid.numel() != 3:
-            raise InvalidArgument("image_grid_thw", f"shape {tuple(grid.shape)}, expected [1, 3]")
-        t, h, w = (int(x) for x in grid.reshape(3).tolist())
-        if h % self.merge_size or w % self.merge_size:
-            raise InvalidArgument("image_grid_thw", f"{(t, h, w)}: h, w not multiples of merge")
-        if data["pixel_values"].shape[0] != t * h * w:
-            raise InvalidArgument(
-                "pixel_values", f"{data['pixel_values'].shape[0]} patches != t*h*w"
-            )
-        return t, h, w
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Vision weights load here as they stream past; the LM's go on to llama.py's loader."""

@@ -9,6 +9,7 @@ import importlib
 from typing import Any
 
 from mmserve.errors import UnsupportedModel
+from mmserve.models.base import ModelBase
 
 _LLAMA_CLS = ("mmserve.models.llama_classifier", "LlamaForSequenceClassification")
 _QWEN2_VL = ("mmserve.models.qwen2_vl", "Qwen2VLForConditionalGeneration")  # 2 and 2.5
@@ -64,12 +65,12 @@ def architecture_of(hf_config: Any) -> str:
     return str(architecture)
 
 
-def get_model_class(architecture: str) -> type:
+def get_model_class(architecture: str) -> type[ModelBase]:
     """The implementation class for an architecture; an unknown one lists the supported."""
     if architecture not in _MODELS:
         raise UnsupportedModel(
             f"architecture {architecture!r} is not supported; supported: {supported_architectures()}"
         )
     module, cls = _MODELS[architecture]
-    model_class: type = getattr(importlib.import_module(module), cls)
+    model_class: type[ModelBase] = getattr(importlib.import_module(module), cls)
     return model_class

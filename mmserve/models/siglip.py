@@ -3,14 +3,22 @@ texts into one space (transformers' SiglipModel get_image_features / get_text_fe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from mmserve.attention import AttentionBackend
 from mmserve.errors import UnsupportedModel
-from mmserve.models.vision import MLP, DualEncoder, TextTransformer, VisionTower, encoder_spec
+from mmserve.models.base import ModelCapabilities
+from mmserve.models.vision import (
+    DUAL_ENCODER,
+    MLP,
+    DualEncoder,
+    TextTransformer,
+    VisionTower,
+    encoder_spec,
+)
 
 
 class SiglipVisionEmbeddings(nn.Module):
@@ -85,18 +93,19 @@ class SiglipModel(DualEncoder):
     pools the last position: a text matches transformers' padded output only if its ids
     include that padding."""
 
+    capabilities: ClassVar[ModelCapabilities] = DUAL_ENCODER
     dropped_weights = ("logit_scale", "logit_bias")  # similarity scores only
     text_model: SiglipTextTransformer
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend | None = None) -> None:
         super().__init__(hf_config)
         text, vision = hf_config.text_config, hf_config.vision_config
-        self.hidden_size: int = vision.hidden_size  # the embedding's size
+        self.hidden_size = vision.hidden_size  # the embedding's size
         # Embed pads each text to this many tokens with pad_token_id, as SigLIP's processor
         # does (padding="max_length"): the last position is what it pools
-        self.pad_text_to: int = self.max_text_len
+        self.pad_text_to = self.max_text_len
         pad = getattr(text, "pad_token_id", None)
-        self.pad_token_id: int = 1 if pad is None else int(pad)  # the tokenizer's wins
+        self.pad_token_id = 1 if pad is None else int(pad)  # the tokenizer's wins
         self.text_model = SiglipTextTransformer(text)
         if self.text_model.head.out_features != self.hidden_size:
             raise UnsupportedModel("SigLIP text projection_size != vision hidden_size")

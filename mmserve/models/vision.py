@@ -20,6 +20,7 @@ from torch import nn
 
 from mmserve.attention import AttentionMetadata
 from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.models.base import ModelBase, ModelCapabilities
 from mmserve.models.layers import load_into
 
 
@@ -189,14 +190,17 @@ class VisionTower(nn.Module):
         return name
 
 
-class DualEncoder(nn.Module):
-    """What CLIPModel and SiglipModel show the engine: no KV cache, whole texts in one step
-    through `text_model` (forward), vectors from pool_text() and embed_images() (theirs)."""
+# for the engine: whole inputs in one step, no KV cache (CLIP's text tower masks causally
+# inside itself); the runner pools texts and embeds images
+DUAL_ENCODER = ModelCapabilities(causal=False, uses_kv_cache=False, dual_encoder=True)
+
+
+class DualEncoder(ModelBase):
+    """What CLIPModel and SiglipModel show the engine (a DualEncoderModel of
+    mmserve.models.base): no KV cache, whole texts in one step through `text_model`
+    (forward), vectors from pool_text() and embed_images() (theirs)."""
 
     num_layers = 0  # no KV cache
-    uses_kv_cache = False
-    causal = False  # for the engine: whole inputs in one step (CLIP's text tower masks causally)
-    is_dual_encoder = True
     dropped_weights: ClassVar[tuple[str, ...]] = ()  # checkpoint entries not needed to embed
     text_model: TextTransformer
 
@@ -224,9 +228,6 @@ class DualEncoder(nn.Module):
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [B,3,H,W] -> [B, D]
         """The images' embeddings (float32, unnormalised)."""
         raise NotImplementedError
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError(f"{type(self).__name__} has no language-model head; it cannot generate")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_by_name(self, weights, self._param_name)

@@ -184,8 +184,7 @@ class EncoderGraphs:
         self.max_reqs = max_reqs
         self.max_len = max_len
         n = self.sizes[-1]
-        pad = getattr(getattr(model, "spec", None), "pad_token_id", None)
-        self.pad_id = pad or 0
+        self.pad_id = model.pad_token_id or 0
         self.input_ids = torch.full((n,), self.pad_id, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.token_type_ids = torch.zeros(n, dtype=torch.int64, device=device)

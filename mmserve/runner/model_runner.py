@@ -16,13 +16,12 @@ from mmserve.engine.sched_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from mmserve.models.base import CausalLM, MultiModalCausalLM
-from mmserve.models.vision import DualEncoder
+from mmserve.models.base import CausalLM, DualEncoderModel, MultiModalCausalLM
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams
 from mmserve.runner.cuda_graphs import DecodeGraphs, EncoderGraphs
 from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder, SampledOnDevice
-from mmserve.runner.pooler import Pooler, finish_embedding
+from mmserve.runner.pooler import ModelPooler, Pooler, finish_embedding
 from mmserve.runner.sampler import SamplingRow, sample_on_device, top_logprobs
 from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
 
@@ -96,7 +95,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.pooler = pooler  # turns a pooling request's hidden states into its result
-        self.causal = getattr(model, "causal", True)  # False for encoders
+        self.causal = model.capabilities.causal  # False for encoders
         shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(model.num_layers if num_blocks else 0)
@@ -105,8 +104,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs() on CUDA
         self.encoder_graphs: EncoderGraphs | None = None  # the same, for an encoder
         self._generators: dict[str, torch.Generator] = {}
-        self.mrope = bool(getattr(model, "uses_mrope", False))
-        self.dual = bool(getattr(model, "is_dual_encoder", False))  # CLIP/SigLIP: Embed only
+        self.mrope = model.capabilities.uses_mrope
+        self.dual = model.capabilities.dual_encoder  # CLIP/SigLIP: Embed only
         # builds each step's flat batch; keeps block tables (and on CUDA pinned buffers)
         self.input_batch = InputBatchBuilder(block_size, device, self.causal, self.mrope, not self.dual)
         # image content hash -> encoder output rows [length, hidden]; the scheduler's
@@ -276,7 +275,7 @@ class ModelRunner:
         ids: list[str] = []
         results: list[torch.Tensor] = []
         batches: dict[tuple[bool, int | None], list[tuple[str, int, int]]] = {}
-        batched = not self.dual and hasattr(self.pooler, "embed_batch")
+        batched = not self.dual and isinstance(self.pooler, ModelPooler)  # it pools in batches
         row = 0
         for item in plan.scheduled:
             n = len(item.token_ids)
@@ -308,7 +307,7 @@ class ModelRunner:
         if self.dual:
             vector = images.get(item.request_id)
             if vector is None:
-                vector = cast(DualEncoder, self.model).pool_text(rows, item.token_ids)
+                vector = cast(DualEncoderModel, self.model).pool_text(rows, item.token_ids)
             return finish_embedding(vector, item.pooling)
         if self.pooler is None:
             raise RuntimeError("a pooling request reached a runner without a pooler")
@@ -322,7 +321,7 @@ class ModelRunner:
                 pixels = item.mm_inputs[0].data["pixel_values"]
                 groups.setdefault(tuple(pixels.shape), []).append((item.request_id, pixels))
         out: dict[str, torch.Tensor] = {}
-        model = cast(DualEncoder, self.model)
+        model = cast(DualEncoderModel, self.model)
         for group in groups.values():
             pixels = torch.cat([p for _, p in group]).to(self.device)
             for (request_id, _), vector in zip(group, model.embed_images(pixels), strict=True):

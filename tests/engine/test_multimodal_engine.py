@@ -15,6 +15,7 @@ from mmserve.engine.encoder_cache import EncoderCacheManager
 from mmserve.errors import InvalidArgument
 from mmserve.frontend.images import check_placeholders, expand_placeholders
 from mmserve.inputs import MMInput, MMPlaceholder
+from mmserve.models.base import ModelCapabilities
 from mmserve.params import SamplingParams
 from tests.engine.conftest import assert_all_blocks_free, make_core, make_request, run_all
 from tests.fake_model import FakeModel
@@ -25,8 +26,8 @@ IMAGE = 63  # placeholder token id
 class FakeVisionModel(FakeModel):
     """FakeModel whose image placeholder rows come from a linear 'encoder' of pixel rows."""
 
+    capabilities = ModelCapabilities(reads_images=True)
     image_token_id = IMAGE
-    uses_mrope = False
 
     def __init__(self) -> None:
         super().__init__()

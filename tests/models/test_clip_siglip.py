@@ -150,7 +150,8 @@ def test_tower_hidden_states_match_output_hidden_states(
 
 def test_attributes_the_engine_reads(clip: tuple[Path, Any, Any]) -> None:
     _, ours, hf = clip
-    assert ours.num_layers == 0 and ours.is_dual_encoder and not ours.causal
+    caps = ours.capabilities
+    assert ours.num_layers == 0 and caps.dual_encoder and not caps.causal
     assert ours.hidden_size == hf.config.projection_dim
     assert ours.vocab_size == hf.config.text_config.vocab_size
     assert ours.max_text_len == hf.config.text_config.max_position_embeddings

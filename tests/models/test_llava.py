@@ -139,7 +139,7 @@ def _check_greedy(
 def test_interface(setup: Setup) -> None:
     config = setup.hf.config
     ours = setup.ours
-    assert ours.image_token_id == config.image_token_id and not ours.uses_mrope
+    assert ours.image_token_id == config.image_token_id and not ours.capabilities.uses_mrope
     text = config.text_config
     assert (ours.num_layers, ours.num_kv_heads, ours.vocab_size) == (
         text.num_hidden_layers,

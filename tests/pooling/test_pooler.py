@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from mmserve.engine.pooling_setup import label_names, pooling_setup, read_sentence_transformers
 from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.models.base import ModelCapabilities
 from mmserve.params import PoolingParams
 from mmserve.runner.pooler import ModelPooler, PoolerConfig, activate, finish_embedding, pool_tokens
 
@@ -99,15 +100,22 @@ def test_read_sentence_transformers(tmp_path: Path) -> None:
         read_sentence_transformers(write_st_folder(tmp_path / "c", both))
 
 
-def model(**attrs: Any) -> SimpleNamespace:
-    return SimpleNamespace(**attrs)
+def model(hidden_size: int = 8, **attrs: Any) -> SimpleNamespace:
+    """A model as pooling_setup reads it: its capabilities, hidden_size, num_labels."""
+    return SimpleNamespace(capabilities=ModelCapabilities(**attrs), hidden_size=hidden_size)
+
+
+def classifier(num_labels: int) -> SimpleNamespace:
+    fake = model(classifier=True, default_pooling="cls")
+    fake.num_labels = num_labels
+    return fake
 
 
 HF = SimpleNamespace(hidden_size=8, id2label={"0": "no", "1": "yes"}, problem_type=None)
 
 
 def test_setup_for_an_encoder_prefers_flag_then_st_then_architecture(tmp_path: Path) -> None:
-    encoder = model(uses_kv_cache=False, default_pooling="cls")
+    encoder = model(causal=False, uses_kv_cache=False, default_pooling="cls")
     plain = pooling_setup(encoder, HF, tmp_path, None)
     assert plain.tasks == ("embed", "score", "rerank") and plain.score_method == "cosine"
     assert plain.pooler is not None and plain.pooler.config.method == "cls"
@@ -130,13 +138,13 @@ def test_setup_for_a_decoder_without_chat_template_cannot_score(tmp_path: Path) 
 
 
 def test_setup_for_classifiers() -> None:
-    two = pooling_setup(model(num_labels=2, compute_class_logits=None), HF, None, None)
+    two = pooling_setup(classifier(2), HF, None, None)
     assert two.tasks == ("classify",) and two.labels == ("no", "yes")
     assert two.pooler is not None and two.pooler.config.activation == "softmax"
-    one = pooling_setup(model(num_labels=1, compute_class_logits=None), HF, None, None)
+    one = pooling_setup(classifier(1), HF, None, None)
     assert one.tasks == ("classify", "score", "rerank") and one.score_method == "cross-encoder"
     assert one.pooler is not None and one.pooler.config.activation == "sigmoid"
     multi = SimpleNamespace(**{**vars(HF), "problem_type": "multi_label_classification"})
-    setup = pooling_setup(model(num_labels=2, compute_class_logits=None), multi, None, None)
+    setup = pooling_setup(classifier(2), multi, None, None)
     assert setup.pooler is not None and setup.pooler.config.activation == "sigmoid"
     assert label_names(SimpleNamespace(id2label={0: "a"}), 2) == ("a", "LABEL_1")

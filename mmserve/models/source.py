@@ -1,0 +1,97 @@
+"""Where a checkpoint lives and how to read it: its source (HF folder or GGUF), its config
+and its weight stream. The bottom of model loading: fp8, gguf_cache and loader all read
+checkpoints through it, and it imports none of them.
+
+Weights are read lazily, one tensor at a time (safetensors safe_open or the gguf reader's
+memory map), and never with torch.load or remote code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.models.gguf import iter_gguf_weights
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a checkpoint lives."""
+
+    folder: Path  # the HF folder, or the folder that holds the GGUF file
+    gguf_file: str | None  # the GGUF file's name inside folder; None for a safetensors folder
+
+
+def resolve_model_source(model: str | Path) -> ModelSource:
+    """Classifies a ModelConfig.model path; a path that is none of the accepted forms raises
+    InvalidArgument naming the field."""
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.parent, path.name)
+    if not path.is_dir():
+        raise InvalidArgument("model", f"{path} is neither a folder nor a .gguf file")
+    if (path / "config.json").is_file():
+        return ModelSource(path, None)
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(path, ggufs[0])
+    if ggufs:
+        raise InvalidArgument("model", f"{path} holds several .gguf files, name one: {ggufs}")
+    raise InvalidArgument("model", f"{path} has neither config.json nor a .gguf file")
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    """The transformers config (PretrainedConfig), from config.json or from GGUF metadata."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(
+            str(source.folder),
+            gguf_file=source.gguf_file,
+            trust_remote_code=False,
+            local_files_only=True,
+        )
+    except (ValueError, KeyError) as e:  # unknown model_type, custom code, malformed file
+        raise UnsupportedModel(f"cannot read the config of {source.folder}: {e}") from e
+
+
+def load_generation_config(source: ModelSource) -> Any | None:
+    """The folder's generation_config.json as a transformers GenerationConfig, else None
+    (callers then fall back to hf_config.eos_token_id)."""
+    if not (source.folder / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(str(source.folder), local_files_only=True)
+
+
+def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) one at a time from model.safetensors or the indexed shards."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise UnsupportedModel(
+            f"{folder} has no model.safetensors(.index.json); other formats are not loaded"
+        )
+    for file in files:
+        with safe_open(str(folder / file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                yield name, f.get_tensor(name)
+
+
+def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of the checkpoint, whatever its format."""
+    if source.gguf_file is not None:
+        return iter_gguf_weights(source.folder / source.gguf_file, hf_config)
+    return iter_safetensors_weights(source.folder)
