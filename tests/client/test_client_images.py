@@ -19,9 +19,9 @@ from fake_inference import FakeInference
 from mmserve.processors.images import ImageLimits, decode_image, local_image
 from mmserve_client import AsyncClient, Client, Image
 from mmserve_client._chat import chat_request
-from mmserve_client.v1 import common_pb2, generate_pb2, pooling_pb2
 from mmserve_client._requests import embed_request, image, inputs
 from mmserve_client.types import pil_png
+from mmserve_client.v1 import common_pb2, generate_pb2, pooling_pb2
 
 FIELD = "chat.messages[0].content[0].image"
 

@@ -10,8 +10,8 @@ import pytest
 from mmserve_client import Image, ToolCall
 from mmserve_client._channel import SERVICE, service_config
 from mmserve_client._chat import chat_from_kwargs, chat_request
-from mmserve_client.v1 import generate_pb2
 from mmserve_client._requests import embed_request, generate_request, inputs
+from mmserve_client.v1 import generate_pb2
 
 
 def test_sampling_kwargs_fill_params_and_none_means_unset() -> None:
