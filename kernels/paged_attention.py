@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.attention.torch_ref import attend, gather_context
 from mmserve.kernels._common import (
     check_at_least,
     check_float,
@@ -27,6 +26,7 @@ from mmserve.kernels._common import (
     check_same_device,
     check_shape,
 )
+from mmserve.kernels.paged_ref import attend, gather_context
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 128  # query heads per KV head; one program holds a whole group

@@ -10,7 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.attention.torch_ref import write_kv_cache
 from mmserve.kernels._common import (
     check_float,
     check_index_dtype,
@@ -19,6 +18,7 @@ from mmserve.kernels._common import (
     check_same_device,
     check_shape,
 )
+from mmserve.kernels.paged_ref import write_kv_cache
 
 
 @triton.jit

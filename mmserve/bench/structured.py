@@ -271,7 +271,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> None:
-    from mmserve.bench.cli import engine_config
+    from mmserve.bench.engine_flags import engine_config
     from mmserve.bench.models import make_model_folder
     from mmserve.models.loader import resolve_device, resolve_dtype
 

@@ -144,7 +144,7 @@ class LLM:
 
     def _run(
         self,
-        encoded: list[tuple[str | None, list[int]]],
+        encoded: Sequence[tuple[str | None, list[int]]],
         params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         cache_salt: str | None,

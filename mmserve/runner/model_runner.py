@@ -53,7 +53,7 @@ class PooledOnDevice:
         if self.copied is not None:
             self.copied.synchronize()
         sizes = [math.prod(shape) for shape in self.shapes]
-        parts = self.host.split(sizes)
+        parts = torch.split(self.host, sizes)
         return {
             request_id: part.view(shape)
             for request_id, part, shape in zip(self.ids, parts, self.shapes, strict=True)

@@ -136,7 +136,8 @@ class ModelPooler:
 
     def _class_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [labels] float32
         pooled = pool_tokens(hidden, self.config.method)
-        return self.model.compute_class_logits(pooled[None])[0]
+        logits: torch.Tensor = self.model.compute_class_logits(pooled[None])
+        return logits[0]
 
     def _yes_token_score(self, hidden: torch.Tensor, activation: bool) -> torch.Tensor:
         """P("yes") / (P("yes") + P("no")) at the answer position = sigmoid of the logit gap;

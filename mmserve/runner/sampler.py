@@ -4,6 +4,7 @@ what else is in the batch."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +132,7 @@ def _pick(
     return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
 
-def _to(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+def _to(device: torch.device, values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
     """A small tensor of host values on the device, copied without a stream synchronisation
     (torch.tensor(..., device=cuda) would wait for the forward pass before it)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

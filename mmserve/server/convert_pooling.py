@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ from mmserve.processors.images import ImageSource
 from mmserve.server.images import image_source
 from mmserve_client.v1 import common_pb2, pooling_pb2
 
-_TRUNCATE = {
+_TRUNCATE: dict[int, str] = {
     common_pb2.TRUNCATE_UNSPECIFIED: "none",
     common_pb2.TRUNCATE_NONE: "none",
     common_pb2.TRUNCATE_LEFT: "left",
@@ -40,9 +41,21 @@ def truncate_mode(value: int) -> str:
     return mode
 
 
+@overload
+def pooling_inputs(
+    field: str, items: Sequence[common_pb2.Input], allow_images: Literal[False] = False
+) -> list[TextOrIds]: ...
+
+
+@overload
+def pooling_inputs(
+    field: str, items: Sequence[common_pb2.Input], allow_images: bool
+) -> list[TextOrIds | ImageSource]: ...
+
+
 def pooling_inputs(
     field: str, items: Sequence[common_pb2.Input], allow_images: bool = False
-) -> list[TextOrIds | ImageSource]:
+) -> list[TextOrIds] | list[TextOrIds | ImageSource]:
     """Inputs as texts, token-id lists or (allow_images) ImageSources; an image where
     none is allowed is refused here, naming it (e.g. "inputs[2].image")."""
     out: list[TextOrIds | ImageSource] = []

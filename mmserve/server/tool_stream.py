@@ -100,7 +100,9 @@ class ForcedCallStream(StreamingToolParser):
 
 def _forced_call(value: object) -> tuple[str, str] | None:
     """(name, canonical arguments) of one call object, or None."""
-    name = value.get("name") if isinstance(value, dict) else None
+    if not isinstance(value, dict):
+        return None
+    name = value.get("name")
     if not isinstance(name, str) or not name:
         return None
     arguments = canonical_arguments(arguments_of(value))

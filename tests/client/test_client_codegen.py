@@ -1,5 +1,5 @@
 """The committed stubs match the protos (scripts/gen_protos.sh --check), and buf lint is clean
-where buf is installed."""
+where buf is installed (scripts/setup.sh --test puts it in .tools/buf)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+LOCAL_BUF = ROOT / ".tools" / "buf" / "node_modules" / ".bin" / "buf"  # where lint_protos.sh looks
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -34,7 +35,8 @@ def test_generated_stubs_are_up_to_date() -> None:
 
 
 @pytest.mark.skipif(
-    not (os.environ.get("BUF") or shutil.which("buf")), reason="buf not installed (set BUF)"
+    not (os.environ.get("BUF") or LOCAL_BUF.exists() or shutil.which("buf")),
+    reason="buf not installed (scripts/setup.sh --test, or set BUF)",
 )
 def test_buf_lint_is_clean() -> None:
     result = _run("lint_protos.sh", "--strict")

@@ -11,8 +11,13 @@ import torch
 
 if not torch.cuda.is_available():
     # @triton.jit picks the interpreter when a kernel is defined, so this must run before any
-    # kernel module is imported (a test module collected earlier may have done so).
-    imported = sorted(m for m in sys.modules if m.startswith("mmserve.kernels."))
+    # kernel module is imported (a test module collected earlier may have done so). Modules
+    # without triton (paged_ref, the CPU attention's maths) define no kernel.
+    imported = sorted(
+        name
+        for name, module in sys.modules.items()
+        if name.startswith("mmserve.kernels.") and "triton" in vars(module)
+    )
     if imported and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             f"{imported} were imported before tests/kernels/conftest.py set TRITON_INTERPRET=1; "

@@ -8,8 +8,8 @@ from typing import Any
 
 import grpc
 
-from mmserve_client.v1 import inference_pb2, inference_pb2_grpc
 from mmserve_client._requests import GenerateKwargs, generate_request
+from mmserve_client.v1 import inference_pb2, inference_pb2_grpc
 
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
 """The service descriptor (full name "mmserve.v1.Inference")."""

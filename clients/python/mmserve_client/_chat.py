@@ -7,9 +7,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
-from mmserve_client.v1 import common_pb2, generate_pb2
 from mmserve_client._requests import GenerateKwargs, image, is_image, json_text
 from mmserve_client.types import Image, ToolCall
+from mmserve_client.v1 import common_pb2, generate_pb2
 
 _MODES = {
     "auto": generate_pb2.ToolChoice.MODE_AUTO,

@@ -11,7 +11,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict, TypeVar
 
-from mmserve_client.v1 import common_pb2, generate_pb2, pooling_pb2, tokenize_pb2
 from mmserve_client.types import (
     EmbeddingEncoding,
     Image,
@@ -20,6 +19,7 @@ from mmserve_client.types import (
     Truncate,
     is_pil_image,
 )
+from mmserve_client.v1 import common_pb2, generate_pb2, pooling_pb2, tokenize_pb2
 
 
 class GenerateKwargs(TypedDict, total=False):

@@ -7,13 +7,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve_client.v1 import (
-    common_pb2,
-    generate_pb2,
-    models_pb2,
-    pooling_pb2,
-    tokenize_pb2,
-)
 from mmserve_client.types import (
     Classification,
     FinishReason,
@@ -31,6 +24,13 @@ from mmserve_client.types import (
     ToolCallDelta,
     TopLogprob,
     Usage,
+)
+from mmserve_client.v1 import (
+    common_pb2,
+    generate_pb2,
+    models_pb2,
+    pooling_pb2,
+    tokenize_pb2,
 )
 
 try:

@@ -13,7 +13,6 @@ import grpc.aio
 from mmserve_client import _requests, _responses
 from mmserve_client._channel import ClientBase
 from mmserve_client._chat import ChatKwargs, ChatOptions, chat_from_kwargs, chat_request
-from mmserve_client.v1 import models_pb2, tokenize_pb2
 from mmserve_client._requests import GenerateKwargs
 from mmserve_client.errors import MMServeError
 from mmserve_client.streams import AsyncGenerateStream
@@ -27,6 +26,7 @@ from mmserve_client.types import (
     TokenizeResult,
     Truncate,
 )
+from mmserve_client.v1 import models_pb2, tokenize_pb2
 
 Messages = Sequence[Mapping[str, Any]]
 

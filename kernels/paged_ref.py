@@ -1,0 +1,60 @@
+"""The paged KV cache in plain torch, one request at a time: the CPU attention backend's maths
+(mmserve.attention.torch_ref) and the references the Triton kernels are tested against. It
+imports no triton, so the CPU path can load it at any time.
+
+kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Stores each token's K/V at its slot. kv_cache: [2, num_blocks, block_size, Hkv, D]."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_blocks * block_size, Hkv, D]
+    flat[0].index_copy_(0, slots, k[keep].to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v[keep].to(kv_cache.dtype))
+
+
+def gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's first seq_len keys and values: two [seq_len, Hkv, D] tensors."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """q: [Q, H, D] at the last Q of S positions; k, v: [S, Hkv, D]. Returns [Q, H, D]."""
+    num_q, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    q_pos = torch.arange(seq_len - num_q, seq_len).unsqueeze(1)  # [Q, 1]
+    k_pos = torch.arange(seq_len).unsqueeze(0)  # [1, S]
+    allowed = torch.ones(num_q, seq_len, dtype=torch.bool)
+    if causal:
+        allowed &= k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
