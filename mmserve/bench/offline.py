@@ -58,7 +58,7 @@ def latency(engine: FrontEnd, input_len: int, output_len: int, repeats: int = 3)
         engine.add_request(f"lat-{r}", random_prompt(rng, input_len, engine.vocab_size), _fixed_length(output_len))
         stamps = []
         while engine.has_unfinished:
-            if any(d.token_ids for d in engine.step()):
+            if any(d.token_ids for d in engine.step_deltas()):
                 stamps.append(time.perf_counter())
         if r:
             prefill.append(stamps[0] - start)

@@ -182,7 +182,7 @@ def decode_run(
     decode_start, decode_steps = 0.0, 0
     sample = ""
     while engine.has_unfinished:
-        deltas = engine.step()
+        deltas = engine.step_deltas()
         now = time.perf_counter()
         if len(first) == len(prompts):  # every request had its first token before this step
             decode_steps += 1

@@ -130,7 +130,7 @@ def timed_request(engine: FrontEnd, image: PIL.Image.Image, phase: str, index: i
     engine.add_request(f"{phase}-{index}", ids, FIRST_TOKEN, mm_inputs=mm)
     first, cached = 0.0, 0
     while engine.has_unfinished:
-        for delta in engine.step():  # returns once the step's tokens are on the CPU
+        for delta in engine.step_deltas():  # returns once the step's tokens are on the CPU
             if delta.error:
                 raise RuntimeError(f"{phase} request {index} failed: {delta.error}")
             if delta.token_ids and not first:

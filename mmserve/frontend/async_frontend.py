@@ -9,7 +9,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from mmserve.errors import EngineDead, ResourceExhausted
@@ -85,7 +85,7 @@ class AsyncFrontEnd:
         *,
         field: str = "prompt",
         params_field: str = "",
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """Validates (InvalidArgument naming `field` or `params_field` + a parameter, before
         the first delta), then yields deltas until every choice has finished; leaving the
         iteration early aborts the request."""
@@ -152,7 +152,7 @@ class AsyncFrontEnd:
                     if result is None:
                         self._commands.put(_Abort(request_id))
 
-    async def _submit(self, job: GenerateJob) -> AsyncIterator[GenerationDelta]:
+    async def _submit(self, job: GenerateJob) -> AsyncGenerator[GenerationDelta, None]:
         if self.dead is not None:
             raise EngineDead(f"engine is dead: {self.dead}")
         with self._lock:

@@ -316,6 +316,10 @@ class FrontEnd:
         """The engine's news since the last call, as text deltas and pooled results."""
         return [self._news(o) for o in self.client.outputs() if o.request_id in self._choices]
 
+    def step_deltas(self) -> list[GenerationDelta]:
+        """step() for callers that run only generation requests (benchmarks)."""
+        return [d for d in self.step() if isinstance(d, GenerationDelta)]
+
     def _news(self, out: EngineOutput) -> GenerationDelta | PooledResult:
         choice = self._choices[out.request_id]
         if choice.detok is None:

@@ -278,7 +278,10 @@ def _padded(engine: FrontEnd, encoded: list[EncodedInput]) -> list[EncodedInput]
     if not length:
         return encoded
     pad_id = engine.tokenizer.pad_token_id
-    pad = [engine.info.pad_token_id if pad_id is None else pad_id]
+    pad_id = engine.info.pad_token_id if pad_id is None else pad_id
+    if pad_id is None:
+        return encoded
+    pad = [int(pad_id)]
     return [
         EncodedInput(e.token_ids + pad * (length - len(e.token_ids)), e.token_type_ids, e.mm_inputs)
         if len(e.token_ids) < length else e
