@@ -11,7 +11,9 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from mmserve import envs
+from mmserve.engine.messages import EngineInfo
 from mmserve.errors import InvalidArgument, ResourceExhausted
+from mmserve.frontend.frontend import FrontEnd
 from mmserve.outputs import TokenLogprob
 from mmserve.server import convert
 from mmserve.server.config import ModelSpec, ServerConfig
@@ -57,19 +59,35 @@ def test_set_sampling_fields_are_kept() -> None:
     ],
 )
 def test_bad_sampling_fields_are_named(fields: dict[str, Any], named: str) -> None:
+    """Server limits (n, max_tokens, seed) are refused by convert; the rest by the front end's
+    one validation, which names them under params."""
     with pytest.raises(InvalidArgument) as e:
-        convert.sampling_params(generate_pb2.SamplingParams(**fields), CONFIG)
+        p = convert.sampling_params(generate_pb2.SamplingParams(**fields), CONFIG)
+        _frontend().validate([1, 2, 3], p, field="token_ids", params_field="params.")
     assert e.value.field == named
+
+
+def _frontend(vocab: int = 10, context: int = 100) -> FrontEnd:
+    """A front end over an engine that only answers its EngineInfo (validation needs no more)."""
+    info = EngineInfo(
+        model_folder="", gguf_file=None, architecture="LlamaForCausalLM", tasks=("generate",),
+        max_model_len=context, vocab_size=vocab, logits_width=vocab, eos_token_ids=frozenset(),
+        device="cpu", dtype="float32", quantization="", num_kv_blocks=8, block_size=16,
+        hidden_size=8, uses_token_types=False,
+    )
+    client = SimpleNamespace(info=info)
+    return FrontEnd(client, tokenizer=None)  # type: ignore[arg-type]
 
 
 def test_model_checks_name_the_params_field() -> None:
     p = convert.sampling_params(generate_pb2.SamplingParams(max_tokens=50), CONFIG)
+    frontend = _frontend(vocab=10, context=100)
     with pytest.raises(InvalidArgument, match="params.max_tokens"):
-        convert.validate_for_model(p, vocab_size=10, prompt_len=60, context=100)
+        frontend.validate([1] * 60, p, params_field="params.")
     with pytest.raises(InvalidArgument, match="no room"):
-        convert.check_prompt("prompt", [1] * 100, vocab_size=10, limit=100)
+        frontend.validate([1] * 100, p, field="prompt", params_field="params.")
     with pytest.raises(InvalidArgument, match="token_ids: token id 10"):
-        convert.check_prompt("token_ids", [1, 10], vocab_size=10, limit=100)
+        frontend.validate([1, 10], p, field="token_ids", params_field="params.")
 
 
 def test_chat_messages_tools_and_kwargs() -> None:
