@@ -331,9 +331,9 @@ def test_engines_say_whether_their_weights_are_fp8(tmp_path: Path) -> None:
 
     src = make_tiny_model(tmp_path, "llama", name="model")
     save_fp8_checkpoint(src, tmp_path / "model-fp8", "channel", False)
-    assert LLM(str(tmp_path / "model-fp8")).engine.quantization == "fp8"  # the checkpoint's
-    assert LLM(str(src), quantization="fp8").engine.quantization == "fp8"  # quantised at load
-    assert LLM(str(src)).engine.quantization == ""
+    assert LLM(str(tmp_path / "model-fp8")).frontend.info.quantization == "fp8"  # the checkpoint's
+    assert LLM(str(src), quantization="fp8").frontend.info.quantization == "fp8"  # quantised at load
+    assert LLM(str(src)).frontend.info.quantization == ""
 
 
 @pytest.mark.parametrize(

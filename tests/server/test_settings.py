@@ -103,7 +103,7 @@ def test_llm_keywords_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         built.append(config)
         return SimpleNamespace(tokenizer=None)
 
-    monkeypatch.setattr(llm_module.LLMEngine, "from_config", fake_engine)
+    monkeypatch.setattr(llm_module.FrontEnd, "start", fake_engine)
     values = {s.name: s.parse(_text(s, 0, tmp_path)) for s in engine_settings()}
     llm_module.LLM("some/model", **values)
     (config,) = built
