@@ -104,9 +104,8 @@ class AsyncFrontEnd:
         """Pools several inputs as one command (they reach the engine together, so they share
         its steps) with one wakeup of the caller's loop when the last one finishes; their
         final deltas, in order. The first failure fails the batch and aborts the rest; so
-        does cancelling it."""
-        for item in inputs:  # here, so that a bad input fails before anything is sent
-            self.frontend.validate_pooling(item.token_ids, params, item.mm_inputs)
+        does cancelling it. The inputs come from a pooling plan's encode(), which checked
+        them."""
         if self.dead is not None:
             raise EngineDead(f"engine is dead: {self.dead}")
         count = len(inputs)

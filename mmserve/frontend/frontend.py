@@ -206,21 +206,6 @@ class FrontEnd:
             return
         check_placeholders(prompt_token_ids, self.images.image_token_id, mm_inputs, "prompt")
 
-    def validate_pooling(
-        self, prompt_token_ids: list[int], params: PoolingParams, mm_inputs: tuple[MMInput, ...] = ()
-    ) -> None:
-        params.validate(self.embedding_size)
-        if mm_inputs and not self.info.embeds_images:
-            raise InvalidArgument("inputs", "this model does not embed images")
-        if params.task not in self.info.pooler_tasks:
-            raise InvalidArgument("task", f"this model cannot pool for {params.task!r}")
-        if not prompt_token_ids:
-            raise InvalidArgument("inputs", "an input has no tokens")
-        self.check_token_ids(prompt_token_ids)
-        limit = self.info.max_pooling_len
-        if len(prompt_token_ids) > limit:
-            raise InvalidArgument("inputs", f"{len(prompt_token_ids)} tokens exceed the limit {limit}")
-
     @functools.cached_property
     def structured(self) -> StructuredOutputManager:
         """Compiles output constraints for this model (built on first use)."""
@@ -284,8 +269,9 @@ class FrontEnd:
         items: Sequence[tuple[str, list[int], list[int] | None, tuple[MMInput, ...]]],
         params: PoolingParams,
     ) -> None:
-        """Sends validated pooling inputs, (request id, token ids, segment ids, images)
-        each, as one batch; each gets one PooledResult."""
+        """Sends pooling inputs, (request id, token ids, segment ids, images) each, as one
+        batch; each gets one PooledResult. A pooling plan's encode() checked them (the one
+        validation of pooling inputs: frontend/pooling_plans.py)."""
         requests = []
         for request_id, ids, type_ids, mm_inputs in items:
             if request_id in self._parents:

@@ -166,9 +166,7 @@ def chunk_size(count: int, idle: bool = False) -> int:
 def run_sync(engine: FrontEnd, plan: PoolingPlan[T]) -> T:
     """Runs a plan on a synchronous engine (the offline API), stepping until all finish; on
     a failure the plan's other requests are aborted."""
-    inputs = plan.encode()
-    for item in inputs:
-        engine.validate_pooling(item.token_ids, plan.params, item.mm_inputs)
+    inputs = plan.encode()  # checked: the one validation of pooling inputs
     ids = {engine.new_request_id(): index for index in range(len(inputs))}
     pooled: list[torch.Tensor | None] = [None] * len(inputs)
     try:

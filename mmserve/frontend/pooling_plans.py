@@ -255,12 +255,12 @@ def _encode_with_images(
     """Texts and token ids as _encode does; each DecodedImage as one image input."""
     images = {i for i, item in enumerate(items) if isinstance(item, DecodedImage)}
     if not images:
-        return _padded(engine, _encode(engine, items, truncate, names))  # type: ignore[arg-type]
+        return _padded(engine, _encode(engine, items, truncate, names), names)  # type: ignore[arg-type]
     if not engine.info.embeds_images or engine.images is None:
         raise InvalidArgument(f"{names[min(images)]}.image", "this model does not embed images")
     texts = [i for i in range(len(items)) if i not in images]
     encoded = _encode(engine, [items[i] for i in texts], truncate, [names[i] for i in texts])  # type: ignore[misc]
-    encoded = _padded(engine, encoded)
+    encoded = _padded(engine, encoded, [names[i] for i in texts])
     out: list[EncodedInput] = []
     rest = iter(encoded)
     for i, item in enumerate(items):
@@ -272,11 +272,14 @@ def _encode_with_images(
     return out
 
 
-def _padded(engine: FrontEnd, encoded: list[EncodedInput]) -> list[EncodedInput]:
+def _padded(engine: FrontEnd, encoded: list[EncodedInput], names: list[str]) -> list[EncodedInput]:
     """Texts padded to the length the model was trained on (SigLIP: 64), if it says so."""
     length = engine.info.pad_text_to  # SigLIP's
     if not length:
         return encoded
+    limit = engine.info.max_pooling_len
+    if encoded and length > limit:  # the context was set shorter than the padded texts
+        raise InvalidArgument(names[0], f"{length} tokens exceed the limit {limit}")
     pad_id = engine.tokenizer.pad_token_id
     pad_id = engine.info.pad_token_id if pad_id is None else pad_id
     if pad_id is None:
