@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from mmserve.errors import EngineDead, ResourceExhausted
 from mmserve.frontend.frontend import FrontEnd, GenerateJob, GenerationDelta, PooledResult
 from mmserve.inputs import MMInput
-from mmserve.params import PoolingParams, SamplingParams
+from mmserve.params import PoolingParams
 
 logger = logging.getLogger(__name__)
 
@@ -75,26 +75,12 @@ class AsyncFrontEnd:
         self._thread.join(timeout=30)
         self.frontend.shutdown()
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        mm_inputs: tuple[MMInput, ...] = (),
-        *,
-        field: str = "prompt",
-        params_field: str = "",
-    ) -> AsyncGenerator[GenerationDelta, None]:
-        """Validates (InvalidArgument naming `field` or `params_field` + a parameter, before
-        the first delta), then yields deltas until every choice has finished; leaving the
+    async def generate(self, job: GenerateJob) -> AsyncGenerator[GenerationDelta, None]:
+        """Yields the deltas of a request FrontEnd.validate made until every choice has
+        finished (a constraint that fails to compile raises before the first); leaving the
         iteration early aborts the request."""
-        job = self.frontend.validate(
-            prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt,
-            mm_inputs=mm_inputs, field=field, params_field=params_field,
-        )
-        if params.structured is not None:  # compiling can take a while: not on the loop
-            await asyncio.to_thread(self.frontend.compile_grammar, params)
+        if job.params.structured is not None:  # compiling can take a while: not on the loop
+            await asyncio.to_thread(self.frontend.compile_grammar, job.params)
         async for item in self._submit(job):
             yield item
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mmserve.errors import EngineDead, InvalidArgument
+from mmserve.frontend.frontend import GenerateJob
 from mmserve.params import SamplingParams
 from mmserve.server import convert, tools
 from mmserve.server.config import ServerConfig
@@ -104,14 +105,10 @@ class Prepared:
     """A Generate request checked and ready for the engine."""
 
     handle: ModelHandle
-    request_id: str  # the caller's, or a generated one
-    field: str  # the request field of the prompt: "prompt", "chat" or "token_ids"
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
+    request_id: str  # the caller's, or a generated one: only echoed in the chunks
+    job: GenerateJob  # validated by the model's front end, under an id of the engine's own
     received: float  # time.monotonic() when the call arrived
     tools: ToolOutput | None = None  # how to read tool calls; None: the output is only text
-    mm_inputs: tuple[Any, ...] = ()  # the prompt's images (MMInput), placeholders expanded
 
 
 async def prepare(
@@ -121,8 +118,8 @@ async def prepare(
     received: float,
     images: ImageInputs | None = None,
 ) -> Prepared:
-    """The request as front-end values, with the server's own limits applied; InvalidArgument
-    names the field. The model's front end checks it against the model when it streams."""
+    """The request as front-end values with the server's own limits applied, then validated
+    once by the model's front end; InvalidArgument names the field."""
     structured = convert.structured_output(request, config.structured_output_backend)
     params = convert.sampling_params(request.params, config)
     chat = convert.chat_input(request.chat) if request.WhichOneof("input") == "chat" else None
@@ -137,9 +134,12 @@ async def prepare(
     reading = None
     if tool_request is not None:
         reading = _tool_output(request, tool_request, handle, config, ids, params)
-    request_id = request.request_id or uuid.uuid4().hex
-    salt = request.cache_salt or None
-    return Prepared(handle, request_id, field_name, ids, params, salt, received, reading, mm_inputs)
+    # The caller's request_id is only echoed: callers may reuse ids, the engine must not.
+    job = handle.frontend.validate(
+        ids, params, request_id=uuid.uuid4().hex, cache_salt=request.cache_salt or None,
+        mm_inputs=mm_inputs, field=field_name, params_field="params.",
+    )
+    return Prepared(handle, request.request_id or uuid.uuid4().hex, job, received, reading)
 
 
 def _tool_output(
@@ -198,7 +198,7 @@ class _Stream:
                     convert.prompt_logprobs(delta.prompt_logprobs, handle.token_text)
                 )
         if delta.finish_reason is not None:
-            prompt_len = len(self.prep.prompt_token_ids)
+            prompt_len = len(self.prep.job.prompt_token_ids)
             out.usage.CopyFrom(
                 convert.usage(prompt_len, choice.completion_tokens, delta.num_cached_tokens)
             )
@@ -227,13 +227,8 @@ async def stream(prep: Prepared) -> AsyncIterator[generate_pb2.GenerateResponse]
     """The engine's deltas as chunks. Leaving early (the call is cancelled or its deadline
     passes) closes the engine's iterator, which aborts the request and frees its KV blocks."""
     handle = prep.handle
-    # The caller's request_id is only echoed: callers may reuse ids, the engine must not.
-    engine_id = uuid.uuid4().hex
     state = _Stream(prep, queued=time.monotonic())
-    deltas = handle.engine.generate(
-        prep.prompt_token_ids, prep.params, engine_id, prep.cache_salt, prep.mm_inputs,
-        field=prep.field, params_field="params.",
-    )
+    deltas = handle.engine.generate(prep.job)
     try:
         async with aclosing(deltas):
             async for delta in deltas:

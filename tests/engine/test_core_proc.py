@@ -203,7 +203,8 @@ def test_crash_fails_in_flight_requests(llama: tuple[FrontEnd, FrontEnd]) -> Non
 
     async def go() -> None:
         first = True
-        async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=200, temperature=0)):
+        job = remote.validate([1, 2, 3], SamplingParams(max_tokens=200, temperature=0))
+        async for _ in engine.generate(job):
             if first:
                 pid = _client(remote).pid
                 assert pid is not None

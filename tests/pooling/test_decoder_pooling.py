@@ -84,7 +84,7 @@ def test_generate_and_embed_concurrently_equal_alone(tiny_models: Callable[[str]
 
     async def generate(log: list[str] | None = None) -> list[int]:
         tokens: list[int] = []
-        async for delta in engine.generate(prompt, params):
+        async for delta in engine.generate(engine.frontend.validate(prompt, params)):
             tokens += delta.token_ids
             if log is not None:
                 log.append("token")
