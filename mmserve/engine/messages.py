@@ -68,7 +68,6 @@ class EngineInfo(msgspec.Struct, frozen=True):
     quantization: str  # of the loaded weights: "fp8", or "" when unquantised
     num_kv_blocks: int  # 0 for encoders (no KV cache)
     block_size: int  # tokens per KV block
-    hidden_size: int  # the model's hidden size
     uses_token_types: bool  # reads segment ids (BERT pairs)
     score_method: str | None = None  # "cross-encoder" | "cosine" | "yes-token"; None: no Score
     labels: tuple[str, ...] = ()  # a classifier's label names, by label id

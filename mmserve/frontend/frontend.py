@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +27,6 @@ from mmserve.processors.detokenizer import IncrementalDetokenizer
 from mmserve.processors.tokenizer import load_tokenizer
 from mmserve.structured_output.backend import CompiledGrammar
 from mmserve.structured_output.manager import StructuredOutputManager
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -128,8 +125,8 @@ class FrontEnd:
 
     @property
     def embedding_size(self) -> int | None:
-        """Full embedding size (the bound of Matryoshka `dimensions`)."""
-        return self.info.embedding_size or self.info.hidden_size or None
+        """Full embedding size (the bound of Matryoshka `dimensions`); None: no embeddings."""
+        return self.info.embedding_size
 
     def shutdown(self) -> None:
         self.client.shutdown()

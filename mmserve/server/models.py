@@ -197,5 +197,5 @@ def _facts(spec: ModelSpec, info: EngineInfo) -> ModelFacts:
         supports_images=info.reads_images or info.embeds_images,
         score_method=info.score_method,
         labels=info.labels,
-        embedding_dimension=(info.embedding_size or info.hidden_size) if "embed" in info.tasks else 0,
+        embedding_dimension=info.embedding_size or 0,  # set exactly where "embed" is a task
     )

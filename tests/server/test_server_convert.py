@@ -73,7 +73,7 @@ def _frontend(vocab: int = 10, context: int = 100) -> FrontEnd:
         model_folder="", gguf_file=None, architecture="LlamaForCausalLM", tasks=("generate",),
         max_model_len=context, vocab_size=vocab, logits_width=vocab, eos_token_ids=frozenset(),
         device="cpu", dtype="float32", quantization="", num_kv_blocks=8, block_size=16,
-        hidden_size=8, uses_token_types=False,
+        uses_token_types=False,
     )
     client = SimpleNamespace(info=info)
     return FrontEnd(client, tokenizer=None)  # type: ignore[arg-type]
