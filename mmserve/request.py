@@ -36,9 +36,11 @@ _FINISHED = {
 @dataclass
 class Request:
     """The engine's state of one sequence: a generation, or one pooling input (pooling set:
-    its whole input runs in one step and is pooled, nothing is sampled). Invariant: num_computed_tokens <= num_tokens; the scheduler
-    lets num_computed_tokens catch up with num_tokens, and a token is sampled whenever the two
-    meet. There is no prefill or decode phase."""
+    its whole input runs in one step and is pooled, nothing is sampled).
+
+    Invariant: num_computed_tokens <= num_tokens; the scheduler lets num_computed_tokens catch
+    up with num_tokens, and a token is sampled whenever the two meet. There is no prefill or
+    decode phase."""
 
     request_id: str
     prompt_token_ids: list[int]

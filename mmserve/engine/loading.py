@@ -24,6 +24,7 @@ from mmserve.models.loader import (
 )
 from mmserve.models.registry import architecture_of
 from mmserve.processors.tokenizer import eos_token_ids, load_tokenizer, vocab_size
+from mmserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096  # when the config states no limit
@@ -57,8 +58,6 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     eos = frozenset(eos_token_ids(tokenizer, getattr(gen_config, "eos_token_id", None)))
     structured = None
     if "generate" in setup.tasks:
-        from mmserve.structured_output.manager import StructuredOutputManager
-
         structured = StructuredOutputManager(tokenizer, model.vocab_size, sorted(eos))
     core = EngineCore(
         config, model, model_max_len, device, dtype, pooler=setup.pooler, structured=structured
@@ -97,7 +96,6 @@ def engine_info(
         quantization=core.quantization,
         num_kv_blocks=core.num_kv_blocks,
         block_size=core.config.cache.block_size,
-        hidden_size=model.hidden_size,
         uses_token_types=model.type_vocab_size > 1,
         score_method=setup.score_method,
         labels=setup.labels,

@@ -16,6 +16,7 @@ from torch import nn
 
 from mmserve.attention import AttentionMetadata
 from mmserve.errors import InvalidArgument
+from mmserve.inputs import grid_thw
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, as an image processor's image_grid_thw
 
@@ -39,7 +40,7 @@ def image_grid(data: Mapping[str, torch.Tensor], merge_size: int) -> Grid:
     grid = data["image_grid_thw"]
     if grid.numel() != 3:
         raise InvalidArgument("image_grid_thw", f"shape {tuple(grid.shape)}, expected [1, 3]")
-    t, h, w = (int(x) for x in grid.reshape(3).tolist())
+    t, h, w = grid_thw(data)
     if h % merge_size or w % merge_size:
         raise InvalidArgument("image_grid_thw", f"{(t, h, w)}: h, w not multiples of merge")
     if data["pixel_values"].shape[0] != t * h * w:

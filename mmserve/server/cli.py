@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_argument(parser: argparse.ArgumentParser, s: Setting) -> None:
     """One setting's flag; its dest is the setting's name and its default None (= not given)."""
     text = s.flag_help.replace("%", "%%")  # argparse %-formats help texts
-    if s.owner is ServeOptions and s.name == "model":
+    if _is_model_list(s):
         parser.add_argument("model", nargs="*", metavar="MODEL", help=text)
     elif s.is_bool:
         parser.add_argument(s.flag, action=argparse.BooleanOptionalAction, help=text)
@@ -112,8 +112,13 @@ def settings_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def _is_model_list(s: Setting) -> bool:
+    """ServeOptions.model: the positional MODEL arguments, not a flag."""
+    return s.owner is ServeOptions and s.name == "model"
+
+
 def _flag_text(s: Setting) -> str:
-    if s.owner is ServeOptions and s.name == "model":
+    if _is_model_list(s):
         return "MODEL ..."
     return f"--[no-]{s.flag[2:]}" if s.is_bool else s.flag
 
