@@ -146,10 +146,8 @@ class InputEncoder:
             before, rest = text.split(_QUERY)
             middle, after = rest.split(_DOCUMENT)
             plain = self._rust("none")
-            self._yes_no_parts = tuple(  # type: ignore[assignment]
-                plain.encode(part, add_special_tokens=False).ids for part in (before, middle, after)
-            )
-        assert self._yes_no_parts is not None
+            ids = [plain.encode(part, add_special_tokens=False).ids for part in (before, middle, after)]
+            self._yes_no_parts = (ids[0], ids[1], ids[2])
         return self._yes_no_parts
 
 

@@ -29,7 +29,7 @@ def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc has no stubs
     """Refuses calls without a valid key with UNAUTHENTICATED, before any handler runs."""
 
     def __init__(self, keys: Sequence[str]) -> None:

@@ -80,7 +80,7 @@ class MMServer:
         address = _address(self.config.host, self.config.port)
         creds = server_credentials(self.config)
         try:
-            port = (
+            port: int = (
                 server.add_secure_port(address, creds)
                 if creds
                 else server.add_insecure_port(address)

@@ -44,8 +44,8 @@ async def tokenize(
 def _with_special_tokens(tokenizer: Any, text: str, ids: list[int]) -> list[int]:
     """ids (the rendered chat, images expanded) wrapped in the special tokens the tokenizer
     adds around `text` (e.g. BOS in front)."""
-    plain = tokenizer.encode(text, add_special_tokens=False)
-    full = tokenizer.encode(text, add_special_tokens=True)
+    plain: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    full: list[int] = tokenizer.encode(text, add_special_tokens=True)
     for start in range(len(full) - len(plain) + 1):
         if full[start : start + len(plain)] == plain:
             return full[:start] + ids + full[start + len(plain) :]
