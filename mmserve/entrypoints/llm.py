@@ -9,8 +9,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from mmserve.config import EngineConfig
-from mmserve.errors import InvalidArgument
 from mmserve.frontend import pooling as pooling_api
+from mmserve.frontend.chat import ChatInput
 from mmserve.frontend.frontend import FrontEnd, GenerateJob, GenerationDelta
 from mmserve.frontend.pooling_inputs import TextOrIds
 from mmserve.outputs import CompletionOutput, RequestOutput
@@ -63,24 +63,14 @@ class LLM:
         """One conversation (a list of messages) or a list of conversations. A content part
         {"type": "image", "image": PIL image | bytes | path} puts an image in (models that
         read images)."""
-        from mmserve.processors.chat_template import render_and_tokenize
-
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded, images = [], []
         for conv in conversations:
             conv, decoded, fields = _take_images(conv)  # type: ignore[arg-type]
-            text, ids = render_and_tokenize(
-                self.tokenizer, conv, add_generation_prompt, tools, template_kwargs,
-                allow_images=bool(decoded),
-            )
-            mm: tuple[Any, ...] = ()
-            if decoded:
-                images_in = self.frontend.images
-                if images_in is None or not self.frontend.info.reads_images:
-                    raise InvalidArgument(fields[0], "this model does not read images")
-                ids, mm = images_in.process(ids, decoded, fields)
-            encoded.append((text, ids))
-            images.append(mm)
+            chat = ChatInput(conv, tools, add_generation_prompt, template_kwargs or {}, None, fields)
+            prompt = self.frontend.render_chat(chat, decoded)
+            encoded.append((prompt.text, prompt.token_ids))
+            images.append(prompt.mm_inputs)
         return self._run(encoded, params, use_tqdm, cache_salt, images)
 
     @property

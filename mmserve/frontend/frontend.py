@@ -1,5 +1,6 @@
-"""One model's front end: validation (once, into typed engine requests), the output side
-(detokenising, stop strings, n > 1 fan-in) and the engine client it drives.
+"""One model's front end: chats into prompts (chat.py), validation (once, into typed engine
+requests), the output side (detokenising, stop strings, n > 1 fan-in; tool calls:
+tool_stream.py) and the engine client it drives.
 
 It reads the engine's EngineInfo, never the runner or the model. Synchronous and
 single-threaded on its engine side (add_* and step); AsyncFrontEnd runs that on a thread.
@@ -18,12 +19,16 @@ from mmserve.engine.client import EngineClient, InProcessClient, start_engine
 from mmserve.engine.engine_core import EngineCore
 from mmserve.engine.messages import EngineInfo, EngineOutput, EngineRequest
 from mmserve.errors import InvalidArgument
+from mmserve.frontend import chat
 from mmserve.frontend.images import ImagePrompts, check_placeholders
 from mmserve.frontend.pooling_inputs import InputEncoder
+from mmserve.frontend.tool_stream import ToolOutput
+from mmserve.frontend.tools import ToolRequest
 from mmserve.inputs import MMInput
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams, SamplingParams
 from mmserve.processors.detokenizer import IncrementalDetokenizer
+from mmserve.processors.images import DecodedImage
 from mmserve.processors.tokenizer import load_tokenizer
 from mmserve.structured_output.backend import CompiledGrammar
 from mmserve.structured_output.manager import StructuredOutputManager
@@ -141,6 +146,30 @@ class FrontEnd:
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
+
+    # -- chats: prompts and the reading of tool calls -----------------------------------
+
+    def render_chat(
+        self, conversation: chat.ChatInput, images: Sequence[DecodedImage] = ()
+    ) -> chat.ChatPrompt:
+        """The chat's prompt text, token ids and images (blocking: off the event loop)."""
+        prompts = self.images if self.info.reads_images else None
+        return chat.render(self.tokenizer, prompts, conversation, images)
+
+    def read_tools(
+        self,
+        request: ToolRequest,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        backend: str,
+        parser_name: str | None = None,
+    ) -> ToolOutput:
+        """How a chat's output is read for tool calls (chat.read_tools: under a forced
+        tool_choice it sets params.structured, with `backend`)."""
+        return chat.read_tools(
+            request, self.tokenizer, self.info.architecture, prompt_token_ids, params, backend,
+            parser_name,
+        )
 
     # -- validation: every check that needs the model, once ------------------------------
 

@@ -10,14 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.errors import InvalidArgument
+from mmserve.frontend.chat import ChatInput
+from mmserve.frontend.tools import ToolRequest, tool_request, tool_spec
 from mmserve.outputs import TokenLogprob
 from mmserve.params import SamplingParams
 from mmserve.processors.images import ImageSource
+from mmserve.processors.tool_parsers import ToolCallDelta
 from mmserve.server.config import ServerConfig
 from mmserve.server.errors import Unimplemented
 from mmserve.server.images import image_source
 from mmserve.server.models import ModelHandle, Task
-from mmserve.server.tools import ToolRequest, chat_tools
 from mmserve.structured_output.params import StructuredOutputParams
 from mmserve_client.v1 import common_pb2, generate_pb2, models_pb2
 
@@ -123,18 +125,14 @@ def structured_backend(request: generate_pb2.GenerateRequest, default_backend: s
 
 
 @dataclass
-class ChatInput:
-    """A Chat proto as the chat-template processor takes it."""
+class ProtoChat(ChatInput):
+    """A Chat proto as the front end takes it, with its images' sources (the server loads
+    them: its media directory and uuid registry)."""
 
-    messages: list[dict[str, Any]]  # OpenAI-style message dicts
-    tools: list[dict[str, Any]] | None  # OpenAI-style function tools; None = no tools
-    add_generation_prompt: bool
-    template_kwargs: dict[str, object]  # parsed values, checked against the allow-list later
-    tool_request: ToolRequest | None = None  # what is asked of tool calls; None = no calls
-    images: list[tuple[str, ImageSource]] = field(default_factory=list)  # (field, source), in order
+    sources: list[ImageSource] = field(default_factory=list)  # one per chat.image_fields
 
 
-def chat_input(chat: generate_pb2.Chat) -> ChatInput:
+def chat_input(chat: generate_pb2.Chat) -> ProtoChat:
     add_generation_prompt = _opt(chat, "add_generation_prompt", True)
     if chat.continue_final_message:
         if add_generation_prompt:
@@ -142,16 +140,57 @@ def chat_input(chat: generate_pb2.Chat) -> ChatInput:
                 "chat.continue_final_message", "needs add_generation_prompt false"
             )
         raise Unimplemented("chat.continue_final_message: not supported yet")
-    tools, tool_request = chat_tools(chat)
+    request = chat_tools(chat)
     images: list[tuple[str, ImageSource]] = []
-    return ChatInput(
+    return ProtoChat(
         messages=[_message(f"chat.messages[{i}]", m, images) for i, m in enumerate(chat.messages)],
-        tools=tools,
+        tools=[s.template() for s in request.tools] if request is not None else None,
         add_generation_prompt=add_generation_prompt,
         template_kwargs={k: _json_or_text(v) for k, v in chat.template_kwargs.items()},
-        tool_request=tool_request,
-        images=images,
+        tool_request=request,
+        image_fields=[f for f, _ in images],
+        sources=[source for _, source in images],
     )
+
+
+def chat_tools(chat: generate_pb2.Chat) -> ToolRequest | None:
+    """The chat's tools and tool_choice; None when no tool can be called (no tools, or
+    tool_choice none: then the model does not see them either)."""
+    specs = [
+        tool_spec(f"chat.tools[{i}]", t.name, t.parameters_json, t.strict, t.description)
+        for i, t in enumerate(chat.tools)
+    ]
+    mode, function = _tool_choice(chat)
+    return tool_request(specs, mode, function)
+
+
+_ToolMode = generate_pb2.ToolChoice
+_TOOL_MODES = {
+    _ToolMode.MODE_UNSPECIFIED: "auto",
+    _ToolMode.MODE_AUTO: "auto",
+    _ToolMode.MODE_NONE: "none",
+    _ToolMode.MODE_REQUIRED: "required",
+}
+
+
+def _tool_choice(chat: generate_pb2.Chat) -> tuple[str, str]:
+    """(mode, function name); unset is auto (with tools; without, nothing can be called)."""
+    which = chat.tool_choice.WhichOneof("choice") if chat.HasField("tool_choice") else None
+    if which == "function_name":
+        return "function", chat.tool_choice.function_name
+    mode = chat.tool_choice.mode if which == "mode" else _ToolMode.MODE_UNSPECIFIED
+    if mode not in _TOOL_MODES:
+        raise InvalidArgument("chat.tool_choice.mode", f"unknown mode {mode}")
+    return _TOOL_MODES[mode], ""
+
+
+def call_deltas(calls: Sequence[ToolCallDelta]) -> list[generate_pb2.ToolCallDelta]:
+    return [
+        generate_pb2.ToolCallDelta(
+            index=c.index, id=c.id, name=c.name, arguments_delta=c.arguments_delta
+        )
+        for c in calls
+    ]
 
 
 def _message(

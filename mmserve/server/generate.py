@@ -14,15 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mmserve.errors import EngineDead, InvalidArgument
-from mmserve.frontend.frontend import GenerateJob
-from mmserve.params import SamplingParams
-from mmserve.server import convert, tools
+from mmserve.frontend.chat import ChatPrompt
+from mmserve.frontend.frontend import GenerateJob, GenerationDelta
+from mmserve.frontend.tool_stream import ChoiceToolStream, ToolOutput
+from mmserve.inputs import MMInput
+from mmserve.processors.images import DecodedImage
+from mmserve.server import convert
 from mmserve.server.config import ServerConfig
 from mmserve.server.errors import EngineFailed
 from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle
-from mmserve.server.tool_stream import ChoiceToolStream, ToolOutput, call_deltas, tool_output
-from mmserve.server.tools import ToolRequest
 from mmserve_client.v1 import generate_pb2
 
 T = TypeVar("T")
@@ -39,49 +40,32 @@ async def off_loop(size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -
 
 async def render_chat(
     handle: ModelHandle, chat: generate_pb2.Chat, images: ImageInputs | None, namespace: str = ""
-) -> tuple[str, list[int]]:
-    """The chat's prompt text and token ids (images expanded), as Generate feeds them."""
-    text, ids, _ = await chat_prompt(handle, convert.chat_input(chat), images, namespace)
-    return text, ids
+) -> ChatPrompt:
+    """The chat's prompt (images expanded), as Generate feeds it."""
+    return await chat_prompt(handle, convert.chat_input(chat), images, namespace)
 
 
 async def chat_prompt(
-    handle: ModelHandle, c: convert.ChatInput, images: ImageInputs | None, namespace: str = ""
-) -> tuple[str, list[int], tuple[Any, ...]]:
-    """(prompt text, token ids, MMInputs): rendered, tokenised, each image's placeholder
-    expanded to its tokens. `namespace` (the cache_salt) scopes image uuids."""
-    from mmserve.processors.chat_template import render_and_tokenize
-
-    decoded: list[Any] = []
-    prompts = handle.frontend.images if handle.frontend.info.reads_images else None
-    if c.images:
-        first = c.images[0][0]
-        if prompts is None or images is None:
-            raise InvalidArgument(first, f"model {handle.name!r} does not read images")
-        decoded = await images.load(c.images, "chat.messages", namespace)
-    # Templates are arbitrary jinja: always off the loop.
-    text, ids = await asyncio.to_thread(
-        render_and_tokenize,
-        handle.tokenizer,
-        c.messages,
-        c.add_generation_prompt,
-        c.tools,
-        c.template_kwargs,
-        allow_images=bool(c.images),
-    )
-    if not decoded or prompts is None:
-        return text, ids, ()
-    fields = [f for f, _ in c.images]
-    ids, mm_inputs = await asyncio.to_thread(prompts.process, ids, decoded, fields)
-    return text, ids, mm_inputs
+    handle: ModelHandle, c: convert.ProtoChat, images: ImageInputs | None, namespace: str = ""
+) -> ChatPrompt:
+    """The chat's images loaded (`namespace`, the cache_salt, scopes their uuids), then
+    rendered by the model's front end; templates are arbitrary jinja: always off the loop."""
+    decoded: list[DecodedImage] = []
+    if c.sources:
+        if images is None or not handle.frontend.info.reads_images:
+            raise InvalidArgument(c.image_fields[0], f"model {handle.name!r} does not read images")
+        decoded = await images.load(
+            list(zip(c.image_fields, c.sources)), "chat.messages", namespace
+        )
+    return await asyncio.to_thread(handle.frontend.render_chat, c, decoded)
 
 
 async def prompt_ids(
     request: generate_pb2.GenerateRequest,
     handle: ModelHandle,
-    chat: convert.ChatInput | None = None,
+    chat: convert.ProtoChat | None = None,
     images: ImageInputs | None = None,
-) -> tuple[str, list[int], tuple[Any, ...]]:
+) -> tuple[str, list[int], tuple[MMInput, ...]]:
     """(the input field's name, its token ids, its images as MMInputs); `chat`:
     request.chat, converted already."""
     kind = request.WhichOneof("input")
@@ -93,8 +77,8 @@ async def prompt_ids(
         ), ()
     if kind == "chat":
         c = chat or convert.chat_input(request.chat)
-        _, ids, mm_inputs = await chat_prompt(handle, c, images, request.cache_salt)
-        return kind, ids, mm_inputs
+        prompt = await chat_prompt(handle, c, images, request.cache_salt)
+        return kind, prompt.token_ids, prompt.mm_inputs
     if kind == "token_ids":
         return kind, list(request.token_ids.ids), ()
     raise InvalidArgument("input", "set one of prompt, chat or token_ids")
@@ -132,37 +116,15 @@ async def prepare(
     params.structured = structured  # validated on its own: its errors name structured.*
     tool_request = chat.tool_request if chat is not None else None
     reading = None
-    if tool_request is not None:
-        reading = _tool_output(request, tool_request, handle, config, ids, params)
+    if tool_request is not None:  # under a forced tool_choice this constrains params
+        backend = convert.structured_backend(request, config.structured_output_backend)
+        reading = handle.frontend.read_tools(tool_request, ids, params, backend, config.tool_parser)
     # The caller's request_id is only echoed: callers may reuse ids, the engine must not.
     job = handle.frontend.validate(
         ids, params, request_id=uuid.uuid4().hex, cache_salt=request.cache_salt or None,
         mm_inputs=mm_inputs, field=field_name, params_field="params.",
     )
     return Prepared(handle, request.request_id or uuid.uuid4().hex, job, received, reading)
-
-
-def _tool_output(
-    request: generate_pb2.GenerateRequest,
-    tool_request: ToolRequest,
-    handle: ModelHandle,
-    config: ServerConfig,
-    ids: list[int],
-    params: SamplingParams,
-) -> ToolOutput:
-    """Reading tool calls, and the constraint of a forced tool_choice (into params)."""
-    parser = tools.tool_parser(
-        handle.tokenizer.chat_template, handle.facts.architecture, config.tool_parser
-    )
-    if tool_request.forced:
-        if params.structured is not None:
-            raise InvalidArgument(
-                f"structured.{params.structured.kind}",
-                "cannot be combined with a forced chat.tool_choice (it constrains the output)",
-            )
-        backend = convert.structured_backend(request, config.structured_output_backend)
-        params.structured = tools.forced_constraint(tool_request, backend)
-    return tool_output(tool_request, parser, handle.tokenizer, ids, params)
 
 
 @dataclass
@@ -181,7 +143,7 @@ class _Stream:
     sent_any: bool = False
     tool_streams: dict[int, ChoiceToolStream] = field(default_factory=dict)
 
-    def chunk(self, delta: Any) -> generate_pb2.GenerateResponse:
+    def chunk(self, delta: GenerationDelta) -> generate_pb2.GenerateResponse:
         handle, now = self.prep.handle, time.monotonic()
         out = convert.response(delta, self.prep.request_id, handle.token_text)
         choice = self.choices.setdefault(delta.index, _Choice())
@@ -210,15 +172,16 @@ class _Stream:
         return out
 
     def _tool_calls(
-        self, tools: ToolOutput, out: generate_pb2.GenerateResponse, delta: Any
+        self, tools: ToolOutput, out: generate_pb2.GenerateResponse, delta: GenerationDelta
     ) -> None:
         """The chunk's text as content and tool calls; TOOL_CALLS when the choice stopped
         (EOS, stop token or string, or its grammar completed) after making calls."""
         stream = self.tool_streams.get(delta.index)
         if stream is None:
             stream = self.tool_streams[delta.index] = tools.stream()
-        out.text, calls = stream.update(delta)
-        out.tool_calls.extend(call_deltas(calls))
+        done = delta.finish_reason is not None
+        out.text, calls = stream.update(delta.text, delta.token_ids, done)
+        out.tool_calls.extend(convert.call_deltas(calls))
         if delta.finish_reason == "stop" and stream.num_calls:
             out.finish_reason = generate_pb2.FINISH_REASON_TOOL_CALLS
 

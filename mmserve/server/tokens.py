@@ -26,7 +26,8 @@ async def tokenize(
             len(request.text), tokenizer.encode, request.text, add_special_tokens=add_special
         )
     elif kind == "chat":
-        text, ids = await render_chat(handle, request.chat, images)
+        prompt = await render_chat(handle, request.chat, images)
+        text, ids = prompt.text, prompt.token_ids
         if explicit:  # the template placed its own special tokens; add the tokenizer's too
             ids = await off_loop(len(text), _with_special_tokens, tokenizer, text, ids)
     else:

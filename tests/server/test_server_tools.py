@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -18,12 +17,12 @@ from tokenizers import AddedToken
 
 from mmserve import envs
 from mmserve.errors import InvalidArgument
+from mmserve.frontend.tool_stream import tool_output
+from mmserve.frontend.tools import ToolRequest, ToolSpec, forced_constraint
 from mmserve.params import SamplingParams
 from mmserve.processors.tool_parsers import ToolCallDelta, get_parser
 from mmserve.server.cli import build_parser, server_config
 from mmserve.server.config import ModelSpec, ServerConfig
-from mmserve.server.tool_stream import tool_output
-from mmserve.server.tools import ToolRequest, ToolSpec, forced_constraint
 from mmserve_client import Client, MMServeError, ToolCall
 from tests.server.conftest import ServerThread, serve
 from tests.utils.tiny_models import make_tiny_model, make_tiny_tokenizer
@@ -282,10 +281,7 @@ def test_markers_that_are_special_tokens_reach_the_parser() -> None:
     ids = tokenizer.encode(output, add_special_tokens=False)
     stream, text, calls = reading.stream(), "", list[ToolCallDelta]()
     for i, token in enumerate(ids):  # the engine's text (no markers) is not what is parsed
-        delta = SimpleNamespace(text="?", token_ids=[token], finish_reason=None)
-        if i == len(ids) - 1:
-            delta.finish_reason = "stop"
-        content, new = stream.update(delta)
+        content, new = stream.update("?", [token], done=i == len(ids) - 1)
         text, calls = text + content, calls + new
     assert text == "Hi" and [(c.name, c.arguments_delta) for c in calls] == [("f", '{"a":1}')]
     assert stream.num_calls == 1

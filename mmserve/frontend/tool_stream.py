@@ -1,4 +1,4 @@
-"""Tool calling in Generate, the output side: each choice's deltas -> content and calls.
+"""Tool calling, the output side: each choice's new tokens and text -> content and calls.
 
 Under tool_choice auto the model's parser reads the text. Some formats mark calls with
 special tokens (`<|python_tag|>`, `[TOOL_CALLS]`), which the engine's text drops under
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import InvalidArgument
+from mmserve.frontend.tools import ToolRequest
 from mmserve.params import SamplingParams
 from mmserve.processors.detokenizer import IncrementalDetokenizer
 from mmserve.processors.tool_parsers import (
@@ -36,9 +37,7 @@ from mmserve.processors.tool_parsers.base import (
     decode_json_prefix,
     random_call_id,
 )
-from mmserve.server.tools import ToolRequest
 from mmserve.structured_output.vocab import special_token_ids
-from mmserve_client.v1 import generate_pb2
 
 
 class ForcedCallStream(StreamingToolParser):
@@ -176,10 +175,13 @@ class ChoiceToolStream:
         self._drop_ids = drop_ids
         self.num_calls = 0
 
-    def update(self, delta: Any) -> tuple[str, list[ToolCallDelta]]:
-        """delta: a GenerationDelta of this choice."""
-        done = delta.finish_reason is not None
-        text = delta.text if self._detok is None else self._retext(delta.token_ids, done)
+    def update(
+        self, text: str, token_ids: Sequence[int], done: bool
+    ) -> tuple[str, list[ToolCallDelta]]:
+        """A choice's news (its GenerationDelta's text and token ids; done: it finished) ->
+        (content text, tool-call deltas)."""
+        if self._detok is not None:
+            text = self._retext(token_ids, done)
         out = self._parser.feed(text)
         if done:
             out += self._parser.finish()
@@ -192,11 +194,3 @@ class ChoiceToolStream:
         text = self._detok.update([t for t in token_ids if t not in self._drop_ids]).text_delta
         return text + self._detok.finish().text_delta if done else text
 
-
-def call_deltas(calls: Sequence[ToolCallDelta]) -> list[generate_pb2.ToolCallDelta]:
-    return [
-        generate_pb2.ToolCallDelta(
-            index=c.index, id=c.id, name=c.name, arguments_delta=c.arguments_delta
-        )
-        for c in calls
-    ]

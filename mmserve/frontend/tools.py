@@ -1,5 +1,6 @@
-"""Tool calling in Generate, the request side: a Chat's tools and tool_choice, the parser
-that reads a model's calls, and the constraint that enforces a forced tool_choice.
+"""Tool calling, the request side: a chat's tools and tool_choice, the parser that reads a
+model's calls, and the constraint that enforces a forced tool_choice. (server/convert.py
+turns the Chat proto into these; tool_stream.py reads the output.)
 
 - auto (the default when there are tools): the tools are rendered into the prompt and the
   model decides. Its output is read by the model's tool-call parser (found from its chat
@@ -20,6 +21,7 @@ lets through); with a forced tool_choice, which is a constraint itself, it is re
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +30,7 @@ from mmserve.processors.tool_parsers import Accept, ToolParser, get_parser, pars
 from mmserve.structured_output.keywords import OUTLINES_RULES, XGRAMMAR_RULES
 from mmserve.structured_output.params import StructuredOutputParams
 from mmserve.structured_output.schema_check import check_schema
-from mmserve_client.v1 import generate_pb2
 
-_Mode = generate_pb2.ToolChoice
 _RULES = {rules.backend: rules for rules in (XGRAMMAR_RULES, OUTLINES_RULES)}
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
 # Schema keywords whose values are data, not subschemas: a "$ref" in there is not a reference.
@@ -80,54 +80,40 @@ class ToolRequest:
         return accept
 
 
-def chat_tools(chat: generate_pb2.Chat) -> tuple[list[dict[str, Any]] | None, ToolRequest | None]:
-    """(tools for the chat template, the ToolRequest); (None, None) when no tool can be
-    called (no tools, or tool_choice none). Raises InvalidArgument naming the field."""
-    specs = [_tool(f"chat.tools[{i}]", t) for i, t in enumerate(chat.tools)]
+def tool_request(specs: Sequence[ToolSpec], mode: str, function: str = "") -> ToolRequest | None:
+    """What a chat asks of tool calling; None when no tool can be called (no tools, or mode
+    "none"). mode: "auto" | "none" | "required" | "function" (then `function` names the tool
+    that must be called). InvalidArgument names the field (`chat.tool_choice.*`, a tool's)."""
     names = [s.name for s in specs]
     for spec in specs:
         if names.count(spec.name) > 1:
             raise InvalidArgument(f"{spec.field}.name", f"{spec.name!r} is repeated")
-    mode, function = _choice(chat, names)
+    if mode == "function" and function not in names:
+        raise InvalidArgument(
+            "chat.tool_choice.function_name", f"{function!r} is not one of chat.tools {names}"
+        )
+    if mode == "required" and not names:
+        raise InvalidArgument("chat.tool_choice.mode", "MODE_REQUIRED needs chat.tools")
     if mode == "none" or not specs:
-        return None, None
-    return [s.template() for s in specs], ToolRequest(tuple(specs), mode, function)
+        return None
+    return ToolRequest(tuple(specs), mode, function if mode == "function" else "")
 
 
-def _choice(chat: generate_pb2.Chat, names: list[str]) -> tuple[str, str]:
-    """(mode, function name); unset is auto with tools, none without."""
-    which = chat.tool_choice.WhichOneof("choice") if chat.HasField("tool_choice") else None
-    if which == "function_name":
-        name = chat.tool_choice.function_name
-        if name not in names:
-            raise InvalidArgument(
-                "chat.tool_choice.function_name", f"{name!r} is not one of chat.tools {names}"
-            )
-        return "function", name
-    mode = chat.tool_choice.mode if which == "mode" else _Mode.MODE_UNSPECIFIED
-    if mode == _Mode.MODE_REQUIRED:
-        if not names:
-            raise InvalidArgument("chat.tool_choice.mode", "MODE_REQUIRED needs chat.tools")
-        return "required", ""
-    if mode == _Mode.MODE_NONE:
-        return "none", ""
-    if mode not in (_Mode.MODE_AUTO, _Mode.MODE_UNSPECIFIED):
-        raise InvalidArgument("chat.tool_choice.mode", f"unknown mode {mode}")
-    return "auto", ""
-
-
-def _tool(field: str, t: generate_pb2.Tool) -> ToolSpec:
-    if not t.name:
+def tool_spec(
+    field: str, name: str, parameters_json: str = "", strict: bool = False, description: str = ""
+) -> ToolSpec:
+    """One tool from its parts (parameters as JSON text; empty: no arguments)."""
+    if not name:
         raise InvalidArgument(f"{field}.name", "must not be empty")
     parameters = _NO_ARGUMENTS
-    if t.parameters_json:
+    if parameters_json:
         try:
-            parameters = json.loads(t.parameters_json)
+            parameters = json.loads(parameters_json)
         except (ValueError, RecursionError) as e:
             raise InvalidArgument(f"{field}.parameters_json", f"invalid JSON: {e}") from None
         if not isinstance(parameters, dict):
             raise InvalidArgument(f"{field}.parameters_json", "must be a JSON Schema object")
-    return ToolSpec(t.name, parameters, t.strict, field, t.description)
+    return ToolSpec(name, parameters, strict, field, description)
 
 
 def _validator(tool: ToolSpec) -> Any:
@@ -146,7 +132,7 @@ def _validator(tool: ToolSpec) -> Any:
     return cls(tool.parameters, format_checker=cls.FORMAT_CHECKER)
 
 
-def tool_parser(chat_template: Any, architecture: str, forced: str | None) -> ToolParser | None:
+def find_tool_parser(chat_template: Any, architecture: str, forced: str | None) -> ToolParser | None:
     """The parser of a model's tool-call format: `forced` (the server's --tool-parser), else
     the one its chat template or architecture names; None if neither tells."""
     if isinstance(chat_template, dict):  # several named templates

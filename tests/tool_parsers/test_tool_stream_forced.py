@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from mmserve.frontend.tool_stream import ForcedCallStream
 from mmserve.processors.tool_parsers import ContentDelta, ToolCallDelta
-from mmserve.server.tool_stream import ForcedCallStream
 
 WEATHER = {"name": "get_weather", "arguments": {"city": 'Oslo, "NO" }{', "days": 2}}
 CLOSED = {"name": "is_open", "arguments": {"place": "x"}}
