@@ -1,4 +1,5 @@
-"""A thread-safe LRU map bounded by bytes, and the client-`uuid` registry built on it.
+"""A thread-safe LRU map bounded by bytes (images.ImageRegistry, the client-`uuid` registry,
+and the image processors' caches are built on it).
 
 Decoding and preprocessing run in worker threads (asyncio.to_thread), so every cache here
 takes a lock around each operation; values are shared, never copied, and must be treated as
@@ -10,12 +11,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from mmserve.errors import InvalidArgument
-
-if TYPE_CHECKING:
-    from mmserve.processors.images import DecodedImage
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -72,40 +70,6 @@ class ByteLRU(Generic[K, V]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._items
-
-
-class ImageRegistry:
-    """Client uuid -> decoded image, so a later request may send only the uuid.
-
-    Keys are (namespace, uuid): pass the request's cache_salt as namespace so that one
-    tenant cannot read another's image by guessing its uuid. Data sent with a uuid always
-    wins over what the uuid held before (the content hash comes from the data, never from
-    the uuid, so a reused uuid cannot poison the prefix or encoder caches).
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self._images: ByteLRU[tuple[str, str], DecodedImage] = ByteLRU(
-            max_bytes, lambda image: image.nbytes
-        )
-
-    def remember(self, uuid: str, image: DecodedImage, field: str, namespace: str = "") -> None:
-        check_uuid(uuid, field)
-        self._images.put((namespace, uuid), image)
-
-    def lookup(self, uuid: str, field: str, namespace: str = "") -> DecodedImage:
-        """The image last sent with this uuid; InvalidArgument if unknown (or evicted)."""
-        check_uuid(uuid, field)
-        image = self._images.get((namespace, uuid))
-        if image is None:
-            raise InvalidArgument(
-                field,
-                f"unknown image uuid {uuid!r} and no image data: send the data with the uuid "
-                "(the server keeps recent uuids only, within its image cache bound)",
-            )
-        return image
-
-    def __len__(self) -> int:
-        return len(self._images)
 
 
 def check_uuid(uuid: str, field: str) -> None:

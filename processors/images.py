@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from mmserve.errors import InvalidArgument
-from mmserve.processors.image_cache import ImageRegistry
+from mmserve.processors.image_cache import ByteLRU, check_uuid
 
 MAX_ENCODED_BYTES = 20 << 20  # 20 MiB of PNG/JPEG/... per image
 MAX_PIXELS = 25_000_000  # 25 MP: 100 MB decoded (RGBX); Pillow warns at ~89 MP, raises at ~179
@@ -83,6 +83,40 @@ class DecodedImage:
         """Memory held, for cache bounds: Pillow stores RGB as 4 bytes per pixel."""
         width, height = self.image.size
         return width * height * 4
+
+
+class ImageRegistry:
+    """Client uuid -> decoded image, so a later request may send only the uuid.
+
+    Keys are (namespace, uuid): pass the request's cache_salt as namespace so that one
+    tenant cannot read another's image by guessing its uuid. Data sent with a uuid always
+    wins over what the uuid held before (the content hash comes from the data, never from
+    the uuid, so a reused uuid cannot poison the prefix or encoder caches).
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self._images: ByteLRU[tuple[str, str], DecodedImage] = ByteLRU(
+            max_bytes, lambda image: image.nbytes
+        )
+
+    def remember(self, uuid: str, image: DecodedImage, field: str, namespace: str = "") -> None:
+        check_uuid(uuid, field)
+        self._images.put((namespace, uuid), image)
+
+    def lookup(self, uuid: str, field: str, namespace: str = "") -> DecodedImage:
+        """The image last sent with this uuid; InvalidArgument if unknown (or evicted)."""
+        check_uuid(uuid, field)
+        image = self._images.get((namespace, uuid))
+        if image is None:
+            raise InvalidArgument(
+                field,
+                f"unknown image uuid {uuid!r} and no image data: send the data with the uuid "
+                "(the server keeps recent uuids only, within its image cache bound)",
+            )
+        return image
+
+    def __len__(self) -> int:
+        return len(self._images)
 
 
 def check_image_count(count: int, field: str, limits: ImageLimits) -> None:

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from mmserve.processors.image_cache import ImageRegistry
 from mmserve.processors.images import (
     DecodedImage,
     ImageLimits,
+    ImageRegistry,
     ImageSource,
     check_image_count,
     load_image,

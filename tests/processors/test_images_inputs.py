@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from mmserve.errors import InvalidArgument
-from mmserve.processors.image_cache import ByteLRU, ImageRegistry
-from mmserve.processors.images import ImageLimits, ImageSource, load_image
+from mmserve.processors.image_cache import ByteLRU
+from mmserve.processors.images import ImageLimits, ImageRegistry, ImageSource, load_image
 
 FIELD = "embed.inputs[2].image"
 LIMITS = ImageLimits()
