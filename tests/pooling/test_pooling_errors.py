@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from mmserve.entrypoints.llm import LLM
 from mmserve.errors import InvalidArgument
@@ -102,21 +103,26 @@ def test_a_bad_input_in_a_later_chunk_fails_the_call_and_frees_the_engine(
     asyncio.run(call())
 
 
-def test_a_call_on_an_idle_engine_goes_in_halves(
-    minilm_async: AsyncFrontEnd, monkeypatch: pytest.MonkeyPatch
+def test_a_call_on_an_idle_engine_is_pipelined(
+    minilm_async: AsyncFrontEnd, sentence_transformer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Finding the engine idle, a 64-input call sends its first half as soon as it is
-    tokenised (the model runs it while the second half is tokenised); with other requests in
-    the engine its inputs go as one batch (chunk_size's idle=False)."""
-    sizes: list[int] = []
+    """Finding the engine idle, a call sends its first batch as soon as it is tokenised (the
+    model runs it while the rest is tokenised): more than one batch, in input order, none over
+    chunk_size; and the vectors are sentence-transformers' whatever the split."""
+    texts = [f"text number {i}: " + "word " * (i % 7) for i in range(64)]
+    sent: list[list[int]] = []
     real = minilm_async.pool_batch
 
     async def spy(inputs, params):  # type: ignore[no-untyped-def]
-        sizes.append(len(inputs))
+        sent.append([len(i.token_ids) for i in inputs])
         return await real(inputs, params)
 
     monkeypatch.setattr(minilm_async, "pool_batch", spy)
-    result = asyncio.run(pooling_api.embed(minilm_async, [f"text {i}" for i in range(64)]))
-    assert result.embeddings.shape == (64, 384)
-    assert sizes == [32, 32]
-    assert pooling_api.chunk_size(64, idle=False) == 64
+    result = asyncio.run(pooling_api.embed(minilm_async, texts))
+    reference = sentence_transformer.encode(texts, convert_to_tensor=True).float()
+    cosine = torch.nn.functional.cosine_similarity(result.embeddings, reference, dim=-1)
+    assert cosine.min().item() > 0.9999
+    assert len(sent) > 1 and sum(map(len, sent)) == len(texts)
+    assert max(map(len, sent)) <= pooling_api.chunk_size(len(texts), idle=True)
+    lengths = [len(ids) for ids in minilm_async.frontend.tokenizer(texts)["input_ids"]]
+    assert [n for batch in sent for n in batch] == lengths  # in input order
