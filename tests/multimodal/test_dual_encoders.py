@@ -9,11 +9,10 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mmserve.entrypoints.llm import LLM
 from mmserve.errors import InvalidArgument
-from tests.utils.tiny_vlm import make_tiny_clip, make_tiny_siglip
+from tests.utils.tiny_vlm import make_tiny_clip, make_tiny_siglip, transformers_embeddings
 
 
 def picture(height: int, width: int, seed: int) -> PIL.Image.Image:
@@ -28,33 +27,14 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def test_text_and_image_embeddings_match_transformers(folder: Path) -> None:
-    from transformers import AutoImageProcessor, AutoModel
-
     llm = LLM(str(folder))
     assert llm.tasks == ("embed", "score")
-    texts = ["a photo of a cat", "two dogs", "x"]
-    images = [picture(40, 30, 0), picture(28, 28, 1)]
-    ours = torch.tensor(llm.embed([texts[0], images[0], texts[1], images[1], texts[2]]))
-    hf = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
-    processor = AutoImageProcessor.from_pretrained(folder)
-    # SigLIP is used with texts padded to its 64 positions (its processor's max_length)
-    pad = {"padding": "max_length", "max_length": 64} if "siglip" in folder.name else {}
-    with torch.no_grad():
-        text_ref = [
-            features(hf.get_text_features(input_ids=torch.tensor([llm.tokenizer(t, **pad)["input_ids"]])))
-            for t in texts
-        ]
-        image_ref = features(hf.get_image_features(**processor(images=images, return_tensors="pt")))
-    ref = [text_ref[0], image_ref[0:1], text_ref[1], image_ref[1:2], text_ref[2]]
-    expected = F.normalize(torch.cat(ref).float(), dim=-1)
-    assert torch.allclose(ours, expected, atol=1e-5)
-    raw = torch.tensor(llm.embed(images[0], normalize=False))
-    assert torch.allclose(raw[0], image_ref[0], atol=1e-4)
-
-
-def features(out: object) -> torch.Tensor:
-    """get_*_features returns the tensor, or (transformers 5) an output with pooler_output."""
-    return out if isinstance(out, torch.Tensor) else out.pooler_output  # type: ignore[attr-defined]
+    inputs = ["a photo of a cat", picture(40, 30, 0), "two dogs", picture(28, 28, 1), "x"]
+    ours = torch.tensor(llm.embed(inputs))
+    assert torch.allclose(ours, transformers_embeddings(folder, inputs), atol=1e-5)
+    raw = torch.tensor(llm.embed(inputs[1], normalize=False))
+    expected_raw = transformers_embeddings(folder, inputs[1:2], normalize=False)
+    assert torch.allclose(raw, expected_raw, atol=1e-4)
 
 
 def test_image_errors_name_the_input(folder: Path) -> None:

@@ -155,3 +155,30 @@ def _draw(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
     if len(shape) < 2 or "embed" in name:  # embeddings, CLS token, probe, logit scales
         return noise
     return noise / shape[1:].numel() ** 0.5  # fan-in scaling (conv: channels x patch area)
+
+
+@torch.no_grad()
+def transformers_embeddings(
+    folder: Path, inputs: list[Any], device: str = "cpu", normalize: bool = True
+) -> torch.Tensor:
+    """transformers' get_text_features / get_image_features of a CLIP or SigLIP folder, one
+    row per input (a text or a PIL image), in float32; SigLIP's texts padded to its 64
+    positions, as its processor pads them (and as the engine does)."""
+    from transformers import AutoImageProcessor, AutoModel, AutoTokenizer
+
+    hf = AutoModel.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processor = AutoImageProcessor.from_pretrained(folder)
+    pad = {"padding": "max_length", "max_length": 64} if hf.config.model_type == "siglip" else {}
+    rows = []
+    for x in inputs:
+        if isinstance(x, str):
+            ids = torch.tensor([tokenizer(x, **pad)["input_ids"]], device=device)
+            out = hf.get_text_features(input_ids=ids)
+        else:
+            pixels = processor(images=[x], return_tensors="pt")["pixel_values"].to(device)
+            out = hf.get_image_features(pixel_values=pixels)
+        # a tensor, or (transformers 5) an output with pooler_output
+        rows.append((out if isinstance(out, torch.Tensor) else out.pooler_output)[0].float().cpu())
+    stacked = torch.stack(rows)
+    return torch.nn.functional.normalize(stacked, dim=-1) if normalize else stacked
