@@ -35,6 +35,21 @@ def test_sampling_kwargs_fill_params_and_none_means_unset() -> None:
     assert req.cache_salt == "tenant" and not req.HasField("structured")
 
 
+def test_every_sampling_field_of_the_proto_is_a_keyword() -> None:
+    """Each SamplingParams field reaches the request by its own name (a field added to the
+    proto too), and GenerateKwargs types every one of them."""
+    from mmserve_client._requests import GenerateKwargs
+
+    for field in generate_pb2.SamplingParams.DESCRIPTOR.fields:
+        assert field.name in GenerateKwargs.__annotations__ or field.name == "n", field.name
+        if field.is_repeated or field.name == "n":
+            continue
+        value = 1.5 if field.cpp_type == field.CPPTYPE_FLOAT else 2
+        value = True if field.cpp_type == field.CPPTYPE_BOOL else value
+        req = generate_request("x", None, {field.name: value})  # type: ignore[misc]
+        assert getattr(req.params, field.name) == value, field.name
+
+
 def test_structured_constraints() -> None:
     req = generate_request(
         "x", None, {"json_schema": {"type": "object"}, "structured_backend": "xgrammar"}

@@ -61,23 +61,15 @@ class GenerateKwargs(TypedDict, total=False):
 V = TypeVar("V")
 
 _REQUEST_KEYS = ("model", "request_id", "cache_salt", "add_special_tokens")
-_SAMPLING_KEYS = (
-    "max_tokens",
-    "min_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "ignore_eos",
-    "logprobs",
-    "prompt_logprobs",
-    "skip_special_tokens",
-    "include_stop_str_in_output",
+# The proto's single-valued SamplingParams fields, set as they are (n, stop, stop_token_ids
+# and logit_bias take a shape of their own below): a new scalar field needs no change here
+# beyond its line in GenerateKwargs.
+_SAMPLING_KEYS = tuple(
+    f.name
+    for f in generate_pb2.SamplingParams.DESCRIPTOR.fields
+    if not f.is_repeated and f.name != "n"
 )
+_GENERATE_KEYS = frozenset(GenerateKwargs.__annotations__) | frozenset(_SAMPLING_KEYS)
 _CONSTRAINT_KEYS = ("json_schema", "json_object", "regex", "choice", "grammar")
 _BACKENDS = {
     "auto": generate_pb2.StructuredOutput.BACKEND_AUTO,
@@ -112,9 +104,9 @@ def generate_request(
     source: str | Sequence[int] | generate_pb2.Chat, n: int | None, kw: GenerateKwargs
 ) -> generate_pb2.GenerateRequest:
     """Builds a GenerateRequest from a prompt, token ids or a Chat and the keyword arguments."""
-    unknown = set(kw) - set(GenerateKwargs.__annotations__)
+    unknown = set(kw) - _GENERATE_KEYS
     if unknown:
-        valid = sorted(GenerateKwargs.__annotations__)
+        valid = sorted(_GENERATE_KEYS)
         raise TypeError(f"unknown arguments {sorted(unknown)}; valid: {valid}")
     values: dict[str, Any] = {k: v for k, v in kw.items() if v is not None}
     req = generate_pb2.GenerateRequest(**{k: values[k] for k in _REQUEST_KEYS if k in values})
