@@ -26,6 +26,15 @@ from mmserve.settings import (
 STRUCTURED_BACKENDS = ("xgrammar", "outlines")
 
 
+def _at_least_one(config: object, *names: str) -> None:
+    """ValueError naming the setting (flag, variable and keyword alike) that is set below 1."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            setting = next(s for s in settings_of(type(config)) if s.field == name)
+            raise ValueError(f"{setting.name} must be >= 1, got {value}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to load and how."""
@@ -60,6 +69,9 @@ class ModelConfig:
         "ListModels says which are",
     )
 
+    def __post_init__(self) -> None:
+        _at_least_one(self, "max_model_len")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -79,6 +91,12 @@ class CacheConfig:
         0.9, "share of GPU memory the engine may use (weights + KV cache); CUDA only"
     )
     enable_prefix_caching: bool = setting(True, "reuse the KV cache of shared prompt prefixes")
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, "block_size", "num_blocks", "kv_cache_memory_bytes")
+        share = self.gpu_memory_utilization
+        if not 0 < share <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {share}")
 
 
 @dataclass(frozen=True)
@@ -102,6 +120,12 @@ class SchedulerConfig:
         "step in flight), so scheduling, batch building, grammar masks and launches overlap "
         "the GPU",
     )
+
+    def __post_init__(self) -> None:
+        _at_least_one(
+            self, "max_num_batched_tokens", "max_num_seqs", "encoder_cache_rows",
+            "max_encoder_rows_per_step",
+        )
 
 
 @dataclass(frozen=True)

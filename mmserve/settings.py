@@ -1,12 +1,14 @@
 """Settings declared once: a config dataclass field made with `setting(...)` carries its
 default, help text and parser, and everything users see is derived from it: the
-`mmserve serve` flag (mmserve/server/cli.py), the MMSERVE_* variable (mmserve/envs.py) and the
-LLM(...) keyword (EngineConfig.from_settings). A setting's name is its flag without the dashes,
+`mmserve serve` flag (mmserve/server/cli.py), the `mmserve bench` engine flags
+(mmserve/bench/engine_flags.py), the MMSERVE_* variable (mmserve/envs.py) and the LLM(...)
+keyword (EngineConfig.from_settings). A setting's name is its flag without the dashes,
 its variable without MMSERVE_ and its keyword; it is the field's name unless given.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import Field, dataclass, field, fields
@@ -143,6 +145,20 @@ def build(cls: type[T], values: Mapping[str, Any], **fixed: Any) -> T:
     """A `cls` from the values (by setting name) of its own settings; the others are ignored."""
     given = {s.field: values[s.name] for s in settings_of(cls) if s.name in values}
     return cls(**given, **fixed)
+
+
+def add_flag(
+    parser: argparse.ArgumentParser, s: Setting, default: Any = None, help: str | None = None
+) -> None:
+    """The setting's flag on parser, its dest the setting's name (default None: not given);
+    a bool setting is a --x / --no-x pair. help: the text, when not s.flag_help."""
+    text = (help or s.flag_help).replace("%", "%%")  # argparse %-formats help texts
+    if s.is_bool:
+        parser.add_argument(
+            s.flag, action=argparse.BooleanOptionalAction, default=default, help=text
+        )
+    else:
+        parser.add_argument(s.flag, type=s.parse, default=default, help=text)
 
 
 def check_known(values: Iterable[str], settings: Iterable[Setting]) -> None:

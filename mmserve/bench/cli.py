@@ -22,7 +22,7 @@ import torch
 
 from mmserve import envs
 from mmserve.bench import embed, offline, serve, structured, vlm
-from mmserve.bench.engine_flags import engine_config
+from mmserve.bench.engine_flags import add_engine_flags, engine_config
 from mmserve.bench.models import make_model_folder, weight_bytes
 from mmserve.frontend.frontend import FrontEnd
 
@@ -44,20 +44,11 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
                    help="dummy = random weights (default for shape:NAME)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--quantization", default=None, choices=["fp8"], help="fp8: w8a8 FP8 decoder projections")
-    p.add_argument("--no-async-scheduling", action="store_true", help="one step at a time (A/B)")
+    add_engine_flags(p)  # --device, --dtype, --max-num-seqs, ... --no-async-scheduling
     p.add_argument("--engine-process", action="store_true",
                    help="serve, embed: run the (gRPC side's) engine core in its own process "
                         "(as `mmserve serve` on CUDA; embed does so on CUDA anyway)")

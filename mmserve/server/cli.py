@@ -16,7 +16,7 @@ from typing import Any
 from mmserve import envs
 from mmserve.config import EngineConfig, ServeOptions, engine_settings, serve_settings
 from mmserve.server.config import ModelSpec, ServerConfig, embedded_defaults
-from mmserve.settings import Setting, build
+from mmserve.settings import Setting, add_flag, build
 
 logger = logging.getLogger("mmserve")
 
@@ -36,13 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_argument(parser: argparse.ArgumentParser, s: Setting) -> None:
     """One setting's flag; its dest is the setting's name and its default None (= not given)."""
-    text = s.flag_help.replace("%", "%%")  # argparse %-formats help texts
     if _is_model_list(s):
-        parser.add_argument("model", nargs="*", metavar="MODEL", help=text)
-    elif s.is_bool:
-        parser.add_argument(s.flag, action=argparse.BooleanOptionalAction, help=text)
+        parser.add_argument("model", nargs="*", metavar="MODEL", help=s.flag_help.replace("%", "%%"))
     else:
-        parser.add_argument(s.flag, type=s.parse, help=text)
+        add_flag(parser, s)
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
@@ -57,9 +54,6 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
 
 def engine_template(args: argparse.Namespace) -> EngineConfig:
     """Engine settings shared by every served model (the model path is filled in per model)."""
-    share = args.gpu_memory_utilization
-    if share is not None and not 0 < share <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {share}")
     names = {s.name for s in engine_settings()}
     given = {name: value for name, value in _given(args).items() if name in names}
     config = EngineConfig.from_settings("", **given)

@@ -86,3 +86,31 @@ def test_bench_throughput_reports_its_flop_bound(
     bound = cli.throughput_flops(config, 3, 8, 4) / 0.5e12
     assert line["flop_bound_s"] == pytest.approx(bound)
     assert line["fraction_of_flop_bound"] == pytest.approx(bound / line["seconds"])
+
+
+def test_bench_engine_flags_are_the_engine_settings() -> None:
+    """Each engine setting of `mmserve serve` is a bench flag of the same name and parsing
+    (its seed aside: bench's --seed is serve's prompts'); unset ones take the dataclasses'
+    defaults, except the bigger engine a benchmark wants; a bad value is refused the same way."""
+    import argparse
+
+    from mmserve.bench.engine_flags import BENCH_DEFAULTS, engine_config
+    from mmserve.config import CacheConfig, engine_settings
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    flags = ["bench", "latency", "--kv-cache-memory", "1GiB", "--no-enable-prefix-caching",
+             "--no-async-scheduling", "--block-size", "32"]  # fmt: skip
+    config = engine_config(parser.parse_args(flags), "m", dummy=True)
+    assert config.cache.kv_cache_memory_bytes == 1 << 30 and config.cache.block_size == 32
+    assert not config.cache.enable_prefix_caching and not config.scheduler.async_scheduling
+    assert config.model.load_format == "dummy"
+    defaults = engine_config(parser.parse_args(["bench", "latency"]), "m", dummy=False)
+    assert defaults.scheduler.max_num_seqs == BENCH_DEFAULTS["max_num_seqs"]
+    assert defaults.model.max_model_len == BENCH_DEFAULTS["max_model_len"]
+    assert defaults.cache == CacheConfig()
+    bench = parser._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
+    options = {o for action in bench._actions for o in action.option_strings}
+    assert {s.flag for s in engine_settings() if s.cli} <= options
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        engine_config(parser.parse_args([*flags, "--gpu-memory-utilization", "2"]), "m", dummy=True)
