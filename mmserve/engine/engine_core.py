@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import cast
 
 import torch
 
@@ -14,7 +13,7 @@ from mmserve.engine.messages import EngineOutput, EngineRequest
 from mmserve.engine.sched_output import RunnerOutput, SchedulerOutput
 from mmserve.engine.scheduler import Scheduler
 from mmserve.inputs import grid_thw
-from mmserve.models.base import CausalLM, MRopeModel
+from mmserve.models.base import CausalLM
 from mmserve.models.fp8 import is_fp8
 from mmserve.request import Request
 from mmserve.runner.model_runner import LaunchedStep, ModelRunner
@@ -114,9 +113,9 @@ class EngineCore:
 
     def add(self, request: Request) -> None:
         """A request in the engine's own form joins the scheduler (tests build these)."""
-        if self.runner.mrope and request.mm_inputs and request.mrope_positions is None:
+        model = self.runner.mrope_model
+        if model is not None and request.mm_inputs and request.mrope_positions is None:
             grids = [grid_thw(mm.data) for mm in request.mm_inputs]
-            model = cast(MRopeModel, self.runner.model)
             positions, delta = model.mrope_positions(request.prompt_token_ids, grids)
             request.mrope_positions, request.mrope_delta = positions, delta
         self.scheduler.add_request(request)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 from mmserve.attention import get_attention_backend
 from mmserve.config import EngineConfig
 from mmserve.engine.engine_core import EngineCore
 from mmserve.engine.messages import EngineInfo
 from mmserve.engine.pooling_setup import PoolingSetup, pooling_setup
-from mmserve.models.base import CausalLM, MultiModalCausalLM
+from mmserve.models.base import CausalLM
 from mmserve.models.gguf_cache import materialize
 from mmserve.models.loader import (
     ModelSource,
@@ -106,7 +106,7 @@ def engine_info(
         embeds_images=caps.dual_encoder,
         uses_mrope=caps.uses_mrope,
         image_token_id=model.image_token_id,
-        image_tokens=cast(MultiModalCausalLM, model).image_tokens if caps.reads_images else None,
+        image_tokens=core.runner.vision.image_tokens if core.runner.vision is not None else None,
         pad_text_to=model.pad_text_to,
         pad_token_id=model.pad_token_id,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -135,6 +135,7 @@ class ModelBase(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} does not say how its weights load")
 
 
+@runtime_checkable
 class MultiModalCausalLM(CausalLM, Protocol):
     """A CausalLM with capabilities.reads_images (LLaVA, Qwen2-VL).
 
@@ -172,6 +173,7 @@ class MultiModalCausalLM(CausalLM, Protocol):
         ...
 
 
+@runtime_checkable
 class MRopeModel(Protocol):
     """Extra of a capabilities.uses_mrope model (Qwen2-VL): positions computed once per prompt."""
 
@@ -195,6 +197,7 @@ class ClassifierModel(CausalLM, Protocol):
         ...
 
 
+@runtime_checkable
 class DualEncoderModel(CausalLM, Protocol):
     """A CausalLM with capabilities.dual_encoder (CLIP, SigLIP): forward() runs the text
     tower over whole texts; the runner pools each text and embeds each image itself."""
@@ -239,3 +242,17 @@ class LanguageModelWrapper:
 
     def decoder_layers(self) -> nn.ModuleList:
         return self.language_model.decoder_layers()  # type: ignore[no-any-return]
+
+
+def check_capabilities(model: CausalLM) -> None:
+    """TypeError when the model declares a capability whose Protocol it does not implement
+    (each flag's Protocol is named beside it in ModelCapabilities)."""
+    caps = model.capabilities
+    promised = (
+        (caps.reads_images, MultiModalCausalLM),
+        (caps.uses_mrope, MRopeModel),
+        (caps.dual_encoder, DualEncoderModel),
+    )
+    for declared, view in promised:
+        if declared and not isinstance(model, view):
+            raise TypeError(f"{type(model).__name__} declares a {view.__name__} but is not one")

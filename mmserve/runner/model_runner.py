@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from collections.abc import Container
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 
@@ -16,7 +15,13 @@ from mmserve.engine.sched_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from mmserve.models.base import CausalLM, DualEncoderModel, MultiModalCausalLM
+from mmserve.models.base import (
+    CausalLM,
+    DualEncoderModel,
+    MRopeModel,
+    MultiModalCausalLM,
+    check_capabilities,
+)
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams
 from mmserve.runner.cuda_graphs import DecodeGraphs, EncoderGraphs
@@ -104,8 +109,20 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs() on CUDA
         self.encoder_graphs: EncoderGraphs | None = None  # the same, for an encoder
         self._generators: dict[str, torch.Generator] = {}
-        self.mrope = model.capabilities.uses_mrope
-        self.dual = model.capabilities.dual_encoder  # CLIP/SigLIP: Embed only
+        caps = model.capabilities
+        self.mrope = caps.uses_mrope
+        self.dual = caps.dual_encoder  # CLIP/SigLIP: Embed only
+        # the model as its capabilities' Protocols, for the methods only they have
+        check_capabilities(model)
+        self.vision: MultiModalCausalLM | None = (
+            model if isinstance(model, MultiModalCausalLM) and caps.reads_images else None
+        )
+        self.dual_model: DualEncoderModel | None = (
+            model if isinstance(model, DualEncoderModel) and self.dual else None
+        )
+        self.mrope_model: MRopeModel | None = (
+            model if isinstance(model, MRopeModel) and self.mrope else None
+        )
         # builds each step's flat batch; keeps block tables (and on CUDA pinned buffers)
         self.input_batch = InputBatchBuilder(block_size, device, self.causal, self.mrope, not self.dual)
         # image content hash -> encoder output rows [length, hidden]; the scheduler's
@@ -226,7 +243,9 @@ class ModelRunner:
         """Token embeddings [T, hidden] with each image's placeholder rows replaced by its
         encoder output (encoded now unless the encoder cache holds it)."""
         missing = {mm.key: mm for _, mm, _, _ in batch.image_rows if mm.key not in self.encoder_outputs}
-        model = cast(MultiModalCausalLM, self.model)
+        model = self.vision
+        if model is None:
+            raise RuntimeError("image rows reached a model that reads no images")
         if missing:
             encoded = model.encode_images([mm.data for mm in missing.values()])
             for key, rows in zip(missing, encoded, strict=True):
@@ -307,11 +326,16 @@ class ModelRunner:
         if self.dual:
             vector = images.get(item.request_id)
             if vector is None:
-                vector = cast(DualEncoderModel, self.model).pool_text(rows, item.token_ids)
+                vector = self._dual().pool_text(rows, item.token_ids)
             return finish_embedding(vector, item.pooling)
         if self.pooler is None:
             raise RuntimeError("a pooling request reached a runner without a pooler")
         return self.pooler(rows, item.pooling).float()
+
+    def _dual(self) -> DualEncoderModel:
+        if self.dual_model is None:
+            raise RuntimeError("a dual-encoder request reached a runner of another model")
+        return self.dual_model
 
     def _embed_image_inputs(self, plan: SchedulerOutput) -> dict[str, torch.Tensor]:
         """A dual encoder's image inputs of this step, embedded in batches of one size."""
@@ -321,7 +345,7 @@ class ModelRunner:
                 pixels = item.mm_inputs[0].data["pixel_values"]
                 groups.setdefault(tuple(pixels.shape), []).append((item.request_id, pixels))
         out: dict[str, torch.Tensor] = {}
-        model = cast(DualEncoderModel, self.model)
+        model = self._dual()
         for group in groups.values():
             pixels = torch.cat([p for _, p in group]).to(self.device)
             for (request_id, _), vector in zip(group, model.embed_images(pixels), strict=True):

@@ -28,6 +28,7 @@ class FakeVisionModel(FakeModel):
 
     capabilities = ModelCapabilities(reads_images=True)
     image_token_id = IMAGE
+    image_tokens = None  # the front end's rule; these tests build prompts with the rows' count
 
     def __init__(self) -> None:
         super().__init__()

@@ -313,3 +313,17 @@ def test_no_getattr_probing_of_models(path: Path) -> None:
         if _PROBE.search(line) or _BY_NAME.search(line)
     ]
     assert not found, "declare it (mmserve.models.base) instead of probing:\n" + "\n".join(found)
+
+
+def test_a_declared_capability_without_its_methods_is_refused_at_load() -> None:
+    """A model that declares reads_images (or uses_mrope, dual_encoder) must be the Protocol
+    the flag names: the runner refuses it otherwise, before any request reaches a missing
+    method."""
+    from tests.fake_model import FakeModel
+
+    class Claims(FakeModel):
+        capabilities = ModelCapabilities(reads_images=True)  # no encode_images, image_tokens
+
+    with pytest.raises(TypeError, match="Claims declares a MultiModalCausalLM"):
+        base.check_capabilities(Claims())
+    base.check_capabilities(FakeModel())  # declares nothing extra: fine
