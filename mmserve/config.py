@@ -180,6 +180,16 @@ class ServerConfig:
         None, "cap on prompt tokens", shown="the model's context"
     )
     shutdown_grace: float = setting(30.0, "seconds running calls get to finish on SIGTERM")
+    engine_stall_timeout: float = setting(
+        30.0,
+        "seconds an engine with work may go without a step before it is declared dead: its "
+        "model turns NOT_SERVING and its calls fail UNAVAILABLE (an idle engine never stalls)",
+    )
+    restart_dead_engines: bool = setting(
+        True,
+        "start a dead model's engine again (an engine process killed, crashed or stalled; an "
+        "in-process one that crashed), at most 3 times in 10 minutes; then it stays down",
+    )
     retry_after_s: float = 1.0  # RetryInfo delay suggested with RESOURCE_EXHAUSTED
     structured_output_backend: str = setting(
         "xgrammar", "grammar backend when a request says BACKEND_AUTO: xgrammar or outlines"
@@ -213,6 +223,8 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not self.engine_stall_timeout > 0:
+            raise ValueError("engine_stall_timeout must be > 0")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.structured_output_backend not in STRUCTURED_BACKENDS:

@@ -25,3 +25,7 @@ class UnsupportedModel(MMServeError, ValueError):
 
 class EngineDead(MMServeError, RuntimeError):
     """A model's engine can serve nothing more (its process died, or its loop crashed)."""
+
+
+class EngineStalled(EngineDead):
+    """The watchdog declared an engine dead: it had work but made no step for too long."""

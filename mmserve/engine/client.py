@@ -3,6 +3,7 @@ in this process, or in a process of its own (core_proc.py). `start_engine` picks
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -47,6 +48,18 @@ class EngineClient(Protocol):
         mmserve.errors.EngineDead when the engine can serve nothing more."""
         ...
 
+    @property
+    def last_progress(self) -> float:
+        """time.monotonic() of the engine's latest sign of progress: a step that ended (in
+        process), a message from the core (engine process; a busy core reports at least
+        every core_proc.HEARTBEAT_S, outputs or not). Read from other threads (watchdogs)."""
+        ...
+
+    def check_alive(self) -> None:
+        """Raises mmserve.errors.EngineDead when the engine can serve nothing more (its
+        process is gone), even with nothing in flight; cheap, called about once a second."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -57,6 +70,7 @@ class InProcessClient:
     def __init__(self, loaded: LoadedEngine) -> None:
         self.core: EngineCore = loaded.core  # for tests and benchmarks that look inside
         self.info = loaded.info
+        self._last_progress = time.monotonic()
 
     def add(self, requests: Sequence[EngineRequest]) -> None:
         for request in requests:
@@ -73,7 +87,16 @@ class InProcessClient:
         return self.core.has_unfinished
 
     def outputs(self) -> list[EngineOutput]:
-        return self.core.step()
+        out = self.core.step()
+        self._last_progress = time.monotonic()
+        return out
+
+    @property
+    def last_progress(self) -> float:
+        return self._last_progress
+
+    def check_alive(self) -> None:
+        pass  # it lives as long as this process; a step that raises fails the caller's loop
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0  # model load (weights, KV cache, CUDA graphs)
 STEP_WAIT_S = 0.05  # how long outputs() waits for news while requests are in flight
 IDLE_POLL_S = 1.0  # an idle child checks this often whether its parent is still there
+HEARTBEAT_S = 0.5  # a busy child reports at least this often, outputs or not (stall watchdog)
 M = TypeVar("M")
 
 
@@ -51,6 +53,7 @@ class ProcessClient:
         self._pending: list[m.EngineOutput] = []
         self._outbox: list[m.EngineRequest] = []  # added since the last step (see add)
         self.dead: str | None = None
+        self._last_progress = time.monotonic()
         self.info: m.EngineInfo = self._wait_for(m.Ready, READY_TIMEOUT_S).info
 
     @property
@@ -88,6 +91,16 @@ class ProcessClient:
             if o.finish_reason is not None:
                 self._in_flight.discard(o.request_id)
         return out
+
+    @property
+    def last_progress(self) -> float:
+        return self._last_progress
+
+    def check_alive(self) -> None:
+        """EngineDead once the core process is gone (killed, crashed), busy or idle."""
+        self._check_alive()
+        if not self._proc.is_alive():
+            self._died(f"exited with code {self._proc.exitcode}")
 
     def stats(self) -> m.Stats:
         self._send(m.GetStats())
@@ -141,7 +154,9 @@ class ProcessClient:
 
     def _recv(self) -> m.FromCore:
         try:
-            return m.from_core_decoder.decode(self._conn.recv_bytes())
+            msg = m.from_core_decoder.decode(self._conn.recv_bytes())
+            self._last_progress = time.monotonic()
+            return msg
         except (EOFError, OSError):
             self._proc.join(1.0)
             self._died(f"exited with code {self._proc.exitcode}")
@@ -182,6 +197,7 @@ def run_core(conn: Connection, config_bytes: bytes, parent_pid: int) -> None:
 
 
 def _serve(conn: Connection, core: EngineCore, parent_pid: int) -> None:
+    reported = time.monotonic()
     while True:
         busy = core.has_unfinished
         # idle: block (in slices, to notice being orphaned); busy: take only what is queued
@@ -192,8 +208,10 @@ def _serve(conn: Connection, core: EngineCore, parent_pid: int) -> None:
             _apply(conn, core, msg)
         elif busy:
             outputs = core.step()
-            if outputs:
+            # no news for a while (a long chunked prefill): an empty Outputs says it progresses
+            if outputs or time.monotonic() - reported > HEARTBEAT_S:
                 conn.send_bytes(m.encoder.encode(m.Outputs(outputs)))
+                reported = time.monotonic()
         elif os.getppid() != parent_pid:
             return
 

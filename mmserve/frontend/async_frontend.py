@@ -9,6 +9,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from mmserve.inputs import MMInput
 from mmserve.params import PoolingParams
 
 logger = logging.getLogger(__name__)
+LIVENESS_POLL_S = 0.5  # an idle engine thread checks this often that its engine still lives
 
 
 News = GenerationDelta | PooledResult
@@ -62,13 +64,34 @@ class AsyncFrontEnd:
         self._sinks: dict[str, Sink] = {}
         self._num_in_flight = 0
         self._lock = threading.Lock()
-        self.dead: BaseException | None = None  # set if the engine loop crashed
+        self.dead: BaseException | None = None  # set if the engine died, crashed or stalled
+        self._busy_since = time.monotonic()  # when the engine last went from idle to busy
         self._thread = threading.Thread(target=self._loop, name="mmserve-engine", daemon=True)
         self._thread.start()
 
     @property
     def num_in_flight(self) -> int:
         return self._num_in_flight
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has had work without a sign of progress (0 when idle). Safe
+        from any thread: the server's watchdog reads it."""
+        if not self.frontend.has_unfinished:
+            return 0.0
+        since = max(self.frontend.client.last_progress, self._busy_since)
+        return max(0.0, time.monotonic() - since)
+
+    def fail(self, error: EngineDead) -> None:
+        """Declares the engine dead (the watchdog saw it stall): every call in flight fails
+        with `error` now, new ones are refused, and the engine thread stops at its next turn.
+        Safe from any thread, also while the engine thread is stuck inside a step."""
+        with self._lock:
+            if self.dead is not None:
+                return
+            self.dead = error
+            sinks, self._sinks = list(self._sinks.values()), {}
+        for sink in sinks:
+            sink(error)
 
     def shutdown(self) -> None:
         self._commands.put(None)
@@ -168,25 +191,35 @@ class AsyncFrontEnd:
 
     def _loop(self) -> None:
         try:
-            while True:
-                block = not self.frontend.has_unfinished
-                if not self._drain(block):
+            while self.dead is None:
+                idle = not self.frontend.has_unfinished
+                if not self._drain(idle):
                     return
                 if self.frontend.has_unfinished:
+                    if idle:
+                        self._busy_since = time.monotonic()
                     self._dispatch(self.frontend.step())
+        except EngineDead as e:  # its process is gone: one line, the watchdog reports it
+            logger.error("engine died: %s", e)
+            self.fail(e)
+            return
         except BaseException as e:  # the engine is broken: fail everyone, loudly
             logger.exception("engine loop died")
-            self.dead = e
-            for sink in self._sinks.values():
-                sink(EngineDead(f"engine failed: {e}"))
+            self.fail(EngineDead(f"engine failed: {e}"))
+            return
+        self.frontend.shutdown()  # declared dead (stalled): stop its core (a process: killed)
 
     def _drain(self, block: bool) -> bool:
-        """Applies queued commands; waits for one when idle. False means shut down."""
+        """Applies queued commands; waits for one when idle, checking the engine still lives
+        (EngineDead) every LIVENESS_POLL_S. False means shut down."""
         while True:
             try:
-                cmd = self._commands.get(block=block)
+                cmd = self._commands.get(timeout=LIVENESS_POLL_S) if block else self._commands.get_nowait()
             except queue.Empty:
-                return True
+                if not block or self.dead is not None:
+                    return True
+                self.frontend.client.check_alive()
+                continue
             block = False
             if cmd is None:
                 return False
@@ -200,9 +233,19 @@ class AsyncFrontEnd:
     def _add(self, cmd: _Add) -> None:
         try:
             self.frontend.add(cmd.job)
-            self._sinks[cmd.job.request_id] = cmd.sink
         except Exception as e:  # noqa: BLE001 - a bad request fails alone
             cmd.sink(e)
+            return
+        self._keep({cmd.job.request_id: cmd.sink})
+
+    def _keep(self, sinks: dict[str, Sink]) -> None:
+        """Registers sinks, or fails them at once when the engine was declared dead."""
+        with self._lock:
+            if self.dead is None:
+                self._sinks.update(sinks)
+                return
+        for sink in sinks.values():
+            sink(EngineDead(f"engine failed: {self.dead}"))
 
     def _add_pooling(self, cmd: _AddPoolingBatch) -> None:
         items = [
@@ -214,7 +257,7 @@ class AsyncFrontEnd:
         except Exception as e:  # noqa: BLE001 - a bad batch fails alone
             cmd.sinks[0](e)
             return
-        self._sinks.update(zip(cmd.request_ids, cmd.sinks, strict=True))
+        self._keep(dict(zip(cmd.request_ids, cmd.sinks, strict=True)))
 
     def _dispatch(self, deltas: list[News]) -> None:
         for d in deltas:
@@ -223,6 +266,7 @@ class AsyncFrontEnd:
                 sink(d)
         # Only after the whole step: with n > 1, several choices of one request can finish in
         # the same step, and the engine forgets the request before any delta is dispatched.
-        for d in deltas:
-            if not self.frontend.is_active(d.request_id):
-                self._sinks.pop(d.request_id, None)
+        with self._lock:
+            for d in deltas:
+                if not self.frontend.is_active(d.request_id):
+                    self._sinks.pop(d.request_id, None)

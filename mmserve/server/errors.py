@@ -10,7 +10,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from mmserve.errors import InvalidArgument, MMServeError, ResourceExhausted
+from mmserve.errors import EngineStalled, InvalidArgument, MMServeError, ResourceExhausted
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +23,21 @@ class EngineFailed(MMServeError):
     """The engine failed this request, or is dead (INTERNAL)."""
 
 
+class EngineUnavailable(MMServeError):
+    """The model's engine died or stalled: it serves nothing until restarted (UNAVAILABLE,
+    which clients may retry elsewhere)."""
+
+
 class Draining(MMServeError):
     """The server is shutting down and takes no new calls (UNAVAILABLE)."""
+
+
+def engine_error(handle_name: str, dead: BaseException) -> MMServeError:
+    """What a call whose engine died under it gets: INTERNAL when the engine failed (crashed,
+    its process killed), UNAVAILABLE when the watchdog declared it stalled (API.md)."""
+    if isinstance(dead, EngineStalled):
+        return EngineUnavailable(f"model {handle_name!r} is not serving: {dead}")
+    return EngineFailed(f"model {handle_name!r}: engine failed: {dead}")
 
 
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
@@ -32,6 +45,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
     (Draining, grpc.StatusCode.UNAVAILABLE),
+    (EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
     (EngineFailed, grpc.StatusCode.INTERNAL),
 ]
 

@@ -21,7 +21,7 @@ from mmserve.inputs import MMInput
 from mmserve.processors.images import DecodedImage
 from mmserve.server import convert
 from mmserve.server.config import ServerConfig
-from mmserve.server.errors import EngineFailed
+from mmserve.server.errors import EngineFailed, engine_error
 from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle
 from mmserve_client.v1 import generate_pb2
@@ -190,6 +190,7 @@ async def stream(prep: Prepared) -> AsyncIterator[generate_pb2.GenerateResponse]
     """The engine's deltas as chunks. Leaving early (the call is cancelled or its deadline
     passes) closes the engine's iterator, which aborts the request and frees its KV blocks."""
     handle = prep.handle
+    handle.require_serving()
     state = _Stream(prep, queued=time.monotonic())
     deltas = handle.engine.generate(prep.job)
     try:
@@ -199,4 +200,4 @@ async def stream(prep: Prepared) -> AsyncIterator[generate_pb2.GenerateResponse]
                     raise EngineFailed(f"model {handle.name!r} failed the request: {delta.error}")
                 yield state.chunk(delta)
     except EngineDead as e:
-        raise EngineFailed(f"model {handle.name!r}: engine failed: {handle.dead or e}") from e
+        raise engine_error(handle.name, e) from e

@@ -14,16 +14,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from mmserve.errors import EngineStalled
 from mmserve.server.admission import Admission
 from mmserve.server.auth import ApiKeyInterceptor, load_api_keys
 from mmserve.server.config import ServerConfig
-from mmserve.server.models import ModelRegistry
+from mmserve.server.models import ModelHandle, ModelRegistry
 from mmserve.server.servicer import InferenceServicer
 from mmserve_client.v1 import inference_pb2, inference_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 HEALTH_POLL_S = 0.5  # how often engine liveness is mirrored into health
+RESTARTS, RESTART_WINDOW_S = 3, 600.0  # a model's engine restarts at most this often
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -55,6 +57,7 @@ class MMServer:
         self.port: int | None = None  # the bound port, once started
         self._server: grpc.aio.Server | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._restarts: dict[str, list[float]] = {}  # model -> time.monotonic() of restarts
 
     def _build(self) -> grpc.aio.Server:
         keys = load_api_keys(self.config.api_key_file) if self.config.api_key_file else None
@@ -104,17 +107,56 @@ class MMServer:
         return port
 
     async def _watch_engines(self) -> None:
-        """A dead engine turns its model, and the server overall, NOT_SERVING."""
-        reported: set[str] = set()
+        """A dead engine turns its model, and the server overall, NOT_SERVING; so does one
+        that has had work without a step for engine_stall_timeout (declared dead: its calls
+        fail UNAVAILABLE). An idle engine's process is checked too (AsyncFrontEnd). With
+        restart_dead_engines, a dead engine is started again (RESTARTS per RESTART_WINDOW_S)."""
+        down: set[str] = set()  # models reported NOT_SERVING (restarting, or for good)
+        limit = self.config.engine_stall_timeout
         while True:
             for handle in self.registry:
-                if handle.dead is not None and handle.name not in reported:
-                    reported.add(handle.name)
+                stalled = handle.engine.stalled_for()
+                if handle.dead is None and stalled > limit:
+                    handle.engine.fail(EngineStalled(f"engine stalled: no step for {stalled:.0f}s"))
+                if handle.dead is not None and handle.name not in down:
+                    down.add(handle.name)
                     logger.error("model %r: engine is dead: %s", handle.name, handle.dead)
-                    await self.health.set(handle.name, NOT_SERVING)
-                    await self.health.set("", NOT_SERVING)
-                    await self.health.set(SERVICE_NAME, NOT_SERVING)
+                    await self._set_health(handle.name, NOT_SERVING)
+                    if self._may_restart(handle):
+                        asyncio.create_task(self._restart(handle, down))
             await asyncio.sleep(HEALTH_POLL_S)
+
+    async def _set_health(self, name: str, status: int) -> None:
+        """A model's status; the server's overall status is SERVING while every model is."""
+        await self.health.set(name, status)
+        overall = SERVING if all(h.dead is None for h in self.registry) else NOT_SERVING
+        await self.health.set("", overall)
+        await self.health.set(SERVICE_NAME, overall)
+
+    def _may_restart(self, handle: ModelHandle) -> bool:
+        if not (self.config.restart_dead_engines and handle.restartable):
+            return False
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(handle.name, []) if now - t < RESTART_WINDOW_S]
+        self._restarts[handle.name] = recent
+        if len(recent) >= RESTARTS:
+            logger.error("model %r: %d restarts in %.0fs: it stays down", handle.name, RESTARTS, RESTART_WINDOW_S)
+            return False
+        recent.append(now)
+        return True
+
+    async def _restart(self, handle: ModelHandle, down: set[str]) -> None:
+        logger.warning("model %r: starting its engine again", handle.name)
+        try:
+            await asyncio.to_thread(handle.restart)
+        except Exception:
+            logger.exception("model %r: the restart failed; it stays down", handle.name)
+            return
+        if self.admission.draining:
+            return
+        logger.info("model %r: engine restarted, serving again", handle.name)
+        down.discard(handle.name)
+        await self._set_health(handle.name, SERVING)
 
     async def drain(self, grace: float | None = None) -> None:
         """Refuses new calls (UNAVAILABLE), waits for running ones up to `grace` seconds,

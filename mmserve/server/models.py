@@ -14,12 +14,13 @@ from typing import Any
 
 from mmserve.config import EngineConfig
 from mmserve.engine.messages import EngineInfo
-from mmserve.errors import InvalidArgument
+from mmserve.errors import EngineStalled, InvalidArgument
 from mmserve.frontend.async_frontend import AsyncFrontEnd
 from mmserve.frontend.frontend import FrontEnd
 from mmserve.frontend.pooling import MAX_IN_FLIGHT_PER_CALL
 from mmserve.models.fp8 import supports_quantization
 from mmserve.server.config import ModelSpec
+from mmserve.server.errors import EngineUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class ModelHandle:
     engine: AsyncFrontEnd
     tokenizer: Any  # PreTrainedTokenizerFast
     facts: ModelFacts
+    config: EngineConfig | None = None  # what its engine was started with; None: no restarts
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
 
     def token_text(self, token_id: int) -> str:
@@ -77,8 +79,31 @@ class ModelHandle:
 
     @property
     def dead(self) -> BaseException | None:
-        """Set when the model's engine loop crashed: the model can serve nothing more."""
+        """Set when the model's engine died (crashed, its process gone) or was declared
+        stalled: the model can serve nothing more."""
         return self.engine.dead
+
+    def require_serving(self) -> None:
+        """EngineUnavailable (UNAVAILABLE) for a call that reaches a dead engine."""
+        if self.engine.dead is not None:
+            raise EngineUnavailable(f"model {self.name!r} is not serving: {self.engine.dead}")
+
+    @property
+    def restartable(self) -> bool:
+        """Whether a new engine can replace the dead one: not while an in-process engine's
+        thread may still be inside a stalled step (it holds the model)."""
+        if self.config is None or self.engine.dead is None:
+            return False
+        return self.config.multiprocess or not isinstance(self.engine.dead, EngineStalled)
+
+    def restart(self) -> None:
+        """Replaces the dead engine with a new one of the same config (blocking: loads the
+        model). Calls keep getting UNAVAILABLE until the new one is in place."""
+        if self.config is None:
+            raise RuntimeError(f"model {self.name!r} has no engine config to restart with")
+        old = self.engine
+        old.shutdown()
+        self.engine = AsyncFrontEnd(FrontEnd.start(self.config), max_pending=old.max_pending)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -151,8 +176,9 @@ def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> Mod
     """Loads a model behind an AsyncFrontEnd (its own stepping thread); its tasks are whatever
     the engine serves (generation, pooling, or both)."""
     start = time.monotonic()
-    frontend = FrontEnd.start(engine_config_for(spec, template))
-    handle = handle_for(spec, frontend, max_pending)
+    config = engine_config_for(spec, template)
+    frontend = FrontEnd.start(config)
+    handle = replace(handle_for(spec, frontend, max_pending), config=config)
     facts, num_blocks = handle.facts, frontend.info.num_kv_blocks
     cache = f"{num_blocks} KV blocks of {template.cache.block_size} tokens"
     logger.info(

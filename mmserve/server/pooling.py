@@ -11,13 +11,13 @@ import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from mmserve.errors import InvalidArgument
+from mmserve.errors import EngineDead, InvalidArgument
 from mmserve.frontend import pooling as pooling_api
 from mmserve.frontend.pooling_plans import PoolingPlan
 from mmserve.processors.images import ImageSource
 from mmserve.server import convert
 from mmserve.server import convert_pooling as cp
-from mmserve.server.errors import EngineFailed
+from mmserve.server.errors import EngineFailed, engine_error
 from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle
 from mmserve_client.v1 import common_pb2, pooling_pb2
@@ -29,9 +29,12 @@ OFF_LOOP_VALUES = 1 << 16  # responses with more embedding values are built on a
 async def _run(handle: ModelHandle, plan: PoolingPlan[T]) -> tuple[T, float]:
     """The plan's result and when it was handed to the engine (time.monotonic())."""
     queued = time.monotonic()
+    handle.require_serving()
     try:
         return await pooling_api.run_async(handle.engine, plan), queued
-    except RuntimeError as e:  # a failed request, or a dead engine
+    except EngineDead as e:
+        raise engine_error(handle.name, e) from e
+    except RuntimeError as e:  # a failed request
         raise EngineFailed(f"model {handle.name!r} failed the request: {e}") from e
 
 

@@ -93,12 +93,14 @@ def test_sigterm_drains(tiny_models: dict[str, Path]) -> None:
     target = f"127.0.0.1:{port}"
     try:
         with Client(target, timeout=60, retry_attempts=1) as c:
-            running = c.generate_stream("Hello", max_tokens=600, temperature=0, ignore_eos=True)
+            running = c.generate_stream("Hello", max_tokens=1000, temperature=0, ignore_eos=True)
             got = list(next(running).token_ids)
             proc.send_signal(signal.SIGTERM)
-            time.sleep(1.0)  # let the signal land
+            deadline = time.monotonic() + 5  # until the signal lands (the stream runs on)
             with pytest.raises(MMServeError) as e:
-                c.tokenize("new call")
+                while time.monotonic() < deadline:
+                    c.tokenize("new call")
+                    time.sleep(0.02)
             assert e.value.code == grpc.StatusCode.UNAVAILABLE
             with grpc.insecure_channel(target) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
@@ -107,7 +109,7 @@ def test_sigterm_drains(tiny_models: dict[str, Path]) -> None:
             for chunk in running:
                 got += chunk.token_ids
                 last = chunk
-            assert len(got) == 600 and last.finish_reason == "length"
+            assert len(got) == 1000 and last.finish_reason == "length"
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:

@@ -1,6 +1,6 @@
 """Admission and limits on a server of their own: RESOURCE_EXHAUSTED with RetryInfo past
 max_pending (health still answering), message size limits, and a dead engine (INTERNAL for
-requests, NOT_SERVING in health)."""
+the request it failed, UNAVAILABLE for later ones, NOT_SERVING in health)."""
 
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def test_server_caps_on_prompt_and_n(small_server: ServerThread) -> None:
         assert len(c.generate(list(range(8)), n=2, max_tokens=2)) == 2
 
 
-def test_dead_engine_is_internal_and_not_serving(tiny_models: dict[str, Path]) -> None:
-    server = serve([ModelSpec("tiny-b", str(tiny_models["tiny-b"]))])
+def test_dead_engine_is_unavailable_and_not_serving(tiny_models: dict[str, Path]) -> None:
+    server = serve([ModelSpec("tiny-b", str(tiny_models["tiny-b"]))], restart_dead_engines=False)
     try:
         handle = server.handle("tiny-b")
 
@@ -98,7 +98,7 @@ def test_dead_engine_is_internal_and_not_serving(tiny_models: dict[str, Path]) -
         with Client(server.target, timeout=30) as c:
             with pytest.raises(MMServeError) as e:
                 c.generate("Hello", max_tokens=3)
-            assert e.value.code == grpc.StatusCode.INTERNAL
+            assert e.value.code == grpc.StatusCode.INTERNAL  # the engine failed it
             assert "simulated device failure" in e.value.message
             deadline = time.monotonic() + 10
             while _health(server.target, "tiny-b") != health_pb2.HealthCheckResponse.NOT_SERVING:
@@ -107,7 +107,7 @@ def test_dead_engine_is_internal_and_not_serving(tiny_models: dict[str, Path]) -
             assert _health(server.target) == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(MMServeError) as e:  # later requests fail fast
                 c.generate("Hello", max_tokens=3)
-            assert e.value.code == grpc.StatusCode.INTERNAL
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE
             assert c.tokenize("still works").token_ids  # the tokenizer is not the engine
     finally:
         server.stop()
