@@ -7,10 +7,15 @@ of failing (found by experiment with xgrammar 0.2.9 and outlines-core 0.2.14):
 - `^` / `$` anywhere but the ends (xgrammar drops them, so `a$b` would match "ab")
 - escapes with a letter it does not know (xgrammar matches `\\A` as the letter "A")
 Everything else that the engines cannot do (backreferences, lookbehind, \\b, \\p{...}) makes
-them fail, and that error is reported as it is.
+them fail, and that error is reported as it is. Plain syntax errors (an unclosed group,
+nothing to repeat, a reversed range) are found here too, with Python's parser (close to
+ECMA-262's for these), so that they are blamed on the field that holds the pattern.
 """
 
 from __future__ import annotations
+
+import re
+import warnings
 
 # Letter escapes with the same meaning in ECMA-262, Python and both engines.
 _CLASS_ESCAPES = frozenset("dDwWsS")
@@ -33,9 +38,27 @@ def strip_anchors(pattern: str) -> str:
     Raises RegexProblem naming the first feature that an engine would ignore.
     """
     _scan(pattern)
+    _check_syntax(pattern)
     start = 1 if pattern.startswith("^") else 0
     end = len(pattern) - 1 if _ends_with_anchor(pattern) else len(pattern)
     return pattern[start:end]
+
+
+def _check_syntax(pattern: str) -> None:
+    """RegexProblem for a pattern that no regex engine reads; ECMA-262's named groups
+    `(?<name>...)` are read as Python's `(?P<name>...)`."""
+    python = re.sub(r"\(\?<(?=[A-Za-z_])", "(?P<", pattern)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # FutureWarning on nested sets and the like
+            re.compile(python)
+    except re.error as e:
+        position = e.pos or 0
+        if python != pattern:  # map back past the inserted "P"s
+            position -= python[:position].count("(?P<") - pattern[:position].count("(?P<")
+        raise RegexProblem(max(position, 0), e.msg) from None
+    except (RecursionError, OverflowError):
+        raise RegexProblem(0, "too deeply nested or too large") from None
 
 
 def _ends_with_anchor(pattern: str) -> bool:

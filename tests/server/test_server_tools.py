@@ -222,6 +222,7 @@ def test_multi_turn_renders_calls_and_results(
 
 UNSUPPORTED = {"type": "object", "properties": {"x": {"type": "string", "contentMediaType": "a/b"}}}
 BROKEN = {"type": "object", "properties": {"x": {"type": 5}}}
+BAD_PATTERN = {"type": "object", "properties": {"x": {"type": "string", "pattern": "("}}}
 
 
 def _tool(schema: dict[str, Any], strict: bool = False) -> list[dict[str, Any]]:
@@ -235,6 +236,8 @@ def _tool(schema: dict[str, Any], strict: bool = False) -> list[dict[str, Any]]:
         ({"tools": _tool(UNSUPPORTED), "tool_choice": "required"},
          "chat.tools[0].parameters_json: at /properties/x/contentMediaType"),
         ({"tools": _tool(BROKEN, strict=True)}, "chat.tools[0].parameters_json: at /properties/x/type"),
+        ({"tools": _tool(BAD_PATTERN), "tool_choice": "required"},
+         "chat.tools[0].parameters_json: at /properties/x/pattern"),
         ({"tools": TOOLS, "tool_choice": "required", "regex": "a+"}, "structured.regex"),
         ({"tool_choice": "required"}, "chat.tool_choice.mode"),
     ],
