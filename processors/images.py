@@ -264,7 +264,7 @@ def read_media_file(path: str, media_dir: Path | None, field: str, limits: Image
     base = media_dir.resolve(strict=True)
     real = (base / path).resolve()  # an absolute `path` replaces base, then is checked
     if not real.is_relative_to(base):
-        raise InvalidArgument(field, f"path is outside the media directory {base}")
+        raise InvalidArgument(field, "path is outside the media directory")
     try:
         # O_NOFOLLOW: the last component cannot be swapped for a symlink after resolve();
         # O_NONBLOCK: a FIFO cannot hang the worker before fstat refuses it.

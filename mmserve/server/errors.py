@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
 from typing import NoReturn
 
 import grpc
@@ -55,6 +60,32 @@ def code_of(exc: BaseException) -> grpc.StatusCode:
     return next((code for kind, code in _CODES if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
 
 
+# An absolute path in a message: a slash-led run of path characters, not inside a word (so
+# "application/json" is left alone). JSON pointers look the same; they do not exist on disk.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~-])/[\w.~+@%=-]+(?:/[\w.~+@%=-]*)*")
+_SERVER_DIRS = tuple(
+    {
+        str(Path(d).resolve())
+        for d in (os.getcwd(), str(Path.home()), sys.prefix, sys.base_prefix, tempfile.gettempdir())
+    }
+    - {"/"}
+)
+
+
+def redact_paths(message: str) -> str:
+    """The message with every server-side path (one under the server's working, home, temp or
+    Python directories, or any that exists here) replaced by "<path>": a client never learns
+    the server's layout, whatever an exception happened to say."""
+
+    def hide(match: re.Match[str]) -> str:
+        path = match.group(0)
+        under = any(path == d or path.startswith(d + "/") for d in _SERVER_DIRS)
+        exists = path.count("/") > 1 and os.path.lexists(path)
+        return "<path>" if under or exists else path
+
+    return _ABSOLUTE_PATH.sub(hide, message)
+
+
 def rich_status(code: grpc.StatusCode, message: str, retry_after_s: float | None) -> grpc.Status:
     """A status whose trailing metadata carries google.rpc.Status (grpc-status-details-bin),
     with RetryInfo when the client should come back later."""
@@ -76,7 +107,7 @@ async def abort(
     traceback and reach the client without internals."""
     code = code_of(exc)
     if isinstance(exc, MMServeError):
-        message = str(exc)
+        message = redact_paths(str(exc))
     else:
         logger.exception("unexpected error in a call", exc_info=exc)
         message = f"internal error ({type(exc).__name__}); see the server log"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -238,3 +239,16 @@ def test_envs_and_model_specs() -> None:
     )
     assert ModelSpec.parse("chat=/m/folder/") == ModelSpec("chat", "/m/folder/")
     assert ModelSpec.parse("/m/folder/").name == "folder"
+
+
+def test_error_messages_never_show_server_paths(tmp_path: Path) -> None:
+    """Whatever an exception says, the client's message names no server path; JSON pointers,
+    media types and the client's own relative paths stay."""
+    from mmserve.server.errors import redact_paths
+
+    model = tmp_path / "models" / "tiny"
+    model.mkdir(parents=True)
+    said = f"engine failed: FileNotFoundError: {model}/config.json; also {Path.home()}/.cache"
+    assert redact_paths(said) == "engine failed: FileNotFoundError: <path>; also <path>"
+    kept = "structured.json_schema: at /properties/age/minimum: use application/json, pets/cat.png"
+    assert redact_paths(kept) == kept

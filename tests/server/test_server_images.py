@@ -216,12 +216,13 @@ BAD_CHATS: dict[str, tuple[Callable[[], list[Any]], str, str]] = {
 
 
 @pytest.mark.parametrize("case", list(BAD_CHATS))
-def test_bad_images_are_refused_naming_the_field(client: Client, case: str) -> None:
+def test_bad_images_are_refused_naming_the_field(client: Client, case: str, media: Path) -> None:
     parts, field, says = BAD_CHATS[case]
     conv = [{"role": "user", "content": ["look:", *parts()]}]
     message = refused(client.chat, conv, model="vl", max_tokens=MAX_TOKENS)
     assert message.startswith(f"{field}: "), message
     assert says in message
+    assert str(media.parent) not in message  # never a server path
     assert ask(client, png(24, 40, 0)).finish_reason == "length"  # serving normally
 
 
