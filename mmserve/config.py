@@ -163,7 +163,14 @@ class ServerConfig:
     host: str = setting("127.0.0.1", "address to listen on (the default: this machine only)")
     port: int = setting(50051, "port; 0 picks a free one (logged)")
     api_key_file: str | None = setting(
-        None, "API keys, one per line (# comments); every call must carry one (see Security)"
+        None,
+        "API keys, one per line, each optionally followed by a tenant name (# comments); "
+        "every call must carry one (see Security)",
+    )
+    share_prefix_cache_across_keys: bool = setting(
+        False,
+        "let requests of different API keys (tenants) share prefix-cache blocks and image "
+        "uuids; off, each tenant's are its own (no cache-timing side channel between them)",
     )
     tls_cert: str | None = setting(None, "PEM certificate chain: serve TLS (with --tls-key)")
     tls_key: str | None = setting(None, "PEM private key of --tls-cert")

@@ -1,10 +1,11 @@
-"""API keys: `authorization: Bearer <key>` metadata checked on every RPC but health."""
+"""API keys: `authorization: Bearer <key>` metadata checked on every RPC but health, and the
+tenant each key belongs to (its prefix-cache and image-uuid scope)."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +16,22 @@ import grpc
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
-def load_api_keys(path: str | Path) -> list[str]:
-    """One key per line; blank lines and lines starting with # are skipped."""
-    lines = Path(path).read_text().splitlines()
-    keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+def load_api_keys(path: str | Path) -> dict[str, str]:
+    """Key -> tenant. One key per line, optionally followed by a tenant name (keys of one
+    tenant share its caches); blank lines and lines starting with # are skipped."""
+    keys: dict[str, str] = {}
+    for line in Path(path).read_text().splitlines():
+        fields = line.split()
+        if fields and not fields[0].startswith("#"):
+            keys[fields[0]] = fields[1] if len(fields) > 1 else key_tenant(fields[0])
     if not keys:
-        raise ValueError(f"api key file {path}: no keys in it")
+        raise ValueError("the api key file has no keys in it")
     return keys
+
+
+def key_tenant(key: str) -> str:
+    """The tenant of a key without a name: a digest, which says nothing about the key."""
+    return "key:" + hashlib.sha256(b"mmserve-tenant\0" + key.encode()).hexdigest()[:16]
 
 
 def _digest(key: str | bytes) -> bytes:
@@ -32,25 +42,32 @@ def _digest(key: str | bytes) -> bytes:
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc has no stubs
     """Refuses calls without a valid key with UNAUTHENTICATED, before any handler runs."""
 
-    def __init__(self, keys: Sequence[str]) -> None:
+    def __init__(self, keys: Sequence[str] | Mapping[str, str]) -> None:
+        """keys: the valid keys, or key -> tenant (load_api_keys)."""
         if not keys:
             raise ValueError("ApiKeyInterceptor needs at least one key")
-        self._digests = [_digest(k) for k in keys]
+        tenants = keys if isinstance(keys, Mapping) else {k: key_tenant(k) for k in keys}
+        self._digests = [(_digest(k), t) for k, t in tenants.items()]
 
     def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        return self.tenant(metadata) is not None
+
+    def tenant(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+        """The tenant of the call's key; None without a valid one."""
         value = next((v for k, v in metadata or () if k == "authorization"), None)
         if value is None:
-            return False
+            return None
         text = value.decode(errors="replace") if isinstance(value, bytes) else value
         scheme, _, key = text.partition(" ")
         if scheme.lower() != "bearer":
-            return False
+            return None
         presented = _digest(key.strip())
         # Check every key, without stopping at a match: timing reveals nothing about which.
-        ok = False
-        for digest in self._digests:
-            ok |= hmac.compare_digest(presented, digest)
-        return ok
+        found = None
+        for digest, tenant in self._digests:
+            if hmac.compare_digest(presented, digest):
+                found = tenant
+        return found
 
     async def intercept_service(
         self,

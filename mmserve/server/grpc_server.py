@@ -61,16 +61,18 @@ class MMServer:
 
     def _build(self) -> grpc.aio.Server:
         keys = load_api_keys(self.config.api_key_file) if self.config.api_key_file else None
+        auth = ApiKeyInterceptor(keys) if keys else None
         limit = self.config.max_message_bytes
         server = grpc.aio.server(
-            interceptors=[ApiKeyInterceptor(keys)] if keys else [],
+            interceptors=[auth] if auth else [],
             options=[
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.so_reuseport", 0),  # a port already in use is an error, not shared
             ],
         )
-        servicer = InferenceServicer(self.registry, self.config, self.admission)
+        tenants = auth if auth and not self.config.share_prefix_cache_across_keys else None
+        servicer = InferenceServicer(self.registry, self.config, self.admission, tenants)
         inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)

@@ -48,9 +48,11 @@ async def embed(
     request_id: str,
     received: float,
     images: ImageInputs | None = None,
+    namespace: str = "",
 ) -> pooling_pb2.EmbedResponse:
+    """namespace: the caller's scope of image uuids (its tenant's)."""
     options = cp.embed_options(request)
-    inputs = await _inputs(handle, "inputs", request.inputs, images)
+    inputs = await _inputs(handle, "inputs", request.inputs, images, namespace)
     plan = pooling_api.plan_embed(
         handle.frontend,
         inputs,
@@ -70,6 +72,7 @@ async def _inputs(
     field: str,
     items: Sequence[common_pb2.Input],
     images: ImageInputs | None,
+    namespace: str,
 ) -> list[Any]:
     """The request's `field` inputs as texts, token ids and images (decoded off the loop)."""
     inputs: list[Any] = cp.pooling_inputs(field, items, allow_images=True)
@@ -79,7 +82,7 @@ async def _inputs(
     if images is None or not handle.facts.supports_images:
         raise InvalidArgument(f"{field}[{at[0]}].image", f"model {handle.name!r} does not embed images")
     sources = [(f"{field}[{i}].image", inputs[i]) for i in at]
-    decoded = await images.load(sources, field, batch=True)
+    decoded = await images.load(sources, field, namespace, batch=True)
     for i, image in zip(at, decoded, strict=True):
         inputs[i] = image
     return inputs
@@ -120,10 +123,11 @@ async def score(
     request_id: str,
     received: float,
     images: ImageInputs | None = None,
+    namespace: str = "",
 ) -> pooling_pb2.ScoreResponse:
     """Images may be scored where the model embeds them (cosine: CLIP, SigLIP)."""
-    first = await _inputs(handle, "first", request.first, images)
-    second = await _inputs(handle, "second", request.second, images)
+    first = await _inputs(handle, "first", request.first, images, namespace)
+    second = await _inputs(handle, "second", request.second, images, namespace)
     plan = pooling_api.plan_score(
         handle.frontend,
         first,

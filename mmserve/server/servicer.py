@@ -13,6 +13,7 @@ import grpc
 
 from mmserve.server import generate, pooling, tokens
 from mmserve.server.admission import Admission
+from mmserve.server.auth import ApiKeyInterceptor
 from mmserve.server.config import ServerConfig
 from mmserve.server.convert import model_info
 from mmserve.server.errors import abort
@@ -34,11 +35,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """Each RPC: find the model for its task, take an admission slot, run the flow; any
     failure becomes the status API.md's error table gives it."""
 
-    def __init__(self, registry: ModelRegistry, config: ServerConfig, admission: Admission) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        config: ServerConfig,
+        admission: Admission,
+        tenants: ApiKeyInterceptor | None = None,
+    ) -> None:
+        """tenants: the API keys, when each key's tenant gets caches of its own."""
         self.registry = registry
         self.config = config
         self.admission = admission
         self.images = ImageInputs(config)  # limits, media dir and uuids of image inputs
+        self.tenants = tenants
+
+    def _scope(self, context: Context) -> str:
+        """The call's tenant ("" when tenants share): the namespace of its image uuids and,
+        joined to its cache_salt, of its prefix-cache blocks."""
+        if self.tenants is None:
+            return ""
+        return self.tenants.tenant(context.invocation_metadata()) or ""
 
     async def _unary(
         self,
@@ -58,6 +74,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: generate_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         received = time.monotonic()
+        scope = self._scope(context)
+        if scope:  # another tenant's blocks never match: the salt is part of every block hash
+            request.cache_salt = f"{scope}\x1f{request.cache_salt}"
         try:
             handle = self.registry.get(request.model, Task.GENERATE)
             with self.admission.slot(handle.name):
@@ -72,9 +91,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Tokenize(
         self, request: tokenize_pb2.TokenizeRequest, context: Context
     ) -> tokenize_pb2.TokenizeResponse:
-        rid = _request_id(request)
+        rid, scope = _request_id(request), self._scope(context)
         return await self._unary(
-            context, request.model, None, lambda h: tokens.tokenize(request, h, rid, self.images)
+            context, request.model, None,
+            lambda h: tokens.tokenize(request, h, rid, self.images, scope),
         )
 
     async def Detokenize(
@@ -100,9 +120,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Embed(
         self, request: pooling_pb2.EmbedRequest, context: Context
     ) -> pooling_pb2.EmbedResponse:
-        rid, received = _request_id(request), time.monotonic()
+        rid, received, scope = _request_id(request), time.monotonic(), self._scope(context)
         return await self._unary(
-            context, request.model, Task.EMBED, lambda h: pooling.embed(request, h, rid, received, self.images)
+            context, request.model, Task.EMBED,
+            lambda h: pooling.embed(request, h, rid, received, self.images, scope),
         )
 
     async def Rerank(
@@ -127,9 +148,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Score(
         self, request: pooling_pb2.ScoreRequest, context: Context
     ) -> pooling_pb2.ScoreResponse:
-        rid, received = _request_id(request), time.monotonic()
+        rid, received, scope = _request_id(request), time.monotonic(), self._scope(context)
         return await self._unary(
-            context, request.model, Task.SCORE, lambda h: pooling.score(request, h, rid, received, self.images)
+            context, request.model, Task.SCORE,
+            lambda h: pooling.score(request, h, rid, received, self.images, scope),
         )
 
 

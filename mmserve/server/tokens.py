@@ -16,7 +16,9 @@ async def tokenize(
     handle: ModelHandle,
     request_id: str,
     images: ImageInputs | None = None,
+    namespace: str = "",
 ) -> tokenize_pb2.TokenizeResponse:
+    """namespace: the caller's scope of image uuids (its tenant's)."""
     tokenizer = handle.tokenizer
     kind = request.WhichOneof("input")
     explicit = request.add_special_tokens if request.HasField("add_special_tokens") else None
@@ -26,7 +28,7 @@ async def tokenize(
             len(request.text), tokenizer.encode, request.text, add_special_tokens=add_special
         )
     elif kind == "chat":
-        prompt = await render_chat(handle, request.chat, images)
+        prompt = await render_chat(handle, request.chat, images, namespace)
         text, ids = prompt.text, prompt.token_ids
         if explicit:  # the template placed its own special tokens; add the tokenizer's too
             ids = await off_loop(len(text), _with_special_tokens, tokenizer, text, ids)

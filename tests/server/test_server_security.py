@@ -169,3 +169,45 @@ def test_authorization_header_forms() -> None:
     assert not check([("authorization", "Bearer ")])
     assert not check([])
     assert not check(None)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_prefix_cache_is_scoped_by_key(
+    tiny_models: dict[str, Path], tmp_path: Path, share: bool
+) -> None:
+    """With API keys, a key's prefix-cache blocks serve only its tenant: the same prompt under
+    another key computes everything again (no cache-timing side channel), keys named for one
+    tenant share, and --share-prefix-cache-across-keys lets every key share."""
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text("alice\nbob\ncarol team\ndave team\n")
+    server = serve(
+        [ModelSpec("tiny-b", str(tiny_models["tiny-b"]))],
+        api_key_file=str(key_file),
+        share_prefix_cache_across_keys=share,
+    )
+    prompt = list(range(10, 60))  # 50 tokens: 12 full blocks of 4
+
+    def cached(key: str) -> int:
+        with Client(server.target, api_key=key, timeout=30) as c:
+            usage = c.generate(prompt, max_tokens=1, temperature=0).usage
+            assert usage is not None
+            return usage.cached_tokens
+
+    try:
+        assert cached("alice") == 0
+        assert cached("alice") >= 48  # a hit within one key
+        assert cached("bob") == (48 if share else 0)
+        assert cached("carol") == (48 if share else 0)
+        assert cached("dave") >= 48  # carol's tenant
+    finally:
+        server.stop()
+
+
+def test_tenants_of_keys_are_found_in_constant_time_and_say_nothing() -> None:
+    from mmserve.server.auth import key_tenant
+
+    check = ApiKeyInterceptor({"k1": "team", "k2": key_tenant("k2")})
+    assert check.tenant([("authorization", "Bearer k1")]) == "team"
+    assert check.tenant([("authorization", "Bearer k2")]) == key_tenant("k2")
+    assert check.tenant([("authorization", "Bearer k3")]) is None
+    assert "k2" not in key_tenant("k2") and key_tenant("k2") != key_tenant("k3")
