@@ -27,8 +27,12 @@ from mmserve.params import PoolingParams
 from mmserve.runner.cuda_graphs import DecodeGraphs, EncoderGraphs
 from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder, SampledOnDevice
 from mmserve.runner.pooler import ModelPooler, Pooler, finish_embedding
-from mmserve.runner.sampler import SamplingRow, sample_on_device, top_logprobs
+from mmserve.runner.sampler import SamplingRow, sample_on_device
 from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
+
+# Prompt logprobs take the logits of this many prompt rows at a time: [rows, vocab] float32
+# (256 x 128k is 128 MiB), whatever the chunk the token budget let through.
+PROMPT_LOGPROB_ROWS = 256
 
 
 def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -365,20 +369,35 @@ class ModelRunner:
         self, plan: SchedulerOutput, hidden: torch.Tensor
     ) -> dict[str, tuple[int, list[TokenLogprob]]]:
         """For each prompt chunk of a request that asked: the logprob of every next prompt
-        token, keyed by the position of the first target."""
+        token, keyed by the position of the first target. The chunk is the scheduler's (the
+        token budget bounds it); its logits are taken PROMPT_LOGPROB_ROWS rows at a time."""
         out: dict[str, tuple[int, list[TokenLogprob]]] = {}
         row = 0
         for item in plan.scheduled:
             n, k = len(item.token_ids), item.params.prompt_logprobs
-            prompt_len = len(item.prompt_token_ids)
-            end = min(item.start_pos + n, prompt_len - 1)  # last position with a prompt target
+            end = min(item.start_pos + n, len(item.prompt_token_ids) - 1)  # last with a target
             if k and item.start_pos < end:
-                count = end - item.start_pos
-                logprobs = torch.log_softmax(self.model.compute_logits(hidden[row : row + count]), -1)
                 targets = item.prompt_token_ids[item.start_pos + 1 : end + 1]
-                out[item.request_id] = (
-                    item.start_pos + 1,
-                    [top_logprobs(logprobs[j], t, k) for j, t in enumerate(targets)],
-                )
+                rows = hidden[row : row + end - item.start_pos]
+                out[item.request_id] = (item.start_pos + 1, self._logprobs_of(rows, targets, k))
             row += n
         return out
+
+    def _logprobs_of(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+        """hidden: [T, H] -> each row's logprob of its target with rank and top k, batched:
+        a few tensor ops per slice of rows, one copy to the host (not T of each)."""
+        found: list[TokenLogprob] = []
+        for start in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            chunk = targets[start : start + PROMPT_LOGPROB_ROWS]
+            logits = self.model.compute_logits(hidden[start : start + len(chunk)])
+            logprobs = torch.log_softmax(logits.float(), -1)
+            ids = torch.tensor(chunk, device=logprobs.device).unsqueeze(1)
+            values = logprobs.gather(1, ids)  # [t, 1]
+            ranks = (logprobs > values).sum(-1) + 1
+            top_v, top_i = logprobs.topk(k, dim=-1)
+            host = [x.tolist() for x in (values.squeeze(1), ranks, top_v, top_i)]
+            found += [
+                TokenLogprob(t, v, r, list(zip(ti, tv)))
+                for t, v, r, tv, ti in zip(chunk, *host, strict=True)
+            ]
+        return found

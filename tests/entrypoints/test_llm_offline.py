@@ -126,10 +126,16 @@ def test_stop_strings_and_token_ids(tiny: str) -> None:
     assert llm.frontend.core.kv.pool.num_free_blocks == llm.frontend.core.kv.pool.num_blocks
 
 
-def test_logprobs_and_prompt_logprobs_match_transformers(tiny: str) -> None:
+@pytest.mark.parametrize("rows", [256, 2])  # 2: each chunk's logits taken in slices
+def test_logprobs_and_prompt_logprobs_match_transformers(
+    tiny: str, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mmserve.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROB_ROWS", rows)
     llm = LLM(tiny, max_num_batched_tokens=6)  # prompt logprobs across chunks
     ids = llm.tokenizer.encode(PROMPTS[1])
-    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, prompt_logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, prompt_logprobs=3)
     out = llm.generate([ids], params, use_tqdm=False)[0]
     model = hf_model(tiny)
     full = torch.tensor([ids + out.outputs[0].token_ids])
@@ -140,6 +146,10 @@ def test_logprobs_and_prompt_logprobs_match_transformers(tiny: str) -> None:
         lp = out.prompt_logprobs[pos]
         assert lp is not None and lp.token_id == ids[pos]
         assert abs(lp.logprob - float(ref[pos - 1, ids[pos]])) < 1e-4
+        assert lp.rank == int((ref[pos - 1] > ref[pos - 1, ids[pos]]).sum()) + 1
+        top = ref[pos - 1].topk(3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
     for step, lp in enumerate(out.outputs[0].logprobs or []):
         row = ref[len(ids) - 1 + step]
         assert lp.rank == 1 and abs(lp.logprob - float(row.max())) < 1e-4
