@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mmserve import envs
-from mmserve.bench import embed, offline, serve, structured, vlm
+from mmserve.bench import embed, offline, serve, soak, structured, vlm
 from mmserve.bench.engine_flags import add_engine_flags, engine_config
 from mmserve.bench.models import make_model_folder, weight_bytes
 from mmserve.frontend.frontend import FrontEnd
@@ -34,7 +34,9 @@ FP8_MATMUL_TFLOPS = 1300.0
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (offline engine)")
-    kinds = ["latency", "throughput", "decode", "prefill", "embed", "serve", "structured", "vlm"]
+    kinds = [
+        "latency", "throughput", "decode", "prefill", "embed", "serve", "structured", "vlm", "soak",
+    ]
     p.add_argument("kind", choices=kinds)
     p.add_argument(
         "--model",
@@ -61,6 +63,7 @@ def add_parser(sub: Any) -> None:
     serve.add_arguments(p)
     structured.add_arguments(p)
     vlm.add_arguments(p)
+    soak.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -84,6 +87,9 @@ def run(args: argparse.Namespace) -> None:
         return
     if args.kind == "vlm":
         vlm.run(args)
+        return
+    if args.kind == "soak":
+        soak.run(args)
         return
     args.model = args.model or "shape:llama3-8b"
     dummy = args.model.startswith("shape:") or args.load_format == "dummy"
