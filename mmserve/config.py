@@ -8,7 +8,7 @@ from it (mmserve/settings.py). Fields made otherwise are internal.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,12 +99,23 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {share}")
 
 
+# The default token budget per step. On the CPU one step's time grows with it, and every stream
+# of the model (and a cancel) waits for the step: CPU_TOKEN_BUDGET keeps a step of the embedded
+# default well under a second on 2 cores (measured: BENCHMARKS.md, "CPU step time"). On CUDA a
+# step of 2048 tokens takes milliseconds.
+CUDA_TOKEN_BUDGET = 2048
+CPU_TOKEN_BUDGET = 512
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits."""
 
-    max_num_batched_tokens: int = setting(
-        2048, "token budget of one engine step (all requests together)"
+    max_num_batched_tokens: int | None = setting(
+        None,
+        "token budget of one engine step (all requests together); it bounds how long one step "
+        "(and so every stream's next token, and a cancel) can take",
+        shown=f"{CUDA_TOKEN_BUDGET} on CUDA, {CPU_TOKEN_BUDGET} on CPU",
     )
     max_num_seqs: int = setting(64, "requests running at once per model")
     encoder_cache_rows: int = setting(
@@ -126,6 +137,20 @@ class SchedulerConfig:
             self, "max_num_batched_tokens", "max_num_seqs", "encoder_cache_rows",
             "max_encoder_rows_per_step",
         )
+
+    def on_device(self, device_type: str) -> SchedulerConfig:
+        """The config with the token budget resolved for a device ("cuda", "cpu")."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        budget = CUDA_TOKEN_BUDGET if device_type == "cuda" else CPU_TOKEN_BUDGET
+        return replace(self, max_num_batched_tokens=budget)
+
+    @property
+    def budget(self) -> int:
+        """max_num_batched_tokens, once on_device() resolved it (the engine core does)."""
+        if self.max_num_batched_tokens is None:
+            raise ValueError("the token budget is resolved by on_device() first")
+        return self.max_num_batched_tokens
 
 
 @dataclass(frozen=True)

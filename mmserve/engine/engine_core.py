@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -41,6 +42,8 @@ class EngineCore:
     ) -> None:
         """structured: compiles the output constraints of requests (None: the model cannot
         generate, and no request carries one)."""
+        # the token budget's default depends on the device
+        config = replace(config, scheduler=config.scheduler.on_device(device.type))
         self.config = config
         cache = config.cache
         num_blocks = 0  # encoders keep no KV cache
@@ -66,7 +69,7 @@ class EngineCore:
         if not config.model.enforce_eager:
             scheduler = config.scheduler
             self.runner.capture_graphs(
-                scheduler.max_num_seqs, self.max_model_len, scheduler.max_num_batched_tokens
+                scheduler.max_num_seqs, self.max_model_len, scheduler.budget
             )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens at most in flight), max_model_len %d",

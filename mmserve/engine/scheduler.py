@@ -30,8 +30,8 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.encoder = EncoderCacheManager(
-            max(config.encoder_cache_rows, config.max_num_batched_tokens),
-            config.max_encoder_rows_per_step or config.max_num_batched_tokens,
+            max(config.encoder_cache_rows, config.budget),
+            config.max_encoder_rows_per_step or config.budget,
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -62,7 +62,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.budget
         self.encoder.begin_step()
         i = 0
         while i < len(self.running) and budget > 0:
@@ -123,7 +123,7 @@ class Scheduler:
         num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
         if request.pooling is not None and num_new < request.num_tokens:
             # pooling sees the whole input in one step; alone in a step it may pass the budget
-            if budget < self.config.max_num_batched_tokens:
+            if budget < self.config.budget:
                 return 0
             num_new = request.num_tokens
         num_new = self._fit_images(request, request.num_computed_tokens + num_hit_tokens, num_new)

@@ -135,3 +135,16 @@ def test_readme_table_is_the_derived_one() -> None:
         "  python -c 'from mmserve.server.cli import settings_table; print(settings_table())'\n"
         + table
     )
+
+
+def test_the_token_budget_default_depends_on_the_device() -> None:
+    """Unset, the step budget is CPU_TOKEN_BUDGET on the CPU (a step there takes time in
+    proportion: BENCHMARKS.md) and CUDA_TOKEN_BUDGET on CUDA; a given one is kept."""
+    from mmserve.config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, SchedulerConfig
+
+    unset = SchedulerConfig()
+    assert unset.on_device("cpu").budget == CPU_TOKEN_BUDGET < CUDA_TOKEN_BUDGET
+    assert unset.on_device("cuda").budget == CUDA_TOKEN_BUDGET
+    assert SchedulerConfig(max_num_batched_tokens=77).on_device("cuda").budget == 77
+    with pytest.raises(ValueError, match="resolved"):
+        _ = unset.budget
