@@ -1,20 +1,26 @@
 """Chat messages -> prompt text and token ids, through the model's own chat template.
 
 Rendering is transformers' `apply_chat_template`, which runs the template in jinja2's
-ImmutableSandboxedEnvironment (templates come from model repos: untrusted code). Everything
-a request can put into the template is validated here first, naming the offending field.
+ImmutableSandboxedEnvironment (templates come from model repos: untrusted code), under a time
+limit when given one (time_limit.py: the sandbox bounds what a template may touch, not how
+long it runs). Everything a request can put into the template is validated here first, naming
+the offending field; a template that runs out of time, recursion or range is the "chat"'s.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from jinja2.exceptions import SecurityError, TemplateError
 from transformers import PreTrainedTokenizerFast
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.processors.time_limit import TimeLimitExceeded, call_with_time_limit
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 ROLES = ("system", "user", "assistant", "tool")
 _MESSAGE_KEYS = frozenset(
@@ -52,10 +58,15 @@ def render_chat(
     add_generation_prompt: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
     template_kwargs: Mapping[str, object] | None = None,
+    *,
+    time_limit_ms: int | None = None,
 ) -> str:
-    """Render messages into the prompt text with the model's chat template."""
+    """Render messages into the prompt text with the model's chat template.
+
+    time_limit_ms: the render's budget (None: unbounded); past it, InvalidArgument on "chat".
+    """
     args = _template_args(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
-    return str(_apply(tokenizer, args, tokenize=False))
+    return str(_bounded(time_limit_ms, _apply, tokenizer, args, tokenize=False))
 
 
 def render_and_tokenize(
@@ -66,6 +77,8 @@ def render_and_tokenize(
     template_kwargs: Mapping[str, object] | None = None,
     sanitize_control_tokens: bool = True,
     allow_images: bool = False,
+    *,
+    time_limit_ms: int | None = None,
 ) -> tuple[str, list[int]]:
     """Render messages and tokenise the prompt; returns (prompt_text, token_ids).
 
@@ -74,11 +87,18 @@ def render_and_tokenize(
     (say a user typing "<|im_end|>") become plain text tokens, so a user cannot forge turn
     boundaries; only the template's own control tokens are encoded as such. With
     allow_images, {"type": "image"} parts reach the template, which places the model's image
-    token for each (ImagePrompts expands them).
+    token for each (ImagePrompts expands them). time_limit_ms: as for render_chat (the limit
+    covers rendering and tokenising together).
     """
     args = _template_args(
         tokenizer, messages, add_generation_prompt, tools, template_kwargs, allow_images
     )
+    return _bounded(time_limit_ms, _render_and_encode, tokenizer, args, sanitize_control_tokens)
+
+
+def _render_and_encode(
+    tokenizer: PreTrainedTokenizerFast, args: dict[str, Any], sanitize_control_tokens: bool
+) -> tuple[str, list[int]]:
     # Rendered twice when sanitising (transformers marks user strings before rendering);
     # both see the same validated inputs, so they agree (unless the template prints the time).
     text = str(_apply(tokenizer, args, tokenize=False))
@@ -87,6 +107,17 @@ def render_and_tokenize(
     else:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return text, list(ids)
+
+
+def _bounded(time_limit_ms: int | None, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    if time_limit_ms is None:
+        return fn(*args, **kwargs)
+    try:
+        return call_with_time_limit(time_limit_ms / 1000, fn, *args, **kwargs)
+    except TimeLimitExceeded:
+        raise InvalidArgument(
+            "chat", f"the model's chat template did not finish within {time_limit_ms} ms"
+        ) from None
 
 
 def _template_args(
@@ -119,6 +150,8 @@ def _apply(tokenizer: PreTrainedTokenizerFast, args: dict[str, Any], **options: 
         # raise_exception() in templates reports conversation rules (e.g. roles must
         # alternate); a TypeError is a message shape the template cannot handle.
         raise InvalidArgument("messages", f"rejected by the model's chat template: {e}") from e
+    except (RecursionError, OverflowError) as e:  # jinja's sandbox caps range() (OverflowError)
+        raise InvalidArgument("chat", f"the model's chat template failed: {e}") from e
 
 
 def parse_template_kwargs(kwargs: Mapping[str, object]) -> dict[str, object]:
