@@ -48,10 +48,12 @@ def render(
     images: ImagePrompts | None,
     chat: ChatInput,
     decoded: Sequence[DecodedImage] = (),
+    time_limit_ms: int | None = None,
 ) -> ChatPrompt:
     """The chat's prompt; `decoded`: its images, in the order of chat.image_fields (None
     images: the model reads none). Blocking (templates, tokenising, image preprocessing): call
-    it off the event loop. InvalidArgument names the field."""
+    it off the event loop. InvalidArgument names the field; a template still rendering after
+    time_limit_ms (None: no limit) is stopped, and InvalidArgument names "chat"."""
     if len(decoded) != len(chat.image_fields):
         raise ValueError(f"{len(decoded)} images for {len(chat.image_fields)} image parts")
     if chat.image_fields and images is None:
@@ -63,6 +65,7 @@ def render(
         chat.tools,
         chat.template_kwargs,
         allow_images=bool(chat.image_fields),
+        time_limit_ms=time_limit_ms,
     )
     if not decoded or images is None:
         return ChatPrompt(text, ids)
