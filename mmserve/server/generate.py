@@ -52,7 +52,8 @@ async def chat_prompt(
 ) -> ChatPrompt:
     """The chat's images loaded (`namespace`, the cache_salt, scopes their uuids), then
     rendered by the model's front end; templates are arbitrary jinja: always off the loop, on
-    the model's own threads."""
+    the model's own threads. The front end names fields within the chat: here they are
+    named from the request (chat.messages[0].role)."""
     decoded: list[DecodedImage] = []
     if c.sources:
         if images is None or not handle.frontend.info.reads_images:
@@ -61,7 +62,12 @@ async def chat_prompt(
             list(zip(c.image_fields, c.sources)), "chat.messages", handle.engine.executor,
             namespace,
         )
-    return await handle.engine.run(handle.frontend.render_chat, c, decoded)
+    try:
+        return await handle.engine.run(handle.frontend.render_chat, c, decoded)
+    except InvalidArgument as e:
+        if e.field == "chat" or e.field.startswith("chat."):
+            raise
+        raise InvalidArgument(f"chat.{e.field}", e.message) from e
 
 
 async def prompt_ids(

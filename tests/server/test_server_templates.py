@@ -1,6 +1,6 @@
 """Chat templates served: a template that never finishes fails its own chat at the budget
 (--template-timeout-ms) while other models, each on front-end threads of its own, answer at
-once."""
+once; continue_final_message prompts are transformers' over Tokenize and Generate."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from typing import Any
 
 import grpc
 import pytest
+from transformers import AutoTokenizer
 
 from mmserve.config import DEFAULT_FRONTEND_THREADS
 from mmserve.server.config import ModelSpec
+from mmserve_client import Client
 from mmserve_client.v1 import generate_pb2, tokenize_pb2
 from tests.server.conftest import ServerThread, serve
 from tests.utils.chat_templates import QWEN25_TEMPLATE
@@ -30,6 +32,7 @@ LOOPING = (
 STUCK_MESSAGE = "chat: the model's chat template did not finish within 1000 ms"
 LOOP = [{"role": "user", "content": "loop"}]
 HELLO = [{"role": "user", "content": "Hello"}]
+PARTIAL = [*HELLO, {"role": "assistant", "content": "Hello world, this is"}]
 # more stuck calls than asyncio's default pool has threads, and twice the model's own
 STUCK_CALLS = max(8, min(32, (os.cpu_count() or 1) + 4) + 2, 2 * DEFAULT_FRONTEND_THREADS)
 
@@ -106,6 +109,47 @@ def test_stuck_renders_do_not_hold_up_another_model(stub: Any) -> None:
             assert error.details() == STUCK_MESSAGE
     # the stopped renders gave their threads back: the same model renders the next chat
     assert len(_tokenize_chat(stub, "looping", _chat(HELLO)).token_ids) > 3
+
+
+def _transformers_ids(folder: Path, messages: list[dict[str, str]]) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return list(tokenizer.apply_chat_template(
+        messages, continue_final_message=True, tokenize=True, return_dict=False,
+        sanitize_control_tokens=True,
+    ))
+
+
+def test_continue_final_message_is_transformers_prompt(
+    stub: Any, tiny_server: ServerThread, folders: dict[str, Path]
+) -> None:
+    expected = _transformers_ids(folders["qwen"], PARTIAL)
+    chat = _chat(PARTIAL, add_generation_prompt=False, continue_final_message=True)
+    assert list(_tokenize_chat(stub, "qwen", chat).token_ids) == expected
+    with Client(tiny_server.target, timeout=30) as client:  # the SDK opens no new turn itself
+        continued = client.chat(PARTIAL, model="qwen", continue_final_message=True,
+                                max_tokens=4, temperature=0, ignore_eos=True)
+        direct = client.generate(expected, model="qwen", max_tokens=4, temperature=0,
+                                 ignore_eos=True)
+    assert continued.usage is not None and continued.usage.prompt_tokens == len(expected)
+    assert continued.token_ids == direct.token_ids
+
+
+@pytest.mark.parametrize(
+    ("messages", "options", "says"),
+    [
+        (PARTIAL, {"continue_final_message": True}, "needs add_generation_prompt false"),
+        (HELLO, {"continue_final_message": True, "add_generation_prompt": False}, "assistant's"),
+    ],
+)
+def test_continue_final_message_errors_are_named(
+    stub: Any, messages: list[dict[str, str]], options: dict[str, Any], says: str
+) -> None:
+    request = generate_pb2.GenerateRequest(model="qwen", chat=_chat(messages, **options))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("chat.continue_final_message: ")
+    assert says in e.value.details()
 
 
 def test_front_end_threads_stop_with_the_model(folders: dict[str, Path]) -> None:
