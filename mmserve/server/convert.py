@@ -1,6 +1,6 @@
 """Pure functions between the v1 protos and mmserve's dataclasses, applying the defaults the
 proto comments promise (unset temperature = 1.0, ...). Every bad field raises InvalidArgument
-naming the field (Unimplemented is there for what the server cannot do yet)."""
+naming the field."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from mmserve.server.models import ModelHandle
 from mmserve_client.v1 import generate_pb2
 
 T = TypeVar("T")
-OFF_LOOP_CHARS = 2048  # texts longer than this are tokenised on a worker thread
+OFF_LOOP_CHARS = 2048  # texts longer than this are tokenised on the model's front-end threads
 
 
 async def off_loop(
