@@ -24,6 +24,10 @@ from mmserve.settings import (
 
 # mmserve.structured_output's backends (its registry is not imported here: it loads torch)
 STRUCTURED_BACKENDS = ("xgrammar", "outlines")
+# a chat template's render budget (also the offline LLM's: FrontEnd's default), and the worker
+# threads of one model's front end (templates, tokenising, images, pooling inputs)
+DEFAULT_TEMPLATE_TIMEOUT_MS = 2000
+DEFAULT_FRONTEND_THREADS = 4
 
 
 def _at_least_one(config: object, *names: str) -> None:
@@ -243,6 +247,16 @@ class ServerConfig:
         16, "images in one chat (an Embed batch may hold 16x as many)"
     )
     image_uuid_cache_bytes: int = 512 << 20  # decoded images kept for uuid-only requests
+    template_timeout_ms: int = setting(
+        DEFAULT_TEMPLATE_TIMEOUT_MS,
+        "budget of one chat's template render; a template still running then is stopped and "
+        "the call gets INVALID_ARGUMENT",
+    )
+    frontend_threads: int = setting(
+        DEFAULT_FRONTEND_THREADS,
+        "worker threads of each model for its chat templates, tokenising, images and pooling "
+        "inputs (models never wait on each other's)",
+    )
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -251,7 +265,7 @@ class ServerConfig:
             raise ValueError("tls_client_ca needs tls_cert and tls_key (mTLS runs over TLS)")
         for name in (
             "max_pending", "max_message_bytes", "max_n", "max_tokens", "max_image_pixels",
-            "max_images_per_request",
+            "max_images_per_request", "template_timeout_ms", "frontend_threads",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -13,6 +13,7 @@ class InvalidArgument(MMServeError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message  # without the field
 
 
 class ResourceExhausted(MMServeError):

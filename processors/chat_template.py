@@ -1,20 +1,26 @@
 """Chat messages -> prompt text and token ids, through the model's own chat template.
 
 Rendering is transformers' `apply_chat_template`, which runs the template in jinja2's
-ImmutableSandboxedEnvironment (templates come from model repos: untrusted code). Everything
-a request can put into the template is validated here first, naming the offending field.
+ImmutableSandboxedEnvironment (templates come from model repos: untrusted code), under a time
+limit when given one (time_limit.py: the sandbox bounds what a template may touch, not how
+long it runs). Everything a request can put into the template is validated here first, naming
+the offending field; a template that runs out of time, recursion or range is the "chat"'s.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from jinja2.exceptions import SecurityError, TemplateError
 from transformers import PreTrainedTokenizerFast
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.processors.time_limit import TimeLimitExceeded, call_with_time_limit
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 ROLES = ("system", "user", "assistant", "tool")
 _MESSAGE_KEYS = frozenset(
@@ -52,10 +58,21 @@ def render_chat(
     add_generation_prompt: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
     template_kwargs: Mapping[str, object] | None = None,
+    *,
+    continue_final_message: bool = False,
+    time_limit_ms: int | None = None,
 ) -> str:
-    """Render messages into the prompt text with the model's chat template."""
-    args = _template_args(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
-    return str(_apply(tokenizer, args, tokenize=False))
+    """Render messages into the prompt text with the model's chat template.
+
+    continue_final_message: end the prompt inside the last (assistant) message, for the model
+    to go on with it, as transformers' apply_chat_template(continue_final_message=True) does.
+    time_limit_ms: the render's budget (None: unbounded); past it, InvalidArgument on "chat".
+    """
+    args = _template_args(
+        tokenizer, messages, add_generation_prompt, tools, template_kwargs,
+        continue_final_message=continue_final_message,
+    )
+    return str(_bounded(time_limit_ms, _apply, tokenizer, args, tokenize=False))
 
 
 def render_and_tokenize(
@@ -66,6 +83,9 @@ def render_and_tokenize(
     template_kwargs: Mapping[str, object] | None = None,
     sanitize_control_tokens: bool = True,
     allow_images: bool = False,
+    *,
+    continue_final_message: bool = False,
+    time_limit_ms: int | None = None,
 ) -> tuple[str, list[int]]:
     """Render messages and tokenise the prompt; returns (prompt_text, token_ids).
 
@@ -74,11 +94,19 @@ def render_and_tokenize(
     (say a user typing "<|im_end|>") become plain text tokens, so a user cannot forge turn
     boundaries; only the template's own control tokens are encoded as such. With
     allow_images, {"type": "image"} parts reach the template, which places the model's image
-    token for each (ImagePrompts expands them).
+    token for each (ImagePrompts expands them). continue_final_message and time_limit_ms: as
+    for render_chat (the limit covers rendering and tokenising together).
     """
     args = _template_args(
-        tokenizer, messages, add_generation_prompt, tools, template_kwargs, allow_images
+        tokenizer, messages, add_generation_prompt, tools, template_kwargs, allow_images,
+        continue_final_message,
     )
+    return _bounded(time_limit_ms, _render_and_encode, tokenizer, args, sanitize_control_tokens)
+
+
+def _render_and_encode(
+    tokenizer: PreTrainedTokenizerFast, args: dict[str, Any], sanitize_control_tokens: bool
+) -> tuple[str, list[int]]:
     # Rendered twice when sanitising (transformers marks user strings before rendering);
     # both see the same validated inputs, so they agree (unless the template prints the time).
     text = str(_apply(tokenizer, args, tokenize=False))
@@ -89,6 +117,17 @@ def render_and_tokenize(
     return text, list(ids)
 
 
+def _bounded(time_limit_ms: int | None, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    if time_limit_ms is None:
+        return fn(*args, **kwargs)
+    try:
+        return call_with_time_limit(time_limit_ms / 1000, fn, *args, **kwargs)
+    except TimeLimitExceeded:
+        raise InvalidArgument(
+            "chat", f"the model's chat template did not finish within {time_limit_ms} ms"
+        ) from None
+
+
 def _template_args(
     tokenizer: PreTrainedTokenizerFast,
     messages: Sequence[Mapping[str, Any]],
@@ -96,6 +135,7 @@ def _template_args(
     tools: Sequence[Mapping[str, Any]] | None,
     template_kwargs: Mapping[str, object] | None,
     allow_images: bool = False,
+    continue_final_message: bool = False,
 ) -> dict[str, Any]:
     if not tokenizer.chat_template:
         raise InvalidArgument("chat", "this model has no chat template; send a prompt instead")
@@ -107,7 +147,31 @@ def _template_args(
         # A template that ignores tools would silently drop them: refuse instead.
         if "tools" not in tokenizer.get_chat_template(None, args["tools"]):
             raise InvalidArgument("tools", "this model's chat template does not support tools")
+    if continue_final_message:
+        template = tokenizer.get_chat_template(None, args.get("tools"))
+        _check_continuable(args["conversation"], add_generation_prompt, template)
+        args["continue_final_message"] = True
     return args
+
+
+def _check_continuable(
+    conversation: list[dict[str, Any]], add_generation_prompt: bool, template: str
+) -> None:
+    """transformers' conditions for continue_final_message, checked before rendering so that
+    each is named; and the API's own: the message to continue is the assistant's."""
+    field = "continue_final_message"
+    if add_generation_prompt:
+        raise InvalidArgument(field, "needs add_generation_prompt false (it opens a new turn)")
+    last = conversation[-1]
+    if last["role"] != "assistant":
+        raise InvalidArgument(field, f"the last message must be the assistant's, not {last['role']}")
+    content = last.get("content")
+    if content is None:
+        raise InvalidArgument(field, "the last message has no content to continue")
+    if isinstance(content, list) and not any(p["type"] == "text" for p in content):
+        raise InvalidArgument(field, "the last message has no text to continue")
+    if "content" not in template:
+        raise InvalidArgument(field, "this model's chat template does not render message content")
 
 
 def _apply(tokenizer: PreTrainedTokenizerFast, args: dict[str, Any], **options: Any) -> Any:
@@ -119,6 +183,17 @@ def _apply(tokenizer: PreTrainedTokenizerFast, args: dict[str, Any], **options: 
         # raise_exception() in templates reports conversation rules (e.g. roles must
         # alternate); a TypeError is a message shape the template cannot handle.
         raise InvalidArgument("messages", f"rejected by the model's chat template: {e}") from e
+    except (RecursionError, OverflowError) as e:  # jinja's sandbox caps range() (OverflowError)
+        raise InvalidArgument("chat", f"the model's chat template failed: {e}") from e
+    except ValueError as e:
+        # what transformers cannot check before rendering: the template must print the last
+        # message as it is, for the prompt to end inside it
+        if args.get("continue_final_message") and "continue_final_message" in str(e):
+            raise InvalidArgument(
+                "continue_final_message",
+                "the model's chat template alters the last message, so it cannot be continued",
+            ) from e
+        raise
 
 
 def parse_template_kwargs(kwargs: Mapping[str, object]) -> dict[str, object]:

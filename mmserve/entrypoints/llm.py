@@ -55,6 +55,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = True,
@@ -62,12 +63,17 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations. A content part
         {"type": "image", "image": PIL image | bytes | path} puts an image in (models that
-        read images)."""
+        read images). continue_final_message (with add_generation_prompt=False): the prompt
+        ends inside the last message, the assistant's, and the model goes on with it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded, images = [], []
         for conv in conversations:
             conv, decoded, fields = _take_images(conv)  # type: ignore[arg-type]
-            chat = ChatInput(conv, tools, add_generation_prompt, template_kwargs or {}, None, fields)
+            chat = ChatInput(
+                conv, tools, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs or {}, image_fields=fields,
+            )
             prompt = self.frontend.render_chat(chat, decoded)
             encoded.append((prompt.text, prompt.token_ids))
             images.append(prompt.mm_inputs)

@@ -1,18 +1,24 @@
 """The asyncio side of a FrontEnd: its engine side (adding requests, stepping the engine
 client, detokenising) runs on its own thread, so the event loop never waits on a model step;
 each request gets an asyncio queue of deltas, and a cancelled consumer aborts its request in
-the engine, which frees its KV blocks at once."""
+the engine, which frees its KV blocks at once. The model's blocking front-end work (chat
+templates, tokenising, images, pooling inputs) runs on threads of its own, never shared with
+another model, so one model's slow templates or inputs hold up only its own calls."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
+from mmserve.config import DEFAULT_FRONTEND_THREADS
 from mmserve.errors import EngineDead, ResourceExhausted
 from mmserve.frontend.frontend import FrontEnd, GenerateJob, GenerationDelta, PooledResult
 from mmserve.inputs import MMInput
@@ -21,6 +27,11 @@ from mmserve.params import PoolingParams
 logger = logging.getLogger(__name__)
 LIVENESS_POLL_S = 0.5  # an idle engine thread checks this often that its engine still lives
 
+P = ParamSpec("P")
+T = TypeVar("T")
+# threads per model that wait for grammar compiles (the grammar cache bounds the compiles
+# themselves, with workers and a time limit of its own); waiting costs no CPU
+GRAMMAR_WAITERS = 8
 
 News = GenerationDelta | PooledResult
 Sink = Callable[[News | BaseException], None]
@@ -57,9 +68,13 @@ class _Abort:
 class AsyncFrontEnd:
     """Thread-safe: commands go in through a queue, deltas come out on the caller's loop."""
 
-    def __init__(self, frontend: FrontEnd, max_pending: int = 1024) -> None:
+    def __init__(
+        self, frontend: FrontEnd, max_pending: int = 1024, threads: int = DEFAULT_FRONTEND_THREADS
+    ) -> None:
+        """threads: this model's front-end workers (run())."""
         self.frontend = frontend
         self.max_pending = max_pending  # admission bound on requests in flight
+        self.threads = threads
         self._commands: queue.SimpleQueue[_Add | _AddPoolingBatch | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._num_in_flight = 0
@@ -68,6 +83,9 @@ class AsyncFrontEnd:
         self._busy_since = time.monotonic()  # when the engine last went from idle to busy
         self._thread = threading.Thread(target=self._loop, name="mmserve-engine", daemon=True)
         self._thread.start()
+        # the model's own threads for blocking front-end work (run()), shared with no model
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="mmserve-frontend")
+        self._grammar_waits = ThreadPoolExecutor(GRAMMAR_WAITERS, thread_name_prefix="mmserve-grammar")
 
     @property
     def num_in_flight(self) -> int:
@@ -94,16 +112,28 @@ class AsyncFrontEnd:
             sink(error)
 
     def shutdown(self) -> None:
+        # running front-end work ends by itself (templates have a time limit); queued is dropped
+        for pool in (self.executor, self._grammar_waits):
+            pool.shutdown(wait=True, cancel_futures=True)
         self._commands.put(None)
         self._thread.join(timeout=30)
         self.frontend.shutdown()
+
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """fn(*args, **kwargs) on this model's front-end threads: blocking work (chat
+        templates, tokenising, images, pooling inputs), awaited without blocking the loop."""
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, call)
 
     async def generate(self, job: GenerateJob) -> AsyncGenerator[GenerationDelta, None]:
         """Yields the deltas of a request FrontEnd.validate made until every choice has
         finished (a constraint that fails to compile raises before the first); leaving the
         iteration early aborts the request."""
         if job.params.structured is not None:  # compiling can take a while: not on the loop
-            await asyncio.to_thread(self.frontend.compile_grammar, job.params)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(
+                self._grammar_waits, self.frontend.compile_grammar, job.params
+            )
         async for item in self._submit(job):
             yield item
 

@@ -29,6 +29,7 @@ class ChatInput:
     messages: list[dict[str, Any]]  # OpenAI-style message dicts; an image part is {"type": "image"}
     tools: list[dict[str, Any]] | None = None  # OpenAI-style function tools; None = no tools
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # end inside the last (assistant) message, to go on
     template_kwargs: dict[str, object] = field(default_factory=dict)  # checked by the template
     tool_request: ToolRequest | None = None  # what is asked of tool calls; None = no calls
     image_fields: list[str] = field(default_factory=list)  # each image part's field, in order
@@ -48,10 +49,12 @@ def render(
     images: ImagePrompts | None,
     chat: ChatInput,
     decoded: Sequence[DecodedImage] = (),
+    time_limit_ms: int | None = None,
 ) -> ChatPrompt:
     """The chat's prompt; `decoded`: its images, in the order of chat.image_fields (None
     images: the model reads none). Blocking (templates, tokenising, image preprocessing): call
-    it off the event loop. InvalidArgument names the field."""
+    it off the event loop. InvalidArgument names the field; a template still rendering after
+    time_limit_ms (None: no limit) is stopped, and InvalidArgument names "chat"."""
     if len(decoded) != len(chat.image_fields):
         raise ValueError(f"{len(decoded)} images for {len(chat.image_fields)} image parts")
     if chat.image_fields and images is None:
@@ -63,6 +66,8 @@ def render(
         chat.tools,
         chat.template_kwargs,
         allow_images=bool(chat.image_fields),
+        continue_final_message=chat.continue_final_message,
+        time_limit_ms=time_limit_ms,
     )
     if not decoded or images is None:
         return ChatPrompt(text, ids)

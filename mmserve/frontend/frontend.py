@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve.config import EngineConfig
+from mmserve.config import DEFAULT_TEMPLATE_TIMEOUT_MS, EngineConfig
 from mmserve.engine.client import EngineClient, InProcessClient, start_engine
 from mmserve.engine.engine_core import EngineCore
 from mmserve.engine.messages import EngineInfo, EngineOutput, EngineRequest
@@ -91,12 +91,15 @@ class FrontEnd:
         client: EngineClient,
         tokenizer: Any,
         structured: StructuredOutputManager | None = None,
+        template_timeout_ms: int = DEFAULT_TEMPLATE_TIMEOUT_MS,
     ) -> None:
         """structured: the grammar compiler to share with an in-process engine; None makes
-        one of this front end's own on first use."""
+        one of this front end's own on first use. template_timeout_ms: the budget of one
+        chat's template render."""
         self.client = client
         self.info: EngineInfo = client.info
         self.tokenizer = tokenizer
+        self.template_timeout_ms = template_timeout_ms
         self.images = ImagePrompts.of(self.info)  # None: the model reads no images
         self.input_encoder = InputEncoder(
             tokenizer, self.info.max_pooling_len, self.info.uses_token_types
@@ -107,13 +110,16 @@ class FrontEnd:
         self._ids = itertools.count()
 
     @classmethod
-    def start(cls, config: EngineConfig) -> FrontEnd:
+    def start(
+        cls, config: EngineConfig, template_timeout_ms: int = DEFAULT_TEMPLATE_TIMEOUT_MS
+    ) -> FrontEnd:
         """Starts the engine of config (in its own process when config.multiprocess)."""
         client, loaded = start_engine(config)
         if loaded is not None:
-            return cls(client, loaded.tokenizer, loaded.core.structured)
+            return cls(client, loaded.tokenizer, loaded.core.structured, template_timeout_ms)
         info = client.info
-        return cls(client, load_tokenizer(info.model_folder, info.gguf_file))
+        tokenizer = load_tokenizer(info.model_folder, info.gguf_file)
+        return cls(client, tokenizer, template_timeout_ms=template_timeout_ms)
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -152,9 +158,12 @@ class FrontEnd:
     def render_chat(
         self, conversation: chat.ChatInput, images: Sequence[DecodedImage] = ()
     ) -> chat.ChatPrompt:
-        """The chat's prompt text, token ids and images (blocking: off the event loop)."""
+        """The chat's prompt text, token ids and images (blocking: off the event loop); its
+        template is stopped after template_timeout_ms (InvalidArgument on "chat")."""
         prompts = self.images if self.info.reads_images else None
-        return chat.render(self.tokenizer, prompts, conversation, images)
+        return chat.render(
+            self.tokenizer, prompts, conversation, images, self.template_timeout_ms
+        )
 
     def read_tools(
         self,

@@ -125,11 +125,11 @@ async def rerank(
 
 
 async def run_async(engine: AsyncFrontEnd, plan: PoolingPlan[T]) -> T:
-    """Encodes a plan's inputs a chunk at a time on a worker thread and sends each chunk to
-    the engine as one batch as soon as it is encoded, so tokenising the next chunk overlaps
-    the engine's work on this one; at most MAX_IN_FLIGHT_PER_CALL inputs are in the engine
-    at once. The first failure (an input's InvalidArgument included) fails the call and
-    aborts what was sent; so does cancelling it."""
+    """Encodes a plan's inputs a chunk at a time on the model's front-end threads and sends
+    each chunk to the engine as one batch as soon as it is encoded, so tokenising the next
+    chunk overlaps the engine's work on this one; at most MAX_IN_FLIGHT_PER_CALL inputs are
+    in the engine at once. The first failure (an input's InvalidArgument included) fails the
+    call and aborts what was sent; so does cancelling it."""
     size = chunk_size(plan.count, idle=engine.num_in_flight == 0)
     window = asyncio.Semaphore(max(MAX_IN_FLIGHT_PER_CALL // size, 1))
     tokens = 0
@@ -146,7 +146,7 @@ async def run_async(engine: AsyncFrontEnd, plan: PoolingPlan[T]) -> T:
         async with asyncio.TaskGroup() as group:
             for start in range(0, plan.count, size):
                 await window.acquire()
-                items = await asyncio.to_thread(plan.encode, start, min(start + size, plan.count))
+                items = await engine.run(plan.encode, start, min(start + size, plan.count))
                 tokens += sum(len(i.token_ids) for i in items)
                 tasks.append(group.create_task(one(items)))
     except BaseExceptionGroup as errors:

@@ -83,7 +83,7 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
 
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.server.grpc_server import serve
-    from mmserve.server.models import ModelRegistry, load_model
+    from mmserve.server.models import load_models
 
     logging.basicConfig(
         level=serve_options(args).log_level.upper(),
@@ -93,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
     logger.info(
         "loading %d model(s): %s", len(specs), ", ".join(f"{s.name}={s.path}" for s in specs)
     )
-    registry = ModelRegistry([load_model(s, template, config.max_pending) for s in specs])
+    registry = load_models(specs, template, config)
     asyncio.run(serve(registry, config))
     return 0
 

@@ -1,6 +1,6 @@
 """Pure functions between the v1 protos and mmserve's dataclasses, applying the defaults the
 proto comments promise (unset temperature = 1.0, ...). Every bad field raises InvalidArgument
-(or Unimplemented, for what the server cannot do yet) naming the field."""
+naming the field."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from mmserve.params import SamplingParams
 from mmserve.processors.images import ImageSource
 from mmserve.processors.tool_parsers import ToolCallDelta
 from mmserve.server.config import ServerConfig
-from mmserve.server.errors import Unimplemented
 from mmserve.server.images import image_source
 from mmserve.server.models import ModelHandle, Task
 from mmserve.structured_output.params import StructuredOutputParams
@@ -133,19 +132,15 @@ class ProtoChat(ChatInput):
 
 
 def chat_input(chat: generate_pb2.Chat) -> ProtoChat:
-    add_generation_prompt = _opt(chat, "add_generation_prompt", True)
-    if chat.continue_final_message:
-        if add_generation_prompt:
-            raise InvalidArgument(
-                "chat.continue_final_message", "needs add_generation_prompt false"
-            )
-        raise Unimplemented("chat.continue_final_message: not supported yet")
+    """The chat as the front end takes it; what only its template can check (roles, content,
+    continue_final_message's conditions) is checked when it renders."""
     request = chat_tools(chat)
     images: list[tuple[str, ImageSource]] = []
     return ProtoChat(
         messages=[_message(f"chat.messages[{i}]", m, images) for i, m in enumerate(chat.messages)],
         tools=[s.template() for s in request.tools] if request is not None else None,
-        add_generation_prompt=add_generation_prompt,
+        add_generation_prompt=_opt(chat, "add_generation_prompt", True),
+        continue_final_message=chat.continue_final_message,
         template_kwargs={k: _json_or_text(v) for k, v in chat.template_kwargs.items()},
         tool_request=request,
         image_fields=[f for f, _ in images],

@@ -1,11 +1,11 @@
 """The Generate RPC: request -> prompt token ids and params -> streamed chunks.
 
-Tokenisation and chat templating of anything sizeable run on worker threads, and the engine
-steps on its own thread, so the event loop only shuffles messages."""
+Tokenisation of anything sizeable and chat templating run on the model's own front-end
+threads (AsyncFrontEnd.run), and the engine steps on its own thread, so the event loop only
+shuffles messages and one model's slow work never takes another model's threads."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,14 +27,16 @@ from mmserve.server.models import ModelHandle
 from mmserve_client.v1 import generate_pb2
 
 T = TypeVar("T")
-OFF_LOOP_CHARS = 2048  # texts longer than this are tokenised on a worker thread
+OFF_LOOP_CHARS = 2048  # texts longer than this are tokenised on the model's front-end threads
 
 
-async def off_loop(size: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """fn(*args) on a worker thread when the input is big enough to stall the event loop;
-    small inputs are done in place (a thread hop costs more than they do)."""
+async def off_loop(
+    handle: ModelHandle, size: int, fn: Callable[..., T], *args: Any, **kwargs: Any
+) -> T:
+    """fn(*args) on the model's front-end threads when the input is big enough to stall the
+    event loop; small inputs are done in place (a thread hop costs more than they do)."""
     if size > OFF_LOOP_CHARS:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        return await handle.engine.run(fn, *args, **kwargs)
     return fn(*args, **kwargs)
 
 
@@ -49,15 +51,23 @@ async def chat_prompt(
     handle: ModelHandle, c: convert.ProtoChat, images: ImageInputs | None, namespace: str = ""
 ) -> ChatPrompt:
     """The chat's images loaded (`namespace`, the cache_salt, scopes their uuids), then
-    rendered by the model's front end; templates are arbitrary jinja: always off the loop."""
+    rendered by the model's front end; templates are arbitrary jinja: always off the loop, on
+    the model's own threads. The front end names fields within the chat: here they are
+    named from the request (chat.messages[0].role)."""
     decoded: list[DecodedImage] = []
     if c.sources:
         if images is None or not handle.frontend.info.reads_images:
             raise InvalidArgument(c.image_fields[0], f"model {handle.name!r} does not read images")
         decoded = await images.load(
-            list(zip(c.image_fields, c.sources)), "chat.messages", namespace
+            list(zip(c.image_fields, c.sources)), "chat.messages", handle.engine.executor,
+            namespace,
         )
-    return await asyncio.to_thread(handle.frontend.render_chat, c, decoded)
+    try:
+        return await handle.engine.run(handle.frontend.render_chat, c, decoded)
+    except InvalidArgument as e:
+        if e.field == "chat" or e.field.startswith("chat."):
+            raise
+        raise InvalidArgument(f"chat.{e.field}", e.message) from e
 
 
 async def prompt_ids(
@@ -73,7 +83,7 @@ async def prompt_ids(
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         encode = handle.tokenizer.encode
         return kind, await off_loop(
-            len(request.prompt), encode, request.prompt, add_special_tokens=add_special
+            handle, len(request.prompt), encode, request.prompt, add_special_tokens=add_special
         ), ()
     if kind == "chat":
         c = chat or convert.chat_input(request.chat)

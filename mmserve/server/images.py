@@ -1,4 +1,5 @@
-"""Images of a request: proto -> ImageSource -> DecodedImage, off the event loop.
+"""Images of a request: proto -> ImageSource -> DecodedImage, off the event loop (on the
+threads of the model the request is for).
 
 One ImageInputs per server: its limits, the media directory (paths outside it are refused)
 and the uuid registry, scoped by the request's cache_salt so tenants never read each
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,17 +48,19 @@ class ImageInputs:
         self,
         images: Sequence[tuple[str, ImageSource]],
         list_field: str,
+        executor: Executor,
         namespace: str = "",
         batch: bool = False,
     ) -> list[DecodedImage]:
-        """Decodes (or looks up by uuid) each (field, source), on a worker thread;
+        """Decodes (or looks up by uuid) each (field, source), on `executor` (the model's);
         InvalidArgument names the image's field and the limit it broke. batch: an Embed
         call, whose inputs may hold EMBED_BATCH_FACTOR times the per-request image cap."""
         limits = self.limits
         if batch:
             limits = replace(limits, max_images=limits.max_images * EMBED_BATCH_FACTOR)
         check_image_count(len(images), list_field, limits)
-        return await asyncio.to_thread(self._load_all, images, namespace)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(executor, self._load_all, images, namespace)
 
     def _load_all(
         self, images: Sequence[tuple[str, ImageSource]], namespace: str

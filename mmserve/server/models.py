@@ -12,14 +12,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mmserve.config import EngineConfig
+from mmserve.config import DEFAULT_FRONTEND_THREADS, DEFAULT_TEMPLATE_TIMEOUT_MS, EngineConfig
 from mmserve.engine.messages import EngineInfo
 from mmserve.errors import EngineStalled, InvalidArgument
 from mmserve.frontend.async_frontend import AsyncFrontEnd
 from mmserve.frontend.frontend import FrontEnd
 from mmserve.frontend.pooling import MAX_IN_FLIGHT_PER_CALL
 from mmserve.models.fp8 import supports_quantization
-from mmserve.server.config import ModelSpec
+from mmserve.server.config import ModelSpec, ServerConfig
 from mmserve.server.errors import EngineUnavailable
 
 logger = logging.getLogger(__name__)
@@ -103,9 +103,11 @@ class ModelHandle:
             raise RuntimeError(f"model {self.name!r} has no engine config to restart with")
         old = self.engine
         old.shutdown()
-        self.engine = AsyncFrontEnd(FrontEnd.start(self.config), max_pending=old.max_pending)
+        frontend = FrontEnd.start(self.config, old.frontend.template_timeout_ms)
+        self.engine = AsyncFrontEnd(frontend, max_pending=old.max_pending, threads=old.threads)
 
     def shutdown(self) -> None:
+        """Stops the model's front-end threads, then its engine."""
         self.engine.shutdown()
 
 
@@ -172,13 +174,34 @@ def engine_config_for(spec: ModelSpec, template: EngineConfig) -> EngineConfig:
     return replace(template, model=model)
 
 
-def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> ModelHandle:
-    """Loads a model behind an AsyncFrontEnd (its own stepping thread); its tasks are whatever
-    the engine serves (generation, pooling, or both)."""
+def load_models(
+    specs: Sequence[ModelSpec], template: EngineConfig, config: ServerConfig
+) -> ModelRegistry:
+    """The models of specs, each hosted as config says (calls in flight, template budget,
+    front-end threads)."""
+    return ModelRegistry([
+        load_model(
+            s, template, config.max_pending, template_timeout_ms=config.template_timeout_ms,
+            frontend_threads=config.frontend_threads,
+        )
+        for s in specs
+    ])
+
+
+def load_model(
+    spec: ModelSpec,
+    template: EngineConfig,
+    max_pending: int,
+    *,
+    template_timeout_ms: int = DEFAULT_TEMPLATE_TIMEOUT_MS,
+    frontend_threads: int = DEFAULT_FRONTEND_THREADS,
+) -> ModelHandle:
+    """Loads a model behind an AsyncFrontEnd (its own stepping thread and front-end
+    workers); its tasks are whatever the engine serves (generation, pooling, or both)."""
     start = time.monotonic()
     config = engine_config_for(spec, template)
-    frontend = FrontEnd.start(config)
-    handle = replace(handle_for(spec, frontend, max_pending), config=config)
+    frontend = FrontEnd.start(config, template_timeout_ms)
+    handle = replace(handle_for(spec, frontend, max_pending, frontend_threads), config=config)
     facts, num_blocks = handle.facts, frontend.info.num_kv_blocks
     cache = f"{num_blocks} KV blocks of {template.cache.block_size} tokens"
     logger.info(
@@ -196,15 +219,21 @@ def load_model(spec: ModelSpec, template: EngineConfig, max_pending: int) -> Mod
     return handle
 
 
-def handle_for(spec: ModelSpec, frontend: FrontEnd, max_pending: int) -> ModelHandle:
-    """A started FrontEnd as a hosted model; starts its AsyncFrontEnd's stepping thread."""
+def handle_for(
+    spec: ModelSpec,
+    frontend: FrontEnd,
+    max_pending: int,
+    frontend_threads: int = DEFAULT_FRONTEND_THREADS,
+) -> ModelHandle:
+    """A started FrontEnd as a hosted model; starts its AsyncFrontEnd's stepping thread (and
+    its frontend_threads workers, as they are needed)."""
     # Admission bounds the calls per model; one pooling call keeps up to
     # MAX_IN_FLIGHT_PER_CALL requests in the engine, so the engine's own bound must allow that.
     bound = max_pending * MAX_IN_FLIGHT_PER_CALL
     return ModelHandle(
         spec.name,
         frozenset(Task(t) for t in frontend.tasks),
-        AsyncFrontEnd(frontend, max_pending=bound),
+        AsyncFrontEnd(frontend, max_pending=bound, threads=frontend_threads),
         frontend.tokenizer,
         _facts(spec, frontend.info),
     )

@@ -1,12 +1,11 @@
 """The Embed, Rerank, Classify and Score RPCs: proto -> the engine's pooling API -> proto.
 
-Each call is planned (its own checks), then its inputs are tokenised and checked on a worker
-thread a chunk at a time, each chunk running as pooling requests on the model's shared engine
+Each call is planned (its own checks), then its inputs are tokenised and checked on the
+model's front-end threads a chunk at a time, each chunk running as pooling requests on the model's shared engine
 while the next is tokenised, beside whatever else the engine serves (generation included)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -63,7 +62,7 @@ async def embed(
     result, queued = await _run(handle, plan)
     args = (result, options, request_id, handle.name, _timing(received, queued))
     if result.embeddings.numel() > OFF_LOOP_VALUES:
-        return await asyncio.to_thread(cp.embed_response, *args)
+        return await handle.engine.run(cp.embed_response, *args)
     return cp.embed_response(*args)
 
 
@@ -82,7 +81,7 @@ async def _inputs(
     if images is None or not handle.facts.supports_images:
         raise InvalidArgument(f"{field}[{at[0]}].image", f"model {handle.name!r} does not embed images")
     sources = [(f"{field}[{i}].image", inputs[i]) for i in at]
-    decoded = await images.load(sources, field, namespace, batch=True)
+    decoded = await images.load(sources, field, handle.engine.executor, namespace, batch=True)
     for i, image in zip(at, decoded, strict=True):
         inputs[i] = image
     return inputs

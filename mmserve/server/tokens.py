@@ -25,13 +25,13 @@ async def tokenize(
     if kind == "text":
         add_special = True if explicit is None else explicit
         ids = await off_loop(
-            len(request.text), tokenizer.encode, request.text, add_special_tokens=add_special
+            handle, len(request.text), tokenizer.encode, request.text, add_special_tokens=add_special
         )
     elif kind == "chat":
         prompt = await render_chat(handle, request.chat, images, namespace)
         text, ids = prompt.text, prompt.token_ids
         if explicit:  # the template placed its own special tokens; add the tokenizer's too
-            ids = await off_loop(len(text), _with_special_tokens, tokenizer, text, ids)
+            ids = await off_loop(handle, len(text), _with_special_tokens, tokenizer, text, ids)
     else:
         raise InvalidArgument("input", "set text or chat")
     tokens = tokenizer.convert_ids_to_tokens(ids) if request.return_tokens else []
@@ -62,6 +62,6 @@ async def detokenize(
     handle.frontend.check_token_ids(ids, "token_ids")
     # ~4 characters per token: the same threshold as for text.
     text = await off_loop(
-        4 * len(ids), handle.tokenizer.decode, ids, skip_special_tokens=request.skip_special_tokens
+        handle, 4 * len(ids), handle.tokenizer.decode, ids, skip_special_tokens=request.skip_special_tokens
     )
     return tokenize_pb2.DetokenizeResponse(request_id=request_id, text=text, model=handle.name)

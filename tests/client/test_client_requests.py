@@ -113,6 +113,15 @@ def test_chat_messages_parts_tools_and_history() -> None:
     assert not chat.HasField("add_generation_prompt")
 
 
+def test_continuing_a_message_opens_no_turn() -> None:
+    partial = [{"role": "assistant", "content": "The capital is"}]
+    chat = chat_request(partial, continue_final_message=True)
+    assert chat.continue_final_message and chat.HasField("add_generation_prompt")
+    assert chat.add_generation_prompt is False
+    chat = chat_request(partial, continue_final_message=True, add_generation_prompt=True)
+    assert chat.add_generation_prompt is True  # as asked: the server refuses it, naming it
+
+
 def test_chat_kwargs_split_and_errors() -> None:
     chat, rest = chat_from_kwargs(
         [{"role": "user", "content": "hi"}], {"tool_choice": "none", "max_tokens": 2}

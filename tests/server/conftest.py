@@ -18,7 +18,7 @@ import pytest
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig
 from mmserve.server.config import ModelSpec, ServerConfig
 from mmserve.server.grpc_server import MMServer
-from mmserve.server.models import ModelHandle, ModelRegistry, load_model
+from mmserve.server.models import ModelHandle, ModelRegistry, load_models
 from mmserve_client.v1 import inference_pb2_grpc
 from tests.utils.tiny_models import make_tiny_model
 
@@ -70,8 +70,7 @@ def tiny_template(num_blocks: int = TINY_KV_BLOCKS) -> EngineConfig:
 
 
 def load_registry(specs: list[ModelSpec], config: ServerConfig = TEST_CONFIG) -> ModelRegistry:
-    template = tiny_template()
-    return ModelRegistry([load_model(s, template, config.max_pending) for s in specs])
+    return load_models(specs, tiny_template(), config)
 
 
 def serve(specs: list[ModelSpec], **config: Any) -> ServerThread:

@@ -127,7 +127,11 @@ def test_chat_messages_tools_and_kwargs() -> None:
     }
     assert c.tools is not None and c.tools[0]["function"]["parameters"] == {"type": "object"}
     assert c.template_kwargs == {"enable_thinking": False, "reasoning_effort": "high"}
-    assert c.add_generation_prompt is True
+    assert c.add_generation_prompt is True and c.continue_final_message is False
+    continued = convert.chat_input(
+        generate_pb2.Chat(add_generation_prompt=False, continue_final_message=True)
+    )
+    assert (continued.add_generation_prompt, continued.continue_final_message) == (False, True)
     chat.tool_choice.mode = generate_pb2.ToolChoice.MODE_NONE
     assert convert.chat_input(chat).tools is None  # the model must not call: it sees none
 
@@ -144,8 +148,6 @@ def test_chat_messages_tools_and_kwargs() -> None:
          InvalidArgument, "chat.tool_choice.function_name"),
         (generate_pb2.Chat(tool_choice=generate_pb2.ToolChoice(mode=generate_pb2.ToolChoice.MODE_REQUIRED)),
          InvalidArgument, "chat.tool_choice.mode"),
-        (generate_pb2.Chat(continue_final_message=True),
-         InvalidArgument, "chat.continue_final_message"),
     ],
 )  # fmt: skip
 def test_bad_chats_are_named(chat: generate_pb2.Chat, error: type, named: str) -> None:

@@ -62,10 +62,10 @@ CASES = [
     (_request(token_ids=common_pb2.TokenIds(ids=[1, 10**6])), INVALID, "token_ids"),
     (_request(token_ids=common_pb2.TokenIds(ids=[5] * 300)), INVALID, "token_ids"),  # too long
     (_request(chat=_chat(IMAGE)), INVALID, "chat.messages[0].content[0].image"),
-    (_request(chat=_chat(role="robot")), INVALID, "role"),
-    (_request(chat=_chat(template_kwargs={"evil": "1"})), INVALID, "template_kwargs"),
+    (_request(chat=_chat(role="robot")), INVALID, "chat.messages[0].role"),
+    (_request(chat=_chat(template_kwargs={"evil": "1"})), INVALID, "chat.template_kwargs"),
     (_request(chat=_chat(tools=[BAD_TOOL])), INVALID, "chat.tools[0].parameters_json"),
-    (_request(chat=generate_pb2.Chat()), INVALID, "messages"),
+    (_request(chat=generate_pb2.Chat()), INVALID, "chat.messages"),
     (_request(structured=generate_pb2.StructuredOutput(json_schema="{")), INVALID, "structured"),
     (_request(structured=generate_pb2.StructuredOutput(regex="a(")), INVALID, "structured.regex"),
 ]

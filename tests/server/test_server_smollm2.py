@@ -38,6 +38,11 @@ def smol() -> Iterator[ServerThread]:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(str(embedded_defaults()[0].path), device="cpu", num_kv_blocks=64)
+
+
 @pytest.fixture
 def client(smol: ServerThread) -> Iterator[Client]:
     with Client(smol.target, timeout=120) as c:
@@ -57,8 +62,7 @@ def test_streamed_chat_answers_paris(client: Client, smol: ServerThread) -> None
     wait_all_blocks_free(smol.handle(DEFAULT_MODEL_NAME))
 
 
-def test_token_ids_match_the_offline_api(client: Client) -> None:
-    offline = LLM(str(embedded_defaults()[0].path), device="cpu", num_kv_blocks=64)
+def test_token_ids_match_the_offline_api(client: Client, offline: LLM) -> None:
     expected = offline.chat(FRANCE, SamplingParams(max_tokens=32, temperature=0))[0]
     served = client.chat(FRANCE, max_tokens=32, temperature=0)
     assert served.token_ids == tuple(expected.outputs[0].token_ids)
@@ -66,6 +70,25 @@ def test_token_ids_match_the_offline_api(client: Client) -> None:
     assert served.usage.prompt_tokens == len(expected.prompt_token_ids)
     tokens = client.tokenize(FRANCE, model=DEFAULT_MODEL_NAME).token_ids
     assert tokens == tuple(expected.prompt_token_ids)
+
+
+def test_continue_final_message_goes_on_with_the_answer(
+    client: Client, smol: ServerThread, offline: LLM
+) -> None:
+    partial = [*FRANCE, {"role": "assistant", "content": "The capital of France is"}]
+    expected = smol.handle(DEFAULT_MODEL_NAME).tokenizer.apply_chat_template(
+        partial, continue_final_message=True, tokenize=True, return_dict=False,
+        sanitize_control_tokens=True,
+    )
+    options = {"model": DEFAULT_MODEL_NAME, "continue_final_message": True}
+    assert client.tokenize(partial, **options).token_ids == tuple(expected)
+    served = client.chat(partial, **options, max_tokens=8, temperature=0)
+    assert served.text.startswith(" Paris")  # the sentence goes on; no new turn
+    params = SamplingParams(max_tokens=8, temperature=0)
+    alone = offline.chat(partial, params, add_generation_prompt=False,
+                         continue_final_message=True, use_tqdm=False)[0]
+    assert alone.prompt_token_ids == list(expected)
+    assert served.token_ids == tuple(alone.outputs[0].token_ids)
 
 
 def test_model_facts_and_tokenizer(client: Client) -> None:

@@ -23,7 +23,7 @@ class ChatOptions(TypedDict, total=False):
 
     tools: Sequence[Mapping[str, Any]] | None  # tools the model may call
     tool_choice: str | Mapping[str, Any] | None  # default: "auto" with tools, else "none"
-    add_generation_prompt: bool | None  # open an assistant turn; default true
+    add_generation_prompt: bool | None  # open an assistant turn; default true (false to continue)
     template_kwargs: Mapping[str, Any] | None  # allow-listed template variables
     continue_final_message: bool  # continue the last (assistant) message
 
@@ -61,9 +61,13 @@ def chat_request(
     no URLs). A tool: {"type": "function", "function": {...}} or the inner dict {"name",
     "description", "parameters" (dict or JSON text), "strict"}. tool_choice: "auto" |
     "none" | "required", a function name, or {"type": "function", "function": {"name"}}.
-    template_kwargs values that are not str are sent as JSON text.
+    template_kwargs values that are not str are sent as JSON text. continue_final_message:
+    the prompt ends inside the last message (the assistant's), for the model to go on with it;
+    add_generation_prompt then defaults to false (it opens a new turn instead).
     """
     out = generate_pb2.Chat(continue_final_message=continue_final_message)
+    if add_generation_prompt is None and continue_final_message:
+        add_generation_prompt = False
     out.messages.extend(_message(m) for m in messages)
     out.tools.extend(_tool(t) for t in tools or ())
     if tool_choice is not None:
