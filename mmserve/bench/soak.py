@@ -1,7 +1,8 @@
 """`mmserve bench soak`: mixed traffic against a server for --duration-s, watching for leaks.
 
 The server (this process) hosts the embedded defaults, SmolLM2 for chat and MiniLM for
-embeddings, plus --model if given (a model that reads images gets image chats); the load
+embeddings (or --chat-model / --embed-model, shape:NAME for random weights, as on a GPU with
+no model files), plus --model if given (a model that reads images gets image chats); the load
 generator runs in a process of its own, --soak-concurrency callers each keeping one call in
 flight: Generate with n 1 or 3, Embed, Rerank, a JSON-schema constrained chat, image chats on
 models that take them, 10% of streams cancelled after their first chunk and 5% invalid
@@ -21,6 +22,7 @@ import json
 import multiprocessing
 import os
 import random
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -43,6 +45,10 @@ WORDS = ["the", "a", "cat", "dog", "runs", "fast", "slow", "red", "blue", "model
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration-s", type=float, default=60.0, help="soak: how long the traffic runs")
+    p.add_argument("--chat-model", default=None,
+                   help="soak: the chat model, a path or shape:NAME (random weights); default SmolLM2")
+    p.add_argument("--embed-model", default=None,
+                   help="soak: the embedder, a path or shape:NAME; default all-MiniLM-L6-v2")
     p.add_argument("--report-every-s", type=float, default=30.0, help="soak: seconds per report")
     p.add_argument("--soak-concurrency", type=int, default=8, help="soak: callers in flight")
 
@@ -81,8 +87,8 @@ async def _call(client: Any, kind: str, rng: random.Random, vlm: str | None) -> 
         await client.embed([text, text[::-1]], model=EMBED)
     elif kind == "rerank":
         await client.rerank(text, [" ".join(rng.choices(WORDS, k=8)) for _ in range(4)], model=EMBED)
-    elif kind == "structured":
-        await client.chat([{"role": "user", "content": "A person as JSON: " + text}], model=CHAT, json_schema=SCHEMA, max_tokens=48)
+    elif kind == "structured":  # a raw prompt: random-weight chat models have no template
+        await client.generate("A person as JSON: " + text, model=CHAT, json_schema=SCHEMA, max_tokens=48)
     elif kind == "image" and vlm:
         from mmserve_client import Image
 
@@ -175,16 +181,24 @@ def _engine_rss(registry: Any) -> float:
 def _server(args: argparse.Namespace) -> Iterator[tuple[str, Any, str | None]]:
     """(target, registry, name of a model that reads images or None)."""
     from mmserve.bench.engine_flags import engine_config
+    from mmserve.bench.models import make_model_folder
     from mmserve.server.config import ModelSpec, ServerConfig, embedded_defaults
     from mmserve.server.grpc_server import MMServer
     from mmserve.server.models import ModelRegistry, load_model
 
-    specs = [ModelSpec(name, s.path) for name, s in zip((CHAT, EMBED), embedded_defaults(), strict=True)]
+    chat, embed = embedded_defaults()
+    paths = {CHAT: args.chat_model or chat.path, EMBED: args.embed_model or embed.path}
     if args.model:
-        specs.append(ModelSpec("extra", args.model))
-    template = engine_config(args, "", dummy=False, multiprocess=getattr(args, "engine_process", False))
+        paths["extra"] = args.model
     config = ServerConfig(host="127.0.0.1", port=0, max_pending=4 * args.soak_concurrency)
-    registry = ModelRegistry([load_model(s, template, config.max_pending) for s in specs])
+    handles = []
+    for name, path in paths.items():
+        folder, dummy = path, args.load_format == "dummy"
+        if path.startswith("shape:"):  # random weights of a known shape
+            folder, dummy = str(make_model_folder(path[6:], Path(tempfile.mkdtemp()) / name)), True
+        template = engine_config(args, "", dummy, getattr(args, "engine_process", False))
+        handles.append(load_model(ModelSpec(name, folder), template, config.max_pending))
+    registry = ModelRegistry(handles)
     vlm = next((h.name for h in registry if h.facts.supports_images and "generate" in h.frontend.tasks), None)
     server = MMServer(registry, config)
     loop = asyncio.new_event_loop()
