@@ -111,17 +111,25 @@ async def _call(client: Any, kind: str, rng: random.Random, vlm: str | None) -> 
             await client.generate(text, model=CHAT, json_schema='{"type": 5}', max_tokens=4)
 
 
-def _pick(rng: random.Random, vlm: str | None) -> str:
+def _pick(rng: random.Random, kinds: list[str]) -> str:
     roll = rng.random()
     if roll < 0.10:
         return "cancel"
     if roll < 0.15:
         return "invalid"
-    kinds = ["generate", "generate", "embed", "rerank", "structured"] + (["image"] if vlm else [])
     return rng.choice(kinds)
 
 
-async def _traffic(target: str, seconds: float, concurrency: int, vlm: str | None) -> dict[str, int]:
+def _kinds(registry: Any, vlm: str | None) -> list[str]:
+    """The calls the served models can answer (a random-weight embedder may not rerank)."""
+    embed_tasks = registry.get(EMBED).frontend.tasks
+    kinds = ["generate", "generate", "embed", "structured"]
+    return kinds + ["rerank"] * ("rerank" in embed_tasks) + ["image"] * (vlm is not None)
+
+
+async def _traffic(
+    target: str, seconds: float, concurrency: int, vlm: str | None, kinds: list[str]
+) -> dict[str, int]:
     from mmserve_client import AsyncClient, MMServeError
 
     counts: Counter[str] = Counter()
@@ -130,7 +138,7 @@ async def _traffic(target: str, seconds: float, concurrency: int, vlm: str | Non
     async def caller(seed: int) -> None:
         rng = random.Random(seed)
         while time.monotonic() < deadline:
-            kind = _pick(rng, vlm)
+            kind = _pick(rng, kinds)
             try:
                 await _call(client, kind, rng, vlm)
                 outcome = "OK" if kind != "invalid" else "invalid-but-OK"
@@ -143,8 +151,10 @@ async def _traffic(target: str, seconds: float, concurrency: int, vlm: str | Non
     return dict(counts)
 
 
-def traffic(target: str, seconds: float, concurrency: int, vlm: str | None) -> dict[str, int]:
-    return asyncio.run(_traffic(target, seconds, concurrency, vlm))
+def traffic(
+    target: str, seconds: float, concurrency: int, vlm: str | None, kinds: list[str]
+) -> dict[str, int]:
+    return asyncio.run(_traffic(target, seconds, concurrency, vlm, kinds))
 
 
 # -- the server side (this process) ---------------------------------------------------------
@@ -218,13 +228,13 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("soak: --duration-s, --report-every-s and --soak-concurrency must be > 0")
     spawn = multiprocessing.get_context("spawn")
     with _server(args) as (target, registry, vlm), ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        first = asyncio.run(_canary(target))
+        first, kinds = asyncio.run(_canary(target)), _kinds(registry, vlm)
         totals: Counter[str] = Counter()
         reports: list[dict[str, Any]] = []
         start = time.monotonic()
         while (left := args.duration_s - (time.monotonic() - start)) > 0:
             window = min(args.report_every_s, left)
-            counts = pool.submit(traffic, target, window, args.soak_concurrency, vlm).result()
+            counts = pool.submit(traffic, target, window, args.soak_concurrency, vlm, kinds).result()
             totals.update(counts)
             canary = asyncio.run(_canary(target))
             exact = canary[0] == first[0] and _close(canary[1], first[1])
