@@ -192,12 +192,19 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, Any, str | None]]:
     """(target, registry, name of a model that reads images or None)."""
     from mmserve.bench.engine_flags import engine_config
     from mmserve.bench.models import make_model_folder
-    from mmserve.server.config import ModelSpec, ServerConfig, embedded_defaults
+    from mmserve.server.config import (
+        ModelSpec,
+        ServerConfig,
+        embedded_default,
+        embedded_embedder,
+    )
     from mmserve.server.grpc_server import MMServer
     from mmserve.server.models import ModelRegistry, load_model
 
-    chat, embed = embedded_defaults()
-    paths = {CHAT: args.chat_model or chat.path, EMBED: args.embed_model or embed.path}
+    paths = {
+        CHAT: args.chat_model or embedded_default().path,
+        EMBED: args.embed_model or embedded_embedder().path,
+    }
     if args.model:
         paths["extra"] = args.model
     config = ServerConfig(host="127.0.0.1", port=0, max_pending=4 * args.soak_concurrency)
