@@ -113,6 +113,8 @@ def test_replies_over_the_message_limit_are_refused_without_error_logs(
             prompt = common_pb2.TokenIds(ids=[5, 6, 7] * 200)  # its logprobs: > 16 KiB
             generate = generate_pb2.GenerateRequest(token_ids=prompt, params=params)
             _too_large(lambda: list(stub.Generate(generate, timeout=30)))
+            # closed with the call, not whenever the garbage collector gets to it
+            assert server.handle("tiny-a").engine.num_in_flight == 0
             wait_all_blocks_free(server.handle("tiny-a"))
             server.wait_idle()
             embed = pooling_pb2.EmbedRequest(model="tiny-a", inputs=inputs[:2])
