@@ -20,6 +20,10 @@ from mmserve.errors import EngineStalled, InvalidArgument, MMServeError, Resourc
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
+# Of a status message, UTF-8. Messages quote the client's values; sent twice (grpc-message,
+# percent-encoded, and in grpc-status-details-bin) a long one passed the clients' 8 KiB
+# metadata limit, and the call reached them as RESOURCE_EXHAUSTED "Stream removed" instead.
+MAX_STATUS_MESSAGE_BYTES = 1024
 
 
 class Unimplemented(MMServeError):
@@ -120,6 +124,15 @@ def within_limit(response: M, limit: int) -> M:
     return response
 
 
+def bounded(message: str) -> str:
+    """The message, cut to MAX_STATUS_MESSAGE_BYTES (its start names the field)."""
+    data = message.encode()
+    if len(data) <= MAX_STATUS_MESSAGE_BYTES:
+        return message
+    cut = data[:MAX_STATUS_MESSAGE_BYTES].decode(errors="ignore")
+    return f"{cut}... ({len(data)} bytes in all)"
+
+
 async def abort(
     context: grpc.aio.ServicerContext, exc: BaseException, retry_after_s: float
 ) -> NoReturn:
@@ -132,6 +145,6 @@ async def abort(
         logger.exception("unexpected error in a call", exc_info=exc)
         message = f"internal error ({type(exc).__name__}); see the server log"
     retry = retry_after_s if isinstance(exc, ResourceExhausted) else None
-    status = rich_status(code, message, retry)
+    status = rich_status(code, bounded(message), retry)
     await context.abort(status.code, status.details, status.trailing_metadata)
     raise AssertionError("unreachable: context.abort raises")  # for type checkers
