@@ -12,13 +12,18 @@ import grpc
 import pytest
 from google.protobuf.descriptor import MethodDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
 
 from mmserve.server.config import ModelSpec
 from mmserve.server.decode_guard import RateLimitedLog
 from tests.server.conftest import ServerThread, serve
 from tests.server.raw_rpc import HEALTH_CHECK, INFERENCE, bad_utf8, call_raw, path, truncated
 
-METHODS = [*INFERENCE.methods, HEALTH_CHECK]
+HEALTH_WATCH = HEALTH_CHECK.containing_service.methods_by_name["Watch"]  # reader/writer style
+METHODS = [*INFERENCE.methods, HEALTH_CHECK, HEALTH_WATCH]
+REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 CORRUPT = b"\xff\xff\xff"  # field number 0x1fffffff... with wire type 7: no such wire type
 
 
@@ -65,6 +70,18 @@ def test_a_valid_request_after_garbage_is_served(server: ServerThread) -> None:
         request = embed.input_type._concrete_class(model="tiny-a", inputs=[{"text": "hi"}])
         got = call_raw(channel, embed, request.SerializeToString())
         assert got.code == grpc.StatusCode.OK, got
+
+
+def test_undecodable_message_in_a_request_stream(server: ServerThread) -> None:
+    """Reflection takes a stream of requests: a bad one ends the call, good ones are served."""
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            list(channel.stream_stream(REFLECTION)(iter([CORRUPT]), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details() == (
+            "request is not a valid grpc.reflection.v1alpha.ServerReflectionRequest"
+        )
+        assert INFERENCE.full_name in ProtoReflectionDescriptorDatabase(channel).get_services()
 
 
 class _Clock:
