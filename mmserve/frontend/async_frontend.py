@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
@@ -134,8 +135,11 @@ class AsyncFrontEnd:
             await loop.run_in_executor(
                 self._grammar_waits, self.frontend.compile_grammar, job.params
             )
-        async for item in self._submit(job):
-            yield item
+        # aclosing: closing this generator closes _submit at once, which aborts the request;
+        # left to the garbage collector, a request abandoned in a reference cycle ran on
+        async with aclosing(self._submit(job)) as items:
+            async for item in items:
+                yield item
 
     async def pool_batch(
         self, inputs: list[PoolInput], params: PoolingParams

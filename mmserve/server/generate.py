@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -196,7 +196,7 @@ class _Stream:
             out.finish_reason = generate_pb2.FINISH_REASON_TOOL_CALLS
 
 
-async def stream(prep: Prepared) -> AsyncIterator[generate_pb2.GenerateResponse]:
+async def stream(prep: Prepared) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
     """The engine's deltas as chunks. Leaving early (the call is cancelled or its deadline
     passes) closes the engine's iterator, which aborts the request and frees its KV blocks."""
     handle = prep.handle
