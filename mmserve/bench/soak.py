@@ -169,16 +169,12 @@ async def _canary(target: str) -> tuple[list[int], list[list[float]]]:
     return list(out.token_ids), [list(map(float, v)) for v in vectors]
 
 
-def _blocks_in_use(registry: Any) -> dict[str, int | None]:
-    """KV blocks held by requests per model (None: its engine runs in another process)."""
-    used: dict[str, int | None] = {}
+def _blocks_in_use(registry: Any) -> dict[str, int]:
+    """KV blocks held by requests per model (asked on each engine's own thread)."""
+    used: dict[str, int] = {}
     for handle in registry:
-        try:
-            pool = handle.frontend.core.kv.pool
-        except TypeError:
-            used[handle.name] = None
-            continue
-        used[handle.name] = pool.num_blocks - pool.num_free_blocks
+        total, free = handle.engine.kv_blocks()
+        used[handle.name] = total - free
     return used
 
 
@@ -261,7 +257,7 @@ def _close(a: list[list[float]], b: list[list[float]]) -> bool:
 
 
 def _summary(
-    reports: list[dict[str, Any]], totals: Counter[str], blocks: dict[str, int | None]
+    reports: list[dict[str, Any]], totals: Counter[str], blocks: dict[str, int]
 ) -> dict[str, Any]:
     """Growth after warm-up: the last report's RSS against the first's."""
     warm, last = reports[0], reports[-1]

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
@@ -66,6 +66,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _KVBlocks:
+    answer: Future[tuple[int, int]]
+
+
 class AsyncFrontEnd:
     """Thread-safe: commands go in through a queue, deltas come out on the caller's loop."""
 
@@ -76,7 +81,7 @@ class AsyncFrontEnd:
         self.frontend = frontend
         self.max_pending = max_pending  # admission bound on requests in flight
         self.threads = threads
-        self._commands: queue.SimpleQueue[_Add | _AddPoolingBatch | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _AddPoolingBatch | _Abort | _KVBlocks | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._num_in_flight = 0
         self._lock = threading.Lock()
@@ -99,6 +104,13 @@ class AsyncFrontEnd:
             return 0.0
         since = max(self.frontend.client.last_progress, self._busy_since)
         return max(0.0, time.monotonic() - since)
+
+    def kv_blocks(self, timeout: float = 30.0) -> tuple[int, int]:
+        """(KV blocks in all, free ones), asked on the engine thread (the client is not
+        thread-safe): for monitoring and soaks, from any thread but the engine's."""
+        answer: Future[tuple[int, int]] = Future()
+        self._commands.put(_KVBlocks(answer))
+        return answer.result(timeout)
 
     def fail(self, error: EngineDead) -> None:
         """Declares the engine dead (the watchdog saw it stall): every call in flight fails
@@ -259,6 +271,8 @@ class AsyncFrontEnd:
                 return False
             if isinstance(cmd, _Abort):
                 self.frontend.abort(cmd.request_id)
+            elif isinstance(cmd, _KVBlocks):
+                cmd.answer.set_result(self.frontend.client.kv_blocks())
             elif isinstance(cmd, _AddPoolingBatch):
                 self._add_pooling(cmd)
             else:

@@ -57,7 +57,8 @@ class _Capture:
         forward()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another model's engine thread in this process may launch work meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = forward()
         self.pool = graph.pool()
         return graph, out

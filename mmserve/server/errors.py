@@ -140,7 +140,7 @@ async def abort(
     traceback and reach the client without internals."""
     code = code_of(exc)
     if isinstance(exc, MMServeError):
-        message = redact_paths(str(exc))
+        message = redact_paths(bounded(str(exc)))  # bounded first: the redaction reads the disk
     else:
         logger.exception("unexpected error in a call", exc_info=exc)
         message = f"internal error ({type(exc).__name__}); see the server log"
