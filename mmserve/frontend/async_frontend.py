@@ -81,6 +81,7 @@ class AsyncFrontEnd:
         self.frontend = frontend
         self.max_pending = max_pending  # admission bound on requests in flight
         self.threads = threads
+        self._shut_down = False
         self._commands: queue.SimpleQueue[_Add | _AddPoolingBatch | _Abort | _KVBlocks | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._num_in_flight = 0
@@ -125,6 +126,7 @@ class AsyncFrontEnd:
             sink(error)
 
     def shutdown(self) -> None:
+        self._shut_down = True
         # running front-end work ends by itself (templates have a time limit); queued is dropped
         for pool in (self.executor, self._grammar_waits):
             pool.shutdown(wait=True, cancel_futures=True)
@@ -136,7 +138,12 @@ class AsyncFrontEnd:
         """fn(*args, **kwargs) on this model's front-end threads: blocking work (chat
         templates, tokenising, images, pooling inputs), awaited without blocking the loop."""
         call = functools.partial(fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, call)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, call)
+        except RuntimeError as e:  # "cannot schedule new futures after shutdown"
+            if self._shut_down:  # a restart replaced this engine while the call came in
+                raise EngineDead("the model's engine was shut down (it may be restarting)") from e
+            raise
 
     async def generate(self, job: GenerateJob) -> AsyncGenerator[GenerationDelta, None]:
         """Yields the deltas of a request FrontEnd.validate made until every choice has

@@ -16,7 +16,13 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from mmserve.errors import EngineStalled, InvalidArgument, MMServeError, ResourceExhausted
+from mmserve.errors import (
+    EngineDead,
+    EngineStalled,
+    InvalidArgument,
+    MMServeError,
+    ResourceExhausted,
+)
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
@@ -63,6 +69,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
     (Draining, grpc.StatusCode.UNAVAILABLE),
     (EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (EngineDead, grpc.StatusCode.UNAVAILABLE),  # met outside a request's stream (restarting)
     (EngineFailed, grpc.StatusCode.INTERNAL),
 ]
 

@@ -59,7 +59,7 @@ async def chat_prompt(
         if images is None or not handle.frontend.info.reads_images:
             raise InvalidArgument(c.image_fields[0], f"model {handle.name!r} does not read images")
         decoded = await images.load(
-            list(zip(c.image_fields, c.sources)), "chat.messages", handle.engine.executor,
+            list(zip(c.image_fields, c.sources)), "chat.messages", handle.engine,
             namespace,
         )
     try:
@@ -114,6 +114,7 @@ async def prepare(
 ) -> Prepared:
     """The request as front-end values with the server's own limits applied, then validated
     once by the model's front end; InvalidArgument names the field."""
+    handle.require_serving()  # a dead (or restarting) engine: UNAVAILABLE before any work
     structured = convert.structured_output(request, config.structured_output_backend)
     params = convert.sampling_params(request.params, config)
     chat = convert.chat_input(request.chat) if request.WhichOneof("input") == "chat" else None
