@@ -109,6 +109,8 @@ class AsyncFrontEnd:
     def kv_blocks(self, timeout: float = 30.0) -> tuple[int, int]:
         """(KV blocks in all, free ones), asked on the engine thread (the client is not
         thread-safe): for monitoring and soaks, from any thread but the engine's."""
+        if self.dead is not None:
+            raise EngineDead(f"engine is dead: {self.dead}")
         answer: Future[tuple[int, int]] = Future()
         self._commands.put(_KVBlocks(answer))
         return answer.result(timeout)
