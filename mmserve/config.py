@@ -235,6 +235,11 @@ class ServerConfig:
         "force a tool-call format on every model: hermes, llama3_json, mistral or pythonic",
         shown="each model's own",
     )
+    reasoning_parser: str | None = setting(
+        None,
+        "force a reasoning format on every model: deepseek_r1, qwen3, or none (off)",
+        shown="each model's own (its chat template tells)",
+    )
     media_dir: str | None = setting(
         None,
         "the folder server-side Image.path values must lie in",
@@ -284,6 +289,10 @@ class ServerConfig:
             from mmserve.processors.tool_parsers import get_parser
 
             get_parser(self.tool_parser)  # an unknown name lists the valid ones
+        if self.reasoning_parser not in (None, "none"):
+            from mmserve.processors.reasoning_parsers import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)  # an unknown name lists the valid ones
 
     @property
     def tls(self) -> bool:

@@ -24,6 +24,7 @@ from mmserve.errors import InvalidArgument
 from mmserve.frontend.tools import ToolRequest
 from mmserve.params import SamplingParams
 from mmserve.processors.detokenizer import IncrementalDetokenizer
+from mmserve.processors.reasoning_parsers import ReasoningStream
 from mmserve.processors.tool_parsers import (
     Accept,
     ContentDelta,
@@ -119,12 +120,15 @@ class ToolOutput:
     retext: Callable[[], IncrementalDetokenizer] | None  # a detokeniser keeping the markers
     drop_ids: frozenset[int]  # token ids the second detokenisation leaves out
 
-    def stream(self) -> ChoiceToolStream:
+    def stream(self, split: Callable[[], ReasoningStream] | None = None) -> ChoiceToolStream:
+        """One choice's reading; `split`: a reasoning model's text splitter, for the second
+        detokenisation (the engine's text comes split already: its answer only)."""
         if self.parser is None:
             parser: StreamingToolParser = ForcedCallStream(self.new_id, self.accept)
         else:
             parser = self.parser.stream(self.accept)
-        return ChoiceToolStream(parser, self.retext() if self.retext else None, self.drop_ids)
+        detok = self.retext() if self.retext else None
+        return ChoiceToolStream(parser, detok, self.drop_ids, split() if detok and split else None)
 
 
 def tool_output(
@@ -169,10 +173,12 @@ class ChoiceToolStream:
         parser: StreamingToolParser,
         detok: IncrementalDetokenizer | None,
         drop_ids: frozenset[int],
+        split: ReasoningStream | None = None,
     ) -> None:
         self._parser = parser
         self._detok = detok  # None: parse the engine's text
         self._drop_ids = drop_ids
+        self._split = split  # the second detokenisation's thought apart from its answer
         self.num_calls = 0
 
     def update(
@@ -192,5 +198,9 @@ class ChoiceToolStream:
     def _retext(self, token_ids: Sequence[int], done: bool) -> str:
         assert self._detok is not None
         text = self._detok.update([t for t in token_ids if t not in self._drop_ids]).text_delta
-        return text + self._detok.finish().text_delta if done else text
+        text = text + self._detok.finish().text_delta if done else text
+        if self._split is None:
+            return text
+        answer = self._split.feed(text)[1]
+        return answer + self._split.finish()[1] if done else answer
 

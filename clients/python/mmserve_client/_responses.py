@@ -63,7 +63,7 @@ def usage(msg: Any, field: str = "usage") -> Usage | None:
     if not msg.HasField(field):
         return None
     u: common_pb2.Usage = getattr(msg, field)
-    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.reasoning_tokens)
 
 
 def timing(msg: Any) -> Timing | None:
@@ -104,6 +104,7 @@ def chunk(resp: generate_pb2.GenerateResponse) -> GenerateChunk:
         request_id=resp.request_id,
         model=resp.model,
         stop=getattr(resp, kind) if kind else None,
+        reasoning_text=resp.reasoning_text,
     )
 
 
@@ -122,6 +123,7 @@ class _Choice:
 
     last: GenerateChunk
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     calls: dict[int, _Call] = field(default_factory=dict)
@@ -144,6 +146,7 @@ class Collector:
         choice = self._choices.setdefault(c.index, _Choice(last=c))
         choice.last = c
         choice.text.append(c.text)
+        choice.reasoning.append(c.reasoning_text)
         choice.token_ids.extend(c.token_ids)
         choice.logprobs.extend(c.logprobs)
         for d in c.tool_calls:
@@ -182,6 +185,7 @@ class Collector:
             timing=last.timing,
             logprobs=tuple(choice.logprobs),
             stop=last.stop,
+            reasoning_text="".join(choice.reasoning),
             **stream_wide,
         )
 

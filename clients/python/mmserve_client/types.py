@@ -89,6 +89,7 @@ class Usage:
     prompt_tokens: int = 0  # tokens in the prompt / inputs, image tokens included
     completion_tokens: int = 0  # generated tokens; 0 for pooling tasks
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    reasoning_tokens: int = 0  # of completion_tokens, a reasoning model's thought
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ class GenerateChunk:
     request_id: str = ""
     model: str = ""  # first chunk of the stream only
     stop: str | int | None = None  # matched stop string or stop token id, for "stop"
+    reasoning_text: str = ""  # a reasoning model's thought, delta (`text` is the answer)
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ class GenerateResult:
     request_id: str = ""
     model: str = ""
     stop: str | int | None = None  # matched stop string or stop token id
+    reasoning_text: str = ""  # a reasoning model's thought (`text` is only its answer)
 
 
 @dataclass(frozen=True)
