@@ -159,14 +159,14 @@ class _Stream:
     sent_any: bool = False
     tool_streams: dict[int, ChoiceToolStream] = field(default_factory=dict)
 
-    def chunk(self, delta: GenerationDelta) -> generate_pb2.GenerateResponse:
+    async def chunk(self, delta: GenerationDelta) -> generate_pb2.GenerateResponse:
         handle, now = self.prep.handle, time.monotonic()
         out = convert.response(delta, self.prep.request_id, handle.token_text)
         choice = self.choices.setdefault(delta.index, _Choice())
-        if self.prep.reasoning is not None:
-            self._thought(self.prep.reasoning, choice, out, delta)
-        if self.prep.tools is not None:
-            self._tool_calls(self.prep.tools, out, delta)
+        if self.prep.reasoning is not None or self.prep.tools is not None:
+            # the parsers run on the model's front-end threads: a degenerate output is the
+            # model's own threads' work, never the event loop's
+            await handle.engine.run(self._parse, choice, out, delta)
         choice.completion_tokens += len(delta.token_ids)
         if delta.token_ids and choice.first_token is None:
             choice.first_token = now
@@ -189,6 +189,16 @@ class _Stream:
                 convert.timing(self.prep.received, queued, choice.first_token, now)
             )
         return out
+
+    def _parse(
+        self, choice: _Choice, out: generate_pb2.GenerateResponse, delta: GenerationDelta
+    ) -> None:
+        """The chunk's text split into thought and answer, and the answer into content and
+        tool calls (one choice's chunks are parsed one at a time, in order)."""
+        if self.prep.reasoning is not None:
+            self._thought(self.prep.reasoning, choice, out, delta)
+        if self.prep.tools is not None:
+            self._tool_calls(self.prep.tools, out, delta)
 
     def _thought(
         self, reading: ReasoningOutput, choice: _Choice, out: generate_pb2.GenerateResponse,
@@ -230,6 +240,6 @@ async def stream(prep: Prepared) -> AsyncGenerator[generate_pb2.GenerateResponse
             async for delta in deltas:
                 if delta.error:
                     raise EngineFailed(f"model {handle.name!r} failed the request: {delta.error}")
-                yield state.chunk(delta)
+                yield await state.chunk(delta)
     except EngineDead as e:
         raise engine_error(handle.name, e) from e

@@ -164,6 +164,28 @@ def test_auto_separates_text_and_calls(client: Client) -> None:
     assert (text, calls) == (result.text, _named(result.tool_calls))
 
 
+def test_tool_calls_are_parsed_on_the_models_threads(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parser runs on the model's front-end threads, never on the event loop: a
+    degenerate output costs that model's threads only."""
+    import threading
+
+    from mmserve.frontend.tool_stream import ChoiceToolStream
+
+    threads: list[str] = []
+    real = ChoiceToolStream.update
+
+    def spy(self, *args):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return real(self, *args)
+
+    monkeypatch.setattr(ChoiceToolStream, "update", spy)
+    output = _call_text("get_weather", {"city": "Oslo", "days": 2})
+    client.chat(ASK, tools=TOOLS, choice=[output], max_tokens=200)
+    assert threads and all(name.startswith("mmserve-frontend") for name in threads), threads
+
+
 def test_calls_outside_the_request_stay_text(client: Client) -> None:
     unknown = _call_text("launch", {"target": "moon"})
     strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
