@@ -8,81 +8,53 @@ calls; anything else is plain content. A call needs "name" and "parameters" (or
 
 from __future__ import annotations
 
-from .base import StreamingToolParser, ToolParser, canonical_arguments, loads_json
+from .base import StreamingToolParser, ToolParser, json_call
 from .scan import BalancedScanner, Scan
 
 PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonStream(StreamingToolParser):
-    _state = "start"  # start -> calls (-> separator -> calls)* -> text
-    _scanner: BalancedScanner | None = None
-    _prefix = ""  # what was consumed of an undecided call: content if it turns out malformed
-
-    def _step(self) -> bool:
-        if self._state == "text":
-            self._content(self._take(len(self._buf)))
-            return False
-        return {"start": self._start, "calls": self._object, "separator": self._separator}[
-            self._state
-        ]()
+    _scanner = BalancedScanner(0)  # the object being read
 
     def _start(self) -> bool:
-        rest = self._buf.lstrip()
-        if not self._final and (not rest or (PYTHON_TAG.startswith(rest) and rest != PYTHON_TAG)):
-            return False  # only whitespace, or perhaps the start of the tag: wait
-        gap = len(self._buf) - len(rest)
-        if rest.startswith(PYTHON_TAG):
-            self._prefix = self._take(gap + len(PYTHON_TAG))
-        elif rest.startswith("{"):
-            self._prefix = self._take(gap)
-        else:
-            self._state = "text"
-            return True
-        self._begin_object()
+        reader = self._in
+        if not reader.skip_ws():
+            return self._all_content() if reader.final else False
+        tag = True if reader.peek(1) == "{" else reader.starts(PYTHON_TAG)
+        if tag is None:
+            return False
+        if not tag:
+            return self._all_content()
+        if reader.peek(1) != "{":
+            reader.pos += len(PYTHON_TAG)
+        return self._object_at(reader.pos)
+
+    def _object_at(self, pos: int) -> bool:
+        self._scanner = BalancedScanner(pos, opening="{")
+        self._state = self._object
         return True
 
-    def _begin_object(self) -> None:
-        self._state = "calls"
-        self._scanner = BalancedScanner(opening="{")
-
     def _object(self) -> bool:
-        assert self._scanner is not None
-        state = self._scanner.scan(self._buf)
-        if state is Scan.NEED_MORE and not self._final:
+        reader, scanner = self._in, self._scanner
+        state = self._scan(scanner)
+        if state is None:
             return False
-        call = _call(self._buf[: self._scanner.pos]) if state is Scan.END else None
+        call = json_call(self._json_of(scanner), need_arguments=True) if state is Scan.END else None
         if call is None or not self._accepts(*call):  # malformed: this and the rest is content
-            self._content(self._prefix)
-            self._state = "text"
-            return True
-        self._take(self._scanner.pos)
+            return self._all_content()
+        reader.pos = reader.keep = scanner.pos
         self._call(*call)
-        self._state, self._prefix = "separator", ""
+        self._state = self._separator
         return True
 
     def _separator(self) -> bool:
-        rest = self._buf.lstrip()
-        if not rest:
-            return False  # only whitespace so far (dropped at the end: it follows a call)
-        if rest.startswith(";"):
-            self._prefix = self._take(len(self._buf) - len(rest) + 1)
-            self._begin_object()
-        else:
-            self._state = "text"
-        return True
-
-
-def _call(text: str) -> tuple[str, str] | None:
-    try:
-        value = loads_json(text)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    key = "parameters" if "parameters" in value else "arguments"
-    arguments = canonical_arguments(value.get(key)) if value["name"] else None
-    return None if arguments is None else (value["name"], arguments)
+        reader = self._in
+        if not reader.skip_ws():
+            return self._all_content() if reader.final else False
+        if reader.peek(1) != ";":
+            return self._all_content()
+        return self._object_at(reader.pos + 1)
 
 
 class Llama3JsonParser(ToolParser):

@@ -1,5 +1,6 @@
 """Mistral format: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (a JSON array, or
-one object), with text around. Calls of one array are emitted together when it closes.
+one object), with text around. Calls of one array are emitted together when it closes. A
+malformed call leaves its marker as content and the text after it is read again for calls.
 
 Mistral's chat templates require tool call ids of 9 letters and digits, so that is what
 this parser generates (an id the model wrote into the call is kept if it has that form).
@@ -12,13 +13,7 @@ import secrets
 import string
 from typing import Any
 
-from .base import (
-    StreamingToolParser,
-    ToolParser,
-    arguments_of,
-    canonical_arguments,
-    loads_json,
-)
+from .base import StreamingToolParser, ToolParser, json_call
 from .scan import BalancedScanner, Scan
 
 START = "[TOOL_CALLS]"
@@ -31,59 +26,52 @@ def mistral_call_id() -> str:
 
 
 class MistralStream(StreamingToolParser):
-    _scanner: BalancedScanner | None = None  # set after [TOOL_CALLS]
+    _scanner = BalancedScanner(0)  # the JSON being read
 
-    def _step(self) -> bool:
-        return self._text() if self._scanner is None else self._inside()
-
-    def _text(self) -> bool:
-        if not self._content_until(START):
+    def _start(self) -> bool:
+        at = self._content_until(START, START)
+        if at is None:
             return False
-        self._scanner = BalancedScanner(opening="[{")
+        self._in.pos = at + len(START)  # `keep` stays at the marker: content if malformed
+        self._scanner = BalancedScanner(self._in.pos)
+        self._state = self._array
         return True
 
-    def _inside(self) -> bool:
-        assert self._scanner is not None
-        state = self._scanner.scan(self._buf)
-        if state is Scan.NEED_MORE and not self._final:
+    def _array(self) -> bool:
+        reader = self._in
+        state = self._scan(self._scanner)
+        if state is None:
             return False
-        calls = _calls(self._buf[: self._scanner.pos]) if state is Scan.END else None
+        calls = _calls(self._json_of(self._scanner)) if state is Scan.END else None
         if calls is None or not all(self._accepts(n, a) for n, a, _ in calls):
-            # malformed: the marker is content, the rest is text again
-            self._scanner = None
-            self._content(START)
-            return True
-        self._take(self._scanner.pos)
-        self._scanner = None
+            return self._malformed()
+        reader.pos = reader.keep = self._scanner.pos
         for name, arguments, call_id in calls:
             self._call(name, arguments, call_id)
+        self._state = self._start
+        return True
+
+    def _malformed(self) -> bool:
+        # The marker becomes content; what follows it is read again as text.
+        self._emit_to(self._in.keep + len(START))
+        self._state = self._start
         return True
 
 
-def _calls(text: str) -> list[tuple[str, str, str | None]] | None:
-    try:
-        value = loads_json(text)
-    except ValueError:
-        return None
+def _calls(value: Any) -> list[tuple[str, str, str | None]] | None:
     items = value if isinstance(value, list) else [value]
     calls = [_call(item) for item in items]
-    if not calls or any(c is None for c in calls):
+    if not calls or None in calls:
         return None
-    return calls  # type: ignore[return-value]
+    return calls  # type: ignore[return-value]  # no None in it
 
 
 def _call(item: Any) -> tuple[str, str, str | None] | None:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
-        return None
-    arguments = canonical_arguments(arguments_of(item))
-    if arguments is None:
+    call = json_call(item)
+    if call is None:
         return None
     call_id = item.get("id")
-    return (
-        item["name"],
-        arguments,
-        call_id if isinstance(call_id, str) and _ID.fullmatch(call_id) else None,
-    )
+    return (*call, call_id if isinstance(call_id, str) and _ID.fullmatch(call_id) else None)
 
 
 class MistralParser(ToolParser):

@@ -1,5 +1,6 @@
 """Property tests: however an output is chunked, the streamed result is the one-shot parse;
-and generated well-formed calls come back exactly, with the text around them."""
+an output in which no call is found comes back exactly; and generated well-formed calls
+come back exactly, with the text around them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmserve.processors.tool_parsers import ToolCall, get_parser
+from mmserve.processors.tool_parsers import Accept, ToolCall, get_parser
 from mmserve.processors.tool_parsers.base import collect
 from tests.tool_parsers.test_tool_parsers_golden import GOLDEN
 
@@ -26,8 +27,14 @@ def calls_of(result: tuple[str, list[ToolCall]]) -> tuple[str, list[tuple[str, s
     return content, [(c.name, c.arguments) for c in calls]  # ids are random per stream
 
 
-def streamed(fmt: str, chunks: list[str]) -> tuple[str, list[tuple[str, str]]]:
-    stream = get_parser(fmt).stream()
+def declared(name: str, arguments: str) -> bool:
+    return name in ("f", "g")
+
+
+def streamed(
+    fmt: str, chunks: list[str], accept: Accept | None = None
+) -> tuple[str, list[tuple[str, str]]]:
+    stream = get_parser(fmt).stream(accept)
     deltas = [d for chunk in chunks for d in stream.feed(chunk)] + stream.finish()
     return calls_of(collect(deltas))
 
@@ -152,3 +159,10 @@ test_pythonic_calls_round_trip = _property("pythonic")
 )
 def test_any_text_streams_like_the_one_shot_parse(fmt: str, text: str, cuts: list[int]) -> None:
     assert streamed(fmt, split(text, cuts)) == calls_of(get_parser(fmt).parse(text))
+
+
+@SETTINGS
+@given(fmt=st.sampled_from(FORMATS), text=tricky_text, tools=st.booleans())
+def test_text_without_calls_comes_back_exactly(fmt: str, text: str, tools: bool) -> None:
+    content, calls = get_parser(fmt).parse(text, accept=declared if tools else None)
+    assert calls or content == text
