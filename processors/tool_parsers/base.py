@@ -6,7 +6,7 @@ Contract (every format):
   name and whole arguments, so a client never receives part of a call that later turns out
   malformed. Content streams as it arrives, except text that may still turn out to be part
   of a call, which is held until it is decided: a tail that may start a marker, a call
-  being read.
+  being read, and (untagged calls, below) an output that starts with `{`, `[` or "```".
 - Arguments are canonical compact JSON: `json.dumps(value, separators=(",", ":"),
   ensure_ascii=False)` of the parsed object. This is the same string whatever the chunking,
   and the same for every format (pythonic calls have no JSON text to pass through).
@@ -16,6 +16,14 @@ Contract (every format):
   or the end of the content (so an output of calls only has empty content), and a
   format's separator between calls (llama3_json's `;`). An output in which no call is
   found comes back as content exactly, every character and marker included.
+- Untagged calls (hermes, llama3_json, mistral, where the request has tools, i.e. an
+  `accept`): small models asked for a call often answer with the call object but without
+  the format's markers. An output that, after whitespace and one ``` code fence (```json
+  or ```), is entirely one call object `{"name": ..., "arguments": {...}}` or a JSON array
+  of them, every one accepted, is those calls. Anything else is read as the format says.
+  So an output that starts with `{`, `[` or a fence is held back until it is decided: when
+  its value closes as something else than calls, when text follows it, or at the end (a
+  client streaming such an answer gets it when the JSON closes, or at the end).
 - Time is linear in the length of the output, however it is chunked (reader.py, scan.py):
   no text is scanned again for each delta, or for each marker of a malformed output.
 """
@@ -267,7 +275,8 @@ class ToolParser:
         return random_call_id()
 
     def stream(self, accept: Accept | None = None) -> StreamingToolParser:
-        """A parser for one output; calls `accept` refuses stay content."""
+        """A parser for one output; calls `accept` refuses stay content. Untagged calls
+        (module doc) are only read where there is an `accept`: the request's tools."""
         return self.stream_class(self.new_id, accept)
 
     def parse(self, text: str, accept: Accept | None = None) -> tuple[str, list[ToolCall]]:

@@ -1,6 +1,6 @@
 """Hermes / Qwen format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
 number of times, with text around. Used by Qwen2.5, Qwen3, Hermes 2/3 and others. The end
-tag may be missing at the end of the output (cut by eos).
+tag may be missing at the end of the output (cut by eos). Untagged calls: untagged.py.
 
 A malformed call leaves its start tag as content, and the text after the tag is read again
 for calls (a call cut short does not swallow the good ones after it); scan.py says why this
@@ -9,16 +9,17 @@ stays linear.
 
 from __future__ import annotations
 
-from .base import StreamingToolParser, ToolParser, json_call
+from .base import ToolParser, json_call
 from .scan import BalancedScanner, Scan
+from .untagged import UntaggedFirst
 
 START, END = "<tool_call>", "</tool_call>"
 
 
-class HermesStream(StreamingToolParser):
+class HermesStream(UntaggedFirst):
     _scanner = BalancedScanner(0)  # the JSON of the call being read
 
-    def _start(self) -> bool:
+    def _format(self) -> bool:
         at = self._content_until(START, START)
         if at is None:
             return False
@@ -53,13 +54,13 @@ class HermesStream(StreamingToolParser):
             return self._malformed()
         self._in.pos = self._in.keep = region_end
         self._call(*call)
-        self._state = self._start
+        self._state = self._format
         return True
 
     def _malformed(self) -> bool:
         # The start tag becomes content; what follows it is read again as text.
         self._emit_to(self._in.keep + len(START))
-        self._state = self._start
+        self._state = self._format
         return True
 
 

@@ -3,21 +3,24 @@ optionally after `<|python_tag|>`, several calls separated by `;`.
 
 Only an output that *starts* (after whitespace) with `{` or `<|python_tag|>` can hold
 calls; anything else is plain content. A call needs "name" and "parameters" (or
-"arguments"), so a JSON answer that is not a call stays content.
+"arguments"), so a JSON answer that is not a call stays content. Untagged calls:
+untagged.py (here: an array of calls, or a fenced call).
 """
 
 from __future__ import annotations
 
-from .base import StreamingToolParser, ToolParser, json_call
+from .base import ToolParser, json_call
 from .scan import BalancedScanner, Scan
+from .untagged import UntaggedFirst
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-class Llama3JsonStream(StreamingToolParser):
+class Llama3JsonStream(UntaggedFirst):
+    untagged_open = "["  # a bare object is the format's own call
     _scanner = BalancedScanner(0)  # the object being read
 
-    def _start(self) -> bool:
+    def _format(self) -> bool:
         reader = self._in
         if not reader.skip_ws():
             return self._all_content() if reader.final else False

@@ -1,6 +1,7 @@
 """Mistral format: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (a JSON array, or
 one object), with text around. Calls of one array are emitted together when it closes. A
 malformed call leaves its marker as content and the text after it is read again for calls.
+Untagged calls: untagged.py.
 
 Mistral's chat templates require tool call ids of 9 letters and digits, so that is what
 this parser generates (an id the model wrote into the call is kept if it has that form).
@@ -13,8 +14,9 @@ import secrets
 import string
 from typing import Any
 
-from .base import StreamingToolParser, ToolParser, json_call
+from .base import ToolParser, json_call
 from .scan import BalancedScanner, Scan
+from .untagged import UntaggedFirst
 
 START = "[TOOL_CALLS]"
 _ID = re.compile(r"[A-Za-z0-9]{9}")
@@ -25,10 +27,10 @@ def mistral_call_id() -> str:
     return "".join(secrets.choice(_ALPHABET) for _ in range(9))
 
 
-class MistralStream(StreamingToolParser):
+class MistralStream(UntaggedFirst):
     _scanner = BalancedScanner(0)  # the JSON being read
 
-    def _start(self) -> bool:
+    def _format(self) -> bool:
         at = self._content_until(START, START)
         if at is None:
             return False
@@ -48,13 +50,13 @@ class MistralStream(StreamingToolParser):
         reader.pos = reader.keep = self._scanner.pos
         for name, arguments, call_id in calls:
             self._call(name, arguments, call_id)
-        self._state = self._start
+        self._state = self._format
         return True
 
     def _malformed(self) -> bool:
         # The marker becomes content; what follows it is read again as text.
         self._emit_to(self._in.keep + len(START))
-        self._state = self._start
+        self._state = self._format
         return True
 
 

@@ -164,6 +164,22 @@ def test_auto_separates_text_and_calls(client: Client) -> None:
     assert (text, calls) == (result.text, _named(result.tool_calls))
 
 
+def test_auto_reads_calls_without_their_tags(client: Client) -> None:
+    """Small models answer with the call object alone, fenced or bare (issue 17): under auto
+    that is a call when it names a tool and is the whole output; other JSON stays text."""
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}})
+    for output in [f"```json\n{call}\n```", call]:
+        kw: dict[str, Any] = {"tools": TOOLS, "choice": [output], "max_tokens": 200}
+        result = client.chat(ASK, **kw)
+        assert result.text == "" and result.finish_reason == "tool_calls"
+        assert _named(result.tool_calls) == [("get_weather", '{"city":"Oslo","days":2}')]
+        text, calls, _ = _joined(list(client.chat_stream(ASK, **kw)))
+        assert (text, calls) == ("", _named(result.tool_calls))
+    answer = json.dumps({"city": "Oslo", "days": 2})
+    result = client.chat(ASK, tools=TOOLS, choice=[answer], max_tokens=200)
+    assert (result.text, result.tool_calls, result.finish_reason) == (answer, (), "stop")
+
+
 def test_calls_outside_the_request_stay_text(client: Client) -> None:
     unknown = _call_text("launch", {"target": "moon"})
     strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]

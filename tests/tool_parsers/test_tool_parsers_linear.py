@@ -42,6 +42,8 @@ ADVERSARIAL: dict[str, tuple[str, Callable[[int], str], bool]] = {
         repeat(" ", head='<tool_call>{"name": "f"}'),
         False,
     ),
+    "hermes untagged, never closed": ("hermes", repeat('[{"a": ['), True),
+    "hermes untagged, fenced": ("hermes", repeat("[", head="```json\n"), True),
     "mistral openers": ("mistral", repeat("[TOOL_CALLS]["), True),
     "llama3 braces": ("llama3_json", repeat("{"), True),
     "llama3 nested, never closed": ("llama3_json", repeat('{"a":'), True),

@@ -1,6 +1,7 @@
-"""Tool calls as the models people run write them (issue 17): text that holds no call comes
-back exactly, a marker at its end included. Each golden output is checked one-shot and
-under every chunking: split at each position, char by char, and at random cuts."""
+"""Tool calls as the models people run write them (issue 17): untagged calls from a small
+Qwen; and text that holds no call coming back exactly, a marker at its end included. Each
+golden output is checked one-shot and under every chunking: split at each position, char by
+char, and at random cuts."""
 
 from __future__ import annotations
 
@@ -23,6 +24,49 @@ def declared(name: str, arguments: str) -> bool:
     return name in TOOLS
 
 
+# The outputs of a 0.5B Qwen2.5 coder asked with tool_choice auto and one tool: a correct call
+# without its tags, fenced and bare. The formats that read untagged calls accept these where
+# the request has tools, and only when the whole output is the calls.
+UNTAGGED_CALLS = [
+    (f"```json\n{WEATHER}\n```", [PARIS]),
+    (WEATHER, [PARIS]),
+    (f"\n\n```\n{WEATHER}\n```\n", [PARIS]),
+    (f"```JSON {WEATHER}```", [PARIS]),
+    (f"[{WEATHER}, {OSLO}]", [PARIS, ("get_weather", '{"city":"Oslo"}')]),
+    (f"```json\n[{WEATHER}]\n```", [PARIS]),
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [PARIS]),
+]
+NOT_CALLS = [  # text, verbatim, in every format that reads untagged calls
+    '{"name": "launch", "arguments": {"target": "moon"}}',  # not a declared tool
+    '{"name": "get_weather"}',  # no arguments: the keys are all that make it a call
+    '{"city": "Paris"}',
+    "[1, 2]",
+    "[link](x) and {braces}",
+    "```",
+    "`code`",
+    "[",
+]
+NOT_UNTAGGED_CALLS = [  # text, verbatim, in hermes and mistral (llama3_json reads the call)
+    f"{WEATHER}\nI called the tool.",  # text after it
+    f"Calling: {WEATHER}",  # text before it
+    f"```json\n{WEATHER}",  # the fence is not closed
+    f"```json\n{WEATHER}\n```\n```json\n{OSLO}\n```",  # two fences
+    f"```python\n{WEATHER}\n```",
+    f'[{WEATHER}, {{"name": "launch", "arguments": {{}}}}]',  # one call is not a tool's
+]
+UNTAGGED = [
+    (fmt, text, "", calls) for fmt in ("hermes", "mistral") for text, calls in UNTAGGED_CALLS
+] + [
+    (fmt, text, text, [])
+    for fmt in ("hermes", "mistral")
+    for text in NOT_CALLS + NOT_UNTAGGED_CALLS
+]
+
+LLAMA3 = [
+    *[("llama3_json", text, "", calls) for text, calls in UNTAGGED_CALLS],
+    *[("llama3_json", text, text, []) for text in NOT_CALLS],
+]
+
 # A marker at the very end, or anything that holds no complete call, is content exactly.
 UNFINISHED = [
     ("hermes", "Let me check. <tool_call>"),
@@ -43,6 +87,8 @@ UNFINISHED = [
 ]
 
 GOLDEN = [
+    *UNTAGGED,
+    *LLAMA3,
     *[(fmt, text, text, []) for fmt, text in UNFINISHED],
 ]
 
@@ -71,3 +117,26 @@ def test_golden_at_random_cuts(case: tuple[str, str, str, list], cuts: list[int]
     bounds = [0, *sorted({c % (len(text) + 1) for c in cuts}), len(text)]
     chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
     assert run(fmt, chunks, declared) == (content, calls)
+
+
+def test_untagged_calls_need_the_requests_tools() -> None:
+    """Without an accept hook (no tools known), untagged JSON is an answer, not a call."""
+    for fmt in ("hermes", "mistral"):
+        for text, _ in UNTAGGED_CALLS:
+            assert get_parser(fmt).parse(text) == (text, []), (fmt, text)
+    _, calls = get_parser("hermes").parse(WEATHER, accept=declared)
+    assert [c.name for c in calls] == ["get_weather"]
+
+
+def test_untagged_output_is_held_until_decided() -> None:
+    """What a streaming client sees: output that starts like a call is held; anything else
+    streams at once, and held text is given out as soon as it cannot be a call."""
+    stream = get_parser("hermes").stream(declared)
+    assert stream.feed("```json\n" + WEATHER) == []
+    assert stream.feed("\n```\n") == []  # only whitespace may follow: held to the end
+    assert [d.name for d in stream.finish()] == ["get_weather"]  # type: ignore[union-attr]
+    stream = get_parser("hermes").stream(declared)
+    assert stream.feed('{"city": "Paris"') == []
+    assert collect(stream.feed("}")) == ('{"city": "Paris"}', [])  # closed, and not a call
+    stream = get_parser("hermes").stream(declared)
+    assert collect(stream.feed("Hello {")) == ("Hello {", [])  # not at the start: streams

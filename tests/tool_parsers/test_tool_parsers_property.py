@@ -1,6 +1,7 @@
-"""Property tests: however an output is chunked, the streamed result is the one-shot parse;
-an output in which no call is found comes back exactly; and generated well-formed calls
-come back exactly, with the text around them."""
+"""Property tests: however an output is chunked, the streamed result is the one-shot parse
+(with and without the request's tools, which turn on untagged calls); an output in which
+no call is found comes back exactly; and generated well-formed calls come back exactly,
+with the text around them."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from tests.tool_parsers.test_tool_parsers_golden import GOLDEN
 FORMATS = ("hermes", "llama3_json", "mistral", "pythonic")
 MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|python_start|>",
            "<|python_end|>"]  # fmt: skip
+# What else starts calls: untagged ones (fences, bare call objects), Mistral's v11 form.
+FRAGMENTS = ["```json\n", "```", '{"name": "f", "arguments": {}}', '{"name": "g", "parameters":',
+             "[ARGS]", "[CALL_ID]", "[TOOL_CALLS]f{", "f(a=1)", "f(a=1, a=2)"]  # fmt: skip
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -55,8 +59,8 @@ def test_golden_outputs_split_at_every_position() -> None:
 # quotes, backslashes, separators, whitespace, non-ASCII.
 tricky_text = st.lists(
     st.one_of(
-        st.sampled_from(MARKERS + [m[:k] for m in MARKERS for k in (1, 3, 6)]),
-        st.text(alphabet="{}[]()\"'\\;:,<>/|= \n\tabcxyzé日0", max_size=6),
+        st.sampled_from(MARKERS + [m[:k] for m in MARKERS for k in (1, 3, 6)] + FRAGMENTS),
+        st.text(alphabet="{}[]()\"'\\;:,<>/|=` \n\tabcxyzé日0", max_size=6),
     ),
     max_size=8,
 ).map("".join)
@@ -159,6 +163,19 @@ test_pythonic_calls_round_trip = _property("pythonic")
 )
 def test_any_text_streams_like_the_one_shot_parse(fmt: str, text: str, cuts: list[int]) -> None:
     assert streamed(fmt, split(text, cuts)) == calls_of(get_parser(fmt).parse(text))
+
+
+@SETTINGS
+@given(
+    fmt=st.sampled_from(FORMATS),
+    text=st.lists(st.one_of(tricky_text, st.sampled_from(FRAGMENTS)), max_size=6).map("".join),
+    cuts=st.lists(st.integers(0, 10_000), max_size=10),
+)
+def test_with_tools_any_text_streams_like_the_one_shot_parse(
+    fmt: str, text: str, cuts: list[int]
+) -> None:
+    one_shot = calls_of(get_parser(fmt).parse(text, accept=declared))
+    assert streamed(fmt, split(text, cuts), declared) == one_shot
 
 
 @SETTINGS
