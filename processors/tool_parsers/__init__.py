@@ -7,10 +7,11 @@
 
 `accept(name, arguments)` says which parsed calls are calls (the request's tools); without
 it every well-formed call is one, and untagged calls are not read. Formats (registry names):
-hermes (`<tool_call>` JSON, Qwen/Hermes), llama3_json, mistral (`[TOOL_CALLS]`), pythonic.
-base.py states the contract all of them keep. The markers `<|python_tag|>`, `[TOOL_CALLS]`,
-`<|python_start|>` are special tokens in their models: detokenise with
-skip_special_tokens=False for the text given to a parser.
+hermes (`<tool_call>` JSON, Qwen/Hermes), llama3_json, mistral (`[TOOL_CALLS]`, before and
+after v11), pythonic. base.py states the contract all of them keep. The markers
+`<|python_tag|>`, `[TOOL_CALLS]`, `[ARGS]`, `[CALL_ID]`, `<|python_start|>` are special
+tokens in their models: detokenise with skip_special_tokens=False for the text given to a
+parser (ToolParser.markers lists a format's).
 """
 
 from __future__ import annotations

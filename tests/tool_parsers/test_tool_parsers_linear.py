@@ -45,6 +45,8 @@ ADVERSARIAL: dict[str, tuple[str, Callable[[int], str], bool]] = {
     "hermes untagged, never closed": ("hermes", repeat('[{"a": ['), True),
     "hermes untagged, fenced": ("hermes", repeat("[", head="```json\n"), True),
     "mistral openers": ("mistral", repeat("[TOOL_CALLS]["), True),
+    "mistral v11 names": ("mistral", repeat("[TOOL_CALLS]get_weather"), True),
+    "mistral v11 strings": ("mistral", repeat('[TOOL_CALLS]f[ARGS]{"a": "'), True),
     "llama3 braces": ("llama3_json", repeat("{"), True),
     "llama3 nested, never closed": ("llama3_json", repeat('{"a":'), True),
     "llama3 tags and strings": ("llama3_json", repeat('<|python_tag|>{"a": "'), True),

@@ -1,7 +1,7 @@
 """Tool calls as the models people run write them (issue 17): untagged calls from a small
-Qwen; and text that holds no call coming back exactly, a marker at its end included. Each
-golden output is checked one-shot and under every chunking: split at each position, char by
-char, and at random cuts."""
+Qwen, Mistral's v11 `[TOOL_CALLS]name{...}`; and text that holds no call coming back
+exactly, a marker at its end included. Each golden output is checked one-shot and under
+every chunking: split at each position, char by char, and at random cuts."""
 
 from __future__ import annotations
 
@@ -67,6 +67,33 @@ LLAMA3 = [
     *[("llama3_json", text, text, []) for text in NOT_CALLS],
 ]
 
+MISTRAL_V11 = [
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris"}', "", [PARIS]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", [PARIS]),
+    (
+        "mistral",
+        'Sure. [TOOL_CALLS]a{"x": 1}[TOOL_CALLS]b[ARGS]{}\n[TOOL_CALLS]get_weather {"city": "Paris"}',
+        "Sure.",
+        [("a", '{"x":1}'), ("b", "{}"), PARIS],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "a", "arguments": {}}][TOOL_CALLS]b{"y": [1]}',
+        "",
+        [("a", "{}"), ("b", '{"y":[1]}')],
+    ),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": ', '[TOOL_CALLS]get_weather{"city": ', []),
+    ("mistral", "[TOOL_CALLS]get weather{}", "[TOOL_CALLS]get weather{}", []),
+    ("mistral", "[TOOL_CALLS]a[1]", "[TOOL_CALLS]a[1]", []),
+    ("mistral", "[TOOL_CALLS]" + "a" * 65 + "{}", "[TOOL_CALLS]" + "a" * 65 + "{}", []),
+    (  # a broken call does not swallow the good one after it
+        "mistral",
+        '[TOOL_CALLS]a{"x": "cut\n[TOOL_CALLS]b{}',
+        '[TOOL_CALLS]a{"x": "cut',
+        [("b", "{}")],
+    ),
+]
+
 # A marker at the very end, or anything that holds no complete call, is content exactly.
 UNFINISHED = [
     ("hermes", "Let me check. <tool_call>"),
@@ -89,6 +116,7 @@ UNFINISHED = [
 GOLDEN = [
     *UNTAGGED,
     *LLAMA3,
+    *MISTRAL_V11,
     *[(fmt, text, text, []) for fmt, text in UNFINISHED],
 ]
 
@@ -140,3 +168,13 @@ def test_untagged_output_is_held_until_decided() -> None:
     assert collect(stream.feed("}")) == ('{"city": "Paris"}', [])  # closed, and not a call
     stream = get_parser("hermes").stream(declared)
     assert collect(stream.feed("Hello {")) == ("Hello {", [])  # not at the start: streams
+
+
+def test_mistral_v11_call_ids() -> None:
+    text = (
+        '[TOOL_CALLS]get_weather[CALL_ID]abcDEF123[ARGS]{"city": "Paris"}'
+        "[TOOL_CALLS]a[CALL_ID]x[ARGS]{}"
+    )
+    content, calls = get_parser("mistral").parse(text)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [PARIS, ("a", "{}")]
+    assert calls[0].id == "abcDEF123" and len(calls[1].id) == 9 and calls[1].id != "x"

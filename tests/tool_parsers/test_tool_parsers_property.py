@@ -183,3 +183,29 @@ def test_with_tools_any_text_streams_like_the_one_shot_parse(
 def test_text_without_calls_comes_back_exactly(fmt: str, text: str, tools: bool) -> None:
     content, calls = get_parser(fmt).parse(text, accept=declared if tools else None)
     assert calls or content == text
+
+
+def check_between_texts(
+    fmt: str, calls: list[tuple[str, dict[str, Any]]], body: str, texts: list[str], cuts: list[int]
+) -> None:
+    """The calls written as `body`, with text before and after, parse back exactly."""
+    text = texts[0] + " " + body + "\n" + texts[1]
+    content = expected_content([texts[0] + " ", "\n" + texts[1]])
+    expected = (content, [(n, canonical(a)) for n, a in calls])
+    assert calls_of(get_parser(fmt).parse(text)) == expected
+    assert streamed(fmt, split(text, cuts)) == expected
+
+
+@SETTINGS
+@given(
+    calls=call_lists,
+    texts=st.lists(plain_text, min_size=2, max_size=2),
+    args_marker=st.booleans(),
+    cuts=st.lists(st.integers(0, 10_000), max_size=12),
+)
+def test_mistral_v11_calls_round_trip(
+    calls: list[tuple[str, dict[str, Any]]], texts: list[str], args_marker: bool, cuts: list[int]
+) -> None:
+    between = "[ARGS]" if args_marker else ""
+    body = "".join(f"[TOOL_CALLS]{n}{between}{json.dumps(a)}" for n, a in calls)
+    check_between_texts("mistral", calls, body, texts, cuts)
