@@ -1,7 +1,8 @@
 """Tool calls as the models people run write them (issue 17): untagged calls from a small
-Qwen, Mistral's v11 `[TOOL_CALLS]name{...}`; and text that holds no call coming back
-exactly, a marker at its end included. Each golden output is checked one-shot and under
-every chunking: split at each position, char by char, and at random cuts."""
+Qwen, Mistral's v11 `[TOOL_CALLS]name{...}`, Llama 3 calls after prose or several in a row;
+and text that holds no call coming back exactly, a marker at its end included. Each golden
+output is checked one-shot and under every chunking: split at each position, char by char,
+and at random cuts."""
 
 from __future__ import annotations
 
@@ -64,6 +65,46 @@ UNTAGGED = [
 
 LLAMA3 = [
     *[("llama3_json", text, "", calls) for text, calls in UNTAGGED_CALLS],
+    ("llama3_json", f"{WEATHER}\nI called the tool.", "I called the tool.", [PARIS]),
+    ("llama3_json", f"Calling: {WEATHER}", "Calling:", [PARIS]),
+    ("llama3_json", f"```json\n{WEATHER}", "```json", [PARIS]),  # no fence to strip
+    (
+        "llama3_json",
+        'Let me look that up. {"name": "get_weather", "parameters": {"city": "Paris"}}',
+        "Let me look that up.",
+        [PARIS],
+    ),
+    (
+        "llama3_json",
+        '{"name": "a", "parameters": {}}\n{"name": "b", "parameters": {"x": 1}}',
+        "",
+        [("a", "{}"), ("b", '{"x":1}')],
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "a", "parameters": {}}<|python_tag|>{"name": "b", "parameters": {}}',
+        "",
+        [("a", "{}"), ("b", "{}")],
+    ),
+    (
+        "llama3_json",
+        'Sure!<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}',
+        "Sure!",
+        [("a", "{}"), ("b", "{}")],
+    ),
+    ("llama3_json", '{"name": "a", "parameters": {}}; bye', "; bye", [("a", "{}")]),
+    (  # a call-shaped part of a JSON answer is not a call
+        "llama3_json",
+        '{"result": {"name": "a", "parameters": {}}}',
+        '{"result": {"name": "a", "parameters": {}}}',
+        [],
+    ),
+    (
+        "llama3_json",
+        'Use {braces} or {"name": "a", "parameters": {}}',
+        "Use {braces} or",
+        [("a", "{}")],
+    ),
     *[("llama3_json", text, text, []) for text in NOT_CALLS],
 ]
 

@@ -209,3 +209,18 @@ def test_mistral_v11_calls_round_trip(
     between = "[ARGS]" if args_marker else ""
     body = "".join(f"[TOOL_CALLS]{n}{between}{json.dumps(a)}" for n, a in calls)
     check_between_texts("mistral", calls, body, texts, cuts)
+
+
+@SETTINGS
+@given(
+    calls=call_lists,
+    # Prose before the calls has no "{": a value it opened would hold the calls in it.
+    texts=st.lists(plain_text.filter(lambda s: "{" not in s), min_size=2, max_size=2),
+    separator=st.sampled_from(["; ", "\n", "<|python_tag|>", " ;\n<|python_tag|>"]),
+    cuts=st.lists(st.integers(0, 10_000), max_size=12),
+)
+def test_llama3_calls_after_prose_round_trip(
+    calls: list[tuple[str, dict[str, Any]]], texts: list[str], separator: str, cuts: list[int]
+) -> None:
+    body = separator.join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+    check_between_texts("llama3_json", calls, body, texts, cuts)
