@@ -11,7 +11,9 @@ Contract (every format):
   ensure_ascii=False)` of the parsed object. This is the same string whatever the chunking,
   and the same for every format (pythonic calls have no JSON text to pass through).
 - A malformed call stays content, verbatim; so does a call the caller's `accept(name,
-  arguments)` refuses (an unknown tool, arguments that break a strict tool's schema).
+  arguments)` refuses (an unknown tool, arguments that break a strict tool's schema), and
+  a call that repeats a key (JSON) or a keyword argument (pythonic): it is not a call,
+  rather than one whose value depends on which copy a reader keeps.
 - Text outside calls is content, verbatim, except whitespace between a call and the start
   or the end of the content (so an output of calls only has empty content), and a
   format's separator between calls (llama3_json's `;`). An output in which no call is
@@ -109,11 +111,19 @@ def json_call(value: Any, need_arguments: bool = False) -> tuple[str, str] | Non
 
 
 def loads_json(text: str) -> Any:
-    """json.loads without NaN/Infinity (not JSON). Raises ValueError."""
+    """json.loads without NaN/Infinity (not JSON) and without repeated keys (which copy
+    counts is up to the reader). Raises ValueError."""
     try:
         return _DECODER.decode(text)
     except RecursionError:  # nested deeper than Python's stack: not arguments we can use
         raise ValueError("nested too deeply") from None
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        raise ValueError("a key is repeated")
+    return value
 
 
 def _reject_constant(name: str) -> Any:
@@ -122,7 +132,7 @@ def _reject_constant(name: str) -> Any:
 
 # Made once: json.dumps / json.loads with options build a new coder on every call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique)
 
 
 class StreamingToolParser(abc.ABC):

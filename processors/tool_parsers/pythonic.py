@@ -3,18 +3,22 @@ optionally inside `<|python_start|>` ... `<|python_end|>` (Llama 3.2 / Llama 4 s
 
 Parsed with `ast`, never evaluated: a call is a (dotted) name with keyword arguments whose
 values are literals (`ast.literal_eval`), converted to a JSON object. Only an output that
-starts (after whitespace) with `[` or `<|python_start|>` can hold calls; a list that is not
-all such calls stays content.
+starts (after whitespace) with `[` or `<|python_start|>` can hold calls. In a closed list,
+the calls are salvaged: an element that is not such a call (a broken one, a positional
+argument, a keyword given twice) is content, verbatim, and the others are calls. A list
+with no call in it, or one that never closes, is content as a whole.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 
-from .base import StreamingToolParser, ToolParser, canonical_arguments
-from .scan import BalancedScanner, Scan
+from .base import Accept, StreamingToolParser, ToolParser, canonical_arguments
+from .scan import IN_STRING, BalancedScanner, Scan
 
 START, END = "<|python_start|>", "<|python_end|>"
+_SPLIT = re.compile(r"[^\"'()\[\]{},]*")  # what the element splitter skips over
 
 
 class PythonicStream(StreamingToolParser):
@@ -38,12 +42,17 @@ class PythonicStream(StreamingToolParser):
         state = self._scan(scanner)
         if state is None:
             return False
-        calls = parse_calls(reader.text(scanner.start, scanner.pos)) if state is Scan.END else None
-        if calls is None or not all(self._accepts(*call) for call in calls):
+        calls: list[tuple[str, str]] = []
+        rest: list[str] = []
+        if state is Scan.END:
+            calls, rest = salvage(reader.text(scanner.start, scanner.pos), self._accepts)
+        if not calls:
             return self._all_content()
         reader.pos = reader.keep = scanner.pos
         for call in calls:
             self._call(*call)
+        if rest:
+            self._content(", ".join(rest))
         self._state = self._end
         return True
 
@@ -59,13 +68,49 @@ class PythonicStream(StreamingToolParser):
         return self._all_content()
 
 
-def parse_calls(source: str) -> list[tuple[str, str]] | None:
-    """`[f(a=1), g()]` -> [(name, arguments JSON)], or None if it is not that."""
+def salvage(source: str, accept: Accept) -> tuple[list[tuple[str, str]], list[str]]:
+    """The accepted calls of a list `[f(a=1), g(]` as [(name, arguments JSON)], and the
+    texts of its elements that are not such calls."""
     tree = _parse(source)
-    if not isinstance(tree, ast.List) or not tree.elts:
-        return None
-    calls = [_call(node) for node in tree.elts]
-    return None if None in calls else calls  # type: ignore[return-value]  # no None in it
+    if isinstance(tree, ast.List):  # the usual case, in one parse: every element a call
+        every = [_call(node) for node in tree.elts]
+        if every and all(c is not None and accept(*c) for c in every):
+            return every, []  # type: ignore[return-value]  # no None in it
+    calls, rest = [], []
+    for text in _elements(source):
+        call = _call(_parse(text))
+        if call is not None and accept(*call):
+            calls.append(call)
+        else:
+            rest.append(text)
+    return calls, rest
+
+
+def _elements(source: str) -> list[str]:
+    """The texts of a list's elements: the text inside its brackets split at the commas
+    outside brackets and strings (the elements need not parse)."""
+    out, depth, quote, start, i, end = [], 0, "", 1, 1, len(source) - 1
+    while i < end:
+        if quote:
+            i = IN_STRING[quote].match(source, i).end()  # type: ignore[union-attr]
+            if i < end:
+                escape = source[i] == "\\"
+                quote, i = (quote if escape else ""), i + (2 if escape else 1)
+            continue
+        i = _SPLIT.match(source, i).end()  # type: ignore[union-attr]  # `*` always matches
+        c = source[i] if i < end else ""
+        if c in ("'", '"'):
+            quote = c
+        elif c in ("(", "[", "{"):
+            depth += 1
+        elif c in (")", "]", "}"):
+            depth -= 1
+        elif c == "," and depth == 0:
+            out.append(source[start:i])
+            start = i + 1
+        i += 1
+    out.append(source[start:end])
+    return [text.strip() for text in out if text.strip()]
 
 
 def _parse(source: str) -> ast.expr | None:
@@ -81,7 +126,7 @@ def _call(node: ast.expr | None) -> tuple[str, str] | None:
     name = _dotted_name(node.func)
     values = {}
     for keyword in node.keywords:
-        if keyword.arg is None:  # **kwargs
+        if keyword.arg is None or keyword.arg in values:  # **kwargs, or a repeated keyword
             return None
         try:
             values[keyword.arg] = ast.literal_eval(keyword.value)

@@ -1,8 +1,9 @@
 """Tool calls as the models people run write them (issue 17): untagged calls from a small
-Qwen, Mistral's v11 `[TOOL_CALLS]name{...}`, Llama 3 calls after prose or several in a row;
-and text that holds no call coming back exactly, a marker at its end included. Each golden
-output is checked one-shot and under every chunking: split at each position, char by char,
-and at random cuts."""
+Qwen, Mistral's v11 `[TOOL_CALLS]name{...}`, Llama 3 calls after prose or several in a row,
+pythonic lists with one broken call, keys and keywords given twice; and text that holds no
+call coming back exactly, a marker at its end included. Each golden output is checked
+one-shot and under every chunking: split at each position, char by char, and at random
+cuts."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ UNTAGGED_CALLS = [
 NOT_CALLS = [  # text, verbatim, in every format that reads untagged calls
     '{"name": "launch", "arguments": {"target": "moon"}}',  # not a declared tool
     '{"name": "get_weather"}',  # no arguments: the keys are all that make it a call
+    '{"name": "get_weather", "arguments": {"city": "Paris", "city": "Oslo"}}',  # repeated key
     '{"city": "Paris"}',
     "[1, 2]",
     "[link](x) and {braces}",
@@ -125,6 +127,7 @@ MISTRAL_V11 = [
     ),
     ("mistral", '[TOOL_CALLS]get_weather{"city": ', '[TOOL_CALLS]get_weather{"city": ', []),
     ("mistral", "[TOOL_CALLS]get weather{}", "[TOOL_CALLS]get weather{}", []),
+    ("mistral", '[TOOL_CALLS]a{"x": 1, "x": 2}', '[TOOL_CALLS]a{"x": 1, "x": 2}', []),
     ("mistral", "[TOOL_CALLS]a[1]", "[TOOL_CALLS]a[1]", []),
     ("mistral", "[TOOL_CALLS]" + "a" * 65 + "{}", "[TOOL_CALLS]" + "a" * 65 + "{}", []),
     (  # a broken call does not swallow the good one after it
@@ -132,6 +135,31 @@ MISTRAL_V11 = [
         '[TOOL_CALLS]a{"x": "cut\n[TOOL_CALLS]b{}',
         '[TOOL_CALLS]a{"x": "cut',
         [("b", "{}")],
+    ),
+]
+
+PYTHONIC_AND_REPEATS = [
+    (
+        "pythonic",
+        '[get_weather(city="Paris"), get_time(tz=), get_weather(city="Oslo")]',
+        "get_time(tz=)",
+        [PARIS, ("get_weather", '{"city":"Oslo"}')],
+    ),
+    ("pythonic", "[f(a=1, a=2)]", "[f(a=1, a=2)]", []),  # a repeated keyword: not a call
+    ("pythonic", "[f(a=1, a=2), g(b='x, y')]", "f(a=1, a=2)", [("g", '{"b":"x, y"}')]),
+    ("pythonic", "[f(x), g(), 3]", "f(x), 3", [("g", "{}")]),
+    ("pythonic", "[f(a=(1, ']'), b={'k': [2]}), g(]", "[f(a=(1, ']'), b={'k': [2]}), g(]", []),
+    (  # a repeated key: not a call, whichever copy a client would read
+        "hermes",
+        '<tool_call>{"name": "f", "arguments": {"a": 1, "a": 2}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"a": 1, "a": 2}}</tool_call>',
+        [],
+    ),
+    (
+        "llama3_json",
+        '{"name": "f", "name": "g", "parameters": {}}',
+        '{"name": "f", "name": "g", "parameters": {}}',
+        [],
     ),
 ]
 
@@ -158,6 +186,7 @@ GOLDEN = [
     *UNTAGGED,
     *LLAMA3,
     *MISTRAL_V11,
+    *PYTHONIC_AND_REPEATS,
     *[(fmt, text, text, []) for fmt, text in UNFINISHED],
 ]
 
