@@ -169,11 +169,18 @@ async def _canary(target: str) -> tuple[list[int], list[list[float]]]:
     return list(out.token_ids), [list(map(float, v)) for v in vectors]
 
 
-def _blocks_in_use(registry: Any) -> dict[str, int]:
-    """KV blocks held by requests per model (asked on each engine's own thread)."""
-    used: dict[str, int] = {}
+def _blocks_in_use(registry: Any) -> dict[str, int | str]:
+    """KV blocks held by requests per model (asked on each engine's own thread); "dead" for
+    an engine that is down."""
+    from mmserve.errors import EngineDead
+
+    used: dict[str, int | str] = {}
     for handle in registry:
-        total, free = handle.engine.kv_blocks()
+        try:
+            total, free = handle.engine.kv_blocks()
+        except EngineDead:
+            used[handle.name] = "dead"
+            continue
         used[handle.name] = total - free
     return used
 
@@ -257,7 +264,7 @@ def _close(a: list[list[float]], b: list[list[float]]) -> bool:
 
 
 def _summary(
-    reports: list[dict[str, Any]], totals: Counter[str], blocks: dict[str, int]
+    reports: list[dict[str, Any]], totals: Counter[str], blocks: dict[str, int | str]
 ) -> dict[str, Any]:
     """Growth after warm-up: the last report's RSS against the first's."""
     warm, last = reports[0], reports[-1]
