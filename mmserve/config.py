@@ -157,6 +157,47 @@ class SchedulerConfig:
         return self.max_num_batched_tokens
 
 
+# mmserve.speculative's proposers (its registry is not imported here: it loads torch)
+SPECULATIVE_METHODS = ("ngram", "suffix", "jump", "jump+ngram", "jump+suffix")
+MAX_SPECULATIVE_TOKENS = 16  # cap on --num-speculative-tokens
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses the next tokens of a decoding request, and
+    one step of the model verifies them (mmserve/speculative/)."""
+
+    method: str | None = setting(
+        None,
+        "speculative decoding: ngram (prompt lookup), suffix (a suffix trie over the request and "
+        "recent outputs of the same tenant), jump (a grammar's forced text, for constrained "
+        "requests), or jump+ngram / jump+suffix; outputs are the same as without it",
+        name="speculative",
+        shown="off",
+    )
+    num_speculative_tokens: int = setting(
+        4, f"most tokens a proposer guesses per request per step (at most {MAX_SPECULATIVE_TOKENS})"
+    )
+    disable_batch_size: int = setting(
+        8,
+        "no speculation in a step with more running requests than this (decode is then no "
+        "longer bound by reading the weights, and verifying guesses costs more than it saves)",
+        name="speculative_disable_batch_size",
+    )
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
+            )
+        k = self.num_speculative_tokens
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k}"
+            )
+        _at_least_one(self, "disable_batch_size")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs."""
@@ -164,6 +205,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     seed: int = setting(0, "seed of unseeded sampling (the engine-wide generator)")
     # run the engine core in its own process (engine/core_proc.py; grammars are compiled again
     # there). Off here; `mmserve serve` turns it on for CUDA (ServeOptions.engine_process)
@@ -181,6 +223,7 @@ class EngineConfig:
             model=build(ModelConfig, settings, model=model),
             cache=build(CacheConfig, settings),
             scheduler=build(SchedulerConfig, settings),
+            speculative=build(SpeculativeConfig, settings),
         )
 
 
@@ -320,7 +363,7 @@ class ServeOptions:
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
 
 
-ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, EngineConfig)
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, EngineConfig)
 
 
 def engine_settings() -> list[Setting]:

@@ -39,6 +39,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
     finished: bool = True
+    # speculative decoding, over all choices: guesses checked, and those the model accepted
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def usage(self) -> dict[str, int]:
@@ -46,4 +49,6 @@ class RequestOutput:
             "prompt_tokens": len(self.prompt_token_ids),
             "completion_tokens": sum(len(o.token_ids) for o in self.outputs),
             "cached_tokens": self.num_cached_tokens,
+            "draft_tokens": self.num_draft_tokens,
+            "accepted_draft_tokens": self.num_accepted_draft_tokens,
         }

@@ -38,6 +38,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured: StructuredOutputParams | None = None  # a constraint on the output
     reasoning_budget: int | None = None  # most thinking tokens; then `</think>` is forced
+    disable_speculation: bool = False  # no speculative decoding for this request
 
     @property
     def greedy(self) -> bool:

@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mmserve", "mmserve.server", "mmserve.entrypoints", "mmserve.bench"),
     ("mmserve.frontend",),
     ("mmserve.engine",),
+    ("mmserve.speculative",),
     ("mmserve.runner",),
     ("mmserve.models",),
     ("mmserve.attention",),

@@ -19,6 +19,7 @@ from mmserve.models.fp8 import is_fp8
 from mmserve.request import Request
 from mmserve.runner.model_runner import LaunchedStep, ModelRunner
 from mmserve.runner.pooler import Pooler
+from mmserve.speculative.controller import Speculator
 from mmserve.structured_output.backend import CompiledGrammar, GrammarMatcher
 from mmserve.structured_output.manager import StructuredOutputManager
 from mmserve.structured_output.reasoning import ReasoningMatcher
@@ -66,6 +67,11 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # sampled, not yet read
         self.structured = structured
         self._compiling = PendingGrammars(structured) if structured is not None else None
+        self.speculator: Speculator | None = None  # speculative decoding, when configured
+        if config.speculative.method is not None and model.capabilities.uses_kv_cache:
+            tokenizer = structured.tokenizer if structured is not None else None
+            self.speculator = Speculator(config.speculative, tokenizer)
+            self.scheduler.on_finish = self.speculator.finished
         self._failed: list[EngineOutput] = []  # requests that failed before they ran
         if not config.model.enforce_eager:
             scheduler = config.scheduler
@@ -166,19 +172,37 @@ class EngineCore:
         the grammar accept and bitmask fill), and returns its outputs. So does a step that
         pools: its results come to the host while the next step is launched."""
         outputs = self._admit_compiled()
+        if self._speculating():
+            # guesses follow the latest tokens: the step in flight lands first, and a step
+            # that checks guesses is not left in flight (its accepted run is not known yet)
+            outputs += self._land_in_flight()
+            assert self.speculator is not None
+            self.speculator.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
         step = self.runner.launch(plan)
-        if self._in_flight is not None:
-            before, launched = self._in_flight
-            self._in_flight = None
-            outputs += self.scheduler.update(before, self.runner.resolve(launched))
+        outputs += self._land_in_flight()
         if step is None:
             return outputs + self.scheduler.update(plan, RunnerOutput())
         self.runner.sample(step, self.scheduler.requests)
-        if self.async_scheduling and step.pending:
+        guesses = any(s.draft_token_ids for s in plan.scheduled)
+        if self.async_scheduling and step.pending and not guesses:
             self._in_flight = (plan, step)
             return outputs
         return outputs + self.scheduler.update(plan, self.runner.resolve(step))
+
+    def _land_in_flight(self) -> list[EngineOutput]:
+        """The outputs of the step in flight, once its tokens are on the host (none: [])."""
+        if self._in_flight is None:
+            return []
+        before, launched = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update(before, self.runner.resolve(launched))
+
+    def _speculating(self) -> bool:
+        scheduler = self.scheduler
+        return self.speculator is not None and self.speculator.active(
+            scheduler.running, scheduler.waiting, self.config.scheduler.budget
+        )
 
 
 def _matcher(er: EngineRequest, grammar: CompiledGrammar | None) -> GrammarMatcher | None:

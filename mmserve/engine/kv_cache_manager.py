@@ -83,6 +83,19 @@ class KVCacheManager:
         self._cache_full_blocks(request, num_tokens)
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Frees the request's blocks past those num_tokens tokens need (speculative decoding:
+        the blocks of refused guesses, which are never hashed into the prefix cache)."""
+        blocks = self._blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        del self._block_ids[request.request_id][keep:]
+        self._num_kept[request.request_id] = min(self._num_kept.get(request.request_id, 0), keep)
+        self.pool.free(reversed(extra))
+
     def _append(self, request_id: str, blocks: list[KVBlock]) -> None:
         self._blocks[request_id] += blocks
         self._block_ids[request_id] += [b.block_id for b in blocks]

@@ -51,6 +51,8 @@ class EngineOutput(msgspec.Struct):
     error: str | None = None  # set when the request failed inside the engine
     pooled: torch.Tensor | None = None  # [dim] float32 on the CPU: a finished pooling request
     first_scheduled_time: float | None = None  # time.monotonic() of its first step (system-wide)
+    num_draft_tokens: int = 0  # speculative guesses checked for it so far
+    num_accepted_draft_tokens: int = 0  # of those, the ones the model accepted
 
 
 class EngineInfo(msgspec.Struct, frozen=True):
@@ -83,6 +85,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     image_tokens: ImageTokenCount | None = None  # reads_images: tokens per image
     pad_text_to: int | None = None  # texts to embed are padded to this length (SigLIP)
     pad_token_id: int | None = None  # ... with this token when the tokenizer has none
+    speculative: str = ""  # speculative decoding's method ("ngram", ...); "" when off
 
     @property
     def max_pooling_len(self) -> int:

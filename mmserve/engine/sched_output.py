@@ -35,6 +35,9 @@ class ScheduledRequest:
     # leading block_ids that are those of this request's previous step (0: treat all as new);
     # lets the runner keep block tables across steps and write only the new ids
     num_kept_blocks: int = 0
+    # speculative decoding: guesses of the tokens after the last one; they end token_ids (so
+    # the step computes them too) and the step checks them (sample is then True)
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -66,6 +69,9 @@ class SampledToken:
 @dataclass
 class RunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)  # request id -> new token
+    # speculative decoding: request id -> the guesses the model accepted, which come before
+    # its `sampled` token (the model's own at the first rejected guess, or after the last)
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> result (CPU)
     # request id -> (position of the first target token, logprobs of this chunk's prompt tokens)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from mmserve.config import SchedulerConfig
 from mmserve.engine.block_pool import KVBlock
@@ -39,6 +40,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._pending: list[EngineOutput] = []  # outputs of requests ended between steps
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
+        self.on_finish: Callable[[Request], None] | None = None  # told of each ended request
 
     @property
     def has_unfinished(self) -> bool:
@@ -74,10 +76,13 @@ class Scheduler:
             if num_new == 0:  # its next image waits for encoder budget, or it is done
                 i += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, out):
-                break  # it preempted itself: nothing after it is running any more
-            out.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            drafts = self._drafts(request, num_new, budget)
+            if not drafts or not self.kv.allocate_slots(request, num_new + len(drafts)):
+                drafts = []  # (guesses never preempt anyone)
+                if not self._allocate_or_preempt(request, num_new, out):
+                    break  # it preempted itself: nothing after it is running any more
+            out.scheduled.append(self._scheduled(request, num_new, drafts))
+            budget -= num_new + len(drafts)
             i += 1
         while self.waiting and budget > 0 and not out.num_preempted:
             if len(self.running) >= self.config.max_num_seqs or self.waiting[0].num_pending:
@@ -91,6 +96,19 @@ class Scheduler:
             budget -= num_new
         out.encoder_free = self.encoder.end_step()
         return out
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The speculative guesses this step checks for a decoding request: its proposer's,
+        cut to the token budget, max_tokens and the context (a guess is an output token)."""
+        drafts, request.draft_token_ids = request.draft_token_ids, []
+        if not drafts or num_new != 1 or request.num_pending:
+            return []
+        room = min(
+            budget - 1,
+            request.max_tokens - len(request.output_token_ids) - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return drafts[: max(room, 0)]
 
     def _fit_images(self, request: Request, start: int, num_new: int) -> int:
         """num_new, or fewer so that the chunk stops before an image the encoder cannot run
@@ -149,10 +167,14 @@ class Scheduler:
         num_out = len(request.output_token_ids) + request.num_pending
         return num_out >= request.max_tokens or request.num_tokens >= self.max_model_len
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new: int, drafts: list[int] | None = None
+    ) -> ScheduledRequest:
         """The request's share of this step, committed now: its computed count moves on, and
-        a token it will sample counts as pending until update() brings its value."""
+        a token it will sample counts as pending until update() brings its value. Guesses
+        (drafts) are computed after its tokens, and counted only once update() accepts them."""
         start = request.num_computed_tokens
+        request.num_scheduled_drafts = len(drafts) if drafts else 0
         request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
         done = start + num_new == request.num_tokens
         request.num_computed_tokens = start + num_new
@@ -161,9 +183,10 @@ class Scheduler:
         mm_inputs = request.mm_inputs
         if mm_inputs:
             mm_inputs = tuple(mm for mm in mm_inputs if mm.overlaps(start, start + num_new))
+        token_ids = request.token_ids_range(start, start + num_new)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids_range(start, start + num_new),
+            token_ids=token_ids + drafts if drafts else token_ids,
             start_pos=start,
             block_ids=self.kv.block_ids(request.request_id),
             sample=done and request.pooling is None,
@@ -178,6 +201,7 @@ class Scheduler:
             mrope_positions=request.mrope_positions,
             mrope_delta=request.mrope_delta,
             num_kept_blocks=self.kv.num_kept_blocks(request.request_id),
+            draft_token_ids=drafts or [],
         )
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
@@ -192,7 +216,10 @@ class Scheduler:
             if result.prompt_logprobs:
                 self._collect_prompt_logprobs(request, result)
             sampled = result.sampled.get(item.request_id)
-            if sampled is not None:
+            if sampled is not None and item.draft_token_ids:
+                request.num_pending -= 1
+                outputs.append(self._append_checked(request, item, result, sampled))
+            elif sampled is not None:
                 request.num_pending -= 1
                 outputs.append(self._append_token(request, sampled))
             elif item.pooling is not None:
@@ -206,7 +233,7 @@ class Scheduler:
         bitmask allowed only acceptable tokens; _check_stop then reads is_terminated)."""
         matchers, tokens = [], []
         for item in plan.scheduled:
-            if item.grammar is None:
+            if item.grammar is None or item.draft_token_ids:  # (those take theirs one by one)
                 continue
             sampled = result.sampled.get(item.request_id)
             request = self.requests.get(item.request_id)
@@ -229,6 +256,41 @@ class Scheduler:
             self._finish(request, status)
         logprobs = [sampled.logprob] if sampled.logprob is not None else None
         return self._output(request, [sampled.token_id], logprobs, stop_reason)
+
+    def _append_checked(
+        self,
+        request: Request,
+        item: ScheduledRequest,
+        result: RunnerOutput,
+        sampled: SampledToken,
+    ) -> EngineOutput:
+        """A step that checked guesses: the accepted ones, then the model's token, each
+        taken like one sampled token (grammar, stop tokens, max_tokens) until one ends the
+        request. The KV of the refused guesses is dropped: the computed count covers the
+        accepted ones only, and blocks past it go back to the pool (none was hashed)."""
+        accepted = result.accepted.get(item.request_id, [])
+        request.num_draft_tokens += request.num_scheduled_drafts
+        request.num_accepted_draft_tokens += len(accepted)
+        request.num_computed_tokens += len(accepted)
+        request.num_scheduled_drafts = 0
+        tokens, logprobs = [], []
+        status: RequestStatus | None = None
+        stop_reason: int | None = None
+        for one in [*accepted, sampled]:
+            if request.grammar is not None:  # (allowed: its position's mask held it)
+                request.grammar.accept_token(one.token_id)
+            request.output_token_ids.append(one.token_id)
+            tokens.append(one.token_id)
+            if one.logprob is not None:
+                logprobs.append(one.logprob)
+            status, stop_reason = self._check_stop(request, one.token_id)
+            if status is not None:
+                break
+        if status is not None:
+            self._finish(request, status)
+        else:
+            self.kv.trim(request, request.num_computed_tokens + 1)
+        return self._output(request, tokens, logprobs or None, stop_reason)
 
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params, num_out = request.params, len(request.output_token_ids)
@@ -258,6 +320,8 @@ class Scheduler:
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
+        if self.on_finish is not None:
+            self.on_finish(request)
 
     def _output(
         self,
@@ -281,4 +345,6 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_output_tokens=len(request.output_token_ids),
             first_scheduled_time=request.first_scheduled_time,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_draft_tokens=request.num_accepted_draft_tokens,
         )

@@ -234,5 +234,7 @@ def _apply(result: RequestOutput, delta: GenerationDelta) -> bool:
     result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
     if delta.finish_reason is not None:
         out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+        result.num_draft_tokens += delta.num_draft_tokens  # (each choice's totals, once)
+        result.num_accepted_draft_tokens += delta.num_accepted_draft_tokens
     result.finished = all(o.finish_reason is not None for o in result.outputs)
     return result.finished

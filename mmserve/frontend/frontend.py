@@ -53,6 +53,8 @@ class GenerationDelta:
     num_output_tokens: int = 0
     error: str | None = None
     first_scheduled_time: float | None = None  # time.monotonic() when it first ran a step
+    num_draft_tokens: int = 0  # speculative guesses checked for this choice so far
+    num_accepted_draft_tokens: int = 0  # of those, the ones the model accepted
 
 
 @dataclass
@@ -361,13 +363,21 @@ class FrontEnd:
             self._forget(out.request_id, choice)
             return PooledResult(choice.parent_id, out)
         text, stop_reason, finish = "", out.stop_reason, out.finish_reason
-        if out.new_token_ids and choice.stopped is None:
-            d = choice.detok.update(out.new_token_ids)
-            text = d.text_delta
-            if d.stopped_on is not None:
-                choice.stopped = d.stopped_on
-                stop_reason, finish = d.stopped_on, "stop"
-                self.client.stop(out.request_id)
+        token_ids, logprobs = out.new_token_ids, out.new_logprobs
+        if token_ids and choice.stopped is None:
+            texts = []
+            # several tokens (speculative decoding): one at a time, so that the tokens after
+            # the one that completes a stop string are dropped, as they would never have come
+            for i, token in enumerate(token_ids):
+                d = choice.detok.update([token]) if len(token_ids) > 1 else choice.detok.update(token_ids)
+                texts.append(d.text_delta)
+                if d.stopped_on is not None:
+                    choice.stopped = d.stopped_on
+                    stop_reason, finish = d.stopped_on, "stop"
+                    self.client.stop(out.request_id)
+                    token_ids, logprobs = token_ids[: i + 1], logprobs and logprobs[: i + 1]
+                    break
+            text = "".join(texts)
         if finish is not None and finish != "abort" and choice.stopped is None:
             text += choice.detok.finish().text_delta
         if finish is not None:
@@ -376,8 +386,8 @@ class FrontEnd:
             request_id=choice.parent_id,
             index=choice.index,
             text=text,
-            token_ids=out.new_token_ids,
-            logprobs=out.new_logprobs,
+            token_ids=token_ids,
+            logprobs=logprobs,
             finish_reason=finish,
             stop_reason=stop_reason,
             prompt_logprobs=out.prompt_logprobs,
@@ -386,6 +396,8 @@ class FrontEnd:
             num_output_tokens=out.num_output_tokens,
             error=out.error,
             first_scheduled_time=out.first_scheduled_time,
+            num_draft_tokens=out.num_draft_tokens,
+            num_accepted_draft_tokens=out.num_accepted_draft_tokens,
         )
 
     def _forget(self, child_id: str, choice: _Choice) -> None:

@@ -3,6 +3,7 @@ logits only where a token is sampled (or prompt logprobs are wanted), and sample
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Container
 from dataclasses import dataclass
@@ -27,7 +28,12 @@ from mmserve.params import PoolingParams
 from mmserve.runner.cuda_graphs import DecodeGraphs, EncoderGraphs
 from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder, SampledOnDevice
 from mmserve.runner.pooler import ModelPooler, Pooler, finish_embedding
-from mmserve.runner.sampler import SamplingRow, sample_on_device
+from mmserve.runner.sampler import (
+    SamplingRow,
+    position_seed,
+    sample_on_device,
+    verify_on_device,
+)
 from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
 
 # Prompt logprobs take the logits of this many prompt rows at a time: [rows, vocab] float32
@@ -70,6 +76,14 @@ class PooledOnDevice:
 
 
 @dataclass
+class SpecCheck:
+    """A step that checked speculative guesses: one row per position of each sampling
+    request (its guesses' positions, then one more), in the order of batch.sample_reqs."""
+
+    spans: list[int]  # rows of each request: 1 + its number of guesses
+
+
+@dataclass
 class LaunchedStep:
     """A step whose forward pass is enqueued; sample() and resolve() finish it."""
 
@@ -80,6 +94,7 @@ class LaunchedStep:
     logprobs: list[TokenLogprob | None] | None = None
     host_tokens: torch.Tensor | None = None  # the sampled tokens on the host, once copied
     copied: torch.cuda.Event | None = None  # recorded after the tokens' copy (CUDA)
+    spec: SpecCheck | None = None  # a step that checked guesses (speculative decoding)
 
     @property
     def pending(self) -> bool:
@@ -196,6 +211,9 @@ class ModelRunner:
         if not batch.sample_rows:
             return
         reqs = batch.sample_reqs
+        if any(s.draft_token_ids for s in reqs):
+            self._check_guesses(step, live)
+            return
         bitmask = self._grammar_bitmask(reqs, live)  # CPU work while the GPU runs
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, batch.sample_rows))
         if bitmask is not None:
@@ -205,12 +223,77 @@ class ModelRunner:
         self._previous = SampledOnDevice(tokens, {s.request_id: i for i, s in enumerate(reqs)})
         step.host_tokens, step.copied = _to_host(tokens)
 
+    def _check_guesses(self, step: LaunchedStep, live: Container[str] | None) -> None:
+        """sample() for a step with speculative guesses: logits at every guess's position
+        and one after, each under the grammar state and penalties its position would have,
+        checked by verify_on_device; resolve() then reads the accepted runs."""
+        batch = step.batch
+        reqs = batch.sample_reqs
+        rows: list[int] = []
+        spans: list[int] = []
+        sampling: list[SamplingRow] = []
+        drafts: list[int | None] = []
+        for item, last in zip(reqs, batch.sample_rows, strict=True):
+            guesses = item.draft_token_ids
+            rows += range(last - len(guesses), last + 1)
+            spans.append(len(guesses) + 1)
+            base = self._sampling_row(item)
+            for j in range(len(guesses) + 1):
+                output = item.output_token_ids + guesses[:j] if j else item.output_token_ids
+                seed = item.params.seed
+                sampling.append(dataclasses.replace(
+                    base, output_token_ids=output,
+                    position_seed=None if seed is None else position_seed(seed, len(output)),
+                ))  # fmt: skip
+                drafts.append(guesses[j] if j < len(guesses) else None)
+        bitmask = self._guess_bitmask(reqs, spans, live)
+        logits = self.model.compute_logits(self._sampled_rows(step.hidden, rows))
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask[0], bitmask[1])
+        tokens, accepted, step.logprobs = verify_on_device(logits, sampling, drafts, self.generator)
+        self._previous = None  # a step after guesses has no placeholders to fill
+        # one copy: row 0 the tokens, row 1 whether each row's guess was accepted
+        step.host_tokens, step.copied = _to_host(torch.stack([tokens, accepted.long()]))
+        step.spec = SpecCheck(spans)
+
+    def _guess_bitmask(
+        self, reqs: list[ScheduledRequest], spans: list[int], live: Container[str] | None
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """The allowed tokens at each position of each constrained request: its matcher
+        takes the guesses one by one between fills, and is rolled back after."""
+        if not any(r.grammar is not None for r in reqs):
+            return None
+        bitmask = self._bitmask_buffer(sum(spans))
+        rows: list[int] = []
+        row = 0
+        for item, span in zip(reqs, spans, strict=True):
+            matcher = item.grammar
+            if matcher is not None and (live is None or item.request_id in live):
+                taken = 0
+                for j in range(span):
+                    matcher.fill_bitmask(bitmask, row + j)
+                    rows.append(row + j)
+                    if j == span - 1:
+                        break
+                    if matcher.accept_token(item.draft_token_ids[j]):
+                        taken += 1
+                        continue
+                    # an ungrammatical guess: refused at j, so the rows after it never count
+                    bitmask[row + j + 1 : row + span] = bitmask[row + j]
+                    rows += range(row + j + 1, row + span)
+                    break
+                matcher.rollback(taken)
+            row += span
+        return bitmask, rows
+
     def resolve(self, step: LaunchedStep) -> RunnerOutput:
         """Waits for a step's tokens and pooled results to reach the host; its output."""
         out = step.out
         if step.copied is not None:
             step.copied.synchronize()
-        if step.host_tokens is not None:
+        if step.spec is not None:
+            self._resolve_guesses(step)
+        elif step.host_tokens is not None:
             logprobs = step.logprobs or [None] * len(step.batch.sample_reqs)
             tokens = step.host_tokens.tolist()
             for item, token, lp in zip(step.batch.sample_reqs, tokens, logprobs):
@@ -218,6 +301,23 @@ class ModelRunner:
         if step.pooled is not None:
             out.pooled = step.pooled.resolve()
         return out
+
+    def _resolve_guesses(self, step: LaunchedStep) -> None:
+        """Each request's accepted guesses and the token after them, into step.out."""
+        spec, out = step.spec, step.out
+        assert spec is not None and step.host_tokens is not None
+        tokens, accepted = step.host_tokens.tolist()
+        logprobs = step.logprobs or [None] * len(tokens)
+        row = 0
+        for item, span in zip(step.batch.sample_reqs, spec.spans, strict=True):
+            j = 0  # an accepted guess is its row's own token: tokens[row + j] either way
+            while j < span - 1 and accepted[row + j]:
+                j += 1
+            taken = [SampledToken(tokens[r], logprobs[r]) for r in range(row, row + j)]
+            out.sampled[item.request_id] = SampledToken(tokens[row + j], logprobs[row + j])
+            if span > 1:
+                out.accepted[item.request_id] = taken
+            row += span
 
     def _sampled_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """hidden[rows] without a blocking host-to-device copy of the index (which would
@@ -364,7 +464,10 @@ class ModelRunner:
             if gen is None:
                 gen = torch.Generator(device=self.device).manual_seed(item.params.seed)
                 self._generators[item.request_id] = gen
-        return SamplingRow(item.params, item.prompt_token_ids, item.output_token_ids, item.eos_token_ids, gen)
+        seed = None if item.params.seed is None else position_seed(item.params.seed, len(item.output_token_ids))
+        return SamplingRow(
+            item.params, item.prompt_token_ids, item.output_token_ids, item.eos_token_ids, gen, seed
+        )
 
     def _prompt_logprobs(
         self, plan: SchedulerOutput, hidden: torch.Tensor

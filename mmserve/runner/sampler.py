@@ -22,6 +22,10 @@ class SamplingRow:
     output_token_ids: list[int]  # for penalties and min_tokens
     eos_token_ids: frozenset[int]  # masked while fewer than min_tokens are out
     generator: torch.Generator | None  # the request's own, when it has a seed
+    # the generator is seeded with this before the row's draw: the request's seed mixed with
+    # the output position the row samples, so a seeded output depends on nothing else (not
+    # on the batch, nor on how many positions speculative decoding checked in a step)
+    position_seed: int | None = None
 
 
 def sample(
@@ -167,5 +171,39 @@ def _exponential_noise(
     noise = torch.empty_like(probs).exponential_(generator=generator)
     for i, row in enumerate(rows):
         if row.generator is not None:
+            if row.position_seed is not None:
+                row.generator.manual_seed(row.position_seed)
             noise[i].exponential_(generator=row.generator)
     return noise
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A generator seed for one output position of a request with a seed."""
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+
+def verify_on_device(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    drafts: list[int | None],
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[TokenLogprob | None]]:
+    """Speculative decoding's check of guessed tokens, one row per position. Row i holds the
+    target's logits after the tokens before it (rows[i]'s output_token_ids count the guesses
+    before it); drafts[i] is the guess for the token it predicts (None: no guess). Returns
+    ([N] tokens, [N] bool accepted, logprobs) with the tokens on the device.
+
+    Each row is sampled exactly as without guesses (sample_on_device: bias, penalties,
+    temperature, top-k, top-p, min-p, the grammar mask the caller applied, and a seeded
+    request's noise drawn for its output position), and a guess is accepted when it is the
+    token its row drew. The emitted tokens - the accepted guesses, then the first row's own
+    token where a guess differs - are therefore the tokens sampling would have drawn one
+    step at a time: the distribution is unchanged, and a seeded request's output is the same
+    with or without speculation. For guesses that come with no distribution of their own
+    (prompt lookup, suffix, grammar) this accepts a guess g with probability p(g), as
+    rejection sampling against a proposal that puts all its mass on g does."""
+    tokens, logprobs = sample_on_device(logits, rows, generator)
+    guess = _to(logits.device, [0 if d is None else d for d in drafts], torch.int64)
+    has_guess = _to(logits.device, [d is not None for d in drafts], torch.bool)
+    return tokens, has_guess & (tokens == guess), logprobs

@@ -89,6 +89,7 @@ def sampling_params(p: generate_pb2.SamplingParams, config: ServerConfig) -> Sam
         skip_special_tokens=_opt(p, "skip_special_tokens", True),
         include_stop_str_in_output=p.include_stop_str_in_output,
         reasoning_budget=_opt(p, "reasoning_budget", None),
+        disable_speculation=p.disable_speculation,
     )
     return params  # the model's front end validates it (once), naming params.* fields
 
@@ -265,10 +266,13 @@ def prompt_logprobs(
     return [token_logprob(lp, token_text) for lp in items if lp is not None]
 
 
-def usage(prompt: int, completion: int, cached: int, reasoning: int = 0) -> common_pb2.Usage:
+def usage(
+    prompt: int, completion: int, cached: int, reasoning: int = 0, drafts: tuple[int, int] = (0, 0)
+) -> common_pb2.Usage:
+    """drafts: speculative guesses checked, and accepted."""
     return common_pb2.Usage(
         prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
-        reasoning_tokens=reasoning,
+        reasoning_tokens=reasoning, draft_tokens=drafts[0], accepted_draft_tokens=drafts[1],
     )
 
 
@@ -294,6 +298,7 @@ def model_info(handle: ModelHandle) -> models_pb2.ModelInfo:
         supports_images=f.supports_images,
         quantization=f.quantization,
         vocab_size=f.vocab_size,
+        speculative=f.speculative,
         score_method=_SCORE_METHODS.get(f.score_method or "", models_pb2.SCORE_METHOD_UNSPECIFIED),
         labels=f.labels,
         embedding_dimension=f.embedding_dimension,

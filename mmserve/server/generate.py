@@ -180,8 +180,9 @@ class _Stream:
         if delta.finish_reason is not None:
             prompt_len = len(self.prep.job.prompt_token_ids)
             reasoning = choice.reasoning.reasoning_tokens if choice.reasoning else 0
+            drafts = (delta.num_draft_tokens, delta.num_accepted_draft_tokens)
             out.usage.CopyFrom(convert.usage(
-                prompt_len, choice.completion_tokens, delta.num_cached_tokens, reasoning
+                prompt_len, choice.completion_tokens, delta.num_cached_tokens, reasoning, drafts
             ))
             # queue_ms runs to the engine's first step for the request when it reports one
             queued = delta.first_scheduled_time or self.queued

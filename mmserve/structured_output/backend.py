@@ -66,6 +66,11 @@ class GrammarMatcher(abc.ABC):
     def is_terminated(self) -> bool:
         """True once a stop token has been accepted."""
 
+    def jump_forward(self) -> str:
+        """The text every valid continuation starts with from here ("" when the grammar
+        leaves a choice, or the backend cannot tell): speculative decoding proposes it."""
+        return ""
+
     @abc.abstractmethod
     def reset(self) -> None:
         """Back to the start state (a preempted request that will recompute)."""

@@ -101,6 +101,12 @@ class ReasoningMatcher(GrammarMatcher):
             self._inner.is_terminated()
         )
 
+    def jump_forward(self) -> str:
+        """The answer's grammar's forced text, once in the answer (none inside the thought)."""
+        if self._inner is None or self._tracker.state != ANSWER:
+            return ""
+        return self._inner.jump_forward()
+
     def reset(self) -> None:
         self._tracker = ThinkTracker(self._gate)
         self._history.clear()

@@ -184,6 +184,11 @@ class XGrammarMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 
+    def jump_forward(self) -> str:
+        if self._matcher.is_terminated():
+            return ""
+        return str(self._matcher.find_jump_forward_string())
+
     def reset(self) -> None:
         self._matcher.reset()
         self._accepted = 0

@@ -16,6 +16,7 @@ from mmserve.config import (
     SchedulerConfig,
     ServeOptions,
     ServerConfig,
+    SpeculativeConfig,
     engine_settings,
     serve_settings,
 )
@@ -33,6 +34,7 @@ CHOICES = {
     "reasoning_parser": ("qwen3", "none"),
     "log_level": ("DEBUG", "ERROR"),
     "gpu_memory_utilization": ("0.5", "0.7"),
+    "speculative": ("ngram", "jump+suffix"),
 }
 
 
@@ -66,6 +68,7 @@ def _read_back(args: Any, s: Setting) -> Any:
     holders = {
         ModelConfig: template.model, CacheConfig: template.cache,
         SchedulerConfig: template.scheduler, EngineConfig: template,
+        SpeculativeConfig: template.speculative,
         ServerConfig: cli.server_config(args), ServeOptions: cli.serve_options(args),
     }  # fmt: skip
     return getattr(holders[s.owner], s.field)
@@ -111,6 +114,7 @@ def test_llm_keywords_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     holders = {
         ModelConfig: config.model, CacheConfig: config.cache,
         SchedulerConfig: config.scheduler, EngineConfig: config,
+        SpeculativeConfig: config.speculative,
     }  # fmt: skip
     assert config.model.model == "some/model"
     for s in engine_settings():

@@ -50,6 +50,7 @@ class GenerateKwargs(TypedDict, total=False):
     skip_special_tokens: bool
     include_stop_str_in_output: bool
     reasoning_budget: int  # reasoning models: most thinking tokens, then `</think>` is forced
+    disable_speculation: bool  # leave this request out of speculative decoding
     # StructuredOutput: at most one constraint.
     json_schema: str | Mapping[str, Any]  # a dict is sent as JSON text
     json_object: bool

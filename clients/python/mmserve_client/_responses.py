@@ -63,7 +63,10 @@ def usage(msg: Any, field: str = "usage") -> Usage | None:
     if not msg.HasField(field):
         return None
     u: common_pb2.Usage = getattr(msg, field)
-    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.reasoning_tokens)
+    return Usage(
+        u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.reasoning_tokens,
+        u.draft_tokens, u.accepted_draft_tokens,
+    )
 
 
 def timing(msg: Any) -> Timing | None:
@@ -242,6 +245,7 @@ def model_infos(models: Sequence[models_pb2.ModelInfo]) -> list[ModelInfo]:
             supports_images=m.supports_images,
             quantization=m.quantization,
             vocab_size=m.vocab_size,
+            speculative=m.speculative,
         )
         for m in models
     ]

@@ -90,6 +90,8 @@ class Usage:
     completion_tokens: int = 0  # generated tokens; 0 for pooling tasks
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     reasoning_tokens: int = 0  # of completion_tokens, a reasoning model's thought
+    draft_tokens: int = 0  # speculative decoding: guessed tokens the model checked
+    accepted_draft_tokens: int = 0  # of those, the ones it accepted
 
 
 @dataclass(frozen=True)
@@ -232,3 +234,4 @@ class ModelInfo:
     supports_images: bool = False
     quantization: str = ""  # "" when unquantised
     vocab_size: int = 0
+    speculative: str = ""  # speculative decoding's method; "" when off

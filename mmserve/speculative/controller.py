@@ -1,0 +1,91 @@
+"""When to speculate, for whom and how far: the engine core's side of speculative decoding.
+
+A step speculates only while few requests run (SpeculativeConfig.disable_batch_size) and the
+token budget has room for the guesses beside every scheduled token: under load, decode no
+longer waits on reading the weights, and checking guesses would cost more than it saves.
+Each request's guess length adapts to its acceptance: one more after a run accepted whole,
+halved after a run refused whole, and after it reaches 0 the request rests RETRY_AFTER
+steps before it tries one guess again."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from mmserve.config import SpeculativeConfig
+from mmserve.request import Request
+from mmserve.speculative import Proposer, create_proposer
+
+RETRY_AFTER = 16  # steps a request whose guesses kept failing goes without
+
+
+@dataclass
+class _Adapt:
+    k: int  # guesses it gets next
+    drafts: int = 0  # its num_draft_tokens when last seen
+    accepted: int = 0  # its num_accepted_draft_tokens when last seen
+    rest: int = 0  # steps left without guesses
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, tokenizer: object = None) -> None:
+        if config.method is None:
+            raise ValueError("speculative: no method")
+        self.method = config.method
+        self.k = config.num_speculative_tokens
+        self.disable_batch_size = config.disable_batch_size
+        self.proposer: Proposer = create_proposer(config.method, tokenizer)
+        self._adapt: dict[str, _Adapt] = {}
+
+    def active(self, running: list[Request], waiting: Iterable[Request], budget: int) -> bool:
+        """Whether this step speculates."""
+        if not running or len(running) > self.disable_batch_size:
+            return False
+        demand = sum(r.num_tokens - r.num_computed_tokens for r in running)
+        demand += sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        return demand + len(running) * self.k <= budget
+
+    def propose(self, running: list[Request]) -> None:
+        """Sets draft_token_ids of each running request that decodes and may speculate."""
+        for request in running:
+            request.draft_token_ids = []
+            if not _may_speculate(request):
+                continue
+            k = self._next_k(request)
+            if k:
+                request.draft_token_ids = self.proposer.propose(request, k)[:k]
+
+    def _next_k(self, request: Request) -> int:
+        state = self._adapt.get(request.request_id)
+        if state is None:
+            state = self._adapt[request.request_id] = _Adapt(self.k)
+        checked = request.num_draft_tokens - state.drafts
+        if checked:
+            accepted = request.num_accepted_draft_tokens - state.accepted
+            if accepted == checked:
+                state.k = min(self.k, state.k + 1)
+            elif accepted == 0:
+                state.k //= 2
+                if state.k == 0:
+                    state.rest = RETRY_AFTER
+            state.drafts, state.accepted = request.num_draft_tokens, request.num_accepted_draft_tokens
+        if state.rest:
+            state.rest -= 1
+            if state.rest == 0:
+                state.k = 1
+            return 0
+        return state.k
+
+    def finished(self, request: Request) -> None:
+        self._adapt.pop(request.request_id, None)
+        self.proposer.finished(request)
+
+
+def _may_speculate(request: Request) -> bool:
+    """A generation that decodes (one token to compute, its value known) and did not opt out."""
+    return (
+        request.pooling is None
+        and not request.params.disable_speculation
+        and not request.num_pending
+        and request.num_tokens - request.num_computed_tokens == 1
+    )
