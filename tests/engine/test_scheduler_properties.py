@@ -55,6 +55,7 @@ class Workload:
     caching: bool
     async_scheduling: bool
     specs: tuple[Spec, ...]
+    speculate: bool = False  # speculative guesses, right and wrong, before each step
 
     @property
     def max_model_len(self) -> int:
@@ -109,10 +110,19 @@ class FakeRunner:
         out = RunnerOutput()
         for item in plan.scheduled:
             if item.sample:
-                end = item.start_pos + len(item.token_ids)
-                context = [self.slots[self._where(item.block_ids, p)] for p in range(end)]
-                self.last[item.request_id] = sample(context)
-                out.sampled[item.request_id] = SampledToken(self.last[item.request_id])
+                # with guesses: a position per guess, then one; accepted while they agree
+                end = item.start_pos + len(item.token_ids) - len(item.draft_token_ids)
+                accepted = []
+                for j in range(len(item.draft_token_ids) + 1):
+                    context = [self.slots[self._where(item.block_ids, p)] for p in range(end + j)]
+                    token = sample(context)
+                    if j == len(item.draft_token_ids) or item.draft_token_ids[j] != token:
+                        break
+                    accepted.append(SampledToken(token))
+                self.last[item.request_id] = token
+                out.sampled[item.request_id] = SampledToken(token)
+                if item.draft_token_ids:
+                    out.accepted[item.request_id] = accepted
         return out
 
     def _where(self, block_ids: list[int], pos: int) -> tuple[int, int]:
@@ -172,6 +182,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         caching=draw(st.booleans()),
         async_scheduling=draw(st.booleans()),
         specs=tuple(draw(st.lists(specs(prefixes, max_len), min_size=1, max_size=8))),
+        speculate=draw(st.booleans()),
     )
 
 
@@ -199,6 +210,20 @@ def check_blocks(scheduler: Scheduler, ids: list[str]) -> None:
     cached = [b for b in pool.blocks if b.block_hash is not None]
     assert pool.num_cached_blocks == len(cached)
     assert all(pool.lookup(b.block_hash) is b for b in cached if b.block_hash is not None)
+
+
+def check_after_guesses(scheduler: Scheduler, plan: SchedulerOutput) -> None:
+    """After a step that checked guesses, a request still running has computed every token
+    it knows but the last (an accepted guess is not computed again), and holds the blocks
+    of those tokens, and of the next at most (the refused guesses' blocks went back)."""
+    for item in plan.scheduled:
+        request = scheduler.requests.get(item.request_id)
+        if item.draft_token_ids and request is not None and request.status == RequestStatus.RUNNING:
+            assert request.num_computed_tokens == request.num_known_tokens - 1
+            size = scheduler.kv.block_size
+            held = len(scheduler.kv.block_ids(item.request_id))
+            assert -(-request.num_computed_tokens // size) <= held
+            assert held <= -(-request.num_known_tokens // size)
 
 
 def check_plan(
@@ -236,18 +261,42 @@ class Run:
                 self.scheduler.abort(f"r{i}")
 
     def step(self) -> None:
+        if self.w.speculate:  # as EngineCore: the step in flight lands, then guesses
+            self.land()
+            self.guess()
         before = list(self.scheduler.running)
         plan = self.scheduler.schedule()
         check_plan(self.w, self.scheduler, plan, before)
         result = self.runner.run(plan)
-        if self.in_flight is not None:
-            self.collect(self.scheduler.update(*self.in_flight))
-            self.in_flight = None
-        if self.w.async_scheduling and result.sampled:
+        self.land()
+        guessed = any(s.draft_token_ids for s in plan.scheduled)
+        if self.w.async_scheduling and result.sampled and not guessed:
             self.in_flight = (plan, result)
         else:
             self.collect(self.scheduler.update(plan, result))
+            if guessed:
+                check_after_guesses(self.scheduler, plan)
         check_blocks(self.scheduler, self.ids)
+
+    def land(self) -> None:
+        if self.in_flight is not None:
+            self.collect(self.scheduler.update(*self.in_flight))
+            self.in_flight = None
+
+    def guess(self) -> None:
+        """Up to 3 guesses per decoding request: the reference's next tokens, some of them
+        changed (which one, from a hash), so runs are accepted whole, in part or not at all."""
+        for request in self.scheduler.running:
+            if request.num_pending or request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            expected, _ = reference(self.w.specs[int(request.request_id[1:])])
+            done = len(request.output_token_ids)
+            h = zlib.crc32(f"{request.request_id}:{done}".encode())
+            guesses = expected[done : done + h % 4]
+            if guesses and h % 3 == 0:
+                wrong = (h >> 4) % len(guesses)
+                guesses[wrong] = (guesses[wrong] + 1) % VOCAB
+            request.draft_token_ids = guesses
 
     def collect(self, outputs: list[EngineOutput]) -> None:
         for o in outputs:
