@@ -199,9 +199,9 @@ class EngineCore:
         return self.scheduler.update(before, self.runner.resolve(launched))
 
     def _speculating(self) -> bool:
-        scheduler = self.scheduler
+        scheduler, config = self.scheduler, self.config.scheduler
         return self.speculator is not None and self.speculator.active(
-            scheduler.running, scheduler.waiting, self.config.scheduler.budget
+            scheduler.running, scheduler.waiting, config.budget, config.max_num_seqs
         )
 
 

@@ -310,10 +310,11 @@ class ModelRunner:
         logprobs = step.logprobs or [None] * len(tokens)
         row = 0
         for item, span in zip(step.batch.sample_reqs, spec.spans, strict=True):
-            j = 0  # an accepted guess is its row's own token: tokens[row + j] either way
+            j = 0
             while j < span - 1 and accepted[row + j]:
                 j += 1
-            taken = [SampledToken(tokens[r], logprobs[r]) for r in range(row, row + j)]
+            guesses = item.draft_token_ids
+            taken = [SampledToken(guesses[i], logprobs[row + i]) for i in range(j)]
             out.sampled[item.request_id] = SampledToken(tokens[row + j], logprobs[row + j])
             if span > 1:
                 out.accepted[item.request_id] = taken

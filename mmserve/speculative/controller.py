@@ -9,6 +9,7 @@ steps before it tries one guess again."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -37,12 +38,18 @@ class Speculator:
         self.proposer: Proposer = create_proposer(config.method, tokenizer)
         self._adapt: dict[str, _Adapt] = {}
 
-    def active(self, running: list[Request], waiting: Iterable[Request], budget: int) -> bool:
-        """Whether this step speculates."""
+    def active(
+        self, running: list[Request], waiting: Iterable[Request], budget: int, max_seqs: int
+    ) -> bool:
+        """Whether this step speculates: few requests run, and the tokens of every running
+        request and of the waiting ones that could join now leave room for k guesses each."""
         if not running or len(running) > self.disable_batch_size:
             return False
         demand = sum(r.num_tokens - r.num_computed_tokens for r in running)
-        demand += sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        demand += sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in itertools.islice(waiting, max(0, max_seqs - len(running)))
+        )
         return demand + len(running) * self.k <= budget
 
     def propose(self, running: list[Request]) -> None:
