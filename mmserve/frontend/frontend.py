@@ -32,6 +32,7 @@ from mmserve.processors.images import DecodedImage
 from mmserve.processors.tokenizer import load_tokenizer
 from mmserve.structured_output.backend import CompiledGrammar
 from mmserve.structured_output.manager import StructuredOutputManager
+from mmserve.structured_output.schema_tree import RelaxedKeyword
 
 
 @dataclass
@@ -51,6 +52,9 @@ class GenerationDelta:
     num_output_tokens: int = 0
     error: str | None = None
     first_scheduled_time: float | None = None  # time.monotonic() when it first ran a step
+    # the schema keywords its constraint compiled around (StructuredOutputParams.relaxed);
+    # on the delta that finishes the choice only
+    relaxed_keywords: tuple[RelaxedKeyword, ...] = ()
 
 
 @dataclass

@@ -8,12 +8,13 @@ to llguidance, a different engine) - use the xgrammar backend for them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import cast
 
 import torch
 from outlines_core import Guide, Index, Vocabulary
-from outlines_core.json_schema import build_regex_from_schema
+from outlines_core.json_schema import WHITESPACE, build_regex_from_schema
 from transformers import PreTrainedTokenizerFast
 
 from mmserve.errors import InvalidArgument
@@ -27,10 +28,18 @@ from .backend import (
     bitmask_width,
 )
 from .keywords import OUTLINES_RULES
+from .outlines_schema import Splice
+from .outlines_worker import BuildTimeout, IndexBuilder
 from .params import StructuredOutputParams
+from .prepare import prepare_schema
 from .regex_check import RegexProblem, strip_anchors
-from .schema_check import check_schema, parse_schema
+from .schema_check import parse_schema
+from .schema_tree import RelaxedKeyword
 from .vocab import token_bytes
+
+# The most an Index build may take (under the grammar cache's limit, so that this error,
+# naming the backend, is the one reported, and the build is stopped: outlines_worker.py).
+BUILD_TIMEOUT_S = 8.0
 
 # Characters with a meaning in outlines-core's (Rust) regex syntax; a backslash before any
 # of them is accepted by both Rust's and Python's regex parsers.
@@ -47,38 +56,75 @@ class OutlinesBackend(StructuredOutputBackend):
             raise ValueError("the outlines backend needs at least one eos token id")
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._vocabulary = _vocabulary(tokenizer, vocab_size, eos_token_ids)
+        self._builder = IndexBuilder(
+            _vocabulary(tokenizer, vocab_size, eos_token_ids), BUILD_TIMEOUT_S
+        )
 
     def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
         params.validate()
-        regex = self._regex_for(params)
+        regex, relaxed = self._regex_for(params)
         try:
-            index = Index(regex, self._vocabulary)
+            index = self._builder.build(regex)
         except ValueError as e:  # outlines-core's message (regex syntax, unsupported feature)
             raise InvalidArgument(params.field, str(e)) from None
-        return OutlinesCompiled(index, self.vocab_size, self.eos_token_ids)
+        except BuildTimeout as e:
+            raise InvalidArgument(
+                params.field,
+                f"took too long to compile with the outlines backend ({e}; stopped): simplify "
+                "it (long maxLength, many optional properties) or use the xgrammar backend",
+            ) from None
+        return OutlinesCompiled(index, self.vocab_size, self.eos_token_ids, relaxed)
 
-    def _regex_for(self, params: StructuredOutputParams) -> str:
+    def close(self) -> None:
+        """Stops the worker processes that build Indexes."""
+        self._builder.close()
+
+    def _regex_for(self, params: StructuredOutputParams) -> tuple[str, tuple[RelaxedKeyword, ...]]:
         text = cast(str, params.value)  # a string for every kind but choice
         try:
-            if params.kind == "json_schema":
-                check_schema(parse_schema(text), OUTLINES_RULES)
-                return str(build_regex_from_schema(text, None))
-            if params.kind == "json_object":
-                return str(build_regex_from_schema('{"type": "object"}', None))
-            if params.kind == "regex":
-                return strip_anchors(text)
-            if params.kind == "choice":
-                return "|".join(_escape(choice) for choice in params.value)
+            if params.kind in ("json_schema", "json_object"):
+                schema = parse_schema(text) if params.kind == "json_schema" else {"type": "object"}
+                prepared = prepare_schema(schema, OUTLINES_RULES, params.relaxed)
+                regex = str(build_regex_from_schema(prepared.text, None))
+                return _spliced(regex, prepared.splices), prepared.relaxed
+            return self._plain_regex(params, text), ()
         except InvalidArgument:
             raise
         except (RegexProblem, ValueError, TypeError) as e:  # outlines-core's own message
             raise InvalidArgument(params.field, str(e)) from None
+
+    def _plain_regex(self, params: StructuredOutputParams, text: str) -> str:
+        if params.kind == "regex":
+            return strip_anchors(text)
+        if params.kind == "choice":
+            return "|".join(_escape(choice) for choice in params.value)
         raise InvalidArgument(
             params.field,
             "the outlines backend does not support EBNF grammars (outlines-core has no "
             "context-free engine); use the xgrammar backend",
         )
+
+
+def _spliced(regex: str, splices: dict[str, Splice]) -> str:
+    """outlines-core's regex with each placeholder (outlines_schema.py) replaced, also those
+    inside what replaces another."""
+    parts = {placeholder: _splice_regex(splice) for placeholder, splice in splices.items()}
+    for _ in range(len(parts) + 1):
+        found = [p for p in parts if p in regex]
+        if not found:
+            return regex
+        for placeholder in found:
+            regex = regex.replace(placeholder, f"(?:{parts[placeholder]})")
+    raise ValueError("placeholders nested in a cycle")  # cannot happen: schemas are written out
+
+
+def _splice_regex(splice: Splice) -> str:
+    if isinstance(splice, str):
+        return splice
+    keys, values = splice  # an object of one patternProperties pattern
+    ws = WHITESPACE
+    member = f'"{keys}"{ws}:{ws}(?:{build_regex_from_schema(json.dumps(values), None)})'
+    return rf"\{{{ws}(?:{member}(?:{ws},{ws}{member})*)?{ws}\}}"
 
 
 def _escape(literal: str) -> str:
@@ -97,7 +143,14 @@ def _vocabulary(
 
 
 class OutlinesCompiled(CompiledGrammar):
-    def __init__(self, index: Index, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        index: Index,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        relaxed: tuple[RelaxedKeyword, ...] = (),
+    ) -> None:
+        self.relaxed = relaxed
         self._index = index
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
