@@ -32,6 +32,7 @@ _EQUAL_ONLY = frozenset(
 )  # fmt: skip
 
 Definition = Callable[[str], Schema | None]  # a definition's schema; None inside its own
+Pair = Callable[[str, str], Schema]  # two definitions -> a reference to one for both (or false)
 
 
 def is_true(schema: Schema) -> bool:
@@ -39,9 +40,10 @@ def is_true(schema: Schema) -> bool:
 
 
 class Merger:
-    def __init__(self, problems: Problems, definition: Definition) -> None:
+    def __init__(self, problems: Problems, definition: Definition, pair: Pair) -> None:
         self.problems = problems
         self.definition = definition
+        self.pair = pair
         self.done: dict[tuple[int, int], Schema] = {}  # merges made, by their inputs
         self.active: set[tuple[int, int]] = set()  # merges in progress
 
@@ -54,9 +56,11 @@ class Merger:
         if b is False:
             return False
         assert isinstance(a, Node) and isinstance(b, Node)
-        ref = a.keywords.get("$ref")
-        if ref is not None and b.keywords.get("$ref") == ref:
+        ref, other = a.keywords.get("$ref"), b.keywords.get("$ref")
+        if ref is not None and other == ref:
             return a
+        if ref is not None and other is not None:  # both may be recursive: a definition
+            return self.pair(ref, other)
         pair = (id(a), id(b))
         if pair in self.done:
             return self.done[pair]
@@ -101,17 +105,26 @@ class Merger:
         return combined(node, key, branches)
 
     def product(self, a: Node, ca: str, b: Node, cb: str) -> Schema:
-        if len(a.keywords[ca]) * len(b.keywords[cb]) > MAX_BRANCHES:
+        """Two combinators: every pair of branches (those that can hold, at most
+        MAX_BRANCHES; pairs of disjoint enums, say, cannot)."""
+        tried = len(a.keywords[ca]) * len(b.keywords[cb])
+        out: Schema = False
+        if tried <= MAX_BRANCHES**2:
+            if ca == cb:
+                pairs = [self.merge(x, y) for x in a.keywords[ca] for y in b.keywords[cb]]
+                out = combined(a, ca, pairs)
+            else:
+                any_side, one_side = (a, b) if ca == "anyOf" else (b, a)
+                out = self.distribute(any_side, "anyOf", one_side)
+        kept = out.combinator() if isinstance(out, Node) else None
+        many = isinstance(out, Node) and kept is not None and len(out.keywords[kept]) > MAX_BRANCHES
+        if tried > MAX_BRANCHES**2 or many:
             self.problems.relax(
                 b.at(cb), b.name_of(cb), f"combined with the {a.name_of(ca)!r} at "
                 f"{a.pointer_of(ca)} it would make more than {MAX_BRANCHES} branches",
             )
             return a
-        if ca == cb:
-            pairs = [self.merge(x, y) for x in a.keywords[ca] for y in b.keywords[cb]]
-            return combined(a, ca, pairs)
-        any_side, one_side = (a, b) if ca == "anyOf" else (b, a)
-        return self.distribute(any_side, "anyOf", one_side)
+        return out
 
     def simple(self, a: Node, b: Node) -> Schema:
         out = Node(dict(a.keywords), a.pointer, dict(a.where), dict(a.spelled))

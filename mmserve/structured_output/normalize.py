@@ -56,7 +56,8 @@ class Normalizer:
         self.names: dict[str, str] = {"": ""}  # pointer of a target -> definition name
         self.defs: dict[str, Schema] = {}
         self.building: set[str] = set()
-        self.merger = Merger(problems, self.definition)
+        self.pairs: dict[tuple[str, str], str] = {}  # two definitions -> one for both
+        self.merger = Merger(problems, self.definition, self.pair)
         self.readers = self._readers()
 
     def run(self) -> tuple[Schema, dict[str, Schema]]:
@@ -64,7 +65,7 @@ class Normalizer:
         self.building.add("")
         self.defs[""] = root = self.build(self.root, "", 0, "")
         self.building.discard("")
-        while todo := [n for n in self.targets if n not in self.defs]:
+        while (todo := [n for n in self.targets if n not in self.defs]) or self.build_pairs():
             for name in todo:
                 self.definition(name)
         del self.defs[""]
@@ -83,6 +84,33 @@ class Normalizer:
         self.defs[name] = schema = self.build(value[1], pointer, 0, self.base_of(pointer))
         self.building.discard(name)
         return schema
+
+    def pair(self, first: str, second: str) -> Schema:
+        """Two definitions merged, as a definition of their own (a reference to it), so
+        that merging recursive ones ends: within it, the same pair refers to it. Made now
+        if both are built (false if they have no value in common), else by run()."""
+        if (first, second) not in self.pairs:
+            taken = {**self.targets, **{n: "" for n in self.pairs.values()}}
+            self.pairs[first, second] = _def_name(f"{first}-and-{second}", taken)
+        name = self.pairs[first, second]
+        ready = not {first, second} & self.building
+        if name not in self.defs and name not in self.building and ready:
+            self.build_pair(first, second, name)
+        return False if self.defs.get(name) is False else Node({"$ref": name})
+
+    def build_pair(self, first: str, second: str, name: str) -> None:
+        self.building.add(name)
+        a, b = self.definition(first), self.definition(second)
+        assert a is not None and b is not None  # neither is being built
+        self.defs[name] = self.merger.merge(a, b)
+        self.building.discard(name)
+
+    def build_pairs(self) -> bool:
+        """Builds the pair definitions put off so far; False if there were none."""
+        todo = [(key, name) for key, name in self.pairs.items() if name not in self.defs]
+        for (first, second), name in todo:
+            self.build_pair(first, second, name)
+        return bool(todo)
 
     # -- one subschema ---------------------------------------------------------------------
 
@@ -339,7 +367,7 @@ def _old_spellings(node: Node) -> None:
 
 
 def _def_name(pointer: str, taken: dict[str, str]) -> str:
-    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", pointer.rsplit("/", 1)[-1])[:40] or "d"
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", pointer.rsplit("/", 1)[-1])[:60] or "d"
     name, i = stem, 1
     while name in taken:
         i += 1
