@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -185,7 +186,13 @@ def run_corpus(
     raw = [raw_xgrammar_compiles(raw_compiler, e) for e in corpus]
     rows = []
     for name, backend in backends.items():
-        outcomes = [measure(backend, vocab, e, walks) for e in corpus]
+        outcomes = []
+        for i, entry in enumerate(corpus):
+            outcomes.append(measure(backend, vocab, entry, walks))
+            o = outcomes[-1]
+            print(f"{name} {i + 1}/{len(corpus)} {entry.source}/{entry.name}: {o.status} "
+                  f"{o.compile_ms:.0f} ms, {o.valid} valid, {len(o.invalid)} invalid",
+                  file=sys.stderr, flush=True)  # fmt: skip
         for source in sorted({e.source for e in corpus}):
             picked = [i for i, e in enumerate(corpus) if e.source == source]
             row = summary([outcomes[i] for i in picked], [raw[i] for i in picked])

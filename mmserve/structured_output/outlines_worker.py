@@ -20,10 +20,14 @@ import time
 from typing import IO, Any
 
 _HEADER = struct.Struct("<Q")
-# An Index bigger than this is refused: memory (the grammar cache keeps hundreds), and the
-# time to hand it over (one real-world schema's was 1.7 GB). Each free-text state of the
-# automaton maps most of the vocabulary: a string of maxLength 255 alone makes ~90 MiB.
-MAX_INDEX_BYTES = 256 * 1024 * 1024
+# An Index bigger than this is refused: memory (the grammar cache keeps hundreds, each about
+# as big again once loaded), and the time to hand it over (one real-world schema's was
+# 1.7 GB). Each free-text state of the automaton maps most of the vocabulary: a string of
+# maxLength 255 alone makes ~90 MiB.
+MAX_INDEX_BYTES = 128 * 1024 * 1024
+# The worker's address space: a build that needs more fails there (one real-world schema
+# took outlines-core past 20 GB), not in the server.
+WORKER_MEMORY_BYTES = 4 * 1024 * 1024 * 1024
 
 
 def _write(stream: IO[bytes], value: Any) -> None:
@@ -108,7 +112,9 @@ def _read_by(fd: int, size: int, deadline: float, timeout_s: float) -> bytes:
             raise BuildTimeout(f"over {timeout_s:g} s")
         chunk = os.read(fd, min(left, 1 << 20))
         if not chunk:
-            raise ValueError("the outlines-core worker process ended")
+            raise ValueError(
+                f"building its automaton ran out of memory (over {WORKER_MEMORY_BYTES >> 30} GiB)"
+            )
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
@@ -120,6 +126,9 @@ def _stop(worker: subprocess.Popen[bytes]) -> None:
 
 
 def _serve() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
     from outlines_core import Index
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
