@@ -8,13 +8,11 @@ to llguidance, a different engine) - use the xgrammar backend for them.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import cast
 
 import torch
 from outlines_core import Guide, Index, Vocabulary
-from outlines_core.json_schema import WHITESPACE, build_regex_from_schema
 from transformers import PreTrainedTokenizerFast
 
 from mmserve.errors import InvalidArgument
@@ -28,8 +26,7 @@ from .backend import (
     bitmask_width,
 )
 from .keywords import OUTLINES_RULES
-from .outlines_schema import Splice
-from .outlines_worker import BuildTimeout, IndexBuilder
+from .outlines_worker import BuildTimeout, IndexBuilder, Job, SchemaJob
 from .params import StructuredOutputParams
 from .prepare import prepare_schema
 from .regex_check import RegexProblem, strip_anchors
@@ -62,9 +59,9 @@ class OutlinesBackend(StructuredOutputBackend):
 
     def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
         params.validate()
-        regex, relaxed = self._regex_for(params)
+        job, relaxed = self._job_for(params)
         try:
-            index = self._builder.build(regex)
+            index = self._builder.build(job)
         except ValueError as e:  # outlines-core's message (regex syntax, unsupported feature)
             raise InvalidArgument(params.field, str(e)) from None
         except BuildTimeout as e:
@@ -79,14 +76,15 @@ class OutlinesBackend(StructuredOutputBackend):
         """Stops the worker processes that build Indexes."""
         self._builder.close()
 
-    def _regex_for(self, params: StructuredOutputParams) -> tuple[str, tuple[RelaxedKeyword, ...]]:
+    def _job_for(self, params: StructuredOutputParams) -> tuple[Job, tuple[RelaxedKeyword, ...]]:
+        """What the worker builds (outlines-core's own regex for a schema is made there too:
+        for some schemas it is gigabytes), and the keywords relaxed."""
         text = cast(str, params.value)  # a string for every kind but choice
         try:
             if params.kind in ("json_schema", "json_object"):
                 schema = parse_schema(text) if params.kind == "json_schema" else {"type": "object"}
                 prepared = prepare_schema(schema, OUTLINES_RULES, params.relaxed)
-                regex = str(build_regex_from_schema(prepared.text, None))
-                return _spliced(regex, prepared.splices), prepared.relaxed
+                return SchemaJob(prepared.text, prepared.splices), prepared.relaxed
             return self._plain_regex(params, text), ()
         except InvalidArgument:
             raise
@@ -103,28 +101,6 @@ class OutlinesBackend(StructuredOutputBackend):
             "the outlines backend does not support EBNF grammars (outlines-core has no "
             "context-free engine); use the xgrammar backend",
         )
-
-
-def _spliced(regex: str, splices: dict[str, Splice]) -> str:
-    """outlines-core's regex with each placeholder (outlines_schema.py) replaced, also those
-    inside what replaces another."""
-    parts = {placeholder: _splice_regex(splice) for placeholder, splice in splices.items()}
-    for _ in range(len(parts) + 1):
-        found = [p for p in parts if p in regex]
-        if not found:
-            return regex
-        for placeholder in found:
-            regex = regex.replace(placeholder, f"(?:{parts[placeholder]})")
-    raise ValueError("placeholders nested in a cycle")  # cannot happen: schemas are written out
-
-
-def _splice_regex(splice: Splice) -> str:
-    if isinstance(splice, str):
-        return splice
-    keys, values = splice  # an object of one patternProperties pattern
-    ws = WHITESPACE
-    member = f'"{keys}"{ws}:{ws}(?:{build_regex_from_schema(json.dumps(values), None)})'
-    return rf"\{{{ws}(?:{member}(?:{ws},{ws}{member})*)?{ws}\}}"
 
 
 def _escape(literal: str) -> str:

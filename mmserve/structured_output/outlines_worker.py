@@ -1,14 +1,16 @@
 """Builds outlines-core Indexes in processes of their own, so that a build past its time
-limit is stopped, not left running: the build is native code, which a thread cannot leave
-(outlines-core 0.2.14 took six minutes on one 300-byte schema).
+limit is stopped, not left running (the build is native code, which a thread cannot leave:
+outlines-core 0.2.14 took six minutes on one 300-byte schema), and one past its memory fails
+there (another schema took it past 20 GB). The regex of a schema is made there too.
 
 The worker is this file run as a script (importing it as part of mmserve would load torch):
 frames (8-byte length, then a pickle) on stdin and stdout - first the vocabulary, then one
-regex per build, answered by ("ok", Index) or ("error", message).
+Job per build, answered by ("ok", Index) or ("error", message).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import select
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 _HEADER = struct.Struct("<Q")
@@ -43,6 +46,58 @@ def _read(stream: IO[bytes]) -> Any:
     return pickle.loads(stream.read(_HEADER.unpack(header)[0]))
 
 
+@dataclass(frozen=True)
+class SchemaJob:
+    """A prepared schema (prepare.py), for outlines-core's regex, with its splices
+    (outlines_schema.py: placeholder text -> a regex, or a map's key regex and value schema)."""
+
+    schema_text: str
+    splices: dict[str, Any] = field(default_factory=dict)
+
+
+Job = str | SchemaJob  # a regex, or a schema
+
+
+def _payload(job: Job) -> Any:
+    """The job as plain values (the worker runs this file as __main__, so it cannot
+    unpickle this module's classes)."""
+    return job if isinstance(job, str) else (job.schema_text, job.splices)
+
+
+def _regex(payload: Any) -> str:
+    """The regex of a job's payload (in the worker: it imports outlines-core)."""
+    if isinstance(payload, str):
+        return payload
+    from outlines_core.json_schema import build_regex_from_schema
+
+    schema_text, splices = payload
+    return _spliced(str(build_regex_from_schema(schema_text, None)), splices)
+
+
+def _spliced(regex: str, splices: dict[str, Any]) -> str:
+    """outlines-core's regex with each placeholder replaced, also those inside what
+    replaces another."""
+    parts = {placeholder: _splice_regex(splice) for placeholder, splice in splices.items()}
+    for _ in range(len(parts) + 1):
+        found = [p for p in parts if p in regex]
+        if not found:
+            return regex
+        for placeholder in found:
+            regex = regex.replace(placeholder, f"(?:{parts[placeholder]})")
+    raise ValueError("placeholders nested in a cycle")  # cannot happen: schemas are written out
+
+
+def _splice_regex(splice: Any) -> str:
+    if isinstance(splice, str):
+        return splice
+    from outlines_core.json_schema import WHITESPACE, build_regex_from_schema
+
+    keys, values = splice  # an object of one patternProperties pattern
+    ws = WHITESPACE
+    member = f'"{keys}"{ws}:{ws}(?:{build_regex_from_schema(json.dumps(values), None)})'
+    return rf"\{{{ws}(?:{member}(?:{ws},{ws}{member})*)?{ws}\}}"
+
+
 class BuildTimeout(Exception):
     """A build ran past its time limit and was stopped."""
 
@@ -58,12 +113,12 @@ class IndexBuilder:
         self._lock = threading.Lock()
         self._slots = threading.Semaphore(max_workers)
 
-    def build(self, regex: str) -> Any:
+    def build(self, job: Job) -> Any:
         """The Index; BuildTimeout past the limit, ValueError for outlines-core's errors."""
         with self._slots:
             worker = self._checkout()
             try:
-                status, value = self._call(worker, regex)
+                status, value = self._call(worker, job)
             except BaseException:
                 _stop(worker)
                 raise
@@ -93,10 +148,13 @@ class IndexBuilder:
         worker.stdin.flush()
         return worker
 
-    def _call(self, worker: subprocess.Popen[bytes], regex: str) -> tuple[str, Any]:
+    def _call(self, worker: subprocess.Popen[bytes], job: Job) -> tuple[str, Any]:
         """The worker's answer, read by the deadline (the build and the hand-over)."""
         assert worker.stdin is not None and worker.stdout is not None
-        _write(worker.stdin, regex)
+        try:
+            _write(worker.stdin, _payload(job))
+        except OSError:  # it ended (a broken pipe)
+            raise ValueError("the outlines-core worker process ended") from None
         deadline = time.monotonic() + self.timeout_s
         fd = worker.stdout.fileno()
         header = _read_by(fd, _HEADER.size, deadline, self.timeout_s)
@@ -133,9 +191,9 @@ def _serve() -> None:
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     vocabulary = _read(stdin)
-    while (regex := _read(stdin)) is not None:
+    while (job := _read(stdin)) is not None:
         try:
-            answer = ("ok", Index(regex, vocabulary))
+            answer = ("ok", Index(_regex(job), vocabulary))
         except Exception as e:  # noqa: BLE001 - reported to the caller
             answer = ("error", str(e))
         data = pickle.dumps(answer)
