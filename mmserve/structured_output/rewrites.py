@@ -32,16 +32,29 @@ _JSON_TYPES_OF = {bool: "boolean", str: "string", list: "array", dict: "object"}
 
 def simplify(root: Schema, defs: dict[str, Schema], merger: Merger) -> tuple[Schema, dict[str, Schema]]:
     """The rewritten root and definitions (nodes are rewritten in place where they stay
-    nodes; a node that can match nothing becomes False)."""
-    s = _Simplifier(defs, merger)
-    root = s.visit(root)
-    return root, {name: s.visit(sub) for name, sub in defs.items()}
+    nodes; a node that can match nothing becomes False, and so does a reference to it).
+    `defs` may grow meanwhile (merges make definitions for pairs of them)."""
+    empty: set[str] = set()
+    while True:
+        s = _Simplifier(defs, merger, empty)
+        root = s.visit(root)
+        out: dict[str, Schema] = {}
+        if isinstance(root, Node) and root.keywords.get("$ref") in empty:
+            root = False
+        while pending := [name for name in list(defs) if name not in out]:
+            out.update((name, s.visit(defs[name])) for name in pending)
+        defs.update(out)
+        found = {name for name, sub in out.items() if sub is False}
+        if found <= empty:
+            return root, out
+        empty |= found  # references to them are false too: once more
 
 
 class _Simplifier:
-    def __init__(self, defs: dict[str, Schema], merger: Merger) -> None:
+    def __init__(self, defs: dict[str, Schema], merger: Merger, empty: set[str]) -> None:
         self.merger = merger
         self.defs = defs
+        self.empty = empty  # definitions that match nothing
         self.done: dict[int, Schema] = {}
         self._defs_json: Any = None
 
@@ -69,7 +82,9 @@ class _Simplifier:
         done = self.done
 
         def new(sub: Schema) -> Schema:
-            return sub if isinstance(sub, bool) else done.get(id(sub), sub)
+            if isinstance(sub, bool) or sub.keywords.get("$ref") in self.empty:
+                return sub if isinstance(sub, bool) else False
+            return done.get(id(sub), sub)
 
         node.keywords = map_subschemas(node.keywords, new)
 
