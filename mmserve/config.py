@@ -103,12 +103,12 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {share}")
 
 
-# The default token budget per step. On the CPU one step's time grows with it, and every stream
-# of the model (and a cancel) waits for the step: CPU_TOKEN_BUDGET keeps a step of the embedded
-# default well under a second on 2 cores (measured: BENCHMARKS.md, "CPU step time"). On CUDA a
-# step of 2048 tokens takes milliseconds.
+# The default token budget per step. On the CPU one step's time grows with it (about 6.5 ms per
+# token for a SmolLM2-135M shape on 2 cores, BENCHMARKS.md "CPU step time"), and every stream of
+# the model, and a cancel, waits for the step: 64 tokens keep a step near 0.4 s. On CUDA a step
+# of 2048 tokens takes milliseconds.
 CUDA_TOKEN_BUDGET = 2048
-CPU_TOKEN_BUDGET = 512
+CPU_TOKEN_BUDGET = 64
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,11 @@ class ServerConfig:
         "force a tool-call format on every model: hermes, llama3_json, mistral or pythonic",
         shown="each model's own",
     )
+    reasoning_parser: str | None = setting(
+        None,
+        "force a reasoning format on every model: deepseek_r1, qwen3, or none (off)",
+        shown="each model's own (its chat template tells)",
+    )
     media_dir: str | None = setting(
         None,
         "the folder server-side Image.path values must lie in",
@@ -284,6 +289,10 @@ class ServerConfig:
             from mmserve.processors.tool_parsers import get_parser
 
             get_parser(self.tool_parser)  # an unknown name lists the valid ones
+        if self.reasoning_parser not in (None, "none"):
+            from mmserve.processors.reasoning_parsers import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)  # an unknown name lists the valid ones
 
     @property
     def tls(self) -> bool:

@@ -37,6 +37,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # in detokenised text
     include_stop_str_in_output: bool = False
     structured: StructuredOutputParams | None = None  # a constraint on the output
+    reasoning_budget: int | None = None  # most thinking tokens; then `</think>` is forced
 
     @property
     def greedy(self) -> bool:
@@ -67,6 +68,11 @@ class SamplingParams:
             0 <= self.prompt_logprobs <= MAX_LOGPROBS,
             "prompt_logprobs",
             f"must be in [0, {MAX_LOGPROBS}]",
+        )
+        _check(
+            self.reasoning_budget is None or self.reasoning_budget >= 0,
+            "reasoning_budget",
+            "must be >= 0",
         )
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")

@@ -1,7 +1,8 @@
 """`mmserve bench soak`: mixed traffic against a server for --duration-s, watching for leaks.
 
 The server (this process) hosts the embedded defaults, SmolLM2 for chat and MiniLM for
-embeddings, plus --model if given (a model that reads images gets image chats); the load
+embeddings (or --chat-model / --embed-model, shape:NAME for random weights, as on a GPU with
+no model files), plus --model if given (a model that reads images gets image chats); the load
 generator runs in a process of its own, --soak-concurrency callers each keeping one call in
 flight: Generate with n 1 or 3, Embed, Rerank, a JSON-schema constrained chat, image chats on
 models that take them, 10% of streams cancelled after their first chunk and 5% invalid
@@ -21,6 +22,7 @@ import json
 import multiprocessing
 import os
 import random
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -43,6 +45,10 @@ WORDS = ["the", "a", "cat", "dog", "runs", "fast", "slow", "red", "blue", "model
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration-s", type=float, default=60.0, help="soak: how long the traffic runs")
+    p.add_argument("--chat-model", default=None,
+                   help="soak: the chat model, a path or shape:NAME (random weights); default SmolLM2")
+    p.add_argument("--embed-model", default=None,
+                   help="soak: the embedder, a path or shape:NAME; default all-MiniLM-L6-v2")
     p.add_argument("--report-every-s", type=float, default=30.0, help="soak: seconds per report")
     p.add_argument("--soak-concurrency", type=int, default=8, help="soak: callers in flight")
 
@@ -81,8 +87,8 @@ async def _call(client: Any, kind: str, rng: random.Random, vlm: str | None) -> 
         await client.embed([text, text[::-1]], model=EMBED)
     elif kind == "rerank":
         await client.rerank(text, [" ".join(rng.choices(WORDS, k=8)) for _ in range(4)], model=EMBED)
-    elif kind == "structured":
-        await client.chat([{"role": "user", "content": "A person as JSON: " + text}], model=CHAT, json_schema=SCHEMA, max_tokens=48)
+    elif kind == "structured":  # a raw prompt: random-weight chat models have no template
+        await client.generate("A person as JSON: " + text, model=CHAT, json_schema=SCHEMA, max_tokens=48)
     elif kind == "image" and vlm:
         from mmserve_client import Image
 
@@ -105,17 +111,25 @@ async def _call(client: Any, kind: str, rng: random.Random, vlm: str | None) -> 
             await client.generate(text, model=CHAT, json_schema='{"type": 5}', max_tokens=4)
 
 
-def _pick(rng: random.Random, vlm: str | None) -> str:
+def _pick(rng: random.Random, kinds: list[str]) -> str:
     roll = rng.random()
     if roll < 0.10:
         return "cancel"
     if roll < 0.15:
         return "invalid"
-    kinds = ["generate", "generate", "embed", "rerank", "structured"] + (["image"] if vlm else [])
     return rng.choice(kinds)
 
 
-async def _traffic(target: str, seconds: float, concurrency: int, vlm: str | None) -> dict[str, int]:
+def _kinds(registry: Any, vlm: str | None) -> list[str]:
+    """The calls the served models can answer (a random-weight embedder may not rerank)."""
+    embed_tasks = registry.get(EMBED).frontend.tasks
+    kinds = ["generate", "generate", "embed", "structured"]
+    return kinds + ["rerank"] * ("rerank" in embed_tasks) + ["image"] * (vlm is not None)
+
+
+async def _traffic(
+    target: str, seconds: float, concurrency: int, vlm: str | None, kinds: list[str]
+) -> dict[str, int]:
     from mmserve_client import AsyncClient, MMServeError
 
     counts: Counter[str] = Counter()
@@ -124,7 +138,7 @@ async def _traffic(target: str, seconds: float, concurrency: int, vlm: str | Non
     async def caller(seed: int) -> None:
         rng = random.Random(seed)
         while time.monotonic() < deadline:
-            kind = _pick(rng, vlm)
+            kind = _pick(rng, kinds)
             try:
                 await _call(client, kind, rng, vlm)
                 outcome = "OK" if kind != "invalid" else "invalid-but-OK"
@@ -137,8 +151,10 @@ async def _traffic(target: str, seconds: float, concurrency: int, vlm: str | Non
     return dict(counts)
 
 
-def traffic(target: str, seconds: float, concurrency: int, vlm: str | None) -> dict[str, int]:
-    return asyncio.run(_traffic(target, seconds, concurrency, vlm))
+def traffic(
+    target: str, seconds: float, concurrency: int, vlm: str | None, kinds: list[str]
+) -> dict[str, int]:
+    return asyncio.run(_traffic(target, seconds, concurrency, vlm, kinds))
 
 
 # -- the server side (this process) ---------------------------------------------------------
@@ -153,16 +169,19 @@ async def _canary(target: str) -> tuple[list[int], list[list[float]]]:
     return list(out.token_ids), [list(map(float, v)) for v in vectors]
 
 
-def _blocks_in_use(registry: Any) -> dict[str, int | None]:
-    """KV blocks held by requests per model (None: its engine runs in another process)."""
-    used: dict[str, int | None] = {}
+def _blocks_in_use(registry: Any) -> dict[str, int | str]:
+    """KV blocks held by requests per model (asked on each engine's own thread); "dead" for
+    an engine that is down."""
+    from mmserve.errors import EngineDead
+
+    used: dict[str, int | str] = {}
     for handle in registry:
         try:
-            pool = handle.frontend.core.kv.pool
-        except TypeError:
-            used[handle.name] = None
+            total, free = handle.engine.kv_blocks()
+        except EngineDead:
+            used[handle.name] = "dead"
             continue
-        used[handle.name] = pool.num_blocks - pool.num_free_blocks
+        used[handle.name] = total - free
     return used
 
 
@@ -175,16 +194,31 @@ def _engine_rss(registry: Any) -> float:
 def _server(args: argparse.Namespace) -> Iterator[tuple[str, Any, str | None]]:
     """(target, registry, name of a model that reads images or None)."""
     from mmserve.bench.engine_flags import engine_config
-    from mmserve.server.config import ModelSpec, ServerConfig, embedded_defaults
+    from mmserve.bench.models import make_model_folder
+    from mmserve.server.config import (
+        ModelSpec,
+        ServerConfig,
+        embedded_default,
+        embedded_embedder,
+    )
     from mmserve.server.grpc_server import MMServer
     from mmserve.server.models import ModelRegistry, load_model
 
-    specs = [ModelSpec(name, s.path) for name, s in zip((CHAT, EMBED), embedded_defaults(), strict=True)]
+    paths = {
+        CHAT: args.chat_model or embedded_default().path,
+        EMBED: args.embed_model or embedded_embedder().path,
+    }
     if args.model:
-        specs.append(ModelSpec("extra", args.model))
-    template = engine_config(args, "", dummy=False, multiprocess=getattr(args, "engine_process", False))
+        paths["extra"] = args.model
     config = ServerConfig(host="127.0.0.1", port=0, max_pending=4 * args.soak_concurrency)
-    registry = ModelRegistry([load_model(s, template, config.max_pending) for s in specs])
+    handles = []
+    for name, path in paths.items():
+        folder, dummy = path, args.load_format == "dummy"
+        if path.startswith("shape:"):  # random weights of a known shape
+            folder, dummy = str(make_model_folder(path[6:], Path(tempfile.mkdtemp()) / name)), True
+        template = engine_config(args, "", dummy, getattr(args, "engine_process", False))
+        handles.append(load_model(ModelSpec(name, folder), template, config.max_pending))
+    registry = ModelRegistry(handles)
     vlm = next((h.name for h in registry if h.facts.supports_images and "generate" in h.frontend.tasks), None)
     server = MMServer(registry, config)
     loop = asyncio.new_event_loop()
@@ -204,13 +238,13 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("soak: --duration-s, --report-every-s and --soak-concurrency must be > 0")
     spawn = multiprocessing.get_context("spawn")
     with _server(args) as (target, registry, vlm), ProcessPoolExecutor(1, mp_context=spawn) as pool:
-        first = asyncio.run(_canary(target))
+        first, kinds = asyncio.run(_canary(target)), _kinds(registry, vlm)
         totals: Counter[str] = Counter()
         reports: list[dict[str, Any]] = []
         start = time.monotonic()
         while (left := args.duration_s - (time.monotonic() - start)) > 0:
             window = min(args.report_every_s, left)
-            counts = pool.submit(traffic, target, window, args.soak_concurrency, vlm).result()
+            counts = pool.submit(traffic, target, window, args.soak_concurrency, vlm, kinds).result()
             totals.update(counts)
             canary = asyncio.run(_canary(target))
             exact = canary[0] == first[0] and _close(canary[1], first[1])
@@ -230,7 +264,7 @@ def _close(a: list[list[float]], b: list[list[float]]) -> bool:
 
 
 def _summary(
-    reports: list[dict[str, Any]], totals: Counter[str], blocks: dict[str, int | None]
+    reports: list[dict[str, Any]], totals: Counter[str], blocks: dict[str, int | str]
 ) -> dict[str, Any]:
     """Growth after warm-up: the last report's RSS against the first's."""
     warm, last = reports[0], reports[-1]

@@ -60,6 +60,10 @@ class EngineClient(Protocol):
         process is gone), even with nothing in flight; cheap, called about once a second."""
         ...
 
+    def kv_blocks(self) -> tuple[int, int]:
+        """(KV blocks in all, blocks free: empty or only cached) of the engine's cache."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -97,6 +101,10 @@ class InProcessClient:
 
     def check_alive(self) -> None:
         pass  # it lives as long as this process; a step that raises fails the caller's loop
+
+    def kv_blocks(self) -> tuple[int, int]:
+        pool = self.core.kv.pool
+        return pool.num_blocks, pool.num_free_blocks
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -106,6 +106,10 @@ class ProcessClient:
         self._send(m.GetStats())
         return self._wait_for(m.Stats, 60.0)
 
+    def kv_blocks(self) -> tuple[int, int]:
+        stats = self.stats()
+        return stats.num_blocks, stats.num_free_blocks
+
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._proc.is_alive():
             try:

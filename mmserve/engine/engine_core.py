@@ -19,8 +19,9 @@ from mmserve.models.fp8 import is_fp8
 from mmserve.request import Request
 from mmserve.runner.model_runner import LaunchedStep, ModelRunner
 from mmserve.runner.pooler import Pooler
-from mmserve.structured_output.backend import CompiledGrammar
+from mmserve.structured_output.backend import CompiledGrammar, GrammarMatcher
 from mmserve.structured_output.manager import StructuredOutputManager
+from mmserve.structured_output.reasoning import ReasoningMatcher
 
 logger = logging.getLogger(__name__)
 GPU_ACTIVATION_RESERVE = 4 << 30  # bytes kept free for activations, logits and CUDA graphs
@@ -110,7 +111,7 @@ class EngineCore:
         request = Request(
             er.request_id, er.prompt_token_ids, er.params, er.eos_token_ids, er.max_tokens,
             er.cache_salt, er.mm_inputs, pooling=er.pooling, token_type_ids=er.token_type_ids,
-            grammar=grammar.matcher() if grammar is not None else None,
+            grammar=_matcher(er, grammar),
         )
         self.add(request)
 
@@ -178,3 +179,12 @@ class EngineCore:
             self._in_flight = (plan, step)
             return outputs
         return outputs + self.scheduler.update(plan, self.runner.resolve(step))
+
+
+def _matcher(er: EngineRequest, grammar: CompiledGrammar | None) -> GrammarMatcher | None:
+    """The request's matcher: its grammar's, behind its reasoning gate when it has one (the
+    grammar starts after the thought; a budget forces the thought's end)."""
+    inner = grammar.matcher() if grammar is not None else None
+    if er.reasoning is None:
+        return inner
+    return ReasoningMatcher(er.reasoning, inner, er.eos_token_ids)

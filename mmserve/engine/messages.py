@@ -17,6 +17,7 @@ from mmserve.inputs import MMInput
 from mmserve.models.base import ImageTokenCount
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams, SamplingParams
+from mmserve.processors.reasoning_parsers import ReasoningGate
 
 
 class EngineRequest(msgspec.Struct):
@@ -32,6 +33,7 @@ class EngineRequest(msgspec.Struct):
     mm_inputs: tuple[MMInput, ...] = ()  # images in the prompt, in order, placeholders expanded
     pooling: PoolingParams | None = None  # set for embed/classify/score: pooled, not sampled
     token_type_ids: list[int] | None = None  # segment ids of a text pair (BERT-style encoders)
+    reasoning: ReasoningGate | None = None  # a thought first: its budget, a grammar after it
 
 
 class EngineOutput(msgspec.Struct):

@@ -15,7 +15,8 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
@@ -67,6 +68,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _KVBlocks:
+    answer: Future[tuple[int, int]]
+
+
 class AsyncFrontEnd:
     """Thread-safe: commands go in through a queue, deltas come out on the caller's loop."""
 
@@ -77,7 +83,8 @@ class AsyncFrontEnd:
         self.frontend = frontend
         self.max_pending = max_pending  # admission bound on requests in flight
         self.threads = threads
-        self._commands: queue.SimpleQueue[_Add | _AddPoolingBatch | _Abort | None] = queue.SimpleQueue()
+        self._shut_down = False
+        self._commands: queue.SimpleQueue[_Add | _AddPoolingBatch | _Abort | _KVBlocks | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._num_in_flight = 0
         self._lock = threading.Lock()
@@ -101,6 +108,15 @@ class AsyncFrontEnd:
         since = max(self.frontend.client.last_progress, self._busy_since)
         return max(0.0, time.monotonic() - since)
 
+    def kv_blocks(self, timeout: float = 30.0) -> tuple[int, int]:
+        """(KV blocks in all, free ones), asked on the engine thread (the client is not
+        thread-safe): for monitoring and soaks, from any thread but the engine's."""
+        if self.dead is not None:
+            raise EngineDead(f"engine is dead: {self.dead}")
+        answer: Future[tuple[int, int]] = Future()
+        self._commands.put(_KVBlocks(answer))
+        return answer.result(timeout)
+
     def fail(self, error: EngineDead) -> None:
         """Declares the engine dead (the watchdog saw it stall): every call in flight fails
         with `error` now, new ones are refused, and the engine thread stops at its next turn.
@@ -114,6 +130,7 @@ class AsyncFrontEnd:
             sink(error)
 
     def shutdown(self) -> None:
+        self._shut_down = True
         # running front-end work ends by itself (templates have a time limit); queued is dropped
         for pool in (self.executor, self._grammar_waits):
             pool.shutdown(wait=True, cancel_futures=True)
@@ -125,7 +142,12 @@ class AsyncFrontEnd:
         """fn(*args, **kwargs) on this model's front-end threads: blocking work (chat
         templates, tokenising, images, pooling inputs), awaited without blocking the loop."""
         call = functools.partial(fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, call)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, call)
+        except RuntimeError as e:  # "cannot schedule new futures after shutdown"
+            if self._shut_down:  # a restart replaced this engine while the call came in
+                raise EngineDead("the model's engine was shut down (it may be restarting)") from e
+            raise
 
     async def generate(self, job: GenerateJob) -> AsyncGenerator[GenerationDelta, None]:
         """Yields the deltas of a request FrontEnd.validate made until every choice has
@@ -138,10 +160,13 @@ class AsyncFrontEnd:
                 self._grammar_waits, self.frontend.compile_grammar, job.params
             )
             relaxed = grammar.relaxed if grammar is not None else ()
-        async for item in self._submit(job):
-            if relaxed and item.finish_reason is not None:
-                item = dataclasses.replace(item, relaxed_keywords=relaxed)
-            yield item
+        # aclosing: closing this generator closes _submit at once, which aborts the request;
+        # left to the garbage collector, a request abandoned in a reference cycle ran on
+        async with aclosing(self._submit(job)) as items:
+            async for item in items:
+                if relaxed and item.finish_reason is not None:
+                    item = dataclasses.replace(item, relaxed_keywords=relaxed)
+                yield item
 
     async def pool_batch(
         self, inputs: list[PoolInput], params: PoolingParams
@@ -261,6 +286,8 @@ class AsyncFrontEnd:
                 return False
             if isinstance(cmd, _Abort):
                 self.frontend.abort(cmd.request_id)
+            elif isinstance(cmd, _KVBlocks):
+                cmd.answer.set_result(self.frontend.client.kv_blocks())
             elif isinstance(cmd, _AddPoolingBatch):
                 self._add_pooling(cmd)
             else:

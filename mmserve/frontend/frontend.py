@@ -22,6 +22,7 @@ from mmserve.errors import InvalidArgument
 from mmserve.frontend import chat
 from mmserve.frontend.images import ImagePrompts, check_placeholders
 from mmserve.frontend.pooling_inputs import InputEncoder
+from mmserve.frontend.reasoning import ReasoningOutput, engine_gate, reasoning_output
 from mmserve.frontend.tool_stream import ToolOutput
 from mmserve.frontend.tools import ToolRequest
 from mmserve.inputs import MMInput
@@ -29,6 +30,7 @@ from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams, SamplingParams
 from mmserve.processors.detokenizer import IncrementalDetokenizer
 from mmserve.processors.images import DecodedImage
+from mmserve.processors.reasoning_parsers import ReasoningGate
 from mmserve.processors.tokenizer import load_tokenizer
 from mmserve.structured_output.backend import CompiledGrammar
 from mmserve.structured_output.manager import StructuredOutputManager
@@ -74,6 +76,7 @@ class GenerateJob:
     params: SamplingParams
     cache_salt: str | None = None
     mm_inputs: tuple[MMInput, ...] = ()  # the prompt's images, placeholders expanded
+    reasoning: ReasoningGate | None = None  # for the engine: a budget, a grammar after it
 
 
 @dataclass
@@ -184,6 +187,14 @@ class FrontEnd:
             parser_name,
         )
 
+    def read_reasoning(
+        self, prompt_token_ids: list[int], params: SamplingParams, parser_name: str | None = None
+    ) -> ReasoningOutput | None:
+        """How the output's thought is read (frontend/reasoning.py); None: the model does not
+        reason (then a reasoning_budget is InvalidArgument on params.reasoning_budget).
+        parser_name: the operator's --reasoning-parser, over the chat template's."""
+        return reasoning_output(self.tokenizer, prompt_token_ids, params, parser_name)
+
     # -- validation: every check that needs the model, once ------------------------------
 
     def check_token_ids(self, token_ids: Sequence[int], field: str = "token_ids") -> None:
@@ -205,9 +216,11 @@ class FrontEnd:
         mm_inputs: tuple[MMInput, ...] = (),
         field: str = "prompt",
         params_field: str = "",
+        reasoning: ReasoningOutput | None = None,
     ) -> GenerateJob:
         """The request checked against the model; InvalidArgument names the field (the
-        prompt's as `field`, a parameter's under `params_field`, e.g. "params.")."""
+        prompt's as `field`, a parameter's under `params_field`, e.g. "params.").
+        reasoning: the reading of its thought (read_reasoning), for the engine's gate."""
         self.require("generate")
         if not prompt_token_ids:
             raise InvalidArgument(field, "must not be empty")
@@ -230,7 +243,8 @@ class FrontEnd:
             params.structured.validate()
         self._check_images(prompt_token_ids, mm_inputs)
         rid = request_id or self.new_request_id()
-        return GenerateJob(rid, list(prompt_token_ids), params, cache_salt, mm_inputs)
+        gate = engine_gate(reasoning, params)
+        return GenerateJob(rid, list(prompt_token_ids), params, cache_salt, mm_inputs, gate)
 
     def require(self, task: str) -> None:
         if task not in self.info.tasks:
@@ -290,7 +304,7 @@ class FrontEnd:
             parent.children.append(child_id)
             requests.append(EngineRequest(
                 child_id, prompt, child, self.info.eos_token_ids, max_tokens, job.cache_salt,
-                job.mm_inputs,
+                job.mm_inputs, reasoning=job.reasoning,
             ))
         self.client.add(requests)
 
@@ -385,3 +399,4 @@ class FrontEnd:
             parent.children.remove(child_id)
             if not parent.children:
                 del self._parents[choice.parent_id]
+

@@ -24,6 +24,7 @@ from mmserve.errors import InvalidArgument
 from mmserve.frontend.tools import ToolRequest
 from mmserve.params import SamplingParams
 from mmserve.processors.detokenizer import IncrementalDetokenizer
+from mmserve.processors.reasoning_parsers import ReasoningStream
 from mmserve.processors.tool_parsers import (
     Accept,
     ContentDelta,
@@ -31,12 +32,8 @@ from mmserve.processors.tool_parsers import (
     ToolCallDelta,
     ToolParser,
 )
-from mmserve.processors.tool_parsers.base import (
-    arguments_of,
-    canonical_arguments,
-    decode_json_prefix,
-    random_call_id,
-)
+from mmserve.processors.tool_parsers.base import json_call, random_call_id
+from mmserve.processors.tool_parsers.scan import BalancedScanner, Scan
 from mmserve.structured_output.vocab import special_token_ids
 
 
@@ -44,68 +41,63 @@ class ForcedCallStream(StreamingToolParser):
     """The output of a forced tool_choice: one call object or an array of calls. Each call
     is emitted as soon as its object closes (a call object cannot grow once its braces
     close, so the deltas do not depend on chunking); what does not parse as calls (JSON cut
-    short by max_tokens, a call the request does not accept) stays content."""
+    short by max_tokens, a call the request does not accept) stays content, from the end of
+    the last call on. An output with no call at all is content as it is."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._state = "start"  # start -> array (calls one by one) -> done; or "content"
-        self._held = ""  # JSON punctuation read since the last call: content if no call follows
+        self._array = False  # the output is an array of calls (else one call object)
+        self._scanner = BalancedScanner(0)
 
-    def _step(self) -> bool:
-        buf = self._buf
-        body = buf.lstrip()
-        if self._state == "content" or (self._state == "done" and body):
-            self._to_content(self._take(len(buf)))
-            return False
-        if not body:
-            if self._final:
-                self._take(len(buf))  # whitespace around the JSON
-            return False
-        if self._state == "start":
-            self._state = "array" if body[0] == "[" else "object"
-            self._held += self._take(len(buf) - len(body) + (body[0] == "["))
-            return True
-        if self._state == "array" and body[0] in ",]":
-            self._state = "done" if body[0] == "]" else "array"
-            self._held += self._take(len(buf) - len(body) + 1)
-            return True
-        return self._next_call(len(buf) - len(body))
-
-    def _next_call(self, skip: int) -> bool:
-        """Decodes one complete call object at buf[skip:]; False when it is not complete."""
-        try:
-            value, end = decode_json_prefix(self._buf, skip)
-        except ValueError:
-            if self._final:  # cut short: the rest is content
-                self._to_content(self._take(len(self._buf)))
-            return False
-        call = _forced_call(value)
-        text = self._take(end)
-        if call is None or not self._accepts(*call):
-            self._to_content(text)
-            return True
-        self._held = ""
-        self._call(*call)
-        if self._state == "object":
-            self._state = "done"
+    def _start(self) -> bool:
+        reader = self._in
+        if not reader.skip_ws():
+            return self._end_of_output() if reader.final else False
+        if reader.peek(1) == "[":
+            reader.pos += 1
+            self._array = True
+        self._state = self._item
         return True
 
-    def _to_content(self, text: str) -> None:
-        """From here on the output is content, the punctuation held back included."""
-        self._state = "content"
-        self._content(self._held + text)
-        self._held = ""
+    def _item(self) -> bool:
+        """Where a call may start; in an array, also its `,` or `]`."""
+        reader = self._in
+        if not reader.skip_ws():
+            return self._end_of_output() if reader.final else False
+        head = reader.peek(1)
+        if self._array and head in (",", "]"):
+            reader.pos += 1
+            self._state = self._item if head == "," else self._done
+            return True
+        self._scanner = BalancedScanner(reader.pos, opening="{")
+        self._state = self._value
+        return True
 
+    def _value(self) -> bool:
+        reader, scanner = self._in, self._scanner
+        state = self._scan(scanner)
+        if state is None:
+            return False
+        call = json_call(self._json_of(scanner)) if state is Scan.END else None
+        if call is None or not self._accepts(*call):
+            return self._all_content()
+        reader.pos = reader.keep = scanner.pos
+        self._call(*call)
+        self._state = self._item if self._array else self._done
+        return True
 
-def _forced_call(value: object) -> tuple[str, str] | None:
-    """(name, canonical arguments) of one call object, or None."""
-    if not isinstance(value, dict):
-        return None
-    name = value.get("name")
-    if not isinstance(name, str) or not name:
-        return None
-    arguments = canonical_arguments(arguments_of(value))
-    return None if arguments is None else (name, arguments)
+    def _done(self) -> bool:
+        reader = self._in
+        if not reader.skip_ws():
+            return self._end_of_output() if reader.final else False
+        return self._all_content()
+
+    def _end_of_output(self) -> bool:
+        """What is left after the last call (JSON punctuation, whitespace) is dropped; with
+        no call at all, the output is content."""
+        if self._calls:
+            self._in.keep = self._in.pos = self._in.end
+        return self._all_content()
 
 
 @dataclass(frozen=True)
@@ -119,12 +111,15 @@ class ToolOutput:
     retext: Callable[[], IncrementalDetokenizer] | None  # a detokeniser keeping the markers
     drop_ids: frozenset[int]  # token ids the second detokenisation leaves out
 
-    def stream(self) -> ChoiceToolStream:
+    def stream(self, split: Callable[[], ReasoningStream] | None = None) -> ChoiceToolStream:
+        """One choice's reading; `split`: a reasoning model's text splitter, for the second
+        detokenisation (the engine's text comes split already: its answer only)."""
         if self.parser is None:
             parser: StreamingToolParser = ForcedCallStream(self.new_id, self.accept)
         else:
             parser = self.parser.stream(self.accept)
-        return ChoiceToolStream(parser, self.retext() if self.retext else None, self.drop_ids)
+        detok = self.retext() if self.retext else None
+        return ChoiceToolStream(parser, detok, self.drop_ids, split() if detok and split else None)
 
 
 def tool_output(
@@ -169,10 +164,12 @@ class ChoiceToolStream:
         parser: StreamingToolParser,
         detok: IncrementalDetokenizer | None,
         drop_ids: frozenset[int],
+        split: ReasoningStream | None = None,
     ) -> None:
         self._parser = parser
         self._detok = detok  # None: parse the engine's text
         self._drop_ids = drop_ids
+        self._split = split  # the second detokenisation's thought apart from its answer
         self.num_calls = 0
 
     def update(
@@ -192,5 +189,8 @@ class ChoiceToolStream:
     def _retext(self, token_ids: Sequence[int], done: bool) -> str:
         assert self._detok is not None
         text = self._detok.update([t for t in token_ids if t not in self._drop_ids]).text_delta
-        return text + self._detok.finish().text_delta if done else text
-
+        text = text + self._detok.finish().text_delta if done else text
+        if self._split is None:
+            return text
+        answer = self._split.feed(text)[1]
+        return answer + self._split.finish()[1] if done else answer

@@ -4,7 +4,9 @@ turns the Chat proto into these; tool_stream.py reads the output.)
 
 - auto (the default when there are tools): the tools are rendered into the prompt and the
   model decides. Its output is read by the model's tool-call parser (found from its chat
-  template or architecture, or the server's --tool-parser) into content and calls.
+  template or architecture, or the server's --tool-parser) into content and calls; an
+  output that is only a call object naming one of the tools, without the format's markers
+  (as small models write them), is a call too (tool_parsers/untagged.py).
 - none: the tools are not rendered, so the model does not know them, and nothing is parsed.
 - required / a named function: the tools are rendered, and the output is constrained by a
   JSON schema built from the tools' parameter schemas (either grammar backend):

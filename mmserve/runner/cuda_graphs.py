@@ -57,7 +57,8 @@ class _Capture:
         forward()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another model's engine thread in this process may launch work meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = forward()
         self.pool = graph.pool()
         return graph, out
@@ -78,7 +79,9 @@ class DecodeGraphs:
         max_seq_len: int,
         device: torch.device,
         sizes: tuple[int, ...] = DEFAULT_SIZES,
+        mrope: bool = False,
     ) -> None:
+        """mrope: positions are [3, batch] (M-RoPE models), not [batch]."""
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(s for s in sizes if s <= max_batch) or [max_batch]
@@ -86,7 +89,8 @@ class DecodeGraphs:
         self.max_seq_len = max_seq_len
         i32: dict[str, Any] = {"dtype": torch.int32, "device": device}
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        shape = (3, n) if mrope else (n,)
+        self.positions = torch.zeros(shape, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, **i32)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)
@@ -113,7 +117,8 @@ class DecodeGraphs:
 
     def _forward(self, size: int, max_seq_len: int) -> torch.Tensor:
         meta = self._meta(size, max_seq_len)
-        return self.model.forward(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+        positions = self.positions[..., :size]
+        return self.model.forward(self.input_ids[:size], positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -143,7 +148,7 @@ class DecodeGraphs:
         if (size, bucket) not in self._graphs:
             return None
         self.input_ids[:batch].copy_(input_ids)
-        self.positions[:batch].copy_(positions)
+        self.positions[..., :batch].copy_(positions)
         self.slot_mapping[:batch].copy_(meta.slot_mapping)
         self.slot_mapping[batch:size].fill_(-1)
         self.seq_lens[:batch].copy_(meta.seq_lens)

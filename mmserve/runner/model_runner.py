@@ -149,7 +149,8 @@ class ModelRunner:
             return
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(
-            self.model, self.kv_caches, max_batch, max_blocks, max_model_len, self.device
+            self.model, self.kv_caches, max_batch, max_blocks, max_model_len, self.device,
+            mrope=self.mrope,
         )
         self.graphs.capture()
 

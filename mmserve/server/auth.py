@@ -88,6 +88,11 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # gr
         )
 
 
+def _unread(raw: bytes) -> None:
+    """A refused call's request is never parsed: a caller without a key learns nothing about
+    the API from how its bytes decode, and cannot make the server spend time parsing them."""
+
+
 def refusing_handler(
     handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
 ) -> grpc.RpcMethodHandler:
@@ -106,6 +111,6 @@ def refusing_handler(
         make = grpc.unary_unary_rpc_method_handler
     return make(
         refuse,
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=_unread,
         response_serializer=handler.response_serializer,
     )

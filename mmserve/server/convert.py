@@ -88,6 +88,7 @@ def sampling_params(p: generate_pb2.SamplingParams, config: ServerConfig) -> Sam
         logit_bias=dict(p.logit_bias),
         skip_special_tokens=_opt(p, "skip_special_tokens", True),
         include_stop_str_in_output=p.include_stop_str_in_output,
+        reasoning_budget=_opt(p, "reasoning_budget", None),
     )
     return params  # the model's front end validates it (once), naming params.* fields
 
@@ -269,9 +270,10 @@ def prompt_logprobs(
     return [token_logprob(lp, token_text) for lp in items if lp is not None]
 
 
-def usage(prompt: int, completion: int, cached: int) -> common_pb2.Usage:
+def usage(prompt: int, completion: int, cached: int, reasoning: int = 0) -> common_pb2.Usage:
     return common_pb2.Usage(
-        prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached
+        prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
+        reasoning_tokens=reasoning,
     )
 
 

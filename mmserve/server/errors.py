@@ -8,16 +8,28 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from mmserve.errors import EngineStalled, InvalidArgument, MMServeError, ResourceExhausted
+from mmserve.errors import (
+    EngineDead,
+    EngineStalled,
+    InvalidArgument,
+    MMServeError,
+    ResourceExhausted,
+)
 
 logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+# Of a status message, UTF-8. Messages quote the client's values; sent twice (grpc-message,
+# percent-encoded, and in grpc-status-details-bin) a long one passed the clients' 8 KiB
+# metadata limit, and the call reached them as RESOURCE_EXHAUSTED "Stream removed" instead.
+MAX_STATUS_MESSAGE_BYTES = 1024
 
 
 class Unimplemented(MMServeError):
@@ -45,12 +57,19 @@ def engine_error(handle_name: str, dead: BaseException) -> MMServeError:
     return EngineFailed(f"model {handle_name!r}: engine failed: {dead}")
 
 
+class ResponseTooLarge(MMServeError):
+    """The answer would exceed the server's message limit (RESOURCE_EXHAUSTED, as gRPC's own
+    size check says, but without RetryInfo: the same request would fail again)."""
+
+
 _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ResponseTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
     (Draining, grpc.StatusCode.UNAVAILABLE),
     (EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (EngineDead, grpc.StatusCode.UNAVAILABLE),  # met outside a request's stream (restarting)
     (EngineFailed, grpc.StatusCode.INTERNAL),
 ]
 
@@ -100,6 +119,27 @@ def rich_status(code: grpc.StatusCode, message: str, retry_after_s: float | None
     return rpc_status.to_status(status)
 
 
+def within_limit(response: M, limit: int) -> M:
+    """The response, if its serialized size fits the message limit. Left to gRPC, a larger
+    one fails in the core after the handler returned, logged as an ERROR with a traceback."""
+    size = response.ByteSize()
+    if size > limit:
+        raise ResponseTooLarge(
+            f"response: {size} bytes, over the server's message limit of {limit} bytes "
+            "(max_message_bytes); ask for less in one call"
+        )
+    return response
+
+
+def bounded(message: str) -> str:
+    """The message, cut to MAX_STATUS_MESSAGE_BYTES (its start names the field)."""
+    data = message.encode()
+    if len(data) <= MAX_STATUS_MESSAGE_BYTES:
+        return message
+    cut = data[:MAX_STATUS_MESSAGE_BYTES].decode(errors="ignore")
+    return f"{cut}... ({len(data)} bytes in all)"
+
+
 async def abort(
     context: grpc.aio.ServicerContext, exc: BaseException, retry_after_s: float
 ) -> NoReturn:
@@ -107,11 +147,11 @@ async def abort(
     traceback and reach the client without internals."""
     code = code_of(exc)
     if isinstance(exc, MMServeError):
-        message = redact_paths(str(exc))
+        message = redact_paths(bounded(str(exc)))  # bounded first: the redaction reads the disk
     else:
         logger.exception("unexpected error in a call", exc_info=exc)
         message = f"internal error ({type(exc).__name__}); see the server log"
-    retry = retry_after_s if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
-    status = rich_status(code, message, retry)
+    retry = retry_after_s if isinstance(exc, ResourceExhausted) else None
+    status = rich_status(code, bounded(message), retry)
     await context.abort(status.code, status.details, status.trailing_metadata)
     raise AssertionError("unreachable: context.abort raises")  # for type checkers

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from mmserve.errors import EngineDead, InvalidArgument
 from mmserve.frontend.chat import ChatPrompt
 from mmserve.frontend.frontend import GenerateJob, GenerationDelta
+from mmserve.frontend.reasoning import ChoiceReasoning, ReasoningOutput
 from mmserve.frontend.tool_stream import ChoiceToolStream, ToolOutput
 from mmserve.inputs import MMInput
 from mmserve.processors.images import DecodedImage
@@ -59,7 +60,7 @@ async def chat_prompt(
         if images is None or not handle.frontend.info.reads_images:
             raise InvalidArgument(c.image_fields[0], f"model {handle.name!r} does not read images")
         decoded = await images.load(
-            list(zip(c.image_fields, c.sources)), "chat.messages", handle.engine.executor,
+            list(zip(c.image_fields, c.sources)), "chat.messages", handle.engine,
             namespace,
         )
     try:
@@ -103,6 +104,7 @@ class Prepared:
     job: GenerateJob  # validated by the model's front end, under an id of the engine's own
     received: float  # time.monotonic() when the call arrived
     tools: ToolOutput | None = None  # how to read tool calls; None: the output is only text
+    reasoning: ReasoningOutput | None = None  # how to read a thought; None: the model has none
 
 
 async def prepare(
@@ -114,6 +116,7 @@ async def prepare(
 ) -> Prepared:
     """The request as front-end values with the server's own limits applied, then validated
     once by the model's front end; InvalidArgument names the field."""
+    handle.require_serving()  # a dead (or restarting) engine: UNAVAILABLE before any work
     structured = convert.structured_output(request, config.structured_output_backend)
     params = convert.sampling_params(request.params, config)
     chat = convert.chat_input(request.chat) if request.WhichOneof("input") == "chat" else None
@@ -129,18 +132,21 @@ async def prepare(
     if tool_request is not None:  # under a forced tool_choice this constrains params
         backend = convert.structured_backend(request, config.structured_output_backend)
         reading = handle.frontend.read_tools(tool_request, ids, params, backend, config.tool_parser)
+    thought = handle.frontend.read_reasoning(ids, params, config.reasoning_parser)
     # The caller's request_id is only echoed: callers may reuse ids, the engine must not.
     job = handle.frontend.validate(
         ids, params, request_id=uuid.uuid4().hex, cache_salt=request.cache_salt or None,
-        mm_inputs=mm_inputs, field=field_name, params_field="params.",
+        mm_inputs=mm_inputs, field=field_name, params_field="params.", reasoning=thought,
     )
-    return Prepared(handle, request.request_id or uuid.uuid4().hex, job, received, reading)
+    caller_id = request.request_id or uuid.uuid4().hex
+    return Prepared(handle, caller_id, job, received, reading, thought)
 
 
 @dataclass
 class _Choice:
     completion_tokens: int = 0
     first_token: float | None = None  # time.monotonic() of its first token
+    reasoning: ChoiceReasoning | None = None  # its thought apart from its answer
 
 
 @dataclass
@@ -153,12 +159,14 @@ class _Stream:
     sent_any: bool = False
     tool_streams: dict[int, ChoiceToolStream] = field(default_factory=dict)
 
-    def chunk(self, delta: GenerationDelta) -> generate_pb2.GenerateResponse:
+    async def chunk(self, delta: GenerationDelta) -> generate_pb2.GenerateResponse:
         handle, now = self.prep.handle, time.monotonic()
         out = convert.response(delta, self.prep.request_id, handle.token_text)
         choice = self.choices.setdefault(delta.index, _Choice())
-        if self.prep.tools is not None:
-            self._tool_calls(self.prep.tools, out, delta)
+        if self.prep.reasoning is not None or self.prep.tools is not None:
+            # the parsers run on the model's front-end threads: a degenerate output is the
+            # model's own threads' work, never the event loop's
+            await handle.engine.run(self._parse, choice, out, delta)
         choice.completion_tokens += len(delta.token_ids)
         if delta.token_ids and choice.first_token is None:
             choice.first_token = now
@@ -171,9 +179,10 @@ class _Stream:
                 )
         if delta.finish_reason is not None:
             prompt_len = len(self.prep.job.prompt_token_ids)
-            out.usage.CopyFrom(
-                convert.usage(prompt_len, choice.completion_tokens, delta.num_cached_tokens)
-            )
+            reasoning = choice.reasoning.reasoning_tokens if choice.reasoning else 0
+            out.usage.CopyFrom(convert.usage(
+                prompt_len, choice.completion_tokens, delta.num_cached_tokens, reasoning
+            ))
             # queue_ms runs to the engine's first step for the request when it reports one
             queued = delta.first_scheduled_time or self.queued
             out.timing.CopyFrom(
@@ -181,22 +190,45 @@ class _Stream:
             )
         return out
 
+    def _parse(
+        self, choice: _Choice, out: generate_pb2.GenerateResponse, delta: GenerationDelta
+    ) -> None:
+        """The chunk's text split into thought and answer, and the answer into content and
+        tool calls (one choice's chunks are parsed one at a time, in order)."""
+        if self.prep.reasoning is not None:
+            self._thought(self.prep.reasoning, choice, out, delta)
+        if self.prep.tools is not None:
+            self._tool_calls(self.prep.tools, out, delta)
+
+    def _thought(
+        self, reading: ReasoningOutput, choice: _Choice, out: generate_pb2.GenerateResponse,
+        delta: GenerationDelta,
+    ) -> None:
+        """The chunk's text as its thought (reasoning_text) and its answer (text)."""
+        if choice.reasoning is None:
+            choice.reasoning = reading.stream()
+        done = delta.finish_reason is not None
+        out.reasoning_text, out.text = choice.reasoning.update(delta.text, delta.token_ids, done)
+
     def _tool_calls(
         self, tools: ToolOutput, out: generate_pb2.GenerateResponse, delta: GenerationDelta
     ) -> None:
-        """The chunk's text as content and tool calls; TOOL_CALLS when the choice stopped
-        (EOS, stop token or string, or its grammar completed) after making calls."""
+        """The chunk's answer text (out.text) as content and tool calls; TOOL_CALLS when the
+        choice stopped (EOS, stop token or string, or its grammar completed) after calls."""
         stream = self.tool_streams.get(delta.index)
         if stream is None:
-            stream = self.tool_streams[delta.index] = tools.stream()
+            reasoning = self.prep.reasoning
+            stream = self.tool_streams[delta.index] = tools.stream(
+                reasoning.text_stream if reasoning is not None else None
+            )
         done = delta.finish_reason is not None
-        out.text, calls = stream.update(delta.text, delta.token_ids, done)
+        out.text, calls = stream.update(out.text, delta.token_ids, done)
         out.tool_calls.extend(convert.call_deltas(calls))
         if delta.finish_reason == "stop" and stream.num_calls:
             out.finish_reason = generate_pb2.FINISH_REASON_TOOL_CALLS
 
 
-async def stream(prep: Prepared) -> AsyncIterator[generate_pb2.GenerateResponse]:
+async def stream(prep: Prepared) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
     """The engine's deltas as chunks. Leaving early (the call is cancelled or its deadline
     passes) closes the engine's iterator, which aborts the request and frees its KV blocks."""
     handle = prep.handle
@@ -208,6 +240,6 @@ async def stream(prep: Prepared) -> AsyncIterator[generate_pb2.GenerateResponse]
             async for delta in deltas:
                 if delta.error:
                     raise EngineFailed(f"model {handle.name!r} failed the request: {delta.error}")
-                yield state.chunk(delta)
+                yield await state.chunk(delta)
     except EngineDead as e:
         raise engine_error(handle.name, e) from e

@@ -18,6 +18,7 @@ from mmserve.errors import EngineStalled
 from mmserve.server.admission import Admission
 from mmserve.server.auth import ApiKeyInterceptor, load_api_keys
 from mmserve.server.config import ServerConfig
+from mmserve.server.decode_guard import DecodeGuardInterceptor
 from mmserve.server.models import ModelHandle, ModelRegistry
 from mmserve.server.servicer import InferenceServicer
 from mmserve_client.v1 import inference_pb2, inference_pb2_grpc
@@ -63,8 +64,13 @@ class MMServer:
         keys = load_api_keys(self.config.api_key_file) if self.config.api_key_file else None
         auth = ApiKeyInterceptor(keys) if keys else None
         limit = self.config.max_message_bytes
+        # The decode guard comes first so it wraps every handler, the key check's refusals too;
+        # those never decode, so a caller without a key gets UNAUTHENTICATED whatever it sent.
+        interceptors: list[grpc.aio.ServerInterceptor] = [DecodeGuardInterceptor()]
+        if auth:
+            interceptors.append(auth)
         server = grpc.aio.server(
-            interceptors=[auth] if auth else [],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_send_message_length", limit),
                 ("grpc.max_receive_message_length", limit),

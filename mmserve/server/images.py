@@ -7,12 +7,11 @@ other's images."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
-from concurrent.futures import Executor
 from dataclasses import replace
 from pathlib import Path
 
+from mmserve.frontend.async_frontend import AsyncFrontEnd
 from mmserve.processors.images import (
     DecodedImage,
     ImageLimits,
@@ -48,19 +47,18 @@ class ImageInputs:
         self,
         images: Sequence[tuple[str, ImageSource]],
         list_field: str,
-        executor: Executor,
+        engine: AsyncFrontEnd,
         namespace: str = "",
         batch: bool = False,
     ) -> list[DecodedImage]:
-        """Decodes (or looks up by uuid) each (field, source), on `executor` (the model's);
+        """Decodes (or looks up by uuid) each (field, source), on the model's front-end threads;
         InvalidArgument names the image's field and the limit it broke. batch: an Embed
         call, whose inputs may hold EMBED_BATCH_FACTOR times the per-request image cap."""
         limits = self.limits
         if batch:
             limits = replace(limits, max_images=limits.max_images * EMBED_BATCH_FACTOR)
         check_image_count(len(images), list_field, limits)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(executor, self._load_all, images, namespace)
+        return await engine.run(self._load_all, images, namespace)
 
     def _load_all(
         self, images: Sequence[tuple[str, ImageSource]], namespace: str

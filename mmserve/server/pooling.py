@@ -81,7 +81,7 @@ async def _inputs(
     if images is None or not handle.facts.supports_images:
         raise InvalidArgument(f"{field}[{at[0]}].image", f"model {handle.name!r} does not embed images")
     sources = [(f"{field}[{i}].image", inputs[i]) for i in at]
-    decoded = await images.load(sources, field, handle.engine.executor, namespace, batch=True)
+    decoded = await images.load(sources, field, handle.engine, namespace, batch=True)
     for i, image in zip(at, decoded, strict=True):
         inputs[i] = image
     return inputs

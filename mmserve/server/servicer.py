@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
@@ -16,7 +17,7 @@ from mmserve.server.admission import Admission
 from mmserve.server.auth import ApiKeyInterceptor
 from mmserve.server.config import ServerConfig
 from mmserve.server.convert import model_info
-from mmserve.server.errors import abort
+from mmserve.server.errors import abort, within_limit
 from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle, ModelRegistry, Task
 from mmserve_client.v1 import (
@@ -66,7 +67,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             handle = self.registry.get(model, task)
             with self.admission.slot(handle.name):
-                return await flow(handle)
+                return within_limit(await flow(handle), self.config.max_message_bytes)
         except Exception as e:  # noqa: BLE001 - the call's error boundary: every error -> a status
             await abort(context, e, self.config.retry_after_s)
 
@@ -83,8 +84,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 prep = await generate.prepare(
                     request, handle, self.config, received, self.images
                 )
-                async for chunk in generate.stream(prep):
-                    yield chunk
+                # aclosing: a chunk over the limit ends the stream, and the request, at once
+                async with aclosing(generate.stream(prep)) as chunks:
+                    async for chunk in chunks:
+                        yield within_limit(chunk, self.config.max_message_bytes)
         except Exception as e:  # noqa: BLE001 - CancelledError (client gone, deadline) passes
             await abort(context, e, self.config.retry_after_s)
 

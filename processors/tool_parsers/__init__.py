@@ -1,14 +1,17 @@
 """Tool-call parsers: model output text -> content and typed tool calls, one-shot or streamed.
 
     parser = get_parser(parser_for_model(chat_template, model_type) or "hermes")
-    content, calls = parser.parse(text)               # whole output
-    stream = parser.stream()                          # one per output (choice)
+    content, calls = parser.parse(text, accept)       # whole output
+    stream = parser.stream(accept)                    # one per output (choice)
     deltas = stream.feed(text_delta) ... + stream.finish()
 
-Formats (registry names): hermes (`<tool_call>` JSON, Qwen/Hermes), llama3_json, mistral
-(`[TOOL_CALLS]`), pythonic. base.py states the contract all of them keep. The markers
-`<|python_tag|>`, `[TOOL_CALLS]`, `<|python_start|>` are special tokens in their models:
-detokenise with skip_special_tokens=False for the text given to a parser.
+`accept(name, arguments)` says which parsed calls are calls (the request's tools); without
+it every well-formed call is one, and untagged calls are not read. Formats (registry names):
+hermes (`<tool_call>` JSON, Qwen/Hermes), llama3_json, mistral (`[TOOL_CALLS]`, before and
+after v11), pythonic. base.py states the contract all of them keep. The markers
+`<|python_tag|>`, `[TOOL_CALLS]`, `[ARGS]`, `[CALL_ID]`, `<|python_start|>` are special
+tokens in their models: detokenise with skip_special_tokens=False for the text given to a
+parser (ToolParser.markers lists a format's).
 """
 
 from __future__ import annotations

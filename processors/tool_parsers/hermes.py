@@ -1,68 +1,66 @@
 """Hermes / Qwen format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
-number of times, with text around. Used by Qwen2.5, Qwen3, Hermes 2/3 and others."""
+number of times, with text around. Used by Qwen2.5, Qwen3, Hermes 2/3 and others. The end
+tag may be missing at the end of the output (cut by eos). Untagged calls: untagged.py.
+
+A malformed call leaves its start tag as content, and the text after the tag is read again
+for calls (a call cut short does not swallow the good ones after it); scan.py says why this
+stays linear.
+"""
 
 from __future__ import annotations
 
-from .base import (
-    StreamingToolParser,
-    ToolParser,
-    arguments_of,
-    canonical_arguments,
-    loads_json,
-)
+from .base import ToolParser, json_call
 from .scan import BalancedScanner, Scan
+from .untagged import UntaggedFirst
 
 START, END = "<tool_call>", "</tool_call>"
 
 
-class HermesStream(StreamingToolParser):
-    _scanner: BalancedScanner | None = None  # set while inside <tool_call>
+class HermesStream(UntaggedFirst):
+    _scanner = BalancedScanner(0)  # the JSON of the call being read
 
-    def _step(self) -> bool:
-        return self._text() if self._scanner is None else self._inside()
-
-    def _text(self) -> bool:
-        if not self._content_until(START):
+    def _format(self) -> bool:
+        at = self._content_until(START, START)
+        if at is None:
             return False
-        # An end tag outside a string means the JSON was cut short: stop there.
-        self._scanner = BalancedScanner(opening="{", abort=END)
+        self._in.pos = at + len(START)  # `keep` stays at the tag: content if malformed
+        self._scanner = BalancedScanner(self._in.pos, opening="{")
+        self._state = self._value
         return True
 
-    def _inside(self) -> bool:
-        assert self._scanner is not None
-        state = self._scanner.scan(self._buf)
-        if state is Scan.NEED_MORE and not self._final:
+    def _value(self) -> bool:
+        state = self._scan(self._scanner)
+        if state is None:
             return False
         if state is not Scan.END:
             return self._malformed()
-        end = self._scanner.pos
-        rest = self._buf[end:]
-        gap = len(rest) - len(rest.lstrip())
-        tail = rest[gap:]
-        if tail.startswith(END) or (self._final and not tail):  # a missing end tag at EOF
-            return self._complete(end, min(len(self._buf), end + gap + len(END)))
-        if END.startswith(tail) and not self._final:
-            return False
-        return self._malformed()
+        self._in.pos = self._scanner.pos
+        self._state = self._end_tag
+        return True
 
-    def _complete(self, json_end: int, region_end: int) -> bool:
-        try:
-            value = loads_json(self._buf[:json_end])
-        except ValueError:
+    def _end_tag(self) -> bool:
+        reader = self._in
+        if not reader.skip_ws():
+            # Only whitespace after the JSON so far; at the end, the end tag is missing.
+            return self._complete(reader.pos) if reader.final else False
+        tag = reader.starts(END)
+        if tag is None:
+            return False
+        return self._complete(reader.pos + len(END)) if tag else self._malformed()
+
+    def _complete(self, region_end: int) -> bool:
+        call = json_call(self._json_of(self._scanner))
+        if call is None or not self._accepts(*call):
             return self._malformed()
-        name = value.get("name") if isinstance(value, dict) else None
-        arguments = canonical_arguments(arguments_of(value)) if name else None
-        if not isinstance(name, str) or arguments is None or not self._accepts(name, arguments):
-            return self._malformed()
-        self._take(region_end)
-        self._scanner = None
-        self._call(name, arguments)
+        self._in.pos = self._in.keep = region_end
+        self._call(*call)
+        self._state = self._format
         return True
 
     def _malformed(self) -> bool:
-        # The start tag becomes content; what follows is scanned again as text.
-        self._scanner = None
-        self._content(START)
+        # The start tag becomes content; what follows it is read again as text.
+        self._emit_to(self._in.keep + len(START))
+        self._state = self._format
         return True
 
 

@@ -1,94 +1,132 @@
-"""Pythonic format: the whole output is a Python list of calls, `[f(a=1, b="x"), g()]`,
+"""Pythonic format: the output starts with a Python list of calls, `[f(a=1, b="x"), g()]`,
 optionally inside `<|python_start|>` ... `<|python_end|>` (Llama 3.2 / Llama 4 style).
 
 Parsed with `ast`, never evaluated: a call is a (dotted) name with keyword arguments whose
 values are literals (`ast.literal_eval`), converted to a JSON object. Only an output that
-starts (after whitespace) with `[` or `<|python_start|>` can hold calls; a list that is not
-all such calls stays content.
+starts (after whitespace) with `[` or `<|python_start|>` can hold calls. In a closed list,
+the calls are salvaged: an element that is not such a call (a broken one, a positional
+argument, a keyword given twice) is content, verbatim, and the others are calls. A list
+with no call in it, or one that never closes, is content as a whole.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 
-from .base import StreamingToolParser, ToolParser, canonical_arguments
-from .scan import BalancedScanner, Scan
+from .base import Accept, StreamingToolParser, ToolParser, canonical_arguments
+from .scan import IN_STRING, BalancedScanner, Scan
 
 START, END = "<|python_start|>", "<|python_end|>"
+_SPLIT = re.compile(r"[^\"'()\[\]{},]*")  # what the element splitter skips over
 
 
 class PythonicStream(StreamingToolParser):
-    _state = "start"  # start -> calls -> end -> text
-    _scanner: BalancedScanner | None = None
-    _prefix = ""  # consumed whitespace / start tag: content if the list is malformed
-
-    def _step(self) -> bool:
-        if self._state == "text":
-            self._content(self._take(len(self._buf)))
-            return False
-        return {"start": self._start, "calls": self._list, "end": self._end}[self._state]()
+    _scanner = BalancedScanner(0, python=True)  # the list
 
     def _start(self) -> bool:
-        rest = self._buf.lstrip()
-        if not self._final and (not rest or (START.startswith(rest) and rest != START)):
-            return False  # only whitespace, or perhaps the start tag: wait
-        gap = len(self._buf) - len(rest)
-        if rest.startswith(START):
-            self._prefix = self._take(gap + len(START))
-        elif rest.startswith("["):
-            self._prefix = self._take(gap)
-        else:
-            self._state = "text"
-            return True
-        self._state = "calls"
-        self._scanner = BalancedScanner(quotes="\"'", opening="[")
+        reader = self._in
+        if not reader.skip_ws():
+            return self._all_content() if reader.final else False
+        tag = reader.starts(START)
+        if tag is None:
+            return False
+        if tag:
+            reader.pos += len(START)
+        self._scanner = BalancedScanner(reader.pos, opening="[", python=True)
+        self._state = self._list
         return True
 
     def _list(self) -> bool:
-        assert self._scanner is not None
-        state = self._scanner.scan(self._buf)
-        if state is Scan.NEED_MORE and not self._final:
+        reader, scanner = self._in, self._scanner
+        state = self._scan(scanner)
+        if state is None:
             return False
-        calls = parse_calls(self._buf[: self._scanner.pos]) if state is Scan.END else None
-        if calls is None or not all(self._accepts(n, a) for n, a in calls):
-            self._content(self._prefix)
-            self._state = "text"
-            return True
-        self._take(self._scanner.pos)
-        for name, arguments in calls:
-            self._call(name, arguments)
-        self._state = "end"
+        calls: list[tuple[str, str]] = []
+        rest: list[str] = []
+        if state is Scan.END:
+            calls, rest = salvage(reader.text(scanner.start, scanner.pos), self._accepts)
+        if not calls:
+            return self._all_content()
+        reader.pos = reader.keep = scanner.pos
+        for call in calls:
+            self._call(*call)
+        if rest:
+            self._content(", ".join(rest))
+        self._state = self._end
         return True
 
     def _end(self) -> bool:
-        rest = self._buf.lstrip()
-        if not self._final and (not rest or (END.startswith(rest) and rest != END)):
+        reader = self._in
+        if not reader.skip_ws():
+            return self._all_content() if reader.final else False
+        tag = reader.starts(END)
+        if tag is None:
             return False
-        if rest.startswith(END):
-            self._take(len(self._buf) - len(rest) + len(END))
-        self._state = "text"
-        return True
+        if tag:
+            reader.pos = reader.keep = reader.pos + len(END)
+        return self._all_content()
 
 
-def parse_calls(source: str) -> list[tuple[str, str]] | None:
-    """`[f(a=1), g()]` -> [(name, arguments JSON)], or None if it is not that."""
+def salvage(source: str, accept: Accept) -> tuple[list[tuple[str, str]], list[str]]:
+    """The accepted calls of a list `[f(a=1), g(]` as [(name, arguments JSON)], and the
+    texts of its elements that are not such calls."""
+    tree = _parse(source)
+    if isinstance(tree, ast.List):  # the usual case, in one parse: every element a call
+        every = [_call(node) for node in tree.elts]
+        if every and all(c is not None and accept(*c) for c in every):
+            return every, []  # type: ignore[return-value]  # no None in it
+    calls, rest = [], []
+    for text in _elements(source):
+        call = _call(_parse(text))
+        if call is not None and accept(*call):
+            calls.append(call)
+        else:
+            rest.append(text)
+    return calls, rest
+
+
+def _elements(source: str) -> list[str]:
+    """The texts of a list's elements: the text inside its brackets split at the commas
+    outside brackets and strings (the elements need not parse)."""
+    out, depth, quote, start, i, end = [], 0, "", 1, 1, len(source) - 1
+    while i < end:
+        if quote:
+            i = IN_STRING[quote].match(source, i).end()  # type: ignore[union-attr]
+            if i < end:
+                escape = source[i] == "\\"
+                quote, i = (quote if escape else ""), i + (2 if escape else 1)
+            continue
+        i = _SPLIT.match(source, i).end()  # type: ignore[union-attr]  # `*` always matches
+        c = source[i] if i < end else ""
+        if c in ("'", '"'):
+            quote = c
+        elif c in ("(", "[", "{"):
+            depth += 1
+        elif c in (")", "]", "}"):
+            depth -= 1
+        elif c == "," and depth == 0:
+            out.append(source[start:i])
+            start = i + 1
+        i += 1
+    out.append(source[start:end])
+    return [text.strip() for text in out if text.strip()]
+
+
+def _parse(source: str) -> ast.expr | None:
     try:
-        tree = ast.parse(source, mode="eval")
+        return ast.parse(source, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    if not isinstance(tree.body, ast.List) or not tree.body.elts:
-        return None
-    calls = [_call(node) for node in tree.body.elts]
-    return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
-def _call(node: ast.expr) -> tuple[str, str] | None:
+def _call(node: ast.expr | None) -> tuple[str, str] | None:
     if not isinstance(node, ast.Call) or node.args:
         return None
     name = _dotted_name(node.func)
     values = {}
     for keyword in node.keywords:
-        if keyword.arg is None:  # **kwargs
+        if keyword.arg is None or keyword.arg in values:  # **kwargs, or a repeated keyword
             return None
         try:
             values[keyword.arg] = ast.literal_eval(keyword.value)

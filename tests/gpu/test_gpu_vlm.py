@@ -72,7 +72,7 @@ def _transformers_greedy(folder: Path, kind: str, prompts: list[list[int]]) -> l
     processor = AutoImageProcessor.from_pretrained(folder)
     image_token = hf.config.image_token_id if hasattr(hf.config, "image_token_id") else hf.config.image_token_index
     outputs = []
-    for ids, conversation in zip(prompts, CONVERSATIONS, strict=True):
+    for ids, conversation in zip(prompts, CONVERSATIONS[: len(prompts)], strict=True):
         processed = [processor(images=[im], return_tensors="pt") for im in _images(conversation)]
         input_ids = torch.tensor([ids], device="cuda")
         inputs: dict[str, torch.Tensor] = {
@@ -112,3 +112,30 @@ def test_gpu_dual_encoder_embeddings_match_transformers(tmp_path: Path, make: ob
     torch.testing.assert_close(gpu, expected, atol=1e-4, rtol=0)
     half = torch.tensor(LLM(str(folder), device="cuda", dtype="bfloat16").embed(inputs))
     assert torch.nn.functional.cosine_similarity(expected, half).min() > 0.99
+
+
+def test_gpu_mrope_decode_graph_with_a_prompt_tail_in_the_batch(tmp_path: Path) -> None:
+    """A Qwen2-VL request whose image prompt is all in the prefix cache but its last token
+    (block_size 1) runs that token in a decode step beside another request's decode: the
+    CUDA graph then takes [3, batch] M-RoPE positions. Both give transformers' tokens."""
+    from mmserve.frontend.chat import ChatInput
+    from mmserve.processors.images import local_image
+
+    folder = _make("qwen2", tmp_path)
+    llm = LLM(str(folder), device="cuda", dtype="float32", num_kv_blocks=4096, block_size=1)
+    conversation = CONVERSATIONS[0]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}]
+    chat = ChatInput(messages, image_fields=["messages[0].content[0].image"])
+    prompt = llm.frontend.render_chat(chat, [local_image(_images(conversation)[0], "image")])
+    expected = _transformers_greedy(folder, "qwen2", [prompt.token_ids])[0]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    fe, outputs = llm.frontend, {"a": [], "b": []}
+    fe.add_request("a", prompt.token_ids, params.clone(), mm_inputs=prompt.mm_inputs)
+    for step in range(40):
+        if step == 3:  # "a" decodes; "b" finds all of its prompt cached but the last token
+            fe.add_request("b", prompt.token_ids, params.clone(), mm_inputs=prompt.mm_inputs)
+        for delta in fe.step_deltas():
+            outputs[delta.request_id] += delta.token_ids
+        if step > 3 and not fe.has_unfinished:
+            break
+    assert outputs["a"] == expected and outputs["b"] == expected

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from mmserve_client import Client, MMServeError
-from mmserve_client.v1 import common_pb2, generate_pb2, pooling_pb2
+from mmserve_client.v1 import common_pb2, generate_pb2, models_pb2, pooling_pb2
 from tests.server.conftest import ServerThread, wait_all_blocks_free
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -81,6 +81,22 @@ def test_bad_generate_input_then_next_request(
     assert field in e.value.details()
     ok = list(stub.Generate(_request(**{"params.max_tokens": 2}), timeout=30))
     assert ok[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize("name", ["x" * 10_000, "é" * 3000])
+def test_long_values_quoted_in_messages_keep_the_code(stub: Any, name: str) -> None:
+    """A status past the client's 8 KiB metadata limit arrives as RESOURCE_EXHAUSTED "Stream
+    removed": messages quoting a long value are cut (the start names the field)."""
+    for call, request in [
+        (stub.ListModels, models_pb2.ListModelsRequest(model=name)),
+        (stub.Embed, pooling_pb2.EmbedRequest(model=name, inputs=[common_pb2.Input(text="x")])),
+    ]:
+        with pytest.raises(grpc.RpcError) as e:
+            call(request, timeout=10)
+        assert e.value.code() == INVALID, e.value.details()
+        details = e.value.details()
+        assert details.startswith("model: unknown model") and details.endswith("bytes in all)")
+        assert len(details.encode()) < 1100
 
 
 def test_pooling_routing_on_decoders(stub: Any) -> None:

@@ -4,9 +4,11 @@ the request it failed, UNAVAILABLE for later ones, NOT_SERVING in health)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -16,7 +18,13 @@ from grpc_status import rpc_status
 
 from mmserve.server.config import ModelSpec
 from mmserve_client import Client, MMServeError
-from mmserve_client.v1 import inference_pb2_grpc, tokenize_pb2
+from mmserve_client.v1 import (
+    common_pb2,
+    generate_pb2,
+    inference_pb2_grpc,
+    pooling_pb2,
+    tokenize_pb2,
+)
 from tests.server.conftest import ServerThread, serve, wait_all_blocks_free
 
 MESSAGE_LIMIT = 16 * 1024
@@ -72,6 +80,48 @@ def test_message_size_limits(small_server: ServerThread) -> None:
             c.tokenize("Hello world " * 1300, return_tokens=True)
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert c.tokenize("fine").token_ids
+
+
+def _too_large(call: Any) -> str:
+    """Runs `call`, which must fail RESOURCE_EXHAUSTED for its reply's size without RetryInfo
+    (the same request would fail again); returns the message."""
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    status = rpc_status.from_call(e.value)
+    assert status is None or not status.details  # no RetryInfo
+    return str(e.value.details())
+
+
+def test_replies_over_the_message_limit_are_refused_without_error_logs(
+    tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Left to gRPC, a reply over max_message_bytes fails in its core after the handler, and
+    every such call logs an ERROR with a traceback; the stream's request is aborted too."""
+    server = serve(
+        [ModelSpec("tiny-a", str(tiny_models["tiny-a"]))], max_message_bytes=MESSAGE_LIMIT
+    )
+    options = [("grpc.max_receive_message_length", 64 * MESSAGE_LIMIT)]
+    try:
+        with grpc.insecure_channel(server.target, options=options) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            inputs = [common_pb2.Input(text="hi")] * 200  # 200 vectors: far more than 16 KiB
+            embed = pooling_pb2.EmbedRequest(model="tiny-a", inputs=inputs)
+            message = _too_large(lambda: stub.Embed(embed, timeout=30))
+            assert f"limit of {MESSAGE_LIMIT} bytes (max_message_bytes)" in message
+            params = generate_pb2.SamplingParams(max_tokens=4, prompt_logprobs=20)
+            prompt = common_pb2.TokenIds(ids=[5, 6, 7] * 200)  # its logprobs: > 16 KiB
+            generate = generate_pb2.GenerateRequest(token_ids=prompt, params=params)
+            _too_large(lambda: list(stub.Generate(generate, timeout=30)))
+            # closed with the call, not whenever the garbage collector gets to it
+            assert server.handle("tiny-a").engine.num_in_flight == 0
+            wait_all_blocks_free(server.handle("tiny-a"))
+            server.wait_idle()
+            embed = pooling_pb2.EmbedRequest(model="tiny-a", inputs=inputs[:2])
+            assert len(stub.Embed(embed, timeout=30).embeddings) == 2
+    finally:
+        server.stop()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
 def test_server_caps_on_prompt_and_n(small_server: ServerThread) -> None:

@@ -23,6 +23,7 @@ from mmserve.server.auth import ApiKeyInterceptor
 from mmserve.server.config import ModelSpec
 from mmserve_client import Client, MMServeError
 from tests.server.conftest import ServerThread, serve
+from tests.server.raw_rpc import HEALTH_CHECK, INFERENCE, call_raw
 
 KEYS = ("key-one", "key-two")
 
@@ -123,6 +124,24 @@ def test_health_needs_no_key_and_reflection_does(
         with pytest.raises(grpc.RpcError) as e:
             ProtoReflectionDescriptorDatabase(channel).get_services()
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_garbage_without_a_key_is_unauthenticated_and_never_decoded(
+    keyed_tls_server: ServerThread, pki: dict[str, Path]
+) -> None:
+    """The key check comes before decoding: a caller without a key learns nothing about the
+    request format. With a key, or on health (exempt), the same bytes are INVALID_ARGUMENT."""
+    target, garbage = f"localhost:{keyed_tls_server.port}", b"\xff\xff\xff"
+    with grpc.secure_channel(target, _credentials(pki)) as channel:
+        for method in INFERENCE.methods:
+            assert call_raw(channel, method, garbage).code == grpc.StatusCode.UNAUTHENTICATED
+        assert call_raw(channel, HEALTH_CHECK, garbage).code == grpc.StatusCode.INVALID_ARGUMENT
+    keyed = grpc.composite_channel_credentials(
+        _credentials(pki), grpc.access_token_call_credentials(KEYS[1])
+    )
+    with grpc.secure_channel(target, keyed) as channel:
+        for method in INFERENCE.methods:
+            assert call_raw(channel, method, garbage).code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_tls_refuses_plaintext_and_untrusted_clients(keyed_tls_server: ServerThread) -> None:

@@ -164,6 +164,44 @@ def test_auto_separates_text_and_calls(client: Client) -> None:
     assert (text, calls) == (result.text, _named(result.tool_calls))
 
 
+def test_tool_calls_are_parsed_on_the_models_threads(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parser runs on the model's front-end threads, never on the event loop: a
+    degenerate output costs that model's threads only."""
+    import threading
+
+    from mmserve.frontend.tool_stream import ChoiceToolStream
+
+    threads: list[str] = []
+    real = ChoiceToolStream.update
+
+    def spy(self, *args):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return real(self, *args)
+
+    monkeypatch.setattr(ChoiceToolStream, "update", spy)
+    output = _call_text("get_weather", {"city": "Oslo", "days": 2})
+    client.chat(ASK, tools=TOOLS, choice=[output], max_tokens=200)
+    assert threads and all(name.startswith("mmserve-frontend") for name in threads), threads
+
+
+def test_auto_reads_calls_without_their_tags(client: Client) -> None:
+    """Small models answer with the call object alone, fenced or bare (issue 17): under auto
+    that is a call when it names a tool and is the whole output; other JSON stays text."""
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}})
+    for output in [f"```json\n{call}\n```", call]:
+        kw: dict[str, Any] = {"tools": TOOLS, "choice": [output], "max_tokens": 200}
+        result = client.chat(ASK, **kw)
+        assert result.text == "" and result.finish_reason == "tool_calls"
+        assert _named(result.tool_calls) == [("get_weather", '{"city":"Oslo","days":2}')]
+        text, calls, _ = _joined(list(client.chat_stream(ASK, **kw)))
+        assert (text, calls) == ("", _named(result.tool_calls))
+    answer = json.dumps({"city": "Oslo", "days": 2})
+    result = client.chat(ASK, tools=TOOLS, choice=[answer], max_tokens=200)
+    assert (result.text, result.tool_calls, result.finish_reason) == (answer, (), "stop")
+
+
 def test_calls_outside_the_request_stay_text(client: Client) -> None:
     unknown = _call_text("launch", {"target": "moon"})
     strict = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}]
@@ -310,8 +348,10 @@ def test_server_flags_pick_the_backend_and_the_parser(tools_model: Path) -> None
             with pytest.raises(MMServeError, match="outlines backend does not support EBNF"):
                 c.chat(ASK, grammar='root ::= "a"', max_tokens=2)
             assert c.chat(ASK, grammar='root ::= "a"', structured_backend="xgrammar").text == "a"
+            # Read as llama3_json, not hermes: the call is found, the tags are prose around it.
             output = _call_text("get_weather", {"city": "Oslo", "days": 2})
             result = c.chat(ASK, tools=TOOLS, choice=[output], max_tokens=200)
-            assert (result.text, result.tool_calls) == (output, ())  # not llama3_json's format
+            assert result.text == "<tool_call>\n\n</tool_call>"
+            assert _named(result.tool_calls) == [("get_weather", '{"city":"Oslo","days":2}')]
     finally:
         server.stop()

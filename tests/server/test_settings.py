@@ -30,6 +30,7 @@ CHOICES = {
     "dtype": ("float16", "bfloat16"),
     "structured_output_backend": ("outlines", "xgrammar"),
     "tool_parser": ("mistral", "hermes"),
+    "reasoning_parser": ("qwen3", "none"),
     "log_level": ("DEBUG", "ERROR"),
     "gpu_memory_utilization": ("0.5", "0.7"),
 }

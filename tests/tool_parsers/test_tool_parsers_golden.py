@@ -86,12 +86,7 @@ GOLDEN = [
         [("f", '{"x":{"y":[true]}}')],
     ),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
-    (
-        "llama3_json",
-        'The call is {"name": "f", "parameters": {}}',
-        'The call is {"name": "f", "parameters": {}}',
-        [],
-    ),
+    ("llama3_json", 'The call is {"name": "f", "parameters": {}}', "The call is", [("f", "{}")]),
     (
         "llama3_json",
         '{"name": "f", "parameters": {}}\nHope that helps!',

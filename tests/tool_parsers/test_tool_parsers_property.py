@@ -1,5 +1,7 @@
-"""Property tests: however an output is chunked, the streamed result is the one-shot parse;
-and generated well-formed calls come back exactly, with the text around them."""
+"""Property tests: however an output is chunked, the streamed result is the one-shot parse
+(with and without the request's tools, which turn on untagged calls); an output in which
+no call is found comes back exactly; and generated well-formed calls come back exactly,
+with the text around them."""
 
 from __future__ import annotations
 
@@ -11,13 +13,16 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mmserve.processors.tool_parsers import ToolCall, get_parser
+from mmserve.processors.tool_parsers import Accept, ToolCall, get_parser
 from mmserve.processors.tool_parsers.base import collect
 from tests.tool_parsers.test_tool_parsers_golden import GOLDEN
 
 FORMATS = ("hermes", "llama3_json", "mistral", "pythonic")
 MARKERS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "<|python_start|>",
            "<|python_end|>"]  # fmt: skip
+# What else starts calls: untagged ones (fences, bare call objects), Mistral's v11 form.
+FRAGMENTS = ["```json\n", "```", '{"name": "f", "arguments": {}}', '{"name": "g", "parameters":',
+             "[ARGS]", "[CALL_ID]", "[TOOL_CALLS]f{", "f(a=1)", "f(a=1, a=2)"]  # fmt: skip
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -26,8 +31,14 @@ def calls_of(result: tuple[str, list[ToolCall]]) -> tuple[str, list[tuple[str, s
     return content, [(c.name, c.arguments) for c in calls]  # ids are random per stream
 
 
-def streamed(fmt: str, chunks: list[str]) -> tuple[str, list[tuple[str, str]]]:
-    stream = get_parser(fmt).stream()
+def declared(name: str, arguments: str) -> bool:
+    return name in ("f", "g")
+
+
+def streamed(
+    fmt: str, chunks: list[str], accept: Accept | None = None
+) -> tuple[str, list[tuple[str, str]]]:
+    stream = get_parser(fmt).stream(accept)
     deltas = [d for chunk in chunks for d in stream.feed(chunk)] + stream.finish()
     return calls_of(collect(deltas))
 
@@ -48,8 +59,8 @@ def test_golden_outputs_split_at_every_position() -> None:
 # quotes, backslashes, separators, whitespace, non-ASCII.
 tricky_text = st.lists(
     st.one_of(
-        st.sampled_from(MARKERS + [m[:k] for m in MARKERS for k in (1, 3, 6)]),
-        st.text(alphabet="{}[]()\"'\\;:,<>/|= \n\tabcxyzé日0", max_size=6),
+        st.sampled_from(MARKERS + [m[:k] for m in MARKERS for k in (1, 3, 6)] + FRAGMENTS),
+        st.text(alphabet="{}[]()\"'\\;:,<>/|=` \n\tabcxyzé日0", max_size=6),
     ),
     max_size=8,
 ).map("".join)
@@ -152,3 +163,64 @@ test_pythonic_calls_round_trip = _property("pythonic")
 )
 def test_any_text_streams_like_the_one_shot_parse(fmt: str, text: str, cuts: list[int]) -> None:
     assert streamed(fmt, split(text, cuts)) == calls_of(get_parser(fmt).parse(text))
+
+
+@SETTINGS
+@given(
+    fmt=st.sampled_from(FORMATS),
+    text=st.lists(st.one_of(tricky_text, st.sampled_from(FRAGMENTS)), max_size=6).map("".join),
+    cuts=st.lists(st.integers(0, 10_000), max_size=10),
+)
+def test_with_tools_any_text_streams_like_the_one_shot_parse(
+    fmt: str, text: str, cuts: list[int]
+) -> None:
+    one_shot = calls_of(get_parser(fmt).parse(text, accept=declared))
+    assert streamed(fmt, split(text, cuts), declared) == one_shot
+
+
+@SETTINGS
+@given(fmt=st.sampled_from(FORMATS), text=tricky_text, tools=st.booleans())
+def test_text_without_calls_comes_back_exactly(fmt: str, text: str, tools: bool) -> None:
+    content, calls = get_parser(fmt).parse(text, accept=declared if tools else None)
+    assert calls or content == text
+
+
+def check_between_texts(
+    fmt: str, calls: list[tuple[str, dict[str, Any]]], body: str, texts: list[str], cuts: list[int]
+) -> None:
+    """The calls written as `body`, with text before and after, parse back exactly."""
+    text = texts[0] + " " + body + "\n" + texts[1]
+    content = expected_content([texts[0] + " ", "\n" + texts[1]])
+    expected = (content, [(n, canonical(a)) for n, a in calls])
+    assert calls_of(get_parser(fmt).parse(text)) == expected
+    assert streamed(fmt, split(text, cuts)) == expected
+
+
+@SETTINGS
+@given(
+    calls=call_lists,
+    texts=st.lists(plain_text, min_size=2, max_size=2),
+    args_marker=st.booleans(),
+    cuts=st.lists(st.integers(0, 10_000), max_size=12),
+)
+def test_mistral_v11_calls_round_trip(
+    calls: list[tuple[str, dict[str, Any]]], texts: list[str], args_marker: bool, cuts: list[int]
+) -> None:
+    between = "[ARGS]" if args_marker else ""
+    body = "".join(f"[TOOL_CALLS]{n}{between}{json.dumps(a)}" for n, a in calls)
+    check_between_texts("mistral", calls, body, texts, cuts)
+
+
+@SETTINGS
+@given(
+    calls=call_lists,
+    # Prose before the calls has no "{": a value it opened would hold the calls in it.
+    texts=st.lists(plain_text.filter(lambda s: "{" not in s), min_size=2, max_size=2),
+    separator=st.sampled_from(["; ", "\n", "<|python_tag|>", " ;\n<|python_tag|>"]),
+    cuts=st.lists(st.integers(0, 10_000), max_size=12),
+)
+def test_llama3_calls_after_prose_round_trip(
+    calls: list[tuple[str, dict[str, Any]]], texts: list[str], separator: str, cuts: list[int]
+) -> None:
+    body = separator.join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+    check_between_texts("llama3_json", calls, body, texts, cuts)

@@ -49,6 +49,7 @@ class GenerateKwargs(TypedDict, total=False):
     logit_bias: Mapping[int, float]
     skip_special_tokens: bool
     include_stop_str_in_output: bool
+    reasoning_budget: int  # reasoning models: most thinking tokens, then `</think>` is forced
     # StructuredOutput: at most one constraint.
     json_schema: str | Mapping[str, Any]  # a dict is sent as JSON text
     json_object: bool

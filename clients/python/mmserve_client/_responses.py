@@ -64,7 +64,7 @@ def usage(msg: Any, field: str = "usage") -> Usage | None:
     if not msg.HasField(field):
         return None
     u: common_pb2.Usage = getattr(msg, field)
-    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.reasoning_tokens)
 
 
 def timing(msg: Any) -> Timing | None:
@@ -106,6 +106,7 @@ def chunk(resp: generate_pb2.GenerateResponse) -> GenerateChunk:
         model=resp.model,
         stop=getattr(resp, kind) if kind else None,
         relaxed_keywords=tuple(RelaxedKeyword(r.pointer, r.keyword) for r in resp.relaxed_keywords),
+        reasoning_text=resp.reasoning_text,
     )
 
 
@@ -124,6 +125,7 @@ class _Choice:
 
     last: GenerateChunk
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     calls: dict[int, _Call] = field(default_factory=dict)
@@ -146,6 +148,7 @@ class Collector:
         choice = self._choices.setdefault(c.index, _Choice(last=c))
         choice.last = c
         choice.text.append(c.text)
+        choice.reasoning.append(c.reasoning_text)
         choice.token_ids.extend(c.token_ids)
         choice.logprobs.extend(c.logprobs)
         for d in c.tool_calls:
@@ -185,6 +188,7 @@ class Collector:
             logprobs=tuple(choice.logprobs),
             stop=last.stop,
             relaxed_keywords=last.relaxed_keywords,
+            reasoning_text="".join(choice.reasoning),
             **stream_wide,
         )
 

@@ -89,6 +89,7 @@ class Usage:
     prompt_tokens: int = 0  # tokens in the prompt / inputs, image tokens included
     completion_tokens: int = 0  # generated tokens; 0 for pooling tasks
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    reasoning_tokens: int = 0  # of completion_tokens, a reasoning model's thought
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ class GenerateChunk:
     model: str = ""  # first chunk of the stream only
     stop: str | int | None = None  # matched stop string or stop token id, for "stop"
     relaxed_keywords: tuple[RelaxedKeyword, ...] = ()  # last chunk of a choice only
+    reasoning_text: str = ""  # a reasoning model's thought, delta (`text` is the answer)
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,7 @@ class GenerateResult:
     stop: str | int | None = None  # matched stop string or stop token id
     # schema keywords not enforced (relaxed=True); empty when every keyword was
     relaxed_keywords: tuple[RelaxedKeyword, ...] = ()
+    reasoning_text: str = ""  # a reasoning model's thought (`text` is only its answer)
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17mmserve/v1/common.proto\x12\nmmserve.v1\"?\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x0e\n\x04path\x18\x02 \x01(\tH\x00\x12\x0c\n\x04uuid\x18\x03 \x01(\tB\x08\n\x06source\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\x05Input\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.mmserve.v1.TokenIdsH\x00\x12\"\n\x05image\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.ImageH\x00\x42\x06\n\x04kind\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"D\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x16\n\x0e\x66irst_token_ms\x18\x02 \x01(\x02\x12\x10\n\x08total_ms\x18\x03 \x01(\x02*^\n\x08Truncate\x12\x18\n\x14TRUNCATE_UNSPECIFIED\x10\x00\x12\x11\n\rTRUNCATE_NONE\x10\x01\x12\x11\n\rTRUNCATE_LEFT\x10\x02\x12\x12\n\x0eTRUNCATE_RIGHT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17mmserve/v1/common.proto\x12\nmmserve.v1\"?\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\x0e\n\x04path\x18\x02 \x01(\tH\x00\x12\x0c\n\x04uuid\x18\x03 \x01(\tB\x08\n\x06source\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\x05Input\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.mmserve.v1.TokenIdsH\x00\x12\"\n\x05image\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.ImageH\x00\x42\x06\n\x04kind\"j\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\"D\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x16\n\x0e\x66irst_token_ms\x18\x02 \x01(\x02\x12\x10\n\x08total_ms\x18\x03 \x01(\x02*^\n\x08Truncate\x12\x18\n\x14TRUNCATE_UNSPECIFIED\x10\x00\x12\x11\n\rTRUNCATE_NONE\x10\x01\x12\x11\n\rTRUNCATE_LEFT\x10\x02\x12\x12\n\x0eTRUNCATE_RIGHT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mmserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRUNCATE']._serialized_start=393
-  _globals['_TRUNCATE']._serialized_end=487
+  _globals['_TRUNCATE']._serialized_start=419
+  _globals['_TRUNCATE']._serialized_end=513
   _globals['_IMAGE']._serialized_start=39
   _globals['_IMAGE']._serialized_end=102
   _globals['_TOKENIDS']._serialized_start=104
@@ -40,7 +40,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INPUT']._serialized_start=129
   _globals['_INPUT']._serialized_end=239
   _globals['_USAGE']._serialized_start=241
-  _globals['_USAGE']._serialized_end=321
-  _globals['_TIMING']._serialized_start=323
-  _globals['_TIMING']._serialized_end=391
+  _globals['_USAGE']._serialized_end=347
+  _globals['_TIMING']._serialized_start=349
+  _globals['_TIMING']._serialized_end=417
 # @@protoc_insertion_point(module_scope)
