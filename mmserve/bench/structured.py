@@ -74,7 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schemas",
         default=None,
-        help="structured: a folder of *.json schemas to compile (default: shipped set)",
+        help="structured: a folder of *.json schemas to compile (default: shipped set), or a "
+        "JSONSchemaBench-style corpus file: then compile rates, random-walk soundness and "
+        "compile times per source (schema_corpus.py), with --model's tokenizer",
+    )
+    p.add_argument(
+        "--walks", type=int, default=2, help="structured --schemas FILE: random walks per schema"
     )
     p.add_argument(
         "--compile-repeats", type=int, default=3, help="structured: cold compiles of each schema"
@@ -274,6 +279,9 @@ def run(args: argparse.Namespace) -> None:
     from mmserve.models.loader import resolve_device, resolve_dtype
 
     backends = parse_backends(args.structured_backend)
+    if args.schemas and Path(args.schemas).is_file():
+        corpus_run(args, backends)
+        return
     batch_sizes = parse_batch_sizes(args.batch_sizes)
     for flag in ("compile_repeats", "tpot_repeats"):
         if getattr(args, flag) < 1:
@@ -303,6 +311,36 @@ def run(args: argparse.Namespace) -> None:
                 **common,
                 **tpot_figures(engine, name, batch, args),
             )
+
+
+def corpus_run(args: argparse.Namespace, backend_names: list[str]) -> None:
+    """--schemas FILE: the corpus figures (schema_corpus.py), on --model's tokenizer only."""
+    import xgrammar as xgr
+
+    from mmserve.bench.grammar_walk import Vocab
+    from mmserve.bench.models import make_model_folder
+    from mmserve.bench.schema_corpus import load_corpus, run_corpus
+    from mmserve.processors.tokenizer import load_tokenizer
+    from mmserve.structured_output import create_backend
+    from mmserve.structured_output.vocab import token_bytes
+
+    model = args.model or "shape:llama3-8b"
+    folder = Path(model)
+    if model.startswith("shape:"):
+        folder = make_model_folder(model.split(":", 1)[1], Path(tempfile.mkdtemp()) / "model")
+    tokenizer = load_tokenizer(folder)
+    size, eos = len(tokenizer), [int(tokenizer.eos_token_id)]
+    backends = {name: create_backend(name, tokenizer, size, eos) for name in backend_names}
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size, stop_token_ids=eos)
+    raw = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    vocab = Vocab(token_bytes(tokenizer, size), eos)
+    corpus = load_corpus(Path(args.schemas))
+    try:
+        for row in run_corpus(backends, vocab, corpus, args.walks, raw):
+            _emit(bench="structured-corpus", model=model, walks=args.walks, **row)
+    finally:
+        for backend in backends.values():
+            backend.close()
 
 
 def _gpu_name(device: torch.device) -> str | None:

@@ -8,6 +8,7 @@ another model, so one model's slow templates or inputs hold up only its own call
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import queue
@@ -24,6 +25,7 @@ from mmserve.errors import EngineDead, ResourceExhausted
 from mmserve.frontend.frontend import FrontEnd, GenerateJob, GenerationDelta, PooledResult
 from mmserve.inputs import MMInput
 from mmserve.params import PoolingParams
+from mmserve.structured_output.schema_tree import RelaxedKeyword
 
 logger = logging.getLogger(__name__)
 LIVENESS_POLL_S = 0.5  # an idle engine thread checks this often that its engine still lives
@@ -151,15 +153,19 @@ class AsyncFrontEnd:
         """Yields the deltas of a request FrontEnd.validate made until every choice has
         finished (a constraint that fails to compile raises before the first); leaving the
         iteration early aborts the request."""
+        relaxed: tuple[RelaxedKeyword, ...] = ()
         if job.params.structured is not None:  # compiling can take a while: not on the loop
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(
+            grammar = await loop.run_in_executor(
                 self._grammar_waits, self.frontend.compile_grammar, job.params
             )
+            relaxed = grammar.relaxed if grammar is not None else ()
         # aclosing: closing this generator closes _submit at once, which aborts the request;
         # left to the garbage collector, a request abandoned in a reference cycle ran on
         async with aclosing(self._submit(job)) as items:
             async for item in items:
+                if relaxed and item.finish_reason is not None:
+                    item = dataclasses.replace(item, relaxed_keywords=relaxed)
                 yield item
 
     async def pool_batch(

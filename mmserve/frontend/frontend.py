@@ -34,6 +34,7 @@ from mmserve.processors.reasoning_parsers import ReasoningGate
 from mmserve.processors.tokenizer import load_tokenizer
 from mmserve.structured_output.backend import CompiledGrammar
 from mmserve.structured_output.manager import StructuredOutputManager
+from mmserve.structured_output.schema_tree import RelaxedKeyword
 
 
 @dataclass
@@ -55,6 +56,9 @@ class GenerationDelta:
     first_scheduled_time: float | None = None  # time.monotonic() when it first ran a step
     num_draft_tokens: int = 0  # speculative guesses checked for this choice so far
     num_accepted_draft_tokens: int = 0  # of those, the ones the model accepted
+    # the schema keywords its constraint compiled around (StructuredOutputParams.relaxed);
+    # on the delta that finishes the choice only
+    relaxed_keywords: tuple[RelaxedKeyword, ...] = ()
 
 
 @dataclass

@@ -114,7 +114,8 @@ def structured_output(
     value = "" if kind == "json_object" else getattr(s, kind)
     if kind == "choice":
         value = tuple(s.choice.choices)
-    return StructuredOutputParams(kind, value, structured_backend(request, default_backend))
+    backend = structured_backend(request, default_backend)
+    return StructuredOutputParams(kind, value, backend, relaxed=s.relaxed)
 
 
 def structured_backend(request: generate_pb2.GenerateRequest, default_backend: str) -> str:
@@ -245,6 +246,10 @@ def response(delta: Any, request_id: str, token_text: TokenText) -> generate_pb2
         out.stop_string = delta.stop_reason
     elif delta.finish_reason == "stop" and isinstance(delta.stop_reason, int):
         out.stop_token_id = delta.stop_reason
+    out.relaxed_keywords.extend(
+        generate_pb2.RelaxedKeyword(pointer=r.pointer, keyword=r.keyword)
+        for r in delta.relaxed_keywords
+    )
     return out
 
 

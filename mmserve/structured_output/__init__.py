@@ -6,8 +6,12 @@ default) and outlines-core. Per model, a StructuredOutputManager compiles constr
 the output; per step, `fill_bitmasks` fills the token bitmask rows of all constrained
 requests on the CPU (xgrammar's in parallel), and `apply_bitmask` masks the logits.
 
-Nothing is weakened silently: a schema keyword, format, or regex feature an engine would
-ignore is rejected with InvalidArgument and a JSON pointer (schema_check.py, keywords.py).
+Nothing is weakened silently: a schema is first rewritten into the form the engines read
+exactly (normalize.py, merge.py, rewrites.py), then a validation keyword, format or regex
+feature an engine would still ignore is rejected with InvalidArgument and a JSON pointer
+(schema_check.py, keywords.py) - or, when the request sets `relaxed`, compiled around and
+reported (CompiledGrammar.relaxed). Annotations and unknown keywords are ignored, as by
+validators. prepare.py runs the steps.
 
 This package imports neither engine until a backend is built.
 """
@@ -28,9 +32,10 @@ from .backend import (
     fill_bitmasks,
     unpack_bitmask,
 )
+from .normalize import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
 from .params import BACKEND_NAMES, KINDS, StructuredOutputParams
 from .registry import DEFAULT_BACKEND, backend_names, create_backend, get_backend_class
-from .schema_check import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, SchemaError
+from .schema_tree import RelaxedKeyword, SchemaError
 
 if TYPE_CHECKING:
     from .manager import StructuredOutputManager
@@ -44,6 +49,7 @@ __all__ = [
     "MAX_SCHEMA_NODES",
     "CompiledGrammar",
     "GrammarMatcher",
+    "RelaxedKeyword",
     "SchemaError",
     "StructuredOutputBackend",
     "StructuredOutputManager",

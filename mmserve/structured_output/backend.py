@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Self
 import torch
 
 from .params import StructuredOutputParams
+from .schema_tree import RelaxedKeyword
 
 if TYPE_CHECKING:  # the sampler imports this module; it needs no transformers
     from transformers import PreTrainedTokenizerFast
@@ -79,6 +80,10 @@ class GrammarMatcher(abc.ABC):
 class CompiledGrammar(abc.ABC):
     """An immutable compiled constraint, shared (cached) by every request that uses it."""
 
+    # The schema keywords compiled around (StructuredOutputParams.relaxed), in the order
+    # found; empty unless relaxed.
+    relaxed: tuple[RelaxedKeyword, ...] = ()
+
     @abc.abstractmethod
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start state. Thread-safe."""
@@ -106,6 +111,9 @@ class StructuredOutputBackend(abc.ABC):
         """Compile a validated constraint. Raises InvalidArgument pointing at the offending
         part (SchemaError with a JSON pointer for schemas) if it is malformed, too large,
         or uses anything this backend would not enforce."""
+
+    def close(self) -> None:
+        """Releases what the backend holds beyond memory (worker processes)."""
 
 
 # How far a matcher can be rolled back; enough for speculative decoding's drafts.

@@ -1,12 +1,17 @@
-"""Which JSON Schema keywords each backend enforces (data only; schema_check walks it).
+"""Which JSON Schema keywords exist, and which each backend enforces (data only).
 
-Found by experiment (xgrammar 0.2.9, outlines-core 0.2.14): for each keyword, a schema and
-an instance that violates it; a keyword is listed only if the backend's grammar rejects the
-violating instance. Keywords a backend accepts but does not enforce (xgrammar: uniqueItems,
-contains, if/then/else, not, dependentRequired...; outlines-core: minimum, maximum,
-multipleOf, patternProperties, maxProperties...) are *not* listed, so schemas using them are
-rejected instead of weakened. tests/structured_output/test_keyword_rules.py re-runs the
-experiment, so a backend upgrade that changes behaviour fails loudly.
+A schema keyword is one of three kinds:
+- a validation keyword of some draft (VALIDATION): it constrains values, so a backend that
+  does not enforce it must refuse the schema (or, under `relaxed`, drop it and say so);
+- an identifier ($id, draft-04 `id`, $schema, $anchor, ...) or the definitions container;
+- anything else: annotations (title, description, examples, readOnly, ...), vendor
+  extensions (x-..., javaType, _format) and typos. Validators ignore these, and so do we.
+
+The backends' lists were found by experiment (xgrammar 0.2.9, outlines-core 0.2.14): for each
+keyword a schema and an instance that violates it; a keyword is listed only if the grammar
+rejects the violating instance, on the schemas as normalize.py hands them over (combinators
+alone, types explicit). tests/structured_output/test_keyword_rules.py re-runs the experiment,
+and the random walks of test_real_schemas.py check whole real-world schemas.
 """
 
 from __future__ import annotations
@@ -15,105 +20,150 @@ from dataclasses import dataclass
 
 JSON_TYPES = frozenset({"null", "boolean", "object", "array", "number", "integer", "string"})
 
-# Keywords that never constrain a value: free for every backend.
-ANNOTATIONS = frozenset(
-    {
-        "title", "description", "default", "examples", "$comment", "deprecated",
-        "readOnly", "writeOnly",
-        "discriminator",  # OpenAPI / pydantic hint; the oneOf it annotates is what is checked
-    }
-)  # fmt: skip
-ROOT_ONLY = frozenset({"$schema", "$id"})  # a nested $id would change what $ref resolves to
-DEFINITIONS = frozenset({"$defs", "definitions"})
-
-# Keywords that only constrain values of one JSON type, by that type.
+# Keywords that only constrain values of one JSON type, by that type ("number" covers
+# integers). A node without "type" is narrowed to the types its keywords constrain.
 TYPE_KEYWORDS = {
     "number": frozenset(
         {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
     ),
-    "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
+    "string": frozenset({"minLength", "maxLength", "pattern", "format"}),  # known formats
     "object": frozenset(
         {
             "properties", "required", "additionalProperties", "patternProperties",
             "propertyNames", "minProperties", "maxProperties", "unevaluatedProperties",
+            "dependentRequired", "dependentSchemas", "dependencies",
         }
     ),
-    "array": frozenset({"items", "prefixItems", "minItems", "maxItems", "unevaluatedItems"}),
+    "array": frozenset(
+        {
+            "items", "prefixItems", "minItems", "maxItems", "unevaluatedItems", "uniqueItems",
+            "contains", "minContains", "maxContains",
+        }
+    ),
 }  # fmt: skip
 KEYWORD_TYPE = {kw: t for t, kws in TYPE_KEYWORDS.items() for kw in kws}
-VALUE_KEYWORDS = frozenset({"enum", "const"})
-COMBINATORS = frozenset({"anyOf", "oneOf", "allOf", "$ref"})
-NUMERIC_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+
+# Every validation keyword of drafts 3 to 2020-12 (normalize.py rewrites the old spellings).
+VALIDATION = frozenset(
+    {
+        "type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+        "$ref", "$dynamicRef", "$recursiveRef", "format",
+        "additionalItems", "disallow", "extends", "divisibleBy",  # drafts 3 and 4
+        *KEYWORD_TYPE,
+    }
+)  # fmt: skip
+IDENTIFIERS = frozenset(
+    {"$id", "id", "$schema", "$anchor", "$dynamicAnchor", "$recursiveAnchor", "$vocabulary"}
+)
+DEFINITIONS = frozenset({"$defs", "definitions"})
+
+# The formats the drafts define. Any other "format" value is an annotation (validators
+# ignore it: "int32", "double", "url", ...), so it is accepted and ignored.
+KNOWN_FORMATS = frozenset(
+    {
+        "date-time", "date", "time", "duration", "email", "idn-email", "hostname",
+        "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference",
+        "uuid", "uri-template", "json-pointer", "relative-json-pointer", "regex",
+        "color", "host-name", "ip-address", "utc-millisec",  # draft 3
+    }
+)  # fmt: skip
+# Formats enforced as another one whose values are all valid for them: a URI is an IRI, an
+# email address an internationalised one; and the draft 3 spellings.
+FORMAT_ALIASES = {
+    "iri": "uri", "iri-reference": "uri-reference", "idn-email": "email",
+    "host-name": "hostname", "ip-address": "ipv4",
+}  # fmt: skip
 
 # Where subschemas sit, by the shape of the keyword's value.
-SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
 SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
 SCHEMA_VALUES = frozenset(
-    {"items", "additionalProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems"}
-)
+    {
+        "items", "additionalProperties", "propertyNames", "unevaluatedProperties",
+        "unevaluatedItems", "not", "if", "then", "else", "contains", "additionalItems",
+    }
+)  # fmt: skip
+COMBINATORS = frozenset({"anyOf", "oneOf"})
 
 
 @dataclass(frozen=True)
 class SchemaRules:
-    """What one backend enforces. Anything else in a schema is rejected."""
+    """What one backend enforces (of VALIDATION; anything else in a normalized schema is
+    refused, or dropped and reported under `relaxed`)."""
 
     backend: str
-    keywords: frozenset[str]  # validation keywords enforced (besides "type", $defs, annotations)
-    formats: frozenset[str]  # values of "format" enforced
-    # The engine matches a pattern against the raw JSON text between the quotes, so a
-    # pattern that can match `"`, `\` or a control character yields invalid JSON.
+    keywords: frozenset[str]  # validation keywords enforced (besides "type")
+    formats: frozenset[str]  # "format" values the engine enforces itself
+    # formats enforced as a pattern from formats.py instead (exact where the engine's own
+    # regex is not)
+    pattern_formats: frozenset[str]
+    # The engine matches a pattern against the raw JSON text between the quotes, so
+    # patterns are translated to the JSON text (patterns.py) before it sees them.
     raw_json_patterns: bool = False
-    # The engine enforces a recursive $ref at every depth (a context-free grammar); a regex
-    # engine unrolls it a few levels and drops the rest (refs.py), so it must refuse it.
+    # The engine resolves references itself, recursive ones at every depth (a context-free
+    # grammar). A regex engine gets them written out, recursion cut (outlines_schema.py).
     recursive_refs: bool = True
+    # Numeric bounds next to multipleOf are enforced (xgrammar ignores multipleOf then).
+    bounded_multiple_of: bool = False
+    # min/maxProperties, and items/min/maxItems next to prefixItems, are enforced.
+    counts_members: bool = True
+    # Numeric bounds are enforced by a regex from numbers.py (whole-number bounds only).
+    bounds_as_regex: bool = False
+    # The largest minLength / maxLength / minItems / maxItems enforced (a regex automaton
+    # grows with the count: maxLength 32767 took outlines-core six minutes); None: any.
+    max_count: int | None = None
 
+
+_SHARED = frozenset(
+    {
+        "enum", "const", "anyOf", "oneOf", "$ref",
+        "minLength", "maxLength", "pattern", "format",
+        "properties", "required", "additionalProperties",
+        "items", "prefixItems", "minItems", "maxItems",
+    }
+)  # fmt: skip
+
+# oneOf only with provably disjoint branches (else xgrammar falls back to anyOf);
+# multipleOf only for integers without bounds (else ignored); see schema_check.
+_XGRAMMAR_KEYWORDS = _SHARED | frozenset(
+    {
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+        "patternProperties", "propertyNames", "minProperties", "maxProperties",
+        "unevaluatedProperties", "unevaluatedItems",
+    }
+)  # fmt: skip
+# Checked against jsonschema[format] on random walks. xgrammar's date, date-time and time
+# allow 2023-02-31 and a leap second at any minute, its ipv4 leading zeros, its hostname
+# labels over 63 characters: those come from formats.py instead.
+_XGRAMMAR_FORMATS = frozenset(
+    {
+        "email", "ipv6", "uuid", "uri", "uri-reference", "uri-template", "json-pointer",
+        "relative-json-pointer", "duration",
+    }
+)  # fmt: skip
 
 XGRAMMAR_RULES = SchemaRules(
     backend="xgrammar",
-    # oneOf only with provably disjoint branches (else xgrammar falls back to anyOf);
-    # multipleOf only for integers without bounds (else ignored); see schema_check.
-    keywords=frozenset(
-        {
-            "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
-            "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-            "minLength", "maxLength", "pattern", "format",
-            "properties", "required", "additionalProperties", "patternProperties",
-            "propertyNames", "minProperties", "maxProperties", "unevaluatedProperties",
-            "items", "prefixItems", "minItems", "maxItems", "unevaluatedItems",
-        }
-    ),
-    # Checked against jsonschema[format] on random walks. Refused because only approximated:
-    # date, date-time, time (2023-02-31, a leap second at any minute), ipv4 (leading zeros),
-    # hostname (labels over 63 characters); see FORMAT_HINTS.
-    formats=frozenset(
-        {
-            "email", "ipv6", "uuid", "uri", "uri-reference", "uri-template", "json-pointer",
-            "relative-json-pointer", "duration",
-        }
-    ),
-)  # fmt: skip
+    keywords=_XGRAMMAR_KEYWORDS,
+    formats=_XGRAMMAR_FORMATS,
+    pattern_formats=frozenset({"date", "time", "date-time", "ipv4", "hostname"}),
+)
 
 OUTLINES_RULES = SchemaRules(
     backend="outlines",
-    keywords=frozenset(
-        {
-            "enum", "const", "anyOf", "allOf", "$ref",
-            "minLength", "maxLength", "pattern", "format",
-            "properties", "required", "additionalProperties",
-            "items", "prefixItems", "minItems", "maxItems",
-        }
-    ),
-    # outlines-core's other format regexes can produce invalid JSON (email, uri: raw `"`;
+    keywords=_SHARED
+    | frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "patternProperties"}),
+    # outlines-core's own format regexes can produce invalid JSON (email, uri: raw `"`;
     # time: a raw backslash) or invalid values (date: Unicode digits; date-time: no offset).
-    formats=frozenset({"uuid"}),
+    formats=frozenset(),
+    pattern_formats=frozenset(
+        {"date", "time", "date-time", "ipv4", "hostname", "uuid", "email", "uri", "uri-reference"}
+    ),
     raw_json_patterns=True,
     recursive_refs=False,
-)  # fmt: skip
-
-# For formats a backend only approximates: a pattern with the same approximation, which a
-# schema can use instead to accept it explicitly (quoted in the rejection message).
-FORMAT_HINTS = {
-    "date": "^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])$",
-    "time": "^([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])$",
-    "ipv4": "^((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])$",
-}
+    counts_members=False,
+    bounds_as_regex=True,
+    max_count=256,
+)

@@ -61,7 +61,7 @@ class StructuredOutputManager:
         """Validate and compile (cached). Raises InvalidArgument / ResourceExhausted."""
         params.validate()
         backend = self.backend(params.backend)  # outside the compile time limit
-        key = (backend.name, params.kind, params.cache_value)
+        key = (backend.name, *params.cache_key)
         return self.cache.get(key, lambda: backend.compile(params), params.field)
 
     async def compile_async(self, params: StructuredOutputParams) -> CompiledGrammar:
@@ -69,3 +69,7 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         self.cache.close()
+        with self._lock:
+            backends, self._backends = list(self._backends.values()), {}
+        for backend in backends:
+            backend.close()

@@ -13,7 +13,6 @@ from typing import cast
 
 import torch
 from outlines_core import Guide, Index, Vocabulary
-from outlines_core.json_schema import build_regex_from_schema
 from transformers import PreTrainedTokenizerFast
 
 from mmserve.errors import InvalidArgument
@@ -27,10 +26,17 @@ from .backend import (
     bitmask_width,
 )
 from .keywords import OUTLINES_RULES
+from .outlines_worker import BuildTimeout, IndexBuilder, Job, SchemaJob
 from .params import StructuredOutputParams
+from .prepare import prepare_schema
 from .regex_check import RegexProblem, strip_anchors
-from .schema_check import check_schema, parse_schema
+from .schema_check import parse_schema
+from .schema_tree import RelaxedKeyword
 from .vocab import token_bytes
+
+# The most an Index build may take (under the grammar cache's limit, so that this error,
+# naming the backend, is the one reported, and the build is stopped: outlines_worker.py).
+BUILD_TIMEOUT_S = 8.0
 
 # Characters with a meaning in outlines-core's (Rust) regex syntax; a backslash before any
 # of them is accepted by both Rust's and Python's regex parsers.
@@ -47,33 +53,49 @@ class OutlinesBackend(StructuredOutputBackend):
             raise ValueError("the outlines backend needs at least one eos token id")
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self._vocabulary = _vocabulary(tokenizer, vocab_size, eos_token_ids)
+        self._builder = IndexBuilder(
+            _vocabulary(tokenizer, vocab_size, eos_token_ids), BUILD_TIMEOUT_S
+        )
 
     def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
         params.validate()
-        regex = self._regex_for(params)
+        job, relaxed = self._job_for(params)
         try:
-            index = Index(regex, self._vocabulary)
+            index = self._builder.build(job)
         except ValueError as e:  # outlines-core's message (regex syntax, unsupported feature)
             raise InvalidArgument(params.field, str(e)) from None
-        return OutlinesCompiled(index, self.vocab_size, self.eos_token_ids)
+        except BuildTimeout as e:
+            raise InvalidArgument(
+                params.field,
+                f"took too long to compile with the outlines backend ({e}; stopped): simplify "
+                "it (long maxLength, many optional properties) or use the xgrammar backend",
+            ) from None
+        return OutlinesCompiled(index, self.vocab_size, self.eos_token_ids, relaxed)
 
-    def _regex_for(self, params: StructuredOutputParams) -> str:
+    def close(self) -> None:
+        """Stops the worker processes that build Indexes."""
+        self._builder.close()
+
+    def _job_for(self, params: StructuredOutputParams) -> tuple[Job, tuple[RelaxedKeyword, ...]]:
+        """What the worker builds (outlines-core's own regex for a schema is made there too:
+        for some schemas it is gigabytes), and the keywords relaxed."""
         text = cast(str, params.value)  # a string for every kind but choice
         try:
-            if params.kind == "json_schema":
-                check_schema(parse_schema(text), OUTLINES_RULES)
-                return str(build_regex_from_schema(text, None))
-            if params.kind == "json_object":
-                return str(build_regex_from_schema('{"type": "object"}', None))
-            if params.kind == "regex":
-                return strip_anchors(text)
-            if params.kind == "choice":
-                return "|".join(_escape(choice) for choice in params.value)
+            if params.kind in ("json_schema", "json_object"):
+                schema = parse_schema(text) if params.kind == "json_schema" else {"type": "object"}
+                prepared = prepare_schema(schema, OUTLINES_RULES, params.relaxed)
+                return SchemaJob(prepared.text, prepared.splices), prepared.relaxed
+            return self._plain_regex(params, text), ()
         except InvalidArgument:
             raise
         except (RegexProblem, ValueError, TypeError) as e:  # outlines-core's own message
             raise InvalidArgument(params.field, str(e)) from None
+
+    def _plain_regex(self, params: StructuredOutputParams, text: str) -> str:
+        if params.kind == "regex":
+            return strip_anchors(text)
+        if params.kind == "choice":
+            return "|".join(_escape(choice) for choice in params.value)
         raise InvalidArgument(
             params.field,
             "the outlines backend does not support EBNF grammars (outlines-core has no "
@@ -97,7 +119,14 @@ def _vocabulary(
 
 
 class OutlinesCompiled(CompiledGrammar):
-    def __init__(self, index: Index, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        index: Index,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        relaxed: tuple[RelaxedKeyword, ...] = (),
+    ) -> None:
+        self.relaxed = relaxed
         self._index = index
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids

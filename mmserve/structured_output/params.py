@@ -12,7 +12,7 @@ BACKEND_NAMES = ("auto", "xgrammar", "outlines")
 
 # Size limits on what a request may ask to compile. Compile time and memory grow with the
 # constraint; these bound the work one request can cause before the compile time limit.
-MAX_SCHEMA_BYTES = 128 * 1024  # JSON schema text, UTF-8
+MAX_SCHEMA_BYTES = 512 * 1024  # JSON schema text, UTF-8 (Kubernetes' run to 300 KiB)
 MAX_REGEX_CHARS = 8 * 1024
 MAX_GRAMMAR_BYTES = 128 * 1024  # EBNF text, UTF-8
 MAX_CHOICES = 1024
@@ -28,6 +28,9 @@ class StructuredOutputParams:
     # choice: the allowed outputs (a list is accepted and kept as a tuple); json_object: "".
     value: str | Sequence[str] = ""
     backend: str = "auto"  # one of BACKEND_NAMES; auto = the server's default backend
+    # json_schema only: compile around the keywords the backend cannot enforce (reported as
+    # CompiledGrammar.relaxed) instead of refusing the schema. Ignored for other kinds.
+    relaxed: bool = False
 
     def __post_init__(self) -> None:
         # Choices may come in as a list; a tuple keeps the params hashable (cache keys).
@@ -45,6 +48,11 @@ class StructuredOutputParams:
         if self.kind == "json_object":
             return ""
         return self.value if isinstance(self.value, str) else tuple(self.value)
+
+    @property
+    def cache_key(self) -> tuple[str, str | tuple[str, ...], bool]:
+        """What the compiled grammar depends on, besides the backend."""
+        return self.kind, self.cache_value, self.relaxed and self.kind == "json_schema"
 
     def validate(self) -> None:
         """Checks that need no backend. Raises InvalidArgument naming the field."""

@@ -40,7 +40,7 @@ def strip_anchors(pattern: str) -> str:
     _scan(pattern)
     _check_syntax(pattern)
     start = 1 if pattern.startswith("^") else 0
-    end = len(pattern) - 1 if _ends_with_anchor(pattern) else len(pattern)
+    end = len(pattern) - 1 if ends_with_anchor(pattern) else len(pattern)
     return pattern[start:end]
 
 
@@ -61,7 +61,7 @@ def _check_syntax(pattern: str) -> None:
         raise RegexProblem(0, "too deeply nested or too large") from None
 
 
-def _ends_with_anchor(pattern: str) -> bool:
+def ends_with_anchor(pattern: str) -> bool:
     if not pattern.endswith("$"):
         return False
     backslashes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))

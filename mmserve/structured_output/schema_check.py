@@ -1,10 +1,10 @@
-"""Walk a JSON schema and reject what a backend would not enforce, with a JSON pointer.
+"""Check a normalized schema (normalize.py, rewrites.py) against what one backend enforces.
 
-Grammar engines drop schema keywords they do not implement, which silently weakens the
-constraint. This walk is an allow-list (keywords.py), plus the combinations that xgrammar
-accepts but handles only in part (each found by experiment, see the rule's comment).
-Limits: MAX_SCHEMA_DEPTH nested subschemas, MAX_SCHEMA_NODES subschemas in all; the text
-size is bounded by params.MAX_SCHEMA_BYTES before parsing.
+Engines drop keywords they do not implement, which silently weakens the constraint. This
+walk refuses every validation keyword a backend would not enforce (keywords.py), and the
+combinations the engines handle only in part (each found by experiment, see the rule's
+comment) - or, under `relaxed`, drops it and reports it. Annotations, unknown keywords and
+unknown formats are not validation keywords: they never reach here.
 """
 
 from __future__ import annotations
@@ -13,28 +13,25 @@ import json
 import re
 from typing import Any
 
-from mmserve.errors import InvalidArgument
-
 from . import keywords as kw
 from .disjoint import branches_disjoint
-from .refs import find_recursive_ref, pointer_join, resolve_local_ref
-from .regex_check import RegexProblem, check_json_string_pattern, strip_anchors
+from .formats import FORMAT_PATTERNS
+from .numbers import bounds_regex
+from .patterns import full_match, json_text_pattern, length_range, xgrammar_pattern
+from .regex_check import RegexProblem
+from .rewrites import keep_only
+from .schema_tree import FIELD, Node, Problems, Schema, SchemaError, to_json, walk
 
-MAX_SCHEMA_DEPTH = 32  # nesting of subschemas (a $ref counts once, where it is written)
-MAX_SCHEMA_NODES = 4096  # subschemas in the whole document, $defs included
-FIELD = "structured.json_schema"
-
-
-class SchemaError(InvalidArgument):
-    """A schema problem at `pointer` (RFC 6901 JSON pointer, "" = the root)."""
-
-    def __init__(self, pointer: str, message: str, field: str = FIELD) -> None:
-        super().__init__(field, f"at {pointer or '/'}: {message}")
-        self.pointer = pointer
+__all__ = ["FIELD", "SchemaError", "check_schema", "parse_schema"]
+MAX_ENUM_RANGE = 64  # a bounded integer the engine cannot bound: its values as an enum
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_ ]*")
+_NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 
 def parse_schema(text: str, field: str = FIELD) -> Any:
     """JSON text -> schema (an object or a boolean)."""
+    from mmserve.errors import InvalidArgument
+
     try:
         schema = json.loads(text)
     except RecursionError:
@@ -48,278 +45,292 @@ def parse_schema(text: str, field: str = FIELD) -> Any:
 
 def check_schema(schema: Any, rules: kw.SchemaRules, field: str = FIELD) -> None:
     """Raise SchemaError at the first part of `schema` that `rules` does not enforce."""
-    _Walk(schema, rules, field).node(schema, "", 0)
-    recursive = None if rules.recursive_refs else find_recursive_ref(schema)
-    if recursive is not None:
-        raise SchemaError(
-            recursive,
-            f"a recursive reference; the {rules.backend} backend would unroll it only a few "
-            "levels and not enforce the schema below them; use the xgrammar backend",
-            field,
-        )
+    from .prepare import prepare_schema
+
+    prepare_schema(schema, rules, relaxed=False, field=field)
 
 
-class _Walk:
-    def __init__(self, root: Any, rules: kw.SchemaRules, field: str) -> None:
-        self.root, self.rules, self.field = root, rules, field
-        self.nodes = 0
+class Checker:
+    """One pass over every node; rewrites what it can enforce another way in place."""
 
-    def fail(self, pointer: str, message: str) -> SchemaError:
-        return SchemaError(pointer, message, self.field)
-
-    def node(
-        self, schema: Any, ptr: str, depth: int, implied: frozenset[str] = frozenset()
+    def __init__(
+        self, rules: kw.SchemaRules, problems: Problems, root: Schema, defs: dict[str, Schema]
     ) -> None:
-        self.nodes += 1
-        if self.nodes > MAX_SCHEMA_NODES:
-            raise self.fail(ptr, f"more than {MAX_SCHEMA_NODES} subschemas")
-        if depth > MAX_SCHEMA_DEPTH:
-            raise self.fail(ptr, f"subschemas nested deeper than {MAX_SCHEMA_DEPTH}")
-        if isinstance(schema, bool):
-            return
-        if not isinstance(schema, dict):
-            raise self.fail(ptr, "a schema must be a JSON object or a boolean")
-        for key in schema:
-            self.keyword_allowed(key, ptr)
-        types = self.types(schema, ptr) or implied
-        self.check_siblings(schema, ptr, types)
-        self.check_values(schema, ptr, types)
-        self.check_combinators(schema, ptr)
-        self.check_strings(schema, ptr)
-        self.check_numbers(schema, ptr, types)
-        self.check_objects(schema, ptr)
-        self.check_property_sets(schema, ptr)
-        self.children(schema, ptr, depth)
+        self.rules, self.problems = rules, problems
+        self.root, self.defs = root, defs
 
-    def keyword_allowed(self, key: str, ptr: str) -> None:
-        if key in kw.ANNOTATIONS or key.startswith("x-") or key in kw.DEFINITIONS:
-            return
-        if key in kw.ROOT_ONLY:
-            if ptr:
-                raise self.fail(pointer_join(ptr, key), f"{key!r} is only allowed at the root")
-            return
-        if key != "type" and key not in self.rules.keywords:
-            raise self.fail(
-                pointer_join(ptr, key),
-                f"keyword {key!r} is not supported by the {self.rules.backend} backend "
-                "(it would be ignored, not enforced); supported: "
-                + ", ".join(sorted(self.rules.keywords)),
-            )
+    def run(self) -> None:
+        for node in walk([self.root, *self.defs.values()]):
+            self.node(node)
 
-    def types(self, schema: dict[str, Any], ptr: str) -> frozenset[str]:
-        t = schema.get("type")
-        names = [t] if isinstance(t, str) else t if isinstance(t, list) else None
-        valid = names and all(isinstance(n, str) and n in kw.JSON_TYPES for n in names)
-        if t is not None and not valid:
-            raise self.fail(pointer_join(ptr, "type"), f"must be one of {sorted(kw.JSON_TYPES)}")
-        return frozenset(names or ())
+    def node(self, node: Node) -> None:
+        if "oneOf" in node.keywords:
+            self.one_of(node)
+        self.numbers(node)
+        self.counts(node)
+        self.strings(node)
+        self.objects(node)
+        self.arrays(node)
+        for key in [k for k in node.keywords if k != "type" and k not in self.rules.keywords]:
+            if key in ("then", "else", "minContains", "maxContains"):
+                node.drop(key)  # inert without "if" / "contains", which are reported
+                continue
+            self.problems.unenforced(
+                node, key,
+                f"keyword {node.name_of(key)!r} is not supported by the {self.rules.backend} backend (it "
+                "would be ignored, not enforced); supported: " + ", ".join(sorted(self.rules.keywords)),
+            )  # fmt: skip
 
-    def check_siblings(self, schema: dict[str, Any], ptr: str, types: frozenset[str]) -> None:
-        # xgrammar enforces enum/const alone (keywords beside them but "type" are dropped) and
-        # a combinator alone (keywords beside anyOf/oneOf/allOf/$ref, "type" included, are
-        # dropped): refuse both.
-        validating = [k for k in schema if _validates(k) or k == "type"]
-        for lead in ("enum", "const", "anyOf", "oneOf", "allOf", "$ref"):
-            if lead in schema:
-                allowed = {lead, "type"} if lead in kw.VALUE_KEYWORDS else {lead}
-                extra = next((k for k in validating if k not in allowed), None)
-                if extra is not None:
-                    raise self.fail(
-                        pointer_join(ptr, extra),
-                        f"{extra!r} next to {lead!r} is not enforced; move it into the "
-                        f"{lead!r} branches or drop it",
-                    )
-        untyped = [k for k in validating if k in kw.KEYWORD_TYPE] if not types else []
-        if untyped:
-            needed = kw.KEYWORD_TYPE[untyped[0]]
-            raise self.fail(
-                pointer_join(ptr, untyped[0]),
-                f'{untyped[0]!r} needs "type": {json.dumps(needed)} beside it',
-            )
-
-    def check_values(self, schema: dict[str, Any], ptr: str, types: frozenset[str]) -> None:
-        if "enum" in schema:
-            values = schema["enum"]
-            if not isinstance(values, list) or not values:
-                raise self.fail(pointer_join(ptr, "enum"), "must be a non-empty array")
-            for i, value in enumerate(values):
-                self.value_has_type(value, types, pointer_join(pointer_join(ptr, "enum"), i))
-        if "const" in schema:
-            self.value_has_type(schema["const"], types, pointer_join(ptr, "const"))
-
-    def value_has_type(self, value: Any, types: frozenset[str], ptr: str) -> None:
-        # xgrammar would generate an enum value of the wrong type: refuse instead.
-        if types and not types & _json_types(value):
-            raise self.fail(ptr, f"{json.dumps(value)} is not of type {sorted(types)}")
-
-    def check_combinators(self, schema: dict[str, Any], ptr: str) -> None:
-        for key in ("anyOf", "oneOf", "allOf"):
-            if key in schema and (not isinstance(schema[key], list) or not schema[key]):
-                raise self.fail(pointer_join(ptr, key), "must be a non-empty array")
-        if len(schema.get("allOf", ())) > 1:  # xgrammar: "support ... is still ongoing"
-            raise self.fail(pointer_join(ptr, "allOf"), "only one subschema is supported")
-        if "oneOf" in schema and not self.disjoint(schema["oneOf"]):
-            raise self.fail(
-                pointer_join(ptr, "oneOf"),
-                "branches must be provably disjoint (different types, or objects with a "
-                "required property whose const values differ); otherwise use anyOf",
-            )
-        if "$ref" in schema:
-            self.resolve(schema["$ref"], pointer_join(ptr, "$ref"))
-
-    def check_strings(self, schema: dict[str, Any], ptr: str) -> None:
-        # xgrammar drops minLength/maxLength next to pattern or format, and pattern next to
-        # format.
-        shaped = [k for k in ("format", "pattern") if k in schema]
-        for key in ("pattern", "minLength", "maxLength"):
-            if key in schema and shaped and shaped[0] != key:
-                raise self.fail(pointer_join(ptr, key), f"cannot be combined with {shaped[0]!r}")
-        fmt = schema.get("format")
-        if fmt is not None and fmt not in self.rules.formats:
-            hint = kw.FORMAT_HINTS.get(fmt) if isinstance(fmt, str) else None
-            raise self.fail(
-                pointer_join(ptr, "format"),
-                f"format {fmt!r} is not enforced exactly by the {self.rules.backend} backend; "
-                f"supported: {', '.join(sorted(self.rules.formats))}"
-                + (
-                    f'; an approximation you may use instead: "pattern": {json.dumps(hint)}'
-                    if hint
-                    else ""
-                ),
-            )
-        if "pattern" in schema:
-            pattern = schema["pattern"]
-            if not isinstance(pattern, str):
-                raise self.fail(pointer_join(ptr, "pattern"), "must be a string")
-            try:
-                strip_anchors(pattern)
-                if self.rules.raw_json_patterns:
-                    check_json_string_pattern(pattern)
-            except RegexProblem as e:
-                raise self.fail(pointer_join(ptr, "pattern"), str(e)) from None
-
-    def check_numbers(self, schema: dict[str, Any], ptr: str, types: frozenset[str]) -> None:
-        if "multipleOf" not in schema:
-            return
-        # xgrammar: "multipleOf is not supported for type:number", and "range + multipleOf
-        # combination not yet supported; ignoring multipleOf".
-        if "number" in types:
-            raise self.fail(pointer_join(ptr, "multipleOf"), "only supported for integers")
-        if kw.NUMERIC_BOUNDS & schema.keys():
-            raise self.fail(
-                pointer_join(ptr, "multipleOf"), "cannot be combined with minimum/maximum"
-            )
-
-    def check_objects(self, schema: dict[str, Any], ptr: str) -> None:
-        if isinstance(schema.get("items"), list):
-            raise self.fail(pointer_join(ptr, "items"), "an array of schemas: use prefixItems")
-        required = schema.get("required", [])
-        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-            raise self.fail(pointer_join(ptr, "required"), "must be an array of strings")
-        # Both engines enforce "required" only for names declared in "properties" (a name
-        # left to additionalProperties / patternProperties may be missing, or worse).
-        properties = schema.get("properties", {})
-        for i, name in enumerate(required):
-            if not isinstance(properties, dict) or name not in properties:
-                raise self.fail(
-                    pointer_join(pointer_join(ptr, "required"), i),
-                    f"required property {name!r} must be declared in properties",
-                )
-
-    def check_property_sets(self, schema: dict[str, Any], ptr: str) -> None:
-        # Found by experiment with xgrammar 0.2.9 (outlines-core has none of these keywords):
-        # a declared property is checked against "properties" only, never against a
-        # matching patternProperties pattern or propertyNames; and a repeated key (which
-        # the grammar cannot rule out among free-form names) counts twice for minProperties.
-        properties, patterns = schema.get("properties"), schema.get("patternProperties")
-        names = list(properties) if isinstance(properties, dict) else []
-        for pattern in patterns if isinstance(patterns, dict) and names else ():
-            if any(_may_match(pattern, name) for name in names):
-                raise self.fail(
-                    pointer_join(pointer_join(ptr, "patternProperties"), pattern),
-                    "matches a name declared in properties, where it would not be enforced",
-                )
-        if names and "propertyNames" in schema:
-            raise self.fail(
-                pointer_join(ptr, "propertyNames"),
-                "is not enforced for the names declared in properties; use it without them",
-            )
-        extra = [schema.get(k, False) for k in ("additionalProperties", "unevaluatedProperties")]
-        if "minProperties" in schema and (
-            any(e is not False for e in extra) or "patternProperties" in schema
-        ):
-            raise self.fail(
-                pointer_join(ptr, "minProperties"),
-                "cannot be enforced when undeclared names are allowed (a repeated name would "
-                "count twice); declare the properties and use required",
-            )
-
-    def children(self, schema: dict[str, Any], ptr: str, depth: int) -> None:
-        for key, value in schema.items():
-            here = pointer_join(ptr, key)
-            if key in kw.SCHEMA_MAPS:
-                if not isinstance(value, dict):
-                    raise self.fail(here, "must be an object of schemas")
-                for name, sub in value.items():
-                    self.node(sub, pointer_join(here, name), depth + 1)
-            elif key in kw.SCHEMA_LISTS:
-                if not isinstance(value, list):
-                    raise self.fail(here, "must be an array of schemas")
-                for i, sub in enumerate(value):
-                    self.node(sub, pointer_join(here, i), depth + 1)
-            elif key in kw.SCHEMA_VALUES:
-                # Property names are strings whether or not the subschema says so.
-                implied = frozenset({"string"}) if key == "propertyNames" else frozenset()
-                self.node(value, here, depth + 1, implied)
-
-    def resolve(self, ref: Any, ptr: str) -> Any:
-        """The schema a local $ref points to (only "#" and "#/..." are supported)."""
-        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-            raise self.fail(ptr, 'only local references ("#" or "#/...") are supported')
-        resolved = resolve_local_ref(self.root, ref)
-        if resolved is None:
-            raise self.fail(ptr, f"reference {ref!r} does not resolve")
-        return resolved[1]
-
-    def disjoint(self, branches: Any) -> bool:
-        if not isinstance(branches, list):
-            return True  # reported by check_combinators
-        resolved = [self.follow_refs(b) for b in branches]
-        return branches_disjoint(resolved)
-
-    def follow_refs(self, schema: Any) -> Any:
+    def resolve(self, schema: Schema) -> Schema:
         for _ in range(8):  # a chain of references, not a cycle
-            if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)):
+            if not (isinstance(schema, Node) and "$ref" in schema.keywords):
                 break
-            schema = self.resolve(schema["$ref"], "")
+            name = schema.keywords["$ref"]
+            schema = self.root if name == "" else self.defs[name]
         return schema
 
+    def one_of(self, node: Node) -> None:
+        if branches_disjoint(node.keywords["oneOf"], self.resolve):
+            return
+        self.problems.relax(
+            node.at("oneOf"), "oneOf",
+            "branches must be provably disjoint (different types, different enum values, or "
+            "objects that one branch's required property or a discriminator tells apart); "
+            "otherwise use anyOf",
+        )  # fmt: skip
+        node.put("anyOf", node.keywords.pop("oneOf"), node.at("oneOf"))
+        node.where.pop("oneOf", None)
 
-def _validates(key: str) -> bool:
-    return not (
-        key in kw.ANNOTATIONS or key in kw.ROOT_ONLY or key in kw.DEFINITIONS
-        or key.startswith("x-") or key == "type"
-    )  # fmt: skip
+    def numbers(self, node: Node) -> None:
+        k = node.keywords
+        present = [key for key in _NUMERIC if key in k]
+        if not present:
+            return
+        unsupported = any(key not in self.rules.keywords for key in present)
+        # xgrammar: "range + multipleOf combination not yet supported; ignoring multipleOf"
+        mixed = "multipleOf" in k and len(present) > 1 and not self.rules.bounded_multiple_of
+        if (unsupported or mixed) and _as_enum(node):
+            return
+        if self.rules.bounds_as_regex:
+            self.bounds_as_regex(node)
+        if "multipleOf" not in k or "multipleOf" not in self.rules.keywords:
+            return  # unsupported keywords are reported with the others
+        if node.types() != frozenset({"integer"}):
+            # xgrammar: "multipleOf is not supported for type:number"
+            self.problems.unenforced(node, "multipleOf", "only supported for integers")
+        elif mixed:
+            self.problems.unenforced(
+                node, "multipleOf", "cannot be combined with minimum/maximum (unless they "
+                f"leave at most {MAX_ENUM_RANGE} values)",
+            )  # fmt: skip
+
+    def bounds_as_regex(self, node: Node) -> None:
+        types = node.types() or frozenset()
+        bounds = [key for key in _NUMERIC[:4] if key in node.keywords]
+        if not bounds or bounds_regex(node.keywords, "number" not in types) is not None:
+            return
+        for key in bounds:
+            self.problems.unenforced(
+                node, key, f"bounds that leave only fractions are not enforced by the "
+                f"{self.rules.backend} backend (it writes numbers between whole bounds)",
+            )  # fmt: skip
+
+    def counts(self, node: Node) -> None:
+        limit = self.rules.max_count
+        for key in ("minLength", "maxLength", "minItems", "maxItems"):
+            if limit is not None and node.keywords.get(key, 0) > limit:
+                self.problems.unenforced(
+                    node, key, f"over {limit} is not enforced by the {self.rules.backend} backend "
+                    "(its automaton grows with the count); use the xgrammar backend",
+                )  # fmt: skip
+
+    def strings(self, node: Node) -> None:
+        k = node.keywords
+        fmt = k.get("format")
+        if fmt is not None and fmt not in self.rules.formats:
+            if fmt not in self.rules.pattern_formats or "pattern" in k:
+                self.problems.unenforced(node, "format", self.format_message(fmt))
+            else:
+                node.put("pattern", FORMAT_PATTERNS[fmt], node.at("format"))
+                node.drop("format")
+                self.lengths(node, FORMAT_PATTERNS[fmt], "format")
+        if "pattern" in k:
+            self.pattern(node)
+        elif "format" in k and {"minLength", "maxLength"} & k.keys():
+            for key in ("minLength", "maxLength"):  # xgrammar drops them next to a format
+                if key in k:
+                    self.problems.unenforced(node, key, "cannot be combined with 'format'")
+
+    def format_message(self, fmt: str) -> str:
+        supported = sorted(self.rules.formats | self.rules.pattern_formats)
+        return (
+            f"format {fmt!r} is not enforced by the {self.rules.backend} backend (or not next "
+            f"to a pattern); supported: {', '.join(supported)}"
+        )
+
+    def pattern(self, node: Node) -> None:
+        pattern = node.keywords["pattern"]
+        try:
+            body = full_match(pattern)
+            text = json_text_pattern(pattern) if self.rules.raw_json_patterns else xgrammar_pattern(body)
+        except RegexProblem as e:
+            raise self.problems.error(node.pointer_of("pattern"), str(e)) from None
+        self.lengths(node, pattern, "pattern")
+        node.put("pattern", text, node.at("pattern"))
+
+    def lengths(self, node: Node, pattern: str, source: str) -> None:
+        """Engines enforce either a pattern or length bounds (xgrammar drops the bounds,
+        outlines-core the pattern): the bounds must follow from the pattern."""
+        width = length_range(pattern)
+        for key in ("minLength", "maxLength"):
+            if key not in node.keywords:
+                continue
+            bound = node.keywords[key]
+            implied = width is not None and (
+                width[0] >= bound if key == "minLength" else width[1] is not None and width[1] <= bound
+            )
+            if implied:
+                node.drop(key)
+            else:
+                self.problems.unenforced(node, key, f"cannot be combined with {source!r}")
+
+    def objects(self, node: Node) -> None:
+        k = node.keywords
+        if not self.rules.counts_members:
+            self.outlines_objects(node)
+        self.never_present(node)
+        if "patternProperties" in k and "properties" in k:
+            self.declared_patterns(node)
+        if "propertyNames" in k and "properties" in k:
+            self.declared_names(node)
+        free = bool(k.get("patternProperties")) or k.get("additionalProperties", False) is not False
+        if "minProperties" in k and free and k["minProperties"] > len(set(k.get("required", []))):
+            self.problems.unenforced(
+                node, "minProperties",
+                "cannot be enforced when undeclared names are allowed (a repeated name would "
+                "count twice); declare the properties and use required",
+            )  # fmt: skip
+
+    def outlines_objects(self, node: Node) -> None:
+        k = node.keywords
+        if "properties" in k:
+            # outlines-core writes the declared properties only, whatever else is allowed
+            for key in ("patternProperties", "additionalProperties", "propertyNames",
+                        "unevaluatedProperties"):  # fmt: skip
+                node.drop(key)
+        elif k.get("patternProperties"):
+            # written as an object of keys matching the pattern (outlines_schema.py): no
+            # other names (a narrowing), one pattern (a name matching two would need both)
+            node.drop("additionalProperties")
+            try:
+                ok = len(k["patternProperties"]) == 1 and bool(
+                    [json_text_pattern(p) for p in k["patternProperties"]]
+                )
+            except RegexProblem:
+                ok = False
+            if not ok or {"minProperties", "maxProperties"} & k.keys():
+                self.problems.unenforced(
+                    node, "patternProperties", "only one pattern, without min/maxProperties, "
+                    f"is enforced by the {self.rules.backend} backend",
+                )  # fmt: skip
+        elif k.get("additionalProperties") is False:
+            node.drop("additionalProperties")
+            node.put("properties", {})
+
+    def never_present(self, node: Node) -> None:
+        """Properties and patterns whose schema is false (the engines refuse `false`): such
+        names must not appear. Undeclared, they do not, once nothing else lets them in: the
+        engines write no undeclared name without additionalProperties or a matching
+        pattern, so dropping those is a narrowing."""
+        from .merge import matches
+
+        k = node.keywords
+        patterns = k.get("patternProperties", {})
+        banned = [n for n, s in k.get("properties", {}).items() if s is False]
+        if banned and k.get("additionalProperties", False) is not False:
+            node.drop("additionalProperties")
+        for pattern in list(patterns):
+            if patterns[pattern] is False or any(matches(pattern, n) for n in banned):
+                del patterns[pattern]
+        for name in banned:
+            del k["properties"][name]
+
+    def declared_patterns(self, node: Node) -> None:
+        """xgrammar checks a declared name against "properties" only, and may also write
+        it as a name matching a pattern, with a value of the pattern's schema: fine when
+        that schema is the property's own (rewrites.py merged the pattern's into it)."""
+        from .merge import matches
+
+        props, patterns = node.keywords["properties"], node.keywords["patternProperties"]
+        for pattern, schema in list(patterns.items()):
+            clash = [n for n in props if matches(pattern, n) and _json(props[n]) != _json(schema)]
+            if not clash:
+                continue
+            if node.keywords.get("additionalProperties", False) is False:
+                del patterns[pattern]  # a narrowing: no further names matching it
+                continue
+            self.problems.unenforced(
+                node, "patternProperties",
+                f"pattern {pattern!r} matches the declared property {clash[0]!r}, whose schema "
+                "differs; it would not be enforced on it",
+            )  # fmt: skip
+            return
+
+    def declared_names(self, node: Node) -> None:
+        """xgrammar applies propertyNames to undeclared names only: a declared name it
+        rules out can never be present."""
+        import jsonschema
+
+        schema = to_json(node.keywords["propertyNames"], self.defs)
+        validator = jsonschema.Draft202012Validator(schema)
+        props = node.keywords["properties"]
+        for name in [n for n in props if not validator.is_valid(n)]:
+            if name in node.keywords.get("required", []):
+                raise self.problems.error(
+                    node.pointer_of("required"),
+                    f"required property {name!r} is ruled out by propertyNames",
+                )
+            del props[name]
+
+    def arrays(self, node: Node) -> None:
+        k = node.keywords
+        if self.rules.raw_json_patterns and "enum" in k and not _plain_keys(k["enum"]):
+            # outlines-core writes an object's keys into its regex unescaped
+            self.problems.unenforced(node, "enum", "object keys must be letters, digits, _ or spaces")
+        if self.rules.counts_members or "prefixItems" not in k:
+            return
+        # outlines-core writes exactly the prefixItems, ignoring items, minItems, maxItems
+        size = len(k["prefixItems"])
+        for key in ("minItems", "maxItems"):
+            if key in k and (k[key] > size if key == "minItems" else k[key] < size):
+                self.problems.unenforced(node, key, "with prefixItems, only their number of items")
+        for key in ("items", "minItems", "maxItems", "unevaluatedItems"):
+            node.drop(key)
 
 
-def _may_match(pattern: str, name: str) -> bool:
-    """Whether an ECMA-262 pattern may match `name` (Python's re is close enough; a pattern
-    it cannot read counts as a match, which errs on the side of refusing)."""
-    try:
-        return re.search(pattern, name) is not None
-    except re.error:
-        return True
+def _as_enum(node: Node) -> bool:
+    """A bounded integer with few values: those values, as an enum (exact)."""
+    k = node.keywords
+    low, high = k.get("minimum"), k.get("maximum")
+    if node.types() != frozenset({"integer"}) or low is None or high is None:
+        return False
+    step = k.get("multipleOf", 1)
+    if not float(step).is_integer() or high - low > MAX_ENUM_RANGE * step:
+        return False
+    step = int(step)
+    values = [v for v in range(int(low), int(high) + 1) if v % step == 0]
+    node.put("enum", values, node.at("minimum"), node.name_of("minimum"))
+    keep_only(node, "enum", values)
+    return True
 
 
-def _json_types(value: Any) -> frozenset[str]:
-    if value is None:
-        return frozenset({"null"})
-    if isinstance(value, bool):
-        return frozenset({"boolean"})
-    if isinstance(value, int):
-        return frozenset({"integer", "number"})
-    if isinstance(value, float):
-        return frozenset({"number", "integer"} if value.is_integer() else {"number"})
-    if isinstance(value, str):
-        return frozenset({"string"})
-    return frozenset({"array"} if isinstance(value, list) else {"object"})
+def _plain_keys(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(_plain_keys(v) for v in value)
+    if isinstance(value, dict):
+        return all(_PLAIN_KEY.fullmatch(k) and _plain_keys(v) for k, v in value.items())
+    return True
+
+
+def _json(schema: Schema) -> str:
+    return json.dumps(to_json(schema), sort_keys=True)

@@ -24,8 +24,10 @@ from .backend import (
 )
 from .keywords import XGRAMMAR_RULES
 from .params import StructuredOutputParams
+from .prepare import prepare_schema
 from .regex_check import RegexProblem, strip_anchors
-from .schema_check import check_schema, parse_schema
+from .schema_check import parse_schema
+from .schema_tree import RelaxedKeyword
 from .vocab import special_token_ids
 
 # Whitespace the grammar allows between JSON tokens, per gap: enough for pretty-printed
@@ -55,7 +57,6 @@ class XGrammarBackend(StructuredOutputBackend):
         # Our GrammarCache bounds memory; xgrammar's own cache would keep a second copy.
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compile_kind: dict[str, Callable[[StructuredOutputParams], xgr.CompiledGrammar]] = {
-            "json_schema": self._json_schema,
             "json_object": self._json_object,
             "regex": self._regex,
             "choice": self._choice,
@@ -64,18 +65,22 @@ class XGrammarBackend(StructuredOutputBackend):
 
     def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
         params.validate()
-        compile_kind = self._compile_kind[params.kind]
+        relaxed: tuple[RelaxedKeyword, ...] = ()
         try:
-            compiled = compile_kind(params)
+            if params.kind == "json_schema":
+                text = cast(str, params.value)  # validated: a string for every kind but choice
+                prepared = prepare_schema(parse_schema(text), XGRAMMAR_RULES, params.relaxed)
+                compiled, relaxed = self._json_schema(prepared.text), prepared.relaxed
+            else:
+                compiled = self._compile_kind[params.kind](params)
         except InvalidArgument:
             raise
         except (RuntimeError, ValueError) as e:  # the compiler's own message, cleaned up
             raise InvalidArgument(params.field, _clean(str(e))) from None
-        return XGrammarCompiled(compiled, self.vocab_size, self.eos_token_ids)
+        return XGrammarCompiled(compiled, self.vocab_size, self.eos_token_ids, relaxed)
 
-    def _json_schema(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
-        text = cast(str, params.value)  # validated: a string for every kind but choice
-        check_schema(parse_schema(text), XGRAMMAR_RULES)
+    def _json_schema(self, text: str) -> xgr.CompiledGrammar:
+        """`text`: a schema as prepare_schema leaves it (everything in it is enforced)."""
         grammar = xgr.Grammar.from_json_schema(
             text, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
         )
@@ -107,8 +112,13 @@ class XGrammarBackend(StructuredOutputBackend):
 
 class XGrammarCompiled(CompiledGrammar):
     def __init__(
-        self, compiled: xgr.CompiledGrammar, vocab_size: int, stop_token_ids: Sequence[int]
+        self,
+        compiled: xgr.CompiledGrammar,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        relaxed: tuple[RelaxedKeyword, ...] = (),
     ) -> None:
+        self.relaxed = relaxed
         self._compiled = compiled
         self._vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids

@@ -62,6 +62,9 @@ def test_structured_constraints() -> None:
         generate_request("x", None, {"regex": "a+", "grammar": "root ::= 'a'"})
     with pytest.raises(ValueError, match="structured_backend"):
         generate_request("x", None, {"structured_backend": "bogus"})  # type: ignore[typeddict-item]
+    req = generate_request("x", None, {"json_schema": {"type": "object"}, "relaxed": True})
+    assert req.structured.relaxed
+    assert not generate_request("x", None, {"json_schema": "{}"}).structured.relaxed
 
 
 def test_chat_messages_parts_tools_and_history() -> None:
@@ -158,3 +161,16 @@ def test_retry_policy_names_real_idempotent_rpcs() -> None:
     assert names == rpcs - {"Generate"}
     assert method_config["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
     assert "methodConfig" not in json.loads(service_config(retry_attempts=1))
+
+
+def test_relaxed_keywords_reach_the_result() -> None:
+    from mmserve_client import RelaxedKeyword
+    from mmserve_client._responses import Collector, chunk
+
+    resp = generate_pb2.GenerateResponse(text="{}", finish_reason=generate_pb2.FINISH_REASON_STOP)
+    resp.relaxed_keywords.add(pointer="/properties/a", keyword="uniqueItems")
+    collector = Collector()
+    collector.add(chunk(generate_pb2.GenerateResponse(text="")))
+    collector.add(chunk(resp))
+    (result,) = collector.results()
+    assert result.relaxed_keywords == (RelaxedKeyword("/properties/a", "uniqueItems"),)

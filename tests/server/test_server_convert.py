@@ -20,6 +20,7 @@ from mmserve.server import convert
 from mmserve.server.config import ModelSpec, ServerConfig
 from mmserve.server.errors import Unimplemented, code_of, rich_status
 from mmserve.server.models import ModelFacts, ModelHandle, ModelRegistry, Task
+from mmserve.structured_output import RelaxedKeyword
 from mmserve_client.v1 import generate_pb2, models_pb2
 
 CONFIG = ServerConfig()
@@ -163,6 +164,7 @@ def _delta(**fields: Any) -> Any:
         "logprobs": None,
         "finish_reason": None,
         "stop_reason": None,
+        "relaxed_keywords": (),
     }
     return SimpleNamespace(**{**base, **fields})
 
@@ -178,6 +180,9 @@ def test_responses() -> None:
     assert r.WhichOneof("stop_reason") == "stop_token_id" and r.stop_token_id == 2
     r = convert.response(_delta(finish_reason="abort"), "rid", text)
     assert r.finish_reason == generate_pb2.FINISH_REASON_ABORTED
+    relaxed = (RelaxedKeyword("/properties/a", "uniqueItems"),)
+    r = convert.response(_delta(finish_reason="stop", relaxed_keywords=relaxed), "rid", text)
+    assert [(k.pointer, k.keyword) for k in r.relaxed_keywords] == [("/properties/a", "uniqueItems")]
     lp = TokenLogprob(5, -0.5, 1, top=[(5, -0.5), (6, -1.5)])
     r = convert.response(_delta(logprobs=[lp]), "rid", text)
     assert r.logprobs[0].token == "five" and [t.token for t in r.logprobs[0].top] == ["five", "six"]
@@ -254,3 +259,14 @@ def test_error_messages_never_show_server_paths(tmp_path: Path) -> None:
     assert redact_paths(said) == "engine failed: FileNotFoundError: <path>; also <path>"
     kept = "structured.json_schema: at /properties/age/minimum: use application/json, pets/cat.png"
     assert redact_paths(kept) == kept
+
+
+def test_structured_output_carries_relaxed() -> None:
+    request = generate_pb2.GenerateRequest(
+        structured=generate_pb2.StructuredOutput(json_schema='{"type": "object"}', relaxed=True)
+    )
+    params = convert.structured_output(request, "xgrammar")
+    assert params is not None and params.relaxed and params.backend == "xgrammar"
+    request.structured.relaxed = False
+    params = convert.structured_output(request, "xgrammar")
+    assert params is not None and not params.relaxed

@@ -86,8 +86,8 @@ def test_regex_choice_and_grammar_outputs_match(
     "kw, expected",
     [
         ({"json_schema": "{not json"}, "structured.json_schema: not valid JSON"),
-        ({"json_schema": {"type": "object", "properties": {"x": {"type": "string", "contentMediaType": "a/b"}}}},
-         "structured.json_schema: at /properties/x/contentMediaType"),
+        ({"json_schema": {"type": "object", "properties": {"x": {"type": "integer", "not": {"const": 3}}}}},
+         "structured.json_schema: at /properties/x/not"),
         ({"json_schema": {"type": "integer", "multipleOf": 3, "minimum": 1}},
          "structured.json_schema: at /multipleOf"),
         ({"regex": "a(b"}, "structured.regex"),
@@ -103,3 +103,27 @@ def test_bad_constraints_are_named_then_served(
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert expected in e.value.message, e.value.message
     assert client.chat(ASK, max_tokens=2, choice=["ok"]).text == "ok"
+
+
+def test_relaxed_compiles_around_and_lists_what_it_left_out(client: Client) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "ids": {"type": "array", "items": {"type": "object"}, "uniqueItems": True,
+                    "maxItems": 2},
+            "n": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["ids", "n"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    with pytest.raises(MMServeError, match="at /properties/ids/uniqueItems"):
+        client.chat(ASK, json_schema=schema, max_tokens=4)
+    result = client.chat(ASK, json_schema=schema, relaxed=True, max_tokens=60, temperature=0)
+    assert [(r.pointer, r.keyword) for r in result.relaxed_keywords] == [
+        ("/properties/ids", "uniqueItems")
+    ]
+    del schema["properties"]["ids"]["uniqueItems"]  # type: ignore[attr-defined]
+    if result.finish_reason == "stop":
+        jsonschema.validate(json.loads(result.text), schema)
+    plain = client.chat(ASK, json_schema={"type": "integer"}, relaxed=True, max_tokens=4)
+    assert plain.relaxed_keywords == ()

@@ -58,6 +58,9 @@ class GenerateKwargs(TypedDict, total=False):
     choice: Sequence[str]
     grammar: str  # EBNF
     structured_backend: Literal["auto", "xgrammar", "outlines"]
+    # json_schema: compile around keywords the backend cannot enforce instead of failing;
+    # they are listed in the result's relaxed_keywords
+    relaxed: bool
 
 
 V = TypeVar("V")
@@ -147,6 +150,8 @@ def _set_constraint(req: generate_pb2.GenerateRequest, values: dict[str, Any]) -
             setattr(structured, key, values[key])
     if "structured_backend" in values:
         structured.backend = _lookup(_BACKENDS, values["structured_backend"], "structured_backend")
+    if values.get("relaxed"):
+        structured.relaxed = True
 
 
 def image(img: ImageLike, uuid: str = "") -> common_pb2.Image:

@@ -14,6 +14,7 @@ from mmserve_client.types import (
     GenerateResult,
     LabelScore,
     ModelInfo,
+    RelaxedKeyword,
     RerankResult,
     ScoreMethod,
     Task,
@@ -107,6 +108,7 @@ def chunk(resp: generate_pb2.GenerateResponse) -> GenerateChunk:
         request_id=resp.request_id,
         model=resp.model,
         stop=getattr(resp, kind) if kind else None,
+        relaxed_keywords=tuple(RelaxedKeyword(r.pointer, r.keyword) for r in resp.relaxed_keywords),
         reasoning_text=resp.reasoning_text,
     )
 
@@ -188,6 +190,7 @@ class Collector:
             timing=last.timing,
             logprobs=tuple(choice.logprobs),
             stop=last.stop,
+            relaxed_keywords=last.relaxed_keywords,
             reasoning_text="".join(choice.reasoning),
             **stream_wide,
         )

@@ -146,6 +146,15 @@ class ToolCallDelta:
 
 
 @dataclass(frozen=True)
+class RelaxedKeyword:
+    """A schema keyword the server compiled around (generate(..., relaxed=True)): the output
+    may not satisfy it."""
+
+    pointer: str  # JSON pointer of the schema object holding it ("" = the root)
+    keyword: str  # as the schema writes it, e.g. "uniqueItems"
+
+
+@dataclass(frozen=True)
 class GenerateChunk:
     """One streamed Generate response. Choices (n > 1) interleave, told apart by `index`;
     the last chunk of each choice has finish_reason, usage and timing set."""
@@ -162,6 +171,7 @@ class GenerateChunk:
     request_id: str = ""
     model: str = ""  # first chunk of the stream only
     stop: str | int | None = None  # matched stop string or stop token id, for "stop"
+    relaxed_keywords: tuple[RelaxedKeyword, ...] = ()  # last chunk of a choice only
     reasoning_text: str = ""  # a reasoning model's thought, delta (`text` is the answer)
 
 
@@ -181,6 +191,8 @@ class GenerateResult:
     request_id: str = ""
     model: str = ""
     stop: str | int | None = None  # matched stop string or stop token id
+    # schema keywords not enforced (relaxed=True); empty when every keyword was
+    relaxed_keywords: tuple[RelaxedKeyword, ...] = ()
     reasoning_text: str = ""  # a reasoning model's thought (`text` is only its answer)
 
 
