@@ -1,7 +1,9 @@
-"""`mmserve bench latency | throughput | decode | prefill | embed | serve | structured`: engine
-benchmarks (embed also over gRPC, against sentence-transformers: mmserve/bench/embed.py; serve
-is a gRPC load generator with Poisson arrivals: mmserve/bench/serve.py; structured is the cost of
-constrained decoding: mmserve/bench/structured.py).
+"""`mmserve bench latency | throughput | decode | prefill | embed | serve | structured | spec |
+spec-cost`: engine benchmarks (embed also over gRPC, against sentence-transformers:
+mmserve/bench/embed.py; serve is a gRPC load generator with Poisson arrivals:
+mmserve/bench/serve.py; structured is the cost of constrained decoding:
+mmserve/bench/structured.py; spec and spec-cost are speculative decoding's gain and cost:
+mmserve/bench/speculative.py).
 
 Each prints one JSON object per line (the figure, its roofline where one applies, and the
 transformers baseline when --baseline is given), so results can be pasted into BENCHMARKS.md.
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from mmserve import envs
-from mmserve.bench import embed, offline, serve, soak, structured, vlm
+from mmserve.bench import embed, offline, serve, soak, speculative, structured, vlm
 from mmserve.bench.engine_flags import add_engine_flags, engine_config
 from mmserve.bench.models import make_model_folder, weight_bytes
 from mmserve.frontend.frontend import FrontEnd
@@ -36,6 +38,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (offline engine)")
     kinds = [
         "latency", "throughput", "decode", "prefill", "embed", "serve", "structured", "vlm", "soak",
+        "spec", "spec-cost",
     ]
     p.add_argument("kind", choices=kinds)
     p.add_argument(
@@ -64,6 +67,7 @@ def add_parser(sub: Any) -> None:
     structured.add_arguments(p)
     vlm.add_arguments(p)
     soak.add_arguments(p)
+    speculative.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -90,6 +94,10 @@ def run(args: argparse.Namespace) -> None:
         return
     if args.kind == "soak":
         soak.run(args)
+        return
+    if args.kind in ("spec", "spec-cost"):
+        run_spec = speculative.run if args.kind == "spec" else speculative.run_cost
+        run_spec(args, _emit, speculative.engine_factory(args))
         return
     args.model = args.model or "shape:llama3-8b"
     dummy = args.model.startswith("shape:") or args.load_format == "dummy"

@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile-repeats", type=int, default=3, help="structured: cold compiles of each schema"
     )
-    p.add_argument("--batch-sizes", default="1,64", help="structured: TPOT batch sizes")
+    p.add_argument("--batch-sizes", default="1,64", help="structured: TPOT batch sizes; spec, spec-cost: batch sizes")
     p.add_argument("--tpot-repeats", type=int, default=3, help="structured: timed runs per side")
     p.add_argument(
         "--tpot-schema",

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from mmserve.request import Request
 
-# name -> "module:class"; a "+"-joined name chains proposers (the first that proposes wins)
+# name -> "module:class"; a "+"-joined name chains proposers (the longest guess wins)
 PROPOSERS = {
     "ngram": "mmserve.speculative.ngram:NgramProposer",
     "suffix": "mmserve.speculative.suffix:SuffixProposer",
@@ -32,17 +32,19 @@ class Proposer(abc.ABC):
 
 
 class ChainedProposer(Proposer):
-    """Several proposers in order: the first that proposes anything gives the guesses."""
+    """Several proposers: the longest guess wins, the earlier proposer on a tie (so
+    jump+suffix takes the grammar's forced text unless the suffix trie has seen more)."""
 
     def __init__(self, proposers: Sequence[Proposer]) -> None:
         self.proposers = list(proposers)
 
     def propose(self, request: Request, k: int) -> list[int]:
+        best: list[int] = []
         for proposer in self.proposers:
             tokens = proposer.propose(request, k)
-            if tokens:
-                return tokens
-        return []
+            if len(tokens) > len(best):
+                best = tokens
+        return best
 
     def finished(self, request: Request) -> None:
         for proposer in self.proposers:

@@ -36,6 +36,7 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.disable_batch_size = config.disable_batch_size
         self.proposer: Proposer = create_proposer(config.method, tokenizer)
+        self.adaptive = True  # False: always k guesses (benchmarks of what a guess costs)
         self._adapt: dict[str, _Adapt] = {}
 
     def active(
@@ -63,6 +64,8 @@ class Speculator:
                 request.draft_token_ids = self.proposer.propose(request, k)[:k]
 
     def _next_k(self, request: Request) -> int:
+        if not self.adaptive:
+            return self.k
         state = self._adapt.get(request.request_id)
         if state is None:
             state = self._adapt[request.request_id] = _Adapt(self.k)

@@ -48,7 +48,9 @@ def llm() -> LLM:
 
 
 def chat(llm: LLM, text: str, structured: StructuredOutputParams, **kw: object) -> list[str]:
-    params = SamplingParams(max_tokens=100, temperature=0.8, seed=1, structured=structured, **kw)  # type: ignore[arg-type]
+    # room for the whitespace a sampled SmolLM2 puts between JSON tokens (up to
+    # JSON_MAX_WHITESPACE per gap): 100 was enough for one seed's noise and not another's
+    params = SamplingParams(max_tokens=256, temperature=0.8, seed=1, structured=structured, **kw)  # type: ignore[arg-type]
     out = llm.chat([{"role": "user", "content": text}], params, use_tqdm=False)[0]
     assert all(o.finish_reason == "stop" for o in out.outputs), [o.text for o in out.outputs]
     return [o.text for o in out.outputs]
