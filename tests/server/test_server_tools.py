@@ -16,7 +16,6 @@ import pytest
 from tokenizers import AddedToken
 
 from mmserve import envs
-from mmserve.errors import InvalidArgument
 from mmserve.frontend.tool_stream import tool_output
 from mmserve.frontend.tools import ToolRequest, ToolSpec, forced_constraint
 from mmserve.params import SamplingParams
