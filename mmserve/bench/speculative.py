@@ -234,7 +234,21 @@ def run(args: argparse.Namespace, emit: Any, engine_for: Any) -> None:
                         acceptance=r.accepted / r.drafts if r.drafts else None,
                     )
         finally:
-            engine.shutdown()
+            _release(engine)
+
+
+def _release(engine: FrontEnd) -> None:
+    """Shuts the engine down and gives its GPU memory back before the next one sizes its KV
+    cache from what is free."""
+    import gc
+
+    import torch
+
+    engine.shutdown()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class _AlwaysWrong(Proposer):

@@ -74,9 +74,11 @@ class EngineCore:
             self.scheduler.on_finish = self.speculator.finished
         self._failed: list[EngineOutput] = []  # requests that failed before they ran
         if not config.model.enforce_eager:
-            scheduler = config.scheduler
+            scheduler, spec = config.scheduler, config.speculative
+            guesses = (1 + spec.num_speculative_tokens, spec.disable_batch_size)
             self.runner.capture_graphs(
-                scheduler.max_num_seqs, self.max_model_len, scheduler.budget
+                scheduler.max_num_seqs, self.max_model_len, scheduler.budget,
+                guesses if self.speculator is not None else (0, 0),
             )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens at most in flight), max_model_len %d",

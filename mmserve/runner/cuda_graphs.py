@@ -80,21 +80,26 @@ class DecodeGraphs:
         device: torch.device,
         sizes: tuple[int, ...] = DEFAULT_SIZES,
         mrope: bool = False,
+        query_len: int = 1,
     ) -> None:
-        """mrope: positions are [3, batch] (M-RoPE models), not [batch]."""
+        """mrope: positions are [3, batch] (M-RoPE models), not [batch]. query_len: tokens per
+        request (speculative decoding: 1 + k, its guesses checked; see run_padded)."""
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(s for s in sizes if s <= max_batch) or [max_batch]
         n = self.sizes[-1]
         self.max_seq_len = max_seq_len
+        self.query_len = q = query_len
+        self.device = device
         i32: dict[str, Any] = {"dtype": torch.int32, "device": device}
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        shape = (3, n) if mrope else (n,)
+        self.input_ids = torch.zeros(n * q, dtype=torch.int64, device=device)
+        shape = (3, n * q) if mrope else (n * q,)
         self.positions = torch.zeros(shape, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, **i32)
+        self.slot_mapping = torch.full((n * q,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.full((n,), q, **i32)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)
-        self.query_start_loc = torch.arange(n + 1, **i32)  # one token per request, always
+        # query_len tokens per request, always
+        self.query_start_loc = torch.arange(0, n * q + 1, q, **i32)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, max_seq_len)
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -103,22 +108,30 @@ class DecodeGraphs:
         small = [b for b in SEQ_BUCKETS if b < self.max_seq_len] if size <= BUCKETED_MAX_BATCH else []
         return [*small, self.max_seq_len]
 
-    def _meta(self, size: int, max_seq_len: int) -> AttentionMetadata:
+    def _meta(
+        self, size: int, max_seq_len: int, seq_lens_cpu: list[int] | None = None
+    ) -> AttentionMetadata:
+        """seq_lens_cpu: the host copy of seq_lens, for an eager run (the graphs' kernels
+        read the device tensors only)."""
+        q = self.query_len
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size],
-            max_query_len=1,
+            slot_mapping=self.slot_mapping[: size * q],
+            max_query_len=q,
             max_seq_len=max_seq_len,
-            query_lens_cpu=[1] * size,
-            seq_lens_cpu=[1] * size,
+            query_lens_cpu=[q] * size,
+            seq_lens_cpu=seq_lens_cpu or [q] * size,
         )
 
-    def _forward(self, size: int, max_seq_len: int) -> torch.Tensor:
-        meta = self._meta(size, max_seq_len)
-        positions = self.positions[..., :size]
-        return self.model.forward(self.input_ids[:size], positions, self.kv_caches, meta)
+    def _forward(
+        self, size: int, max_seq_len: int, seq_lens_cpu: list[int] | None = None
+    ) -> torch.Tensor:
+        meta = self._meta(size, max_seq_len, seq_lens_cpu)
+        tokens = size * self.query_len
+        positions = self.positions[..., :tokens]
+        return self.model.forward(self.input_ids[:tokens], positions, self.kv_caches, meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -135,8 +148,50 @@ class DecodeGraphs:
     def size_for(self, batch: int) -> int | None:
         return next((s for s in sorted({s for s, _ in self._graphs}) if s >= batch), None)
 
+    def run_padded(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """Replays the graph of query_len tokens per request for a batch whose requests have
+        at most that many (speculative decoding: 1 token and its guesses); None when none
+        fits. Request r's tokens go to rows r * query_len + j; the rows after them are
+        padding: no cache write (slot -1), causally after the real rows (which see only
+        their own prefix: each seq_len grows by the padding), and not read back. Before
+        capture() (no GPU) the same padded forward runs eagerly, so tests see the layout."""
+        q, qlens = self.query_len, meta.query_lens_cpu
+        batch = len(qlens)
+        size = self.size_for(batch) if self._graphs else next((s for s in self.sizes if s >= batch), None)
+        padded_max = meta.max_seq_len + q - min(qlens)
+        if size is None or max(qlens) > q or padded_max > self.max_seq_len:
+            return None
+        width = meta.block_tables.shape[1]
+        if width > self.block_tables.shape[1] or positions.dim() != 1:
+            return None
+        bucket = next(b for b in self.buckets(size) if b >= padded_max)
+        graph = self._graphs.get((size, bucket))
+        if graph is None and self._graphs:
+            return None
+        rows = [r * q + j for r, n in enumerate(qlens) for j in range(n)]
+        host = torch.tensor(rows + [q - n for n in qlens], dtype=torch.int64)
+        index = host.to(self.device, non_blocking=True)
+        real, pad = index[: len(rows)], index[len(rows) :].to(torch.int32)
+        self.slot_mapping[: size * q].fill_(-1)
+        self.slot_mapping[real] = meta.slot_mapping
+        self.input_ids[real] = input_ids
+        self.positions[real] = positions
+        self.seq_lens[:batch].copy_(meta.seq_lens + pad)
+        self.seq_lens[batch:size].fill_(q)
+        self.block_tables[:batch, :width].copy_(meta.block_tables)
+        if graph is None:
+            lens = [s + q - n for s, n in zip(meta.seq_lens_cpu, qlens, strict=True)]
+            with torch.inference_mode():
+                return self._forward(size, bucket, lens + [q] * (size - batch))[real]
+        graph.replay()
+        return self._outputs[size, bucket][real]
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Replays the graph for a decode-only batch; None when no graph fits it."""
+        if self.query_len > 1:
+            return self.run_padded(input_ids, positions, meta)
         batch = input_ids.shape[0]
         size = self.size_for(batch)
         if size is None or meta.max_seq_len > self.max_seq_len:

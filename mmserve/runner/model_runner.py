@@ -126,6 +126,8 @@ class ModelRunner:
         ]
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs() on CUDA
+        # the same for steps of up to 1 + k tokens per request (speculative decoding)
+        self.spec_graphs: DecodeGraphs | None = None
         self.encoder_graphs: EncoderGraphs | None = None  # the same, for an encoder
         self._generators: dict[str, torch.Generator] = {}
         caps = model.capabilities
@@ -150,9 +152,12 @@ class ModelRunner:
         self._previous: SampledOnDevice | None = None  # the tokens the latest step sampled
         self._bitmasks = [torch.empty(0, 0, dtype=torch.int32)] * 2  # see _bitmask_buffer
 
-    def capture_graphs(self, max_batch: int, max_model_len: int, max_tokens: int) -> None:
+    def capture_graphs(
+        self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int] = (0, 0)
+    ) -> None:
         """Captures decode graphs, or an encoder's step graphs up to max_tokens (CUDA only,
-        where attention is the graph-safe Triton backend)."""
+        where attention is the graph-safe Triton backend). spec: (1 + k, batch limit) of
+        speculative decoding: graphs for its steps too (not for M-RoPE models)."""
         if self.device.type != "cuda":
             return
         if not self.kv_caches:
@@ -168,6 +173,13 @@ class ModelRunner:
             mrope=self.mrope,
         )
         self.graphs.capture()
+        query_len, spec_batch = spec
+        if query_len > 1 and not self.mrope:
+            self.spec_graphs = DecodeGraphs(
+                self.model, self.kv_caches, min(spec_batch, max_batch), max_blocks,
+                max_model_len, self.device, query_len=query_len,
+            )
+            self.spec_graphs.capture()
 
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -333,6 +345,8 @@ class ModelRunner:
         hidden = None
         if self.graphs is not None and batch.meta.max_query_len == 1 and plain:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        elif self.spec_graphs is not None and plain and batch.meta.max_query_len > 1:
+            hidden = self.spec_graphs.run_padded(batch.input_ids, batch.positions, batch.meta)
         elif self.encoder_graphs is not None and not batch.image_rows:
             meta, types = batch.meta, batch.token_type_ids
             hidden = self.encoder_graphs.run(batch.input_ids, batch.positions, meta, types)

@@ -351,3 +351,31 @@ def test_smollm2_greedy_is_unchanged() -> None:
         got = spec.chat(messages, params, use_tqdm=False)
         assert [r.outputs[0].token_ids for r in got] == want, method
         assert accepted(got) > 0, method
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_padded_graph_layout_is_unchanged_output(tiny: str, method: str) -> None:
+    """The CUDA graphs of guess-checking steps hold 1 + k rows per request, padded; on the
+    CPU the same padded forward runs eagerly (not captured): outputs as without guesses."""
+    from mmserve.runner.cuda_graphs import DecodeGraphs
+
+    model = LLM(tiny, speculative=method, num_speculative_tokens=3)
+    runner = model.frontend.core.runner
+    runner.spec_graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, 8, 64, model.frontend.max_model_len, runner.device,
+        sizes=(1, 2, 4, 8), query_len=4,
+    )
+    calls = 0
+    run_padded = runner.spec_graphs.run_padded
+
+    def counted(*args: object) -> object:
+        nonlocal calls
+        hidden = run_padded(*args)  # type: ignore[arg-type]
+        calls += hidden is not None
+        return hidden
+
+    runner.spec_graphs.run_padded = counted  # type: ignore[method-assign]
+    out = generate(model, PROMPTS)
+    assert tokens(out) == tokens(generate(llm(tiny), PROMPTS))
+    assert calls > 0 and accepted(out) > 0
+    assert_all_blocks_free(model)
