@@ -12,7 +12,7 @@ from mmserve.config import SchedulerConfig
 from mmserve.engine.block_pool import KVBlock
 from mmserve.engine.encoder_cache import EncoderCacheManager
 from mmserve.engine.kv_cache_manager import KVCacheManager
-from mmserve.engine.messages import EngineOutput
+from mmserve.engine.messages import EngineOutput, EngineStats
 from mmserve.engine.sched_output import (
     RunnerOutput,
     SampledToken,
@@ -39,6 +39,10 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._pending: list[EngineOutput] = []  # outputs of requests ended between steps
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
+        # cumulative counters for metrics (EngineStats)
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
+        self.prefix_cache_hits = 0  # ... found cached
+        self.num_preemptions = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -58,6 +62,21 @@ class Scheduler:
         if request is not None:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             self._pending.append(self._output(request, [], None))
+
+    def stats(self) -> EngineStats:
+        """The scheduler's load and counters now (EngineStats; O(requests): once a step)."""
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks if self.kv.num_blocks else 0,
+            tokens_in_flight=sum(r.num_tokens for r in self.requests.values()),
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            encoder_cache_hits=self.encoder.hits,
+            encoder_cache_misses=self.encoder.misses,
+        )
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
@@ -132,6 +151,9 @@ class Scheduler:
         if not self.kv.allocate_slots(request, num_new, hits):
             return 0
         request.num_computed_tokens += num_hit_tokens
+        if self.kv.looks_up(request):  # counted once admitted: a request may wait and retry
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
@@ -142,6 +164,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _ends_by_length(self, request: Request) -> bool:
