@@ -68,14 +68,17 @@ class GrammarCache:
         return len(self._entries)
 
     def get(
-        self, key: Hashable, compile_fn: Callable[[], CompiledGrammar], field: str = "structured"
+        self, key: Hashable, compile_fn: Callable[[], CompiledGrammar], field: str = "structured",
+        counted: bool = True,
     ) -> CompiledGrammar:
-        """The compiled grammar for `key`, compiling it with `compile_fn` on a miss.
+        """The compiled grammar for `key`, compiling it with `compile_fn` on a miss. counted:
+        the lookup counts in `hits` / `compiles` (False: the engine's second lookup of a
+        constraint its front end compiled already).
 
         Blocks up to about `timeout_s`. Raises what compile_fn raises, InvalidArgument
         naming `field` on a timeout, or ResourceExhausted when no worker was free.
         """
-        entry = self._lookup(key, compile_fn, field)
+        entry = self._lookup(key, compile_fn, field, counted)
         while True:
             try:
                 return entry.future.result(timeout=self._wait_s(entry))
@@ -93,15 +96,15 @@ class GrammarCache:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _lookup(
-        self, key: Hashable, compile_fn: Callable[[], CompiledGrammar], field: str
+        self, key: Hashable, compile_fn: Callable[[], CompiledGrammar], field: str, counted: bool
     ) -> _Entry:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
-                self.hits += 1
+                self.hits += counted
                 return entry
-            self.compiles += 1
+            self.compiles += counted
             entry = _Entry(Future(), field)
             entry.future = self._pool.submit(self._run, entry, compile_fn)
             self._entries[key] = entry

@@ -32,6 +32,7 @@ CHOICES = {
     "tool_parser": ("mistral", "hermes"),
     "reasoning_parser": ("qwen3", "none"),
     "log_level": ("DEBUG", "ERROR"),
+    "log_format": ("json", "text"),
     "gpu_memory_utilization": ("0.5", "0.7"),
 }
 

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from mmserve_client._requests import GenerateKwargs, generate_request
-from mmserve_client.v1 import inference_pb2, inference_pb2_grpc
+from mmserve_client.v1 import inference_pb2, inference_pb2_grpc, load_pb2
 
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
 """The service descriptor (full name "mmserve.v1.Inference")."""
@@ -122,6 +122,12 @@ class ClientBase:
             "timeout": self._timeout if timeout is None else timeout,
             "metadata": self._metadata,
         }
+
+    def _start_watch_load(self, model: str, interval_ms: int, timeout: float | None) -> Any:
+        """Starts a WatchLoad call; it runs until cancelled or `timeout` (the client's own
+        timeout does not apply: the stream is meant to last)."""
+        request = load_pb2.WatchLoadRequest(model=model, interval_ms=interval_ms)
+        return self._stub.WatchLoad(request, timeout=timeout, metadata=self._metadata)
 
     def _start_generate(self, source: Any, n: int | None, kw: GenerateKwargs) -> Any:
         """Starts a Generate call (grpc's stream call object); `timeout` is taken out of kw."""

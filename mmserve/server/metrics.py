@@ -1,0 +1,224 @@
+"""Prometheus metrics: vLLM's names and buckets under the `mmserve:` prefix, labelled by
+`model_name` (and `task`, `finished_reason`, `method`, `code` where they apply), served as
+text on --metrics-port.
+
+Two sources. The request-level metrics (tokens, finished requests, latency histograms, gRPC
+calls) are observed here as each call ends (a CallObserver). The engine's own (running and
+waiting sequences, KV usage, prefix-cache and encoder-cache counters, preemptions) are read
+at scrape time from the EngineStats each engine left after its latest step: the engine
+process sends them on the Outputs it sends anyway, so no step ever waits for metrics, and
+nothing is shared between processes. Label values are served model names and fixed
+vocabularies only: never a request's own text, an API key or a path."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mmserve.server.calls import CallRecord, ChoiceRecord
+from mmserve.server.models import ModelRegistry
+
+logger = logging.getLogger(__name__)
+PREFIX = "mmserve:"
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read the same
+TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+TOKEN_LATENCY_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+]  # fmt: skip
+REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+GRAMMAR_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+def length_buckets(max_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's build_1_2_5_buckets)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_len:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class Metrics:
+    """The server's registry of metrics (its own: never the process-global one, which also
+    exports process and platform facts). A CallObserver: each ended call updates it."""
+
+    def __init__(self, models: ModelRegistry) -> None:
+        self.registry = CollectorRegistry()
+        max_len = max((h.facts.max_context for h in models), default=1 << 16)
+        model = ["model_name"]
+
+        def counter(name: str, text: str, *labels: str) -> Counter:
+            return Counter(PREFIX + name, text, [*model, *labels], registry=self.registry)
+
+        def histogram(name: str, text: str, buckets: list[float]) -> Histogram:
+            return Histogram(PREFIX + name, text, model, buckets=buckets, registry=self.registry)
+
+        self.calls = counter("grpc_calls", "gRPC calls ended, by method and status code",
+                             "method", "code")  # fmt: skip
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of calls that ran")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.request_success = counter(
+            "request_success", "Generate requests (choices) finished, by reason", "finished_reason"
+        )
+        self.pooling_inputs = counter("pooling_inputs", "Pooling inputs run, by task", "task")
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time from the call's arrival to its first token",
+            TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between two token chunks of a choice",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Decode time per output token after the first, per choice", TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the choice's end",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue = histogram(
+            "request_queue_time_seconds", "Time in the engine's queue before the first step",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference = histogram(
+            "request_inference_time_seconds", "Time from the first step to the last token",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill = histogram(
+            "request_prefill_time_seconds", "Time from the first step to the first token",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode = histogram(
+            "request_decode_time_seconds", "Time from the first token to the last",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prompt_len = histogram(
+            "request_prompt_tokens", "Prompt tokens per request", length_buckets(max_len)
+        )
+        self.generation_len = histogram(
+            "request_generation_tokens", "Tokens generated per request", length_buckets(max_len)
+        )
+        self.registry.register(EngineCollector(models))
+
+    def started(self, record: CallRecord) -> None:
+        pass
+
+    def ended(self, record: CallRecord) -> None:
+        model = record.model
+        self.calls.labels(model, record.method, record.code.name).inc()
+        if record.prompt_tokens:
+            self.prompt_tokens.labels(model).inc(record.prompt_tokens)
+        if record.pooling_inputs:
+            self.pooling_inputs.labels(model, record.task).inc(record.pooling_inputs)
+        for choice in record.choices.values():
+            self._choice(record, model, choice.finished or record.end, choice)
+
+    def _choice(self, record: CallRecord, model: str, end: float, c: ChoiceRecord) -> None:
+        """One Generate choice: requests that never reached a step have no queue time, and
+        those cancelled before their first token no TTFT, prefill or decode time."""
+        self.request_success.labels(model, c.finish_reason or "abort").inc()
+        self.generation_tokens.labels(model).inc(c.output_tokens)
+        self.e2e.labels(model).observe(end - record.start)
+        self.prompt_len.labels(model).observe(record.prompt_tokens)
+        self.generation_len.labels(model).observe(c.output_tokens)
+        for gap in c.gaps:
+            self.itl.labels(model).observe(gap)
+        if c.scheduled is not None:
+            self.queue.labels(model).observe(max(0.0, c.scheduled - c.queued))
+        if c.first_token is None:
+            return
+        self.ttft.labels(model).observe(c.first_token - record.start)
+        last = c.last_token or c.first_token
+        if c.scheduled is not None:
+            self.prefill.labels(model).observe(max(0.0, c.first_token - c.scheduled))
+            self.inference.labels(model).observe(max(0.0, last - c.scheduled))
+        self.decode.labels(model).observe(last - c.first_token)
+        if c.output_tokens > 1:
+            self.tpot.labels(model).observe((last - c.first_token) / (c.output_tokens - 1))
+
+
+class EngineCollector(Collector):
+    """The engines' metrics, read at scrape time from each model's latest EngineStats and
+    its grammar cache. An engine restarted starts its counters again (Prometheus reads a
+    counter that falls as a reset)."""
+
+    def __init__(self, models: ModelRegistry) -> None:
+        self.models = models
+        self._compile_time = Histogram(
+            PREFIX + "grammar_compile_time_seconds", "Seconds one grammar compile took",
+            ["model_name"], buckets=GRAMMAR_BUCKETS, registry=None,
+        )
+        self._lock = threading.Lock()  # scrapes may run at once: one drains the times at a time
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # collected lazily: describing would read every engine at registration
+
+    def collect(self) -> Iterator[Metric]:
+        def gauge(name: str, text: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(PREFIX + name, text, labels=["model_name"])
+
+        def counter(name: str, text: str) -> CounterMetricFamily:
+            return CounterMetricFamily(PREFIX + name, text, labels=["model_name"])
+
+        running = gauge("num_requests_running", "Sequences in the engine's batch")
+        waiting = gauge("num_requests_waiting", "Sequences queued in the engine")
+        usage = gauge("kv_cache_usage_perc", "Share of KV cache blocks in use, 0 to 1")
+        free = gauge("kv_cache_free_blocks", "KV cache blocks free (empty or only cached)")
+        in_flight = gauge("num_tokens_in_flight", "Tokens of running and waiting sequences")
+        queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        preempted = counter("num_preemptions", "Sequences preempted (recomputed later)")
+        enc_hits = counter("encoder_cache_hits", "Image-encoder outputs found cached")
+        enc_misses = counter("encoder_cache_misses", "Image-encoder outputs computed")
+        compiles = counter("grammar_compiles", "Grammars compiled (cache misses)")
+        compile_hits = counter("grammar_cache_hits", "Grammars found in the compile cache")
+        with self._lock:
+            for handle in self.models:
+                name, s = [handle.name], handle.engine.stats()
+                running.add_metric(name, s.num_running)
+                waiting.add_metric(name, s.num_waiting)
+                usage.add_metric(name, s.kv_usage)
+                free.add_metric(name, s.num_free_blocks)
+                in_flight.add_metric(name, s.tokens_in_flight)
+                queries.add_metric(name, s.prefix_cache_queries)
+                hits.add_metric(name, s.prefix_cache_hits)
+                preempted.add_metric(name, s.num_preemptions)
+                enc_hits.add_metric(name, s.encoder_cache_hits)
+                enc_misses.add_metric(name, s.encoder_cache_misses)
+                cache = handle.frontend.grammar_cache()
+                if cache is not None:
+                    compiles.add_metric(name, cache.compiles)
+                    compile_hits.add_metric(name, cache.hits)
+                    for seconds in cache.take_compile_times():
+                        self._compile_time.labels(handle.name).observe(seconds)
+            yield from (running, waiting, usage, free, in_flight, queries, hits, preempted,
+                        enc_hits, enc_misses, compiles, compile_hits)  # fmt: skip
+            yield from self._compile_time.collect()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[WSGIServer, int]:
+    """Serves the registry as Prometheus text over HTTP (GET /metrics) from a daemon thread;
+    returns the server (shutdown() stops it) and its bound port (port 0 picks one)."""
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    bound = int(server.server_address[1])
+    logger.info("metrics on http://%s:%d/metrics", host, bound)
+    return server, bound
