@@ -43,6 +43,7 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # ... found cached
         self.num_preemptions = 0
+        self._tokens_in_flight = 0  # known tokens (prompt + output) of self.requests, kept as they change
 
     @property
     def has_unfinished(self) -> bool:
@@ -52,6 +53,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         self.requests[request.request_id] = request
+        self._tokens_in_flight += request.num_known_tokens
         if request.params.prompt_logprobs:
             self._prompt_logprobs[request.request_id] = [None]
         self.waiting.append(request)
@@ -64,13 +66,13 @@ class Scheduler:
             self._pending.append(self._output(request, [], None))
 
     def stats(self) -> EngineStats:
-        """The scheduler's load and counters now (EngineStats; O(requests): once a step)."""
+        """The scheduler's load and counters now (EngineStats; O(1): taken every step)."""
         return EngineStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_blocks=self.kv.num_blocks,
             num_free_blocks=self.kv.num_free_blocks if self.kv.num_blocks else 0,
-            tokens_in_flight=sum(r.num_tokens for r in self.requests.values()),
+            tokens_in_flight=self._tokens_in_flight,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
@@ -247,6 +249,7 @@ class Scheduler:
 
     def _append_token(self, request: Request, sampled: SampledToken) -> EngineOutput:
         request.output_token_ids.append(sampled.token_id)
+        self._tokens_in_flight += 1
         status, stop_reason = self._check_stop(request, sampled.token_id)
         if status is not None:
             self._finish(request, status)
@@ -279,7 +282,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self._tokens_in_flight -= request.num_known_tokens
         self._finished_ids.append(request.request_id)
 
     def _output(

@@ -12,8 +12,8 @@ import asyncio
 import contextvars
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
@@ -105,7 +105,7 @@ class CallObserver(Protocol):
 def status_of(exc: BaseException | None, context: Context) -> grpc.StatusCode:
     """The status a call ended with: its handler's, or CANCELLED / DEADLINE_EXCEEDED when the
     client went away (the task is cancelled), UNKNOWN for an exception grpc turns into it."""
-    if isinstance(exc, asyncio.CancelledError):
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # GeneratorExit: closed early
         remaining = context.time_remaining()
         return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 \
             else grpc.StatusCode.CANCELLED
@@ -152,42 +152,39 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
             response_serializer=handler.response_serializer,
         )
 
-    def _begin(self, service: str, method: str, context: Context) -> CallRecord:
+    @contextmanager
+    def _observed(self, service: str, method: str, context: Context) -> Iterator[None]:
+        """The call's record set as the current one while the handler runs; the observers
+        hear of its start, and of its end with the code it ended with."""
         record = CallRecord(
             method, service, str(context.peer() or ""), time.monotonic(),
             tuple(context.invocation_metadata() or ()), self.keep_text,
         )
         for observer in self.observers:
             observer.started(record)
-        return record
-
-    def _end(self, record: CallRecord, exc: BaseException | None, context: Context) -> None:
-        record.code, record.end = status_of(exc, context), time.monotonic()
-        for observer in self.observers:
-            observer.ended(record)
+        token = _current.set(record)
+        error: BaseException | None = None
+        try:
+            yield
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            _reset(token)
+            record.code, record.end = status_of(error, context), time.monotonic()
+            for observer in self.observers:
+                observer.ended(record)
 
     def _unary(self, behaviour: Any, service: str, method: str) -> Any:
         async def call(request: Any, context: Context) -> Any:
-            record = self._begin(service, method, context)
-            token = _current.set(record)
-            error: BaseException | None = None
-            try:
+            with self._observed(service, method, context):
                 return await behaviour(request, context)
-            except BaseException as e:
-                error = e
-                raise
-            finally:
-                _reset(token)
-                self._end(record, error, context)
 
         return call
 
     def _streaming(self, behaviour: Any, service: str, method: str) -> Any:
         async def responses(request: Any, context: Context) -> AsyncIterator[Any]:
-            record = self._begin(service, method, context)
-            token = _current.set(record)
-            error: BaseException | None = None
-            try:
+            with self._observed(service, method, context):
                 stream = behaviour(request, context)
                 if inspect.iscoroutine(stream):  # a refusal (the key check's) only aborts
                     await stream
@@ -195,12 +192,6 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
                 async with aclosing(stream):
                     async for response in stream:
                         yield response
-            except BaseException as e:
-                error = e
-                raise
-            finally:
-                _reset(token)
-                self._end(record, error, context)
 
         return responses
 

@@ -43,6 +43,29 @@ REQUEST_LATENCY_BUCKETS = [
 GRAMMAR_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
+# Generate's histograms, by key: (name, help, buckets; [] = token counts up to the context)
+HISTOGRAMS: dict[str, tuple[str, str, list[float]]] = {
+    "ttft": ("time_to_first_token_seconds", "Time from the call's arrival to its first token",
+             TTFT_BUCKETS),
+    "itl": ("inter_token_latency_seconds", "Time between two token chunks of a choice",
+            TOKEN_LATENCY_BUCKETS),
+    "tpot": ("request_time_per_output_token_seconds",
+             "Decode time per output token after the first, per choice", TOKEN_LATENCY_BUCKETS),
+    "e2e": ("e2e_request_latency_seconds", "Time from arrival to the choice's end",
+            REQUEST_LATENCY_BUCKETS),
+    "queue": ("request_queue_time_seconds", "Time in the engine's queue before the first step",
+              REQUEST_LATENCY_BUCKETS),
+    "inference": ("request_inference_time_seconds",
+                  "Time from the first step to the last token", REQUEST_LATENCY_BUCKETS),
+    "prefill": ("request_prefill_time_seconds", "Time from the first step to the first token",
+                REQUEST_LATENCY_BUCKETS),
+    "decode": ("request_decode_time_seconds", "Time from the first token to the last",
+               REQUEST_LATENCY_BUCKETS),
+    "prompt_len": ("request_prompt_tokens", "Prompt tokens per request", []),
+    "generation_len": ("request_generation_tokens", "Tokens generated per request", []),
+}  # fmt: skip
+
+
 def length_buckets(max_len: int) -> list[float]:
     """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's build_1_2_5_buckets)."""
     buckets: list[float] = []
@@ -79,44 +102,10 @@ class Metrics:
             "request_success", "Generate requests (choices) finished, by reason", "finished_reason"
         )
         self.pooling_inputs = counter("pooling_inputs", "Pooling inputs run, by task", "task")
-        self.ttft = histogram(
-            "time_to_first_token_seconds", "Time from the call's arrival to its first token",
-            TTFT_BUCKETS,
-        )
-        self.itl = histogram(
-            "inter_token_latency_seconds", "Time between two token chunks of a choice",
-            TOKEN_LATENCY_BUCKETS,
-        )
-        self.tpot = histogram(
-            "request_time_per_output_token_seconds",
-            "Decode time per output token after the first, per choice", TOKEN_LATENCY_BUCKETS,
-        )
-        self.e2e = histogram(
-            "e2e_request_latency_seconds", "Time from arrival to the choice's end",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.queue = histogram(
-            "request_queue_time_seconds", "Time in the engine's queue before the first step",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.inference = histogram(
-            "request_inference_time_seconds", "Time from the first step to the last token",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.prefill = histogram(
-            "request_prefill_time_seconds", "Time from the first step to the first token",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.decode = histogram(
-            "request_decode_time_seconds", "Time from the first token to the last",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.prompt_len = histogram(
-            "request_prompt_tokens", "Prompt tokens per request", length_buckets(max_len)
-        )
-        self.generation_len = histogram(
-            "request_generation_tokens", "Tokens generated per request", length_buckets(max_len)
-        )
+        self.histograms = {
+            key: histogram(name, text, buckets if buckets else length_buckets(max_len))
+            for key, (name, text, buckets) in HISTOGRAMS.items()
+        }
         self.registry.register(EngineCollector(models))
 
     def started(self, record: CallRecord) -> None:
@@ -137,23 +126,24 @@ class Metrics:
         those cancelled before their first token no TTFT, prefill or decode time."""
         self.request_success.labels(model, c.finish_reason or "abort").inc()
         self.generation_tokens.labels(model).inc(c.output_tokens)
-        self.e2e.labels(model).observe(end - record.start)
-        self.prompt_len.labels(model).observe(record.prompt_tokens)
-        self.generation_len.labels(model).observe(c.output_tokens)
+        h = {key: histogram.labels(model) for key, histogram in self.histograms.items()}
+        h["e2e"].observe(end - record.start)
+        h["prompt_len"].observe(record.prompt_tokens)
+        h["generation_len"].observe(c.output_tokens)
         for gap in c.gaps:
-            self.itl.labels(model).observe(gap)
+            h["itl"].observe(gap)
         if c.scheduled is not None:
-            self.queue.labels(model).observe(max(0.0, c.scheduled - c.queued))
+            h["queue"].observe(max(0.0, c.scheduled - c.queued))
         if c.first_token is None:
             return
-        self.ttft.labels(model).observe(c.first_token - record.start)
+        h["ttft"].observe(c.first_token - record.start)
         last = c.last_token or c.first_token
         if c.scheduled is not None:
-            self.prefill.labels(model).observe(max(0.0, c.first_token - c.scheduled))
-            self.inference.labels(model).observe(max(0.0, last - c.scheduled))
-        self.decode.labels(model).observe(last - c.first_token)
+            h["prefill"].observe(max(0.0, c.first_token - c.scheduled))
+            h["inference"].observe(max(0.0, last - c.scheduled))
+        h["decode"].observe(last - c.first_token)
         if c.output_tokens > 1:
-            self.tpot.labels(model).observe((last - c.first_token) / (c.output_tokens - 1))
+            h["tpot"].observe((last - c.first_token) / (c.output_tokens - 1))
 
 
 class EngineCollector(Collector):
