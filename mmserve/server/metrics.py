@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mmserve.server.calls import CallRecord, ChoiceRecord
-from mmserve.server.models import ModelRegistry
+from mmserve.server.models import ModelHandle
 
 logger = logging.getLogger(__name__)
 PREFIX = "mmserve:"
@@ -83,7 +83,8 @@ class Metrics:
     """The server's registry of metrics (its own: never the process-global one, which also
     exports process and platform facts). A CallObserver: each ended call updates it."""
 
-    def __init__(self, models: ModelRegistry) -> None:
+    def __init__(self, models: Iterable[ModelHandle]) -> None:
+        """models: iterated again at every scrape (the server's ModelRegistry)."""
         self.registry = CollectorRegistry()
         max_len = max((h.facts.max_context for h in models), default=1 << 16)
         model = ["model_name"]
@@ -151,7 +152,7 @@ class EngineCollector(Collector):
     its grammar cache. An engine restarted starts its counters again (Prometheus reads a
     counter that falls as a reset)."""
 
-    def __init__(self, models: ModelRegistry) -> None:
+    def __init__(self, models: Iterable[ModelHandle]) -> None:
         self.models = models
         self._compile_time = Histogram(
             PREFIX + "grammar_compile_time_seconds", "Seconds one grammar compile took",
