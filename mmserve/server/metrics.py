@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mmserve.engine.messages import EngineStats
 from mmserve.server.calls import CallRecord, ChoiceRecord
 from mmserve.server.models import ModelHandle
 
@@ -147,6 +148,29 @@ class Metrics:
             h["tpot"].observe((last - c.first_token) / (c.output_tokens - 1))
 
 
+# The engine's metrics, by name: (a gauge, else a counter; help; its value in EngineStats)
+ENGINE_METRICS: dict[str, tuple[bool, str, Callable[[EngineStats], float]]] = {
+    "num_requests_running": (True, "Sequences in the engine's batch", lambda s: s.num_running),
+    "num_requests_waiting": (True, "Sequences queued in the engine", lambda s: s.num_waiting),
+    "kv_cache_usage_perc": (True, "Share of KV cache blocks in use, 0 to 1",
+                            lambda s: s.kv_usage),
+    "kv_cache_free_blocks": (True, "KV cache blocks free (empty or only cached)",
+                             lambda s: s.num_free_blocks),
+    "num_tokens_in_flight": (True, "Tokens of running and waiting sequences",
+                             lambda s: s.tokens_in_flight),
+    "prefix_cache_queries": (False, "Prompt tokens looked up in the prefix cache",
+                             lambda s: s.prefix_cache_queries),
+    "prefix_cache_hits": (False, "Prompt tokens found in the prefix cache",
+                          lambda s: s.prefix_cache_hits),
+    "num_preemptions": (False, "Sequences preempted (recomputed later)",
+                        lambda s: s.num_preemptions),
+    "encoder_cache_hits": (False, "Image-encoder outputs found cached",
+                           lambda s: s.encoder_cache_hits),
+    "encoder_cache_misses": (False, "Image-encoder outputs computed",
+                             lambda s: s.encoder_cache_misses),
+}  # fmt: skip
+
+
 class EngineCollector(Collector):
     """The engines' metrics, read at scrape time from each model's latest EngineStats and
     its grammar cache. An engine restarted starts its counters again (Prometheus reads a
@@ -164,45 +188,31 @@ class EngineCollector(Collector):
         return []  # collected lazily: describing would read every engine at registration
 
     def collect(self) -> Iterator[Metric]:
-        def gauge(name: str, text: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(PREFIX + name, text, labels=["model_name"])
-
-        def counter(name: str, text: str) -> CounterMetricFamily:
-            return CounterMetricFamily(PREFIX + name, text, labels=["model_name"])
-
-        running = gauge("num_requests_running", "Sequences in the engine's batch")
-        waiting = gauge("num_requests_waiting", "Sequences queued in the engine")
-        usage = gauge("kv_cache_usage_perc", "Share of KV cache blocks in use, 0 to 1")
-        free = gauge("kv_cache_free_blocks", "KV cache blocks free (empty or only cached)")
-        in_flight = gauge("num_tokens_in_flight", "Tokens of running and waiting sequences")
-        queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        preempted = counter("num_preemptions", "Sequences preempted (recomputed later)")
-        enc_hits = counter("encoder_cache_hits", "Image-encoder outputs found cached")
-        enc_misses = counter("encoder_cache_misses", "Image-encoder outputs computed")
-        compiles = counter("grammar_compiles", "Grammars compiled (cache misses)")
-        compile_hits = counter("grammar_cache_hits", "Grammars found in the compile cache")
+        families = {
+            name: (GaugeMetricFamily if gauge else CounterMetricFamily)(
+                PREFIX + name, text, labels=["model_name"]
+            )
+            for name, (gauge, text, _) in ENGINE_METRICS.items()
+        }
+        compiles = CounterMetricFamily(
+            PREFIX + "grammar_compiles", "Grammars compiled (cache misses)", labels=["model_name"]
+        )
+        compile_hits = CounterMetricFamily(
+            PREFIX + "grammar_cache_hits", "Grammars found in the compile cache",
+            labels=["model_name"],
+        )
         with self._lock:
             for handle in self.models:
-                name, s = [handle.name], handle.engine.stats()
-                running.add_metric(name, s.num_running)
-                waiting.add_metric(name, s.num_waiting)
-                usage.add_metric(name, s.kv_usage)
-                free.add_metric(name, s.num_free_blocks)
-                in_flight.add_metric(name, s.tokens_in_flight)
-                queries.add_metric(name, s.prefix_cache_queries)
-                hits.add_metric(name, s.prefix_cache_hits)
-                preempted.add_metric(name, s.num_preemptions)
-                enc_hits.add_metric(name, s.encoder_cache_hits)
-                enc_misses.add_metric(name, s.encoder_cache_misses)
+                stats = handle.engine.stats()
+                for name, (_, _, read) in ENGINE_METRICS.items():
+                    families[name].add_metric([handle.name], read(stats))
                 cache = handle.frontend.grammar_cache()
                 if cache is not None:
-                    compiles.add_metric(name, cache.compiles)
-                    compile_hits.add_metric(name, cache.hits)
+                    compiles.add_metric([handle.name], cache.compiles)
+                    compile_hits.add_metric([handle.name], cache.hits)
                     for seconds in cache.take_compile_times():
                         self._compile_time.labels(handle.name).observe(seconds)
-            yield from (running, waiting, usage, free, in_flight, queries, hits, preempted,
-                        enc_hits, enc_misses, compiles, compile_hits)  # fmt: skip
+            yield from (*families.values(), compiles, compile_hits)
             yield from self._compile_time.collect()
 
 

@@ -236,3 +236,19 @@ def test_access_log_leaves_out_prompts_and_keys_by_default(
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "private" not in text and "sk-not-needed" not in text
     assert "method=Generate model=tiny-a" in text and "status=OK" in text
+
+
+def test_async_sdk_watch_load(server: ServerThread) -> None:
+    import asyncio
+
+    from mmserve_client import AsyncClient
+
+    async def first() -> Any:
+        async with AsyncClient(server.target, timeout=60) as c:
+            reports = c.watch_load(model="tiny-a", interval_ms=100)
+            report = await anext(reports)
+            await reports.aclose()  # type: ignore[attr-defined]
+            return report
+
+    report = asyncio.run(first())
+    assert [m.model for m in report.models] == ["tiny-a"] and report.models[0].serving

@@ -25,9 +25,11 @@ IDEMPOTENT_METHODS = (
     "Tokenize",
     "Detokenize",
     "ListModels",
+    "WatchLoad",
 )
 """RPCs that gRPC may retry on UNAVAILABLE. Not Generate: it is not idempotent (sampling), and
-a retried stream could replay chunks the caller has already consumed."""
+a retried stream could replay chunks the caller has already consumed (WatchLoad's reports are
+each whole: gRPC retries a stream only before its first message anyway)."""
 
 
 def service_config(retry_attempts: int) -> str:
