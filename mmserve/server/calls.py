@@ -133,7 +133,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or handler.request_streaming:  # unknown method; no such RPCs here
+        if handler is None or handler.request_streaming:  # unknown, or reflection: not observed
             return handler
         service, _, method = str(details.method).lstrip("/").rpartition("/")
         if not service.startswith("mmserve."):
