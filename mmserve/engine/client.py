@@ -11,7 +11,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.core_proc import ProcessClient
 from mmserve.engine.engine_core import EngineCore
 from mmserve.engine.loading import LoadedEngine, load_engine
-from mmserve.engine.messages import EngineInfo, EngineOutput, EngineRequest
+from mmserve.engine.messages import EngineInfo, EngineOutput, EngineRequest, EngineStats
 
 
 class EngineClient(Protocol):
@@ -64,6 +64,12 @@ class EngineClient(Protocol):
         """(KV blocks in all, blocks free: empty or only cached) of the engine's cache."""
         ...
 
+    @property
+    def latest_stats(self) -> EngineStats:
+        """The engine's load and counters as of its latest step that reached this side
+        (metrics, load reports). Never waits: safe to read from any thread."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -75,6 +81,7 @@ class InProcessClient:
         self.core: EngineCore = loaded.core  # for tests and benchmarks that look inside
         self.info = loaded.info
         self._last_progress = time.monotonic()
+        self._stats = self.core.stats()
 
     def add(self, requests: Sequence[EngineRequest]) -> None:
         for request in requests:
@@ -92,8 +99,13 @@ class InProcessClient:
 
     def outputs(self) -> list[EngineOutput]:
         out = self.core.step()
+        self._stats = self.core.stats()  # replaced whole: readers on other threads see one
         self._last_progress = time.monotonic()
         return out
+
+    @property
+    def latest_stats(self) -> EngineStats:
+        return self._stats
 
     @property
     def last_progress(self) -> float:

@@ -55,6 +55,8 @@ class ProcessClient:
         self.dead: str | None = None
         self._last_progress = time.monotonic()
         self.info: m.EngineInfo = self._wait_for(m.Ready, READY_TIMEOUT_S).info
+        blocks = self.info.num_kv_blocks
+        self._stats = m.EngineStats(num_blocks=blocks, num_free_blocks=blocks)  # then the core's
 
     @property
     def pid(self) -> int | None:
@@ -97,10 +99,16 @@ class ProcessClient:
         return self._last_progress
 
     def check_alive(self) -> None:
-        """EngineDead once the core process is gone (killed, crashed), busy or idle."""
+        """EngineDead once the core process is gone (killed, crashed), busy or idle. Takes
+        any message that came in since (the core's last stats as it went idle)."""
         self._check_alive()
         if not self._proc.is_alive():
             self._died(f"exited with code {self._proc.exitcode}")
+        self._receive(0.0)
+
+    @property
+    def latest_stats(self) -> m.EngineStats:
+        return self._stats
 
     def stats(self) -> m.Stats:
         self._send(m.GetStats())
@@ -168,6 +176,8 @@ class ProcessClient:
     def _handle(self, msg: m.FromCore) -> None:
         if isinstance(msg, m.Outputs):
             self._pending.extend(msg.outputs)
+            if msg.stats is not None:
+                self._stats = msg.stats
         elif isinstance(msg, m.Error):
             self._died(msg.message)
 
@@ -212,9 +222,10 @@ def _serve(conn: Connection, core: EngineCore, parent_pid: int) -> None:
             _apply(conn, core, msg)
         elif busy:
             outputs = core.step()
-            # no news for a while (a long chunked prefill): an empty Outputs says it progresses
-            if outputs or time.monotonic() - reported > HEARTBEAT_S:
-                conn.send_bytes(m.encoder.encode(m.Outputs(outputs)))
+            # no news for a while (a long chunked prefill): an empty Outputs says it progresses;
+            # going idle, one more carries the stats the last step left
+            if outputs or not core.has_unfinished or time.monotonic() - reported > HEARTBEAT_S:
+                conn.send_bytes(m.encoder.encode(m.Outputs(outputs, core.stats())))
                 reported = time.monotonic()
         elif os.getppid() != parent_pid:
             return

@@ -25,6 +25,8 @@ class EncoderCacheManager:
         self._step_rows = 0  # rows planned for computation this step
         self._pinned: set[str] = set()  # needed by this step: never evicted during it
         self._evicted: list[str] = []
+        self.hits = 0  # images of planned chunks found cached (cumulative, for metrics)
+        self.misses = 0  # ... to compute
 
     def begin_step(self) -> None:
         self._step_rows = 0
@@ -54,6 +56,8 @@ class EncoderCacheManager:
             self._pinned.add(mm.key)
         for key, mm in new.items():
             self._cached[key] = mm.placeholder.length
+        self.misses += len(new)
+        self.hits += len(inputs) - len(new)
         self._used += rows
         self._step_rows += rows
         return list(new.values())

@@ -10,7 +10,7 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.engine.grammars import PendingGrammars
 from mmserve.engine.kv_cache_manager import KVCacheManager
-from mmserve.engine.messages import EngineOutput, EngineRequest
+from mmserve.engine.messages import EngineOutput, EngineRequest, EngineStats
 from mmserve.engine.sched_output import RunnerOutput, SchedulerOutput
 from mmserve.engine.scheduler import Scheduler
 from mmserve.inputs import grid_thw
@@ -162,6 +162,10 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         busy = self.scheduler.has_unfinished or self._in_flight is not None
         return busy or bool(self._compiling) or bool(self._failed)
+
+    def stats(self) -> EngineStats:
+        """The load and counters as the latest step left them (metrics, load reports)."""
+        return self.scheduler.stats()
 
     def shutdown(self) -> None:
         if self._compiling is not None:

@@ -34,7 +34,9 @@ class PendingGrammars:
         structured = request.params.structured
         if structured is None:
             raise ValueError(f"request {request.request_id!r} has no constraint to compile")
-        self._pending.append((self._pool.submit(self.manager.compile, structured), request))
+        # counted=False: the front end's compile of it is the one metrics count
+        compiled = self._pool.submit(self.manager.compile, structured, False)
+        self._pending.append((compiled, request))
 
     def drop(self, request_ids: list[str]) -> None:
         """Aborted while compiling: they never join."""

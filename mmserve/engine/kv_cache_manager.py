@@ -39,11 +39,16 @@ class KVCacheManager:
         request's blocks before it; 0 for its first allocation since admission)."""
         return self._num_kept.get(request_id, 0)
 
+    def looks_up(self, request: Request) -> bool:
+        """Whether get_computed_blocks searches the prefix cache for this request: prompt
+        logprobs and pooling need every prompt position computed, so they never hit."""
+        return self.pool.enable_caching and not request.params.prompt_logprobs and not request.pooling
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of the request, in whole blocks, always leaving at least
         one token to compute (the step that computes it samples the next token)."""
-        if not self.pool.enable_caching or request.params.prompt_logprobs or request.pooling:
-            return [], 0  # prompt logprobs and pooling need every prompt position computed
+        if not self.looks_up(request):
+            return [], 0
         self._hash(request, request.num_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

@@ -55,6 +55,33 @@ class EngineOutput(msgspec.Struct):
     num_accepted_draft_tokens: int = 0  # of those, the ones the model accepted
 
 
+class EngineStats(msgspec.Struct, frozen=True):
+    """The engine's load as its latest step left it, and its counters since it started.
+    Taken after every step and carried on the Outputs message already sent (no message of
+    its own, and nobody waits for it); metrics and load reports read the latest one."""
+
+    num_running: int = 0  # sequences (one per choice, one per pooling input) in the batch
+    num_waiting: int = 0  # sequences queued or preempted, not yet running
+    num_blocks: int = 0  # KV blocks in all (0: a model that keeps no KV cache)
+    num_free_blocks: int = 0  # KV blocks empty or holding only cached prefixes
+    tokens_in_flight: int = 0  # prompt + output tokens (known) of every running or waiting one
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, cumulative
+    prefix_cache_hits: int = 0  # ... of them found cached, cumulative
+    num_preemptions: int = 0  # sequences preempted (to be recomputed), cumulative
+    encoder_cache_hits: int = 0  # image-encoder outputs found cached, cumulative
+    encoder_cache_misses: int = 0  # ... computed, cumulative
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of KV blocks in use by running sequences, 0 to 1."""
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Prefix-cache hits per token queried since the engine started (0 before any)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
 class EngineInfo(msgspec.Struct, frozen=True):
     """What the layers above the engine know about its model: everything they read, so that
     none of them reads the runner or the model. The engine answers it when it starts."""
@@ -122,6 +149,7 @@ class Shutdown(msgspec.Struct, tag=True):
 
 class Outputs(msgspec.Struct, tag=True):
     outputs: list[EngineOutput]
+    stats: EngineStats | None = None  # the engine as this step left it
 
 
 class Ready(msgspec.Struct, tag=True):

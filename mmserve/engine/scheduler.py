@@ -13,7 +13,7 @@ from mmserve.config import SchedulerConfig
 from mmserve.engine.block_pool import KVBlock
 from mmserve.engine.encoder_cache import EncoderCacheManager
 from mmserve.engine.kv_cache_manager import KVCacheManager
-from mmserve.engine.messages import EngineOutput
+from mmserve.engine.messages import EngineOutput, EngineStats
 from mmserve.engine.sched_output import (
     RunnerOutput,
     SampledToken,
@@ -41,6 +41,11 @@ class Scheduler:
         self._pending: list[EngineOutput] = []  # outputs of requests ended between steps
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.on_finish: Callable[[Request], None] | None = None  # told of each ended request
+        # cumulative counters for metrics (EngineStats)
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
+        self.prefix_cache_hits = 0  # ... found cached
+        self.num_preemptions = 0
+        self._tokens_in_flight = 0  # known tokens (prompt + output) of self.requests, kept as they change
 
     @property
     def has_unfinished(self) -> bool:
@@ -50,6 +55,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
         self.requests[request.request_id] = request
+        self._tokens_in_flight += request.num_known_tokens
         if request.params.prompt_logprobs:
             self._prompt_logprobs[request.request_id] = [None]
         self.waiting.append(request)
@@ -60,6 +66,21 @@ class Scheduler:
         if request is not None:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             self._pending.append(self._output(request, [], None))
+
+    def stats(self) -> EngineStats:
+        """The scheduler's load and counters now (EngineStats; O(1): taken every step)."""
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_blocks=self.kv.num_blocks,
+            num_free_blocks=self.kv.num_free_blocks if self.kv.num_blocks else 0,
+            tokens_in_flight=self._tokens_in_flight,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            encoder_cache_hits=self.encoder.hits,
+            encoder_cache_misses=self.encoder.misses,
+        )
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
@@ -150,6 +171,9 @@ class Scheduler:
         if not self.kv.allocate_slots(request, num_new, hits):
             return 0
         request.num_computed_tokens += num_hit_tokens
+        if self.kv.looks_up(request):  # counted once admitted: a request may wait and retry
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
@@ -160,6 +184,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _ends_by_length(self, request: Request) -> bool:
@@ -251,6 +276,7 @@ class Scheduler:
 
     def _append_token(self, request: Request, sampled: SampledToken) -> EngineOutput:
         request.output_token_ids.append(sampled.token_id)
+        self._tokens_in_flight += 1
         status, stop_reason = self._check_stop(request, sampled.token_id)
         if status is not None:
             self._finish(request, status)
@@ -280,6 +306,7 @@ class Scheduler:
             if request.grammar is not None:  # (allowed: its position's mask held it)
                 request.grammar.accept_token(one.token_id)
             request.output_token_ids.append(one.token_id)
+            self._tokens_in_flight += 1
             tokens.append(one.token_id)
             if one.logprob is not None:
                 logprobs.append(one.logprob)
@@ -318,7 +345,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self._tokens_in_flight -= request.num_known_tokens
         self._finished_ids.append(request.request_id)
         if self.on_finish is not None:
             self.on_finish(request)

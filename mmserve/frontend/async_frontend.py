@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 from mmserve.config import DEFAULT_FRONTEND_THREADS
+from mmserve.engine.messages import EngineStats
 from mmserve.errors import EngineDead, ResourceExhausted
 from mmserve.frontend.frontend import FrontEnd, GenerateJob, GenerationDelta, PooledResult
 from mmserve.inputs import MMInput
@@ -107,6 +108,11 @@ class AsyncFrontEnd:
             return 0.0
         since = max(self.frontend.client.last_progress, self._busy_since)
         return max(0.0, time.monotonic() - since)
+
+    def stats(self) -> EngineStats:
+        """The engine's load and counters as of its latest step (metrics, load reports);
+        never waits, safe from any thread."""
+        return self.frontend.client.latest_stats
 
     def kv_blocks(self, timeout: float = 30.0) -> tuple[int, int]:
         """(KV blocks in all, free ones), asked on the engine thread (the client is not

@@ -33,6 +33,7 @@ from mmserve.processors.images import DecodedImage
 from mmserve.processors.reasoning_parsers import ReasoningGate
 from mmserve.processors.tokenizer import load_tokenizer
 from mmserve.structured_output.backend import CompiledGrammar
+from mmserve.structured_output.cache import GrammarCache
 from mmserve.structured_output.manager import StructuredOutputManager
 from mmserve.structured_output.schema_tree import RelaxedKeyword
 
@@ -268,6 +269,11 @@ class FrontEnd:
             return self._structured
         info = self.info  # bitmasks cover the logits' full width
         return StructuredOutputManager(self.tokenizer, info.logits_width, sorted(info.eos_token_ids))
+
+    def grammar_cache(self) -> GrammarCache | None:
+        """The grammar cache once this front end has one (metrics read its counters)."""
+        manager = self._structured or self.__dict__.get("structured")  # built, not building it
+        return manager.cache if manager is not None else None
 
     def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """params.structured compiled (cached; blocks: call it off the event loop). The

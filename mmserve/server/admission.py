@@ -25,6 +25,10 @@ class Admission:
     def in_flight(self) -> int:
         return sum(self._in_flight.values())
 
+    def in_flight_of(self, model: str) -> int:
+        """Calls of one model holding a slot now."""
+        return self._in_flight[model]
+
     def check_open(self) -> None:
         if self.draining:
             raise Draining("the server is shutting down; retry on another replica")

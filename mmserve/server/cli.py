@@ -82,13 +82,12 @@ def model_specs(args: argparse.Namespace) -> list[ModelSpec]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from mmserve.server.access_log import configure_logging
     from mmserve.server.grpc_server import serve
     from mmserve.server.models import load_models
 
-    logging.basicConfig(
-        level=serve_options(args).log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    options = serve_options(args)
+    configure_logging(options.log_level, options.log_format)
     config, template, specs = server_config(args), engine_template(args), model_specs(args)
     logger.info(
         "loading %d model(s): %s", len(specs), ", ".join(f"{s.name}={s.path}" for s in specs)

@@ -20,7 +20,7 @@ from mmserve.frontend.reasoning import ChoiceReasoning, ReasoningOutput
 from mmserve.frontend.tool_stream import ChoiceToolStream, ToolOutput
 from mmserve.inputs import MMInput
 from mmserve.processors.images import DecodedImage
-from mmserve.server import convert
+from mmserve.server import calls, convert
 from mmserve.server.config import ServerConfig
 from mmserve.server.errors import EngineFailed, engine_error
 from mmserve.server.images import ImageInputs
@@ -149,12 +149,26 @@ class _Choice:
     reasoning: ChoiceReasoning | None = None  # its thought apart from its answer
 
 
+def prompt_text(request: generate_pb2.GenerateRequest) -> str:
+    """The request's input as the access log shows it with --log-requests."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return request.prompt
+    if kind == "chat":
+        return "\n".join(
+            f"{m.role}: " + "".join(p.text for p in m.content if p.WhichOneof("part") == "text")
+            for m in request.chat.messages
+        )
+    return f"token_ids: {list(request.token_ids.ids)}"
+
+
 @dataclass
 class _Stream:
     """Per-call state of the chunks sent so far."""
 
     prep: Prepared
     queued: float  # when the request was handed to the engine
+    record: calls.CallRecord  # the call's, for metrics, the access log and tracing
     choices: dict[int, _Choice] = field(default_factory=dict)
     sent_any: bool = False
     tool_streams: dict[int, ChoiceToolStream] = field(default_factory=dict)
@@ -170,6 +184,7 @@ class _Stream:
         choice.completion_tokens += len(delta.token_ids)
         if delta.token_ids and choice.first_token is None:
             choice.first_token = now
+        self._record(delta, out, now)
         if not self.sent_any:  # stream-wide facts travel once, on the first chunk
             self.sent_any = True
             out.model = handle.name
@@ -190,6 +205,29 @@ class _Stream:
                 convert.timing(self.prep.received, queued, choice.first_token, now)
             )
         return out
+
+    def _record(
+        self, delta: GenerationDelta, out: generate_pb2.GenerateResponse, now: float
+    ) -> None:
+        """The delta into the call's record: every choice counts as a request from the
+        engine's first answer to any of them."""
+        record = self.record
+        if not record.choices:
+            n = self.prep.job.params.n
+            record.choices = {i: calls.ChoiceRecord(self.queued) for i in range(n)}
+        c = record.choices[delta.index]
+        c.scheduled = c.scheduled or delta.first_scheduled_time
+        if delta.token_ids:
+            if c.last_token is not None:
+                c.gaps.append(now - c.last_token)
+            c.first_token, c.last_token = c.first_token or now, now
+            c.output_tokens += len(delta.token_ids)
+            record.output_tokens += len(delta.token_ids)
+        if record.keep_text:
+            c.text.append(out.text)
+        if delta.finish_reason is not None:
+            c.finish_reason, c.finished = delta.finish_reason, now
+            record.cached_tokens = max(record.cached_tokens, delta.num_cached_tokens)
 
     def _parse(
         self, choice: _Choice, out: generate_pb2.GenerateResponse, delta: GenerationDelta
@@ -234,7 +272,7 @@ async def stream(prep: Prepared) -> AsyncGenerator[generate_pb2.GenerateResponse
     passes) closes the engine's iterator, which aborts the request and frees its KV blocks."""
     handle = prep.handle
     handle.require_serving()
-    state = _Stream(prep, queued=time.monotonic())
+    state = _Stream(prep, queued=time.monotonic(), record=calls.current())
     deltas = handle.engine.generate(prep.job)
     try:
         async with aclosing(deltas):

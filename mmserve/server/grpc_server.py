@@ -8,6 +8,8 @@ import logging
 import signal
 import time
 from pathlib import Path
+from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,12 +17,16 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from mmserve.errors import EngineStalled
+from mmserve.server.access_log import AccessLog
 from mmserve.server.admission import Admission
 from mmserve.server.auth import ApiKeyInterceptor, load_api_keys
+from mmserve.server.calls import CallInterceptor, CallObserver
 from mmserve.server.config import ServerConfig
 from mmserve.server.decode_guard import DecodeGuardInterceptor
+from mmserve.server.metrics import Metrics, serve_metrics
 from mmserve.server.models import ModelHandle, ModelRegistry
 from mmserve.server.servicer import InferenceServicer
+from mmserve.server.tracing import Tracing
 from mmserve_client.v1 import inference_pb2, inference_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -50,9 +56,17 @@ class MMServer:
     """One server process's gRPC side. start() binds and serves; drain() refuses new calls,
     lets running ones finish (up to shutdown_grace), then stops."""
 
-    def __init__(self, registry: ModelRegistry, config: ServerConfig) -> None:
+    def __init__(
+        self, registry: ModelRegistry, config: ServerConfig, tracer_provider: Any = None
+    ) -> None:
+        """tracer_provider: an OpenTelemetry TracerProvider to trace with (tests); by default
+        one exporting to config.otlp_traces_endpoint, when set."""
         self.registry = registry
         self.config = config
+        self.metrics: Metrics | None = Metrics(registry) if config.metrics_port is not None else None
+        self.metrics_port: int | None = None  # the bound metrics port, once started
+        self._metrics_server: WSGIServer | None = None
+        self.tracing = self._tracing(tracer_provider)
         self.admission = Admission(config.max_pending)
         self.health = HealthServicer()
         self.port: int | None = None  # the bound port, once started
@@ -60,13 +74,32 @@ class MMServer:
         self._watchdog: asyncio.Task[None] | None = None
         self._restarts: dict[str, list[float]] = {}  # model -> time.monotonic() of restarts
 
+    def _tracing(self, provider: Any) -> Tracing | None:
+        if provider is not None:
+            return Tracing(provider)
+        endpoint = self.config.otlp_traces_endpoint
+        return Tracing.start(endpoint) if endpoint else None
+
+    def _observers(self) -> list[CallObserver]:
+        """Who hears of every call's end: the access log always, metrics and tracing when on."""
+        observers: list[CallObserver] = [AccessLog(self.config.log_requests)]
+        if self.metrics is not None:
+            observers.append(self.metrics)
+        if self.tracing is not None:
+            observers.append(self.tracing)
+        return observers
+
     def _build(self) -> grpc.aio.Server:
         keys = load_api_keys(self.config.api_key_file) if self.config.api_key_file else None
         auth = ApiKeyInterceptor(keys) if keys else None
         limit = self.config.max_message_bytes
-        # The decode guard comes first so it wraps every handler, the key check's refusals too;
-        # those never decode, so a caller without a key gets UNAUTHENTICATED whatever it sent.
-        interceptors: list[grpc.aio.ServerInterceptor] = [DecodeGuardInterceptor()]
+        # The call records come first so every call is seen, refused ones too; then the decode
+        # guard, so it wraps every handler, the key check's refusals too; those never decode,
+        # so a caller without a key gets UNAUTHENTICATED whatever it sent.
+        interceptors: list[grpc.aio.ServerInterceptor] = [
+            CallInterceptor(self._observers(), keep_text=self.config.log_requests),
+            DecodeGuardInterceptor(),
+        ]
         if auth:
             interceptors.append(auth)
         server = grpc.aio.server(
@@ -100,6 +133,10 @@ class MMServer:
             raise OSError(f"cannot listen on {address}: port in use or bad host") from e
         await server.start()
         self.port = port
+        if self.metrics is not None and self.config.metrics_port is not None:
+            self._metrics_server, self.metrics_port = serve_metrics(
+                self.metrics.registry, self.config.host, self.config.metrics_port
+            )
         for name in ("", SERVICE_NAME, *self.registry.names):
             await self.health.set(name, SERVING)
         self._watchdog = asyncio.create_task(self._watch_engines())
@@ -181,6 +218,11 @@ class MMServer:
         if self._server is not None:
             await self._server.stop(max(0.0, grace - (time.monotonic() - start)) or None)
         await asyncio.to_thread(self.registry.shutdown)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
         logger.info("stopped")
 
 

@@ -14,7 +14,7 @@ from mmserve.errors import EngineDead, InvalidArgument
 from mmserve.frontend import pooling as pooling_api
 from mmserve.frontend.pooling_plans import PoolingPlan
 from mmserve.processors.images import ImageSource
-from mmserve.server import convert
+from mmserve.server import calls, convert
 from mmserve.server import convert_pooling as cp
 from mmserve.server.errors import EngineFailed, engine_error
 from mmserve.server.images import ImageInputs
@@ -30,7 +30,9 @@ async def _run(handle: ModelHandle, plan: PoolingPlan[T]) -> tuple[T, float]:
     queued = time.monotonic()
     handle.require_serving()
     try:
-        return await pooling_api.run_async(handle.engine, plan), queued
+        result = await pooling_api.run_async(handle.engine, plan)
+        calls.current().pooling_inputs += plan.count
+        return result, queued
     except EngineDead as e:
         raise engine_error(handle.name, e) from e
     except RuntimeError as e:  # a failed request

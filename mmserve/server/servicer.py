@@ -12,7 +12,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import grpc
 
-from mmserve.server import generate, pooling, tokens
+from mmserve.server import calls, generate, load, pooling, tokens
 from mmserve.server.admission import Admission
 from mmserve.server.auth import ApiKeyInterceptor
 from mmserve.server.config import ServerConfig
@@ -23,6 +23,7 @@ from mmserve.server.models import ModelHandle, ModelRegistry, Task
 from mmserve_client.v1 import (
     generate_pb2,
     inference_pb2_grpc,
+    load_pb2,
     models_pb2,
     pooling_pb2,
     tokenize_pb2,
@@ -63,27 +64,40 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         model: str,
         task: Task | None,
         flow: Callable[[ModelHandle], Awaitable[R]],
+        request_id: str,
     ) -> R:
+        record = calls.current()
+        record.request_id = request_id
         try:
             handle = self.registry.get(model, task)
+            _routed(record, handle, task)
             with self.admission.slot(handle.name):
-                return within_limit(await flow(handle), self.config.max_message_bytes)
+                response = await flow(handle)
+            if "usage" in response.DESCRIPTOR.fields_by_name:  # type: ignore[attr-defined]
+                record.prompt_tokens = response.usage.prompt_tokens  # type: ignore[attr-defined]
+            return within_limit(response, self.config.max_message_bytes)
         except Exception as e:  # noqa: BLE001 - the call's error boundary: every error -> a status
             await abort(context, e, self.config.retry_after_s)
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        received = time.monotonic()
+        record = calls.current()
+        received, record.request_id = record.start, request.request_id
         scope = self._scope(context)
         if scope:  # another tenant's blocks never match: the salt is part of every block hash
             request.cache_salt = f"{scope}\x1f{request.cache_salt}"
         try:
             handle = self.registry.get(request.model, Task.GENERATE)
+            _routed(record, handle, Task.GENERATE)
             with self.admission.slot(handle.name):
                 prep = await generate.prepare(
                     request, handle, self.config, received, self.images
                 )
+                record.request_id = prep.request_id
+                record.prompt_tokens = len(prep.job.prompt_token_ids)
+                if record.keep_text:
+                    record.prompt = generate.prompt_text(request)
                 # aclosing: a chunk over the limit ends the stream, and the request, at once
                 async with aclosing(generate.stream(prep)) as chunks:
                     async for chunk in chunks:
@@ -97,7 +111,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         rid, scope = _request_id(request), self._scope(context)
         return await self._unary(
             context, request.model, None,
-            lambda h: tokens.tokenize(request, h, rid, self.images, scope),
+            lambda h: tokens.tokenize(request, h, rid, self.images, scope), rid,
         )
 
     async def Detokenize(
@@ -105,7 +119,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> tokenize_pb2.DetokenizeResponse:
         rid = _request_id(request)
         return await self._unary(
-            context, request.model, None, lambda h: tokens.detokenize(request, h, rid)
+            context, request.model, None, lambda h: tokens.detokenize(request, h, rid), rid
         )
 
     async def ListModels(
@@ -120,13 +134,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             request_id=_request_id(request), models=[model_info(h) for h in handles]
         )
 
+    async def WatchLoad(
+        self, request: load_pb2.WatchLoadRequest, context: Context
+    ) -> AsyncIterator[load_pb2.WatchLoadResponse]:
+        """Holds no admission slot: a router's long-lived stream never blocks a drain or
+        takes a model's place; it ends by itself once the server drains."""
+        try:
+            async with aclosing(load.watch(request, self.registry, self.admission)) as reports:
+                async for report in reports:
+                    yield report
+        except Exception as e:  # noqa: BLE001 - the call's error boundary
+            await abort(context, e, self.config.retry_after_s)
+
     async def Embed(
         self, request: pooling_pb2.EmbedRequest, context: Context
     ) -> pooling_pb2.EmbedResponse:
         rid, received, scope = _request_id(request), time.monotonic(), self._scope(context)
         return await self._unary(
             context, request.model, Task.EMBED,
-            lambda h: pooling.embed(request, h, rid, received, self.images, scope),
+            lambda h: pooling.embed(request, h, rid, received, self.images, scope), rid,
         )
 
     async def Rerank(
@@ -134,7 +160,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> pooling_pb2.RerankResponse:
         rid, received = _request_id(request), time.monotonic()
         return await self._unary(
-            context, request.model, Task.RERANK, lambda h: pooling.rerank(request, h, rid, received)
+            context, request.model, Task.RERANK,
+            lambda h: pooling.rerank(request, h, rid, received), rid,
         )
 
     async def Classify(
@@ -146,6 +173,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             request.model,
             Task.CLASSIFY,
             lambda h: pooling.classify(request, h, rid, received),
+            rid,
         )
 
     async def Score(
@@ -154,8 +182,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         rid, received, scope = _request_id(request), time.monotonic(), self._scope(context)
         return await self._unary(
             context, request.model, Task.SCORE,
-            lambda h: pooling.score(request, h, rid, received, self.images, scope),
+            lambda h: pooling.score(request, h, rid, received, self.images, scope), rid,
         )
+
+
+def _routed(record: calls.CallRecord, handle: ModelHandle, task: Task | None) -> None:
+    """The call's model and task, once its model is known: labels come from served names
+    only, never from what a request asked for."""
+    record.model, record.task = handle.name, task.value if task is not None else ""
 
 
 def _request_id(request: Any) -> str:

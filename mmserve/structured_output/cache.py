@@ -27,6 +27,7 @@ from .backend import CompiledGrammar
 DEFAULT_CACHE_ENTRIES = 512
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_COMPILE_WORKERS = 2
+MAX_TIMES = 4096  # compile durations kept for metrics between two scrapes
 
 
 @dataclass
@@ -51,19 +52,33 @@ class GrammarCache:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # LRU order
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
+        # for metrics: lookups answered from the cache, compiles started, and the seconds of
+        # compiles finished since the last take_compile_times() (at most MAX_TIMES kept)
+        self.hits = 0
+        self.compiles = 0
+        self._compile_times: list[float] = []
+
+    def take_compile_times(self) -> list[float]:
+        """The durations (s) of the compiles that ended since the last call (metrics)."""
+        with self._lock:
+            times, self._compile_times = self._compile_times, []
+        return times
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(
-        self, key: Hashable, compile_fn: Callable[[], CompiledGrammar], field: str = "structured"
+        self, key: Hashable, compile_fn: Callable[[], CompiledGrammar], field: str = "structured",
+        counted: bool = True,
     ) -> CompiledGrammar:
-        """The compiled grammar for `key`, compiling it with `compile_fn` on a miss.
+        """The compiled grammar for `key`, compiling it with `compile_fn` on a miss. counted:
+        the lookup counts in `hits` / `compiles` (False: the engine's second lookup of a
+        constraint its front end compiled already).
 
         Blocks up to about `timeout_s`. Raises what compile_fn raises, InvalidArgument
         naming `field` on a timeout, or ResourceExhausted when no worker was free.
         """
-        entry = self._lookup(key, compile_fn, field)
+        entry = self._lookup(key, compile_fn, field, counted)
         while True:
             try:
                 return entry.future.result(timeout=self._wait_s(entry))
@@ -81,13 +96,15 @@ class GrammarCache:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _lookup(
-        self, key: Hashable, compile_fn: Callable[[], CompiledGrammar], field: str
+        self, key: Hashable, compile_fn: Callable[[], CompiledGrammar], field: str, counted: bool
     ) -> _Entry:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
+                self.hits += counted
                 return entry
+            self.compiles += counted
             entry = _Entry(Future(), field)
             entry.future = self._pool.submit(self._run, entry, compile_fn)
             self._entries[key] = entry
@@ -95,10 +112,14 @@ class GrammarCache:
                 self._entries.popitem(last=False)  # waiters keep their own reference
             return entry
 
-    @staticmethod
-    def _run(entry: _Entry, compile_fn: Callable[[], CompiledGrammar]) -> CompiledGrammar:
-        entry.started = time.monotonic()
-        return compile_fn()
+    def _run(self, entry: _Entry, compile_fn: Callable[[], CompiledGrammar]) -> CompiledGrammar:
+        entry.started = started = time.monotonic()
+        try:
+            return compile_fn()
+        finally:
+            with self._lock:
+                if len(self._compile_times) < MAX_TIMES:  # nobody takes them: metrics are off
+                    self._compile_times.append(time.monotonic() - started)
 
     def _wait_s(self, entry: _Entry) -> float:
         start = entry.started if entry.started is not None else entry.submitted

@@ -57,12 +57,13 @@ class StructuredOutputManager:
                 )
             return self._backends[name]
 
-    def compile(self, params: StructuredOutputParams) -> CompiledGrammar:
-        """Validate and compile (cached). Raises InvalidArgument / ResourceExhausted."""
+    def compile(self, params: StructuredOutputParams, counted: bool = True) -> CompiledGrammar:
+        """Validate and compile (cached). Raises InvalidArgument / ResourceExhausted.
+        counted: False for the engine's own lookup (GrammarCache.get)."""
         params.validate()
         backend = self.backend(params.backend)  # outside the compile time limit
         key = (backend.name, *params.cache_key)
-        return self.cache.get(key, lambda: backend.compile(params), params.field)
+        return self.cache.get(key, lambda: backend.compile(params), params.field, counted)
 
     async def compile_async(self, params: StructuredOutputParams) -> CompiledGrammar:
         return await asyncio.to_thread(self.compile, params)

@@ -210,6 +210,12 @@ def check_blocks(scheduler: Scheduler, ids: list[str]) -> None:
     cached = [b for b in pool.blocks if b.block_hash is not None]
     assert pool.num_cached_blocks == len(cached)
     assert all(pool.lookup(b.block_hash) is b for b in cached if b.block_hash is not None)
+    stats = scheduler.stats()  # the load the metrics and WatchLoad report, kept incrementally
+    known = sum(r.num_known_tokens for r in scheduler.requests.values())
+    assert (stats.num_running, stats.num_waiting, stats.tokens_in_flight) == (
+        len(scheduler.running), len(scheduler.waiting), known
+    )
+    assert stats.num_free_blocks == (pool.num_free_blocks if kv.num_blocks else 0)
 
 
 def check_after_guesses(scheduler: Scheduler, plan: SchedulerOutput) -> None:

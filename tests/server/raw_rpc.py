@@ -14,6 +14,7 @@ from mmserve_client.v1 import inference_pb2
 
 INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
 HEALTH_CHECK = health_pb2.DESCRIPTOR.services_by_name["Health"].methods_by_name["Check"]
+ENDLESS = {"WatchLoad"}  # streams that last until the client leaves: their first answer decides
 WIRE_VARINT, WIRE_I64, WIRE_LEN, WIRE_GROUP_START, WIRE_GROUP_END, WIRE_I32 = range(6)
 
 
@@ -34,8 +35,13 @@ def call_raw(
     channel: grpc.Channel, method: MethodDescriptor, payload: bytes, timeout: float = 60
 ) -> Outcome:
     """Sends `payload` as the request of `method` (unary or server-streaming), reads every
-    response, and returns how the call ended."""
+    response (of an ENDLESS stream, the first, then cancels), and returns how the call ended."""
     try:
+        if method.name in ENDLESS:
+            call = channel.unary_stream(path(method))(payload, timeout=timeout)
+            next(call)
+            call.cancel()
+            return Outcome(grpc.StatusCode.OK, "", 1)
         if method.server_streaming:
             call = channel.unary_stream(path(method))(payload, timeout=timeout)
             count = sum(1 for _ in call)

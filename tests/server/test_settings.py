@@ -33,6 +33,7 @@ CHOICES = {
     "tool_parser": ("mistral", "hermes"),
     "reasoning_parser": ("qwen3", "none"),
     "log_level": ("DEBUG", "ERROR"),
+    "log_format": ("json", "text"),
     "gpu_memory_utilization": ("0.5", "0.7"),
     "speculative": ("ngram", "jump+suffix"),
 }

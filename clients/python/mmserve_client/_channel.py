@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from mmserve_client._requests import GenerateKwargs, generate_request
-from mmserve_client.v1 import inference_pb2, inference_pb2_grpc
+from mmserve_client.v1 import inference_pb2, inference_pb2_grpc, load_pb2
 
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
 """The service descriptor (full name "mmserve.v1.Inference")."""
@@ -25,9 +25,11 @@ IDEMPOTENT_METHODS = (
     "Tokenize",
     "Detokenize",
     "ListModels",
+    "WatchLoad",
 )
 """RPCs that gRPC may retry on UNAVAILABLE. Not Generate: it is not idempotent (sampling), and
-a retried stream could replay chunks the caller has already consumed."""
+a retried stream could replay chunks the caller has already consumed (WatchLoad's reports are
+each whole: gRPC retries a stream only before its first message anyway)."""
 
 
 def service_config(retry_attempts: int) -> str:
@@ -122,6 +124,12 @@ class ClientBase:
             "timeout": self._timeout if timeout is None else timeout,
             "metadata": self._metadata,
         }
+
+    def _start_watch_load(self, model: str, interval_ms: int, timeout: float | None) -> Any:
+        """Starts a WatchLoad call; it runs until cancelled or `timeout` (the client's own
+        timeout does not apply: the stream is meant to last)."""
+        request = load_pb2.WatchLoadRequest(model=model, interval_ms=interval_ms)
+        return self._stub.WatchLoad(request, timeout=timeout, metadata=self._metadata)
 
     def _start_generate(self, source: Any, n: int | None, kw: GenerateKwargs) -> Any:
         """Starts a Generate call (grpc's stream call object); `timeout` is taken out of kw."""

@@ -13,7 +13,9 @@ from mmserve_client.types import (
     GenerateChunk,
     GenerateResult,
     LabelScore,
+    LoadReport,
     ModelInfo,
+    ModelLoad,
     RelaxedKeyword,
     RerankResult,
     ScoreMethod,
@@ -29,6 +31,7 @@ from mmserve_client.types import (
 from mmserve_client.v1 import (
     common_pb2,
     generate_pb2,
+    load_pb2,
     models_pb2,
     pooling_pb2,
     tokenize_pb2,
@@ -252,3 +255,16 @@ def model_infos(models: Sequence[models_pb2.ModelInfo]) -> list[ModelInfo]:
         )
         for m in models
     ]
+
+
+def load_report(report: load_pb2.WatchLoadResponse) -> LoadReport:
+    models = tuple(
+        ModelLoad(
+            model=m.model, running=m.running, waiting=m.waiting, kv_usage=m.kv_usage,
+            free_blocks=m.free_blocks, total_blocks=m.total_blocks,
+            prefix_hit_rate=m.prefix_hit_rate, tokens_in_flight=m.tokens_in_flight,
+            calls_in_flight=m.calls_in_flight, serving=m.serving,
+        )
+        for m in report.models
+    )
+    return LoadReport(models, report.calls_in_flight, report.draining)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, Unpack, overload
 
@@ -21,6 +21,7 @@ from mmserve_client.types import (
     EmbeddingEncoding,
     GenerateResult,
     InputLike,
+    LoadReport,
     ModelInfo,
     RerankResult,
     TokenizeResult,
@@ -230,6 +231,19 @@ class AsyncClient(ClientBase):
             skip_special_tokens=skip_special_tokens,
         )
         return str((await self._unary("Detokenize", req, timeout)).text)
+
+    async def watch_load(
+        self, *, model: str = "", interval_ms: int = 0, timeout: float | None = None
+    ) -> AsyncIterator[LoadReport]:
+        """Client.watch_load as an async iterator; closing it cancels the call."""
+        call = self._start_watch_load(model, interval_ms, timeout)
+        try:
+            async for report in call:
+                yield _responses.load_report(report)
+        except grpc.RpcError as e:
+            raise MMServeError.from_rpc_error(e) from e
+        finally:
+            call.cancel()
 
     async def list_models(
         self, *, model: str = "", timeout: float | None = None

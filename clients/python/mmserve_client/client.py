@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, Unpack, overload
 
@@ -19,6 +19,7 @@ from mmserve_client.types import (
     EmbeddingEncoding,
     GenerateResult,
     InputLike,
+    LoadReport,
     ModelInfo,
     RerankResult,
     TokenizeResult,
@@ -232,6 +233,21 @@ class Client(ClientBase):
             skip_special_tokens=skip_special_tokens,
         )
         return str(self._unary("Detokenize", req, timeout).text)
+
+    def watch_load(
+        self, *, model: str = "", interval_ms: int = 0, timeout: float | None = None
+    ) -> Iterator[LoadReport]:
+        """The server's load per model (only `model`, if given): a report at once, then one
+        every `interval_ms` (0: the server's default, 1 s) until the iterator is closed
+        (which cancels the call) or `timeout` passes. For routers and load balancers."""
+        call = self._start_watch_load(model, interval_ms, timeout)
+        try:
+            for report in call:
+                yield _responses.load_report(report)
+        except grpc.RpcError as e:
+            raise MMServeError.from_rpc_error(e) from e
+        finally:
+            call.cancel()
 
     def list_models(self, *, model: str = "", timeout: float | None = None) -> list[ModelInfo]:
         """The hosted models (only `model`, if given) and what each can do."""

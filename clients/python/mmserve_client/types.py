@@ -247,3 +247,28 @@ class ModelInfo:
     quantization: str = ""  # "" when unquantised
     vocab_size: int = 0
     speculative: str = ""  # speculative decoding's method; "" when off
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One model's load on one replica, as its engine's latest step left it (WatchLoad)."""
+
+    model: str
+    running: int  # sequences in the engine's batch (one per choice, one per pooling input)
+    waiting: int  # sequences queued in the engine
+    kv_usage: float  # share of KV blocks in use, 0 to 1
+    free_blocks: int  # KV blocks free (empty or only cached)
+    total_blocks: int  # KV blocks in all (0: no KV cache)
+    prefix_hit_rate: float  # prefix-cache hits per prompt token looked up, 0 to 1
+    tokens_in_flight: int  # prompt + output tokens of running and waiting sequences
+    calls_in_flight: int  # calls of this model in the server
+    serving: bool  # False while its engine is dead or restarting
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One replica's load, every requested model at the same moment."""
+
+    models: tuple[ModelLoad, ...]
+    calls_in_flight: int  # calls in the server, all models together
+    draining: bool  # the server is shutting down: send it nothing new

@@ -23,18 +23,19 @@ _sym_db = _symbol_database.Default()
 
 
 from mmserve_client.v1 import generate_pb2 as mmserve_dot_v1_dot_generate__pb2
+from mmserve_client.v1 import load_pb2 as mmserve_dot_v1_dot_load__pb2
 from mmserve_client.v1 import models_pb2 as mmserve_dot_v1_dot_models__pb2
 from mmserve_client.v1 import pooling_pb2 as mmserve_dot_v1_dot_pooling__pb2
 from mmserve_client.v1 import tokenize_pb2 as mmserve_dot_v1_dot_tokenize__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ammserve/v1/inference.proto\x12\nmmserve.v1\x1a\x19mmserve/v1/generate.proto\x1a\x17mmserve/v1/models.proto\x1a\x18mmserve/v1/pooling.proto\x1a\x19mmserve/v1/tokenize.proto2\xb9\x04\n\tInference\x12G\n\x08Generate\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse0\x01\x12<\n\x05\x45mbed\x12\x18.mmserve.v1.EmbedRequest\x1a\x19.mmserve.v1.EmbedResponse\x12?\n\x06Rerank\x12\x19.mmserve.v1.RerankRequest\x1a\x1a.mmserve.v1.RerankResponse\x12\x45\n\x08\x43lassify\x12\x1b.mmserve.v1.ClassifyRequest\x1a\x1c.mmserve.v1.ClassifyResponse\x12<\n\x05Score\x12\x18.mmserve.v1.ScoreRequest\x1a\x19.mmserve.v1.ScoreResponse\x12\x45\n\x08Tokenize\x12\x1b.mmserve.v1.TokenizeRequest\x1a\x1c.mmserve.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.mmserve.v1.DetokenizeRequest\x1a\x1e.mmserve.v1.DetokenizeResponse\x12K\n\nListModels\x12\x1d.mmserve.v1.ListModelsRequest\x1a\x1e.mmserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ammserve/v1/inference.proto\x12\nmmserve.v1\x1a\x19mmserve/v1/generate.proto\x1a\x15mmserve/v1/load.proto\x1a\x17mmserve/v1/models.proto\x1a\x18mmserve/v1/pooling.proto\x1a\x19mmserve/v1/tokenize.proto2\x85\x05\n\tInference\x12G\n\x08Generate\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse0\x01\x12<\n\x05\x45mbed\x12\x18.mmserve.v1.EmbedRequest\x1a\x19.mmserve.v1.EmbedResponse\x12?\n\x06Rerank\x12\x19.mmserve.v1.RerankRequest\x1a\x1a.mmserve.v1.RerankResponse\x12\x45\n\x08\x43lassify\x12\x1b.mmserve.v1.ClassifyRequest\x1a\x1c.mmserve.v1.ClassifyResponse\x12<\n\x05Score\x12\x18.mmserve.v1.ScoreRequest\x1a\x19.mmserve.v1.ScoreResponse\x12\x45\n\x08Tokenize\x12\x1b.mmserve.v1.TokenizeRequest\x1a\x1c.mmserve.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.mmserve.v1.DetokenizeRequest\x1a\x1e.mmserve.v1.DetokenizeResponse\x12K\n\nListModels\x12\x1d.mmserve.v1.ListModelsRequest\x1a\x1e.mmserve.v1.ListModelsResponse\x12J\n\tWatchLoad\x12\x1c.mmserve.v1.WatchLoadRequest\x1a\x1d.mmserve.v1.WatchLoadResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mmserve.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INFERENCE']._serialized_start=148
-  _globals['_INFERENCE']._serialized_end=717
+  _globals['_INFERENCE']._serialized_start=171
+  _globals['_INFERENCE']._serialized_end=816
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from mmserve_client.v1 import generate_pb2 as _generate_pb2
+from mmserve_client.v1 import load_pb2 as _load_pb2
 from mmserve_client.v1 import models_pb2 as _models_pb2
 from mmserve_client.v1 import pooling_pb2 as _pooling_pb2
 from mmserve_client.v1 import tokenize_pb2 as _tokenize_pb2

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from mmserve_client.v1 import generate_pb2 as mmserve_dot_v1_dot_generate__pb2
+from mmserve_client.v1 import load_pb2 as mmserve_dot_v1_dot_load__pb2
 from mmserve_client.v1 import models_pb2 as mmserve_dot_v1_dot_models__pb2
 from mmserve_client.v1 import pooling_pb2 as mmserve_dot_v1_dot_pooling__pb2
 from mmserve_client.v1 import tokenize_pb2 as mmserve_dot_v1_dot_tokenize__pb2
@@ -79,6 +80,11 @@ class InferenceStub:
                 request_serializer=mmserve_dot_v1_dot_models__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=mmserve_dot_v1_dot_models__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/mmserve.v1.Inference/WatchLoad',
+                request_serializer=mmserve_dot_v1_dot_load__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=mmserve_dot_v1_dot_load__pb2.WatchLoadResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -143,6 +149,16 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """Streams this replica's load per model (running, waiting, KV usage and free blocks,
+        prefix hit rate, tokens in flight): one report at once, then one every interval_ms, until
+        the client cancels or the server drains. For routers and client-side load balancers
+        choosing the least-loaded replica; needs the API key like every other call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +201,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=mmserve_dot_v1_dot_models__pb2.ListModelsRequest.FromString,
                     response_serializer=mmserve_dot_v1_dot_models__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=mmserve_dot_v1_dot_load__pb2.WatchLoadRequest.FromString,
+                    response_serializer=mmserve_dot_v1_dot_load__pb2.WatchLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -405,6 +426,33 @@ class Inference:
             '/mmserve.v1.Inference/ListModels',
             mmserve_dot_v1_dot_models__pb2.ListModelsRequest.SerializeToString,
             mmserve_dot_v1_dot_models__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mmserve.v1.Inference/WatchLoad',
+            mmserve_dot_v1_dot_load__pb2.WatchLoadRequest.SerializeToString,
+            mmserve_dot_v1_dot_load__pb2.WatchLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
