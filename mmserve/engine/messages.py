@@ -70,6 +70,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_preemptions: int = 0  # sequences preempted (to be recomputed), cumulative
     encoder_cache_hits: int = 0  # image-encoder outputs found cached, cumulative
     encoder_cache_misses: int = 0  # ... computed, cumulative
+    spec_decode_num_drafts: int = 0  # steps of a request that checked guesses, cumulative
+    spec_decode_num_draft_tokens: int = 0  # guesses checked, cumulative
+    spec_decode_num_accepted_tokens: int = 0  # ... accepted, cumulative
 
     @property
     def kv_usage(self) -> float:

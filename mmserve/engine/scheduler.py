@@ -45,6 +45,9 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # ... found cached
         self.num_preemptions = 0
+        self.spec_drafts = 0  # speculative decoding: a request's step that checked guesses
+        self.spec_draft_tokens = 0  # guesses checked
+        self.spec_accepted_tokens = 0  # ... accepted
         self._tokens_in_flight = 0  # known tokens (prompt + output) of self.requests, kept as they change
 
     @property
@@ -80,6 +83,9 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             encoder_cache_hits=self.encoder.hits,
             encoder_cache_misses=self.encoder.misses,
+            spec_decode_num_drafts=self.spec_drafts,
+            spec_decode_num_draft_tokens=self.spec_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_accepted_tokens,
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -297,6 +303,9 @@ class Scheduler:
         accepted = result.accepted.get(item.request_id, [])
         request.num_draft_tokens += request.num_scheduled_drafts
         request.num_accepted_draft_tokens += len(accepted)
+        self.spec_drafts += 1
+        self.spec_draft_tokens += request.num_scheduled_drafts
+        self.spec_accepted_tokens += len(accepted)
         request.num_computed_tokens += len(accepted)
         request.num_scheduled_drafts = 0
         tokens, logprobs = [], []

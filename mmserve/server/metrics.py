@@ -168,6 +168,12 @@ ENGINE_METRICS: dict[str, tuple[bool, str, Callable[[EngineStats], float]]] = {
                            lambda s: s.encoder_cache_hits),
     "encoder_cache_misses": (False, "Image-encoder outputs computed",
                              lambda s: s.encoder_cache_misses),
+    "spec_decode_num_drafts": (False, "Speculative decoding: request steps that checked guesses",
+                               lambda s: s.spec_decode_num_drafts),
+    "spec_decode_num_draft_tokens": (False, "Speculative decoding: guessed tokens checked",
+                                     lambda s: s.spec_decode_num_draft_tokens),
+    "spec_decode_num_accepted_tokens": (False, "Speculative decoding: guessed tokens accepted",
+                                        lambda s: s.spec_decode_num_accepted_tokens),
 }  # fmt: skip
 
 

@@ -79,6 +79,9 @@ def test_greedy_is_transformers_and_guesses_are_accepted(tiny: str, method: str)
     drafts = sum(r.num_draft_tokens for r in out)
     assert 0 < accepted(out) <= drafts  # speculation happened, and paid
     assert all(r.usage["accepted_draft_tokens"] == r.num_accepted_draft_tokens for r in out)
+    stats = spec.frontend.core.scheduler.stats()  # what the metrics export, since start
+    assert stats.spec_decode_num_accepted_tokens >= accepted(out)
+    assert stats.spec_decode_num_draft_tokens >= drafts >= stats.spec_decode_num_drafts > 0
     assert_all_blocks_free(spec)
 
 
