@@ -66,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for flag, kind, default, text in _FLAGS:
         action = "append" if flag == "--request-rate" else "store"
         p.add_argument(flag, type=kind, default=default, action=action, help=f"serve: {text}")
+    p.add_argument(
+        "--metrics",
+        action="store_true",
+        help="serve: the local server exports Prometheus metrics (as --metrics-port does, on a "
+        "free port), to measure what they cost",
+    )
 
 
 def parse_rates(values: list[str] | None) -> list[float]:
@@ -206,6 +212,7 @@ async def bench(args: argparse.Namespace, target: str, model: str, rate: float, 
         "num_requests": len(prompts),
         "input_len": None if args.prompt_file else args.input_len,
         "output_len": args.output_len,
+        "metrics": bool(getattr(args, "metrics", False)),
         **summarize(results, duration, args.slo_ttft_ms, args.slo_tpot_ms),
     }
     return json.dumps(line)
@@ -232,7 +239,8 @@ def local_server(args: argparse.Namespace) -> Iterator[str]:
         shape = args.model.split(":", 1)[1]
         folder, dummy = make_model_folder(shape, Path(tempfile.mkdtemp()) / "model"), True
     pending = args.num_requests + args.num_warmup
-    config = ServerConfig(host="127.0.0.1", port=0, max_pending=pending)
+    metrics_port = 0 if getattr(args, "metrics", False) else None
+    config = ServerConfig(host="127.0.0.1", port=0, max_pending=pending, metrics_port=metrics_port)
     template = engine_config(args, "", dummy, getattr(args, "engine_process", False))
     handle = load_model(ModelSpec(SERVED_NAME, str(folder)), template, pending)
     server = MMServer(ModelRegistry([handle]), config)

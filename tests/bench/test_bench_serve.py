@@ -61,12 +61,13 @@ def test_bench_serve_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[st
         "--input-len", "12", "--output-len", "6", "--num-requests", str(NUM_REQUESTS),
         "--request-rate", "20", "--request-rate", "inf",
         "--slo-ttft-ms", "60000", "--slo-tpot-ms", "0.001", "--max-duration-s", "60",
+        "--metrics",  # the server exports its metrics meanwhile (what they cost, on the GPU)
     )  # fmt: skip
     args.func(args)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["request_rate"] for line in lines] == [20.0, "inf"]
     for line in lines:
-        assert line["bench"] == "serve" and line["errors"] == []
+        assert line["bench"] == "serve" and line["errors"] == [] and line["metrics"] is True
         assert (line["completed"], line["failed"]) == (NUM_REQUESTS, 0)
         assert line["total_output_tokens"] == 6 * NUM_REQUESTS
         assert line["total_input_tokens"] == 12 * NUM_REQUESTS
