@@ -74,10 +74,15 @@ def _integers(a: int, b: int | None) -> str:
 
 
 def _same_width(lo: str, hi: str) -> str:
+    """The digit strings of one width from lo to hi. Linear in the width: every full range
+    of digits ("00..0" to "99..9") is one class, so only one side recurses at each digit
+    (a bound of 1e308 took the recursion to every subrange, out of memory)."""
     if lo == hi:
         return lo
     if len(lo) == 1:
         return f"[{lo}-{hi}]"
+    if lo.strip("0") == "" and hi.strip("9") == "":
+        return f"[0-9]{{{len(lo)}}}"
     if lo[0] == hi[0]:
         return lo[0] + _same_width(lo[1:], hi[1:])
     rest = len(lo) - 1

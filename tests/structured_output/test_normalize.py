@@ -3,6 +3,7 @@ what `relaxed` drops (with its pointer into the request's schema). No tokenizer 
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Any
 
@@ -184,6 +185,23 @@ def test_patterns() -> None:
     assert with_length("^[a-z]+[0-9]+$", 2, 5) is None
     text = json_text_pattern('^a"|[^x]$')
     assert text.startswith("(?:") and '\\\\"' in text  # grouped; `"` as its escape
+
+
+def test_huge_bounds_make_a_regex_linear_in_their_digits() -> None:
+    """A float bound near 1e308 (309 digits): the ranges of a width are one class each; the
+    recursion once split every range again, and took the test run past 18 GB."""
+    regex = bounds_regex({"minimum": 0, "maximum": 1e308}, integer=True) or ""
+    assert len(regex) < 100_000
+    compiled = re.compile(regex)
+    assert compiled.fullmatch("9" * 308) and compiled.fullmatch("1" + "0" * 308)
+    assert not compiled.fullmatch("1" + "0" * 309) and not compiled.fullmatch("-1")
+    rng = random.Random(0)
+    for _ in range(300):
+        lo = rng.randrange(10**7)
+        hi = lo + rng.randrange(10**7)
+        exact = re.compile(bounds_regex({"minimum": lo, "maximum": hi}, integer=True) or "")
+        for n in (lo, hi, rng.randint(lo, hi), lo - 1, hi + 1):
+            assert bool(exact.fullmatch(str(n))) == (lo <= n <= hi), (lo, hi, n)
 
 
 def test_integer_bounds_regex_is_exact() -> None:
