@@ -8,10 +8,14 @@ serve:
 	./scripts/setup.sh
 	.venv/bin/mmserve serve $(ARGS)
 
+# pytest-xdist workers: two fit the CI machine (2 cores, 24 GiB), each loads its own models
+WORKERS ?= 2
+
 # The checks run even when a test fails (one CI run reports both); either failing fails the run.
+
 test:
 	./scripts/setup.sh --test
-	.venv/bin/python -m pytest -q -p no:cacheprovider $(ARGS); status=$$?; \
+	.venv/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) $(ARGS); status=$$?; \
 	  $(MAKE) --no-print-directory check || status=1; exit $$status
 
 protos:

@@ -31,7 +31,7 @@ from mmserve.errors import InvalidArgument
 from mmserve.processors.tool_parsers import Accept, ToolParser, get_parser, parser_for_model
 from mmserve.structured_output.keywords import OUTLINES_RULES, XGRAMMAR_RULES
 from mmserve.structured_output.params import StructuredOutputParams
-from mmserve.structured_output.schema_check import check_schema
+from mmserve.structured_output.prepare import check_schema
 
 _RULES = {rules.backend: rules for rules in (XGRAMMAR_RULES, OUTLINES_RULES)}
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}

@@ -67,3 +67,6 @@ def _reachable(root: Schema, defs: dict[str, Schema]) -> dict[str, Schema]:
     return {n: defs[n] for n in seen}
 
 
+def check_schema(schema: Any, rules: kw.SchemaRules, field: str = FIELD) -> None:
+    """Raise SchemaError at the first part of `schema` that `rules` does not enforce."""
+    prepare_schema(schema, rules, relaxed=False, field=field)

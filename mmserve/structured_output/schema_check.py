@@ -22,7 +22,7 @@ from .regex_check import RegexProblem
 from .rewrites import keep_only
 from .schema_tree import FIELD, Node, Problems, Schema, SchemaError, to_json, walk
 
-__all__ = ["FIELD", "SchemaError", "check_schema", "parse_schema"]
+__all__ = ["FIELD", "SchemaError", "parse_schema"]
 MAX_ENUM_RANGE = 64  # a bounded integer the engine cannot bound: its values as an enum
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_ ]*")
 _NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
@@ -41,13 +41,6 @@ def parse_schema(text: str, field: str = FIELD) -> Any:
     if not isinstance(schema, (dict, bool)):
         raise SchemaError("", "a schema must be a JSON object or a boolean", field)
     return schema
-
-
-def check_schema(schema: Any, rules: kw.SchemaRules, field: str = FIELD) -> None:
-    """Raise SchemaError at the first part of `schema` that `rules` does not enforce."""
-    from .prepare import prepare_schema
-
-    prepare_schema(schema, rules, relaxed=False, field=field)
 
 
 class Checker:

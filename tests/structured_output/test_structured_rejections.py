@@ -18,7 +18,8 @@ from mmserve.structured_output import (
     StructuredOutputParams,
 )
 from mmserve.structured_output.keywords import OUTLINES_RULES, XGRAMMAR_RULES
-from mmserve.structured_output.schema_check import check_schema, parse_schema
+from mmserve.structured_output.prepare import check_schema
+from mmserve.structured_output.schema_check import parse_schema
 
 OBJ = {"type": "object"}
 
