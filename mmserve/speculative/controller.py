@@ -5,7 +5,10 @@ token budget has room for the guesses beside every scheduled token: under load, 
 longer waits on reading the weights, and checking guesses would cost more than it saves.
 Each request's guess length adapts to its acceptance: one more after a run accepted whole,
 halved after a run refused whole, and after it reaches 0 the request rests RETRY_AFTER
-steps before it tries one guess again."""
+steps before it tries one guess again; a request whose proposer found nothing EMPTY_LIMIT
+steps in a row rests too. While every running request rests, the step does not speculate
+at all: a speculating step waits for the step before it (its guesses follow the latest
+token), and a step that does not keeps async scheduling's overlap."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from mmserve.request import Request
 from mmserve.speculative import Proposer, create_proposer
 
 RETRY_AFTER = 16  # steps a request whose guesses kept failing goes without
+EMPTY_LIMIT = 4  # proposals in a row that found nothing before a request rests
 
 
 @dataclass
@@ -26,6 +30,7 @@ class _Adapt:
     drafts: int = 0  # its num_draft_tokens when last seen
     accepted: int = 0  # its num_accepted_draft_tokens when last seen
     rest: int = 0  # steps left without guesses
+    empty: int = 0  # proposals in a row that found nothing
 
 
 class Speculator:
@@ -46,6 +51,10 @@ class Speculator:
         request and of the waiting ones that could join now leave room for k guesses each."""
         if not running or len(running) > self.disable_batch_size:
             return False
+        if self.adaptive and all(self._resting(r) for r in running):
+            for request in running:  # a step goes by for each of them
+                self._adapt[request.request_id].rest -= 1
+            return False
         demand = sum(r.num_tokens - r.num_computed_tokens for r in running)
         demand += sum(
             r.num_tokens - r.num_computed_tokens
@@ -62,6 +71,18 @@ class Speculator:
             k = self._next_k(request)
             if k:
                 request.draft_token_ids = self.proposer.propose(request, k)[:k]
+                if self.adaptive:
+                    self._found(request, bool(request.draft_token_ids))
+
+    def _resting(self, request: Request) -> bool:
+        state = self._adapt.get(request.request_id)
+        return state is not None and state.rest > 1
+
+    def _found(self, request: Request, anything: bool) -> None:
+        state = self._adapt[request.request_id]
+        state.empty = 0 if anything else state.empty + 1
+        if state.empty >= EMPTY_LIMIT:
+            state.empty, state.rest = 0, RETRY_AFTER
 
     def _next_k(self, request: Request) -> int:
         if not self.adaptive:

