@@ -10,6 +10,7 @@ import functools
 import json
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -389,3 +390,48 @@ def test_the_padded_graph_layout_is_unchanged_output(tiny: str, method: str) -> 
     assert tokens(out) == tokens(generate(llm(tiny), PROMPTS))
     assert calls > 0 and accepted(out) > 0
     assert_all_blocks_free(model)
+
+
+def test_pooling_in_the_same_steps_is_unaffected(tiny: str) -> None:
+    """Embeddings computed in steps that also check guesses are those of an engine without
+    speculation, and so are the generations beside them."""
+    import torch
+
+    from mmserve.frontend.frontend import GenerationDelta, PooledResult
+    from mmserve.params import PoolingParams
+
+    def run(frontend: FrontEnd) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        ids = [frontend.tokenizer.encode(p) for p in PROMPTS]
+        for i, prompt in enumerate(ids):
+            frontend.add_request(f"g{i}", prompt, GREEDY)
+        tokens: dict[str, list[int]] = {f"g{i}": [] for i in range(len(ids))}
+        pooled: dict[str, torch.Tensor] = {}
+        step = 0
+        while frontend.has_unfinished or step < 12:
+            if step in (3, 6, 9):  # while the generations decode (and guess)
+                items = [(f"e{step}-{j}", ids[j][: 5 + step], None, ()) for j in range(2)]
+                frontend.add_pooling(items, PoolingParams("embed"))
+            for news in frontend.step():
+                if isinstance(news, GenerationDelta):
+                    tokens[news.request_id] += news.token_ids
+                elif isinstance(news, PooledResult):
+                    assert news.output.pooled is not None
+                    pooled[news.request_id] = news.output.pooled
+            step += 1
+        return tokens, pooled
+
+    def engine(spec: SpeculativeConfig) -> FrontEnd:
+        config = EngineConfig(
+            model=ModelConfig(model=tiny, device="cpu"), speculative=spec,
+        )
+        return FrontEnd.start(replace(config, cache=replace(config.cache, kv_cache_memory_bytes=SMALL_KV)))
+
+    plain = engine(SpeculativeConfig())
+    guessing = engine(SpeculativeConfig(method="ngram"))
+    want_tokens, want_pooled = run(plain)
+    got_tokens, got_pooled = run(guessing)
+    assert got_tokens == want_tokens
+    assert set(got_pooled) == set(want_pooled) and len(want_pooled) == 6
+    for key, vector in want_pooled.items():
+        torch.testing.assert_close(got_pooled[key], vector, rtol=1e-5, atol=1e-6)
+    assert guessing.core.scheduler.stats().spec_decode_num_accepted_tokens > 0
