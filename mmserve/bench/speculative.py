@@ -25,6 +25,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -259,7 +260,7 @@ class _AlwaysWrong(Proposer):
     def __init__(self, k: int, token: int) -> None:
         self.k, self.token = k, token
 
-    def propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, request: Request, k: int, after: Sequence[int] = ()) -> list[int]:
         return [self.token] * min(self.k, k)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from mmserve.request import Request
 
-# name -> "module:class"; a "+"-joined name chains proposers (the longest guess wins)
+# name -> "module:class"; a "+"-joined name chains proposers (the first ahead of the next)
 PROPOSERS = {
     "ngram": "mmserve.speculative.ngram:NgramProposer",
     "suffix": "mmserve.speculative.suffix:SuffixProposer",
@@ -24,27 +24,36 @@ class Proposer(abc.ABC):
     speculate; finished() once per request that ended (its state goes)."""
 
     @abc.abstractmethod
-    def propose(self, request: Request, k: int) -> list[int]:
-        """At most k tokens that may follow the request's tokens (prompt + output)."""
+    def propose(self, request: Request, k: int, after: Sequence[int] = ()) -> list[int]:
+        """At most k tokens that may follow the request's tokens (prompt + output), and
+        after them the tokens `after` (another proposer's guesses ahead of these)."""
 
     def finished(self, request: Request) -> None:
         """The request ended: drop what was kept for it (or learn from its output)."""
 
 
 class ChainedProposer(Proposer):
-    """Several proposers: the longest guess wins, the earlier proposer on a tie (so
-    jump+suffix takes the grammar's forced text unless the suffix trie has seen more)."""
+    """Several proposers, the first ahead of the others: its guesses, then the next one's
+    guesses of what follows them, and so on up to k (jump+suffix: a grammar's forced text,
+    then what the suffix trie saw after it). A longer guess of one proposer alone wins over
+    that chain (the trie may have seen the forced text too, in the model's own tokens)."""
 
     def __init__(self, proposers: Sequence[Proposer]) -> None:
         self.proposers = list(proposers)
 
-    def propose(self, request: Request, k: int) -> list[int]:
-        best: list[int] = []
+    def propose(self, request: Request, k: int, after: Sequence[int] = ()) -> list[int]:
+        chain: list[int] = []
         for proposer in self.proposers:
-            tokens = proposer.propose(request, k)
-            if len(tokens) > len(best):
-                best = tokens
-        return best
+            if len(chain) >= k:
+                break
+            more = proposer.propose(request, k - len(chain), [*after, *chain])
+            if not more and chain:
+                break  # the chain ends where a proposer has nothing to follow it
+            chain += more
+        alone = max(
+            (p.propose(request, k, after) for p in self.proposers[1:]), key=len, default=[]
+        )
+        return chain if len(chain) >= len(alone) else alone
 
     def finished(self, request: Request) -> None:
         for proposer in self.proposers:

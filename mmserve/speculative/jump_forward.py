@@ -5,6 +5,7 @@ tokenisation the model would not have chosen is only a shorter accepted run."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from mmserve.request import Request
@@ -17,10 +18,17 @@ class JumpForwardProposer(Proposer):
             raise ValueError("speculative: jump needs the model's tokenizer (a generating model)")
         self.tokenizer = tokenizer
 
-    def propose(self, request: Request, k: int) -> list[int]:
-        if request.grammar is None:
+    def propose(self, request: Request, k: int, after: Sequence[int] = ()) -> list[int]:
+        matcher = request.grammar
+        if matcher is None:
             return []
-        text = request.grammar.jump_forward()
+        taken = 0  # the grammar's state after `after` (then rolled back)
+        for token in after:
+            if not matcher.accept_token(token):
+                break
+            taken += 1
+        text = matcher.jump_forward() if taken == len(after) else ""
+        matcher.rollback(taken)
         if not text:
             return []
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)

@@ -5,6 +5,7 @@ that arrived since the step before: a step costs O(new tokens), not O(context)."
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mmserve.request import Request
@@ -33,13 +34,14 @@ class History:
                 self.last_end[tuple(tokens[end - n : end])] = end
         self.indexed_to = max(self.indexed_to, len(tokens))
 
-    def lookup(self, k: int) -> list[int]:
-        """The k tokens after the latest earlier occurrence of the longest tail n-gram found."""
-        tokens = self.tokens
+    def lookup(self, k: int, after: Sequence[int] = ()) -> list[int]:
+        """The k tokens after the latest earlier occurrence of the longest tail n-gram found
+        (of the tokens followed by `after`: guesses ahead of these)."""
+        tokens = [*self.tokens[-MAX_N:], *after] if after else self.tokens
         for n in range(min(MAX_N, len(tokens) - 1), MIN_N - 1, -1):
             end = self.last_end.get(tuple(tokens[len(tokens) - n :]))
             if end is not None:
-                return tokens[end : end + k]
+                return self.tokens[end : end + k]
         return []
 
 
@@ -47,12 +49,12 @@ class NgramProposer(Proposer):
     def __init__(self) -> None:
         self._histories: dict[str, History] = {}
 
-    def propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, request: Request, k: int, after: Sequence[int] = ()) -> list[int]:
         history = self._histories.get(request.request_id)
         if history is None:
             history = self._histories[request.request_id] = History()
         history.catch_up(request)
-        return history.lookup(k)
+        return history.lookup(k, after)
 
     def finished(self, request: Request) -> None:
         self._histories.pop(request.request_id, None)

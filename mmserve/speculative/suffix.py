@@ -89,11 +89,17 @@ class Growing:
             self.tails = grown[-(DEPTH - 1) :]
             self.num_tokens += 1
 
-    def longest_match(self) -> tuple[Node | None, int]:
-        """The longest tail that occurred before, followed by something."""
-        for i, node in enumerate(self.tails):
+    def longest_match(self, after: Sequence[int] = ()) -> tuple[Node | None, int]:
+        """The longest tail that occurred before, followed by something (of the context
+        followed by `after`, when given: the tails walked on through those tokens)."""
+        tails = [(node, len(self.tails) - i) for i, node in enumerate(self.tails)]
+        for token in after:
+            grown = [(node.children[token], n + 1) for node, n in [*tails, (self.trie.root, 0)]
+                     if token in node.children]  # fmt: skip
+            tails = [(node, n) for node, n in grown if n < DEPTH]
+        for node, n in tails:
             if node.children:
-                return node, len(self.tails) - i
+                return node, n
         return None, 0
 
 
@@ -135,7 +141,7 @@ class SuffixProposer(Proposer):
         self._requests: dict[str, Growing] = {}
         self._tenants: OrderedDict[str | None, _TenantCache] = OrderedDict()
 
-    def propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, request: Request, k: int, after: Sequence[int] = ()) -> list[int]:
         own = self._requests.get(request.request_id)
         if own is None:
             own = self._requests[request.request_id] = Growing()
@@ -145,14 +151,14 @@ class SuffixProposer(Proposer):
         if known > own.num_tokens:
             own.extend(request.token_ids_range(own.num_tokens, known))
         best: tuple[list[int], float] = ([], 0.0)
-        node, length = own.longest_match()
+        node, length = own.longest_match(after)
         if node is not None:
             best = follow(node, length, k)
         cache = self._tenants.get(request.cache_salt)
         if cache is not None:
             self._tenants.move_to_end(request.cache_salt)
-            tail = request.token_ids_range(max(0, known - DEPTH + 1), known)
-            node, length = cache.trie.longest_match(tail)
+            tail = request.token_ids_range(max(0, known - DEPTH + 1), known) + list(after)
+            node, length = cache.trie.longest_match(tail[-(DEPTH - 1) :])
             if node is not None:
                 found = follow(node, length, k)
                 if found[1] > best[1]:

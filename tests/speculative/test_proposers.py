@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -207,3 +208,32 @@ def test_a_step_does_not_speculate_while_every_request_rests() -> None:
         r.num_draft_tokens += ks[-1]  # all refused
     assert ks == [4, 2, 1]
     assert wrong._next_k(r) == 0 and wrong._resting(r)
+
+
+def test_a_chain_puts_its_first_proposer_ahead() -> None:
+    """jump+ngram: the grammar's forced tokens, then what prompt lookup finds after them;
+    ngram's own longer guess wins when the chain is shorter. `after` reaches each proposer."""
+
+    class Fixed(NgramProposer):
+        def __init__(self, tokens: list[int]) -> None:
+            super().__init__()
+            self.tokens = tokens
+
+        def propose(self, request: Request, k: int, after: Sequence[int] = ()) -> list[int]:
+            return self.tokens[:k]
+
+    tokens = [5, 6, 7, 8, 9, 1, 2, 5, 6]  # after "5 6" came "7 8 9"
+    ngram_proposer = NgramProposer()
+    r = request(tokens)
+    assert ngram_proposer.propose(r, 3) == [7, 8, 9]
+    assert ngram_proposer.propose(r, 3, after=[7]) == [8, 9, 1]  # as if 7 were next
+    assert ngram_proposer.propose(r, 2, after=[7, 8]) == [9, 1]
+    chain = ChainedProposer([Fixed([7]), ngram_proposer])
+    assert chain.propose(r, 4) == [7, 8, 9, 1]
+    assert ChainedProposer([Fixed([3]), ngram_proposer]).propose(r, 4) == [7, 8, 9, 1]  # alone wins
+    assert ChainedProposer([Fixed([]), ngram_proposer]).propose(r, 2) == [7, 8]
+    suffix_proposer = SuffixProposer()
+    # "5 6" then 7 matches "5 6 7" (3 tokens long): up to 3 tokens follow
+    assert suffix_proposer.propose(request(tokens, rid="s"), 3, after=[7]) == [8, 9, 1]
+    assert suffix_proposer.propose(request(tokens, rid="s"), 2, after=[7, 8]) == [9, 1]
+    assert suffix_proposer.propose(request(tokens, rid="s"), 3, after=[4]) == []

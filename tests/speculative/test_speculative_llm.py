@@ -138,7 +138,7 @@ class ReferenceProposer(Proposer):
     def __init__(self, expected: dict[int | None, list[int]]) -> None:
         self.expected = expected
 
-    def propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, request: Request, k: int, after: Sequence[int] = ()) -> list[int]:
         done = len(request.output_token_ids)
         guesses = list(self.expected[request.params.seed][done : done + k])
         if guesses and done % 2:
@@ -290,7 +290,7 @@ class ModeProposer(Proposer):
     def __init__(self, modes: list[int]) -> None:
         self.modes = modes
 
-    def propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, request: Request, k: int, after: Sequence[int] = ()) -> list[int]:
         done = len(request.output_token_ids)
         return self.modes[done : done + k]
 
