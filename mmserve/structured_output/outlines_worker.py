@@ -4,15 +4,15 @@ outlines-core 0.2.14 took six minutes on one 300-byte schema), and one past its 
 there (another schema took it past 20 GB). The regex of a schema is made there too.
 
 The worker is this file run as a script (importing it as part of mmserve would load torch):
-frames (8-byte length, then a pickle) on stdin and stdout - first the vocabulary, then one
-Job per build, answered by ("ok", Index) or ("error", message).
+frames (8-byte length, then the bytes) on stdin and stdout, never a pickle - first the
+vocabulary in outlines-core's own binary form, then one job per build as JSON, answered by
+b"o" and the Index in its binary form, or b"e" and the error message.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import select
 import struct
 import subprocess
@@ -33,17 +33,25 @@ MAX_INDEX_BYTES = 128 * 1024 * 1024
 WORKER_MEMORY_BYTES = 4 * 1024 * 1024 * 1024
 
 
-def _write(stream: IO[bytes], value: Any) -> None:
-    data = pickle.dumps(value)
+def _write(stream: IO[bytes], data: bytes) -> None:
     stream.write(_HEADER.pack(len(data)) + data)
     stream.flush()
 
 
-def _read(stream: IO[bytes]) -> Any:
+def _read(stream: IO[bytes]) -> bytes | None:
     header = stream.read(_HEADER.size)
     if len(header) < _HEADER.size:
         return None
-    return pickle.loads(stream.read(_HEADER.unpack(header)[0]))
+    return stream.read(_HEADER.unpack(header)[0])
+
+
+def binary(value: Any) -> bytes:
+    """An outlines-core Index's or Vocabulary's own binary form: the bytes its pickling
+    support hands to `from_binary` (which reads them back without running any code)."""
+    rebuild, args = value.__reduce__()
+    if getattr(rebuild, "__name__", "") != "from_binary" or not isinstance(args[0], bytes):
+        raise TypeError(f"{type(value).__name__} has no binary form")
+    return args[0]
 
 
 @dataclass(frozen=True)
@@ -58,10 +66,10 @@ class SchemaJob:
 Job = str | SchemaJob  # a regex, or a schema
 
 
-def _payload(job: Job) -> Any:
-    """The job as plain values (the worker runs this file as __main__, so it cannot
-    unpickle this module's classes)."""
-    return job if isinstance(job, str) else (job.schema_text, job.splices)
+def _payload(job: Job) -> bytes:
+    """The job as JSON (a splice's pair becomes a list)."""
+    value = job if isinstance(job, str) else [job.schema_text, job.splices]
+    return json.dumps(value).encode()
 
 
 def _regex(payload: Any) -> str:
@@ -108,7 +116,7 @@ class IndexBuilder:
 
     def __init__(self, vocabulary: Any, timeout_s: float, max_workers: int = 2) -> None:
         self.timeout_s = timeout_s
-        self._vocabulary = pickle.dumps(vocabulary)
+        self._vocabulary = binary(vocabulary)
         self._idle: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
         self._slots = threading.Semaphore(max_workers)
@@ -159,7 +167,11 @@ class IndexBuilder:
         fd = worker.stdout.fileno()
         header = _read_by(fd, _HEADER.size, deadline, self.timeout_s)
         data = _read_by(fd, _HEADER.unpack(header)[0], deadline, self.timeout_s)
-        return pickle.loads(data)  # type: ignore[no-any-return]
+        if data[:1] == b"e":
+            return "error", data[1:].decode()
+        from outlines_core import Index
+
+        return "ok", Index.from_binary(data[1:])
 
 
 def _read_by(fd: int, size: int, deadline: float, timeout_s: float) -> bytes:
@@ -187,21 +199,18 @@ def _serve() -> None:
     import resource
 
     resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
-    from outlines_core import Index
+    from outlines_core import Index, Vocabulary
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    vocabulary = _read(stdin)
+    vocabulary = Vocabulary.from_binary(_read(stdin))
     while (job := _read(stdin)) is not None:
         try:
-            answer = ("ok", Index(_regex(job), vocabulary))
+            data = b"o" + binary(Index(_regex(json.loads(job)), vocabulary))
         except Exception as e:  # noqa: BLE001 - reported to the caller
-            answer = ("error", str(e))
-        data = pickle.dumps(answer)
+            data = b"e" + str(e).encode()
         if len(data) > MAX_INDEX_BYTES:
-            megabytes = len(data) >> 20
-            data = pickle.dumps(("error", f"its automaton is too large ({megabytes} MiB)"))
-        stdout.write(_HEADER.pack(len(data)) + data)
-        stdout.flush()
+            data = f"eits automaton is too large ({len(data) >> 20} MiB)".encode()
+        _write(stdout, data)
 
 
 if __name__ == "__main__":
