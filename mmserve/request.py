@@ -70,7 +70,6 @@ class Request:
     # the last one, for the next step to verify; never in output_token_ids or block hashes
     # until the model has verified them
     draft_token_ids: list[int] = field(default_factory=list)
-    num_scheduled_drafts: int = 0  # drafts the step in flight verifies (after its one token)
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_draft_tokens: int = 0  # of those, the ones the model agreed with
 

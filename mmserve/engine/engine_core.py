@@ -178,12 +178,15 @@ class EngineCore:
         the grammar accept and bitmask fill), and returns its outputs. So does a step that
         pools: its results come to the host while the next step is launched."""
         outputs = self._admit_compiled()
-        if self._speculating():
+        speculator, scheduler = self.speculator, self.scheduler
+        budget, max_seqs = self.config.scheduler.budget, self.config.scheduler.max_num_seqs
+        if speculator is not None and speculator.active(
+            scheduler.running, scheduler.waiting, budget, max_seqs
+        ):
             # guesses follow the latest tokens: the step in flight lands first, and a step
             # that checks guesses is not left in flight (its accepted run is not known yet)
             outputs += self._land_in_flight()
-            assert self.speculator is not None
-            self.speculator.propose(self.scheduler.running)
+            speculator.propose(scheduler.running)
         plan = self.scheduler.schedule()
         step = self.runner.launch(plan)
         outputs += self._land_in_flight()
@@ -203,12 +206,6 @@ class EngineCore:
         before, launched = self._in_flight
         self._in_flight = None
         return self.scheduler.update(before, self.runner.resolve(launched))
-
-    def _speculating(self) -> bool:
-        scheduler, config = self.scheduler, self.config.scheduler
-        return self.speculator is not None and self.speculator.active(
-            scheduler.running, scheduler.waiting, config.budget, config.max_num_seqs
-        )
 
 
 def _matcher(er: EngineRequest, grammar: CompiledGrammar | None) -> GrammarMatcher | None:

@@ -205,7 +205,6 @@ class Scheduler:
         a token it will sample counts as pending until update() brings its value. Guesses
         (drafts) are computed after its tokens, and counted only once update() accepts them."""
         start = request.num_computed_tokens
-        request.num_scheduled_drafts = len(drafts) if drafts else 0
         request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
         done = start + num_new == request.num_tokens
         request.num_computed_tokens = start + num_new
@@ -301,13 +300,13 @@ class Scheduler:
         request. The KV of the refused guesses is dropped: the computed count covers the
         accepted ones only, and blocks past it go back to the pool (none was hashed)."""
         accepted = result.accepted.get(item.request_id, [])
-        request.num_draft_tokens += request.num_scheduled_drafts
+        checked = len(item.draft_token_ids)
+        request.num_draft_tokens += checked
         request.num_accepted_draft_tokens += len(accepted)
         self.spec_drafts += 1
-        self.spec_draft_tokens += request.num_scheduled_drafts
+        self.spec_draft_tokens += checked
         self.spec_accepted_tokens += len(accepted)
         request.num_computed_tokens += len(accepted)
-        request.num_scheduled_drafts = 0
         tokens, logprobs = [], []
         status: RequestStatus | None = None
         stop_reason: int | None = None

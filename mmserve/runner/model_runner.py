@@ -3,7 +3,6 @@ logits only where a token is sampled (or prompt logprobs are wanted), and sample
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Container
 from dataclasses import dataclass
@@ -76,14 +75,6 @@ class PooledOnDevice:
 
 
 @dataclass
-class SpecCheck:
-    """A step that checked speculative guesses: one row per position of each sampling
-    request (its guesses' positions, then one more), in the order of batch.sample_reqs."""
-
-    spans: list[int]  # rows of each request: 1 + its number of guesses
-
-
-@dataclass
 class LaunchedStep:
     """A step whose forward pass is enqueued; sample() and resolve() finish it."""
 
@@ -94,7 +85,9 @@ class LaunchedStep:
     logprobs: list[TokenLogprob | None] | None = None
     host_tokens: torch.Tensor | None = None  # the sampled tokens on the host, once copied
     copied: torch.cuda.Event | None = None  # recorded after the tokens' copy (CUDA)
-    spec: SpecCheck | None = None  # a step that checked guesses (speculative decoding)
+    # a step that checked speculative guesses: host_tokens is [2, rows], each sampling
+    # request's guesses' positions and one more (the tokens, then whether each was accepted)
+    checked_guesses: bool = False
 
     @property
     def pending(self) -> bool:
@@ -242,23 +235,16 @@ class ModelRunner:
         batch = step.batch
         reqs = batch.sample_reqs
         rows: list[int] = []
-        spans: list[int] = []
         sampling: list[SamplingRow] = []
         drafts: list[int | None] = []
         for item, last in zip(reqs, batch.sample_rows, strict=True):
             guesses = item.draft_token_ids
             rows += range(last - len(guesses), last + 1)
-            spans.append(len(guesses) + 1)
-            base = self._sampling_row(item)
             for j in range(len(guesses) + 1):
                 output = item.output_token_ids + guesses[:j] if j else item.output_token_ids
-                seed = item.params.seed
-                sampling.append(dataclasses.replace(
-                    base, output_token_ids=output,
-                    position_seed=None if seed is None else position_seed(seed, len(output)),
-                ))  # fmt: skip
+                sampling.append(self._sampling_row(item, output))
                 drafts.append(guesses[j] if j < len(guesses) else None)
-        bitmask = self._guess_bitmask(reqs, spans, live)
+        bitmask = self._guess_bitmask(reqs, len(rows), live)
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, rows))
         if bitmask is not None:
             apply_bitmask(logits, bitmask[0], bitmask[1])
@@ -266,20 +252,20 @@ class ModelRunner:
         self._previous = None  # a step after guesses has no placeholders to fill
         # one copy: row 0 the tokens, row 1 whether each row's guess was accepted
         step.host_tokens, step.copied = _to_host(torch.stack([tokens, accepted.long()]))
-        step.spec = SpecCheck(spans)
+        step.checked_guesses = True
 
     def _guess_bitmask(
-        self, reqs: list[ScheduledRequest], spans: list[int], live: Container[str] | None
+        self, reqs: list[ScheduledRequest], num_rows: int, live: Container[str] | None
     ) -> tuple[torch.Tensor, list[int]] | None:
         """The allowed tokens at each position of each constrained request: its matcher
         takes the guesses one by one between fills, and is rolled back after."""
         if not any(r.grammar is not None for r in reqs):
             return None
-        bitmask = self._bitmask_buffer(sum(spans))
+        bitmask = self._bitmask_buffer(num_rows)
         rows: list[int] = []
         row = 0
-        for item, span in zip(reqs, spans, strict=True):
-            matcher = item.grammar
+        for item in reqs:
+            matcher, span = item.grammar, len(item.draft_token_ids) + 1
             if matcher is not None and (live is None or item.request_id in live):
                 taken = 0
                 for j in range(span):
@@ -303,7 +289,7 @@ class ModelRunner:
         out = step.out
         if step.copied is not None:
             step.copied.synchronize()
-        if step.spec is not None:
+        if step.checked_guesses:
             self._resolve_guesses(step)
         elif step.host_tokens is not None:
             logprobs = step.logprobs or [None] * len(step.batch.sample_reqs)
@@ -316,21 +302,21 @@ class ModelRunner:
 
     def _resolve_guesses(self, step: LaunchedStep) -> None:
         """Each request's accepted guesses and the token after them, into step.out."""
-        spec, out = step.spec, step.out
-        assert spec is not None and step.host_tokens is not None
+        out = step.out
+        assert step.host_tokens is not None
         tokens, accepted = step.host_tokens.tolist()
         logprobs = step.logprobs or [None] * len(tokens)
         row = 0
-        for item, span in zip(step.batch.sample_reqs, spec.spans, strict=True):
-            j = 0
-            while j < span - 1 and accepted[row + j]:
-                j += 1
+        for item in step.batch.sample_reqs:
             guesses = item.draft_token_ids
+            j = 0
+            while j < len(guesses) and accepted[row + j]:
+                j += 1
             taken = [SampledToken(guesses[i], logprobs[row + i]) for i in range(j)]
             out.sampled[item.request_id] = SampledToken(tokens[row + j], logprobs[row + j])
-            if span > 1:
+            if guesses:
                 out.accepted[item.request_id] = taken
-            row += span
+            row += len(guesses) + 1
 
     def _sampled_rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """hidden[rows] without a blocking host-to-device copy of the index (which would
@@ -472,17 +458,20 @@ class ModelRunner:
                 out[request_id] = vector
         return out
 
-    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+    def _sampling_row(
+        self, item: ScheduledRequest, output: list[int] | None = None
+    ) -> SamplingRow:
+        """output: the tokens before the row's position (default the request's output; with
+        guesses, the output and the guesses before it): penalties and the seed's position."""
+        output = item.output_token_ids if output is None else output
         gen = None
         if item.params.seed is not None:
             gen = self._generators.get(item.request_id)
             if gen is None:
                 gen = torch.Generator(device=self.device).manual_seed(item.params.seed)
                 self._generators[item.request_id] = gen
-        seed = None if item.params.seed is None else position_seed(item.params.seed, len(item.output_token_ids))
-        return SamplingRow(
-            item.params, item.prompt_token_ids, item.output_token_ids, item.eos_token_ids, gen, seed
-        )
+        seed = None if item.params.seed is None else position_seed(item.params.seed, len(output))
+        return SamplingRow(item.params, item.prompt_token_ids, output, item.eos_token_ids, gen, seed)
 
     def _prompt_logprobs(
         self, plan: SchedulerOutput, hidden: torch.Tensor
