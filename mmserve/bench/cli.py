@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from mmserve import envs
 from mmserve.bench import embed, offline, serve, soak, speculative, structured, vlm
 from mmserve.bench.engine_flags import add_engine_flags, engine_config
-from mmserve.bench.models import make_model_folder, weight_bytes
+from mmserve.bench.models import model_folder, weight_bytes
 from mmserve.frontend.frontend import FrontEnd
 
 # measured on the H200 (issue 5; BENCHMARKS.md): bf16 matmul at 8192^3, and torch._scaled_mm
@@ -100,10 +99,7 @@ def run(args: argparse.Namespace) -> None:
         run_spec(args, _emit, speculative.engine_factory(args))
         return
     args.model = args.model or "shape:llama3-8b"
-    dummy = args.model.startswith("shape:") or args.load_format == "dummy"
-    folder = Path(args.model)
-    if args.model.startswith("shape:"):
-        folder = make_model_folder(args.model.split(":", 1)[1], Path(tempfile.mkdtemp()) / "model")
+    folder, dummy = model_folder(args.model, args.load_format)
     config = json.loads((folder / "config.json").read_text())
     if args.baseline:  # first, and freed after: both cannot hold the GPU's memory at once
         _baseline(args, folder, dummy, config)

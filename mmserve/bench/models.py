@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 from mmserve.envs import bench_data_dir
@@ -122,6 +123,14 @@ def weight_bytes(config: dict, bytes_per_param: int = 2, quantization: str | Non
     embed = config["vocab_size"] * h * (1 if config.get("tie_word_embeddings") else 2)
     rest = layers * 2 * h + embed + h
     return projections * (1 if quantization == "fp8" else bytes_per_param) + rest * bytes_per_param
+
+
+def model_folder(model: str, load_format: str | None = None) -> tuple[Path, bool]:
+    """--model as a folder, and whether its weights are random: shape:NAME becomes a fresh
+    folder of that shape (random weights); a path stays, random with --load-format dummy."""
+    if model.startswith("shape:"):
+        return make_model_folder(model.split(":", 1)[1], Path(tempfile.mkdtemp()) / "model"), True
+    return Path(model), load_format == "dummy"
 
 
 def make_model_folder(shape: str, folder: Path) -> Path:

@@ -23,7 +23,6 @@ import json
 import math
 import multiprocessing
 import random
-import tempfile
 import threading
 import time
 import uuid
@@ -229,15 +228,12 @@ def local_server(args: argparse.Namespace) -> Iterator[str]:
     """A server of --model on a free loopback port, on its own event-loop thread."""
 
     from mmserve.bench.engine_flags import engine_config
-    from mmserve.bench.models import make_model_folder
+    from mmserve.bench.models import model_folder
     from mmserve.server.config import ModelSpec, ServerConfig
     from mmserve.server.grpc_server import MMServer
     from mmserve.server.models import ModelRegistry, load_model
 
-    folder, dummy = Path(args.model), args.load_format == "dummy"
-    if args.model.startswith("shape:"):
-        shape = args.model.split(":", 1)[1]
-        folder, dummy = make_model_folder(shape, Path(tempfile.mkdtemp()) / "model"), True
+    folder, dummy = model_folder(args.model, args.load_format)
     pending = args.num_requests + args.num_warmup
     metrics_port = 0 if getattr(args, "metrics", False) else None
     config = ServerConfig(host="127.0.0.1", port=0, max_pending=pending, metrics_port=metrics_port)

@@ -23,11 +23,9 @@ import inspect
 import json
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from mmserve.bench.offline import random_prompt
@@ -314,13 +312,9 @@ def _step_ms(engine: FrontEnd, batch: int, context: int, rng: random.Random, k: 
 def engine_factory(args: argparse.Namespace) -> Any:
     """engine_for(SpeculativeConfig) -> FrontEnd, from --model and the shared flags."""
     from mmserve.bench.engine_flags import engine_config
-    from mmserve.bench.models import make_model_folder
+    from mmserve.bench.models import model_folder
 
-    model = args.model or "shape:llama3-8b"
-    dummy = model.startswith("shape:") or args.load_format == "dummy"
-    folder = Path(model)
-    if model.startswith("shape:"):
-        folder = make_model_folder(model.split(":", 1)[1], Path(tempfile.mkdtemp()) / "model")
+    folder, dummy = model_folder(args.model or "shape:llama3-8b", args.load_format)
 
     def engine_for(spec: SpeculativeConfig) -> FrontEnd:
         config = replace(engine_config(args, str(folder), dummy), speculative=spec)

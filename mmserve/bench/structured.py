@@ -28,7 +28,6 @@ import argparse
 import json
 import random
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -275,7 +274,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> None:
     from mmserve.bench.engine_flags import engine_config
-    from mmserve.bench.models import make_model_folder
+    from mmserve.bench.models import model_folder
     from mmserve.models.loader import resolve_device, resolve_dtype
 
     backends = parse_backends(args.structured_backend)
@@ -288,10 +287,7 @@ def run(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     schemas = load_schemas(Path(args.schemas) if args.schemas else SCHEMAS_DIR)
     model = args.model or "shape:llama3-8b"
-    folder, dummy = Path(model), args.load_format == "dummy"
-    if model.startswith("shape:"):
-        shape = model.split(":", 1)[1]
-        folder, dummy = make_model_folder(shape, Path(tempfile.mkdtemp()) / "model"), True
+    folder, dummy = model_folder(model, args.load_format)
     engine = FrontEnd.start(engine_config(args, str(folder), dummy))
     device = resolve_device(args.device)
     common = {
@@ -318,16 +314,14 @@ def corpus_run(args: argparse.Namespace, backend_names: list[str]) -> None:
     import xgrammar as xgr
 
     from mmserve.bench.grammar_walk import Vocab
-    from mmserve.bench.models import make_model_folder
+    from mmserve.bench.models import model_folder
     from mmserve.bench.schema_corpus import load_corpus, run_corpus
     from mmserve.processors.tokenizer import load_tokenizer
     from mmserve.structured_output import create_backend
     from mmserve.structured_output.vocab import token_bytes
 
     model = args.model or "shape:llama3-8b"
-    folder = Path(model)
-    if model.startswith("shape:"):
-        folder = make_model_folder(model.split(":", 1)[1], Path(tempfile.mkdtemp()) / "model")
+    folder, _ = model_folder(model)
     tokenizer = load_tokenizer(folder)
     size, eos = len(tokenizer), [int(tokenizer.eos_token_id)]
     backends = {name: create_backend(name, tokenizer, size, eos) for name in backend_names}

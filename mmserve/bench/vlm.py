@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -199,7 +198,7 @@ def _sync() -> None:
 
 def run(args: argparse.Namespace) -> None:
     from mmserve.bench.engine_flags import engine_config
-    from mmserve.bench.models import make_model_folder
+    from mmserve.bench.models import model_folder
     from mmserve.models.loader import resolve_device, resolve_dtype
 
     if args.num_images < 1:
@@ -207,10 +206,7 @@ def run(args: argparse.Namespace) -> None:
     size = parse_image_size(args.image_size)
     images = [random_image(size, seed) for seed in range(args.num_images)]
     model = args.model or "shape:qwen2-vl-7b"
-    folder, dummy = Path(model), args.load_format == "dummy"
-    if model.startswith("shape:"):
-        folder = make_model_folder(model.split(":", 1)[1], Path(tempfile.mkdtemp()) / "model")
-        dummy = True
+    folder, dummy = model_folder(model, args.load_format)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     common = {
