@@ -193,8 +193,7 @@ class EngineCore:
         if step is None:
             return outputs + self.scheduler.update(plan, RunnerOutput())
         self.runner.sample(step, self.scheduler.requests)
-        guesses = any(s.draft_token_ids for s in plan.scheduled)
-        if self.async_scheduling and step.pending and not guesses:
+        if self.async_scheduling and step.pending and not step.checked_guesses:
             self._in_flight = (plan, step)
             return outputs
         return outputs + self.scheduler.update(plan, self.runner.resolve(step))

@@ -379,7 +379,7 @@ class FrontEnd:
             # several tokens (speculative decoding): one at a time, so that the tokens after
             # the one that completes a stop string are dropped, as they would never have come
             for i, token in enumerate(token_ids):
-                d = choice.detok.update([token]) if len(token_ids) > 1 else choice.detok.update(token_ids)
+                d = choice.detok.update([token])
                 texts.append(d.text_delta)
                 if d.stopped_on is not None:
                     choice.stopped = d.stopped_on
