@@ -158,7 +158,17 @@ class SchedulerConfig:
 
 
 # mmserve.speculative's proposers (its registry is not imported here: it loads torch)
-SPECULATIVE_METHODS = ("ngram", "suffix", "jump", "jump+ngram", "jump+suffix")
+SPECULATIVE_METHODS = (
+    "ngram", "suffix", "jump", "jump+ngram", "jump+suffix", "draft=PATH", "jump+draft=PATH"
+)
+
+
+def _speculative_method(method: str) -> str:
+    """The method with a draft model's path written PATH (to check it against the list)."""
+    head, sep, path = method.partition("draft=")
+    return f"{head}draft=PATH" if sep and path.strip() else method
+
+
 MAX_SPECULATIVE_TOKENS = 16  # cap on --num-speculative-tokens
 
 
@@ -171,7 +181,9 @@ class SpeculativeConfig:
         None,
         "speculative decoding: ngram (prompt lookup), suffix (a suffix trie over the request and "
         "recent outputs of the same tenant), jump (a grammar's forced text, for constrained "
-        "requests), or jump+ngram / jump+suffix; outputs are the same as without it",
+        "requests), draft=PATH (a small model with the same tokenizer, from its folder or GGUF "
+        "file), or jump+ngram / jump+suffix / jump+draft=PATH; outputs are the same as without "
+        "it (in distribution for sampled requests that a draft model guesses for)",
         name="speculative",
         shown="off",
     )
@@ -186,7 +198,7 @@ class SpeculativeConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+        if self.method is not None and _speculative_method(self.method) not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}"
             )

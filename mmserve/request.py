@@ -70,6 +70,9 @@ class Request:
     # the last one, for the next step to verify; never in output_token_ids or block hashes
     # until the model has verified them
     draft_token_ids: list[int] = field(default_factory=list)
+    # [len(draft_token_ids), vocab] on the device: the distribution a draft model drew each
+    # guess from (None: the guesses were chosen, not drawn); verification needs it
+    draft_probs: Any = None
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_draft_tokens: int = 0  # of those, the ones the model agreed with
 

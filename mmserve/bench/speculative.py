@@ -89,6 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--spec-k", default="1,2,4", help="spec-cost: guesses per request to time (besides 0)"
     )
+    p.add_argument(
+        "--spec-draft",
+        default=None,
+        help="spec-cost: also time steps whose guesses a draft model makes (a path, "
+        "first:N = --model's first N layers, or shape:NAME with random weights)",
+    )
 
 
 @dataclass(frozen=True)
@@ -213,7 +219,7 @@ def run(args: argparse.Namespace, emit: Any, engine_for: Any) -> None:
     sets = {name: tasks(name) for name in args.spec_sets.split(",")}
     for method in args.spec_methods.split(","):
         spec = SpeculativeConfig(
-            method=None if method == "none" else method,
+            method=None if method == "none" else resolve_method(method, args.model),
             num_speculative_tokens=args.num_speculative_tokens,
             disable_batch_size=args.speculative_disable_batch_size,
         )
@@ -262,28 +268,54 @@ class _AlwaysWrong(Proposer):
         return [self.token] * min(self.k, k)
 
 
+def resolve_method(method: str, model: str | None) -> str:
+    """A --spec-methods entry as a SpeculativeConfig method: a draft named first:N becomes
+    --model's first N layers (bench/models.first_layers_folder), one named shape:NAME a
+    folder of that shape (random weights: with a --model of random weights only)."""
+    from mmserve.bench.models import first_layers_folder, make_model_folder
+
+    head, sep, draft = method.partition("draft=")
+    if draft.startswith("first:"):
+        if model is None or model.startswith("shape:"):
+            raise ValueError("a draft of first:N layers needs a --model with real weights")
+        draft = str(first_layers_folder(model, int(draft.removeprefix("first:"))))
+    elif draft.startswith("shape:"):
+        import tempfile
+        from pathlib import Path
+
+        draft = str(make_model_folder(draft.removeprefix("shape:"), Path(tempfile.mkdtemp()) / "draft"))
+    return head + sep + draft
+
+
 def run_cost(args: argparse.Namespace, emit: Any, engine_for: Any) -> None:
-    """Decode step time with 1 + k tokens per request against 1, per batch size."""
+    """Decode step time with 1 + k tokens per request against 1, per batch size; with
+    --spec-draft, also with the k guesses made by that draft model (its steps included)."""
     ks = [0] + [int(k) for k in args.spec_k.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=max(ks),
+    method = "ngram" if args.spec_draft is None else resolve_method(f"draft={args.spec_draft}", args.model)
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=max(ks),
                              disable_batch_size=max(batches))  # fmt: skip
     engine = engine_for(spec)
     speculator = engine.core.speculator
     assert speculator is not None
     speculator.adaptive = False
+    draft = speculator.proposer if args.spec_draft is not None else None
     rng = random.Random(0)
     base: dict[int, float] = {}
     try:
         for batch in batches:
             for k in ks:
-                speculator.proposer = _AlwaysWrong(k, engine.vocab_size - 1)
-                speculator.k = max(k, 1)
-                ms = _step_ms(engine, batch, args.input_len, rng, k)
-                if k == 0:
-                    base[batch] = ms
-                emit(bench="spec-cost", batch_size=batch, guesses=k, tokens_per_request=1 + k,
-                     step_ms=ms, ratio_to_one_token=ms / base[batch])  # fmt: skip
+                for proposer in ("always-wrong", "draft") if k and draft else ("always-wrong",):
+                    speculator.proposer = draft if proposer == "draft" else _AlwaysWrong(
+                        k, engine.vocab_size - 1
+                    )
+                    speculator.k = max(k, 1)
+                    ms = _step_ms(engine, batch, args.input_len, rng, k)
+                    if k == 0:
+                        base[batch] = ms
+                    emit(bench="spec-cost", batch_size=batch, guesses=k, proposer=proposer,
+                         tokens_per_request=1 + k, step_ms=ms,
+                         ratio_to_one_token=ms / base[batch])  # fmt: skip
     finally:
         engine.shutdown()
 

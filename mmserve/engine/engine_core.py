@@ -19,6 +19,7 @@ from mmserve.models.fp8 import is_fp8
 from mmserve.request import Request
 from mmserve.runner.model_runner import LaunchedStep, ModelRunner
 from mmserve.runner.pooler import Pooler
+from mmserve.speculative import ProposerContext
 from mmserve.speculative.controller import Speculator
 from mmserve.structured_output.backend import CompiledGrammar, GrammarMatcher
 from mmserve.structured_output.manager import StructuredOutputManager
@@ -48,6 +49,14 @@ class EngineCore:
         config = replace(config, scheduler=config.scheduler.on_device(device.type))
         self.config = config
         cache = config.cache
+        limit = config.model.max_model_len or model_max_len
+        # speculative decoding; first, so that a draft model's weights and KV cache are
+        # counted before the model's KV cache takes what is left of the device
+        self.speculator: Speculator | None = None
+        if config.speculative.method is not None and model.capabilities.uses_kv_cache:
+            max_len = min(limit, model_max_len)
+            context = self._proposer_context(model, structured, device, kv_dtype, max_len)
+            self.speculator = Speculator(config.speculative, context)
         num_blocks = 0  # encoders keep no KV cache
         if model.capabilities.uses_kv_cache:
             num_blocks = cache.num_blocks or self._blocks_for_budget(model, kv_dtype, device)
@@ -59,7 +68,6 @@ class EngineCore:
         self.device = str(device)
         self.compute_dtype = str(kv_dtype).removeprefix("torch.")  # the model's dtype too
         self.quantization = "fp8" if is_fp8(model) else ""
-        limit = config.model.max_model_len or model_max_len
         kv_limit = num_blocks * cache.block_size if num_blocks else model_max_len
         self.max_model_len = min(limit, model_max_len, kv_limit)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
@@ -67,10 +75,7 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # sampled, not yet read
         self.structured = structured
         self._compiling = PendingGrammars(structured) if structured is not None else None
-        self.speculator: Speculator | None = None  # speculative decoding, when configured
-        if config.speculative.method is not None and model.capabilities.uses_kv_cache:
-            tokenizer = structured.tokenizer if structured is not None else None
-            self.speculator = Speculator(config.speculative, tokenizer)
+        if self.speculator is not None:
             self.scheduler.on_finish = self.speculator.finished
         self._failed: list[EngineOutput] = []  # requests that failed before they ran
         if not config.model.enforce_eager:
@@ -83,6 +88,32 @@ class EngineCore:
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens at most in flight), max_model_len %d",
             num_blocks, cache.block_size, num_blocks * cache.block_size, self.max_model_len,
+        )
+
+    def _proposer_context(
+        self,
+        model: CausalLM,
+        structured: StructuredOutputManager | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> ProposerContext:
+        config = self.config
+        spec, scheduler = config.speculative, config.scheduler
+        return ProposerContext(
+            tokenizer=structured.tokenizer if structured is not None else None,
+            vocab_size=model.vocab_size,
+            device=device,
+            dtype=dtype,
+            block_size=config.cache.block_size,
+            max_model_len=max_model_len,
+            max_batch=min(spec.disable_batch_size, scheduler.max_num_seqs),
+            max_tokens=scheduler.budget,
+            num_speculative_tokens=spec.num_speculative_tokens,
+            seed=config.seed,
+            cuda_graphs=not config.model.enforce_eager,
+            kv_cache_memory_bytes=config.cache.kv_cache_memory_bytes,
+            load_format=config.model.load_format,
         )
 
     def _blocks_for_budget(self, model: CausalLM, kv_dtype: torch.dtype, device: torch.device) -> int:

@@ -38,6 +38,7 @@ class ScheduledRequest:
     # speculative decoding: guesses of the tokens after the last one; they end token_ids (so
     # the step computes them too) and the step checks them (sample is then True)
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None  # [len(draft_token_ids), vocab]: what they were drawn from (or None)
 
 
 @dataclass

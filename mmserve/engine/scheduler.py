@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from mmserve.config import SchedulerConfig
 from mmserve.engine.block_pool import KVBlock
@@ -103,12 +104,13 @@ class Scheduler:
             if num_new == 0:  # its next image waits for encoder budget, or it is done
                 i += 1
                 continue
+            probs, request.draft_probs = request.draft_probs, None
             drafts = self._drafts(request, num_new, budget)
             if not drafts or not self.kv.allocate_slots(request, num_new + len(drafts)):
                 drafts = []  # (guesses never preempt anyone)
                 if not self._allocate_or_preempt(request, num_new, out):
                     break  # it preempted itself: nothing after it is running any more
-            out.scheduled.append(self._scheduled(request, num_new, drafts))
+            out.scheduled.append(self._scheduled(request, num_new, drafts, probs))
             budget -= num_new + len(drafts)
             i += 1
         while self.waiting and budget > 0 and not out.num_preempted:
@@ -199,11 +201,16 @@ class Scheduler:
         return num_out >= request.max_tokens or request.num_tokens >= self.max_model_len
 
     def _scheduled(
-        self, request: Request, num_new: int, drafts: list[int] | None = None
+        self,
+        request: Request,
+        num_new: int,
+        drafts: list[int] | None = None,
+        probs: Any = None,
     ) -> ScheduledRequest:
         """The request's share of this step, committed now: its computed count moves on, and
         a token it will sample counts as pending until update() brings its value. Guesses
-        (drafts) are computed after its tokens, and counted only once update() accepts them."""
+        (drafts) are computed after its tokens, and counted only once update() accepts them;
+        probs: the distributions a draft model drew them from (None: chosen, not drawn)."""
         start = request.num_computed_tokens
         request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
         done = start + num_new == request.num_tokens
@@ -232,6 +239,7 @@ class Scheduler:
             mrope_delta=request.mrope_delta,
             num_kept_blocks=self.kv.num_kept_blocks(request.request_id),
             draft_token_ids=drafts or [],
+            draft_probs=None if probs is None or not drafts else probs[: len(drafts)],
         )
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:

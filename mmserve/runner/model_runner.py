@@ -207,6 +207,19 @@ class ModelRunner:
         return LaunchedStep(batch, hidden, out, pooled=pooled)
 
     @torch.inference_mode()
+    def draft_logits(
+        self, plan: SchedulerOutput, previous: SampledOnDevice | None = None
+    ) -> torch.Tensor:
+        """A draft model's step (speculative decoding): the plan's forward pass and the logits
+        of its sampling rows, [rows, vocab] in plan order; previous fills its placeholders
+        (the tokens the draft drew a step before, still on the device). Nothing is sampled,
+        pooled or kept."""
+        self.input_batch.forget(plan.finished_ids)
+        batch = self.input_batch.build(plan, previous)
+        hidden = self._forward(batch)
+        return self.model.compute_logits(self._sampled_rows(hidden, batch.sample_rows))
+
+    @torch.inference_mode()
     def sample(self, step: LaunchedStep, live: Container[str] | None = None) -> None:
         """Enqueues logits, grammar masks and sampling for a launched step; the tokens start
         on their way to the host. live: the requests still running (rows of others are
@@ -237,8 +250,13 @@ class ModelRunner:
         rows: list[int] = []
         sampling: list[SamplingRow] = []
         drafts: list[int | None] = []
+        drawn: list[int] = []  # rows whose guess a draft model drew from a distribution
+        probs: list[torch.Tensor] = []  # those distributions, one tensor per request
         for item, last in zip(reqs, batch.sample_rows, strict=True):
             guesses = item.draft_token_ids
+            if item.draft_probs is not None and not item.params.greedy and item.params.seed is None:
+                drawn += range(len(drafts), len(drafts) + len(guesses))
+                probs.append(item.draft_probs)
             rows += range(last - len(guesses), last + 1)
             for j in range(len(guesses) + 1):
                 output = item.output_token_ids + guesses[:j] if j else item.output_token_ids
@@ -248,7 +266,10 @@ class ModelRunner:
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, rows))
         if bitmask is not None:
             apply_bitmask(logits, bitmask[0], bitmask[1])
-        tokens, accepted, step.logprobs = verify_on_device(logits, sampling, drafts, self.generator)
+        q = (drawn, torch.cat(probs)) if probs else None
+        tokens, accepted, step.logprobs = verify_on_device(
+            logits, sampling, drafts, self.generator, q
+        )
         self._previous = None  # a step after guesses has no placeholders to fill
         # one copy: row 0 the tokens, row 1 whether each row's guess was accepted
         step.host_tokens, step.copied = _to_host(torch.stack([tokens, accepted.long()]))

@@ -49,23 +49,53 @@ def sample_on_device(
         if all(greedy):
             return logits.argmax(dim=-1), [None] * len(rows)
         return _pick(logits, rows, generator, greedy), [None] * len(rows)
-    raw_logprobs = None
-    if any(wants_logprobs):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-    if adjusted:
-        logits = logits.clone()
-        for i in adjusted:
-            _apply_bias_and_min_tokens(logits[i], rows[i])
-            _apply_penalties(logits[i], rows[i])
-    tokens = _pick(logits, rows, generator, [r.params.greedy for r in rows])
-    if raw_logprobs is None:
-        return tokens, [None] * len(rows)
+    tokens = _pick(
+        _adjusted(logits, rows, adjusted), rows, generator, [r.params.greedy for r in rows]
+    )
+    return tokens, logprobs_of(logits, rows, tokens)
+
+
+def logprobs_of(
+    logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor
+) -> list[TokenLogprob | None]:
+    """The logprob of each row's token, for the rows that asked (from the raw distribution);
+    None elsewhere. Reads the tokens on the host only when some row asked."""
+    wants = [r.params.logprobs for r in rows]
+    if not any(wants):
+        return [None] * len(rows)
+    raw = torch.log_softmax(logits, dim=-1)
     values = tokens.tolist()
-    logprobs: list[TokenLogprob | None] = [
-        top_logprobs(raw_logprobs[i], t, k) if k else None
-        for i, (t, k) in enumerate(zip(values, wants_logprobs))
+    return [
+        top_logprobs(raw[i], t, k) if k else None for i, (t, k) in enumerate(zip(values, wants))
     ]
-    return tokens, logprobs
+
+
+def _adjusted(logits: torch.Tensor, rows: list[SamplingRow], adjusted: list[int]) -> torch.Tensor:
+    """The logits with bias, min_tokens and penalties applied to the rows listed (a copy when
+    there are any)."""
+    if not adjusted:
+        return logits
+    logits = logits.clone()
+    for i in adjusted:
+        _apply_bias_and_min_tokens(logits[i], rows[i])
+        _apply_penalties(logits[i], rows[i])
+    return logits
+
+
+def distribution(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """[N, V] float32: the probabilities each row's token is drawn from when it is not greedy
+    (bias, min_tokens, penalties, temperature, top-k, top-p, min-p; a grammar mask the caller
+    applied to the logits stays applied)."""
+    adjusted = [i for i, r in enumerate(rows) if _adjusts_logits(r)]
+    return _filtered_probs(_adjusted(logits.float(), rows, adjusted), rows)
+
+
+def draw(
+    probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None
+) -> torch.Tensor:
+    """[N] int64: one token from each row of probs, with the noise sampling would use (a
+    seeded row's generator at its position seed, else generator)."""
+    return (probs / _exponential_noise(probs, rows, generator)).argmax(dim=-1)
 
 
 def _adjusts_logits(row: SamplingRow) -> bool:
@@ -127,9 +157,7 @@ def _pick(
 ) -> torch.Tensor:
     if all(greedy):
         return logits.argmax(dim=-1)
-    probs = _filtered_probs(logits, rows)
-    noise = _exponential_noise(probs, rows, generator)
-    sampled = (probs / noise).argmax(dim=-1)  # Gumbel-max in exponential form
+    sampled = draw(_filtered_probs(logits, rows), rows, generator)  # Gumbel-max, exponential form
     if not any(greedy):
         return sampled
     is_greedy = _to(logits.device, greedy, torch.bool)
@@ -182,28 +210,57 @@ def position_seed(seed: int, position: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
 
 
-
 def verify_on_device(
     logits: torch.Tensor,
     rows: list[SamplingRow],
     drafts: list[int | None],
     generator: torch.Generator | None = None,
+    draft_probs: tuple[list[int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[TokenLogprob | None]]:
     """Speculative decoding's check of guessed tokens, one row per position. Row i holds the
     target's logits after the tokens before it (rows[i]'s output_token_ids count the guesses
     before it); drafts[i] is the guess for the token it predicts (None: no guess). Returns
-    ([N] tokens, [N] bool accepted, logprobs) with the tokens on the device.
+    ([N] tokens, [N] bool accepted, logprobs) with the tokens on the device: at a row whose
+    guess is refused, tokens holds the token emitted instead.
 
-    Each row is sampled exactly as without guesses (sample_on_device: bias, penalties,
-    temperature, top-k, top-p, min-p, the grammar mask the caller applied, and a seeded
-    request's noise drawn for its output position), and a guess is accepted when it is the
-    token its row drew. The emitted tokens - the accepted guesses, then the first row's own
-    token where a guess differs - are therefore the tokens sampling would have drawn one
-    step at a time: the distribution is unchanged, and a seeded request's output is the same
-    with or without speculation. For guesses that come with no distribution of their own
-    (prompt lookup, suffix, grammar) this accepts a guess g with probability p(g), as
-    rejection sampling against a proposal that puts all its mass on g does."""
+    A guess that was chosen, not drawn (prompt lookup, suffix, grammar, a greedy or seeded
+    draft model): each row is sampled exactly as without guesses (sample_on_device: bias,
+    penalties, temperature, top-k, top-p, min-p, the grammar mask the caller applied, and a
+    seeded request's noise drawn for its output position), and the guess is accepted when it
+    is the token its row drew. The emitted tokens are the tokens sampling would have drawn
+    one step at a time, so the distribution is unchanged and a seeded request's output is
+    the same with or without speculation. This is rejection sampling against a proposal that
+    puts all its mass on the guess: accepted with probability p(g).
+
+    draft_probs (rows, q [len(rows), V]): guesses drawn from a draft model's distribution q.
+    Those rows use rejection sampling (Leviathan et al., Chen et al.): with p the target's
+    distribution after all of the above, g is accepted with probability min(1, p(g) / q(g)),
+    and a refused row emits a token drawn from max(0, p - q), normalised. Either way each
+    emitted token has the target's distribution p (a greedy row is never listed here)."""
     tokens, logprobs = sample_on_device(logits, rows, generator)
     guess = _to(logits.device, [0 if d is None else d for d in drafts], torch.int64)
     has_guess = _to(logits.device, [d is not None for d in drafts], torch.bool)
-    return tokens, has_guess & (tokens == guess), logprobs
+    accepted = has_guess & (tokens == guess)
+    if draft_probs is None or not draft_probs[0]:
+        return tokens, accepted, logprobs
+    index, q = draft_probs
+    drawn = [rows[i] for i in index]
+    at = _to(logits.device, index, torch.int64)
+    p = distribution(logits[at], drawn)
+    g = guess[at].unsqueeze(1)
+    p_g, q_g = p.gather(1, g).squeeze(1), q.gather(1, g).squeeze(1)
+    u = torch.rand(p_g.shape, device=p.device, generator=generator, dtype=p.dtype)
+    keep = u * q_g < p_g  # (p(g) = 0: never; q(g) = 0 cannot be drawn)
+    residual = (p - q).clamp_min(0)
+    empty = residual.sum(dim=1, keepdim=True) <= 0  # p <= q everywhere: p == q
+    residual = torch.where(empty, p, residual)  # (draw normalises: argmax of r / noise)
+    instead = draw(residual, drawn, generator)
+    tokens = tokens.clone()
+    tokens[at] = torch.where(keep, guess[at], instead)
+    accepted = accepted.clone()
+    accepted[at] = keep
+    lp = logprobs_of(logits[at], drawn, tokens[at])
+    logprobs = list(logprobs)
+    for i, one in zip(index, lp, strict=True):
+        logprobs[i] = one
+    return tokens, accepted, logprobs

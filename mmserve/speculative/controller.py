@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from mmserve.config import SpeculativeConfig
 from mmserve.request import Request
-from mmserve.speculative import Proposer, create_proposer
+from mmserve.speculative import Proposer, ProposerContext, create_proposer, shown_method
 
 RETRY_AFTER = 16  # steps a request whose guesses kept failing goes without
 EMPTY_LIMIT = 4  # proposals in a row that found nothing before a request rests
@@ -34,13 +34,13 @@ class _Adapt:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, tokenizer: object = None) -> None:
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None) -> None:
         if config.method is None:
             raise ValueError("speculative: no method")
-        self.method = config.method
+        self.method = shown_method(config.method)  # (a draft by its name, not its path)
         self.k = config.num_speculative_tokens
         self.disable_batch_size = config.disable_batch_size
-        self.proposer: Proposer = create_proposer(config.method, tokenizer)
+        self.proposer: Proposer = create_proposer(config.method, context)
         self.adaptive = True  # False: always k guesses (benchmarks of what a guess costs)
         self._adapt: dict[str, _Adapt] = {}
 
@@ -63,16 +63,24 @@ class Speculator:
         return demand + len(running) * self.k <= budget
 
     def propose(self, running: list[Request]) -> None:
-        """Sets draft_token_ids of each running request that decodes and may speculate."""
+        """Sets draft_token_ids (and draft_probs) of each running request that decodes and
+        may speculate."""
+        chosen: list[Request] = []
+        ks: list[int] = []
         for request in running:
-            request.draft_token_ids = []
-            if not _may_speculate(request):
-                continue
-            k = self._next_k(request)
+            request.draft_token_ids, request.draft_probs = [], None
+            k = self._next_k(request) if _may_speculate(request) else 0
             if k:
-                request.draft_token_ids = self.proposer.propose(request, k)[:k]
-                if self.adaptive:
-                    self._found(request, bool(request.draft_token_ids))
+                chosen.append(request)
+                ks.append(k)
+        if not chosen:
+            return
+        for request, k, guesses in zip(chosen, ks, self.proposer.propose_batch(chosen, ks)):
+            request.draft_token_ids = guesses.tokens[:k]
+            if guesses.probs is not None and request.draft_token_ids:
+                request.draft_probs = guesses.probs[:k]
+            if self.adaptive:
+                self._found(request, bool(request.draft_token_ids))
 
     def _resting(self, request: Request) -> bool:
         state = self._adapt.get(request.request_id)

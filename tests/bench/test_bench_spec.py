@@ -56,3 +56,28 @@ def test_bench_spec_cost_times_each_k(tmp_path: Path, capsys: pytest.CaptureFixt
     assert [(r["batch_size"], r["guesses"]) for r in rows] == [(1, 0), (1, 2), (2, 0), (2, 2)]
     assert all(r["step_ms"] > 0 for r in rows)
     assert [r["ratio_to_one_token"] for r in rows if r["guesses"] == 0] == [1.0, 1.0]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_bench_spec_cost_times_a_draft_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--spec-draft first:1: the model's first layer drafts (written once under the cache);
+    its steps are timed beside the always-wrong guesses of the same k."""
+    monkeypatch.setenv("MMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    model = make_tiny_model(tmp_path)
+    args = bench_args(
+        "spec-cost", "--model", str(model), "--device", "cpu", "--spec-k", "2",
+        "--batch-sizes", "1", "--input-len", "8", "--spec-draft", "first:1",
+    )  # fmt: skip
+    cli.run(args)
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["guesses"], r["proposer"]) for r in rows] == [
+        (0, "always-wrong"), (2, "always-wrong"), (2, "draft")
+    ]
+    drafts = list((tmp_path / "cache" / "drafts").iterdir())
+    assert len(drafts) == 1
+    config = json.loads((drafts[0] / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1
+    with pytest.raises(ValueError, match="needs a --model with real weights"):
+        speculative.resolve_method("draft=first:1", "shape:llama3-8b")

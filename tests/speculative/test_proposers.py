@@ -136,7 +136,7 @@ def test_suffix_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_registry_names_what_it_knows() -> None:
-    with pytest.raises(ValueError, match="unknown proposer 'eagle'; valid: jump, ngram, suffix"):
+    with pytest.raises(ValueError, match="unknown proposer 'eagle'; valid: draft=PATH, jump, ngram, suffix"):
         create_proposer("eagle")
     assert isinstance(create_proposer("ngram"), NgramProposer)
     chained = create_proposer("ngram+suffix")

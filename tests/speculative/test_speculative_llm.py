@@ -25,7 +25,7 @@ from mmserve.request import Request
 from mmserve.speculative import Proposer
 from mmserve.structured_output.params import StructuredOutputParams
 from tests.entrypoints.test_llm_offline import hf_greedy
-from tests.utils.tiny_models import make_tiny_hf_model, make_tiny_model, make_tiny_tokenizer
+from tests.utils.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 # text that repeats, as edits, summaries and agent loops do: guesses have something to find
@@ -241,16 +241,18 @@ def test_no_speculation_above_the_batch_size(tiny: str) -> None:
     assert accepted(few) > 0
 
 
-def test_the_engine_process_speculates(tiny: str) -> None:
-    """In its own process the engine core speculates as in-process (the config crosses)."""
+@pytest.mark.parametrize("method", ["suffix", "draft"])
+def test_the_engine_process_speculates(tiny: str, method: str) -> None:
+    """In its own process the engine core speculates as in-process (the config crosses; a
+    draft model, here the model itself, loads there)."""
     config = EngineConfig(
         model=ModelConfig(model=tiny, device="cpu"),
-        speculative=SpeculativeConfig(method="suffix"),
+        speculative=SpeculativeConfig(method=f"draft={tiny}" if method == "draft" else method),
         multiprocess=True,
     )
     remote = FrontEnd.start(config)
     try:
-        assert remote.info.speculative == "suffix"
+        assert remote.info.speculative.split("=")[0] == method
         ids = [remote.tokenizer.encode(p) for p in PROMPTS]
         for i, prompt in enumerate(ids):
             remote.add_request(f"r{i}", prompt, GREEDY)
@@ -295,19 +297,6 @@ class ModeProposer(Proposer):
         return self.modes[done : done + k]
 
 
-@pytest.fixture(scope="module")
-def peaked(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny model whose next-token distributions are peaked (a few likely tokens each), so
-    that a few thousand samples fill the chi-square cells."""
-    out = tmp_path_factory.mktemp("peaked") / "tiny-peaked"
-    model = make_tiny_hf_model("llama", seed=3)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
-    model.save_pretrained(out)
-    make_tiny_tokenizer().save_pretrained(out)
-    return str(out)
-
-
 def _position_counts(outputs: list[RequestOutput], position: int) -> Counter[int]:
     return Counter(r.outputs[0].token_ids[position] for r in outputs)
 
@@ -332,7 +321,16 @@ def test_sampling_distribution_is_kept_with_a_poor_proposer(peaked: str) -> None
     spec = generate(spec_llm, [PROMPTS[2]] * n, params)
     checked = sum(r.num_draft_tokens for r in spec)
     assert 0 < accepted(spec) < checked  # guesses are kept and refused
-    for i in range(1, length):  # position 0 comes from the prompt's step: no guess
+    assert_same_distribution(base, spec, length)
+
+
+def assert_same_distribution(
+    base: list[RequestOutput], spec: list[RequestOutput], length: int
+) -> None:
+    """At each output position after the first (it comes from the prompt's step: no guess),
+    the two samples' token counts agree (chi-square, p > 1e-3; cells of 10 or more)."""
+    n = len(base)
+    for i in range(1, length):
         a, b = _position_counts(base, i), _position_counts(spec, i)
         cells = [t for t in a.keys() | b.keys() if a[t] + b[t] >= 10]
         table = [[a[t] for t in cells] + [n - sum(a[t] for t in cells)],
