@@ -239,18 +239,18 @@ def run(args: argparse.Namespace, emit: Any, engine_for: Any) -> None:
                         acceptance=r.accepted / r.drafts if r.drafts else None,
                     )
         finally:
-            _release(engine)
+            engine.shutdown()
+            del engine  # (the last reference: its memory is free before the next one starts)
+            _release()
 
 
-def _release(engine: FrontEnd) -> None:
-    """Shuts the engine down and gives its GPU memory back before the next one sizes its KV
-    cache from what is free."""
+def _release() -> None:
+    """Gives the GPU memory of an engine shut down and dropped back, before the next one
+    sizes its KV cache from what is free."""
     import gc
 
     import torch
 
-    engine.shutdown()
-    del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
