@@ -48,6 +48,9 @@ from mmserve.speculative import Guesses, Proposer, ProposerContext
 logger = logging.getLogger(__name__)
 CUDA_KV_SHARE = 0.1  # most of the free device memory the draft's KV cache takes
 CPU_KV_SHARE = 0.25  # the same, of the model's KV budget on the CPU
+# the catch-up after a check is one token (the model's own after a refused guess) or two
+# (the last guess and the token after it, all accepted): such steps replay a CUDA graph too
+CATCH_UP_GRAPH = 2
 
 
 @dataclass
@@ -114,8 +117,11 @@ class DraftProposer(Proposer):
         self.generator = torch.Generator(device=device).manual_seed(context.seed + 1)
         self._states: OrderedDict[str, _State] = OrderedDict()  # least recently used first
         self._forgotten: list[str] = []  # states dropped since the last draft step
-        if context.cuda_graphs:
-            self.runner.capture_graphs(context.max_batch, self.max_model_len, context.max_tokens)
+        if context.cuda_graphs:  # one-token steps, and catch-ups of up to CATCH_UP_GRAPH tokens
+            self.runner.capture_graphs(
+                context.max_batch, self.max_model_len, context.max_tokens,
+                (CATCH_UP_GRAPH, context.max_batch),
+            )
         logger.info(
             "speculative draft %s: %d KV blocks, up to %d tokens per step",
             type(model).__name__,
