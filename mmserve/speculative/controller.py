@@ -5,8 +5,10 @@ token budget has room for the guesses beside every scheduled token: under load, 
 longer waits on reading the weights, and checking guesses would cost more than it saves.
 Each request's guess length adapts to its acceptance: one more after a run accepted whole,
 halved after a run refused whole, and after it reaches 0 the request rests RETRY_AFTER
-steps before it tries one guess again; a request whose proposer found nothing EMPTY_LIMIT
-steps in a row rests too. While every running request rests, the step does not speculate
+steps before it tries one guess again, twice as long after each rest that ended in another
+refusal (up to RETRY_AFTER << MAX_BACKOFF: a poor draft model, whose every try costs a
+catch-up, stops costing); a request whose proposer found nothing EMPTY_LIMIT steps in a
+row rests too. While every running request rests, the step does not speculate
 at all: a speculating step waits for the step before it (its guesses follow the latest
 token), and a step that does not keeps async scheduling's overlap."""
 
@@ -21,6 +23,7 @@ from mmserve.request import Request
 from mmserve.speculative import Proposer, ProposerContext, create_proposer, shown_method
 
 RETRY_AFTER = 16  # steps a request whose guesses kept failing goes without
+MAX_BACKOFF = 5  # that rest doubles after each failed retry, to at most 16 << 5 = 512 steps
 EMPTY_LIMIT = 4  # proposals in a row that found nothing before a request rests
 
 
@@ -31,6 +34,7 @@ class _Adapt:
     accepted: int = 0  # its num_accepted_draft_tokens when last seen
     rest: int = 0  # steps left without guesses
     empty: int = 0  # proposals in a row that found nothing
+    retries: int = 0  # rests in a row that ended in a refusal (the next rest is longer)
 
 
 class Speculator:
@@ -101,12 +105,15 @@ class Speculator:
         checked = request.num_draft_tokens - state.drafts
         if checked:
             accepted = request.num_accepted_draft_tokens - state.accepted
+            if accepted:
+                state.retries = 0
             if accepted == checked:
                 state.k = min(self.k, state.k + 1)
             elif accepted == 0:
                 state.k //= 2
                 if state.k == 0:
-                    state.rest = RETRY_AFTER
+                    state.rest = RETRY_AFTER << min(state.retries, MAX_BACKOFF)
+                    state.retries += 1
             state.drafts, state.accepted = request.num_draft_tokens, request.num_accepted_draft_tokens
         if state.rest:
             state.rest -= 1

@@ -210,6 +210,32 @@ def test_a_step_does_not_speculate_while_every_request_rests() -> None:
     assert wrong._next_k(r) == 0 and wrong._resting(r)
 
 
+def test_rests_grow_while_retries_keep_failing() -> None:
+    """After each rest whose one guess is refused again the next rest is twice as long (up
+    to RETRY_AFTER << MAX_BACKOFF); an accepted guess resets it."""
+    from mmserve.config import SpeculativeConfig
+    from mmserve.speculative import controller
+
+    speculator = controller.Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=1))
+    r = request([1, 2, 3, 4])
+
+    def rest_after(accept: bool) -> int:
+        """Steps of rest after one checked guess (accepted or refused)."""
+        assert speculator._next_k(r) == 1
+        r.num_draft_tokens += 1
+        r.num_accepted_draft_tokens += accept
+        steps = 0
+        while speculator._next_k(r) == 0:
+            steps += 1
+        return steps
+
+    rests = [rest_after(False) for _ in range(controller.MAX_BACKOFF + 2)]
+    base = controller.RETRY_AFTER
+    assert rests == [base << min(i, controller.MAX_BACKOFF) for i in range(len(rests))]
+    rest_after(True)  # (k 1 -> 1: no rest) and the count of failed retries starts again
+    assert rest_after(False) == base
+
+
 def test_a_chain_puts_its_first_proposer_ahead() -> None:
     """jump+ngram: the grammar's forced tokens, then what prompt lookup finds after them;
     ngram's own longer guess wins when the chain is shorter. `after` reaches each proposer."""
