@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -30,6 +31,22 @@ def check_at_least(name: str, value: int | None, low: int) -> None:
 def check_float(name: str, t: torch.Tensor) -> None:
     if t.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} must be float32/float16/bfloat16, got {t.dtype}")
+
+
+def check_cache_dtype(name: str, cache: torch.Tensor) -> None:
+    """A KV cache holds float32/float16/bfloat16, or FP8 (e4m3) with scales."""
+    if cache.dtype not in (*FLOAT_DTYPES, torch.float8_e4m3fn):
+        raise ValueError(
+            f"{name} must be float32/float16/bfloat16 or float8_e4m3fn, got {cache.dtype}"
+        )
+
+
+@triton.jit
+def to_cache(x, inv_scale, dtype: tl.constexpr, FP8: tl.constexpr):
+    """x as a KV cache of dtype stores it: an FP8 cache holds x / scale, saturated."""
+    if FP8:
+        return tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(dtype)
+    return x.to(dtype)
 
 
 def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from mmserve.kernels._common import (
     check_at_least,
+    check_cache_dtype,
     check_float,
     check_index_dtype,
     check_last_dim_contiguous,
@@ -26,7 +27,8 @@ from mmserve.kernels._common import (
     check_same_device,
     check_shape,
 )
-from mmserve.kernels.paged_ref import attend, gather_context
+from mmserve.kernels.paged_ref import NO_SCALES, attend, gather_context
+from mmserve.kernels.reshape_and_cache import check_scales
 
 MAX_HEAD_DIM = 256
 MAX_GROUP = 128  # query heads per KV head; one program holds a whole group
@@ -93,7 +95,7 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,  # partials: [T, H, splits, (HEAD_DIM_P)]
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale_log2, num_reqs, sliding_window,
+    scale_log2, v_scale, num_reqs, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -154,11 +156,11 @@ def _paged_attention_kernel(
         k_valid = k_pos < end
         block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         kv_offs = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k_t = tl.load(  # [HEAD_DIM_P, BLOCK_N]
+        k_t = tl.load(  # [HEAD_DIM_P, BLOCK_N]; an FP8 cache's K's scale is in scale_log2
             key_cache_ptr + kv_offs[None, :] + dims[:, None],
             mask=k_valid[None, :] & dim_valid[:, None],
             other=0.0,
-        )
+        ).to(q.dtype)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
         if (kv_start < open_lo) | (kv_start + BLOCK_N > open_hi):
             mask = k_valid[None, :]  # rows past the query need none: they are never stored
@@ -175,9 +177,10 @@ def _paged_attention_kernel(
             value_cache_ptr + kv_offs[:, None] + dims[None, :],
             mask=k_valid[:, None] & dim_valid[None, :],
             other=0.0,
-        )
+        ).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    acc = acc * v_scale  # (an FP8 cache's V's scale; 1 otherwise)
 
     if SPLIT_KV:
         part = (token * (tl.num_programs(1) * GROUP) + head) * num_splits + split
@@ -236,8 +239,10 @@ def paged_attention(
     causal: bool = True,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    kv_scales: tuple[float, float] = NO_SCALES,
 ) -> torch.Tensor:
     """q [T, H, D] over key_cache/value_cache [num_blocks, block_size, Hkv, D]; returns [T, H, D].
+    The caches hold q's dtype, or FP8 whose values are stored x / scale (kv_scales: K's, V's).
 
     query_start_loc [R + 1], seq_lens [R], block_tables [R, max_blocks] (all int32) as in
     AttentionMetadata; request r's queries are the last query_len positions of its seq_len
@@ -254,6 +259,7 @@ def paged_attention(
     check_at_least("num_splits", num_splits, 1)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
+    check_scales(kv_scales)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -275,7 +281,8 @@ def paged_attention(
     _paged_attention_kernel[grid](
         out, part_acc, part_m, part_l,
         q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale * math.log2(math.e), seq_lens.shape[0], sliding_window or 0,
+        scale * kv_scales[0] * math.log2(math.e), kv_scales[1], seq_lens.shape[0],
+        sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=key_cache.shape[1],
@@ -320,12 +327,15 @@ def _check_inputs(
         )
     if num_heads // num_kv_heads > MAX_GROUP:
         raise ValueError(f"more than {MAX_GROUP} query heads per KV head is not supported")
+    check_float("q", q)
     for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
-        check_float(name, t)
         check_last_dim_contiguous(name, t)
-    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
+    check_cache_dtype("key_cache", key_cache)
+    if key_cache.dtype not in (q.dtype, torch.float8_e4m3fn) or value_cache.dtype != key_cache.dtype:
         dtypes = f"{q.dtype}, {key_cache.dtype}, {value_cache.dtype}"
-        raise ValueError(f"q, key_cache, value_cache must share a dtype, got {dtypes}")
+        raise ValueError(
+            f"key_cache and value_cache must share q's dtype, or both be float8_e4m3fn; got {dtypes}"
+        )
     if key_cache.stride() != value_cache.stride():
         raise ValueError("key_cache and value_cache must have the same strides")
     check_ndim("seq_lens", seq_lens, 1, "[num_reqs]")
@@ -354,13 +364,15 @@ def paged_attention_ref(
     scale: float,
     causal: bool = True,
     sliding_window: int | None = None,
+    kv_scales: tuple[float, float] = NO_SCALES,
 ) -> torch.Tensor:
     """The torch reference, one request at a time (the CPU backend's gather and attend)."""
-    kv_cache = torch.stack((key_cache, value_cache))
+    kv_cache = torch.stack((key_cache.view(torch.uint8), value_cache.view(torch.uint8)))
+    kv_cache = kv_cache.view(key_cache.dtype)
     starts = query_start_loc.tolist()
     out = torch.empty_like(q)
     for i, seq_len in enumerate(seq_lens.tolist()):
         rows = slice(starts[i], starts[i + 1])
-        k, v = gather_context(kv_cache, block_tables[i], seq_len)
+        k, v = gather_context(kv_cache, block_tables[i], seq_len, kv_scales)
         out[rows] = attend(q[rows], k, v, scale, causal, sliding_window)
     return out

@@ -21,8 +21,9 @@ from mmserve.kernels._common import (
     check_ndim,
     check_same_device,
     check_shape,
+    to_cache,
 )
-from mmserve.kernels.reshape_and_cache import check_cache_write
+from mmserve.kernels.reshape_and_cache import cache_write_args, check_cache_write
 
 
 @triton.jit
@@ -39,9 +40,10 @@ def _cos_sin(positions_ptr, cos_ptr, sin_ptr, token, stride_table, second_half_c
 @triton.jit
 def _rotate_heads(
     out_ptr, x_ptr, token, first_head, num_heads, stride_xt, stride_xh, stride_ot, stride_oh,
-    cos1, sin1, cos2, sin2, cols, col_mask,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    cos1, sin1, cos2, sin2, cols, col_mask, inv_scale,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
+    """FP8 (a cache's heads): stored as x / scale, saturated (inv_scale = 1 / scale)."""
     heads = first_head + tl.arange(0, BLOCK_H)[:, None]
     mask = (heads < num_heads) & col_mask
     x_offs = token * stride_xt + heads * stride_xh + cols
@@ -49,8 +51,10 @@ def _rotate_heads(
     x2 = tl.load(x_ptr + x_offs + HALF, mask=mask, other=0.0).to(tl.float32)
     out_offs = token * stride_ot + heads * stride_oh + cols
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + out_offs, (x1 * cos1 - x2 * sin1).to(dtype), mask=mask)
-    tl.store(out_ptr + out_offs + HALF, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask)
+    tl.store(out_ptr + out_offs, to_cache(x1 * cos1 - x2 * sin1, inv_scale, dtype, FP8), mask=mask)
+    tl.store(
+        out_ptr + out_offs + HALF, to_cache(x2 * cos2 + x1 * sin2, inv_scale, dtype, FP8), mask=mask
+    )
 
 
 @triton.jit
@@ -72,13 +76,13 @@ def _rotary_kernel(
         _rotate_heads(
             q_out_ptr, q_ptr, token, block * BLOCK_H, num_q_heads,
             stride_qt, stride_qh, stride_qot, stride_qoh, cos1, sin1, cos2, sin2, cols, col_mask,
-            HALF, BLOCK_H,
+            1.0, HALF, BLOCK_H, False,
         )  # fmt: skip
     else:
         _rotate_heads(
             k_out_ptr, k_ptr, token, (block - q_blocks) * BLOCK_H, num_k_heads,
             stride_kt, stride_kh, stride_kot, stride_koh, cos1, sin1, cos2, sin2, cols, col_mask,
-            HALF, BLOCK_H,
+            1.0, HALF, BLOCK_H, False,
         )  # fmt: skip
 
 
@@ -184,8 +188,9 @@ def _rotary_cache_kernel(
     positions_ptr, cos_ptr, sin_ptr,
     stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,  # shared: key and value caches are halves of one tensor
-    stride_table, second_half_col, num_q_heads, num_k_heads, q_blocks,
+    stride_table, second_half_col, num_q_heads, num_k_heads, q_blocks, k_inv_scale, v_inv_scale,
     HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, q_blocks) rotate q's heads into q_out; the rest rotate k's heads into the
     key cache at the token's slot and copy v's into the value cache (slot -1: skipped)."""
@@ -200,7 +205,7 @@ def _rotary_cache_kernel(
         _rotate_heads(
             q_out_ptr, q_ptr, token, block * BLOCK_H, num_q_heads,
             stride_qt, stride_qh, stride_qot, stride_qoh, cos1, sin1, cos2, sin2, cols, col_mask,
-            HALF, BLOCK_H,
+            1.0, HALF, BLOCK_H, False,
         )  # fmt: skip
     else:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -210,7 +215,7 @@ def _rotary_cache_kernel(
             _rotate_heads(
                 key_cache_ptr + base, k_ptr, token, first, num_k_heads,
                 stride_kt, stride_kh, 0, stride_ch, cos1, sin1, cos2, sin2, cols, col_mask,
-                HALF, BLOCK_H,
+                k_inv_scale, HALF, BLOCK_H, FP8,
             )  # fmt: skip
             heads = first + tl.arange(0, BLOCK_H)[:, None]
             mask = (heads < num_k_heads) & col_mask
@@ -219,8 +224,10 @@ def _rotary_cache_kernel(
             dtype = value_cache_ptr.dtype.element_ty
             v1 = tl.load(v_ptr + v_offs, mask=mask)
             v2 = tl.load(v_ptr + v_offs + HALF, mask=mask)
-            tl.store(value_cache_ptr + cache_offs, v1.to(dtype), mask=mask)
-            tl.store(value_cache_ptr + cache_offs + HALF, v2.to(dtype), mask=mask)
+            tl.store(value_cache_ptr + cache_offs, to_cache(v1, v_inv_scale, dtype, FP8), mask=mask)
+            tl.store(
+                value_cache_ptr + cache_offs + HALF, to_cache(v2, v_inv_scale, dtype, FP8), mask=mask
+            )
 
 
 def rotary_embedding_and_cache(
@@ -232,10 +239,12 @@ def rotary_embedding_and_cache(
     sin: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """rotary_embedding, then reshape_and_cache of the rotated k and of v, in one launch:
     returns q rotated (a new tensor); k rotated and v go only into kv_cache [2, num_blocks,
-    block_size, Hkv, D] at slot_mapping [T] (-1 = skip). The checks of both."""
+    block_size, Hkv, D] at slot_mapping [T] (-1 = skip; an FP8 cache with kv_scales). The
+    checks of both."""
     _check_inputs(positions, q, k, cos, sin)
     check_cache_write(k, v, kv_cache, slot_mapping)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -249,6 +258,7 @@ def rotary_embedding_and_cache(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         cos.stride(0), t.second_half_col, q.shape[1], k.shape[1], t.q_blocks,
+        **cache_write_args(kv_cache, kv_scales),
         HALF=t.half, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=t.block_h, BLOCK_HALF=t.block_half,
         num_warps=t.num_warps,
     )  # fmt: skip

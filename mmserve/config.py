@@ -95,9 +95,16 @@ class CacheConfig:
         0.9, "share of GPU memory the engine may use (weights + KV cache); CUDA only"
     )
     enable_prefix_caching: bool = setting(True, "reuse the KV cache of shared prompt prefixes")
+    kv_cache_dtype: str = setting(
+        "auto",
+        "auto = the model's dtype; fp8 = float8 e4m3 with per-tensor scales of K and V (the "
+        "checkpoint's k_scale / v_scale, else 1.0): twice the tokens in the same memory",
+    )
 
     def __post_init__(self) -> None:
         _at_least_one(self, "block_size", "num_blocks", "kv_cache_memory_bytes")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         share = self.gpu_memory_utilization
         if not 0 < share <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {share}")

@@ -41,7 +41,9 @@ class AttentionBackend(ABC):
     Contract:
       q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
       kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), or None for an
-        encoder step, which attends only within each request's own new tokens.
+        encoder step, which attends only within each request's own new tokens. In q's dtype,
+        or FP8 (float8_e4m3fn) with kv_scales, K's and V's per-tensor scales (mmserve.kernels
+        .paged_ref says how values are stored).
       returns [num_tokens, num_heads, head_dim] in q's dtype.
     num_heads must be a multiple of num_kv_heads (GQA). A query at position p attends to keys at
     positions <= p (causal), and with a sliding window w only to keys at positions > p - w.
@@ -63,6 +65,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor: ...
 
     def forward_cached(
@@ -72,6 +75,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """forward() without the cache write; only where supports_forward_cached."""
         raise NotImplementedError(f"{type(self).__name__} has no forward_cached")

@@ -105,15 +105,16 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         if kv_cache is None:  # encoder: each request's own tokens are its whole context
             return attend_own_tokens(q, k, v, meta, scale, sliding_window)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scales)
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             rows = slice(start, start + q_len)
-            ctx_k, ctx_v = gather_context(kv_cache, meta.block_tables[i], seq_len)
+            ctx_k, ctx_v = gather_context(kv_cache, meta.block_tables[i], seq_len, kv_scales)
             out[rows] = attend(q[rows], ctx_k, ctx_v, scale, meta.causal, sliding_window)
             start += q_len
         return out

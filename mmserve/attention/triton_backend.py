@@ -12,8 +12,8 @@ from mmserve.kernels.reshape_and_cache import reshape_and_cache
 
 class TritonAttentionBackend(AttentionBackend):
     """Runs on CUDA (or under TRITON_INTERPRET=1 for tests). Shapes the kernels do not support
-    (head_dim > 256, more than 128 query heads per KV head, a KV cache dtype other than q's)
-    raise ValueError; there is no fallback to the torch path.
+    (head_dim > 256, more than 128 query heads per KV head, a KV cache dtype other than q's or
+    FP8) raise ValueError; there is no fallback to the torch path.
 
     Encoder steps (kv_cache None) keep no cache: the same kernel attends over the step's own
     K/V, viewed as a cache of one-token blocks whose block table for request r is its own rows
@@ -32,11 +32,12 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         if kv_cache is None:
             return self._attend_own_tokens(q, k, v, meta, scale, sliding_window)
-        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        return self.forward_cached(q, kv_cache, meta, scale, sliding_window)
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping, kv_scales)
+        return self.forward_cached(q, kv_cache, meta, scale, sliding_window, kv_scales)
 
     def forward_cached(
         self,
@@ -45,6 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """forward() for a step whose K/V are in kv_cache already (written by the model's
         fused rotary-and-cache kernel): the paged attention alone."""
@@ -60,6 +62,7 @@ class TritonAttentionBackend(AttentionBackend):
             scale=scale,
             causal=meta.causal,
             sliding_window=sliding_window,
+            kv_scales=kv_scales,
         )
 
     @staticmethod

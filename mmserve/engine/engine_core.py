@@ -57,11 +57,13 @@ class EngineCore:
             max_len = min(limit, model_max_len)
             context = self._proposer_context(model, structured, device, kv_dtype, max_len)
             self.speculator = Speculator(config.speculative, context)
+        cache_dtype = torch.float8_e4m3fn if cache.kv_cache_dtype == "fp8" else kv_dtype
+        self.kv_cache_dtype = str(cache_dtype).removeprefix("torch.")
         num_blocks = 0  # encoders keep no KV cache
         if model.capabilities.uses_kv_cache:
-            num_blocks = cache.num_blocks or self._blocks_for_budget(model, kv_dtype, device)
+            num_blocks = cache.num_blocks or self._blocks_for_budget(model, cache_dtype, device)
         self.runner = ModelRunner(
-            model, num_blocks, cache.block_size, device, kv_dtype, config.seed, pooler
+            model, num_blocks, cache.block_size, device, cache_dtype, config.seed, pooler
         )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.num_kv_blocks = num_blocks

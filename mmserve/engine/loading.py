@@ -95,6 +95,7 @@ def engine_info(
         dtype=core.compute_dtype,
         quantization=core.quantization,
         speculative=core.speculator.method if core.speculator is not None else "",
+        kv_cache_dtype=core.kv_cache_dtype if core.num_kv_blocks else "",
         num_kv_blocks=core.num_kv_blocks,
         block_size=core.config.cache.block_size,
         uses_token_types=model.type_vocab_size > 1,

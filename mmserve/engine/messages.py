@@ -116,6 +116,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     pad_text_to: int | None = None  # texts to embed are padded to this length (SigLIP)
     pad_token_id: int | None = None  # ... with this token when the tokenizer has none
     speculative: str = ""  # speculative decoding's method ("ngram", ...); "" when off
+    kv_cache_dtype: str = ""  # the KV cache's element type; "" without one (encoders)
 
     @property
     def max_pooling_len(self) -> int:

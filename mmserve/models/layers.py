@@ -114,14 +114,15 @@ class Rope:
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """CUDA only (positions set): q rotated; k rotated and v written into kv_cache at
-        slot_mapping, all in one launch."""
+        slot_mapping, all in one launch (kv_scales: an FP8 cache's)."""
         from mmserve.kernels.rotary import rotary_embedding_and_cache
 
         assert self.positions is not None
         return rotary_embedding_and_cache(
-            self.positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping
+            self.positions, q, k, v, self.cos, self.sin, kv_cache, slot_mapping, kv_scales
         )
 
 

@@ -122,6 +122,9 @@ class Attention(nn.Module):
         self.qk_norm = spec.qk_norm
         self.scale = spec.head_dim**-0.5
         self.sliding_window = spec.sliding_windows[layer]
+        # an FP8 KV cache's per-tensor scales of K and V (the checkpoint's k_scale / v_scale
+        # when it has them: models/loader.py)
+        self.kv_scales = (1.0, 1.0)
         self.backend = backend
 
     def merged_rows(self, index: int) -> slice:
@@ -146,11 +149,15 @@ class Attention(nn.Module):
         fused = self.backend.supports_forward_cached and rope.positions is not None
         if fused and kv_cache is not None:
             # the Triton path: rotary and the cache write in one kernel, then attention
-            q = rope.apply_and_cache(q, k, v, kv_cache, meta.slot_mapping)
-            out = self.backend.forward_cached(q, kv_cache, meta, self.scale, self.sliding_window)
+            q = rope.apply_and_cache(q, k, v, kv_cache, meta.slot_mapping, self.kv_scales)
+            out = self.backend.forward_cached(
+                q, kv_cache, meta, self.scale, self.sliding_window, self.kv_scales
+            )
         else:
             q, k = rope.apply(q, k)
-            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+            out = self.backend.forward(
+                q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.kv_scales
+            )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -7,7 +7,8 @@ model.safetensors.index.json), a .gguf file, or a folder holding exactly one .gg
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -126,15 +127,49 @@ def load_model(
     if model_config.load_format == "dummy":
         init_dummy_weights(model)
     else:
-        weights = iter_weights(source, hf_config)
+        kv_scales: dict[tuple[int, str], float] = {}
+        weights = take_kv_scales(iter_weights(source, hf_config), kv_scales)
         if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
             weights = dequantize_blocks(weights, fp8_checkpoint.block)
         elif fp8_checkpoint is not None:
             check_quantization("fp8", device)  # the checkpoint's FP8 weights load as they are
             prepare_fp8_checkpoint(model, fp8_checkpoint)
         model.load_weights(weights)
+        set_kv_scales(model, kv_scales)
     if model_config.quantization == "fp8" and not is_fp8(model):
         quantize_fp8(model)
     model.requires_grad_(False)
     model.eval()
     return model, hf_config, load_generation_config(source)
+
+
+# an FP8 KV cache's per-tensor scales in a checkpoint (llm-compressor, vLLM's FP8 formats):
+# model.layers.N.self_attn.k_scale / .v_scale, or one .kv_scale for both
+_KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?(k_scale|v_scale|kv_scale)$")
+
+
+def take_kv_scales(
+    weights: Iterable[tuple[str, torch.Tensor]], found: dict[tuple[int, str], float]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights without the KV cache scales, which go into found[(layer, "k" or "v")]."""
+    for name, tensor in weights:
+        match = _KV_SCALE.search(name)
+        if match is None:
+            yield name, tensor
+            continue
+        if tensor.numel() != 1:
+            raise UnsupportedModel(f"{name}: a KV cache scale per channel or head is not supported")
+        layer, kind = int(match.group(1)), match.group(2)
+        for which in ("k", "v") if kind == "kv_scale" else (kind[0],):
+            found[(layer, which)] = float(tensor.float())
+
+
+def set_kv_scales(model: torch.nn.Module, found: dict[tuple[int, str], float]) -> None:
+    """Gives each attention layer (a module with kv_scales) its checkpoint's scales."""
+    if not found:
+        return
+    for name, module in model.named_modules():
+        index = re.search(r"layers\.(\d+)\.self_attn$", name)
+        if index is not None and hasattr(module, "kv_scales"):
+            layer = int(index.group(1))
+            module.kv_scales = (found.get((layer, "k"), 1.0), found.get((layer, "v"), 1.0))

@@ -144,7 +144,7 @@ def test_rejects_bad_inputs(device):
     lens = {"max_query_len": 3, "max_seq_len": 5}
     bad = {
         "num_heads .* multiple": {"q": batch["q"][:, :3]},
-        "key_cache, value_cache must share a dtype": {"key_cache": batch["key_cache"].half()},
+        "must share q.s dtype, or both be float8_e4m3fn": {"key_cache": batch["key_cache"].half()},
         "seq_lens must be torch.int32": {"seq_lens": batch["seq_lens"].long()},
         "block_tables must have shape": {"block_tables": batch["block_tables"][:0]},
         "q must be .*3-D": {"q": batch["q"][0]},

@@ -54,3 +54,10 @@ def test_rejects_bad_shapes(device):
         reshape_and_cache(k, v, cache, slots.float())
     with pytest.raises(ValueError, match="slot_mapping must have shape"):
         reshape_and_cache(k, v, cache, slots[:2])
+
+
+def test_rejects_bad_kv_scales(device):
+    k, v, cache, slots = _case(4, 2, 64, 3, 16, torch.float32, device)
+    for scales in [(0.0, 1.0), (1.0, float("inf")), (-1.0, 1.0)]:
+        with pytest.raises(ValueError, match="kv_scales must be finite and positive"):
+            reshape_and_cache(k, v, cache, slots, scales)

@@ -252,6 +252,7 @@ def model_infos(models: Sequence[models_pb2.ModelInfo]) -> list[ModelInfo]:
             quantization=m.quantization,
             vocab_size=m.vocab_size,
             speculative=m.speculative,
+            kv_cache_dtype=m.kv_cache_dtype,
         )
         for m in models
     ]

@@ -247,6 +247,7 @@ class ModelInfo:
     quantization: str = ""  # "" when unquantised
     vocab_size: int = 0
     speculative: str = ""  # speculative decoding's method; "" when off
+    kv_cache_dtype: str = ""  # the KV cache's element type ("float8_e4m3fn" with fp8); "" if none
 
 
 @dataclass(frozen=True)
