@@ -73,8 +73,8 @@ def test_gpu_paged_attention_over_fp8(queries: list[int]) -> None:
     torch.manual_seed(2)
     heads, kv_heads, dim, block = 8, 2, 128, 16
     lens = [300, 45, 90]
-    cache = _cache(64, block, kv_heads, dim)
-    tables = torch.arange(64, dtype=torch.int32, device="cuda").view(3, -1)[:, :20].contiguous()
+    cache = _cache(66, block, kv_heads, dim)
+    tables = torch.arange(66, dtype=torch.int32, device="cuda").view(3, 22)[:, :20].contiguous()
     for r, n in enumerate(lens):
         pos = torch.arange(n, device="cuda")
         slots = tables[r].long()[pos // block] * block + pos % block
