@@ -69,7 +69,8 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         self.device = str(device)
         self.compute_dtype = str(kv_dtype).removeprefix("torch.")  # the model's dtype too
-        self.quantization = "fp8" if is_fp8(model) else ""
+        # FP8 as run, or the weight-only scheme a checkpoint held (models/weight_only.py)
+        self.quantization = "fp8" if is_fp8(model) else getattr(model, "weight_scheme", "")
         kv_limit = num_blocks * cache.block_size if num_blocks else model_max_len
         self.max_model_len = min(limit, model_max_len, kv_limit)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)

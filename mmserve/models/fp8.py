@@ -262,12 +262,7 @@ def checkpoint_fp8(hf_config: Any) -> Fp8Checkpoint | None:
     ignored = [m for m in qc.get("ignore") or [] if m not in ("lm_head", "re:.*lm_head")]
     if ignored:
         raise UnsupportedModel(f"{where}.ignore {ignored}: only lm_head may stay unquantised")
-    groups = list((qc.get("config_groups") or {}).values())
-    if len(groups) != 1:
-        raise UnsupportedModel(f"{where}.config_groups: one group expected, got {len(groups)}")
-    group = groups[0]
-    if "Linear" not in (group.get("targets") or []):
-        raise UnsupportedModel(f"{where}.config_groups targets {group.get('targets')} lack Linear")
+    group = config_group(qc)
     weights, acts = group.get("weights") or {}, group.get("input_activations")
     if (
         not _is_fp8_args(weights)
@@ -283,6 +278,18 @@ def checkpoint_fp8(hf_config: Any) -> Fp8Checkpoint | None:
             f"{where} input_activations {acts}: dynamic per token or static per tensor expected"
         )
     return Fp8Checkpoint(static_activations=not dynamic)
+
+
+def config_group(qc: dict) -> dict:
+    """A compressed-tensors quantization_config's one config group, which targets Linear."""
+    where = "quantization_config"
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise UnsupportedModel(f"{where}.config_groups: one group expected, got {len(groups)}")
+    group: dict = groups[0]
+    if "Linear" not in (group.get("targets") or []):
+        raise UnsupportedModel(f"{where}.config_groups targets {group.get('targets')} lack Linear")
+    return group
 
 
 def _block_fp8(qc: dict) -> Fp8Checkpoint:

@@ -35,6 +35,7 @@ from mmserve.models.source import (
     load_hf_config,
     resolve_model_source,
 )
+from mmserve.models.weight_only import checkpoint_weight_only, dequantize_weight_only
 
 # the source names stay importable from here, as they were before source.py
 __all__ = [
@@ -123,12 +124,19 @@ def load_model(
         raise UnsupportedModel(
             f"the model uses a sliding window ({windows[0]}) and the policy is refuse"
         )
-    fp8_checkpoint = checkpoint_fp8(hf_config)
+    weight_only = checkpoint_weight_only(hf_config)
+    fp8_checkpoint = None if weight_only is not None else checkpoint_fp8(hf_config)
+    if weight_only is not None and model_config.quantization:
+        raise InvalidArgument(
+            "quantization", f"the checkpoint is {weight_only.scheme} already (quantization_config)"
+        )
     if model_config.load_format == "dummy":
         init_dummy_weights(model)
     else:
         kv_scales: dict[tuple[int, str], float] = {}
         weights = take_kv_scales(iter_weights(source, hf_config), kv_scales)
+        if weight_only is not None:
+            weights = dequantize_weight_only(weights, weight_only)
         if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
             weights = dequantize_blocks(weights, fp8_checkpoint.block)
         elif fp8_checkpoint is not None:
@@ -138,6 +146,8 @@ def load_model(
         set_kv_scales(model, kv_scales)
     if model_config.quantization == "fp8" and not is_fp8(model):
         quantize_fp8(model)
+    if weight_only is not None:
+        model.weight_scheme = weight_only.scheme  # type: ignore[assignment]  # (ListModels: what the checkpoint holds)
     model.requires_grad_(False)
     model.eval()
     return model, hf_config, load_generation_config(source)

@@ -339,7 +339,7 @@ def test_engines_say_whether_their_weights_are_fp8(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"quant_method": "gptq"}, "quant_method 'gptq'"),
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),  # (gptq: weight_only.py)
         ({"kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
         ({"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "ignore"),
         (

@@ -1,0 +1,238 @@
+"""Weight-only int4/int8 checkpoints: compressed-tensors `pack-quantized` (w4a16, w8a16;
+symmetric or asymmetric; groups of 32-128 or one per channel; act-order g_idx), GPTQ (qweight /
+qzeros / scales, with and without act-order g_idx; the v1 format's zeros stored minus one) and
+AWQ's GEMM packing, detected from config.json's quantization_config.
+
+Each quantised projection is unpacked to its integer weights, zero points and scales, and
+dequantised as it loads: w[o, i] = (q[o, i] - z[o, g(i)]) * s[o, g(i)] with g(i) the input
+channel's group (i // group_size, or g_idx[i]). The model then runs in its compute dtype, so
+its outputs are those of the dequantised weights exactly (what transformers computes on them).
+The quantised kernels that keep the packed weights on the GPU are not written yet: a format
+is read here, and ListModels names it (e.g. "w4a16-g128"), with the memory of the dequantised
+weights. A format that cannot be read exactly is refused, naming the config field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmserve.errors import UnsupportedModel
+from mmserve.models.fp8 import config_group
+
+# AWQ's GEMM packing: nibble k of a word holds output column 8 * word + AWQ_ORDER[k]
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+@dataclass(frozen=True)
+class WeightOnlyCheckpoint:
+    format: str  # "compressed-tensors", "gptq" or "awq"
+    bits: int  # 4 or 8
+    group_size: int  # 0: one group per output channel (all its input channels)
+    symmetric: bool
+    gptq_v1: bool = False  # GPTQ's first format: zeros stored minus one
+
+    @property
+    def scheme(self) -> str:
+        """As ListModels names it: w4a16-g128, w8a16 (per channel), ..."""
+        group = f"-g{self.group_size}" if self.group_size else ""
+        return f"w{self.bits}a16{group}"
+
+
+def checkpoint_weight_only(hf_config: Any) -> WeightOnlyCheckpoint | None:
+    """The weight-only scheme of a checkpoint's quantization_config; None when it has none
+    or another kind (FP8: models/fp8.py). One that cannot be read exactly raises."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = qc.get("quant_method")
+    if method == "gptq":
+        return _gptq(qc)
+    if method == "awq":
+        return _awq(qc)
+    if method == "compressed-tensors" and qc.get("format") == "pack-quantized":
+        return _compressed_tensors(qc)
+    return None
+
+
+def _bits(where: str, bits: Any) -> int:
+    if bits not in (4, 8):
+        raise UnsupportedModel(f"{where} {bits!r}: 4 or 8 bits are read")
+    return int(bits)
+
+
+def _group(where: str, size: Any) -> int:
+    if size in (None, -1, 0):
+        return 0
+    if not isinstance(size, int) or size < 1:
+        raise UnsupportedModel(f"{where} {size!r}: a positive group size or -1 expected")
+    return size
+
+
+def _gptq(qc: dict) -> WeightOnlyCheckpoint:
+    where = "quantization_config"
+    form = qc.get("checkpoint_format", "gptq")
+    if form not in ("gptq", "gptq_v2"):
+        raise UnsupportedModel(f"{where}.checkpoint_format {form!r}: gptq or gptq_v2 expected")
+    return WeightOnlyCheckpoint(
+        "gptq",
+        _bits(f"{where}.bits", qc.get("bits")),
+        _group(f"{where}.group_size", qc.get("group_size")),
+        bool(qc.get("sym", True)),
+        gptq_v1=form == "gptq",
+    )
+
+
+def _awq(qc: dict) -> WeightOnlyCheckpoint:
+    where = "quantization_config"
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise UnsupportedModel(f"{where}.version {version!r}: AWQ's GEMM packing is read")
+    bits = _bits(f"{where}.bits", qc.get("bits", qc.get("w_bit")))
+    if bits != 4:
+        raise UnsupportedModel(f"{where}.bits {bits}: AWQ's GEMM packing is 4-bit")
+    group = _group(f"{where}.group_size", qc.get("group_size", qc.get("q_group_size")))
+    return WeightOnlyCheckpoint("awq", bits, group, not qc.get("zero_point", True))
+
+
+def _compressed_tensors(qc: dict) -> WeightOnlyCheckpoint:
+    where = "quantization_config"
+    group = config_group(qc)
+    if group.get("input_activations"):
+        raise UnsupportedModel(
+            f"{where}.config_groups input_activations: pack-quantized activations are not read"
+        )
+    weights = group.get("weights") or {}
+    if weights.get("type", "int") != "int" or weights.get("dynamic"):
+        raise UnsupportedModel(f"{where} weights {weights}: static int weights expected")
+    strategy = weights.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise UnsupportedModel(f"{where} weights.strategy {strategy!r}: group or channel expected")
+    size = _group(f"{where} weights.group_size", weights.get("group_size")) if strategy == "group" else 0
+    if strategy == "group" and not size:
+        raise UnsupportedModel(f"{where} weights.group_size: a group strategy needs one")
+    if qc.get("kv_cache_scheme"):
+        raise UnsupportedModel(f"{where}.kv_cache_scheme: not read with pack-quantized weights")
+    return WeightOnlyCheckpoint(
+        "compressed-tensors",
+        _bits(f"{where} weights.num_bits", weights.get("num_bits")),
+        size,
+        bool(weights.get("symmetric", True)),
+    )
+
+
+# --- unpacking -----------------------------------------------------------------------------
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, count: int, order: tuple[int, ...] = ()) -> torch.Tensor:
+    """[rows, words] int32 -> [rows, count] int32 unsigned values; value j of a row sits at
+    bits (j % per) * bits of word j // per (per = 32 // bits), or, with an order, value
+    per * word + order[k] at slot k."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [rows, words, per]
+    if order:
+        values = values[..., torch.tensor([order.index(k) for k in range(per)])]
+    return values.flatten(1)[:, :count]
+
+
+def _groups_of(checkpoint: WeightOnlyCheckpoint, in_features: int, g_idx: torch.Tensor | None) -> torch.Tensor:
+    """Each input channel's group: g_idx (act order), else i // group_size (0 per channel)."""
+    if g_idx is not None:
+        return g_idx.long()
+    size = checkpoint.group_size or in_features
+    return torch.arange(in_features) // size
+
+
+def _dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """q [out, in], zeros and scales [out, groups] -> float32 [out, in]."""
+    return (q.float() - zeros.float()[:, groups]) * scales.float()[:, groups]
+
+
+def dequantize_weight_only(
+    weights: Iterable[tuple[str, torch.Tensor]], checkpoint: WeightOnlyCheckpoint
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's (name, tensor) pairs with every quantised projection's parts replaced
+    by its dequantised float32 weight (name.weight); other tensors pass as they are."""
+    parts, required = _PARTS[checkpoint.format], _required(checkpoint)
+    unpack = _UNPACK[checkpoint.format]
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, part = name.rpartition(".")
+        if part not in parts:
+            yield name, tensor
+            continue
+        have = pending.setdefault(prefix, {})
+        have[part] = tensor
+        if parts <= have.keys():  # (else an optional part, g_idx, may still come)
+            yield f"{prefix}.weight", unpack(prefix, pending.pop(prefix), checkpoint)
+    for prefix, have in pending.items():
+        missing = sorted(set(required) - set(have))
+        if missing:
+            raise UnsupportedModel(f"{prefix}: quantised weight without {', '.join(missing)}")
+        yield f"{prefix}.weight", unpack(prefix, have, checkpoint)
+
+
+_PARTS = {
+    "compressed-tensors": {"weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"},
+    "gptq": {"qweight", "qzeros", "scales", "g_idx"},
+    "awq": {"qweight", "qzeros", "scales"},
+}
+
+
+def _required(checkpoint: WeightOnlyCheckpoint) -> tuple[str, ...]:
+    if checkpoint.format == "compressed-tensors":
+        zero = () if checkpoint.symmetric else ("weight_zero_point",)
+        return ("weight_packed", "weight_scale", "weight_shape", *zero)
+    return ("qweight", "qzeros", "scales")
+
+
+def _compressed(prefix: str, t: dict[str, torch.Tensor], c: WeightOnlyCheckpoint) -> torch.Tensor:
+    """compressed-tensors: weight_packed [out, ceil(in * bits / 32)] holds q + 2^(bits-1)
+    along each row; weight_zero_point (asymmetric) [ceil(out * bits / 32), groups] packed
+    the same way along the columns; weight_scale [out, groups]."""
+    out_features, in_features = (int(x) for x in t["weight_shape"].tolist())
+    offset = 1 << (c.bits - 1)
+    q = unpack_int32(t["weight_packed"], c.bits, in_features) - offset
+    scales = t["weight_scale"]
+    if scales.shape[0] != out_features:
+        raise UnsupportedModel(f"{prefix}.weight_scale: shape {tuple(scales.shape)} for {out_features} rows")
+    zeros = torch.zeros_like(scales, dtype=torch.int32)
+    if not c.symmetric:
+        packed = t["weight_zero_point"]
+        zeros = (unpack_int32(packed.t().contiguous(), c.bits, out_features) - offset).t()
+    return _dequantize(q, zeros, scales, _groups_of(c, in_features, t.get("weight_g_idx")))
+
+
+def _gptq_weight(prefix: str, t: dict[str, torch.Tensor], c: WeightOnlyCheckpoint) -> torch.Tensor:
+    """GPTQ: qweight [in / per, out] packs input channels; qzeros [groups, out / per] packs
+    output channels (v1: zero - 1 stored); scales [groups, out]; g_idx [in] (act order)."""
+    qweight, qzeros, scales = t["qweight"], t["qzeros"], t["scales"]
+    out_features = scales.shape[1]
+    in_features = qweight.shape[0] * (32 // c.bits)
+    q = unpack_int32(qweight.t().contiguous(), c.bits, in_features)  # [out, in]
+    zeros = unpack_int32(qzeros, c.bits, out_features).t()  # [out, groups]
+    if c.gptq_v1:
+        zeros = zeros + 1
+    g_idx = t.get("g_idx")
+    if g_idx is not None and c.group_size and torch.equal(g_idx.long(), _groups_of(c, in_features, None)):
+        g_idx = None  # (the plain order, written out)
+    return _dequantize(q, zeros, scales.t(), _groups_of(c, in_features, g_idx))
+
+
+def _awq_weight(prefix: str, t: dict[str, torch.Tensor], c: WeightOnlyCheckpoint) -> torch.Tensor:
+    """AWQ GEMM: qweight [in, out / 8] and qzeros [groups, out / 8] pack output channels in
+    AWQ_ORDER; scales [groups, out]; no zero points (symmetric): 8."""
+    qweight, qzeros, scales = t["qweight"], t["qzeros"], t["scales"]
+    out_features = scales.shape[1]
+    q = unpack_int32(qweight, c.bits, out_features, AWQ_ORDER).t()  # [out, in]
+    zeros = unpack_int32(qzeros, c.bits, out_features, AWQ_ORDER).t()
+    if c.symmetric:
+        zeros = torch.full_like(zeros, 1 << (c.bits - 1))
+    return _dequantize(q, zeros, scales.t(), _groups_of(c, q.shape[1], None))
+
+
+_UNPACK = {"compressed-tensors": _compressed, "gptq": _gptq_weight, "awq": _awq_weight}
