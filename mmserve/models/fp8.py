@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # mmserve.kernels.* are imported where used: a Triton kernel module imported before the tests
 # set TRITON_INTERPRET=1 would be compiled for a GPU the CPU machine does not have
 FP8_DTYPE = torch.float8_e4m3fn
-QUANTIZATION_METHODS = ("fp8",)
+QUANTIZATION_METHODS = ("fp8", "int8")  # int8: models/int8.py
 _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper onwards
 # products of up to this many rows run on kernels/fp8_gemm.py: on the H200 it beats
 # torch._scaled_mm on Llama-3-8B's projections at 1-16 rows (1.2-1.8x at 16) and, summed over a
@@ -143,7 +143,7 @@ def check_quantization(method: str | None, device: torch.device) -> None:
         raise InvalidArgument(
             "quantization", f"{method!r} is not one of {list(QUANTIZATION_METHODS)}"
         )
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < _MIN_CAPABILITY:
+    if method == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < _MIN_CAPABILITY:
         raise InvalidArgument(
             "quantization",
             f"fp8 needs a GPU of compute capability 8.9 or later ({torch.cuda.get_device_name(device)})",
@@ -167,11 +167,21 @@ def prepare_fp8_checkpoint(model: ModelBase, checkpoint: Fp8Checkpoint) -> int:
     )
 
 
-def _replace_projections(model: ModelBase, make: Callable[[nn.Linear], Fp8Linear]) -> int:
+@torch.no_grad()
+def quantize_int8(model: ModelBase) -> int:
+    """quantize_fp8's INT8 w8a8 (models/int8.py): every decoder projection an Int8Linear."""
+    from mmserve.models.int8 import Int8Linear
+
+    return _replace_projections(model, Int8Linear.from_linear, "int8")
+
+
+def _replace_projections(
+    model: ModelBase, make: Callable[[nn.Linear], nn.Module], method: str = "fp8"
+) -> int:
     if not model.capabilities.supports_fp8:
         raise UnsupportedModel(
-            f"quantization fp8 is supported for Llama-family decoders and the VLMs built on them, "
-            f"not {type(model).__name__}"
+            f"quantization {method} is supported for Llama-family decoders and the VLMs built on "
+            f"them, not {type(model).__name__}"
         )
     replaced = 0
     for layer in cast(Fp8Model, model).decoder_layers():  # a VLM's language model's
@@ -179,7 +189,7 @@ def _replace_projections(model: ModelBase, make: Callable[[nn.Linear], Fp8Linear
             for name, child in list(parent.named_children()):
                 if not isinstance(child, nn.Linear):
                     continue
-                if child.in_features % _ALIGN or child.out_features % _ALIGN:
+                if method == "fp8" and (child.in_features % _ALIGN or child.out_features % _ALIGN):
                     raise UnsupportedModel(
                         f"quantization fp8 needs layer sizes in multiples of {_ALIGN}; "
                         f"{name} is {child.out_features} x {child.in_features}"
@@ -189,7 +199,7 @@ def _replace_projections(model: ModelBase, make: Callable[[nn.Linear], Fp8Linear
     param = next(model.parameters())
     if param.is_cuda:
         torch.cuda.empty_cache()  # the freed weights go back to the KV cache's budget
-    if not param.is_cuda or param.dtype != torch.bfloat16:
+    if method == "fp8" and (not param.is_cuda or param.dtype != torch.bfloat16):
         logger.warning(
             "fp8 in %s on %s: FP8 products run on CUDA tensor cores in bfloat16 only; here each "
             "runs as the float32 reference (exact, but slower than unquantised)",

@@ -25,6 +25,7 @@ from mmserve.models.fp8 import (
     is_fp8,
     prepare_fp8_checkpoint,
     quantize_fp8,
+    quantize_int8,
 )
 from mmserve.models.registry import architecture_of, get_model_class
 from mmserve.models.source import (
@@ -146,6 +147,10 @@ def load_model(
         set_kv_scales(model, kv_scales)
     if model_config.quantization == "fp8" and not is_fp8(model):
         quantize_fp8(model)
+    elif model_config.quantization == "int8":
+        if fp8_checkpoint is not None:
+            raise InvalidArgument("quantization", "the checkpoint is FP8 already (quantization_config)")
+        quantize_int8(model)
     if weight_only is not None:
         model.weight_scheme = weight_only.scheme  # type: ignore[assignment]  # (ListModels: what the checkpoint holds)
     model.requires_grad_(False)

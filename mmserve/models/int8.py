@@ -1,0 +1,84 @@
+"""INT8 w8a8 linear layers (`--quantization int8`): the projections of a Llama-family decoder
+quantised when the model loads, as SmoothQuant / llm-compressor's W8A8 run them.
+
+Weights: int8 in [-127, 127] with one float32 scale per output channel (absmax / 127);
+activations: int8 per token, quantised when each layer runs (dynamic, no calibration). The
+product is exact integer arithmetic, scaled by the token's and the channel's scales: on CUDA
+through torch._int_mm (cuBLASLt's INT8 GEMM, int32 accumulation), elsewhere in float64 (exact
+for any K this engine meets). Embeddings, norms, the LM head and image towers stay in the
+model's dtype, as with FP8."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+INT8_MAX = 127.0
+MIN_SCALE = 1e-12
+_INT_MM_MIN_ROWS = 17  # torch._int_mm wants more than 16 rows (fewer are padded)
+_ALIGN = 8  # ... and both matrix dimensions in multiples of 8
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (int8 [R, K], float32 [R, 1]): each row symmetric, absmax / 127."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / INT8_MAX).clamp(min=MIN_SCALE)
+    return torch.round(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def int8_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """float32 [T, N]: x quantised per token, the int8 products summed exactly (float64),
+    scaled by the token's and the output channel's scales (what the INT8 GEMM computes)."""
+    q, scale = quantize_rows(x)
+    acc = q.double() @ weight.double().t()
+    return (acc * scale.double() * weight_scale.double().view(1, -1)).float()
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W int8 (per-output-channel scales) and x quantised per token."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [N, K] int8
+        self.weight_scale = nn.Parameter(weight_scale.reshape(-1).float(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        weight, scale = quantize_rows(linear.weight.data)
+        bias = None if linear.bias is None else linear.bias.data
+        return cls(weight, scale, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.is_cuda and not (self.in_features % _ALIGN or self.out_features % _ALIGN):
+            out = self._int_mm(x2)
+        else:
+            out = int8_linear_ref(x2, self.weight, self.weight_scale)
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*shape[:-1], self.out_features)
+
+    def _int_mm(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows == 0:
+            return x.new_empty((0, self.out_features), dtype=torch.float32)
+        q, scale = quantize_rows(x)
+        if rows < _INT_MM_MIN_ROWS:
+            q = torch.cat([q, q.new_zeros(_INT_MM_MIN_ROWS - rows, q.shape[1])])
+        acc = torch._int_mm(q, self.weight.t())[:rows]  # int32
+        return acc.float() * scale * self.weight_scale.view(1, -1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 w8a8"
+
+
+def is_int8(model: Any) -> bool:  # an nn.Module
+    return any(isinstance(m, Int8Linear) for m in model.modules())
