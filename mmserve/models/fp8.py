@@ -168,6 +168,14 @@ def prepare_fp8_checkpoint(model: ModelBase, checkpoint: Fp8Checkpoint) -> int:
 
 
 @torch.no_grad()
+def prepare_int8_checkpoint(model: ModelBase) -> int:
+    """prepare_fp8_checkpoint's INT8: empty Int8Linear projections for the checkpoint."""
+    from mmserve.models.int8 import Int8Linear
+
+    return _replace_projections(model, Int8Linear.empty_like, "int8")
+
+
+@torch.no_grad()
 def quantize_int8(model: ModelBase) -> int:
     """quantize_fp8's INT8 w8a8 (models/int8.py): every decoder projection an Int8Linear."""
     from mmserve.models.int8 import Int8Linear

@@ -41,12 +41,23 @@ def int8_linear_ref(
 class Int8Linear(nn.Module):
     """y = x W^T + b with W int8 (per-output-channel scales) and x quantised per token."""
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight, requires_grad=False)  # [N, K] int8
         self.weight_scale = nn.Parameter(weight_scale.reshape(-1).float(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def empty_like(cls, linear: nn.Linear) -> Int8Linear:
+        """Zeros in the shapes an INT8 checkpoint fills (the bias keeps the model dtype)."""
+        device = linear.weight.device
+        n, k = linear.out_features, linear.in_features
+        bias = None if linear.bias is None else torch.zeros_like(linear.bias)
+        weight = torch.zeros(n, k, device=device, dtype=torch.int8)
+        return cls(weight, torch.zeros(n, device=device), bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -82,3 +93,39 @@ class Int8Linear(nn.Module):
 
 def is_int8(model: Any) -> bool:  # an nn.Module
     return any(isinstance(m, Int8Linear) for m in model.modules())
+
+
+def checkpoint_int8(hf_config: Any) -> bool:
+    """Whether a checkpoint is compressed-tensors INT8 w8a8 as llm-compressor writes it
+    (SmoothQuant / W8A8: int8 weights per channel, activations int8 per token, dynamic);
+    another int8 scheme raises naming the field."""
+    from mmserve.errors import UnsupportedModel
+    from mmserve.models.fp8 import config_group
+
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return False
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "int-quantized":
+        return False
+    where = "quantization_config"
+    group = config_group(qc)
+    weights, acts = group.get("weights") or {}, group.get("input_activations") or {}
+    if (weights.get("num_bits"), weights.get("type", "int"), weights.get("strategy")) != (
+        8,
+        "int",
+        "channel",
+    ) or not weights.get("symmetric", True):
+        raise UnsupportedModel(f"{where} weights {weights}: int8 per channel, symmetric expected")
+    if (
+        acts.get("num_bits"),
+        acts.get("type", "int"),
+        acts.get("strategy"),
+        bool(acts.get("dynamic")),
+    ) != (8, "int", "token", True) or not acts.get("symmetric", True):
+        raise UnsupportedModel(
+            f"{where} input_activations {acts}: int8 per token, dynamic, symmetric expected"
+        )
+    if qc.get("kv_cache_scheme"):
+        raise UnsupportedModel(f"{where}.kv_cache_scheme: not read with int8 weights")
+    return True

@@ -24,9 +24,11 @@ from mmserve.models.fp8 import (
     dequantize_blocks,
     is_fp8,
     prepare_fp8_checkpoint,
+    prepare_int8_checkpoint,
     quantize_fp8,
     quantize_int8,
 )
+from mmserve.models.int8 import checkpoint_int8
 from mmserve.models.registry import architecture_of, get_model_class
 from mmserve.models.source import (
     ModelSource,
@@ -126,10 +128,12 @@ def load_model(
             f"the model uses a sliding window ({windows[0]}) and the policy is refuse"
         )
     weight_only = checkpoint_weight_only(hf_config)
-    fp8_checkpoint = None if weight_only is not None else checkpoint_fp8(hf_config)
-    if weight_only is not None and model_config.quantization:
+    int8_checkpoint = weight_only is None and checkpoint_int8(hf_config)
+    fp8_checkpoint = None if weight_only or int8_checkpoint else checkpoint_fp8(hf_config)
+    held = weight_only.scheme if weight_only is not None else "w8a8-int8" if int8_checkpoint else ""
+    if held and model_config.quantization:
         raise InvalidArgument(
-            "quantization", f"the checkpoint is {weight_only.scheme} already (quantization_config)"
+            "quantization", f"the checkpoint is {held} already (quantization_config)"
         )
     if model_config.load_format == "dummy":
         init_dummy_weights(model)
@@ -138,6 +142,8 @@ def load_model(
         weights = take_kv_scales(iter_weights(source, hf_config), kv_scales)
         if weight_only is not None:
             weights = dequantize_weight_only(weights, weight_only)
+        if int8_checkpoint:
+            prepare_int8_checkpoint(model)  # (the checkpoint's int8 weights load as they are)
         if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
             weights = dequantize_blocks(weights, fp8_checkpoint.block)
         elif fp8_checkpoint is not None:

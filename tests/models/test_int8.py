@@ -77,3 +77,43 @@ def test_int8_is_refused_where_it_does_not_apply() -> None:
 
     with pytest.raises(UnsupportedModel, match="quantization int8 is supported for Llama-family"):
         quantize_int8(Encoder())  # type: ignore[arg-type]
+
+
+def test_a_compressed_tensors_int8_checkpoint_loads_as_it_is(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """llm-compressor's W8A8 format (int-quantized: int8 weights with weight_scale [N, 1],
+    activations int8 per token, dynamic): its int8 weights are the model's, and the outputs
+    are those of the same arithmetic in transformers."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model(tmp_path, "llama")
+    tensors = load_file(str(path / "model.safetensors"))
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name in [n for n in tensors if n.removesuffix(".weight").rsplit(".", 1)[-1] in projections]:
+        w = tensors[name].double()
+        scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=1e-12)
+        tensors[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        tensors[name.removesuffix("weight") + "weight_scale"] = scale.float()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    args = {"num_bits": 8, "type": "int", "symmetric": True}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {**args, "strategy": "channel"},
+                                      "input_activations": {**args, "strategy": "token", "dynamic": True}}},
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(path), kv_cache_memory=8 << 20)
+    assert llm.frontend.info.quantization == "w8a8-int8"
+    model = llm.frontend.core.runner.model
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    got = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    quantised_at_load = LLM(str(make_tiny_model(tmp_path, "llama")), quantization="int8", kv_cache_memory=8 << 20)
+    assert got == quantised_at_load.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="input_activations .* int8 per token, dynamic"):
+        LLM(str(path), kv_cache_memory=8 << 20)
