@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from mmserve.errors import UnsupportedModel
 from mmserve.models.fp8 import config_group
@@ -147,9 +148,20 @@ def _groups_of(checkpoint: WeightOnlyCheckpoint, in_features: int, g_idx: torch.
     return torch.arange(in_features) // size
 
 
-def _dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """q [out, in], zeros and scales [out, groups] -> float32 [out, in]."""
-    return (q.float() - zeros.float()[:, groups]) * scales.float()[:, groups]
+@dataclass
+class Unpacked:
+    """One projection's weight as integers: w[o, i] = (q[o, i] - zeros[o, g]) * scales[o, g]
+    with g = groups[i]; q and zeros unsigned, in [0, 2^bits)."""
+
+    q: torch.Tensor  # [out, in] int32
+    zeros: torch.Tensor  # [out, groups] int32
+    scales: torch.Tensor  # [out, groups] as the checkpoint stores them
+    groups: torch.Tensor  # [in] int64
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]."""
+        g = self.groups
+        return (self.q.float() - self.zeros.float()[:, g]) * self.scales.float()[:, g]
 
 
 def dequantize_weight_only(
@@ -168,12 +180,12 @@ def dequantize_weight_only(
         have = pending.setdefault(prefix, {})
         have[part] = tensor
         if parts <= have.keys():  # (else an optional part, g_idx, may still come)
-            yield f"{prefix}.weight", unpack(prefix, pending.pop(prefix), checkpoint)
+            yield f"{prefix}.weight", unpack(prefix, pending.pop(prefix), checkpoint).dequantize()
     for prefix, have in pending.items():
         missing = sorted(set(required) - set(have))
         if missing:
             raise UnsupportedModel(f"{prefix}: quantised weight without {', '.join(missing)}")
-        yield f"{prefix}.weight", unpack(prefix, have, checkpoint)
+        yield f"{prefix}.weight", unpack(prefix, have, checkpoint).dequantize()
 
 
 _PARTS = {
@@ -190,24 +202,24 @@ def _required(checkpoint: WeightOnlyCheckpoint) -> tuple[str, ...]:
     return ("qweight", "qzeros", "scales")
 
 
-def _compressed(prefix: str, t: dict[str, torch.Tensor], c: WeightOnlyCheckpoint) -> torch.Tensor:
+def _compressed(prefix: str, t: dict[str, torch.Tensor], c: WeightOnlyCheckpoint) -> Unpacked:
     """compressed-tensors: weight_packed [out, ceil(in * bits / 32)] holds q + 2^(bits-1)
     along each row; weight_zero_point (asymmetric) [ceil(out * bits / 32), groups] packed
     the same way along the columns; weight_scale [out, groups]."""
     out_features, in_features = (int(x) for x in t["weight_shape"].tolist())
     offset = 1 << (c.bits - 1)
-    q = unpack_int32(t["weight_packed"], c.bits, in_features) - offset
+    q = unpack_int32(t["weight_packed"], c.bits, in_features)  # (q + offset: unsigned)
     scales = t["weight_scale"]
     if scales.shape[0] != out_features:
         raise UnsupportedModel(f"{prefix}.weight_scale: shape {tuple(scales.shape)} for {out_features} rows")
-    zeros = torch.zeros_like(scales, dtype=torch.int32)
+    zeros = torch.full_like(scales, offset, dtype=torch.int32)
     if not c.symmetric:
         packed = t["weight_zero_point"]
-        zeros = (unpack_int32(packed.t().contiguous(), c.bits, out_features) - offset).t()
-    return _dequantize(q, zeros, scales, _groups_of(c, in_features, t.get("weight_g_idx")))
+        zeros = unpack_int32(packed.t().contiguous(), c.bits, out_features).t()
+    return Unpacked(q, zeros, scales, _groups_of(c, in_features, t.get("weight_g_idx")))
 
 
-def _gptq_weight(prefix: str, t: dict[str, torch.Tensor], c: WeightOnlyCheckpoint) -> torch.Tensor:
+def _gptq_weight(prefix: str, t: dict[str, torch.Tensor], c: WeightOnlyCheckpoint) -> Unpacked:
     """GPTQ: qweight [in / per, out] packs input channels; qzeros [groups, out / per] packs
     output channels (v1: zero - 1 stored); scales [groups, out]; g_idx [in] (act order)."""
     qweight, qzeros, scales = t["qweight"], t["qzeros"], t["scales"]
@@ -220,10 +232,10 @@ def _gptq_weight(prefix: str, t: dict[str, torch.Tensor], c: WeightOnlyCheckpoin
     g_idx = t.get("g_idx")
     if g_idx is not None and c.group_size and torch.equal(g_idx.long(), _groups_of(c, in_features, None)):
         g_idx = None  # (the plain order, written out)
-    return _dequantize(q, zeros, scales.t(), _groups_of(c, in_features, g_idx))
+    return Unpacked(q, zeros, scales.t(), _groups_of(c, in_features, g_idx))
 
 
-def _awq_weight(prefix: str, t: dict[str, torch.Tensor], c: WeightOnlyCheckpoint) -> torch.Tensor:
+def _awq_weight(prefix: str, t: dict[str, torch.Tensor], c: WeightOnlyCheckpoint) -> Unpacked:
     """AWQ GEMM: qweight [in, out / 8] and qzeros [groups, out / 8] pack output channels in
     AWQ_ORDER; scales [groups, out]; no zero points (symmetric): 8."""
     qweight, qzeros, scales = t["qweight"], t["qzeros"], t["scales"]
@@ -232,7 +244,80 @@ def _awq_weight(prefix: str, t: dict[str, torch.Tensor], c: WeightOnlyCheckpoint
     zeros = unpack_int32(qzeros, c.bits, out_features, AWQ_ORDER).t()
     if c.symmetric:
         zeros = torch.full_like(zeros, 1 << (c.bits - 1))
-    return _dequantize(q, zeros, scales.t(), _groups_of(c, q.shape[1], None))
+    return Unpacked(q, zeros, scales.t(), _groups_of(c, q.shape[1], None))
 
 
 _UNPACK = {"compressed-tensors": _compressed, "gptq": _gptq_weight, "awq": _awq_weight}
+
+
+# --- kept packed (the w4a16 / w8a16 kernel, kernels/wna16.py) --------------------------------
+
+
+class WeightOnlyLinear(nn.Module):
+    """y = x W^T + b with W kept packed: kernels/wna16.py's layout (qweight [K / per, N],
+    scales and zeros [groups, N]); an act-order checkpoint's input channels permuted so that
+    its groups are contiguous, and x permuted the same way (perm). The loader does not build
+    it yet: its CUDA path is tested under the Triton interpreter only, not on a GPU."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    perm: torch.Tensor | None
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        bits: int,
+        group_size: int,
+        perm: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.bits, self.group_size = bits, group_size
+        self.in_features, self.out_features = qweight.shape[0] * (32 // bits), qweight.shape[1]
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.register_buffer("perm", perm)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_unpacked(
+        cls, u: Unpacked, bits: int, dtype: torch.dtype, bias: torch.Tensor | None = None
+    ) -> WeightOnlyLinear:
+        """Repacks one projection; ValueError when its groups cannot be made contiguous runs
+        of one size (then keep it dequantised)."""
+        from mmserve.kernels.wna16 import pack_columns
+
+        groups, q = u.groups, u.q
+        perm = None
+        if not bool((groups[1:] >= groups[:-1]).all()):  # act order
+            perm = torch.argsort(groups, stable=True)
+            groups, q = groups[perm], q[:, perm]
+        counts = torch.bincount(groups)
+        size = int(counts[0])
+        if not bool((counts[:-1] == size).all()) or int(counts[-1]) > size:
+            raise ValueError("the groups are not runs of one size")
+        return cls(
+            pack_columns(q.t().contiguous(), bits),
+            u.scales.t().to(dtype).contiguous(),
+            u.zeros.t().to(dtype).contiguous(),
+            bits,
+            size,
+            perm,
+            bias,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from mmserve.kernels.wna16 import wna16_gemm
+
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        out = wna16_gemm(x2.contiguous(), self.qweight, self.scales, self.zeros, self.bits, self.group_size)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*shape[:-1], self.out_features)

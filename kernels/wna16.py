@@ -1,0 +1,147 @@
+"""Weight-only int4 / int8 products (w4a16, w8a16): out = x @ W^T with W dequantised inside the
+product, W[n, k] = (q[k, n] - z[g, n]) * s[g, n] for k's group g = k // group_size.
+
+One layout serves every weight-only format after repacking at load (models/weight_only.py:
+compressed-tensors pack-quantized, GPTQ, AWQ): qweight int32 [K / per, N] with per = 32 / bits
+values of consecutive input channels in each word, value j of a word at bits j * bits (GPTQ's
+own order); scales and zeros [groups, N] in the compute dtype (zeros as unsigned values, so a
+symmetric format has zeros of 2^(bits - 1)). An act-order checkpoint's input channels are
+permuted at load so that groups are contiguous; the caller permutes x the same way.
+
+A program owns BLOCK_M rows by BLOCK_N output channels and walks K in BLOCK_K steps: it loads
+the packed words once (each word serves per rows of the tile), unpacks and dequantises them in
+registers and multiplies on the tensor cores with fp32 accumulation. For a decode step (a few
+rows) the weights stream from memory once; a large batch re-reads them once per row tile.
+Not measured on a GPU yet."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmserve.kernels._common import check_float, check_last_dim_contiguous, check_same_device
+
+BLOCK_K = 32  # a multiple of 8: a tile's rows cover whole words for 4-bit and 8-bit
+
+
+@triton.jit
+def _wna16_kernel(
+    out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr,
+    rows, n, k, group_size, stride_x, stride_q, stride_s, stride_out,
+    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    per = 32 // BITS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < rows
+    mask_n = offs_n < n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        ks = start + offs_k
+        mask_k = ks < k
+        x = tl.load(
+            x_ptr + offs_m[:, None].to(tl.int64) * stride_x + ks[None, :],
+            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+        )  # fmt: skip
+        wk_mask = mask_k[:, None] & mask_n[None, :]
+        words = tl.load(
+            qweight_ptr + (ks // per)[:, None].to(tl.int64) * stride_q + offs_n[None, :],
+            mask=wk_mask, other=0,
+        )  # fmt: skip
+        q = (words >> ((ks % per) * BITS)[:, None]) & ((1 << BITS) - 1)
+        group = (ks // group_size)[:, None].to(tl.int64) * stride_s + offs_n[None, :]
+        s = tl.load(scales_ptr + group, mask=wk_mask, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + group, mask=wk_mask, other=0.0).to(tl.float32)
+        w = ((q.to(tl.float32) - z) * s).to(x.dtype)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    tl.store(
+        out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :],
+    )  # fmt: skip
+
+
+def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+           bits: int, group_size: int) -> None:  # fmt: skip
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [rows, K], got {list(x.shape)}")
+    if qweight.dim() != 2 or qweight.dtype != torch.int32:
+        raise ValueError(f"qweight must be int32 [K / {32 // bits}, N], got {qweight.dtype} {list(qweight.shape)}")
+    k, n = x.shape[1], qweight.shape[1]
+    if qweight.shape[0] * (32 // bits) != k:
+        raise ValueError(f"qweight has {qweight.shape[0]} rows of words for K = {k} at {bits} bits")
+    groups = -(-k // group_size) if group_size > 0 else 0
+    if group_size < 1 or tuple(scales.shape) != (groups, n) or scales.shape != zeros.shape:
+        raise ValueError(
+            f"scales and zeros must be [{groups}, {n}] (group_size {group_size}), got "
+            f"{list(scales.shape)} and {list(zeros.shape)}"
+        )
+    check_float("x", x)
+    for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+        check_last_dim_contiguous(name, t)
+    check_same_device(x=x, qweight=qweight, scales=scales, zeros=zeros)
+
+
+def wna16_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    """x [M, K] (float32/float16/bfloat16) times the packed weight: [M, N] in x's dtype."""
+    _check(x, qweight, scales, zeros, bits, group_size)
+    rows, k = x.shape
+    n = qweight.shape[1]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_n = 64
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
+    _wna16_kernel[grid](
+        out, x, qweight, scales, zeros,
+        rows, n, k, group_size, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def dequantize_packed(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int
+) -> torch.Tensor:
+    """The torch reference of the layout: W [N, K] float32."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
+    q = (qweight.unsqueeze(1) >> shifts.view(1, per, 1)) & ((1 << bits) - 1)  # [K/per, per, N]
+    q = q.reshape(-1, qweight.shape[1]).float()  # [K, N]
+    groups = torch.arange(q.shape[0], device=q.device) // group_size
+    return ((q - zeros.float()[groups]) * scales.float()[groups]).t()
+
+
+def wna16_gemm_ref(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    bits: int, group_size: int,
+) -> torch.Tensor:  # fmt: skip
+    """float32 [M, N]: x times the dequantised weight."""
+    return x.float() @ dequantize_packed(qweight, scales, zeros, bits, group_size).t()
+
+
+def pack_columns(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned values [K, N] (K a multiple of 32 / bits) -> the layout's int32 [K / per, N]."""
+    per = 32 // bits
+    k, n = q.shape
+    if k % per:
+        raise ValueError(f"K = {k} is not a multiple of {per} (values per int32 at {bits} bits)")
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=q.device).view(1, per, 1)
+    words = (q.to(torch.int64).view(k // per, per, n) << shifts).sum(1)  # (disjoint bits)
+    return (words - ((words >> 31) << 32)).to(torch.int32)

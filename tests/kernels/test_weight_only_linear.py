@@ -1,0 +1,66 @@
+"""WeightOnlyLinear (a weight-only projection kept packed, run by kernels/wna16.py) against
+x @ W^T with W the dequantised weight: groups in order and in act order (permuted at load),
+a GPTQ checkpoint's parts unpacked and repacked, 4 and 8 bits."""
+
+import pytest
+import torch
+
+from mmserve.models.weight_only import (
+    Unpacked,
+    WeightOnlyCheckpoint,
+    WeightOnlyLinear,
+    _gptq_weight,
+)
+from tests.kernels.conftest import DEVICE
+
+
+def _unpacked(n: int, k: int, bits: int, group_size: int, act_order: bool) -> Unpacked:
+    g = torch.Generator().manual_seed(n + k)
+    groups = torch.arange(k) // group_size
+    if act_order:
+        groups = groups[torch.randperm(k, generator=g)]
+    count = int(groups.max()) + 1
+    return Unpacked(
+        torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.int32),
+        torch.randint(0, 1 << bits, (n, count), generator=g, dtype=torch.int32),
+        (torch.rand(n, count, generator=g) * 0.02 + 0.001).half(),
+        groups,
+    )
+
+
+@pytest.mark.parametrize("bits,group_size,act_order", [(4, 32, False), (4, 16, True), (8, 64, True)])
+def test_packed_projection_is_the_dequantised_one(bits: int, group_size: int, act_order: bool) -> None:
+    u = _unpacked(72, 128, bits, group_size, act_order)
+    bias = torch.randn(72)
+    layer = WeightOnlyLinear.from_unpacked(u, bits, torch.float32, bias).to(DEVICE)
+    assert (layer.perm is not None) == act_order
+    x = torch.randn(5, 128)
+    out = layer(x.to(DEVICE)).cpu()
+    expected = x @ u.dequantize().t() + bias
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def test_a_gptq_checkpoints_parts_repack() -> None:
+    """GPTQ's qweight / qzeros / scales / g_idx (v1), unpacked then repacked: same product."""
+    from tests.models.test_weight_only import pack_rows
+
+    u = _unpacked(64, 96, 4, 32, act_order=True)
+    u.zeros = u.zeros.clamp(min=1)  # (v1 stores zero - 1: a zero of 0 cannot be written)
+    parts = {
+        "qweight": pack_rows(u.q, 4).t().contiguous(),
+        "qzeros": pack_rows((u.zeros - 1).t().contiguous(), 4),
+        "scales": u.scales.t().contiguous(),
+        "g_idx": u.groups.int(),
+    }
+    read = _gptq_weight("p", parts, WeightOnlyCheckpoint("gptq", 4, 32, False, gptq_v1=True))
+    layer = WeightOnlyLinear.from_unpacked(read, 4, torch.float32).to(DEVICE)
+    x = torch.randn(3, 96)
+    expected = x @ u.dequantize().t()
+    torch.testing.assert_close(layer(x.to(DEVICE)).cpu(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def test_groups_that_are_not_runs_of_one_size_are_refused() -> None:
+    u = _unpacked(8, 64, 4, 32, act_order=False)
+    u.groups = torch.cat([torch.zeros(24), torch.ones(40)]).long()  # (a longer last group)
+    with pytest.raises(ValueError, match="not runs of one size"):
+        WeightOnlyLinear.from_unpacked(u, 4, torch.float32)

@@ -1,0 +1,57 @@
+"""The weight-only int4/int8 product (kernels/wna16.py) against x @ W^T with W built from the
+unpacked values directly, W[n, k] = (q[k, n] - z[g, n]) * s[g, n]: odd sizes (rows 1-300, K
+ending in a partial group, N not a multiple of the tile), 4 and 8 bits, fp32 and fp16."""
+
+import pytest
+import torch
+
+from mmserve.kernels.wna16 import dequantize_packed, pack_columns, wna16_gemm
+from tests.kernels.conftest import DEVICE, FLOAT_DTYPES
+
+CASES = [  # rows, N, K, bits, group_size
+    (1, 96, 64, 4, 32),
+    (3, 100, 80, 4, 32),  # K = 80: the last group has 16 channels
+    (16, 64, 256, 8, 64),
+    (17, 72, 128, 4, 128),
+    (40, 48, 96, 8, 96),
+    (300, 40, 64, 4, 16),
+]
+
+
+def _operands(rows: int, n: int, k: int, bits: int, group_size: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    groups = -(-k // group_size)
+    q = torch.randint(0, 1 << bits, (k, n), generator=g)
+    zeros = torch.randint(0, 1 << bits, (groups, n), generator=g).to(dtype)
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.001).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (q.float() - zeros.float()[torch.arange(k) // group_size]) * scales.float()[torch.arange(k) // group_size]
+    return x, q, zeros, scales, w.t()  # w: [N, K]
+
+
+@pytest.mark.parametrize("dtype", [d for d in FLOAT_DTYPES if d != torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_the_dequantised_product(case, dtype):  # type: ignore[no-untyped-def]
+    rows, n, k, bits, group_size = case
+    x, q, zeros, scales, w = _operands(rows, n, k, bits, group_size, dtype)
+    qweight = pack_columns(q, bits)
+    torch.testing.assert_close(dequantize_packed(qweight, scales, zeros, bits, group_size), w, atol=0, rtol=0)
+    args = [t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+    out = wna16_gemm(*args, bits, group_size)
+    expected = x.float() @ w.t()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_rejects_bad_inputs():  # type: ignore[no-untyped-def]
+    x, q, zeros, scales, _ = _operands(2, 64, 64, 4, 32, torch.float32)
+    qweight = pack_columns(q, 4)
+    args = [t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        wna16_gemm(*args, 3, 32)
+    with pytest.raises(ValueError, match="scales and zeros must be"):
+        wna16_gemm(*args, 4, 16)
+    with pytest.raises(ValueError, match="rows of words for K"):
+        wna16_gemm(args[0][:, :32], *args[1:], 4, 32)
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        pack_columns(q[:12], 4)
