@@ -7,6 +7,7 @@ model.safetensors.index.json), a .gguf file, or a folder holding exactly one .gg
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ import torch
 from mmserve.attention import AttentionBackend
 from mmserve.config import ModelConfig
 from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.models import weight_only as weight_only_module
 from mmserve.models.base import CausalLM
 from mmserve.models.fp8 import (
     check_quantization,
@@ -38,7 +40,13 @@ from mmserve.models.source import (
     load_hf_config,
     resolve_model_source,
 )
-from mmserve.models.weight_only import checkpoint_weight_only, dequantize_weight_only
+from mmserve.models.weight_only import (
+    checkpoint_weight_only,
+    dequantize_weight_only,
+    pack_weight_only,
+)
+
+logger = logging.getLogger(__name__)
 
 # the source names stay importable from here, as they were before source.py
 __all__ = [
@@ -140,8 +148,10 @@ def load_model(
     else:
         kv_scales: dict[tuple[int, str], float] = {}
         weights = take_kv_scales(iter_weights(source, hf_config), kv_scales)
+        kept: dict[str, dict[str, torch.Tensor]] | None = None
         if weight_only is not None:
-            weights = dequantize_weight_only(weights, weight_only)
+            kept = {} if device.type in weight_only_module.PACKED_ON else None
+            weights = dequantize_weight_only(weights, weight_only, kept)
         if int8_checkpoint:
             prepare_int8_checkpoint(model)  # (the checkpoint's int8 weights load as they are)
         if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
@@ -151,6 +161,9 @@ def load_model(
             prepare_fp8_checkpoint(model, fp8_checkpoint)
         model.load_weights(weights)
         set_kv_scales(model, kv_scales)
+        if weight_only is not None and kept is not None:
+            packed = pack_weight_only(model, kept, weight_only, torch_dtype)
+            logger.info("%s: %d projections kept packed", weight_only.scheme, packed)
     if model_config.quantization == "fp8" and not is_fp8(model):
         quantize_fp8(model)
     elif model_config.quantization == "int8":

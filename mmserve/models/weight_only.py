@@ -3,13 +3,14 @@ symmetric or asymmetric; groups of 32-128 or one per channel; act-order g_idx), 
 qzeros / scales, with and without act-order g_idx; the v1 format's zeros stored minus one) and
 AWQ's GEMM packing, detected from config.json's quantization_config.
 
-Each quantised projection is unpacked to its integer weights, zero points and scales, and
-dequantised as it loads: w[o, i] = (q[o, i] - z[o, g(i)]) * s[o, g(i)] with g(i) the input
-channel's group (i // group_size, or g_idx[i]). The model then runs in its compute dtype, so
-its outputs are those of the dequantised weights exactly (what transformers computes on them).
-The quantised kernels that keep the packed weights on the GPU are not written yet: a format
-is read here, and ListModels names it (e.g. "w4a16-g128"), with the memory of the dequantised
-weights. A format that cannot be read exactly is refused, naming the config field."""
+Each quantised projection is unpacked to its integer weights, zero points and scales:
+w[o, i] = (q[o, i] - z[o, g(i)]) * s[o, g(i)] with g(i) the input channel's group (i //
+group_size, or g_idx[i]). Everywhere it is first dequantised as it loads, so the model's
+outputs are those of the dequantised weights (what transformers computes on them). On CUDA
+each projection is then repacked into kernels/wna16.py's layout (a merged q/k/v or gate/up
+from its parts) and its float weight dropped: WeightOnlyLinear runs the product from the
+packed weight. ListModels names the format (e.g. "w4a16-g128"). A format that cannot be read
+exactly is refused, naming the config field."""
 
 from __future__ import annotations
 
@@ -165,10 +166,13 @@ class Unpacked:
 
 
 def dequantize_weight_only(
-    weights: Iterable[tuple[str, torch.Tensor]], checkpoint: WeightOnlyCheckpoint
+    weights: Iterable[tuple[str, torch.Tensor]],
+    checkpoint: WeightOnlyCheckpoint,
+    keep: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's (name, tensor) pairs with every quantised projection's parts replaced
-    by its dequantised float32 weight (name.weight); other tensors pass as they are."""
+    by its dequantised float32 weight (name.weight); other tensors pass as they are. keep:
+    also gets each projection's packed parts, by prefix (pack_weight_only repacks them)."""
     parts, required = _PARTS[checkpoint.format], _required(checkpoint)
     unpack = _UNPACK[checkpoint.format]
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -179,6 +183,8 @@ def dequantize_weight_only(
             continue
         have = pending.setdefault(prefix, {})
         have[part] = tensor
+        if keep is not None:
+            keep.setdefault(prefix, {})[part] = tensor
         if parts <= have.keys():  # (else an optional part, g_idx, may still come)
             yield f"{prefix}.weight", unpack(prefix, pending.pop(prefix), checkpoint).dequantize()
     for prefix, have in pending.items():
@@ -256,8 +262,7 @@ _UNPACK = {"compressed-tensors": _compressed, "gptq": _gptq_weight, "awq": _awq_
 class WeightOnlyLinear(nn.Module):
     """y = x W^T + b with W kept packed: kernels/wna16.py's layout (qweight [K / per, N],
     scales and zeros [groups, N]); an act-order checkpoint's input channels permuted so that
-    its groups are contiguous, and x permuted the same way (perm). The loader does not build
-    it yet: its CUDA path is tested under the Triton interpreter only, not on a GPU."""
+    its groups are contiguous, and x permuted the same way (perm)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -321,3 +326,55 @@ class WeightOnlyLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.view(*shape[:-1], self.out_features)
+
+
+# device types whose weight-only projections stay packed (the Triton kernel); tests add "cpu"
+# under the Triton interpreter
+PACKED_ON = ("cuda",)
+# a merged projection of ours -> the checkpoint's projections it holds, in row order
+_MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@torch.no_grad()
+def pack_weight_only(
+    model: nn.Module,
+    kept: dict[str, dict[str, torch.Tensor]],
+    checkpoint: WeightOnlyCheckpoint,
+    dtype: torch.dtype,
+) -> int:
+    """After the dequantised weights loaded: every projection whose checkpoint parts were kept
+    becomes a WeightOnlyLinear of those parts (a merged one's concatenated along the output
+    channels), so only the packed weights stay; returns how many. A projection whose parts
+    are missing (a checkpoint naming its modules otherwise) or whose parts' groups differ
+    keeps its dequantised weight."""
+    unpack = _UNPACK[checkpoint.format]
+    replaced = 0
+    for path, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            base = f"{path}.{name}" if path else name
+            prefixes = [
+                f"{path}.{part}" if path else part for part in _MERGED_PARTS.get(name, ())
+            ] or [base]
+            if not all(p in kept for p in prefixes):
+                continue
+            parts = [unpack(p, kept.pop(p), checkpoint) for p in prefixes]
+            if any(not torch.equal(u.groups, parts[0].groups) for u in parts):
+                continue
+            whole = Unpacked(
+                torch.cat([u.q for u in parts]),
+                torch.cat([u.zeros for u in parts]),
+                torch.cat([u.scales for u in parts]),
+                parts[0].groups,
+            )
+            bias = None if child.bias is None else child.bias.data
+            try:
+                packed = WeightOnlyLinear.from_unpacked(whole, checkpoint.bits, dtype, bias)
+            except ValueError:
+                continue
+            setattr(parent, name, packed.to(child.weight.device))
+            replaced += 1
+    if replaced and next(model.parameters()).is_cuda:
+        torch.cuda.empty_cache()  # the dequantised weights go back to the KV cache's budget
+    return replaced

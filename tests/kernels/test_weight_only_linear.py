@@ -64,3 +64,30 @@ def test_groups_that_are_not_runs_of_one_size_are_refused() -> None:
     u.groups = torch.cat([torch.zeros(24), torch.ones(40)]).long()  # (a longer last group)
     with pytest.raises(ValueError, match="not runs of one size"):
         WeightOnlyLinear.from_unpacked(u, 4, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "case", [("gptq", 4, 16, False, True, "llama"), ("awq", 4, 32, False, False, "qwen2")], ids=str
+)
+def test_a_checkpoint_stays_packed_where_the_kernel_runs(tmp_path, monkeypatch, case) -> None:  # type: ignore[no-untyped-def]
+    """Where the kernel runs (CUDA; here the Triton interpreter) every decoder projection is
+    a WeightOnlyLinear holding the packed weight (q/k/v and gate/up merged), and the greedy
+    tokens are transformers' on the dequantised weights."""
+    from mmserve import LLM, SamplingParams
+    from mmserve.models import weight_only
+    from tests.models.test_weight_only import PROMPT, checkpoint
+
+    monkeypatch.setattr(weight_only, "PACKED_ON", ("cuda", "cpu"))
+    path, hf = checkpoint(tmp_path, *case)
+    llm = LLM(path, kv_cache_memory=8 << 20, device=DEVICE.type, dtype="float32", num_kv_blocks=64)
+    model = llm.frontend.core.runner.model
+    packed = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+    assert len(packed) == 4 * hf.config.num_hidden_layers  # qkv, o, gate_up, down
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())
+    ids = llm.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8,
+                           do_sample=False, pad_token_id=0)[0, len(ids):].tolist()  # fmt: skip
+    assert got == want
