@@ -304,6 +304,7 @@ def model_info(handle: ModelHandle) -> models_pb2.ModelInfo:
         quantization=f.quantization,
         vocab_size=f.vocab_size,
         speculative=f.speculative,
+        tensor_parallel_size=f.tensor_parallel_size,
         score_method=_SCORE_METHODS.get(f.score_method or "", models_pb2.SCORE_METHOD_UNSPECIFIED),
         labels=f.labels,
         embedding_dimension=f.embedding_dimension,

@@ -49,6 +49,7 @@ class ModelFacts:
     vocab_size: int  # valid token ids are [0, vocab_size)
     quantization: str = ""  # of the source weights, e.g. "Q4_1"; "" when unquantised
     speculative: str = ""  # speculative decoding's method; "" when it does not speculate
+    tensor_parallel_size: int = 1  # ranks the model is split over
     supports_images: bool = False
     score_method: str | None = None  # "cross-encoder" | "cosine" | "yes-token"; None: no Score
     labels: tuple[str, ...] = ()  # a classifier's label names, by label id
@@ -251,6 +252,7 @@ def _facts(spec: ModelSpec, info: EngineInfo) -> ModelFacts:
         vocab_size=info.vocab_size,
         quantization=info.quantization or (quant.group(1).upper() if quant else ""),
         speculative=info.speculative,
+        tensor_parallel_size=info.tensor_parallel_size,
         supports_images=info.reads_images or info.embeds_images,
         score_method=info.score_method,
         labels=info.labels,

@@ -13,6 +13,7 @@ from mmserve.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServeOptions,
     ServerConfig,
@@ -69,7 +70,7 @@ def _read_back(args: Any, s: Setting) -> Any:
     holders = {
         ModelConfig: template.model, CacheConfig: template.cache,
         SchedulerConfig: template.scheduler, EngineConfig: template,
-        SpeculativeConfig: template.speculative,
+        SpeculativeConfig: template.speculative, ParallelConfig: template.parallel,
         ServerConfig: cli.server_config(args), ServeOptions: cli.serve_options(args),
     }  # fmt: skip
     return getattr(holders[s.owner], s.field)
