@@ -13,13 +13,10 @@ rank 0's tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from mmserve.engine.sched_output import SchedulerOutput
 from mmserve.models.parallel import TensorParallel
-
-if TYPE_CHECKING:
-    from mmserve.runner.model_runner import ModelRunner
 
 
 class RankMirror(Protocol):
@@ -46,6 +43,19 @@ class RankMirror(Protocol):
         ...
 
 
+class Follower(Protocol):
+    """What follow() drives: a ModelRunner (named by its methods, not imported: the runner
+    imports this module)."""
+
+    def launch(self, plan: SchedulerOutput) -> Any: ...
+
+    def sample(self, step: Any) -> None: ...
+
+    def capture_graphs(
+        self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int]
+    ) -> None: ...
+
+
 class Step:
     """A plan for a follower rank to run."""
 
@@ -60,7 +70,7 @@ class Capture:
         self.args = args
 
 
-def follow(runner: ModelRunner, receive: Callable[[], Step | Capture | None]) -> None:
+def follow(runner: Follower, receive: Callable[[], Step | Capture | None]) -> None:
     """A follower rank's loop: runs each step rank 0 sends, until receive() returns None."""
     import torch
 
