@@ -252,6 +252,7 @@ def model_infos(models: Sequence[models_pb2.ModelInfo]) -> list[ModelInfo]:
             quantization=m.quantization,
             vocab_size=m.vocab_size,
             speculative=m.speculative,
+            tensor_parallel_size=m.tensor_parallel_size or 1,  # 0: a server from before
         )
         for m in models
     ]

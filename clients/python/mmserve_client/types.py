@@ -247,6 +247,7 @@ class ModelInfo:
     quantization: str = ""  # "" when unquantised
     vocab_size: int = 0
     speculative: str = ""  # speculative decoding's method; "" when off
+    tensor_parallel_size: int = 1  # ranks the model is split over
 
 
 @dataclass(frozen=True)
