@@ -288,3 +288,26 @@ def test_bert_sharded_matches_one_rank_and_transformers(tmp_path: Path) -> None:
     for hidden in run_ranks(4, lambda tp: encode(load(path, tp))):
         torch.testing.assert_close(hidden, single, atol=TP_ATOL, rtol=TP_RTOL)
     torch.testing.assert_close(single, hf, atol=HF_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ["channel-static", "block"])
+def test_fp8_checkpoints_shard_their_scales(tmp_path: Path, scheme: str) -> None:
+    """Per-channel weight scales follow the output channels they scale (column-parallel rows
+    split, row-parallel ones whole), a static input scale is whole; a block-FP8 checkpoint is
+    dequantised, then cut. Either way the ranks compute one rank's logits."""
+    from tests.models.test_fp8 import save_block_fp8_checkpoint, save_fp8_checkpoint
+
+    src = make_tiny_model(tmp_path, "llama", name="model")
+    out = tmp_path / "model-fp8"
+    if scheme == "block":
+        save_block_fp8_checkpoint(src, out, (32, 32))
+    else:
+        save_fp8_checkpoint(src, out, "channel", static=True)
+    with torch.no_grad():
+        single = chunked_logits(load(out))
+    held = run_ranks(2, lambda tp: (chunked_logits(m := load(out, tp)), m))
+    for logits, _ in held:
+        torch.testing.assert_close(logits, single, atol=TP_ATOL, rtol=TP_RTOL)
+    if scheme != "block":
+        qkv = held[1][1].model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (64,)

@@ -116,7 +116,7 @@ def test_llm_keywords_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     holders = {
         ModelConfig: config.model, CacheConfig: config.cache,
         SchedulerConfig: config.scheduler, EngineConfig: config,
-        SpeculativeConfig: config.speculative,
+        SpeculativeConfig: config.speculative, ParallelConfig: config.parallel,
     }  # fmt: skip
     assert config.model.model == "some/model"
     for s in engine_settings():
