@@ -193,15 +193,16 @@ class ProcessClient:
 
 
 def run_core(conn: Connection, config_bytes: bytes, parent_pid: int) -> None:
-    """The child's main: load, report Ready, then serve until Shutdown or the parent goes."""
+    """The child's main: load, report Ready, then serve until Shutdown or the parent goes. A
+    failure is reported before the core shuts down (stopping tensor-parallel ranks, a hung
+    one included, takes a while)."""
+    core: EngineCore | None = None
     try:
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
         loaded = load_engine(replace(config, multiprocess=False))
+        core = loaded.core
         conn.send_bytes(m.encoder.encode(m.Ready(loaded.info)))
-        try:
-            _serve(conn, loaded.core, parent_pid)
-        finally:
-            loaded.core.shutdown()
+        _serve(conn, core, parent_pid)
     except (EOFError, BrokenPipeError):
         pass  # the parent went away: nothing to report to
     except BaseException as e:
@@ -211,6 +212,9 @@ def run_core(conn: Connection, config_bytes: bytes, parent_pid: int) -> None:
             conn.send_bytes(m.encoder.encode(error))
         except OSError:
             pass
+    finally:
+        if core is not None:
+            core.shutdown()
 
 
 def _serve(conn: Connection, core: EngineCore, parent_pid: int) -> None:

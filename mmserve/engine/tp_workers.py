@@ -141,14 +141,14 @@ class Ranks:
         if self._stopped:
             return
         self._stopped = True
-        if all(p.poll() is None for p in self._procs):
-            try:  # a hung rank takes no message: the wait is bounded, then it is killed
-                self._send(m.RankShutdown(), datetime.timedelta(seconds=STOP_GRACE_S))
-            except RankLost:
-                pass
+        grace = STOP_GRACE_S
+        try:  # a hung or dead rank takes no message: then every rank is killed at once
+            self._send(m.RankShutdown(), datetime.timedelta(seconds=STOP_GRACE_S))
+        except RankLost:
+            grace = 0.0
         for proc in self._procs:
             try:
-                proc.wait(STOP_GRACE_S)
+                proc.wait(grace)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
