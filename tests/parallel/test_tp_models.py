@@ -311,3 +311,41 @@ def test_fp8_checkpoints_shard_their_scales(tmp_path: Path, scheme: str) -> None
     if scheme != "block":
         qkv = held[1][1].model.layers[0].self_attn.qkv_proj
         assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (64,)
+
+
+def image_prompt(model: Any, count: int) -> tuple[list[int], torch.Tensor]:
+    """Text around `count` placeholder tokens, and their token ids as a tensor."""
+    ids = [5, 17, 42] + [model.image_token_id] * count + [99, 250, 7]
+    return ids, torch.tensor(ids)
+
+
+@pytest.mark.parametrize("vlm", ["llava", "qwen2-vl"])
+def test_vision_language_models_shard_their_language_model(tmp_path: Path, vlm: str) -> None:
+    """The vision tower and projector are whole on every rank (their encoder rows the same),
+    the language model split: prompt logits with an image are one rank's."""
+    from tests.utils.tiny_qwen_vl import MRopePagedKV, make_tiny_qwen2_vl
+    from tests.utils.tiny_vlm import make_tiny_llava
+
+    if vlm == "llava":
+        path = make_tiny_llava(tmp_path)
+        pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+        image: dict[str, torch.Tensor] = {"pixel_values": pixels}
+    else:
+        path = make_tiny_qwen2_vl(tmp_path)
+        grid = torch.tensor([[1, 4, 4]])  # 16 patches of 3 x 2 x 4 x 4 values: 4 tokens
+        pixels = torch.randn(16, 96, generator=torch.Generator().manual_seed(0))
+        image = {"pixel_values": pixels, "image_grid_thw": grid}
+
+    def prompt_logits(model: Any) -> torch.Tensor:
+        ids, tensor = image_prompt(model, model.num_image_tokens(image))
+        embeds = model.embed_input_ids(tensor)
+        embeds[tensor == model.image_token_id] = model.encode_images([image])[0]
+        if vlm == "llava":
+            return PagedKV(model).step(model, [(PagedSeq(), ids)], embeds)
+        positions, _ = model.mrope_positions(ids, [(1, 4, 4)])
+        return MRopePagedKV(model).step_embeds(model, [(PagedSeq(), positions, embeds)])
+
+    with torch.no_grad():
+        single = prompt_logits(load(path))
+    for logits in run_ranks(2, lambda tp: prompt_logits(load(path, tp))):
+        torch.testing.assert_close(logits, single, atol=TP_ATOL, rtol=TP_RTOL)
