@@ -108,3 +108,14 @@ def test_a_draining_replica_sends_the_rest_to_the_other(
     assert a.fake.served == served_a  # no call reached the drained replica's servicer since
     assert a.fake.refused == refused  # nor was refused: its NOT_SERVING took it off the list
     assert b.fake.served > served_b + 10
+
+
+def test_health_checking_is_on_for_several_targets_or_when_asked() -> None:
+    from mmserve_client._channel import health_service
+
+    assert health_service(["a:1", "b:2"], None) == ""
+    assert health_service("dns:///h:1", None) is None  # one target: as before
+    assert health_service(["a:1"], None) is None
+    assert health_service("dns:///h:1", True) == ""
+    assert health_service("dns:///h:1", "chat") == "chat"  # a model's own status
+    assert health_service(["a:1", "b:2"], False) is None

@@ -73,17 +73,29 @@ def _resolve(host_port: str) -> tuple[int, str]:
     return family, f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
 
 
-def service_config(retry_attempts: int) -> str:
+def health_service(target: str | Sequence[str], health_check: bool | str | None) -> str | None:
+    """The grpc.health.v1 service whose status picks replicas, None for no health checking:
+    health_check None means on ("") for a list of several targets, off otherwise; True: "";
+    a string: that service (a model's name); False: off."""
+    if health_check is None:
+        return "" if not isinstance(target, str) and len(list(target)) > 1 else None
+    if isinstance(health_check, bool):
+        return "" if health_check else None
+    return health_check
+
+
+def service_config(retry_attempts: int, health_service: str | None = None) -> str:
     """The channel's service config JSON: round-robin over the addresses the target resolves
-    to (several replicas: a list of targets, or a DNS name with several addresses), skipping
-    a replica whose grpc.health.v1 status is not SERVING (a draining or broken one; a server
-    without the health service counts as healthy), and up to `retry_attempts` attempts in
-    all on UNAVAILABLE with exponential backoff (RETRIED_METHODS); 1 disables retries (gRPC
-    caps attempts at 5)."""
-    config: dict[str, Any] = {
-        "loadBalancingConfig": [{"round_robin": {}}],
-        "healthCheckConfig": {"serviceName": ""},
-    }
+    to (several replicas: a list of targets, or a DNS name with several addresses); with
+    health_service, gRPC's client-side health checking leaves out a replica whose
+    grpc.health.v1 status of that service is not SERVING ("": the server's, NOT_SERVING while
+    it drains or any of its models is down; a model's name: that model's; a server without
+    the health service counts as healthy); and up to `retry_attempts` attempts in all on
+    UNAVAILABLE with exponential backoff (RETRIED_METHODS); 1 disables retries (gRPC caps
+    attempts at 5)."""
+    config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    if health_service is not None:
+        config["healthCheckConfig"] = {"serviceName": health_service}
     if retry_attempts > 1:
         config["methodConfig"] = [
             {
@@ -101,14 +113,17 @@ def service_config(retry_attempts: int) -> str:
 
 
 def channel_options(
-    max_message_bytes: int, retry_attempts: int, extra: Sequence[tuple[str, Any]]
+    max_message_bytes: int,
+    retry_attempts: int,
+    extra: Sequence[tuple[str, Any]],
+    health_service: str | None = None,
 ) -> list[tuple[str, Any]]:
     """Options for grpc.(aio.)*_channel; `extra` comes last, so it overrides."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.enable_retries", 1 if retry_attempts > 1 else 0),
-        ("grpc.service_config", service_config(retry_attempts)),
+        ("grpc.service_config", service_config(retry_attempts, health_service)),
         *extra,
     ]
 
@@ -155,8 +170,11 @@ class ClientBase:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[tuple[str, Any]] = (),
+        health_check: bool | str | None = None,
     ) -> None:
-        opts = channel_options(max_message_bytes, retry_attempts, options)
+        opts = channel_options(
+            max_message_bytes, retry_attempts, options, health_service(target, health_check)
+        )
         self._channel: Any = open_channel(self._api, channel_target(target), tls, credentials, opts)
         stub_class: Any = inference_pb2_grpc.InferenceStub  # generated without type hints
         self._stub = stub_class(self._channel)

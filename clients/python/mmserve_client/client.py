@@ -35,7 +35,9 @@ class Client(ClientBase):
 
     `target` is a gRPC target ("host:port", "dns:///name:port", "ipv4:a:p,b:p",
     "unix:///path") or a list of "host:port" replicas; calls are spread round-robin over the
-    addresses, skipping any whose grpc.health.v1 status is not SERVING. `api_key` travels as
+    addresses. `health_check` leaves out a replica whose grpc.health.v1 status is not
+    SERVING: True for the server's status (service ""), a model's name for that model's,
+    False for none; by default on ("") with a list of several targets. `api_key` travels as
     `authorization: Bearer <key>` metadata on every call, with any extra `metadata`. TLS:
     `credentials` if given, else the system roots when `tls` is true, else plaintext.
     `timeout` (seconds) is the default deadline of each call (None: none); every method takes
