@@ -36,6 +36,7 @@ from mmserve.models.parallel import TensorParallel
 from mmserve.runner.distributed import Capture, Step
 
 logger = logging.getLogger(__name__)
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 PLAN_TIMEOUT = datetime.timedelta(days=365)  # followers wait for plans as long as rank 0 idles
 STOP_GRACE_S = 2.0  # a rank gets this long to exit after RankShutdown, then it is killed
 _PR_SET_PDEATHSIG = 1
@@ -64,6 +65,11 @@ def make_groups(store: Any, rank: int, size: int, device: str, timeout: float) -
     limit = datetime.timedelta(seconds=timeout)
     plans = dist.ProcessGroupGloo(dist.PrefixStore("plans", store), rank, size, PLAN_TIMEOUT)
     if device.startswith("cuda"):
+        # read when the NCCL group is made, in every rank's process (rank 0's too): NVLink
+        # multicast off, as the GPU hosts need; a failed or timed-out collective raises in
+        # wait() (RankLost) instead of the NCCL watchdog tearing the process down
+        for name, value in NCCL_ENV.items():
+            os.environ.setdefault(name, value)
         torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = limit
@@ -198,7 +204,7 @@ def start_ranks(config: EngineConfig) -> Ranks:
 
 
 def _spawn(rank: int, size: int, port: int, config: bytes) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0")  # NVLink multicast off, as the GPU hosts need
+    env = {**NCCL_ENV, **os.environ}  # see make_groups (a value already set wins)
     cmd = [sys.executable, "-m", "mmserve.engine.tp_workers", str(rank), str(size), str(port)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
     assert proc.stdin is not None
