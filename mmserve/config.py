@@ -219,6 +219,29 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: one process per rank, rank 0's engine core schedules and every
+    rank runs each step on its shard (mmserve/engine/tp_workers.py)."""
+
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks that split each layer of a model (Llama family, LLaVA and Qwen2-VL language "
+        "models, BERT/XLM-R), one process each: spawned on this host, or the ranks torchrun "
+        "started (RANK, WORLD_SIZE); NCCL on CUDA (one GPU per rank), gloo on CPU",
+    )
+    distributed_timeout: float = setting(
+        60.0,
+        "seconds a collective between ranks may wait before the engine is declared dead (its "
+        "model turns NOT_SERVING, its calls fail UNAVAILABLE)",
+    )
+
+    def __post_init__(self) -> None:
+        _at_least_one(self, "tensor_parallel_size")
+        if not self.distributed_timeout > 0:
+            raise ValueError("distributed_timeout must be > 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs."""
 
@@ -226,6 +249,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = setting(0, "seed of unseeded sampling (the engine-wide generator)")
     # run the engine core in its own process (engine/core_proc.py; grammars are compiled again
     # there). Off here; `mmserve serve` turns it on for CUDA (ServeOptions.engine_process)
@@ -244,6 +268,7 @@ class EngineConfig:
             cache=build(CacheConfig, settings),
             scheduler=build(SchedulerConfig, settings),
             speculative=build(SpeculativeConfig, settings),
+            parallel=build(ParallelConfig, settings),
         )
 
 
@@ -407,7 +432,9 @@ class ServeOptions:
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
 
 
-ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, EngineConfig)
+ENGINE_CONFIGS = (
+    ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, ParallelConfig, EngineConfig
+)
 
 
 def engine_settings() -> list[Setting]:

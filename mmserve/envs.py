@@ -59,3 +59,14 @@ def bench_profile_path(environ: Mapping[str, str] | None = None) -> str | None:
     to this file (a bench-only switch, not a server setting)."""
     environ = os.environ if environ is None else environ
     return environ.get("MMSERVE_BENCH_PROFILE") or None
+
+
+def torchrun_rank(environ: Mapping[str, str] | None = None) -> tuple[int, int, int] | None:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) when torchrun (or any launcher of its conventions)
+    started this process, else None. The rendezvous itself (MASTER_ADDR, MASTER_PORT, the
+    agent's store) is torch.distributed's env:// reading of the same variables."""
+    environ = os.environ if environ is None else environ
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        return None
+    rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+    return rank, world, int(environ.get("LOCAL_RANK", rank))

@@ -30,3 +30,8 @@ class EngineDead(MMServeError, RuntimeError):
 
 class EngineStalled(EngineDead):
     """The watchdog declared an engine dead: it had work but made no step for too long."""
+
+
+class RankLost(EngineDead):
+    """A rank of a tensor-parallel model died, or a collective between the ranks waited past
+    distributed_timeout: the engine serves nothing more (UNAVAILABLE, as a stall)."""

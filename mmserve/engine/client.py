@@ -112,7 +112,9 @@ class InProcessClient:
         return self._last_progress
 
     def check_alive(self) -> None:
-        pass  # it lives as long as this process; a step that raises fails the caller's loop
+        # it lives as long as this process (a step that raises fails the caller's loop), and
+        # so do the other ranks of a tensor-parallel model, which it checks
+        self.core.check_alive()
 
     def kv_blocks(self) -> tuple[int, int]:
         pool = self.core.kv.pool

@@ -24,7 +24,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine import messages as m
 from mmserve.engine.engine_core import EngineCore
 from mmserve.engine.loading import load_engine
-from mmserve.errors import EngineDead
+from mmserve.errors import EngineDead, RankLost
 
 logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0  # model load (weights, KV cache, CUDA graphs)
@@ -53,6 +53,7 @@ class ProcessClient:
         self._pending: list[m.EngineOutput] = []
         self._outbox: list[m.EngineRequest] = []  # added since the last step (see add)
         self.dead: str | None = None
+        self._dead_kind: type[EngineDead] = EngineDead  # RankLost: a tensor-parallel rank's
         self._last_progress = time.monotonic()
         self.info: m.EngineInfo = self._wait_for(m.Ready, READY_TIMEOUT_S).info
         blocks = self.info.num_kv_blocks
@@ -179,35 +180,41 @@ class ProcessClient:
             if msg.stats is not None:
                 self._stats = msg.stats
         elif isinstance(msg, m.Error):
-            self._died(msg.message)
+            self._died(msg.message, RankLost if msg.rank_lost else EngineDead)
 
     def _check_alive(self) -> None:
         if self.dead is not None:
-            raise EngineDead(f"engine core process died: {self.dead}")
+            raise self._dead_kind(f"engine core process died: {self.dead}")
 
-    def _died(self, why: str) -> NoReturn:
-        self.dead = self.dead or why
-        raise EngineDead(f"engine core process died: {self.dead}")
+    def _died(self, why: str, kind: type[EngineDead] = EngineDead) -> NoReturn:
+        if self.dead is None:
+            self.dead, self._dead_kind = why, kind
+        raise self._dead_kind(f"engine core process died: {self.dead}")
 
 
 def run_core(conn: Connection, config_bytes: bytes, parent_pid: int) -> None:
-    """The child's main: load, report Ready, then serve until Shutdown or the parent goes."""
+    """The child's main: load, report Ready, then serve until Shutdown or the parent goes. A
+    failure is reported before the core shuts down (stopping tensor-parallel ranks, a hung
+    one included, takes a while)."""
+    core: EngineCore | None = None
     try:
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
         loaded = load_engine(replace(config, multiprocess=False))
+        core = loaded.core
         conn.send_bytes(m.encoder.encode(m.Ready(loaded.info)))
-        try:
-            _serve(conn, loaded.core, parent_pid)
-        finally:
-            loaded.core.shutdown()
+        _serve(conn, core, parent_pid)
     except (EOFError, BrokenPipeError):
         pass  # the parent went away: nothing to report to
     except BaseException as e:
         logger.exception("engine core process failed")
         try:
-            conn.send_bytes(m.encoder.encode(m.Error(f"{type(e).__name__}: {e}")))
+            error = m.Error(f"{type(e).__name__}: {e}", rank_lost=isinstance(e, RankLost))
+            conn.send_bytes(m.encoder.encode(error))
         except OSError:
             pass
+    finally:
+        if core is not None:
+            core.shutdown()
 
 
 def _serve(conn: Connection, core: EngineCore, parent_pid: int) -> None:
@@ -229,6 +236,8 @@ def _serve(conn: Connection, core: EngineCore, parent_pid: int) -> None:
                 reported = time.monotonic()
         elif os.getppid() != parent_pid:
             return
+        else:
+            core.check_alive()  # idle: a tensor-parallel rank that died is reported now
 
 
 def _apply(conn: Connection, core: EngineCore, msg: m.ToCore) -> None:

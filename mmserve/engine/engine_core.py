@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from mmserve.config import EngineConfig
+from mmserve.config import CacheConfig, EngineConfig
 from mmserve.engine.grammars import PendingGrammars
 from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.messages import EngineOutput, EngineRequest, EngineStats
@@ -18,6 +18,7 @@ from mmserve.models.base import CausalLM
 from mmserve.models.fp8 import is_fp8
 from mmserve.models.int8 import is_int8
 from mmserve.request import Request
+from mmserve.runner.distributed import RankMirror
 from mmserve.runner.model_runner import LaunchedStep, ModelRunner
 from mmserve.runner.pooler import Pooler
 from mmserve.speculative import ProposerContext
@@ -43,9 +44,11 @@ class EngineCore:
         kv_dtype: torch.dtype,
         pooler: Pooler | None = None,
         structured: StructuredOutputManager | None = None,
+        mirror: RankMirror | None = None,
     ) -> None:
         """structured: compiles the output constraints of requests (None: the model cannot
-        generate, and no request carries one)."""
+        generate, and no request carries one). mirror: the other ranks of a tensor-parallel
+        model, which run every step this core's runner runs."""
         # the token budget's default depends on the device
         config = replace(config, scheduler=config.scheduler.on_device(device.type))
         self.config = config
@@ -58,13 +61,15 @@ class EngineCore:
             max_len = min(limit, model_max_len)
             context = self._proposer_context(model, structured, device, kv_dtype, max_len)
             self.speculator = Speculator(config.speculative, context)
-        cache_dtype = torch.float8_e4m3fn if cache.kv_cache_dtype == "fp8" else kv_dtype
+        cache_dtype = kv_cache_dtype(cache, kv_dtype)
         self.kv_cache_dtype = str(cache_dtype).removeprefix("torch.")
         num_blocks = 0  # encoders keep no KV cache
         if model.capabilities.uses_kv_cache:
-            num_blocks = cache.num_blocks or self._blocks_for_budget(model, cache_dtype, device)
+            num_blocks = cache.num_blocks or kv_blocks_for_budget(config.cache, model, cache_dtype, device)
+        if mirror is not None:
+            num_blocks = mirror.parallel.min_over_ranks(num_blocks)  # every rank's pool the same
         self.runner = ModelRunner(
-            model, num_blocks, cache.block_size, device, cache_dtype, config.seed, pooler
+            model, num_blocks, cache.block_size, device, cache_dtype, config.seed, pooler, mirror
         )
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.num_kv_blocks = num_blocks
@@ -123,21 +128,6 @@ class EngineCore:
             kv_cache_memory_bytes=config.cache.kv_cache_memory_bytes,
             load_format=config.model.load_format,
         )
-
-    def _blocks_for_budget(self, model: CausalLM, kv_dtype: torch.dtype, device: torch.device) -> int:
-        """CPU: a fixed byte budget. CUDA: the share gpu_memory_utilization of the card, minus
-        what is already used (weights) and a reserve for activations and CUDA graphs."""
-        cache = self.config.cache
-        per_block = ModelRunner.kv_bytes_per_block(model, cache.block_size, kv_dtype)
-        budget = cache.kv_cache_memory_bytes
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = int(total * cache.gpu_memory_utilization) - (total - free) - GPU_ACTIVATION_RESERVE
-            logger.info(
-                "GPU memory: %.1f GiB total, %.1f GiB in use after loading, %.1f GiB for the KV cache",
-                total / 2**30, (total - free) / 2**30, budget / 2**30,
-            )
-        return max(1, budget // per_block)
 
     def add_request(self, request: EngineRequest) -> None:
         """Queues a validated request; a constrained one joins once its grammar compiled."""
@@ -206,9 +196,14 @@ class EngineCore:
         """The load and counters as the latest step left them (metrics, load reports)."""
         return self.scheduler.stats()
 
+    def check_alive(self) -> None:
+        """EngineDead when a rank of a tensor-parallel model is gone."""
+        self.runner.check_alive()
+
     def shutdown(self) -> None:
         if self._compiling is not None:
             self._compiling.close()
+        self.runner.shutdown()
 
     def step(self) -> list[EngineOutput]:
         """One step. With async scheduling a step that samples stays in flight: the next
@@ -244,6 +239,28 @@ class EngineCore:
         before, launched = self._in_flight
         self._in_flight = None
         return self.scheduler.update(before, self.runner.resolve(launched))
+
+
+def kv_cache_dtype(cache: CacheConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's dtype, or FP8 (--kv-cache-dtype fp8)."""
+    return torch.float8_e4m3fn if cache.kv_cache_dtype == "fp8" else dtype
+
+
+def kv_blocks_for_budget(
+    cache: CacheConfig, model: CausalLM, kv_dtype: torch.dtype, device: torch.device
+) -> int:
+    """CPU: a fixed byte budget. CUDA: the share gpu_memory_utilization of the card, minus
+    what is already used (weights) and a reserve for activations and CUDA graphs."""
+    per_block = ModelRunner.kv_bytes_per_block(model, cache.block_size, kv_dtype)
+    budget = cache.kv_cache_memory_bytes
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * cache.gpu_memory_utilization) - (total - free) - GPU_ACTIVATION_RESERVE
+        logger.info(
+            "GPU memory: %.1f GiB total, %.1f GiB in use after loading, %.1f GiB for the KV cache",
+            total / 2**30, (total - free) / 2**30, budget / 2**30,
+        )
+    return max(1, budget // per_block)
 
 
 def _matcher(er: EngineRequest, grammar: CompiledGrammar | None) -> GrammarMatcher | None:

@@ -9,10 +9,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mmserve.attention import get_attention_backend
-from mmserve.config import EngineConfig
+from mmserve.config import EngineConfig, ModelConfig
 from mmserve.engine.engine_core import EngineCore
 from mmserve.engine.messages import EngineInfo
 from mmserve.engine.pooling_setup import PoolingSetup, pooling_setup
+from mmserve.engine.tp_workers import Ranks, start_ranks
 from mmserve.models.base import CausalLM
 from mmserve.models.gguf_cache import materialize
 from mmserve.models.loader import (
@@ -41,12 +42,31 @@ class LoadedEngine:
 
 def load_engine(config: EngineConfig) -> LoadedEngine:
     start = time.monotonic()
-    device = resolve_device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
-    backend = get_attention_backend("triton" if device.type == "cuda" else "torch")
     source = materialize(resolve_model_source(config.model.model))
     model_config = replace(config.model, model=str(source.folder))
-    model, hf_config, gen_config = load_model(model_config, device, dtype, backend)
+    ranks = None
+    if config.parallel.tensor_parallel_size > 1:  # the other ranks load their shards meanwhile
+        ranks = start_ranks(replace(config, model=model_config))
+    try:
+        return _load(config, model_config, source, ranks, start)
+    except BaseException:
+        if ranks is not None:
+            ranks.shutdown()
+        raise
+
+
+def _load(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    source: ModelSource,
+    ranks: Ranks | None,
+    start: float,
+) -> LoadedEngine:
+    device = resolve_device(config.model.device if ranks is None else ranks.parallel.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    backend = get_attention_backend("triton" if device.type == "cuda" else "torch")
+    parallel = None if ranks is None else ranks.parallel
+    model, hf_config, gen_config = load_model(model_config, device, dtype, backend, parallel)
     tokenizer = load_tokenizer(source.folder, source.gguf_file)
     # a model may know better than its config (XLM-R spends two positions on padding)
     model_max_len = (
@@ -60,16 +80,27 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     if "generate" in setup.tasks:
         structured = StructuredOutputManager(tokenizer, model.vocab_size, sorted(eos))
     core = EngineCore(
-        config, model, model_max_len, device, dtype, pooler=setup.pooler, structured=structured
+        config, model, model_max_len, device, dtype, pooler=setup.pooler, structured=structured,
+        mirror=ranks,
     )
     info = engine_info(core, model, setup, source, architecture_of(hf_config), eos,
                        min(vocab_size(tokenizer), model.vocab_size))
     logger.info(
-        "loaded %s (%s) on %s in %s in %.1fs; tasks %s",
+        "loaded %s (%s) on %s in %s in %.1fs; tasks %s%s",
         config.model.model, type(model).__name__, device, dtype,
         time.monotonic() - start, ", ".join(setup.tasks),
+        "" if ranks is None else f"; {ranks.parallel.size} tensor-parallel ranks",
     )
     return LoadedEngine(core, info, tokenizer)
+
+
+def _devices(core: EngineCore) -> str:
+    """Where the model runs: "cuda:0", or "cuda:0-3" for ranks on four GPUs."""
+    parallel = core.runner.parallel
+    if parallel is None or not core.device.startswith("cuda:"):
+        return core.device
+    first = int(core.device.removeprefix("cuda:"))
+    return f"{core.device}-{first + parallel.size - 1}"
 
 
 def engine_info(
@@ -91,11 +122,12 @@ def engine_info(
         vocab_size=vocab,
         logits_width=model.vocab_size,
         eos_token_ids=eos,
-        device=core.device,
+        device=_devices(core),
         dtype=core.compute_dtype,
         quantization=core.quantization,
         speculative=core.speculator.method if core.speculator is not None else "",
         kv_cache_dtype=core.kv_cache_dtype if core.num_kv_blocks else "",
+        tensor_parallel_size=core.runner.parallel.size if core.runner.parallel else 1,
         num_kv_blocks=core.num_kv_blocks,
         block_size=core.config.cache.block_size,
         uses_token_types=model.type_vocab_size > 1,

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import torch
 
+from mmserve.engine.sched_output import SchedulerOutput
 from mmserve.inputs import MMInput
 from mmserve.models.base import ImageTokenCount
 from mmserve.outputs import TokenLogprob
@@ -117,6 +118,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     pad_token_id: int | None = None  # ... with this token when the tokenizer has none
     speculative: str = ""  # speculative decoding's method ("ngram", ...); "" when off
     kv_cache_dtype: str = ""  # the KV cache's element type; "" without one (encoders)
+    tensor_parallel_size: int = 1  # ranks the model is split over
 
     @property
     def max_pooling_len(self) -> int:
@@ -168,10 +170,32 @@ class Stats(msgspec.Struct, tag=True):
 
 class Error(msgspec.Struct, tag=True):
     message: str  # the child failed; it exits after sending this
+    rank_lost: bool = False  # the failure was a tensor-parallel rank's (errors.RankLost)
 
 
 ToCore = AddRequests | Abort | Stop | GetStats | Shutdown
 FromCore = Outputs | Ready | Stats | Error
+
+
+# Messages from rank 0 of a tensor-parallel model to the other ranks (engine/tp_workers.py).
+
+
+class RankStep(msgspec.Struct, tag=True):
+    plan: SchedulerOutput  # as tp_workers.for_ranks() left it: no matchers, no pooling
+
+
+class RankCapture(msgspec.Struct, tag=True):
+    max_batch: int  # ModelRunner.capture_graphs' arguments
+    max_model_len: int
+    max_tokens: int
+    spec: tuple[int, int]
+
+
+class RankShutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ToRank = RankStep | RankCapture | RankShutdown
 
 
 def _encode_tensor(obj: Any) -> Any:
@@ -192,3 +216,9 @@ def _decode_tensor(kind: type, obj: Any) -> Any:
 encoder = msgspec.msgpack.Encoder(enc_hook=_encode_tensor)
 to_core_decoder = msgspec.msgpack.Decoder(ToCore, dec_hook=_decode_tensor)
 from_core_decoder = msgspec.msgpack.Decoder(FromCore, dec_hook=_decode_tensor)
+to_rank_decoder = msgspec.msgpack.Decoder(ToRank, dec_hook=_decode_tensor)
+
+
+def tensor_from_wire(obj: Any) -> torch.Tensor:
+    """A tensor sent in a field typed Any (ScheduledRequest.mrope_positions)."""
+    return _decode_tensor(torch.Tensor, obj)  # type: ignore[no-any-return]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Self
 
 from tqdm.auto import tqdm
 
@@ -33,6 +33,16 @@ class LLM:
         config = EngineConfig.from_settings(model, **settings)
         self.frontend = FrontEnd.start(config)
         self.tokenizer = self.frontend.tokenizer
+
+    def shutdown(self) -> None:
+        """Stops the engine (and the other ranks of a tensor-parallel model)."""
+        self.frontend.shutdown()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -17,7 +17,10 @@ from torch import nn
 from mmserve.attention import AttentionMetadata
 from mmserve.errors import InvalidArgument
 from mmserve.inputs import grid_thw
+from mmserve.models.parallel import Shard
 
+# checkpoint names of a VLM's vision side (LLaVA, Qwen2-VL), which tensor parallelism replicates
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "visual.")
 Grid = tuple[int, int, int]  # (t, h, w) in patches, as an image processor's image_grid_thw
 
 
@@ -33,6 +36,8 @@ class ModelCapabilities:
     reads_images: bool = False  # a VLM: images in prompts (MultiModalCausalLM)
     uses_mrope: bool = False  # forward() takes [3, T] positions; MRopeModel
     supports_fp8: bool = False  # mmserve.models.fp8 may swap the decoder projections (Fp8Model)
+    # shards over tensor_parallel_size ranks (mmserve.models.parallel; weight_shard says how)
+    tensor_parallel: bool = False
 
 
 def image_grid(data: Mapping[str, torch.Tensor], merge_size: int) -> Grid:
@@ -133,6 +138,11 @@ class ModelBase(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not say how its weights load")
+
+    def weight_shard(self, name: str, shape: tuple[int, ...]) -> Shard | None:
+        """The part of checkpoint tensor `name` (of that shape) this rank of a tensor-parallel
+        model holds; None: all of it. Models with capabilities.tensor_parallel override it."""
+        return None
 
 
 @runtime_checkable
@@ -242,6 +252,13 @@ class LanguageModelWrapper:
 
     def decoder_layers(self) -> nn.ModuleList:
         return self.language_model.decoder_layers()  # type: ignore[no-any-return]
+
+    def weight_shard(self, name: str, shape: tuple[int, ...]) -> Shard | None:
+        """The language model's tensors are sharded as its own; the vision tower and the
+        projector are held whole by every rank."""
+        if any(part in name for part in _VISION_PARTS):
+            return None
+        return self.language_model.weight_shard(name, shape)  # type: ignore[no-any-return]
 
 
 def check_capabilities(model: CausalLM) -> None:

@@ -22,6 +22,18 @@ from mmserve.attention import AttentionBackend, AttentionMetadata
 from mmserve.errors import UnsupportedModel
 from mmserve.models.base import ModelBase, ModelCapabilities
 from mmserve.models.layers import add_layer_norm, load_into
+from mmserve.models.parallel import (
+    Shard,
+    TensorParallel,
+    columns,
+    current,
+    divide,
+    first_rank_only,
+    reduce,
+    rows,
+    vocab_embedding,
+    vocab_rows,
+)
 
 # transformers' per-layer names (after "encoder.layer.{i}.") -> (our name, qkv row block or None)
 _LAYER_NAMES = {
@@ -39,7 +51,9 @@ _IGNORED_SUFFIXES = ("position_ids", "token_type_ids")
 _IGNORED_PREFIXES = ("cls.", "lm_head.")
 # bidirectional attention within each input, no KV cache; [CLS] pooling without
 # sentence-transformers files (as vLLM does for BERT), and what the classifier heads read
-_ENCODER = ModelCapabilities(causal=False, uses_kv_cache=False, default_pooling="cls")
+_ENCODER = ModelCapabilities(
+    causal=False, uses_kv_cache=False, default_pooling="cls", tensor_parallel=True
+)
 _CLASSIFIER = replace(_ENCODER, classifier=True)
 
 
@@ -82,7 +96,7 @@ def bert_spec(hf_config: Any) -> BertSpec:
 class Embeddings(nn.Module):
     def __init__(self, spec: BertSpec) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.word_embeddings = vocab_embedding(spec.vocab_size, spec.hidden_size)
         self.position_embeddings = nn.Embedding(spec.max_positions, spec.hidden_size)
         self.token_type_embeddings = nn.Embedding(spec.type_vocab_size, spec.hidden_size)
         self.LayerNorm = nn.LayerNorm(spec.hidden_size, eps=spec.layer_norm_eps)
@@ -105,13 +119,18 @@ class EncoderLayer(nn.Module):
         from transformers.activations import ACT2FN
 
         hidden = spec.hidden_size
+        self.tp = tp = current()
+        size = 1 if tp is None else tp.size
         self.num_heads, self.head_dim = spec.num_heads, hidden // spec.num_heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.attn_out = nn.Linear(hidden, hidden)
+        self.num_heads = divide(spec.num_heads, size, "the number of attention heads")
+        self.local_size = self.num_heads * self.head_dim  # this rank's heads' width
+        intermediate = divide(spec.intermediate_size, size, "intermediate_size")
+        self.qkv = nn.Linear(hidden, 3 * self.local_size)
+        self.attn_out = nn.Linear(self.local_size, hidden)
         self.attn_norm = nn.LayerNorm(hidden, eps=spec.layer_norm_eps)
-        self.ffn_in = nn.Linear(hidden, spec.intermediate_size)
+        self.ffn_in = nn.Linear(hidden, intermediate)
         self.act = ACT2FN[spec.hidden_act]
-        self.ffn_out = nn.Linear(spec.intermediate_size, hidden)
+        self.ffn_out = nn.Linear(intermediate, hidden)
         self.ffn_norm = nn.LayerNorm(hidden, eps=spec.layer_norm_eps)
         self.scale = self.head_dim**-0.5
         self.backend = backend
@@ -122,14 +141,16 @@ class EncoderLayer(nn.Module):
         return slice(index * size, (index + 1) * size)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
-        num_tokens, hidden = x.shape
+        num_tokens, width = x.shape[0], self.local_size
         q, k, v = (
             t.view(num_tokens, self.num_heads, self.head_dim)
-            for t in self.qkv(x).split(hidden, dim=-1)
+            for t in self.qkv(x).split(width, dim=-1)
         )
         attn = self.backend.forward(q, k, v, None, meta, self.scale)
-        x = add_layer_norm(self.attn_norm, x, self.attn_out(attn.reshape(num_tokens, hidden)))
-        return add_layer_norm(self.ffn_norm, x, self.ffn_out(self.act(self.ffn_in(x))))
+        attn = reduce(self.tp, self.attn_out(attn.reshape(num_tokens, width)))
+        x = add_layer_norm(self.attn_norm, x, attn)
+        ffn = reduce(self.tp, self.ffn_out(self.act(self.ffn_in(x))))
+        return add_layer_norm(self.ffn_norm, x, ffn)
 
 
 class BertModel(ModelBase):
@@ -150,6 +171,7 @@ class BertModel(ModelBase):
         self.type_vocab_size = spec.type_vocab_size
         self.pad_token_id = spec.pad_token_id  # graph padding rows (EncoderGraphs) use it
         self.max_model_len = spec.max_positions - self.position_offset(spec)
+        self.tp = current()
         self.embeddings = Embeddings(spec)
         self.layers = nn.ModuleList(
             EncoderLayer(spec, attention_backend) for _ in range(spec.num_layers)
@@ -179,6 +201,10 @@ class BertModel(ModelBase):
         for layer in self.layers:
             x = layer(x, meta)
         return x
+
+    def weight_shard(self, name: str, shape: tuple[int, ...]) -> Shard | None:
+        """The part of checkpoint tensor `name` this rank holds (None: all of it)."""
+        return bert_shard(self.spec, self.tp, name, shape) if self.tp is not None else None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -237,6 +263,34 @@ class BertModel(ModelBase):
         assert isinstance(layer, EncoderLayer)  # for the type checker: layers holds only these
         load_into(params[key], tensor, name, layer.merged_rows(block))
         return f"{key}#{block}"
+
+
+# per-layer names (after "encoder.layer.{i}.") split over the ranks
+_BERT_COLUMNS = (
+    "attention.self.query",
+    "attention.self.key",
+    "attention.self.value",
+    "intermediate.dense",
+)
+_BERT_ROWS = ("attention.output.dense", "output.dense")
+
+
+def bert_shard(
+    spec: BertSpec, tp: TensorParallel, name: str, shape: tuple[int, ...]
+) -> Shard | None:
+    """Column-parallel query/key/value and the FFN's first dense, row-parallel attention
+    output and the FFN's second (their biases on rank 0), word embeddings split over the
+    vocabulary; positions, segments, norms and heads whole."""
+    if name.endswith("word_embeddings.weight"):
+        return vocab_rows(tp, spec.vocab_size)
+    module, _, kind = name.rpartition(".")
+    _, found, rest = module.partition("encoder.layer.")
+    layer_part = rest.partition(".")[2] if found else ""
+    if layer_part in _BERT_COLUMNS:
+        return rows(tp, shape[0] // tp.size)
+    if layer_part in _BERT_ROWS:
+        return columns(tp, shape[1] // tp.size) if kind == "weight" else first_rank_only(tp)
+    return None
 
 
 class XLMRobertaModel(BertModel):

@@ -27,6 +27,21 @@ from mmserve.models.layers import (
     rope_parameters,
     silu_and_mul,
 )
+from mmserve.models.parallel import (
+    KVHeads,
+    Shard,
+    TensorParallel,
+    columns,
+    current,
+    divide,
+    first_rank_only,
+    gather_logits,
+    reduce,
+    rows,
+    vocab_embedding,
+    vocab_per_rank,
+    vocab_rows,
+)
 
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -40,6 +55,9 @@ _MERGED = {
 }
 _FP8_SCALES = ("weight_scale", "input_scale")  # an FP8 checkpoint's, beside each weight
 _MERGED_PARTS = Counter(merged for merged, _ in _MERGED.values())  # qkv_proj: 3, gate_up_proj: 2
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+_VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass(frozen=True)
@@ -109,11 +127,15 @@ def llama_spec(hf_config: Any) -> LlamaSpec:
 class Attention(nn.Module):
     def __init__(self, spec: LlamaSpec, layer: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = spec.num_kv_heads
+        self.tp = tp = current()
+        size = 1 if tp is None else tp.size
+        self.num_heads = divide(spec.num_heads, size, "the number of attention heads")
+        self.num_kv_heads = (
+            spec.num_kv_heads if tp is None else KVHeads.of(spec.num_kv_heads, tp).count
+        )
         self.head_dim = spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.q_size = self.num_heads * spec.head_dim  # this rank's heads
+        self.kv_size = self.num_kv_heads * spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, spec.o_bias)
         if spec.qk_norm:
@@ -158,13 +180,16 @@ class Attention(nn.Module):
             out = self.backend.forward(
                 q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.kv_scales
             )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return reduce(self.tp, self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class MLP(nn.Module):
     def __init__(self, spec: LlamaSpec) -> None:
         super().__init__()
+        self.tp = tp = current()
         size = spec.intermediate_size
+        if tp is not None:
+            size = divide(size, tp.size, "intermediate_size")
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, spec.mlp_bias)
         self.down_proj = nn.Linear(size, spec.hidden_size, spec.mlp_bias)
 
@@ -174,7 +199,7 @@ class MLP(nn.Module):
         return slice(index * size, (index + 1) * size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return reduce(self.tp, self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -207,7 +232,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, spec: LlamaSpec, hf_config: Any, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = vocab_embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, backend) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         max_positions = getattr(hf_config, "max_position_embeddings", 0) or 0
@@ -233,19 +258,27 @@ class LlamaForCausalLM(ModelBase):
     """The CausalLM and Fp8Model (mmserve.models.base) for Llama, Mistral, Qwen2 and Qwen3
     checkpoints."""
 
-    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities(supports_fp8=True)
+    capabilities: ClassVar[ModelCapabilities] = ModelCapabilities(
+        supports_fp8=True, tensor_parallel=True
+    )
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:
         super().__init__()
         self.spec = llama_spec(hf_config)
         self.num_layers = self.spec.num_layers
-        self.num_kv_heads = self.spec.num_kv_heads
         self.head_dim = self.spec.head_dim
         self.vocab_size = self.spec.vocab_size
         self.hidden_size = self.spec.hidden_size
         self.sliding_windows = self.spec.sliding_windows
-        self.model = LlamaModel(self.spec, hf_config, attention_backend)
-        self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
+        self.model = LlamaModel(self.spec, hf_config, attention_backend)  # checks the split first
+        self.tp = tp = current()
+        kv_heads = self.spec.num_kv_heads
+        self.num_kv_heads = (
+            kv_heads if tp is None else KVHeads.of(kv_heads, tp).count
+        )  # this rank's
+        self.lm_head = nn.Linear(
+            self.spec.hidden_size, vocab_per_rank(self.spec.vocab_size), bias=False
+        )
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -266,7 +299,8 @@ class LlamaForCausalLM(ModelBase):
         return self.model.layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, vocab]
+        logits = gather_logits(self.tp, self.lm_head(hidden), self.vocab_size)
+        return logits.float()  # [N, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())  # a tied lm_head appears once, as the embedding
@@ -301,6 +335,32 @@ class LlamaForCausalLM(ModelBase):
         else:
             load_into(params[name], tensor, name)
         return name
+
+    def weight_shard(self, name: str, shape: tuple[int, ...]) -> Shard | None:
+        """The part of checkpoint tensor `name` this rank holds (None: all of it)."""
+        return llama_shard(self.spec, self.tp, name, shape) if self.tp is not None else None
+
+
+def llama_shard(
+    spec: LlamaSpec, tp: TensorParallel, name: str, shape: tuple[int, ...]
+) -> Shard | None:
+    """Column-parallel q/k/v and gate/up (weights, biases, per-channel FP8 scales), row-parallel
+    o and down (their biases on rank 0), the vocabulary split; norms and per-tensor scales whole."""
+    if name.endswith(_VOCAB_PARALLEL):
+        return vocab_rows(tp, spec.vocab_size)
+    _, proj, kind = _split_name(name)
+    if kind == "input_scale" or (kind == "weight_scale" and len(shape) and shape[0] == 1):
+        return None  # one scale for the whole tensor
+    if proj in _ROW_PARALLEL:
+        if kind == "weight":
+            return columns(tp, shape[1] // tp.size)
+        return first_rank_only(tp) if kind == "bias" else None
+    if proj not in _COLUMN_PARALLEL:
+        return None
+    if proj in ("k_proj", "v_proj"):
+        heads = KVHeads.of(spec.num_kv_heads, tp)
+        return Shard(0, heads.first * spec.head_dim, (heads.first + heads.count) * spec.head_dim)
+    return rows(tp, shape[0] // tp.size)
 
 
 def _expected_keys(params: dict[str, nn.Parameter]) -> set[str]:

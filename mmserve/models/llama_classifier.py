@@ -21,8 +21,8 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
 
     # the score head reads the last token, which sees the whole input
     capabilities: ClassVar[ModelCapabilities] = ModelCapabilities(
-        classifier=True, default_pooling="last", supports_fp8=True
-    )
+        classifier=True, default_pooling="last", supports_fp8=True, tensor_parallel=True
+    )  # tensor parallel: the decoder is split as the causal LM's, the score head held whole
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:
         super().__init__(hf_config, attention_backend)

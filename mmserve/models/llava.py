@@ -56,7 +56,7 @@ class LlavaForConditionalGeneration(LanguageModelWrapper, ModelBase):
     checkpoints; fp8 swaps its language model's projections."""
 
     capabilities: ClassVar[ModelCapabilities] = ModelCapabilities(
-        reads_images=True, supports_fp8=True
+        reads_images=True, supports_fp8=True, tensor_parallel=True
     )
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:

@@ -31,6 +31,7 @@ from mmserve.models.fp8 import (
     quantize_int8,
 )
 from mmserve.models.int8 import checkpoint_int8
+from mmserve.models.parallel import TensorParallel, tensor_parallel
 from mmserve.models.registry import architecture_of, get_model_class
 from mmserve.models.source import (
     ModelSource,
@@ -39,6 +40,7 @@ from mmserve.models.source import (
     load_generation_config,
     load_hf_config,
     resolve_model_source,
+    shard_weights,
 )
 from mmserve.models.weight_only import (
     checkpoint_weight_only,
@@ -112,8 +114,10 @@ def load_model(
     device: str | torch.device,
     dtype: str | torch.dtype,
     attention_backend: AttentionBackend,
+    parallel: TensorParallel | None = None,
 ) -> tuple[CausalLM, Any, Any | None]:
-    """Builds the model for model_config.model on device in dtype and loads its weights.
+    """Builds the model for model_config.model on device in dtype and loads its weights;
+    with parallel (size > 1), this rank's shard of it, reading only that part of each tensor.
 
     Returns (model in eval mode, transformers config, GenerationConfig or None).
     Raises InvalidArgument for a bad path/dtype/policy, UnsupportedModel for an architecture
@@ -127,7 +131,10 @@ def load_model(
     source = resolve_model_source(model_config.model)
     hf_config = load_hf_config(source)
     model_class = get_model_class(architecture_of(hf_config))
-    with _default_dtype(torch_dtype), device:
+    sharded = parallel is not None and parallel.size > 1
+    if sharded and not model_class.capabilities.tensor_parallel:
+        raise UnsupportedModel(f"{model_class.__name__} does not support tensor parallelism")
+    with _default_dtype(torch_dtype), device, tensor_parallel(parallel):
         model = model_class(hf_config, attention_backend)
     model.to(device)  # buffers computed on the CPU (rotary frequencies) follow the weights
     windows = [w for w in model.sliding_windows if w is not None]
@@ -146,19 +153,28 @@ def load_model(
     if model_config.load_format == "dummy":
         init_dummy_weights(model)
     else:
+        shard = model.weight_shard if sharded else None
+        if sharded and weight_only is not None:
+            raise UnsupportedModel(
+                f"tensor parallelism with a {weight_only.scheme} checkpoint is not supported yet"
+            )
+        if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
+            # block scales cover 128 x 128 tiles of the whole tensor: dequantised whole, then cut
+            weights = iter_weights(source, hf_config)
+            weights = shard_weights(dequantize_blocks(weights, fp8_checkpoint.block), shard)
+        else:
+            weights = iter_weights(source, hf_config, shard)
+            if fp8_checkpoint is not None:
+                check_quantization("fp8", device)  # the checkpoint's FP8 weights load as they are
+                prepare_fp8_checkpoint(model, fp8_checkpoint)
         kv_scales: dict[tuple[int, str], float] = {}
-        weights = take_kv_scales(iter_weights(source, hf_config), kv_scales)
+        weights = take_kv_scales(weights, kv_scales)
         kept: dict[str, dict[str, torch.Tensor]] | None = None
         if weight_only is not None:
             kept = {} if device.type in weight_only_module.PACKED_ON else None
             weights = dequantize_weight_only(weights, weight_only, kept)
         if int8_checkpoint:
             prepare_int8_checkpoint(model)  # (the checkpoint's int8 weights load as they are)
-        if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
-            weights = dequantize_blocks(weights, fp8_checkpoint.block)
-        elif fp8_checkpoint is not None:
-            check_quantization("fp8", device)  # the checkpoint's FP8 weights load as they are
-            prepare_fp8_checkpoint(model, fp8_checkpoint)
         model.load_weights(weights)
         set_kv_scales(model, kv_scales)
         if weight_only is not None and kept is not None:

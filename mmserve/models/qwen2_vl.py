@@ -116,7 +116,7 @@ class Qwen2VLForConditionalGeneration(LanguageModelWrapper, ModelBase):
     projections."""
 
     capabilities: ClassVar[ModelCapabilities] = ModelCapabilities(
-        reads_images=True, uses_mrope=True, supports_fp8=True
+        reads_images=True, uses_mrope=True, supports_fp8=True, tensor_parallel=True
     )
 
     def __init__(self, hf_config: Any, attention_backend: AttentionBackend) -> None:

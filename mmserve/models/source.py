@@ -9,7 +9,7 @@ memory map), and never with torch.load or remote code.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,10 @@ import torch
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
 from mmserve.models.gguf import iter_gguf_weights
+from mmserve.models.parallel import Shard
+
+# (checkpoint name, full shape) -> the part this rank reads (None: all); a model's weight_shard
+WeightShard = Callable[[str, tuple[int, ...]], Shard | None]
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,11 @@ def load_generation_config(source: ModelSource) -> Any | None:
     return GenerationConfig.from_pretrained(str(source.folder), local_files_only=True)
 
 
-def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) one at a time from model.safetensors or the indexed shards."""
+def iter_safetensors_weights(
+    folder: Path, shard: WeightShard | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) one at a time from model.safetensors or the indexed shards;
+    with shard, only the part of each tensor it names is read from the file."""
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
@@ -87,11 +94,32 @@ def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]
     for file in files:
         with safe_open(str(folder / file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield name, f.get_tensor(name)
+                part = None
+                if shard is not None:
+                    lazy = f.get_slice(name)
+                    shape = tuple(lazy.get_shape())
+                    part = shard(name, shape)
+                yield name, f.get_tensor(name) if part is None else part.read(lazy, shape)
 
 
-def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs of the checkpoint, whatever its format."""
+def iter_weights(
+    source: ModelSource, hf_config: Any, shard: WeightShard | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of the checkpoint, whatever its format; with shard, each
+    tensor's part for this rank (a safetensors file reads only those bytes; a GGUF file is
+    dequantised tensor by tensor and cut, the engine converts it to safetensors first)."""
     if source.gguf_file is not None:
-        return iter_gguf_weights(source.folder / source.gguf_file, hf_config)
-    return iter_safetensors_weights(source.folder)
+        return shard_weights(iter_gguf_weights(source.folder / source.gguf_file, hf_config), shard)
+    return iter_safetensors_weights(source.folder, shard)
+
+
+def shard_weights(
+    weights: Iterator[tuple[str, torch.Tensor]], shard: WeightShard | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each whole tensor cut to this rank's part (formats read whole: GGUF, block FP8)."""
+    if shard is None:
+        yield from weights
+        return
+    for name, tensor in weights:
+        part = shard(name, tuple(tensor.shape))
+        yield name, tensor if part is None else part.read(tensor, tuple(tensor.shape))

@@ -22,9 +22,11 @@ from mmserve.models.base import (
     MultiModalCausalLM,
     check_capabilities,
 )
+from mmserve.models.parallel import TensorParallel
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams
 from mmserve.runner.cuda_graphs import DecodeGraphs, EncoderGraphs
+from mmserve.runner.distributed import RankMirror
 from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder, SampledOnDevice
 from mmserve.runner.pooler import ModelPooler, Pooler, finish_embedding
 from mmserve.runner.sampler import (
@@ -107,8 +109,15 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         seed: int = 0,
         pooler: Pooler | None = None,
+        mirror: RankMirror | None = None,
+        parallel: TensorParallel | None = None,
     ) -> None:
+        """mirror: on rank 0 of a tensor-parallel model, the other ranks (each launch and
+        graph capture is sent to them first); parallel: the group, on every rank (rank 0's
+        sampled tokens reach the others, whose next batch reads them)."""
         self.model = model
+        self.mirror = mirror
+        self.parallel = parallel if mirror is None else mirror.parallel
         self.block_size = block_size
         self.device = device
         self.pooler = pooler  # turns a pooling request's hidden states into its result
@@ -150,7 +159,10 @@ class ModelRunner:
     ) -> None:
         """Captures decode graphs, or an encoder's step graphs up to max_tokens (CUDA only,
         where attention is the graph-safe Triton backend). spec: (1 + k, batch limit) of
-        speculative decoding: graphs for its steps too (not for M-RoPE models)."""
+        speculative decoding: graphs for its steps too (not for M-RoPE models). With tensor
+        parallelism every rank captures the same graphs, which hold the all-reduces."""
+        if self.mirror is not None:
+            self.mirror.capture_graphs(max_batch, max_model_len, max_tokens, spec)
         if self.device.type != "cuda":
             return
         if not self.kv_caches:
@@ -174,6 +186,16 @@ class ModelRunner:
             )
             self.spec_graphs.capture()
 
+    def check_alive(self) -> None:
+        """EngineDead when another rank of a tensor-parallel model is gone."""
+        if self.mirror is not None:
+            self.mirror.check_alive()
+
+    def shutdown(self) -> None:
+        """Stops the other ranks of a tensor-parallel model."""
+        if self.mirror is not None:
+            self.mirror.shutdown()
+
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
         per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim
@@ -193,6 +215,8 @@ class ModelRunner:
         """Builds the batch and enqueues the forward pass (None for an empty plan); the
         step before's sampled tokens fill this batch's placeholders on the device. Pooled
         results start on their way to the host; prompt logprobs are computed here."""
+        if self.mirror is not None:
+            self.mirror.launch(plan)  # the other ranks run the same step
         for request_id in plan.finished_ids:
             self._generators.pop(request_id, None)
         for key in plan.encoder_free:
@@ -238,6 +262,8 @@ class ModelRunner:
             apply_bitmask(logits, bitmask[0], bitmask[1])
         rows = [self._sampling_row(s) for s in reqs]
         tokens, step.logprobs = sample_on_device(logits, rows, self.generator)
+        if self.parallel is not None:
+            tokens = self.parallel.broadcast(tokens)  # rank 0's, on every rank
         self._previous = SampledOnDevice(tokens, {s.request_id: i for i, s in enumerate(reqs)})
         step.host_tokens, step.copied = _to_host(tokens)
 

@@ -89,12 +89,34 @@ def _serve(args: argparse.Namespace) -> int:
     options = serve_options(args)
     configure_logging(options.log_level, options.log_format)
     config, template, specs = server_config(args), engine_template(args), model_specs(args)
+    if _torchrun_follower(template, specs):
+        return 0
     logger.info(
         "loading %d model(s): %s", len(specs), ", ".join(f"{s.name}={s.path}" for s in specs)
     )
     registry = load_models(specs, template, config)
     asyncio.run(serve(registry, config))
     return 0
+
+
+def _torchrun_follower(template: EngineConfig, specs: list[ModelSpec]) -> bool:
+    """Under torchrun with --tensor-parallel-size: ranks > 0 run rank 0's steps (rank 0 is
+    the server) and return True once it stops them. One model per launch: its ranks are all
+    of torchrun's."""
+    from mmserve import envs
+
+    launched = envs.torchrun_rank()
+    if launched is None or template.parallel.tensor_parallel_size == 1:
+        return False
+    if len(specs) != 1:
+        raise SystemExit("under torchrun, serve exactly one model (its ranks are torchrun's)")
+    if launched[0] == 0:
+        return False
+    from mmserve.engine.tp_workers import follow_torchrun
+    from mmserve.server.models import engine_config_for
+
+    follow_torchrun(engine_config_for(specs[0], template))
+    return True
 
 
 def settings_table() -> str:

@@ -305,6 +305,7 @@ def model_info(handle: ModelHandle) -> models_pb2.ModelInfo:
         vocab_size=f.vocab_size,
         speculative=f.speculative,
         kv_cache_dtype=f.kv_cache_dtype,
+        tensor_parallel_size=f.tensor_parallel_size,
         score_method=_SCORE_METHODS.get(f.score_method or "", models_pb2.SCORE_METHOD_UNSPECIFIED),
         labels=f.labels,
         embedding_dimension=f.embedding_dimension,

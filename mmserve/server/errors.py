@@ -21,6 +21,7 @@ from mmserve.errors import (
     EngineStalled,
     InvalidArgument,
     MMServeError,
+    RankLost,
     ResourceExhausted,
 )
 
@@ -51,8 +52,9 @@ class Draining(MMServeError):
 
 def engine_error(handle_name: str, dead: BaseException) -> MMServeError:
     """What a call whose engine died under it gets: INTERNAL when the engine failed (crashed,
-    its process killed), UNAVAILABLE when the watchdog declared it stalled (API.md)."""
-    if isinstance(dead, EngineStalled):
+    its process killed), UNAVAILABLE when the watchdog declared it stalled or a rank of a
+    tensor-parallel model was lost (API.md)."""
+    if isinstance(dead, (EngineStalled, RankLost)):
         return EngineUnavailable(f"model {handle_name!r} is not serving: {dead}")
     return EngineFailed(f"model {handle_name!r}: engine failed: {dead}")
 

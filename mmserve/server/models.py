@@ -50,6 +50,7 @@ class ModelFacts:
     quantization: str = ""  # of the source weights, e.g. "Q4_1"; "" when unquantised
     speculative: str = ""  # speculative decoding's method; "" when it does not speculate
     kv_cache_dtype: str = ""  # the KV cache's element type; "" for a model without one
+    tensor_parallel_size: int = 1  # ranks the model is split over
     supports_images: bool = False
     score_method: str | None = None  # "cross-encoder" | "cosine" | "yes-token"; None: no Score
     labels: tuple[str, ...] = ()  # a classifier's label names, by label id
@@ -253,6 +254,7 @@ def _facts(spec: ModelSpec, info: EngineInfo) -> ModelFacts:
         quantization=info.quantization or (quant.group(1).upper() if quant else ""),
         speculative=info.speculative,
         kv_cache_dtype=info.kv_cache_dtype,
+        tensor_parallel_size=info.tensor_parallel_size,
         supports_images=info.reads_images or info.embeds_images,
         score_method=info.score_method,
         labels=info.labels,

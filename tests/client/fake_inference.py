@@ -2,7 +2,9 @@
 
 Generate echoes its input one character per chunk (token id = ord). Special prompts: "slow"
 streams forever until the call ends; "fail:<CODE>" aborts with that status; "flaky" answers
-UNAVAILABLE on its first attempt. The pooling RPCs are deterministic functions of their inputs.
+UNAVAILABLE on its first attempt; "midfail" streams one chunk, then fails UNAVAILABLE. The
+pooling RPCs are deterministic functions of their inputs. A `draining` servicer refuses every
+call UNAVAILABLE, as mmserve's admission does while it drains.
 """
 
 from __future__ import annotations
@@ -39,8 +41,15 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         self.requests: list[Any] = []  # the request messages, in arrival order
         self.attempts: Counter[str] = Counter()  # per "<rpc>:<text>" key
         self.slow_ended = threading.Event()  # a "slow" Generate call terminated
+        self.draining = False  # refuse every call UNAVAILABLE (they are not recorded)
+        self.served = 0  # calls answered (not refused while draining)
+        self.refused = 0  # calls refused while draining
 
     def _begin(self, context: grpc.ServicerContext, request: Any, key: str) -> None:
+        if self.draining:
+            self.refused += 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        self.served += 1
         self.metadata.append(dict(context.invocation_metadata()))
         self.requests.append(request)
         self.attempts[key] += 1
@@ -58,6 +67,9 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             context.add_callback(self.slow_ended.set)
             yield from _slow(context, rid)
             return
+        if text == "midfail":
+            yield generate_pb2.GenerateResponse(request_id=rid, text="m", token_ids=[ord("m")])
+            context.abort(grpc.StatusCode.UNAVAILABLE, "failed after its first chunk")
         n = request.params.n if request.params.HasField("n") else 1
         yield from _echo(request, text, n, rid)
 

@@ -94,15 +94,22 @@ def test_api_key_sent_on_every_call(target: str, fake: FakeInference) -> None:
     assert fake.metadata[0]["x-tenant"] == "t"
 
 
-def test_unary_calls_retry_unavailable_but_generate_does_not(
+def test_unavailable_is_retried_but_never_after_a_chunk(
     client: Client, fake: FakeInference
 ) -> None:
+    """Generate is retried only while it got nothing (gRPC commits a call at its first
+    response): a stream that already gave a chunk fails, and is not replayed."""
     assert client.tokenize("flaky").token_ids == tuple(map(ord, "flaky"))
     assert fake.attempts["Tokenize:flaky"] == 2
+    assert client.generate("flaky").text == "flaky"
+    assert fake.attempts["Generate:flaky"] == 2
+    stream = client.generate_stream("midfail")
+    chunks = iter(stream)
+    assert next(chunks).text == "m"
     with pytest.raises(MMServeError) as e:
-        client.generate("flaky")
+        next(chunks)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
-    assert fake.attempts["Generate:flaky"] == 1
+    assert fake.attempts["Generate:midfail"] == 1
 
 
 def test_unknown_keyword_is_a_type_error(client: Client) -> None:

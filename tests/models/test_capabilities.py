@@ -42,19 +42,25 @@ _TEXT: dict[str, Any] = {
 }
 _ENCODER = {**_TEXT, "num_attention_heads": 4, "hidden_act": "gelu", "pad_token_id": 1}
 
-_DECODER = ModelCapabilities(supports_fp8=True)
-_ENCODER_CAPS = ModelCapabilities(causal=False, uses_kv_cache=False, default_pooling="cls")
+_DECODER = ModelCapabilities(supports_fp8=True, tensor_parallel=True)
+_ENCODER_CAPS = ModelCapabilities(
+    causal=False, uses_kv_cache=False, default_pooling="cls", tensor_parallel=True
+)
 _ENCODER_CLASSIFIER = ModelCapabilities(
-    causal=False, uses_kv_cache=False, default_pooling="cls", classifier=True
+    causal=False, uses_kv_cache=False, default_pooling="cls", classifier=True, tensor_parallel=True
 )
 _DUAL = ModelCapabilities(causal=False, uses_kv_cache=False, dual_encoder=True)
 # what each class does, written down independently of its declaration
 EXPECTED: dict[str, ModelCapabilities] = {
     "LlamaForCausalLM": _DECODER,
-    "LlamaForSequenceClassification": ModelCapabilities(classifier=True, supports_fp8=True),
-    "LlavaForConditionalGeneration": ModelCapabilities(reads_images=True, supports_fp8=True),
+    "LlamaForSequenceClassification": ModelCapabilities(
+        classifier=True, supports_fp8=True, tensor_parallel=True
+    ),
+    "LlavaForConditionalGeneration": ModelCapabilities(
+        reads_images=True, supports_fp8=True, tensor_parallel=True
+    ),
     "Qwen2VLForConditionalGeneration": ModelCapabilities(
-        reads_images=True, uses_mrope=True, supports_fp8=True
+        reads_images=True, uses_mrope=True, supports_fp8=True, tensor_parallel=True
     ),
     "CLIPModel": _DUAL,
     "SiglipModel": _DUAL,

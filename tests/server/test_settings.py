@@ -13,6 +13,7 @@ from mmserve.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     ServeOptions,
     ServerConfig,
@@ -69,7 +70,7 @@ def _read_back(args: Any, s: Setting) -> Any:
     holders = {
         ModelConfig: template.model, CacheConfig: template.cache,
         SchedulerConfig: template.scheduler, EngineConfig: template,
-        SpeculativeConfig: template.speculative,
+        SpeculativeConfig: template.speculative, ParallelConfig: template.parallel,
         ServerConfig: cli.server_config(args), ServeOptions: cli.serve_options(args),
     }  # fmt: skip
     return getattr(holders[s.owner], s.field)
@@ -115,7 +116,7 @@ def test_llm_keywords_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     holders = {
         ModelConfig: config.model, CacheConfig: config.cache,
         SchedulerConfig: config.scheduler, EngineConfig: config,
-        SpeculativeConfig: config.speculative,
+        SpeculativeConfig: config.speculative, ParallelConfig: config.parallel,
     }  # fmt: skip
     assert config.model.model == "some/model"
     for s in engine_settings():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,21 +28,78 @@ IDEMPOTENT_METHODS = (
     "ListModels",
     "WatchLoad",
 )
-"""RPCs that gRPC may retry on UNAVAILABLE. Not Generate: it is not idempotent (sampling), and
-a retried stream could replay chunks the caller has already consumed (WatchLoad's reports are
-each whole: gRPC retries a stream only before its first message anyway)."""
+"""RPCs that gRPC may retry on UNAVAILABLE whenever it comes (WatchLoad's reports are each
+whole: gRPC retries a stream only before its first message anyway)."""
+
+RETRIED_METHODS = (*IDEMPOTENT_METHODS, "Generate")
+"""RPCs gRPC retries on UNAVAILABLE. Generate too: it is not idempotent (sampling), but gRPC
+commits a call (no more retries) once the server sends it anything (headers or a chunk), so
+only a Generate that got nothing is retried, and never replays chunks the caller saw: the one
+a draining replica refused, or one that failed before its first token. A stream that fails
+UNAVAILABLE after its first chunk raises MMServeError as before."""
 
 
-def service_config(retry_attempts: int) -> str:
-    """The channel's service config JSON: round-robin over the addresses the target resolves to
-    (several replicas behind one DNS name), and for the idempotent RPCs up to `retry_attempts`
-    attempts in all on UNAVAILABLE with exponential backoff; 1 disables retries (gRPC caps
+def channel_target(target: str | Sequence[str]) -> str:
+    """One gRPC target for one or several replicas. A string is used as it is ("host:port",
+    or any gRPC name: "dns:///host:port", "ipv4:10.0.0.1:50051,10.0.0.2:50051", "unix:...").
+    Several "host:port" strings become one ipv4: (or ipv6:) address list, host names resolved
+    now: for replicas behind a name that changes, give that one "dns:///name:port" instead."""
+    if isinstance(target, str):
+        return target
+    targets = list(target)
+    if not targets:
+        raise ValueError("target: give at least one host:port")
+    if len(targets) == 1:
+        return targets[0]
+    resolved = [_resolve(t) for t in targets]
+    families = {family for family, _ in resolved}
+    if len(families) > 1:
+        raise ValueError(
+            f"target: {targets} mix IPv4 and IPv6 addresses; a gRPC address list holds one "
+            "family (give one dns:/// name instead)"
+        )
+    scheme = "ipv4" if families == {socket.AF_INET} else "ipv6"
+    return f"{scheme}:" + ",".join(address for _, address in resolved)
+
+
+def _resolve(host_port: str) -> tuple[int, str]:
+    """ "host:port" or "[v6]:port" -> (address family, "ip:port" / "[ip]:port")."""
+    host, sep, port = host_port.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"target: {host_port!r} is not host:port (several targets are addresses)")
+    host = host.removeprefix("[").removesuffix("]")
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+    ip = str(sockaddr[0])
+    return family, f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+
+
+def health_service(target: str | Sequence[str], health_check: bool | str | None) -> str | None:
+    """The grpc.health.v1 service whose status picks replicas, None for no health checking:
+    health_check None means on ("") for a list of several targets, off otherwise; True: "";
+    a string: that service (a model's name); False: off."""
+    if health_check is None:
+        return "" if not isinstance(target, str) and len(list(target)) > 1 else None
+    if isinstance(health_check, bool):
+        return "" if health_check else None
+    return health_check
+
+
+def service_config(retry_attempts: int, health_service: str | None = None) -> str:
+    """The channel's service config JSON: round-robin over the addresses the target resolves
+    to (several replicas: a list of targets, or a DNS name with several addresses); with
+    health_service, gRPC's client-side health checking leaves out a replica whose
+    grpc.health.v1 status of that service is not SERVING ("": the server's, NOT_SERVING while
+    it drains or any of its models is down; a model's name: that model's; a server without
+    the health service counts as healthy); and up to `retry_attempts` attempts in all on
+    UNAVAILABLE with exponential backoff (RETRIED_METHODS); 1 disables retries (gRPC caps
     attempts at 5)."""
     config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    if health_service is not None:
+        config["healthCheckConfig"] = {"serviceName": health_service}
     if retry_attempts > 1:
         config["methodConfig"] = [
             {
-                "name": [{"service": SERVICE.full_name, "method": m} for m in IDEMPOTENT_METHODS],
+                "name": [{"service": SERVICE.full_name, "method": m} for m in RETRIED_METHODS],
                 "retryPolicy": {
                     "maxAttempts": retry_attempts,
                     "initialBackoff": "0.1s",
@@ -55,14 +113,17 @@ def service_config(retry_attempts: int) -> str:
 
 
 def channel_options(
-    max_message_bytes: int, retry_attempts: int, extra: Sequence[tuple[str, Any]]
+    max_message_bytes: int,
+    retry_attempts: int,
+    extra: Sequence[tuple[str, Any]],
+    health_service: str | None = None,
 ) -> list[tuple[str, Any]]:
     """Options for grpc.(aio.)*_channel; `extra` comes last, so it overrides."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.enable_retries", 1 if retry_attempts > 1 else 0),
-        ("grpc.service_config", service_config(retry_attempts)),
+        ("grpc.service_config", service_config(retry_attempts, health_service)),
         *extra,
     ]
 
@@ -99,7 +160,7 @@ class ClientBase:
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         api_key: str | None = None,
         *,
         tls: bool = False,
@@ -109,9 +170,12 @@ class ClientBase:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[tuple[str, Any]] = (),
+        health_check: bool | str | None = None,
     ) -> None:
-        opts = channel_options(max_message_bytes, retry_attempts, options)
-        self._channel: Any = open_channel(self._api, target, tls, credentials, opts)
+        opts = channel_options(
+            max_message_bytes, retry_attempts, options, health_service(target, health_check)
+        )
+        self._channel: Any = open_channel(self._api, channel_target(target), tls, credentials, opts)
         stub_class: Any = inference_pb2_grpc.InferenceStub  # generated without type hints
         self._stub = stub_class(self._channel)
         self._metadata = call_metadata(api_key, metadata)

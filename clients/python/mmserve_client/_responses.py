@@ -253,6 +253,7 @@ def model_infos(models: Sequence[models_pb2.ModelInfo]) -> list[ModelInfo]:
             vocab_size=m.vocab_size,
             speculative=m.speculative,
             kv_cache_dtype=m.kv_cache_dtype,
+            tensor_parallel_size=m.tensor_parallel_size or 1,  # 0: a server from before
         )
         for m in models
     ]

@@ -33,13 +33,17 @@ Messages = Sequence[Mapping[str, Any]]
 class Client(ClientBase):
     """Blocking client of one mmserve endpoint; safe to share between threads.
 
-    `target` is a gRPC target ("host:port", "dns:///name:port", "unix:///path"); calls are
-    spread round-robin over the addresses it resolves to. `api_key` travels as
+    `target` is a gRPC target ("host:port", "dns:///name:port", "ipv4:a:p,b:p",
+    "unix:///path") or a list of "host:port" replicas; calls are spread round-robin over the
+    addresses. `health_check` leaves out a replica whose grpc.health.v1 status is not
+    SERVING: True for the server's status (service ""), a model's name for that model's,
+    False for none; by default on ("") with a list of several targets. `api_key` travels as
     `authorization: Bearer <key>` metadata on every call, with any extra `metadata`. TLS:
     `credentials` if given, else the system roots when `tls` is true, else plaintext.
     `timeout` (seconds) is the default deadline of each call (None: none); every method takes
-    `timeout=` to override it. gRPC retries the idempotent RPCs (all but Generate) on
-    UNAVAILABLE, up to `retry_attempts` attempts in all. Failed calls raise MMServeError.
+    `timeout=` to override it. gRPC retries calls on UNAVAILABLE, up to `retry_attempts`
+    attempts in all (Generate only before its first chunk: _channel.RETRIED_METHODS), so a
+    replica that drains sends its calls to the others. Failed calls raise MMServeError.
     """
 
     _api = grpc

@@ -248,6 +248,7 @@ class ModelInfo:
     vocab_size: int = 0
     speculative: str = ""  # speculative decoding's method; "" when off
     kv_cache_dtype: str = ""  # the KV cache's element type ("float8_e4m3fn" with fp8); "" if none
+    tensor_parallel_size: int = 1  # ranks the model is split over
 
 
 @dataclass(frozen=True)

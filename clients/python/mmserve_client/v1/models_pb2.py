@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17mmserve/v1/models.proto\x12\nmmserve.v1\"6\n\x11ListModelsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"O\n\x12ListModelsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06models\x18\x02 \x03(\x0b\x32\x15.mmserve.v1.ModelInfo\"\xd0\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05tasks\x18\x02 \x03(\x0e\x32\x10.mmserve.v1.Task\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12-\n\x0cscore_method\x18\x06 \x01(\x0e\x32\x17.mmserve.v1.ScoreMethod\x12\x0e\n\x06labels\x18\x07 \x03(\t\x12\x1b\n\x13\x65mbedding_dimension\x18\x08 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12\x17\n\x0fsupports_images\x18\n \x01(\x08\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x12\n\nvocab_size\x18\x0c \x01(\r\x12\x13\n\x0bspeculative\x18\r \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x0f \x01(\t*s\n\x04Task\x12\x14\n\x10TASK_UNSPECIFIED\x10\x00\x12\x11\n\rTASK_GENERATE\x10\x01\x12\x0e\n\nTASK_EMBED\x10\x02\x12\x0f\n\x0bTASK_RERANK\x10\x03\x12\x11\n\rTASK_CLASSIFY\x10\x04\x12\x0e\n\nTASK_SCORE\x10\x05*\x80\x01\n\x0bScoreMethod\x12\x1c\n\x18SCORE_METHOD_UNSPECIFIED\x10\x00\x12\x1e\n\x1aSCORE_METHOD_CROSS_ENCODER\x10\x01\x12\x17\n\x13SCORE_METHOD_COSINE\x10\x02\x12\x1a\n\x16SCORE_METHOD_YES_TOKEN\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17mmserve/v1/models.proto\x12\nmmserve.v1\"6\n\x11ListModelsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"O\n\x12ListModelsResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x06models\x18\x02 \x03(\x0b\x32\x15.mmserve.v1.ModelInfo\"\xee\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05tasks\x18\x02 \x03(\x0e\x32\x10.mmserve.v1.Task\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12-\n\x0cscore_method\x18\x06 \x01(\x0e\x32\x17.mmserve.v1.ScoreMethod\x12\x0e\n\x06labels\x18\x07 \x03(\t\x12\x1b\n\x13\x65mbedding_dimension\x18\x08 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12\x17\n\x0fsupports_images\x18\n \x01(\x08\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x12\n\nvocab_size\x18\x0c \x01(\r\x12\x13\n\x0bspeculative\x18\r \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0f \x01(\t*s\n\x04Task\x12\x14\n\x10TASK_UNSPECIFIED\x10\x00\x12\x11\n\rTASK_GENERATE\x10\x01\x12\x0e\n\nTASK_EMBED\x10\x02\x12\x0f\n\x0bTASK_RERANK\x10\x03\x12\x11\n\rTASK_CLASSIFY\x10\x04\x12\x0e\n\nTASK_SCORE\x10\x05*\x80\x01\n\x0bScoreMethod\x12\x1c\n\x18SCORE_METHOD_UNSPECIFIED\x10\x00\x12\x1e\n\x1aSCORE_METHOD_CROSS_ENCODER\x10\x01\x12\x17\n\x13SCORE_METHOD_COSINE\x10\x02\x12\x1a\n\x16SCORE_METHOD_YES_TOKEN\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mmserve.v1.models_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TASK']._serialized_start=515
-  _globals['_TASK']._serialized_end=630
-  _globals['_SCOREMETHOD']._serialized_start=633
-  _globals['_SCOREMETHOD']._serialized_end=761
+  _globals['_TASK']._serialized_start=545
+  _globals['_TASK']._serialized_end=660
+  _globals['_SCOREMETHOD']._serialized_start=663
+  _globals['_SCOREMETHOD']._serialized_end=791
   _globals['_LISTMODELSREQUEST']._serialized_start=39
   _globals['_LISTMODELSREQUEST']._serialized_end=93
   _globals['_LISTMODELSRESPONSE']._serialized_start=95
   _globals['_LISTMODELSRESPONSE']._serialized_end=174
   _globals['_MODELINFO']._serialized_start=177
-  _globals['_MODELINFO']._serialized_end=513
+  _globals['_MODELINFO']._serialized_end=543
 # @@protoc_insertion_point(module_scope)

@@ -50,7 +50,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "tasks", "max_context", "dtype", "device", "score_method", "labels", "embedding_dimension", "architecture", "supports_images", "quantization", "vocab_size", "speculative", "kv_cache_dtype")
+    __slots__ = ("name", "tasks", "max_context", "dtype", "device", "score_method", "labels", "embedding_dimension", "architecture", "supports_images", "quantization", "vocab_size", "speculative", "tensor_parallel_size", "kv_cache_dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class ModelInfo(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     tasks: _containers.RepeatedScalarFieldContainer[Task]
@@ -78,5 +79,6 @@ class ModelInfo(_message.Message):
     quantization: str
     vocab_size: int
     speculative: str
+    tensor_parallel_size: int
     kv_cache_dtype: str
-    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., score_method: _Optional[_Union[ScoreMethod, str]] = ..., labels: _Optional[_Iterable[str]] = ..., embedding_dimension: _Optional[int] = ..., architecture: _Optional[str] = ..., supports_images: _Optional[bool] = ..., quantization: _Optional[str] = ..., vocab_size: _Optional[int] = ..., speculative: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[Task, str]]] = ..., max_context: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., score_method: _Optional[_Union[ScoreMethod, str]] = ..., labels: _Optional[_Iterable[str]] = ..., embedding_dimension: _Optional[int] = ..., architecture: _Optional[str] = ..., supports_images: _Optional[bool] = ..., quantization: _Optional[str] = ..., vocab_size: _Optional[int] = ..., speculative: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
