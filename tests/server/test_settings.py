@@ -37,6 +37,7 @@ CHOICES = {
     "log_format": ("json", "text"),
     "gpu_memory_utilization": ("0.5", "0.7"),
     "speculative": ("ngram", "jump+suffix"),
+    "kv_cache_dtype": ("fp8", "auto"),
 }
 
 
