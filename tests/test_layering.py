@@ -44,7 +44,10 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 # (importer prefix, imported module): allowed upward imports by design. What the scheduler hands
 # the runner is data, in its own module, so the runner imports data, not the scheduler.
-ALLOWED_UP = {("mmserve.runner", "mmserve.engine.sched_output")}
+ALLOWED_UP = {
+    ("mmserve.runner", "mmserve.engine.sched_output"),
+    ("mmserve.speculative", "mmserve.engine.sched_output"),  # (a draft model's plans: data)
+}
 
 # Violations found when this test was written. Each entry is a defect to remove, not a rule:
 # fix it and delete the entry (the test fails while a listed entry no longer occurs, so the list

@@ -79,7 +79,7 @@ class EngineCore:
         self.quantization = (
             "fp8" if is_fp8(model)
             else "w8a8-int8" if is_int8(model)
-            else getattr(model, "weight_scheme", "")
+            else model.weight_scheme
         )  # fmt: skip
         kv_limit = num_blocks * cache.block_size if num_blocks else model_max_len
         self.max_model_len = min(limit, model_max_len, kv_limit)

@@ -97,6 +97,7 @@ class CausalLM(Protocol):
     pad_token_id: int | None  # the token the model pads inputs with; None = it never pads
     sliding_windows: tuple[int | None, ...]  # per layer (None = full attention); () = none
     image_token_id: int  # the placeholder of one image in prompts; -1 = reads no images
+    weight_scheme: str  # a quantised checkpoint's scheme as it loaded ("w4a16-g128"; "" none)
 
     def forward(
         self,
@@ -131,6 +132,7 @@ class ModelBase(nn.Module):
     pad_token_id: int | None = None
     sliding_windows: tuple[int | None, ...] = ()
     image_token_id: int = -1
+    weight_scheme: str = ""  # set by the loader (models/weight_only.py)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Models with a language-model head override this; the others cannot generate."""

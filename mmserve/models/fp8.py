@@ -155,35 +155,19 @@ def quantize_fp8(model: ModelBase) -> int:
     """Replaces the projections of the model's decoder layers by Fp8Linear quantised from
     their weights, one at a time (at most one layer's weights exist twice); returns how many
     were replaced."""
-    return _replace_projections(model, Fp8Linear.from_linear)
+    return replace_projections(model, Fp8Linear.from_linear)
 
 
 @torch.no_grad()
 def prepare_fp8_checkpoint(model: ModelBase, checkpoint: Fp8Checkpoint) -> int:
     """Before an FP8 checkpoint's weights load: the projections become empty Fp8Linear for
     load_scale and the weight loader to fill."""
-    return _replace_projections(
+    return replace_projections(
         model, lambda linear: Fp8Linear.empty_like(linear, checkpoint.static_activations)
     )
 
 
-@torch.no_grad()
-def prepare_int8_checkpoint(model: ModelBase) -> int:
-    """prepare_fp8_checkpoint's INT8: empty Int8Linear projections for the checkpoint."""
-    from mmserve.models.int8 import Int8Linear
-
-    return _replace_projections(model, Int8Linear.empty_like, "int8")
-
-
-@torch.no_grad()
-def quantize_int8(model: ModelBase) -> int:
-    """quantize_fp8's INT8 w8a8 (models/int8.py): every decoder projection an Int8Linear."""
-    from mmserve.models.int8 import Int8Linear
-
-    return _replace_projections(model, Int8Linear.from_linear, "int8")
-
-
-def _replace_projections(
+def replace_projections(
     model: ModelBase, make: Callable[[nn.Linear], nn.Module], method: str = "fp8"
 ) -> int:
     if not model.capabilities.supports_fp8:

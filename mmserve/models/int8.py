@@ -15,6 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmserve.errors import UnsupportedModel
+from mmserve.models.base import ModelBase
+from mmserve.models.fp8 import config_group, replace_projections
+
 INT8_MAX = 127.0
 MIN_SCALE = 1e-12
 _INT_MM_MIN_ROWS = 17  # torch._int_mm wants more than 16 rows (fewer are padded)
@@ -91,6 +95,18 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 w8a8"
 
 
+@torch.no_grad()
+def prepare_int8_checkpoint(model: ModelBase) -> int:
+    """prepare_fp8_checkpoint's INT8: empty Int8Linear projections for the checkpoint."""
+    return replace_projections(model, Int8Linear.empty_like, "int8")
+
+
+@torch.no_grad()
+def quantize_int8(model: ModelBase) -> int:
+    """quantize_fp8's INT8 w8a8 (models/int8.py): every decoder projection an Int8Linear."""
+    return replace_projections(model, Int8Linear.from_linear, "int8")
+
+
 def is_int8(model: Any) -> bool:  # an nn.Module
     return any(isinstance(m, Int8Linear) for m in model.modules())
 
@@ -99,9 +115,6 @@ def checkpoint_int8(hf_config: Any) -> bool:
     """Whether a checkpoint is compressed-tensors INT8 w8a8 as llm-compressor writes it
     (SmoothQuant / W8A8: int8 weights per channel, activations int8 per token, dynamic);
     another int8 scheme raises naming the field."""
-    from mmserve.errors import UnsupportedModel
-    from mmserve.models.fp8 import config_group
-
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
         return False

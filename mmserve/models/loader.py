@@ -26,11 +26,9 @@ from mmserve.models.fp8 import (
     dequantize_blocks,
     is_fp8,
     prepare_fp8_checkpoint,
-    prepare_int8_checkpoint,
     quantize_fp8,
-    quantize_int8,
 )
-from mmserve.models.int8 import checkpoint_int8
+from mmserve.models.int8 import checkpoint_int8, prepare_int8_checkpoint, quantize_int8
 from mmserve.models.parallel import TensorParallel, tensor_parallel
 from mmserve.models.registry import architecture_of, get_model_class
 from mmserve.models.source import (
@@ -187,7 +185,7 @@ def load_model(
             raise InvalidArgument("quantization", "the checkpoint is FP8 already (quantization_config)")
         quantize_int8(model)
     if weight_only is not None:
-        model.weight_scheme = weight_only.scheme  # type: ignore[assignment]  # (ListModels: what the checkpoint holds)
+        model.weight_scheme = weight_only.scheme  # (ListModels: what the checkpoint holds)
     model.requires_grad_(False)
     model.eval()
     return model, hf_config, load_generation_config(source)

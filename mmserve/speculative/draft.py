@@ -33,7 +33,6 @@ import torch
 
 from mmserve.attention import get_attention_backend
 from mmserve.config import ModelConfig
-from mmserve.engine.block_pool import BlockPool, KVBlock
 from mmserve.engine.sched_output import ScheduledRequest, SchedulerOutput
 from mmserve.models.gguf_cache import materialize
 from mmserve.models.loader import load_model, resolve_model_source
@@ -53,13 +52,35 @@ CPU_KV_SHARE = 0.25  # the same, of the model's KV budget on the CPU
 CATCH_UP_GRAPH = 2
 
 
+class FreeBlocks:
+    """The draft's KV block ids not in use (no prefix cache: a block has one owner)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} draft blocks, {len(self._free)} free")
+        taken = self._free[-n:][::-1] if n else []
+        del self._free[len(self._free) - n :]
+        return taken
+
+    def free(self, blocks: list[int]) -> None:
+        self._free += reversed(blocks)
+
+
 @dataclass
 class _State:
     """What the draft holds for one request."""
 
     fed: list[int] = field(default_factory=list)  # tokens whose KV it holds, from position 0
     verified: int = 0  # leading fed tokens known to be the request's (the rest were guesses)
-    blocks: list[KVBlock] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # its KV block ids, in order
     sent: int = 0  # block ids the runner's block table holds for it
 
 
@@ -112,7 +133,7 @@ class DraftProposer(Proposer):
         block_size = context.block_size
         num_blocks = self._num_blocks(model, dtype)
         self.runner = ModelRunner(model, num_blocks, block_size, device, dtype, context.seed)
-        self.pool = BlockPool(num_blocks, enable_caching=False)
+        self.pool = FreeBlocks(num_blocks)
         self.block_size = block_size
         self.generator = torch.Generator(device=device).manual_seed(context.seed + 1)
         self._states: OrderedDict[str, _State] = OrderedDict()  # least recently used first
@@ -157,7 +178,7 @@ class DraftProposer(Proposer):
     def _drop(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
         if state is not None:
-            self.pool.free(reversed(state.blocks))
+            self.pool.free(state.blocks)
             self._forgotten.append(request_id)
 
     @torch.inference_mode()
@@ -265,7 +286,7 @@ class DraftProposer(Proposer):
 
     def _scheduled(self, turn: _Turn, j: int) -> ScheduledRequest:
         state, request = turn.state, turn.request
-        ids = [b.block_id for b in state.blocks]
+        ids = list(state.blocks)
         kept, state.sent = min(state.sent, len(ids)), len(ids)
         if j == 0:
             token_ids, start = turn.feed, len(state.fed)

@@ -70,7 +70,7 @@ def test_int8_is_transformers_with_int8_projections(tmp_path, arch: str) -> None
 
 def test_int8_is_refused_where_it_does_not_apply() -> None:
     from mmserve.models.base import ModelCapabilities
-    from mmserve.models.fp8 import quantize_int8
+    from mmserve.models.int8 import quantize_int8
 
     class Encoder(nn.Module):
         capabilities = ModelCapabilities(supports_fp8=False)

@@ -14,7 +14,7 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.speculative import ChainedProposer
-from mmserve.speculative.draft import DraftProposer
+from mmserve.speculative.draft import DraftProposer, FreeBlocks
 from tests.entrypoints.test_llm_offline import hf_greedy
 from tests.speculative.test_speculative_llm import (
     GREEDY,
@@ -199,7 +199,7 @@ def test_the_draft_gives_way_in_a_small_pool(models: tuple[str, str]) -> None:
     target, draft = models
     spec_llm = LLM(target, speculative=f"draft={draft}", kv_cache_memory=SMALL_KV)
     proposer = draft_of(spec_llm)
-    proposer.pool.__init__(7, enable_caching=False)  # type: ignore[misc]
+    proposer.pool = FreeBlocks(7)
     out = generate(spec_llm, PROMPTS)
     assert tokens(out) == tokens(generate(llm(target), PROMPTS))
     assert sum(r.num_draft_tokens for r in out) > 0
