@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from mmserve.attention import get_attention_backend
@@ -44,9 +44,10 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     backend = get_attention_backend("triton" if device.type == "cuda" else "torch")
-    source = materialize(resolve_model_source(config.model.model))
-    model_config = replace(config.model, model=str(source.folder))
-    model, hf_config, gen_config = load_model(model_config, device, dtype, backend)
+    # the converted folder's config and tokenizer; load_model reads the weights (a GGUF's
+    # dequantised ones from that folder, or, on CUDA, its blocks from the file itself)
+    source = materialize(resolve_model_source(config.model.model), weights=False)
+    model, hf_config, gen_config = load_model(config.model, device, dtype, backend)
     tokenizer = load_tokenizer(source.folder, source.gguf_file)
     # a model may know better than its config (XLM-R spends two positions on padding)
     model_max_len = (

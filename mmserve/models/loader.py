@@ -26,6 +26,9 @@ from mmserve.models.fp8 import (
     prepare_fp8_checkpoint,
     quantize_fp8,
 )
+from mmserve.models.gguf import iter_gguf_blocks
+from mmserve.models.gguf_cache import materialize
+from mmserve.models.gguf_linear import SUPPORTED_TYPES, finish_gguf, prepare_gguf
 from mmserve.models.registry import architecture_of, get_model_class
 from mmserve.models.source import (
     ModelSource,
@@ -112,7 +115,9 @@ def load_model(
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     check_quantization(model_config.quantization, device)
-    source = resolve_model_source(model_config.model)
+    checkpoint = resolve_model_source(model_config.model)
+    blocks = _keeps_gguf_blocks(checkpoint, model_config, device)
+    source = materialize(checkpoint, weights=not blocks)  # a GGUF's converted folder
     hf_config = load_hf_config(source)
     model_class = get_model_class(architecture_of(hf_config))
     with _default_dtype(torch_dtype), device:
@@ -128,19 +133,39 @@ def load_model(
         init_dummy_weights(model)
     else:
         kv_scales: dict[tuple[int, str], float] = {}
-        weights = take_kv_scales(iter_weights(source, hf_config), kv_scales)
+        if blocks:
+            prepare_gguf(model)
+            gguf_path = checkpoint.folder / str(checkpoint.gguf_file)
+            float_names = {name for name, _ in model.named_parameters()}
+            stream = iter_gguf_blocks(gguf_path, hf_config, float_names, SUPPORTED_TYPES)
+        else:
+            stream = iter_weights(source, hf_config)
+        weights = take_kv_scales(stream, kv_scales)
         if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
             weights = dequantize_blocks(weights, fp8_checkpoint.block)
         elif fp8_checkpoint is not None:
             check_quantization("fp8", device)  # the checkpoint's FP8 weights load as they are
             prepare_fp8_checkpoint(model, fp8_checkpoint)
         model.load_weights(weights)
+        finish_gguf(model)
         set_kv_scales(model, kv_scales)
     if model_config.quantization == "fp8" and not is_fp8(model):
         quantize_fp8(model)
     model.requires_grad_(False)
     model.eval()
     return model, hf_config, load_generation_config(source)
+
+
+def _keeps_gguf_blocks(source: ModelSource, config: ModelConfig, device: torch.device) -> bool:
+    """A GGUF checkpoint on CUDA keeps its quantised blocks (mmserve.models.gguf_linear) unless
+    it is loaded with dummy weights or quantised to FP8 (from its floats). On the CPU it is
+    dequantised once, at conversion."""
+    return (
+        source.gguf_file is not None
+        and device.type == "cuda"
+        and config.load_format != "dummy"
+        and config.quantization is None
+    )
 
 
 # an FP8 KV cache's per-tensor scales in a checkpoint (llm-compressor, vLLM's FP8 formats):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize, gguf_dequantize_ref
-from mmserve.kernels.gguf_gemm import gguf_gemm_rows, gguf_matmul, gguf_matmul_ref
+from mmserve.kernels.gguf_gemm import MAX_ROWS, gguf_gemm_rows, gguf_matmul, gguf_matmul_ref
+from mmserve.models.gguf_linear import GgufLinear
 from tests.kernels.conftest import DEVICE
 
 TYPES = list(FORMATS)
@@ -88,6 +89,22 @@ def test_many_rows_in_chunks_of_the_weight() -> None:
     x = torch.randn(40, 64, device=DEVICE)
     chunked = gguf_matmul(x, blocks, "Q8_0", chunk_elements=64 * 16)  # 16 rows of W at a time
     _assert_close(chunked, gguf_matmul_ref(x, blocks, "Q8_0"), torch.float32)
+
+
+def test_gguf_linear_kernels_equal_its_reference(dtype: torch.dtype) -> None:
+    """A merged projection of mixed types (Q4_K, Q6_K, then a float part) with a bias: the
+    Triton path (few rows and many) equals the module's CPU path."""
+    k = 256
+    parts = [random_blocks("Q4_K", 24, k, 1), random_blocks("Q6_K", 8, k, 2)]
+    parts.append(torch.randn(8, k, device=DEVICE))
+    linear = GgufLinear(k, 40, torch.randn(40, device=DEVICE).to(dtype), dtype, DEVICE)
+    for i, (start, stop) in enumerate([(0, 24), (24, 32), (32, 40)]):
+        linear.load_rows(parts[i], f"part{i}", slice(start, stop))
+    linear.finish()
+    for rows in (3, MAX_ROWS + 8):
+        x = torch.randn(rows, k, device=DEVICE).to(dtype)
+        expected = linear(x, use_kernels=False).float()
+        _assert_close(linear(x, use_kernels=True), expected, dtype)
 
 
 def test_rejects_bad_operands() -> None:
