@@ -16,6 +16,7 @@ from mmserve.engine.scheduler import Scheduler
 from mmserve.inputs import grid_thw
 from mmserve.models.base import CausalLM
 from mmserve.models.fp8 import is_fp8
+from mmserve.models.gguf_linear import gguf_quantization
 from mmserve.request import Request
 from mmserve.runner.model_runner import LaunchedStep, ModelRunner
 from mmserve.runner.pooler import Pooler
@@ -69,7 +70,7 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         self.device = str(device)
         self.compute_dtype = str(kv_dtype).removeprefix("torch.")  # the model's dtype too
-        self.quantization = "fp8" if is_fp8(model) else ""
+        self.quantization = "fp8" if is_fp8(model) else gguf_quantization(model)
         kv_limit = num_blocks * cache.block_size if num_blocks else model_max_len
         self.max_model_len = min(limit, model_max_len, kv_limit)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)

@@ -23,6 +23,7 @@ from mmserve.models.gguf_linear import (
     block_type,
     gguf_quantization,
 )
+from mmserve.server.models import _quantization
 from tests.utils.tiny_models import smollm2_gguf_path
 
 SMOLLM2 = smollm2_gguf_path()
@@ -138,6 +139,13 @@ def test_unsupported_types_are_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModel, match=r"GGUF tensor blk\.0\.attn_q\.weight is IQ2_XS: "
                        r"not supported on CUDA; supported: Q4_0, Q4_1, .*Q6_K, F32"):  # fmt: skip
         list(iter_gguf_blocks(path, _tiny_llama_config(), set(), SUPPORTED_TYPES))
+
+
+def test_list_models_reports_the_files_scheme() -> None:
+    assert _quantization("/m/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf:Q4_1") == "Q4_1"
+    assert _quantization("/m/SmolLM2-135M-Instruct.Q4_1.gguf", "") == "Q4_1"  # the CPU's
+    assert _quantization("/m/model.gguf", "gguf:Q4_K+Q6_K") == "Q4_K+Q6_K"
+    assert _quantization("/m/folder", "fp8") == "fp8"
 
 
 @pytest.mark.slow
