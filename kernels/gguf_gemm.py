@@ -10,8 +10,9 @@ the bytes a step reads are the file's, a quarter of bf16's for Q4 types.
 More rows (prefill, large batches): the weight is dequantised to x's dtype by one kernel and
 multiplied by torch.matmul (cuBLAS). That costs one write and one read of the float weight
 per call, small next to a product of hundreds of rows, and keeps the large-batch product at
-cuBLAS's speed without a tiled kernel of our own. Neither path has been timed on a GPU yet:
-the cut at 32 rows follows kernels/fp8_gemm.py's measured one.
+cuBLAS's speed without a tiled kernel of our own. Neither path has been timed on a GPU yet
+(both compile for sm_90; they were run under the interpreter only): the cut at 32 rows and
+the 32 x 128 weight tiles follow kernels/fp8_gemm.py's measured choices, untuned here.
 """
 
 from __future__ import annotations
