@@ -17,7 +17,7 @@ import torch
 from mmserve.attention import AttentionBackend
 from mmserve.config import ModelConfig
 from mmserve.errors import InvalidArgument, UnsupportedModel
-from mmserve.models.base import CausalLM
+from mmserve.models.base import CausalLM, ModelCapabilities
 from mmserve.models.fp8 import (
     check_quantization,
     checkpoint_fp8,
@@ -116,10 +116,12 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, device)
     check_quantization(model_config.quantization, device)
     checkpoint = resolve_model_source(model_config.model)
-    blocks = _keeps_gguf_blocks(checkpoint, model_config, device)
-    source = materialize(checkpoint, weights=not blocks)  # a GGUF's converted folder
+    source = materialize(checkpoint, weights=False)  # a GGUF's converted folder
     hf_config = load_hf_config(source)
     model_class = get_model_class(architecture_of(hf_config))
+    blocks = _keeps_gguf_blocks(checkpoint, model_config, device, model_class.capabilities)
+    if not blocks:
+        source = materialize(checkpoint)  # with its dequantised weights
     with _default_dtype(torch_dtype), device:
         model = model_class(hf_config, attention_backend)
     model.to(device)  # buffers computed on the CPU (rotary frequencies) follow the weights
@@ -156,13 +158,17 @@ def load_model(
     return model, hf_config, load_generation_config(source)
 
 
-def _keeps_gguf_blocks(source: ModelSource, config: ModelConfig, device: torch.device) -> bool:
-    """A GGUF checkpoint on CUDA keeps its quantised blocks (mmserve.models.gguf_linear) unless
-    it is loaded with dummy weights or quantised to FP8 (from its floats). On the CPU it is
+def _keeps_gguf_blocks(
+    source: ModelSource, config: ModelConfig, device: torch.device, caps: ModelCapabilities
+) -> bool:
+    """A GGUF checkpoint on CUDA keeps its quantised blocks (mmserve.models.gguf_linear) when
+    its model's projections can be swapped (caps.supports_fp8: the Llama family), unless it
+    is loaded with dummy weights or quantised to FP8 (from its floats). On the CPU it is
     dequantised once, at conversion."""
     return (
         source.gguf_file is not None
         and device.type == "cuda"
+        and caps.supports_fp8
         and config.load_format != "dummy"
         and config.quantization is None
     )

@@ -176,3 +176,25 @@ def test_smollm2_with_its_blocks_gives_the_float_models_logits() -> None:
     reference, _, _ = loader.load_model(config, "cpu", "float32", TorchAttentionBackend())
     expected = PagedKV(reference, num_blocks=8).step(reference, [(PagedSeq(), HELLO)])
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("gguf_file", "device", "extra", "supports", "keeps"),
+    [
+        ("m.gguf", "cuda", {}, True, True),
+        ("m.gguf", "cpu", {}, True, False),  # the CPU dequantises at load
+        (None, "cuda", {}, True, False),  # a safetensors folder
+        ("m.gguf", "cuda", {"quantization": "fp8"}, True, False),  # FP8 from the floats
+        ("m.gguf", "cuda", {"load_format": "dummy"}, True, False),
+        ("m.gguf", "cuda", {}, False, False),  # a model whose projections cannot be swapped
+    ],
+)
+def test_which_loads_keep_the_blocks(gguf_file, device, extra, supports, keeps) -> None:  # type: ignore[no-untyped-def]
+    from mmserve.config import ModelConfig
+    from mmserve.models.base import ModelCapabilities
+    from mmserve.models.loader import ModelSource, _keeps_gguf_blocks
+
+    config = ModelConfig(model="m", **extra)
+    caps = ModelCapabilities(supports_fp8=supports)
+    source = ModelSource(Path("/m"), gguf_file)
+    assert _keeps_gguf_blocks(source, config, torch.device(device), caps) is keeps
