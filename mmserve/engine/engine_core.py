@@ -16,6 +16,7 @@ from mmserve.engine.scheduler import Scheduler
 from mmserve.inputs import grid_thw
 from mmserve.models.base import CausalLM
 from mmserve.models.fp8 import is_fp8
+from mmserve.models.gguf_linear import gguf_quantization
 from mmserve.models.int8 import is_int8
 from mmserve.request import Request
 from mmserve.runner.distributed import RankMirror
@@ -75,11 +76,12 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         self.device = str(device)
         self.compute_dtype = str(kv_dtype).removeprefix("torch.")  # the model's dtype too
-        # FP8 or INT8 as run, or the weight-only scheme a checkpoint held (weight_only.py)
+        # FP8 or INT8 as run, the weight-only scheme a checkpoint held (weight_only.py), or
+        # the GGUF types kept as blocks (gguf_linear.py)
         self.quantization = (
             "fp8" if is_fp8(model)
             else "w8a8-int8" if is_int8(model)
-            else model.weight_scheme
+            else model.weight_scheme or gguf_quantization(model)
         )  # fmt: skip
         kv_limit = num_blocks * cache.block_size if num_blocks else model_max_len
         self.max_model_len = min(limit, model_max_len, kv_limit)

@@ -42,8 +42,12 @@ class LoadedEngine:
 
 def load_engine(config: EngineConfig) -> LoadedEngine:
     start = time.monotonic()
-    source = materialize(resolve_model_source(config.model.model))
-    model_config = replace(config.model, model=str(source.folder))
+    tp = config.parallel.tensor_parallel_size > 1
+    # the config and tokenizer of a GGUF's converted folder; its weights only for tensor
+    # parallelism (ranks read their slices of them); without, load_model reads the GGUF
+    # (dequantised from that folder, or its blocks from the file itself on CUDA)
+    source = materialize(resolve_model_source(config.model.model), weights=tp)
+    model_config = replace(config.model, model=str(source.folder)) if tp else config.model
     ranks = None
     if config.parallel.tensor_parallel_size > 1:  # the other ranks load their shards meanwhile
         ranks = start_ranks(replace(config, model=model_config))

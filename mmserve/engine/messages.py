@@ -100,7 +100,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     eos_token_ids: frozenset[int]
     device: str  # e.g. "cuda:0"
     dtype: str  # the compute dtype, e.g. "bfloat16"
-    quantization: str  # of the loaded weights: "fp8", or "" when unquantised
+    quantization: str  # of the loaded weights: "fp8", "gguf:Q4_1" (GGUF blocks kept), or ""
     num_kv_blocks: int  # 0 for encoders (no KV cache)
     block_size: int  # tokens per KV block
     uses_token_types: bool  # reads segment ids (BERT pairs)

@@ -226,7 +226,7 @@ def supports_quantization(model_path: str) -> bool:
     """Whether the checkpoint at model_path is of an architecture quantize_fp8 handles (read
     from its config; nothing is loaded)."""
     # a GGUF's config is read from its converted folder (made once, loaded from right after)
-    hf_config = load_hf_config(materialize(resolve_model_source(model_path)))
+    hf_config = load_hf_config(materialize(resolve_model_source(model_path), weights=False))
     return get_model_class(architecture_of(hf_config)).capabilities.supports_fp8
 
 

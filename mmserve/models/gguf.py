@@ -8,9 +8,9 @@ since llama.cpp's converter interleaves the two rotary halves of every head.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Container, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -18,6 +18,8 @@ import torch
 from mmserve.errors import UnsupportedModel
 
 _PERMUTED_ARCHS = ("llama",)  # files whose q/k rows llama.cpp permuted at conversion
+FLOAT_TYPES = ("F32", "F16", "BF16")  # GGUF types that load as floats everywhere
+_Rows = TypeVar("_Rows", torch.Tensor, np.ndarray)
 
 
 def gguf_architecture(reader: Any) -> str:
@@ -45,9 +47,10 @@ def gguf_to_hf_names(hf_config: Any, gguf_arch: str) -> dict[str, str]:
     return mapping
 
 
-def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rotary(weight: _Rows, num_heads: int) -> _Rows:
     """Undoes llama.cpp's q/k permutation, which reorders each head's rows from two halves
-    (rotary pairs i, i + D/2) to adjacent pairs (2i, 2i + 1). weight: [num_heads * D, ...]."""
+    (rotary pairs i, i + D/2) to adjacent pairs (2i, 2i + 1). weight: [num_heads * D, ...], a
+    torch tensor or a numpy array (of floats, or of a quantised tensor's rows of blocks)."""
     half = weight.shape[0] // num_heads // 2
     grouped = weight.reshape(num_heads, half, 2, *weight.shape[1:])
     return grouped.swapaxes(1, 2).reshape(weight.shape)
@@ -56,8 +59,40 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def iter_gguf_weights(path: Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, float32 tensor) one at a time; tensors with no HF counterpart (e.g.
     rope_freqs) are skipped, as transformers skips them."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
+
+    for hf_name, _, qtype, data in _iter_named(path, hf_config):
+        yield hf_name, _as_torch(dequantize(data, qtype))  # float32, HF shape [out, in]
+
+
+def iter_gguf_blocks(
+    path: Path, hf_config: Any, float_names: Container[str], supported: Collection[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """As iter_gguf_weights, but a 2-D tensor of a supported quantised type that is not in
+    float_names comes as its blocks, uint8 [rows, blocks per row, bytes per block] (rows
+    un-permuted as the floats are). A tensor of another quantised type raises
+    UnsupportedModel naming it and its type."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    for hf_name, gguf_name, qtype, data in _iter_named(path, hf_config):
+        if qtype.name in FLOAT_TYPES or hf_name in float_names or data.ndim != 2:
+            yield hf_name, _as_torch(dequantize(data, qtype))
+        elif qtype.name in supported:
+            # uint8 [rows, row bytes]: each row of the matrix is its row of blocks
+            block_bytes = GGML_QUANT_SIZES[qtype][1]
+            yield hf_name, _as_torch(data.reshape(data.shape[0], -1, block_bytes))
+        else:
+            raise UnsupportedModel(
+                f"GGUF tensor {gguf_name} is {qtype.name}: not supported on CUDA; supported: "
+                f"{', '.join([*supported, *FLOAT_TYPES])}"
+            )
+
+
+def _iter_named(path: Path, hf_config: Any) -> Iterator[tuple[str, str, Any, np.ndarray]]:
+    """(HF name, GGUF name, GGMLQuantizationType, the data as stored: numpy, memory-mapped),
+    with the q/k rows un-permuted where the file permuted them."""
+    from gguf import GGUFReader
 
     reader = GGUFReader(path)  # memory-maps the file
     arch = gguf_architecture(reader)
@@ -67,9 +102,12 @@ def iter_gguf_weights(path: Path, hf_config: Any) -> Iterator[tuple[str, torch.T
         hf_name = names.get(tensor.name)
         if hf_name is None:
             continue
-        array = dequantize(tensor.data, tensor.tensor_type)  # float32, HF shape [out, in]
-        weight = torch.from_numpy(array if array.flags.writeable else np.array(array))
+        data = tensor.data
         for marker, num_heads in heads.items():
             if arch in _PERMUTED_ARCHS and marker in tensor.name:
-                weight = unpermute_rotary(weight, num_heads)
-        yield hf_name, weight
+                data = unpermute_rotary(data, num_heads)  # whole rows: blocks move as floats do
+        yield hf_name, tensor.name, tensor.tensor_type, data
+
+
+def _as_torch(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array if array.flags.writeable else np.array(array))

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from mmserve import envs
 from mmserve.models.source import ModelSource, iter_weights, load_hf_config
@@ -32,20 +34,22 @@ def _key(gguf_path: Path) -> str:
     return f"{gguf_path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
-def materialize(source: ModelSource) -> ModelSource:
-    """The HF-folder form of a GGUF source (converted on first use); other sources as given."""
+def materialize(source: ModelSource, weights: bool = True) -> ModelSource:
+    """The HF-folder form of a GGUF source (converted on first use); other sources as given.
+    weights=False: only the config and tokenizer need be there (a CUDA load that keeps the
+    GGUF's blocks reads its tensors from the file itself)."""
     if source.gguf_file is None:
         return source
     gguf_path = source.folder / source.gguf_file
     target = cache_dir() / _key(gguf_path)
-    if not (target / "model.safetensors").is_file():
-        _convert(source, target)
+    if not (target / "config.json").is_file():
+        _convert(source, target, weights)
+    if weights and not (target / "model.safetensors").is_file():
+        _write_weights(source, target)
     return ModelSource(target, None)
 
 
-def _convert(source: ModelSource, target: Path) -> None:
-    from safetensors.torch import save_file
-
+def _convert(source: ModelSource, target: Path, weights: bool) -> None:
     from mmserve.processors.tokenizer import load_tokenizer
 
     logger.info("converting %s to %s (once)", source.gguf_file, target)
@@ -54,16 +58,32 @@ def _convert(source: ModelSource, target: Path) -> None:
     try:
         hf_config = load_hf_config(source)
         hf_config.save_pretrained(tmp)
-        tensors = {name: t.contiguous() for name, t in iter_weights(source, hf_config)}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        del tensors
+        if weights:
+            _save_weights(source, hf_config, tmp / "model.safetensors")
         load_tokenizer(source.folder, source.gguf_file).save_pretrained(tmp)
         try:
             tmp.rename(target)  # atomic: a concurrent converter either wins or finds it done
         except OSError:
-            if not (target / "model.safetensors").is_file():
+            if not (target / "config.json").is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _write_weights(source: ModelSource, target: Path) -> None:
+    """The float weights into a folder converted without them (atomically, as _convert)."""
+    logger.info("dequantising %s into %s (once)", source.gguf_file, target)
+    fd, tmp = tempfile.mkstemp(dir=target, prefix=".tmp-", suffix=".safetensors")
+    os.close(fd)
+    try:
+        _save_weights(source, load_hf_config(ModelSource(target, None)), Path(tmp))
+        os.replace(tmp, target / "model.safetensors")
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _save_weights(source: ModelSource, hf_config: Any, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {name: t.contiguous() for name, t in iter_weights(source, hf_config)}
+    save_file(tensors, str(path), metadata={"format": "pt"})

@@ -19,6 +19,7 @@ from mmserve.attention import AttentionBackend, AttentionMetadata
 from mmserve.errors import UnsupportedModel
 from mmserve.models.base import ModelBase, ModelCapabilities
 from mmserve.models.fp8 import load_scale
+from mmserve.models.gguf_linear import GgufEmbedding, GgufLinear
 from mmserve.models.layers import (
     RMSNorm,
     Rope,
@@ -317,6 +318,10 @@ class LlamaForCausalLM(ModelBase):
             return name
         if name == "lm_head.weight" and self.spec.tie_word_embeddings:
             return name  # tied: the embedding is the head
+        gguf = self._gguf_target(name)
+        if gguf is not None:  # a GGUF's blocks; the layer checks its rows itself (finish())
+            gguf[0].load_rows(tensor, name, gguf[1])
+            return name
         module_path, proj, kind = _split_name(name)
         if proj in _MERGED:
             merged, index = _MERGED[proj]
@@ -341,6 +346,26 @@ class LlamaForCausalLM(ModelBase):
         return llama_shard(self.spec, self.tp, name, shape) if self.tp is not None else None
 
 
+    def _gguf_target(
+        self, name: str
+    ) -> tuple[GgufLinear | GgufEmbedding, slice | None] | None:
+        """The GgufLinear or GgufEmbedding a weight loads into, with its rows there (None: all),
+        if it is one."""
+        module_name, _, kind = name.rpartition(".")
+        module_path, proj = module_name.rpartition(".")[::2]
+        rows = None
+        if proj in _MERGED:
+            merged, index = _MERGED[proj]
+            owner = self.get_submodule(module_path) if _has_module(self, module_path) else None
+            if not isinstance(owner, (Attention, MLP)):
+                return None
+            module_name, rows = f"{module_path}.{merged}", owner.merged_rows(index)
+        if kind != "weight" or not _has_module(self, module_name):
+            return None
+        target = self.get_submodule(module_name)
+        return (target, rows) if isinstance(target, (GgufLinear, GgufEmbedding)) else None
+
+
 def llama_shard(
     spec: LlamaSpec, tp: TensorParallel, name: str, shape: tuple[int, ...]
 ) -> Shard | None:
@@ -361,6 +386,14 @@ def llama_shard(
         heads = KVHeads.of(spec.num_kv_heads, tp)
         return Shard(0, heads.first * spec.head_dim, (heads.first + heads.count) * spec.head_dim)
     return rows(tp, shape[0] // tp.size)
+
+
+def _has_module(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _expected_keys(params: dict[str, nn.Parameter]) -> set[str]:

@@ -19,7 +19,7 @@ from mmserve.attention import AttentionBackend
 from mmserve.config import ModelConfig
 from mmserve.errors import InvalidArgument, UnsupportedModel
 from mmserve.models import weight_only as weight_only_module
-from mmserve.models.base import CausalLM
+from mmserve.models.base import CausalLM, ModelCapabilities
 from mmserve.models.fp8 import (
     check_quantization,
     checkpoint_fp8,
@@ -28,6 +28,9 @@ from mmserve.models.fp8 import (
     prepare_fp8_checkpoint,
     quantize_fp8,
 )
+from mmserve.models.gguf import iter_gguf_blocks
+from mmserve.models.gguf_cache import materialize
+from mmserve.models.gguf_linear import SUPPORTED_TYPES, finish_gguf, prepare_gguf
 from mmserve.models.int8 import checkpoint_int8, prepare_int8_checkpoint, quantize_int8
 from mmserve.models.parallel import TensorParallel, tensor_parallel
 from mmserve.models.registry import architecture_of, get_model_class
@@ -126,12 +129,17 @@ def load_model(
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     check_quantization(model_config.quantization, device)
-    source = resolve_model_source(model_config.model)
+    checkpoint = resolve_model_source(model_config.model)
+    source = materialize(checkpoint, weights=False)  # a GGUF's converted folder
     hf_config = load_hf_config(source)
     model_class = get_model_class(architecture_of(hf_config))
     sharded = parallel is not None and parallel.size > 1
     if sharded and not model_class.capabilities.tensor_parallel:
         raise UnsupportedModel(f"{model_class.__name__} does not support tensor parallelism")
+    # (a sharded GGUF is read from its converted folder, sliced: no blocks kept)
+    blocks = not sharded and _keeps_gguf_blocks(checkpoint, model_config, device, model_class.capabilities)
+    if not blocks:
+        source = materialize(checkpoint)  # with its dequantised weights
     with _default_dtype(torch_dtype), device, tensor_parallel(parallel):
         model = model_class(hf_config, attention_backend)
     model.to(device)  # buffers computed on the CPU (rotary frequencies) follow the weights
@@ -156,7 +164,12 @@ def load_model(
             raise UnsupportedModel(
                 f"tensor parallelism with a {weight_only.scheme} checkpoint is not supported yet"
             )
-        if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
+        if blocks:
+            prepare_gguf(model)
+            gguf_path = checkpoint.folder / str(checkpoint.gguf_file)
+            float_names = {name for name, _ in model.named_parameters()}
+            weights = iter_gguf_blocks(gguf_path, hf_config, float_names, SUPPORTED_TYPES)
+        elif fp8_checkpoint is not None and fp8_checkpoint.block is not None:
             # block scales cover 128 x 128 tiles of the whole tensor: dequantised whole, then cut
             weights = iter_weights(source, hf_config)
             weights = shard_weights(dequantize_blocks(weights, fp8_checkpoint.block), shard)
@@ -174,6 +187,7 @@ def load_model(
         if int8_checkpoint:
             prepare_int8_checkpoint(model)  # (the checkpoint's int8 weights load as they are)
         model.load_weights(weights)
+        finish_gguf(model)
         set_kv_scales(model, kv_scales)
         if weight_only is not None and kept is not None:
             packed = pack_weight_only(model, kept, weight_only, torch_dtype)
@@ -189,6 +203,22 @@ def load_model(
     model.requires_grad_(False)
     model.eval()
     return model, hf_config, load_generation_config(source)
+
+
+def _keeps_gguf_blocks(
+    source: ModelSource, config: ModelConfig, device: torch.device, caps: ModelCapabilities
+) -> bool:
+    """A GGUF checkpoint on CUDA keeps its quantised blocks (mmserve.models.gguf_linear) when
+    its model's projections can be swapped (caps.supports_fp8: the Llama family), unless it
+    is loaded with dummy weights or quantised to FP8 (from its floats). On the CPU it is
+    dequantised once, at conversion."""
+    return (
+        source.gguf_file is not None
+        and device.type == "cuda"
+        and caps.supports_fp8
+        and config.load_format != "dummy"
+        and config.quantization is None
+    )
 
 
 # an FP8 KV cache's per-tensor scales in a checkpoint (llm-compressor, vLLM's FP8 formats):

@@ -242,8 +242,16 @@ def handle_for(
     )
 
 
+def _quantization(path: str, loaded: str) -> str:
+    """A GGUF's scheme as its file name says ("Q4_1"), whether its blocks are kept on the GPU
+    (EngineInfo says "gguf:Q4_1") or dequantised at load (the CPU: ""); else the engine's."""
+    if loaded and not loaded.startswith("gguf:"):
+        return loaded
+    quant = _GGUF_QUANT.search(Path(path).name)
+    return quant.group(1).upper() if quant else loaded.removeprefix("gguf:")
+
+
 def _facts(spec: ModelSpec, info: EngineInfo) -> ModelFacts:
-    quant = _GGUF_QUANT.search(Path(spec.path).name)
     return ModelFacts(
         architecture=info.architecture,
         # a pure pooling model's limit is its input limit (sentence-transformers may set one)
@@ -251,7 +259,7 @@ def _facts(spec: ModelSpec, info: EngineInfo) -> ModelFacts:
         dtype=info.dtype,
         device=info.device,
         vocab_size=info.vocab_size,
-        quantization=info.quantization or (quant.group(1).upper() if quant else ""),
+        quantization=_quantization(spec.path, info.quantization),
         speculative=info.speculative,
         kv_cache_dtype=info.kv_cache_dtype,
         tensor_parallel_size=info.tensor_parallel_size,

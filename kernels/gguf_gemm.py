@@ -1,0 +1,125 @@
+"""out = x @ W^T with W kept in GGUF blocks (kernels/gguf_blocks.py): dequantised inside the
+product for a few rows, once per call for many.
+
+Up to MAX_ROWS rows (decode steps): each program owns BLOCK_N output channels, streams their
+blocks once over K, dequantises each tile in registers (float32, then x's dtype, as a weight
+dequantised at load and cast to the model dtype would be) and multiplies on the tensor cores
+with the rows padded to 16 or 32, accumulating in float32. The blocks are read once per call:
+the bytes a step reads are the file's, a quarter of bf16's for Q4 types.
+
+More rows (prefill, large batches): the weight is dequantised to x's dtype by one kernel and
+multiplied by torch.matmul (cuBLAS). That costs one write and one read of the float weight
+per call, small next to a product of hundreds of rows, and keeps the large-batch product at
+cuBLAS's speed without a tiled kernel of our own. Neither path has been timed on a GPU yet
+(both compile for sm_90; they were run under the interpreter only): the cut at 32 rows and
+the 32 x 128 weight tiles follow kernels/fp8_gemm.py's measured choices, untuned here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmserve.kernels._common import check_float, check_last_dim_contiguous, check_same_device
+from mmserve.kernels.gguf_blocks import check_blocks, dequant_tile, gguf_dequantize
+
+MAX_ROWS = 32  # the rows of one tile of the few-rows kernel; more go to gguf_dequantize + matmul
+# the many-rows path dequantises at most this many weights at a time (64 MiB of bf16), so a
+# large LM head (128k x 4k) does not need a float copy of itself for one call
+CHUNK_ELEMENTS = 1 << 25
+
+
+@triton.jit
+def _gguf_gemm_rows_kernel(
+    out_ptr, x_ptr, w_ptr, rows, n, k, row_bytes, stride_x, stride_out,
+    QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
+    MIN: tl.constexpr, ZERO: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < rows
+    mask_n = offs_n < n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        mask_k = start + offs_k < k
+        a = tl.load(
+            x_ptr + offs_m[:, None] * stride_x + start + offs_k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+        )  # fmt: skip
+        w_mask = mask_n[:, None] & mask_k[None, :]
+        w = dequant_tile(
+            w_ptr, offs_n, start + offs_k, w_mask, row_bytes, QTYPE, BYTES, QS, QH, MIN, ZERO
+        ).to(a.dtype)
+        if IEEE:  # float32 activations: no TF32 rounding of either operand
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_out + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :],
+    )  # fmt: skip
+
+
+def gguf_gemm_rows(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = 32, block_k: int = 128
+) -> torch.Tensor:
+    """x [M <= 32, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
+    transposed -> [M, N] in x's dtype. block_k: a power of two >= 32 (a partial K tile is
+    masked; tiles need not hold whole super-blocks)."""
+    fmt = check_blocks("blocks", blocks, qtype)
+    check_float("x", x)
+    if x.dim() != 2 or x.shape[1] != blocks.shape[1] * fmt.elements:
+        raise ValueError(
+            f"x must be [M, K] with K = {blocks.shape[1] * fmt.elements} (blocks "
+            f"{list(blocks.shape)} of {qtype}), got {list(x.shape)}"
+        )
+    rows, k = x.shape
+    if rows > MAX_ROWS:
+        raise ValueError(f"x has {rows} rows; this kernel takes at most {MAX_ROWS}")
+    if block_k < 32 or block_k & (block_k - 1) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(
+            f"block_n (>= 16) and block_k (>= 32) must be powers of two, got {block_n}, {block_k}"
+        )
+    check_last_dim_contiguous("x", x)
+    check_same_device(x=x, blocks=blocks)
+    n = blocks.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows and n:
+        _gguf_gemm_rows_kernel[(triton.cdiv(n, block_n),)](
+            out, x, blocks, rows, n, k, blocks.shape[1] * fmt.bytes, x.stride(0), out.stride(0),
+            **fmt.kernel_args(), IEEE=x.dtype == torch.float32,
+            BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def gguf_matmul(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, chunk_elements: int = CHUNK_ELEMENTS
+) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype, W the qtype weight in blocks: the few-rows kernel
+    up to MAX_ROWS rows, else W dequantised to x's dtype (chunk_elements at a time) and
+    torch.matmul."""
+    if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+        return gguf_gemm_rows(x, blocks, qtype)
+    fmt = check_blocks("blocks", blocks, qtype)
+    check_float("x", x)
+    k = blocks.shape[1] * fmt.elements
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, K] with K = {k}, got {list(x.shape)}")
+    step = max(1, chunk_elements // max(k, 1))
+    outs = [
+        x @ gguf_dequantize(blocks[start : start + step], qtype, x.dtype).t()
+        for start in range(0, max(blocks.shape[0], 1), step)  # once for N = 0
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def gguf_matmul_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float32 [M, N]: x @ W^T with W from the gguf package's dequantiser."""
+    from mmserve.kernels.gguf_blocks import gguf_dequantize_ref
+
+    return x.float() @ gguf_dequantize_ref(blocks, qtype).t()

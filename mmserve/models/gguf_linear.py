@@ -1,0 +1,284 @@
+"""GGUF checkpoints served quantised on CUDA: the decoder's projections (and an untied LM head)
+keep the file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks in GPU memory, and
+Triton kernels dequantise them inside each product (kernels/gguf_gemm.py).
+
+The blocks are the file's bytes, unchanged: uint8 [rows, blocks per row, bytes per block]. A
+block's size in bytes names its type (every supported type has its own), so a tensor of blocks
+describes itself on its way from the file to the layer. Float tensors (F32 / F16 / BF16) and
+the token embedding (a lookup table, and a tied LM head with it) load as floats in the model
+dtype. The CPU keeps the dequantised-at-load path (mmserve.models.gguf_cache); a GgufLinear on
+the CPU (tests) multiplies by the gguf package's dequantisation, the kernels' reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmserve.errors import UnsupportedModel
+from mmserve.models.base import Fp8Model, ModelBase
+
+# mmserve.kernels.* are imported where used (see mmserve.models.fp8); these are the formats of
+# kernels/gguf_blocks.py: type -> bytes per block
+BLOCK_BYTES = {
+    "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34,
+    "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
+}  # fmt: skip
+BLOCK_ELEMENTS = {name: 256 if name.endswith("_K") else 32 for name in BLOCK_BYTES}
+SUPPORTED_TYPES = tuple(BLOCK_BYTES)
+FLOAT_TYPES = ("F32", "F16", "BF16")
+_TYPE_OF_BYTES = {size: name for name, size in BLOCK_BYTES.items()}
+
+
+def block_type(tensor: torch.Tensor) -> str | None:
+    """The GGUF type of a tensor of blocks (uint8 [rows, blocks, bytes]); None for a float one."""
+    if tensor.dtype != torch.uint8:
+        return None
+    if tensor.dim() != 3 or tensor.shape[2] not in _TYPE_OF_BYTES:
+        raise UnsupportedModel(
+            f"GGUF blocks of shape {list(tensor.shape)}: [rows, blocks, bytes] of one of "
+            f"{SUPPORTED_TYPES} expected"
+        )
+    return _TYPE_OF_BYTES[tensor.shape[2]]
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Output rows [start, stop) of a GgufLinear and what holds their weights."""
+
+    start: int
+    stop: int
+    qtype: str | None  # a GGUF type, or None: a float weight in the model dtype
+    buffer: str  # the name of the module's buffer: blocks [rows, blocks, bytes] or [rows, K]
+
+
+class GgufLinear(nn.Module):
+    """y = x W^T + b with W's rows in GGUF blocks. A merged projection (q/k/v, gate/up) may mix
+    types (K-quant mixes give attn_v Q6_K beside Q4_K): each run of rows of one type is one
+    tensor of blocks and one product; the outputs are concatenated."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
+                 dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = dtype  # of float parts, and of the outputs on the CPU reference path
+        self.device = device
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.tied = False  # an LM head tied to the embedding: multiplies by its table
+        self._loading: dict[int, tuple[int, torch.Tensor]] = {}  # start row -> (stop, tensor)
+        self.parts: tuple[_Part, ...] = ()  # set by finish(), in row order
+
+    @classmethod
+    def empty_like(cls, linear: nn.Linear) -> GgufLinear:
+        bias = None if linear.bias is None else torch.zeros_like(linear.bias)
+        w = linear.weight
+        return cls(linear.in_features, linear.out_features, bias, w.dtype, w.device)
+
+    def load_rows(self, tensor: torch.Tensor, name: str, rows: slice | None = None) -> None:
+        """Takes the checkpoint tensor `name` (blocks, or float [rows, K]) for rows (None: all)."""
+        start, stop = (0, self.out_features) if rows is None else (rows.start, rows.stop)
+        qtype = block_type(tensor)
+        k = self.in_features if qtype is None else tensor.shape[1] * BLOCK_ELEMENTS[qtype]
+        if tensor.shape[0] != stop - start or k != self.in_features:
+            raise UnsupportedModel(
+                f"weight {name}: checkpoint shape {[tensor.shape[0], k]} != model "
+                f"{[stop - start, self.in_features]}"
+            )
+        if start in self._loading:
+            raise UnsupportedModel(f"weight {name}: rows {start}-{stop} are loaded twice")
+        dtype = torch.uint8 if qtype is not None else self.dtype
+        self._loading[start] = (stop, tensor.to(self.device, dtype).contiguous())
+
+    def finish(self, embedding: GgufEmbedding | None = None) -> None:
+        """After loading: joins adjacent rows of one type into one tensor of blocks; rows that
+        no checkpoint tensor filled fail naming the layer's rows. A tied head takes the
+        embedding's table (the same tensor, not a copy)."""
+        if self.tied:
+            if embedding is None or embedding.table is None:
+                raise UnsupportedModel("a tied LM head without a loaded GGUF embedding")
+            self.register_buffer("part0", embedding.table)
+            self.parts = (_Part(0, self.out_features, embedding.qtype, "part0"),)
+            return
+        runs: list[tuple[int, int, str | None, list[torch.Tensor]]] = []
+        at = 0
+        for start in sorted(self._loading):
+            stop, tensor = self._loading[start]
+            if start != at:
+                break
+            qtype = block_type(tensor)
+            if runs and runs[-1][2] == qtype:
+                runs[-1] = (runs[-1][0], stop, qtype, [*runs[-1][3], tensor])
+            else:
+                runs.append((start, stop, qtype, [tensor]))
+            at = stop
+        if at != self.out_features:
+            raise UnsupportedModel(
+                f"GGUF layer of {self.out_features} x {self.in_features}: the checkpoint "
+                f"fills rows up to {at} only"
+            )
+        parts = []
+        for i, (start, stop, qtype, tensors) in enumerate(runs):
+            self.register_buffer(f"part{i}", torch.cat(tensors) if len(tensors) > 1 else tensors[0])
+            parts.append(_Part(start, stop, qtype, f"part{i}"))
+        self.parts = tuple(parts)
+        self._loading.clear()
+
+    def forward(self, x: torch.Tensor, use_kernels: bool | None = None) -> torch.Tensor:
+        """use_kernels: the Triton path (default: on CUDA; tests set it under the interpreter)."""
+        kernels = x.is_cuda if use_kernels is None else use_kernels
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        outs = [self._product(x2, part, kernels) for part in self.parts]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*shape[:-1], self.out_features)
+
+    def _product(self, x: torch.Tensor, part: _Part, kernels: bool) -> torch.Tensor:
+        weight = self.get_buffer(part.buffer)
+        if part.qtype is None:
+            return F.linear(x, weight)
+        if kernels:
+            from mmserve.kernels.gguf_gemm import gguf_matmul
+
+            return gguf_matmul(x.contiguous(), weight, part.qtype)
+        from mmserve.kernels.gguf_blocks import gguf_dequantize_ref
+
+        return (x.float() @ gguf_dequantize_ref(weight, part.qtype).t()).to(x.dtype)
+
+    def qtypes(self) -> set[str]:
+        return {p.qtype for p in self.parts if p.qtype is not None}
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of blocks per GGUF type (a tied head's are the embedding's: none here)."""
+        held: dict[str, int] = {}
+        for p in self.parts:
+            if p.qtype is not None and not self.tied:
+                held[p.qtype] = held.get(p.qtype, 0) + self.get_buffer(p.buffer).numel()
+        return held
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(f"{p.start}-{p.stop} {p.qtype or self.dtype}" for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, gguf {kinds}"
+
+
+class GgufEmbedding(nn.Module):
+    """The token embedding as GGUF blocks [vocab, blocks, bytes] (or a float table): a lookup
+    dequantises only the rows it reads."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:  # fmt: skip
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.dtype, self.device = dtype, device
+        self.qtype: str | None = None  # the table's GGUF type; None: float
+        self.table: torch.Tensor | None
+        self.register_buffer("table", None)  # [vocab, blocks, bytes] or [vocab, dim], loaded
+
+    @classmethod
+    def empty_like(cls, embedding: nn.Embedding) -> GgufEmbedding:
+        w = embedding.weight
+        return cls(embedding.num_embeddings, embedding.embedding_dim, w.dtype, w.device)
+
+    def load_rows(self, tensor: torch.Tensor, name: str, rows: slice | None = None) -> None:
+        qtype = block_type(tensor)
+        dim = tensor.shape[1] * BLOCK_ELEMENTS[qtype] if qtype is not None else tensor.shape[1]
+        if rows is not None or [tensor.shape[0], dim] != [self.num_embeddings, self.embedding_dim]:
+            raise UnsupportedModel(
+                f"weight {name}: checkpoint shape {[tensor.shape[0], dim]} != model "
+                f"{[self.num_embeddings, self.embedding_dim]}"
+            )
+        self.qtype = qtype
+        dtype = torch.uint8 if qtype is not None else self.dtype
+        self.register_buffer("table", tensor.to(self.device, dtype).contiguous())
+
+    def finish(self) -> None:
+        if self.table is None:
+            raise UnsupportedModel("the checkpoint lacks the token embedding")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] int64 -> [..., dim]
+        assert self.table is not None  # finish() checked it
+        if self.qtype is None:
+            return F.embedding(ids, self.table)
+        rows = self.table.index_select(0, ids.reshape(-1))
+        if rows.is_cuda:
+            from mmserve.kernels.gguf_blocks import gguf_dequantize
+
+            out = gguf_dequantize(rows, self.qtype, self.dtype)
+        else:
+            from mmserve.kernels.gguf_blocks import gguf_dequantize_ref
+
+            out = gguf_dequantize_ref(rows, self.qtype).to(self.dtype)
+        return out.view(*ids.shape, self.embedding_dim)
+
+    def held_bytes(self) -> dict[str, int]:
+        if self.qtype is None or self.table is None:
+            return {}
+        return {self.qtype: self.table.numel()}
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, gguf {self.qtype or self.dtype}"
+
+
+@torch.no_grad()
+def prepare_gguf(model: ModelBase) -> int:
+    """Before a GGUF's weights load: the decoder layers' projections and the LM head become
+    empty GgufLinear, the token embedding an empty GgufEmbedding (a tied head multiplies by
+    its table); returns how many modules were replaced."""
+    if not model.capabilities.supports_fp8:  # the decoders whose projections can be swapped
+        raise UnsupportedModel(f"GGUF blocks on CUDA are not supported for {type(model).__name__}")
+    embeddings = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Embedding)
+    ]
+    tied_weights = {id(e.weight) for _, _, e in embeddings}
+    linears = [
+        (parent, name, child)
+        for layer in cast(Fp8Model, model).decoder_layers()
+        for parent in layer.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear)
+    ]
+    head = dict(model.named_children()).get("lm_head")
+    if isinstance(head, nn.Linear):
+        linears.append((model, "lm_head", head))
+    for parent, name, linear in linears:
+        replacement = GgufLinear.empty_like(linear)
+        replacement.tied = id(linear.weight) in tied_weights
+        setattr(parent, name, replacement)
+    for parent, name, embedding in embeddings:
+        setattr(parent, name, GgufEmbedding.empty_like(embedding))
+    replaced = len(linears) + len(embeddings)
+    on_cuda = any(m.weight.is_cuda for _, _, m in [*linears, *embeddings])
+    del linears, embeddings, head  # the last references to the float weights
+    if on_cuda:
+        torch.cuda.empty_cache()  # the float weights just dropped go back to the KV cache
+    return replaced
+
+
+def finish_gguf(model: nn.Module) -> None:
+    """After the weights loaded: every GgufLinear joins its parts (and checks it is full); a
+    tied head takes the embedding's table."""
+    embeddings = [m for m in model.modules() if isinstance(m, GgufEmbedding)]
+    for embedding in embeddings:
+        embedding.finish()
+    for module in model.modules():
+        if isinstance(module, GgufLinear):
+            module.finish(embeddings[0] if module.tied and len(embeddings) == 1 else None)
+
+
+def gguf_quantization(model: Any) -> str:  # an nn.Module (the engine holds a CausalLM)
+    """The GGUF types the model keeps as blocks, the most bytes first: "gguf:Q4_1+Q8_0" for
+    SmolLM2 (Q4_1 layers, a Q8_0 embedding and tied head); "" when it keeps none."""
+    held: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (GgufLinear, GgufEmbedding)):
+            for qtype, nbytes in module.held_bytes().items():
+                held[qtype] = held.get(qtype, 0) + nbytes
+    return "gguf:" + "+".join(sorted(held, key=lambda t: -held[t])) if held else ""

@@ -1,0 +1,126 @@
+"""The GGUF block kernels (kernels/gguf_blocks.py, kernels/gguf_gemm.py) against the gguf
+package's own dequantiser, for every supported type: random blocks (quantised by gguf where
+it can quantise the type, random valid bytes for the K-quants, which it only dequantises),
+rows 1-300, partial tiles of rows and of K, float32 / float16 (bfloat16 too on CUDA)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize, gguf_dequantize_ref
+from mmserve.kernels.gguf_gemm import MAX_ROWS, gguf_gemm_rows, gguf_matmul, gguf_matmul_ref
+from mmserve.models.gguf_linear import GgufLinear
+from tests.kernels.conftest import DEVICE
+
+TYPES = list(FORMATS)
+# K per type family: 7 blocks of 32 (the 128-wide K tiles end in a partial one), and 2
+# super-blocks of 256 (tiles of 128 hold half a super-block each)
+K = {"legacy": 224, "k_quant": 512}
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [n, k // elements, bytes]: gguf's quantisation of random weights, or, for the
+    K-quants (gguf cannot quantise them), random bytes with finite float16 scales."""
+    import gguf
+    from gguf.quants import quantize
+
+    fmt, rng = FORMATS[qtype], np.random.default_rng(seed)
+    shape = (n, k // fmt.elements, fmt.bytes)
+    if fmt.elements == 32:
+        weights = rng.standard_normal((n, k)).astype(np.float32)
+        raw = quantize(weights, gguf.GGMLQuantizationType[qtype]).reshape(shape)
+    else:
+        raw = rng.integers(0, 256, shape, dtype=np.uint8)
+        scales = (rng.standard_normal((*shape[:2], 2)) * 5e-3).astype(np.float16).view(np.uint8)
+        if qtype == "Q6_K":
+            raw[:, :, 208:210] = scales[:, :, :2]  # d is last
+        else:
+            raw[:, :, 0:4] = scales  # d, dmin
+    return torch.from_numpy(np.ascontiguousarray(raw)).to(DEVICE)
+
+
+def _k(qtype: str) -> int:
+    return K["k_quant" if qtype.endswith("_K") else "legacy"]
+
+
+def _assert_close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_is_ggufs(qtype: str, dtype: torch.dtype) -> None:
+    blocks = random_blocks(qtype, 37, _k(qtype))
+    out = gguf_dequantize(blocks, qtype, dtype)
+    expected = gguf_dequantize_ref(blocks, qtype)
+    assert out.shape == (37, _k(qtype)) and out.dtype == dtype
+    # ggml's float32 arithmetic (on a GPU a multiply-add may be fused: one rounding fewer)
+    _assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32, 33, 300])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_matmul_is_x_times_ggufs_weight(qtype: str, rows: int, dtype: torch.dtype) -> None:
+    """Up to 32 rows the few-rows kernel; more, the dequantise-then-matmul path. 41 output
+    channels: a partial tile of 32."""
+    k = _k(qtype)
+    blocks = random_blocks(qtype, 41, k, seed=rows)
+    x = torch.randn(rows, k, device=DEVICE).to(dtype)
+    out = gguf_matmul(x, blocks, qtype)
+    assert out.shape == (rows, 41) and out.dtype == dtype
+    _assert_close(out, gguf_matmul_ref(x, blocks, qtype), dtype)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize(("block_n", "block_k"), [(16, 32), (64, 64), (32, 512)])
+def test_tile_sizes_do_not_change_the_product(qtype: str, block_n: int, block_k: int) -> None:
+    """Tiles smaller than a super-block, and a K tile longer than K (masked)."""
+    blocks = random_blocks(qtype, 50, _k(qtype))
+    x = torch.randn(3, _k(qtype), device=DEVICE)
+    out = gguf_gemm_rows(x, blocks, qtype, block_n=block_n, block_k=block_k)
+    _assert_close(out, gguf_matmul_ref(x, blocks, qtype), torch.float32)
+
+
+def test_many_rows_in_chunks_of_the_weight() -> None:
+    blocks = random_blocks("Q8_0", 70, 64)
+    x = torch.randn(40, 64, device=DEVICE)
+    chunked = gguf_matmul(x, blocks, "Q8_0", chunk_elements=64 * 16)  # 16 rows of W at a time
+    _assert_close(chunked, gguf_matmul_ref(x, blocks, "Q8_0"), torch.float32)
+
+
+def test_gguf_linear_kernels_equal_its_reference(dtype: torch.dtype) -> None:
+    """A merged projection of mixed types (Q4_K, Q6_K, then a float part) with a bias: the
+    Triton path (few rows and many) equals the module's CPU path."""
+    k = 256
+    parts = [random_blocks("Q4_K", 24, k, 1), random_blocks("Q6_K", 8, k, 2)]
+    parts.append(torch.randn(8, k, device=DEVICE))
+    linear = GgufLinear(k, 40, torch.randn(40, device=DEVICE).to(dtype), dtype, DEVICE)
+    for i, (start, stop) in enumerate([(0, 24), (24, 32), (32, 40)]):
+        linear.load_rows(parts[i], f"part{i}", slice(start, stop))
+    linear.finish()
+    for rows in (3, MAX_ROWS + 8):
+        x = torch.randn(rows, k, device=DEVICE).to(dtype)
+        expected = linear(x, use_kernels=False).float()
+        _assert_close(linear(x, use_kernels=True), expected, dtype)
+
+
+def test_rejects_bad_operands() -> None:
+    blocks = random_blocks("Q4_0", 8, 64)
+    x = torch.randn(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="qtype 'IQ2_XS' is not one of"):
+        gguf_matmul(x, blocks, "IQ2_XS")
+    with pytest.raises(ValueError, match="20 bytes per Q4_1 block"):
+        gguf_matmul(x, blocks, "Q4_1")
+    with pytest.raises(ValueError, match="K = 64"):
+        gguf_matmul(x[:, :32], blocks, "Q4_0")
+    with pytest.raises(ValueError, match="at most 32"):
+        gguf_gemm_rows(torch.randn(33, 64, device=DEVICE), blocks, "Q4_0")
+    with pytest.raises(ValueError, match="powers of two"):
+        gguf_gemm_rows(x, blocks, "Q4_0", block_k=48)
+    with pytest.raises(ValueError, match="x must be float32"):
+        gguf_matmul(x.long(), blocks, "Q4_0")
+    with pytest.raises(ValueError, match="contiguous"):
+        gguf_dequantize(blocks.transpose(0, 1), "Q4_0", torch.float32)
