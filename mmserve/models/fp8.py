@@ -259,8 +259,7 @@ def checkpoint_fp8(hf_config: Any) -> Fp8Checkpoint | None:
         )
     if qc.get("format") not in ("float-quantized", "naive-quantized"):
         raise UnsupportedModel(f"{where}.format {qc.get('format')!r} is not float-quantized")
-    if qc.get("kv_cache_scheme"):
-        raise UnsupportedModel(f"{where}.kv_cache_scheme: an FP8 KV cache is not supported")
+    check_kv_cache_scheme(qc)
     ignored = [m for m in qc.get("ignore") or [] if m not in ("lm_head", "re:.*lm_head")]
     if ignored:
         raise UnsupportedModel(f"{where}.ignore {ignored}: only lm_head may stay unquantised")
@@ -280,6 +279,23 @@ def checkpoint_fp8(hf_config: Any) -> Fp8Checkpoint | None:
             f"{where} input_activations {acts}: dynamic per token or static per tensor expected"
         )
     return Fp8Checkpoint(static_activations=not dynamic)
+
+
+def check_kv_cache_scheme(qc: dict) -> None:
+    """A compressed-tensors kv_cache_scheme is FP8 with one scale per tensor (k_scale /
+    v_scale beside each attention, read by models/loader.py and used with --kv-cache-dtype
+    fp8), or absent; another scheme raises naming it."""
+    scheme = qc.get("kv_cache_scheme")
+    if not scheme:
+        return
+    if (
+        not _is_fp8_args(scheme)
+        or scheme.get("strategy", "tensor") != "tensor"
+        or scheme.get("dynamic")
+    ):
+        raise UnsupportedModel(
+            f"quantization_config.kv_cache_scheme {scheme}: FP8 with static per-tensor scales expected"
+        )
 
 
 def config_group(qc: dict) -> dict:

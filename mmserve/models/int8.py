@@ -17,7 +17,7 @@ from torch import nn
 
 from mmserve.errors import UnsupportedModel
 from mmserve.models.base import ModelBase
-from mmserve.models.fp8 import config_group, replace_projections
+from mmserve.models.fp8 import check_kv_cache_scheme, config_group, replace_projections
 
 INT8_MAX = 127.0
 MIN_SCALE = 1e-12
@@ -139,6 +139,5 @@ def checkpoint_int8(hf_config: Any) -> bool:
         raise UnsupportedModel(
             f"{where} input_activations {acts}: int8 per token, dynamic, symmetric expected"
         )
-    if qc.get("kv_cache_scheme"):
-        raise UnsupportedModel(f"{where}.kv_cache_scheme: not read with int8 weights")
+    check_kv_cache_scheme(qc)
     return True

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mmserve.errors import UnsupportedModel
-from mmserve.models.fp8 import config_group
+from mmserve.models.fp8 import check_kv_cache_scheme, config_group
 
 # AWQ's GEMM packing: nibble k of a word holds output column 8 * word + AWQ_ORDER[k]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -116,8 +116,7 @@ def _compressed_tensors(qc: dict) -> WeightOnlyCheckpoint:
     size = _group(f"{where} weights.group_size", weights.get("group_size")) if strategy == "group" else 0
     if strategy == "group" and not size:
         raise UnsupportedModel(f"{where} weights.group_size: a group strategy needs one")
-    if qc.get("kv_cache_scheme"):
-        raise UnsupportedModel(f"{where}.kv_cache_scheme: not read with pack-quantized weights")
+    check_kv_cache_scheme(qc)
     return WeightOnlyCheckpoint(
         "compressed-tensors",
         _bits(f"{where} weights.num_bits", weights.get("num_bits")),

@@ -524,3 +524,26 @@ def test_a_qwen2_vl_quantises_its_language_model(tmp_path: Path) -> None:
     model = load_ours(make_tiny_qwen2_vl(tmp_path), quantization="fp8")
     assert isinstance(model.language_model.model.layers[0].mlp.down_proj, Fp8Linear)
     assert not any(isinstance(m, Fp8Linear) for m in model.visual.modules())
+
+
+def test_an_fp8_checkpoint_with_kv_cache_scales_loads_them(tmp_path: Path) -> None:
+    """llm-compressor's kv_cache_scheme (FP8, one static scale per tensor): the checkpoint's
+    k_scale / v_scale tensors reach each attention layer; another KV scheme is refused."""
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_model(tmp_path, "llama", name="model")
+    out = tmp_path / "model-fp8"
+    save_fp8_checkpoint(src, out, "channel", False)
+    tensors = load_file(str(out / "model.safetensors"))
+    layers = {n.split(".layers.")[1].split(".")[0] for n in tensors if ".layers." in n}
+    for i in layers:
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.25)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    edit_quantization_config(out, lambda qc: qc.update(kv_cache_scheme=scheme))
+    model = load_ours(out, quantization=None)
+    assert {m.kv_scales for m in model.modules() if hasattr(m, "kv_scales")} == {(0.5, 0.25)}
+    edit_quantization_config(out, lambda qc: qc["kv_cache_scheme"].update(strategy="head"))
+    with pytest.raises(UnsupportedModel, match="kv_cache_scheme .* FP8 with static per-tensor"):
+        load_ours(out, quantization=None)
