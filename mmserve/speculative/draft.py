@@ -185,8 +185,9 @@ class DraftProposer(Proposer):
     def _draft(self, asks: list[tuple[Request, int, list[int]]], chosen: bool) -> list[Guesses]:
         turns: dict[str, _Turn] = {}
         budget = self.context.max_tokens
+        asking = {r.request_id for r, _, _ in asks}
         for request, k, after in asks:
-            turn = self._turn(request, k, after, budget, {r.request_id for r, _, _ in asks}, chosen)
+            turn = self._turn(request, k, after, budget, asking, chosen)
             if turn is not None:
                 turns[request.request_id] = turn
                 budget -= len(turn.feed)
