@@ -10,3 +10,11 @@ import shutil
 
 if shutil.which("nvidia-smi") is None:  # no GPU: torch is not imported yet to ask it
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# pytest-xdist runs several workers on few cores: each worker (and every engine or server
+# process it starts) gets its share of the cores as intra-op threads, not all of them; on the
+# 2-core CI machine two workers of two OpenMP threads each spin against each other, several
+# times slower than one thread each
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))

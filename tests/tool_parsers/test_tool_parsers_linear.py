@@ -77,10 +77,12 @@ def parse_time(fmt: str, text: str, tools: bool, chunk: int | None) -> float:
 
 
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL))
-def test_a_megabyte_parses_in_about_a_second(name: str) -> None:
+def test_a_megabyte_parses_in_seconds_not_minutes(name: str) -> None:
+    """About a second each on one free core; the bound leaves room for a loaded CI machine
+    (a parser that rescans its buffer per chunk takes minutes here)."""
     fmt, make, tools = ADVERSARIAL[name]
-    assert parse_time(fmt, make(MB), tools, None) < 3.0
-    assert parse_time(fmt, make(MB // 4), tools, 7) < 3.0
+    assert parse_time(fmt, make(MB), tools, None) < 15.0
+    assert parse_time(fmt, make(MB // 4), tools, 7) < 15.0
 
 
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL))
