@@ -27,7 +27,7 @@ from mmserve.kernels._common import (
     check_same_device,
     check_shape,
 )
-from mmserve.kernels.paged_ref import NO_SCALES, attend, gather_context
+from mmserve.kernels.paged_ref import FP8, NO_SCALES, attend, gather_context
 from mmserve.kernels.reshape_and_cache import check_scales
 
 MAX_HEAD_DIM = 256
@@ -39,6 +39,8 @@ MAX_GROUP = 128  # query heads per KV head; one program holds a whole group
 _DECODE_TILES = {64: (16, 128, 4, 3), 128: (16, 64, 4, 2), 256: (16, 64, 4, 2)}
 _PREFILL_TILES = {64: (64, 128, 4, 3), 128: (64, 32, 4, 2), 256: (64, 32, 8, 2)}
 _MAX_SPLITS = 32
+K_ROWS = False  # K tiles loaded as stored and transposed in registers
+FP8_DOT_FP16 = False  # an FP8 cache's tiles widened to float16 (and q with them), not bfloat16
 _PROGRAMS_PER_SM = 4  # a decode program is latency-bound; several per SM hide it
 # A finite "minus infinity": fully masked rows then never compute inf - inf = NaN.
 _NO_SCORE = tl.constexpr(-1.0e30)
@@ -100,7 +102,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP16_DOT: tl.constexpr, K_ROWS: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -125,6 +127,8 @@ def _paged_attention_kernel(
     dim_valid = dims < HEAD_DIM
     q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if FP16_DOT:
+        q = q.to(tl.float16)
 
     # Keys any row of this tile may see: [kv_lo, kv_hi); this split takes a slice of its tiles.
     first_q_pos = context_len + q_tile_start
@@ -156,11 +160,18 @@ def _paged_attention_kernel(
         k_valid = k_pos < end
         block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         kv_offs = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k_t = tl.load(  # [HEAD_DIM_P, BLOCK_N]; an FP8 cache's K's scale is in scale_log2
-            key_cache_ptr + kv_offs[None, :] + dims[:, None],
-            mask=k_valid[None, :] & dim_valid[:, None],
-            other=0.0,
-        ).to(q.dtype)
+        if K_ROWS:  # [BLOCK_N, HEAD_DIM_P] as stored, transposed in registers
+            k_t = tl.trans(tl.load(
+                key_cache_ptr + kv_offs[:, None] + dims[None, :],
+                mask=k_valid[:, None] & dim_valid[None, :],
+                other=0.0,
+            ).to(q.dtype))
+        else:
+            k_t = tl.load(  # [HEAD_DIM_P, BLOCK_N]; an FP8 cache's K's scale is in scale_log2
+                key_cache_ptr + kv_offs[None, :] + dims[:, None],
+                mask=k_valid[None, :] & dim_valid[:, None],
+                other=0.0,
+            ).to(q.dtype)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2
         if (kv_start < open_lo) | (kv_start + BLOCK_N > open_hi):
             mask = k_valid[None, :]  # rows past the query need none: they are never stored
@@ -289,6 +300,8 @@ def paged_attention(
         BLOCK_M=tiling.block_m, BLOCK_Q=tiling.block_q, BLOCK_N=tiling.block_n,
         CAUSAL=causal, USE_WINDOW=sliding_window is not None, SPLIT_KV=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP16_DOT=FP8_DOT_FP16 and key_cache.dtype == FP8 and q.dtype == torch.bfloat16,
+        K_ROWS=K_ROWS,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -28,6 +28,8 @@ class ThroughputResult:
     output_tokens: int
     seconds: float
     steps: int
+    kv_cache_tokens: int = 0  # what the KV pool holds
+    peak_running: int = 0  # the most requests decoding or prefilling in one step
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -92,10 +94,11 @@ def throughput(
     start = time.perf_counter()
     for i, (prompt, out_len) in enumerate(requests):
         engine.add_request(f"tp-{i}", prompt, _fixed_length(out_len))
-    steps = 0
+    steps = peak = 0
     while engine.has_unfinished:
         engine.step()
         steps += 1
+        peak = max(peak, len(engine.core.scheduler.running))
     seconds = time.perf_counter() - start
     return ThroughputResult(
         num_requests=num_requests,
@@ -103,4 +106,6 @@ def throughput(
         output_tokens=sum(n for _, n in requests),
         seconds=seconds,
         steps=steps,
+        kv_cache_tokens=engine.core.kv.num_blocks * engine.core.kv.block_size,
+        peak_running=peak,
     )

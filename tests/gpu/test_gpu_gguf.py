@@ -63,9 +63,9 @@ def test_gpu_smollm2_keeps_its_blocks_and_answers_as_the_cpu() -> None:
     del llm, model, layers, layer, projections, embedding, head
     torch.cuda.empty_cache()
     _, cpu_tokens, cpu_text = _chat("cpu", "float32")
-    # the same answer; bfloat16 may end it differently (seen: a newline before <|im_end|>),
-    # the float32 test below holds the tokens to the CPU's exactly
-    assert cpu_text == PARIS and text.strip() == PARIS
+    # the same answer; its end may differ (seen: a newline before <|im_end|>, from the CPU
+    # path of torch 2.11 as from bfloat16); the float32 test below holds the tokens exactly
+    assert cpu_text.strip() == PARIS and text.strip() == PARIS
     assert tokens[:8] == cpu_tokens[:8]
 
 
