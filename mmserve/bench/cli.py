@@ -24,7 +24,8 @@ import torch
 from mmserve import envs
 from mmserve.bench import embed, offline, serve, soak, speculative, structured, vlm
 from mmserve.bench.engine_flags import add_engine_flags, engine_config
-from mmserve.bench.models import model_folder, weight_bytes
+from mmserve.bench.models import model_folder
+from mmserve.bench.roofline import prefill_flops, step_weight_bytes, throughput_flops
 from mmserve.frontend.frontend import FrontEnd
 
 # measured on the H200 (issue 5; BENCHMARKS.md): bf16 matmul at 8192^3, and torch._scaled_mm
@@ -104,7 +105,8 @@ def run(args: argparse.Namespace) -> None:
     if args.baseline:  # first, and freed after: both cannot hold the GPU's memory at once
         _baseline(args, folder, dummy, config)
     engine = _engine(args, folder, dummy)
-    wbytes = weight_bytes(config, quantization=args.quantization) if config.get("model_type") in ("llama", "mistral", "qwen2") else None
+    llama = config.get("model_type") in ("llama", "mistral", "qwen2")
+    wbytes = step_weight_bytes(engine.core.runner.model) if llama else None  # as loaded
     bw = args.bandwidth_gbs * 1e9
     if args.kind == "latency":
         lat = offline.latency(engine, args.input_len, args.output_len)
@@ -189,24 +191,6 @@ def prefill_ms(engine: FrontEnd, batch: int, input_len: int) -> tuple[float, int
             engine.step()
         times.append(time.perf_counter() - t)
     return 1e3 * statistics.median(times[1:]), batch * input_len
-
-
-def prefill_flops(config: dict, batch: int, input_len: int) -> float:
-    """Matmul FLOPs of a prefill: 2 * params * tokens plus causal attention (QK^T and PV)."""
-    tokens = batch * input_len
-    params = weight_bytes(config, 1) - config["vocab_size"] * config["hidden_size"]  # no embedding gather
-    attn = 2 * 2 * config["num_hidden_layers"] * config["hidden_size"] * batch * input_len * input_len / 2
-    return 2 * params * tokens + attn
-
-
-def throughput_flops(config: dict, requests: int, input_len: int, output_len: int) -> float:
-    """Matmul FLOPs of `requests` sequences of input_len + output_len tokens: every token
-    through the decoder layers, causal attention over its prefix, and the LM head only where a
-    token is sampled (output_len per request)."""
-    tokens = input_len + output_len
-    head = config["vocab_size"] * config["hidden_size"]
-    layers_only = prefill_flops(config, requests, tokens) - 2 * head * requests * tokens
-    return layers_only + 2 * head * requests * output_len
 
 
 def _baseline(args: argparse.Namespace, folder: Path, dummy: bool, config: dict) -> None:

@@ -129,18 +129,6 @@ def package_dir(name: str) -> Path:
     raise FileNotFoundError(f"package {name!r} is not installed (nor under MMSERVE_BENCH_DATA)")
 
 
-def weight_bytes(config: dict, bytes_per_param: int = 2, quantization: str | None = None) -> int:
-    """Parameter bytes of a Llama-shaped config (what one decode step must read). With
-    quantization "fp8" the decoder layers' projections take 1 byte per weight (their per-channel
-    scales are left out: under 0.1%), the rest bytes_per_param."""
-    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
-    projections = layers * (h * h * 2 + 2 * h * kv + 3 * h * i)
-    embed = config["vocab_size"] * h * (1 if config.get("tie_word_embeddings") else 2)
-    rest = layers * 2 * h + embed + h
-    return projections * (1 if quantization == "fp8" else bytes_per_param) + rest * bytes_per_param
-
-
 def model_folder(model: str, load_format: str | None = None) -> tuple[Path, bool]:
     """--model as a folder, and whether its weights are random: shape:NAME becomes a fresh
     folder of that shape (random weights); a path stays, random with --load-format dummy."""
