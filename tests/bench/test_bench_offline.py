@@ -1,5 +1,6 @@
 """The offline benchmarks' rooflines against independent counts (transformers' own model built
-on the meta device, and sums by hand over the loaded tiny models: bf16, tied, FP8), and
+on the meta device, and sums by hand over the loaded tiny models: bf16, tied, FP8, w4a16
+packed), and
 `bench throughput` end to end on a tiny model."""
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from mmserve.bench import cli
 from mmserve.bench.models import SHAPES
 from mmserve.bench.roofline import matmul_parameters, step_weight_bytes, throughput_flops
 from tests.bench.conftest import bench_args
-from tests.utils.tiny_models import TINY_VOCAB_SIZE, make_tiny_model
+from tests.utils.tiny_models import (
+    TINY_VOCAB_SIZE,
+    make_tiny_model,
+    make_tiny_tokenizer,
+    tiny_config,
+)
 
 
 def _hf_parameters(config: dict) -> dict[str, int]:
@@ -67,6 +73,25 @@ def test_fp8_reads_a_byte_per_weight_and_a_scale_per_channel(tmp_path: Path) -> 
     channels = LAYERS * sum(n for n, _ in PROJECTIONS)
     model = _loaded(make_tiny_model(tmp_path, "llama"), quantization="fp8")
     assert step_weight_bytes(model) == weights + 4 * channels + 2 * (NORMS + V * H)
+
+
+def test_w4a16_reads_its_packed_weights_scales_and_zeros(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept packed (as on CUDA): int32 words of 8 weights, and a bf16 scale and zero point per
+    group of 128 inputs and output channel; the head stays bf16."""
+    from mmserve.bench.checkpoints import write_checkpoint
+    from mmserve.models import weight_only
+
+    monkeypatch.setattr(weight_only, "PACKED_ON", ("cuda", "cpu"))
+    base = tmp_path / "base"
+    tiny_config(hidden_size=256, intermediate_size=512, head_dim=64).save_pretrained(base)
+    make_tiny_tokenizer().save_pretrained(base)
+    model = _loaded(write_checkpoint(base, "w4a16-g128", tmp_path / "w4a16", "tiny"))
+    assert sum(isinstance(m, weight_only.WeightOnlyLinear) for m in model.modules()) == 2 * 4
+    shapes = [(256, 256), (128, 256), (128, 256), (256, 256), (512, 256), (512, 256), (256, 512)]
+    packed = sum(n * k // 2 + 2 * 2 * n * (k // 128) for n, k in shapes)  # 4 bits; scales, zeros
+    assert step_weight_bytes(model) == 2 * packed + 2 * (2 * 2 * 256 + 256 + V * 256)
 
 
 def test_the_8b_shape_reads_15_gb_in_bf16() -> None:
