@@ -142,12 +142,35 @@ def package_dir(name: str) -> Path:
     raise FileNotFoundError(f"package {name!r} is not installed (nor under MMSERVE_BENCH_DATA)")
 
 
-def model_folder(model: str, load_format: str | None = None) -> tuple[Path, bool]:
-    """--model as a folder, and whether its weights are random: shape:NAME becomes a fresh
-    folder of that shape (random weights); a path stays, random with --load-format dummy."""
+def model_folder(
+    model: str, load_format: str | None = None, checkpoint_format: str | None = None
+) -> tuple[Path, bool]:
+    """--model as a model path, and whether its weights are random: shape:NAME becomes a fresh
+    folder of that shape (random weights), or with a checkpoint format that shape's random
+    checkpoint in it (mmserve.bench.checkpoints, loaded as it is); a path (a folder or a .gguf
+    file) stays, random with --load-format dummy."""
+    if checkpoint_format is not None:
+        if not model.startswith("shape:"):
+            raise ValueError("--checkpoint-format writes a random checkpoint of a shape: give --model shape:NAME")
+        if load_format == "dummy":
+            raise ValueError("--checkpoint-format loads the checkpoint it writes: not with --load-format dummy")
+        from mmserve.bench.checkpoints import shape_checkpoint
+
+        return shape_checkpoint(model.split(":", 1)[1], checkpoint_format), False
     if model.startswith("shape:"):
         return make_model_folder(model.split(":", 1)[1], Path(tempfile.mkdtemp()) / "model"), True
     return Path(model), load_format == "dummy"
+
+
+def model_config(model: Path, weights: bool = False) -> tuple[Path, dict]:
+    """A model path's HF folder and its config.json, as `mmserve serve` resolves the path (a
+    .gguf file, or a folder holding one, through its converted folder: with its dequantised
+    weights when weights is set, e.g. for the transformers baseline)."""
+    from mmserve.models.gguf_cache import materialize
+    from mmserve.models.loader import resolve_model_source
+
+    folder = materialize(resolve_model_source(model), weights=weights).folder
+    return folder, json.loads((folder / "config.json").read_text())
 
 
 def make_model_folder(shape: str, folder: Path) -> Path:

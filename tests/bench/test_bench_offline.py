@@ -1,7 +1,7 @@
 """The offline benchmarks' rooflines against independent counts (transformers' own model built
 on the meta device, and sums by hand over the loaded tiny models: bf16, tied, FP8, w4a16
-packed), and
-`bench throughput` end to end on a tiny model."""
+packed), and `bench throughput / latency / decode` end to end on tiny models (a GGUF file
+among them)."""
 
 from __future__ import annotations
 
@@ -188,3 +188,82 @@ def test_bench_engine_flags_are_the_engine_settings() -> None:
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         engine_config(parser.parse_args([*flags, "--gpu-memory-utilization", "2"]), "m", dummy=True)
 
+
+def _lines(capsys: pytest.CaptureFixture[str]) -> list[dict]:
+    return [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith("{")]
+
+
+def test_bench_latency_takes_a_gguf_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    one_thread: None,
+) -> None:
+    """--model FILE.gguf, as `mmserve serve` takes it (its config from the converted folder);
+    on the CPU the weights are dequantised to float32, and that is what a step reads."""
+    from mmserve.bench.checkpoints import write_checkpoint
+
+    monkeypatch.setenv("MMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    base = tmp_path / "base"
+    config = tiny_config(hidden_size=256, intermediate_size=512, head_dim=64)
+    config.save_pretrained(base)
+    make_tiny_tokenizer().save_pretrained(base)
+    path = write_checkpoint(base, "gguf:Q4_0", tmp_path / "gguf", "tiny")
+    assert path.suffix == ".gguf" and path.is_file()
+    cli.run(bench_args("latency", "--model", str(path), "--device", "cpu", "--input-len", "8",
+                       "--output-len", "4", "--max-model-len", "64"))  # fmt: skip
+    (line,) = _lines(capsys)
+    assert (line["bench"], line["input_len"], line["output_len"]) == ("latency", 8, 4)
+    params = matmul_parameters(json.loads((base / "config.json").read_text()))
+    assert line["weight_bytes"] == 4 * params  # float32 on the CPU
+    assert line["bandwidth_floor_ms"] == pytest.approx(1e3 * 4 * params / 4180e9)
+
+
+def test_bench_decode_gives_a_line_per_batch_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], one_thread: None
+) -> None:
+    """--batch-sizes: one engine, a decode line per size (with latency first when both are
+    asked for); --batch-size alone still gives its one line."""
+    path = make_tiny_model(tmp_path, "llama")
+    flags = ["--model", str(path), "--device", "cpu", "--input-len", "8", "--output-len", "4",
+             "--max-model-len", "128"]  # fmt: skip
+    cli.run(bench_args("decode,latency", *flags, "--batch-sizes", "1,3"))
+    lines = _lines(capsys)
+    assert [(x["bench"], x.get("batch_size")) for x in lines] == [
+        ("latency", None), ("decode", 1), ("decode", 3),
+    ]  # fmt: skip
+    weights = 4 * (LAYERS * sum(n * k for n, k in PROJECTIONS) + NORMS + V * H)  # float32
+    for line in lines[1:]:
+        assert (line["context"], line["weight_bytes"], line["quantization"]) == (8, weights, "")
+        kv_per_token = 2 * LAYERS * 2 * 16 * 4  # K and V, 2 heads of 16, float32
+        assert line["kv_bytes_read"] == line["batch_size"] * (8 + 32) * kv_per_token
+        assert line["roofline_ms"] == pytest.approx(1e3 * (weights + line["kv_bytes_read"]) / 4180e9)
+    cli.run(bench_args("decode", *flags, "--batch-size", "2", "--decode-context", "12"))
+    assert [(x["batch_size"], x["context"]) for x in _lines(capsys)] == [(2, 12)]
+
+
+def test_bench_kinds_and_checkpoint_formats_are_checked() -> None:
+    with pytest.raises(SystemExit):
+        bench_args("latency,embed")  # embed runs an engine of its own
+    assert bench_args("throughput,latency").kind == "latency,throughput"
+    with pytest.raises(ValueError, match="--checkpoint-format writes a random checkpoint of a shape"):
+        cli.run(bench_args("latency", "--model", "/no/such/model", "--checkpoint-format", "w4a16-g128"))
+
+
+def test_bench_loads_a_shapes_checkpoint_in_a_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    one_thread: None,
+) -> None:
+    """--checkpoint-format: the shape's checkpoint written (once) and loaded as it is, INT8
+    w8a8 here: a step reads a byte per weight, a float32 scale per channel, and on the CPU
+    float32 norms and head (the tiny shape's vocabulary is Llama 3's)."""
+    monkeypatch.setenv("MMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    cli.run(bench_args("latency", "--model", "shape:llama3-tiny", "--checkpoint-format", "w8a8-int8",
+                       "--device", "cpu", "--input-len", "8", "--output-len", "2",
+                       "--max-model-len", "64"))  # fmt: skip
+    (line,) = _lines(capsys)
+    shape = SHAPES["llama3-tiny"]
+    h, vocab = shape["hidden_size"], shape["vocab_size"]
+    projections = [(256, 256), (128, 256), (128, 256), (256, 256), (512, 256), (512, 256), (256, 512)]
+    weights = 2 * sum(n * k + 4 * n for n, k in projections)
+    assert line["quantization"] == "w8a8-int8"
+    assert line["weight_bytes"] == weights + 4 * (2 * 2 * h + h + vocab * h)
+    assert len(list((tmp_path / "cache" / "bench-checkpoints").iterdir())) == 1
