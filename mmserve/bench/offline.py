@@ -40,6 +40,19 @@ class ThroughputResult:
         return (self.input_tokens + self.output_tokens) / self.seconds
 
 
+DEFAULT_BATCH_SIZES = "1,64"  # structured, spec, spec-cost
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s < 1 for s in sizes):
+        raise ValueError(f"--batch-sizes: give positive integers, comma-separated, got {text!r}")
+    return sizes
+
+
 def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab - 100) for _ in range(length)]
 

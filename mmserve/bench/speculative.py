@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mmserve.bench.offline import random_prompt
+from mmserve.bench.offline import DEFAULT_BATCH_SIZES, parse_batch_sizes, random_prompt
 from mmserve.config import SpeculativeConfig
 from mmserve.frontend.frontend import FrontEnd
 from mmserve.params import SamplingParams
@@ -215,7 +215,7 @@ def run_set(engine: FrontEnd, items: list[Task], batch: int, output_len: int) ->
 
 def run(args: argparse.Namespace, emit: Any, engine_for: Any) -> None:
     """engine_for(speculative config) -> a FrontEnd on --model with the shared engine flags."""
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    batches = parse_batch_sizes(args.batch_sizes or DEFAULT_BATCH_SIZES)
     sets = {name: tasks(name) for name in args.spec_sets.split(",")}
     for method in args.spec_methods.split(","):
         spec = SpeculativeConfig(
@@ -291,7 +291,7 @@ def run_cost(args: argparse.Namespace, emit: Any, engine_for: Any) -> None:
     """Decode step time with 1 + k tokens per request against 1, per batch size; with
     --spec-draft, also with the k guesses made by that draft model (its steps included)."""
     ks = [0] + [int(k) for k in args.spec_k.split(",")]
-    batches = [int(b) for b in args.batch_sizes.split(",")]
+    batches = parse_batch_sizes(args.batch_sizes or DEFAULT_BATCH_SIZES)
     method = "ngram" if args.spec_draft is None else resolve_method(f"draft={args.spec_draft}", args.model)
     spec = SpeculativeConfig(method=method, num_speculative_tokens=max(ks),
                              disable_batch_size=max(batches))  # fmt: skip

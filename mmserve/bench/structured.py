@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from mmserve.bench.offline import random_prompt
+from mmserve.bench.offline import DEFAULT_BATCH_SIZES, parse_batch_sizes, random_prompt
 from mmserve.errors import InvalidArgument
 from mmserve.frontend.frontend import FrontEnd
 from mmserve.params import SamplingParams
@@ -83,7 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile-repeats", type=int, default=3, help="structured: cold compiles of each schema"
     )
-    p.add_argument("--batch-sizes", default="1,64", help="structured: TPOT batch sizes; spec, spec-cost: batch sizes")
+    p.add_argument(
+        "--batch-sizes",
+        default=None,
+        help=f"structured: TPOT batch sizes; spec, spec-cost: batch sizes (default {DEFAULT_BATCH_SIZES}); "
+        "decode: one line per batch size, in one engine (default --batch-size)",
+    )
     p.add_argument("--tpot-repeats", type=int, default=3, help="structured: timed runs per side")
     p.add_argument(
         "--tpot-schema",
@@ -262,16 +267,6 @@ def parse_backends(text: str) -> list[str]:
     return names
 
 
-def parse_batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or any(s < 1 for s in sizes):
-        raise ValueError(f"--batch-sizes: give positive integers, comma-separated, got {text!r}")
-    return sizes
-
-
 def run(args: argparse.Namespace) -> None:
     from mmserve.bench.engine_flags import engine_config
     from mmserve.bench.models import model_folder
@@ -281,7 +276,7 @@ def run(args: argparse.Namespace) -> None:
     if args.schemas and Path(args.schemas).is_file():
         corpus_run(args, backends)
         return
-    batch_sizes = parse_batch_sizes(args.batch_sizes)
+    batch_sizes = parse_batch_sizes(args.batch_sizes or DEFAULT_BATCH_SIZES)
     for flag in ("compile_repeats", "tpot_repeats"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
