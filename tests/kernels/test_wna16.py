@@ -15,6 +15,10 @@ CASES = [  # rows, N, K, bits, group_size
     (17, 72, 128, 4, 128),
     (40, 48, 96, 8, 96),
     (300, 40, 64, 4, 16),
+    (1, 64, 512, 4, 128),  # 128-channel steps, one row of scales each
+    (5, 33, 384, 8, 128),
+    (2, 48, 320, 4, 320),  # per channel (one group): 64-channel steps
+    (33, 56, 200, 4, 200),  # a group no step size divides: scales per value
 ]
 
 
