@@ -128,6 +128,9 @@ def test_choose_tiling():
     assert choose_tiling(head_dim=64, group=4, max_query_len=7).block_m == 32  # short prefill
     mqa = choose_tiling(head_dim=64, group=128, max_query_len=4)
     assert (mqa.block_m, mqa.block_q) == (128, 1)
+    fp8 = choose_tiling(head_dim=128, group=8, max_query_len=1, fp8_cache=True)
+    assert fp8.block_n == 2 * decode.block_n and fp8.block_m == decode.block_m  # same bytes per tile
+    assert choose_tiling(128, 8, 512, fp8_cache=True) == prefill
 
 
 def test_choose_num_splits():
