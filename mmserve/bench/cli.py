@@ -1,10 +1,11 @@
 """`mmserve bench latency | throughput | decode | prefill | embed | serve | structured | spec |
-spec-cost`: engine benchmarks (the first four may be combined, comma-separated, to run in one
+spec-cost | quality`: engine benchmarks (the first four may be combined, comma-separated, to run in one
 engine: `latency,decode,throughput`; embed also over gRPC, against sentence-transformers:
 mmserve/bench/embed.py; serve is a gRPC load generator with Poisson arrivals:
 mmserve/bench/serve.py; structured is the cost of constrained decoding:
 mmserve/bench/structured.py; spec and spec-cost are speculative decoding's gain and cost:
-mmserve/bench/speculative.py).
+mmserve/bench/speculative.py; quality is what quantisation does to the next-token
+distribution on real text: mmserve/bench/quality.py).
 
 Each prints one JSON object per line (the figure, its roofline where one applies, and the
 transformers baseline when --baseline is given), so results can be pasted into BENCHMARKS.md.
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from mmserve import envs
-from mmserve.bench import embed, offline, serve, soak, speculative, structured, vlm
+from mmserve.bench import embed, offline, quality, serve, soak, speculative, structured, vlm
 from mmserve.bench.checkpoints import FORMATS
 from mmserve.bench.engine_flags import add_engine_flags, engine_config
 from mmserve.bench.models import model_config, model_folder
@@ -37,7 +38,8 @@ BF16_MATMUL_TFLOPS = 800.0
 FP8_MATMUL_TFLOPS = 1300.0
 # the kinds that share one engine when combined (latency,decode,...), in the order they run
 OFFLINE_KINDS = ("latency", "decode", "prefill", "throughput")
-KINDS = (*OFFLINE_KINDS, "embed", "serve", "structured", "vlm", "soak", "spec", "spec-cost")
+KINDS = (*OFFLINE_KINDS, "embed", "serve", "structured", "vlm", "soak", "spec", "spec-cost",
+         "quality")
 # the architectures whose rooflines the config describes (Llama-shaped decoders)
 ROOFLINE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -80,6 +82,7 @@ def add_parser(sub: Any) -> None:
     vlm.add_arguments(p)
     soak.add_arguments(p)
     speculative.add_arguments(p)
+    quality.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -101,7 +104,7 @@ def _emit(**fields: Any) -> None:
 
 def run(args: argparse.Namespace) -> None:
     others = {"embed": embed.run, "serve": serve.run, "structured": structured.run, "vlm": vlm.run,
-              "soak": soak.run}  # fmt: skip
+              "soak": soak.run, "quality": lambda a: quality.run(a, _emit)}  # fmt: skip
     if args.kind in others:
         others[args.kind](args)
     elif args.kind in ("spec", "spec-cost"):
