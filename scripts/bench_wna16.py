@@ -32,7 +32,7 @@ def main() -> None:
             w4 = 1e3 * triton.testing.do_bench(packed, warmup=25, rep=200)
             dense = functools.partial(torch.matmul, x, weight.t())
             bf16 = 1e3 * triton.testing.do_bench(dense, warmup=25, rep=200)
-            tiling = choose_tiling(rows, n, 128, _num_sms(x.device))
+            tiling = choose_tiling(rows, n, k, 128, _num_sms(x.device))
             print(json.dumps({"n": n, "k": k, "rows": rows, "tiling": str(tiling),
                               "w4a16_us": round(w4, 1), "w4a16_gbs": round(packed_bytes / w4 / 1e3),
                               "bf16_us": round(bf16, 1),

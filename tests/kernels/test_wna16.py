@@ -59,3 +59,30 @@ def test_rejects_bad_inputs():  # type: ignore[no-untyped-def]
         wna16_gemm(args[0][:, :32], *args[1:], 4, 32)
     with pytest.raises(ValueError, match="not a multiple of 8"):
         pack_columns(q[:12], 4)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[5], CASES[8]], ids=str)
+def test_unsplit_products_match_too(case, monkeypatch):  # type: ignore[no-untyped-def]
+    """With no programs wanted per SM, K is never split: the one-pass path, same results."""
+    from mmserve.kernels import wna16
+
+    monkeypatch.setattr(wna16, "PROGRAMS_PER_SM", 0)
+    rows, n, k, bits, group_size = case
+    assert wna16.choose_tiling(rows, n, k, group_size, 132).splits == 1
+    x, q, zeros, scales, w = _operands(rows, n, k, bits, group_size, torch.float32)
+    args = [t.to(DEVICE) for t in (x, pack_columns(q, bits), scales, zeros)]
+    expected = x @ w.t()
+    out = wna16_gemm(*args, bits, group_size).cpu()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def test_decode_splits_k_into_whole_steps():  # type: ignore[no-untyped-def]
+    from mmserve.kernels.wna16 import choose_tiling
+
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:  # Llama-3-8B
+        t = choose_tiling(1, n, k, 128, num_sms=132)
+        assert t.one_group and t.block_k == 128 and t.k_per_split % t.block_k == 0
+        assert (t.splits - 1) * t.k_per_split < k <= t.splits * t.k_per_split
+        programs = -(-n // t.block_n) * t.splits
+        assert programs >= 3 * 132 or t.splits == k // t.block_k  # SMs about filled, or K used up
+    assert choose_tiling(4096, 4096, 4096, 128, num_sms=132).splits == 1  # a prefill's tiles suffice
