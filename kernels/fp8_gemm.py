@@ -1,4 +1,5 @@
-"""FP8 x FP8 products of a few rows (decode steps): out = (xq @ wq^T) * x_scale * w_scale.
+"""FP8 x FP8 (and INT8 x INT8) products of a few rows (decode steps): out = (xq @ wq^T) *
+x_scale * w_scale.
 
 torch._scaled_mm's kernels are built for large products: at 1-32 rows they read an 8B model's
 FP8 weights no faster than cuBLAS reads bf16 ones (measured on the H200), which throws away
@@ -27,7 +28,7 @@ MAX_ROWS = 32
 def _fp8_gemm_rows_kernel(
     out_ptr, xq_ptr, xs_ptr, wq_ptr, ws_ptr,
     rows, n, k, stride_x, stride_w, stride_out,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -35,7 +36,10 @@ def _fp8_gemm_rows_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < rows
     mask_n = offs_n < n
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if INT8:  # exact integer sums
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         mask_k = start + offs_k < k
         a = tl.load(
@@ -49,7 +53,7 @@ def _fp8_gemm_rows_kernel(
         acc = tl.dot(a, tl.trans(b), acc)
     xs = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
     ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
-    out = acc * xs[:, None] * ws[None, :]
+    out = acc.to(tl.float32) * xs[:, None] * ws[None, :]
     tl.store(
         out_ptr + offs_m[:, None] * stride_out + offs_n[None, :],
         out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :],
@@ -65,8 +69,9 @@ def fp8_gemm_rows(
     block_n: int | None = None,
     block_k: int | None = None,
 ) -> torch.Tensor:
-    """xq [M <= 32, K] and wq [N, K] in float8_e4m3fn (or, under the interpreter, any float
-    dtype), x_scale [M, 1] and w_scale [1, N] float32 -> [M, N] in out_dtype."""
+    """xq [M <= 32, K] and wq [N, K] in float8_e4m3fn or int8 (int32 sums; under the
+    interpreter also any float dtype), x_scale [M, 1] and w_scale [1, N] float32 -> [M, N] in
+    out_dtype."""
     if xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
         raise ValueError(
             f"xq [M, K] and wq [N, K] must share K, got {list(xq.shape)} and {list(wq.shape)}"
@@ -100,7 +105,43 @@ def fp8_gemm_rows(
         _fp8_gemm_rows_kernel[(triton.cdiv(n, block_n),)](
             out, xq, x_scale.float(), wq, w_scale.float(),
             rows, n, k, xq.stride(0), wq.stride(0), out.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INT8=xq.dtype == torch.int8,
+            num_warps=4, num_stages=4,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _scale_product_kernel(
+    out_ptr, acc_ptr, xs_ptr, ws_ptr, n, stride_acc, stride_out, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < n
+    acc = tl.load(acc_ptr + row * stride_acc + offs, mask=mask, other=0).to(tl.float32)
+    ws = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    out = acc * tl.load(xs_ptr + row) * ws
+    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_product(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """An int32 product [M, N] (torch._int_mm's) times x_scale [M, 1] and w_scale [1, N]
+    (float32), in out_dtype: one pass, where torch takes four (to float, two products, cast)."""
+    if acc.dim() != 2 or acc.dtype != torch.int32:
+        raise ValueError(f"acc must be int32 [M, N], got {acc.dtype} {list(acc.shape)}")
+    rows, n = acc.shape
+    check_shape("x_scale", x_scale, (rows, 1))
+    check_shape("w_scale", w_scale, (1, n))
+    check_last_dim_contiguous("acc", acc)
+    check_same_device(acc=acc, x_scale=x_scale, w_scale=w_scale)
+    out = torch.empty((rows, n), dtype=out_dtype, device=acc.device)
+    if rows and n:
+        block_n = min(1024, triton.next_power_of_2(n))
+        _scale_product_kernel[(rows, triton.cdiv(n, block_n))](
+            out, acc, x_scale.float().contiguous(), w_scale.float().contiguous(), n,
+            acc.stride(0), out.stride(0), BLOCK_N=block_n,
         )  # fmt: skip
     return out
 

@@ -1,4 +1,4 @@
-"""Dynamic per-token FP8 quantisation of activations, for the FP8 linear layers (w8a8).
+"""Dynamic per-token FP8 (and INT8) quantisation of activations, for the w8a8 linear layers.
 
 Each row x[t] gets its own scale s[t] = max(|x[t]|) / 448 (448 is float8_e4m3fn's largest
 finite value) and q[t] = clamp(x[t] / s[t], -448, 448) rounded to float8_e4m3fn, so that
@@ -24,12 +24,17 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero row gets this scale (and zeros), never 0 / 0
 _OUT_DTYPES = (FP8_DTYPE, torch.float16, torch.float32)
+INT8_MAX = 127.0
+INT8_MIN_SCALE = 1e-12  # (models/int8.py's)
+# 1.5 * 2^23: adding it to a float32 of magnitude under 2^22 leaves no fraction bits, so the
+# addition rounds to an integer (ties to even) and subtracting it gives that integer exactly
+_ROUNDER = tl.constexpr(12582912.0)
 
 
 @triton.jit
 def _per_token_quant_kernel(
     q_ptr, scale_ptr, x_ptr, static_scale_ptr, stride_x, cols, fp8_max, min_scale,
-    STATIC: tl.constexpr, BLOCK: tl.constexpr,
+    STATIC: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -47,6 +52,8 @@ def _per_token_quant_kernel(
         mask = start + offs < cols
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        if ROUND:  # to the nearest integer, ties to even (as torch.round): |q| < 2^22
+            q = (q + _ROUNDER) - _ROUNDER
         tl.store(q_ptr + row * cols + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -79,7 +86,30 @@ def per_token_quant_fp8(
         _per_token_quant_kernel[(rows,)](
             q, scale, x, scale if static_scale is None else static_scale,
             x.stride(0), cols, FP8_MAX, MIN_SCALE,
-            STATIC=static_scale is not None, BLOCK=block, num_warps=min(8, max(1, block // 256)),
+            STATIC=static_scale is not None, ROUND=False, BLOCK=block,
+            num_warps=min(8, max(1, block // 256)),
+        )  # fmt: skip
+    return q, scale
+
+
+def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (int8 [T, K], scale [T, 1] float32), each row symmetric with scale
+    max(|x[t]|) / 127 and q rounded to nearest, ties to even: models/int8.py's quantize_rows
+    in one kernel (one program per row)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, features] (2-D), got shape {list(x.shape)}")
+    check_float("x", x)
+    check_same_device(x=x)
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, cols = x.shape
+    q = torch.empty((rows, cols), dtype=torch.int8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows and cols:
+        block = min(4096, triton.next_power_of_2(cols))
+        _per_token_quant_kernel[(rows,)](
+            q, scale, x, scale, x.stride(0), cols, INT8_MAX, INT8_MIN_SCALE,
+            STATIC=False, ROUND=True, BLOCK=block, num_warps=min(8, max(1, block // 256)),
         )  # fmt: skip
     return q, scale
 

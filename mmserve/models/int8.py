@@ -4,8 +4,9 @@ quantised when the model loads, as SmoothQuant / llm-compressor's W8A8 run them.
 Weights: int8 in [-127, 127] with one float32 scale per output channel (absmax / 127);
 activations: int8 per token, quantised when each layer runs (dynamic, no calibration). The
 product is exact integer arithmetic, scaled by the token's and the channel's scales: on CUDA
-through torch._int_mm (cuBLASLt's INT8 GEMM, int32 accumulation), elsewhere in float64 (exact
-for any K this engine meets). Embeddings, norms, the LM head and image towers stay in the
+through Triton kernels (activation quantisation; decode-sized products) and torch._int_mm
+(cuBLASLt's INT8 GEMM, int32 accumulation) for larger ones, elsewhere in float64 (exact for any
+K this engine meets). Embeddings, norms, the LM head and image towers stay in the
 model's dtype, as with FP8."""
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import torch
 from torch import nn
 
 from mmserve.errors import UnsupportedModel
+from mmserve.kernels.quant import INT8_MAX
+from mmserve.kernels.quant import INT8_MIN_SCALE as MIN_SCALE
 from mmserve.models.base import ModelBase
 from mmserve.models.fp8 import check_kv_cache_scheme, config_group, replace_projections
 
-INT8_MAX = 127.0
-MIN_SCALE = 1e-12
-_INT_MM_MIN_ROWS = 17  # torch._int_mm wants more than 16 rows (fewer are padded)
 _ALIGN = 8  # ... and both matrix dimensions in multiples of 8
 
 
@@ -82,14 +82,21 @@ class Int8Linear(nn.Module):
         return out.view(*shape[:-1], self.out_features)
 
     def _int_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """On the INT8 tensor cores, x quantised by one kernel: a few rows (decode) by the
+        rows kernel FP8 uses (the weights read once, the scales applied in it), more by
+        torch._int_mm and one pass that scales its int32 sums."""
+        from mmserve.kernels.fp8_gemm import MAX_ROWS, fp8_gemm_rows, scale_product
+        from mmserve.kernels.quant import per_token_quant_int8
+
         rows = x.shape[0]
         if rows == 0:
-            return x.new_empty((0, self.out_features), dtype=torch.float32)
-        q, scale = quantize_rows(x)
-        if rows < _INT_MM_MIN_ROWS:
-            q = torch.cat([q, q.new_zeros(_INT_MM_MIN_ROWS - rows, q.shape[1])])
-        acc = torch._int_mm(q, self.weight.t())[:rows]  # int32
-        return acc.float() * scale * self.weight_scale.view(1, -1)
+            return x.new_empty((0, self.out_features))
+        q, scale = per_token_quant_int8(x)
+        w_scale = self.weight_scale.view(1, -1)
+        if rows <= MAX_ROWS:
+            return fp8_gemm_rows(q, scale, self.weight, w_scale, out_dtype=x.dtype)
+        acc = torch._int_mm(q, self.weight.t())  # int32 (more than 16 rows, as it needs)
+        return scale_product(acc, scale, w_scale, x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 w8a8"
