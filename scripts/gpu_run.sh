@@ -29,6 +29,19 @@ if has bench; then
     $B throughput --num-requests 1000 --input-len 512 --output-len 128 --baseline
   } 2>&1 | grep -v Warning | tee "$OUT/bench.txt"
 fi
+if has qtests; then
+  # the quantised paths' GPU tests and kernel microbenchmarks (issue 19)
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int8_kernels.py tests/kernels/test_wna16.py \
+    tests/kernels/test_weight_only_linear.py tests/kernels/test_paged_attention.py tests/gpu/test_gpu_int8.py \
+    tests/gpu/test_gpu_fp8_kv_cache.py tests/gpu/test_gpu_gguf.py 2>&1 | tail -30 | tee "$OUT/qtests.txt"
+  { python3 scripts/bench_wna16.py; python3 scripts/bench_paged_attention_fp8.py; } 2>&1 | tee "$OUT/qkernels.txt"
+fi
+if has kvcap; then
+  # FP8 KV cache: the concurrency that fits at 8k context in the same memory, and its throughput
+  K="--model shape:llama3-8b --device cuda --input-len 8064 --output-len 128 --num-requests 64"
+  K="$K --max-model-len 8320 --max-num-seqs 64 --gpu-memory-utilization 0.3"
+  { $B throughput $K; $B throughput $K --kv-cache-dtype fp8; } 2>&1 | grep -v Warning | tee "$OUT/kvcap.txt"
+fi
 if has quant; then
   # quantised formats at the 8B shape next to bf16 and FP8 (issue 19): batch-1 latency and decode
   # steps at batch 1-64 (the crossover) in each, throughput 1000 x 512/128 in the 8-bit ones; one
