@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant embed structured serve vlm (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests kvcap embed structured serve vlm (all =
 # tests bench); results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
