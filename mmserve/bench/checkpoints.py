@@ -24,6 +24,7 @@ from typing import Protocol
 from mmserve import envs
 from mmserve.bench.ct_checkpoint import CompressedTensorsWriter, IntQuantized, PackQuantized
 from mmserve.bench.gguf_checkpoint import GgufWriter
+from mmserve.bench.models import SHAPES, make_model_folder, model_folder
 from mmserve.bench.random_weights import Draw
 
 FORMAT_VERSION = "1"  # bump when a writer's output changes
@@ -67,10 +68,22 @@ def write_checkpoint(base: Path, fmt: str, folder: Path, name: str, seed: int = 
     return writer.model_path(folder, name)
 
 
+def model_path(
+    model: str, load_format: str | None = None, checkpoint_format: str | None = None
+) -> tuple[Path, bool]:
+    """--model as a model path, and whether its weights are random: with a checkpoint format,
+    shape:NAME's random checkpoint in it (loaded as it is); else bench.models.model_folder."""
+    if checkpoint_format is None:
+        return model_folder(model, load_format)
+    if not model.startswith("shape:"):
+        raise ValueError("--checkpoint-format writes a random checkpoint of a shape: give --model shape:NAME")
+    if load_format == "dummy":
+        raise ValueError("--checkpoint-format loads the checkpoint it writes: not with --load-format dummy")
+    return shape_checkpoint(model.split(":", 1)[1], checkpoint_format), False
+
+
 def shape_checkpoint(shape: str, fmt: str) -> Path:
     """The model path of shape's random checkpoint in fmt, written on first use."""
-    from mmserve.bench.models import SHAPES, make_model_folder
-
     writer = checkpoint_writer(fmt)
     if shape not in SHAPES:
         raise ValueError(f"unknown benchmark shape {shape!r}; choose one of {sorted(SHAPES)}")

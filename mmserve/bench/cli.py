@@ -25,9 +25,9 @@ import torch
 
 from mmserve import envs
 from mmserve.bench import embed, offline, quality, serve, soak, speculative, structured, vlm
-from mmserve.bench.checkpoints import FORMATS
+from mmserve.bench.checkpoints import FORMATS, model_path
 from mmserve.bench.engine_flags import add_engine_flags, engine_config
-from mmserve.bench.models import model_config, model_folder
+from mmserve.bench.models import model_config
 from mmserve.bench.offline import parse_batch_sizes
 from mmserve.bench.roofline import prefill_flops, step_weight_bytes, throughput_flops
 from mmserve.frontend.frontend import FrontEnd
@@ -127,7 +127,7 @@ class Offline:
 def run_offline(args: argparse.Namespace, kinds: list[str]) -> None:
     """latency, decode, prefill, throughput: each in turn, in one engine."""
     args.model = args.model or "shape:llama3-8b"
-    path, dummy = model_folder(args.model, args.load_format, args.checkpoint_format)
+    path, dummy = model_path(args.model, args.load_format, args.checkpoint_format)
     _, config = model_config(path)
     if args.baseline:  # first, and freed after: both cannot hold the GPU's memory at once
         _baseline(args, kinds, path, dummy, config)

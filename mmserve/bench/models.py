@@ -142,21 +142,10 @@ def package_dir(name: str) -> Path:
     raise FileNotFoundError(f"package {name!r} is not installed (nor under MMSERVE_BENCH_DATA)")
 
 
-def model_folder(
-    model: str, load_format: str | None = None, checkpoint_format: str | None = None
-) -> tuple[Path, bool]:
+def model_folder(model: str, load_format: str | None = None) -> tuple[Path, bool]:
     """--model as a model path, and whether its weights are random: shape:NAME becomes a fresh
-    folder of that shape (random weights), or with a checkpoint format that shape's random
-    checkpoint in it (mmserve.bench.checkpoints, loaded as it is); a path (a folder or a .gguf
-    file) stays, random with --load-format dummy."""
-    if checkpoint_format is not None:
-        if not model.startswith("shape:"):
-            raise ValueError("--checkpoint-format writes a random checkpoint of a shape: give --model shape:NAME")
-        if load_format == "dummy":
-            raise ValueError("--checkpoint-format loads the checkpoint it writes: not with --load-format dummy")
-        from mmserve.bench.checkpoints import shape_checkpoint
-
-        return shape_checkpoint(model.split(":", 1)[1], checkpoint_format), False
+    folder of that shape (random weights); a path (a folder or a .gguf file) stays, random with
+    --load-format dummy. (With --checkpoint-format: mmserve.bench.checkpoints.model_path.)"""
     if model.startswith("shape:"):
         return make_model_folder(model.split(":", 1)[1], Path(tempfile.mkdtemp()) / "model"), True
     return Path(model), load_format == "dummy"
