@@ -3,13 +3,14 @@ maths (write, gather, attend) lives in mmserve.kernels.paged_ref, the Triton ker
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 
 from mmserve.attention.backend import AttentionBackend, AttentionMetadata
-from mmserve.kernels.paged_ref import attend, gather_context, write_kv_cache
+from mmserve.kernels.paged_ref import FP8, attend, gather_context, write_kv_cache
 
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
@@ -93,8 +94,10 @@ def _padded_sdpa(
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Decoder steps loop over requests (exact and simple, not fast); encoder steps batch
-    requests of similar length through one padded attention each."""
+    """Decoder steps: the requests that decode one token attend together, through one
+    scaled_dot_product_attention over their contexts gathered with one index_select per layer
+    (decode_attention); the others (prompt chunks) loop over requests with the reference
+    attend(). Encoder steps batch requests of similar length through one padded attention each."""
 
     def forward(
         self,
@@ -110,11 +113,89 @@ class TorchAttentionBackend(AttentionBackend):
         if kv_cache is None:  # encoder: each request's own tokens are its whole context
             return attend_own_tokens(q, k, v, meta, scale, sliding_window)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scales)
+        plan = decode_plan(meta, kv_cache.shape[2])
+        if len(plan.rows) == q.shape[0]:  # decodes only: the rows are the requests, in order
+            return decode_attention(q, kv_cache, plan, scale, sliding_window, kv_scales)
         out = torch.empty_like(q)
+        if len(plan.rows):
+            attended = decode_attention(q[plan.rows], kv_cache, plan, scale, sliding_window, kv_scales)
+            out.index_copy_(0, plan.rows, attended)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             rows = slice(start, start + q_len)
-            ctx_k, ctx_v = gather_context(kv_cache, meta.block_tables[i], seq_len, kv_scales)
-            out[rows] = attend(q[rows], ctx_k, ctx_v, scale, meta.causal, sliding_window)
+            if q_len > 1 or not meta.causal:
+                ctx_k, ctx_v = gather_context(kv_cache, meta.block_tables[i], seq_len, kv_scales)
+                out[rows] = attend(q[rows], ctx_k, ctx_v, scale, meta.causal, sliding_window)
             start += q_len
         return out
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Where the decoding requests of a step (one new token each) read their contexts, the
+    same in every layer: derived once per step from the metadata."""
+
+    rows: torch.Tensor  # [R] int64, the batch row of each decoding request's token
+    slots: torch.Tensor  # [R * S] int64, the cache slot of each request's first S positions
+    seq_lens: torch.Tensor  # [R, 1] int64, their context lengths (the query sits at seq_len - 1)
+    width: int  # S: the longest of their contexts (shorter ones read slot padding, masked)
+
+
+def decode_plan(meta: AttentionMetadata, block_size: int) -> DecodePlan:
+    """The step's DecodePlan, computed by the first layer and kept in meta.derived."""
+    cached = meta.derived.get("torch_decode")
+    if cached is not None:
+        rows, slots, seq_lens = cached
+        return DecodePlan(rows, slots, seq_lens, slots.numel() // max(1, len(rows)))
+    picked = [
+        i for i, n in enumerate(meta.query_lens_cpu) if n == 1 and meta.causal
+    ]  # (a non-causal step never decodes)
+    starts = meta.query_start_loc.long()
+    index = torch.tensor(picked, dtype=torch.int64, device=starts.device)
+    rows = starts[index]
+    width = max((meta.seq_lens_cpu[i] for i in picked), default=0)
+    pos = torch.arange(width, device=starts.device)
+    tables = meta.block_tables[index].long()  # [R, max_blocks]
+    slots = tables[:, pos // block_size] * block_size + pos % block_size  # [R, S]
+    seq_lens = meta.seq_lens[index].long().unsqueeze(1)
+    slots = torch.where(pos < seq_lens, slots, 0).flatten()  # padding reads slot 0, masked
+    meta.derived["torch_decode"] = (rows, slots, seq_lens)
+    return DecodePlan(rows, slots, seq_lens, width)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+    sliding_window: int | None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
+) -> torch.Tensor:
+    """q: [R, H, D], one query per decoding request at position seq_len - 1. Returns [R, H, D]:
+    attend() for each request, all R in one padded attention. Grouped-query heads ride along
+    as extra query rows ([R, Hkv, H / Hkv, D] against [R, Hkv, S, D]): K and V are never
+    repeated."""
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    k, v = (
+        _gather(kv_cache, 0, plan.slots, kv_scales[0]),
+        _gather(kv_cache, 1, plan.slots, kv_scales[1]),
+    )
+    k, v = (x.view(num_reqs, plan.width, num_kv_heads, head_dim).transpose(1, 2) for x in (k, v))
+    pos = torch.arange(plan.width, device=q.device)
+    allowed = pos < plan.seq_lens  # [R, S]
+    if sliding_window is not None:
+        allowed = allowed & (pos > plan.seq_lens - 1 - sliding_window)
+    grouped = q.float().view(num_reqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        grouped, k.float(), v.float(), attn_mask=allowed[:, None, None, :], scale=scale
+    )
+    return out.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
+
+
+def _gather(kv_cache: torch.Tensor, which: int, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """K (0) or V (1) at the slots: [len(slots), Hkv * D], read back from FP8 with its scale."""
+    flat = kv_cache[which].flatten(0, 1).flatten(1)  # [num_blocks * block_size, Hkv * D]
+    if kv_cache.dtype == FP8:  # (the CPU has no index_select of float8: gather the bytes)
+        return flat.view(torch.uint8).index_select(0, slots).view(FP8).float() * scale
+    return flat.index_select(0, slots)

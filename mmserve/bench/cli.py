@@ -76,6 +76,10 @@ def add_parser(sub: Any) -> None:
                    help="measured matmul rate for throughput's FLOP bound (default: the H200's, "
                         f"{BF16_MATMUL_TFLOPS:.0f} bf16, {FP8_MATMUL_TFLOPS:.0f} with --quantization fp8)")
     p.add_argument("--baseline", action="store_true", help="also time transformers generate")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="latency, decode, prefill, throughput: run each kind this many times, "
+                   "taking turns with the baseline (kept loaded beside the engine: on a GPU it "
+                   "takes memory from the KV cache), then print the medians")
     embed.add_arguments(p)
     serve.add_arguments(p)
     structured.add_arguments(p)
@@ -98,8 +102,9 @@ def _kinds(text: str) -> str:
     return ",".join(k for k in OFFLINE_KINDS if k in kinds)
 
 
-def _emit(**fields: Any) -> None:
+def _emit(**fields: Any) -> dict[str, Any]:
     print(json.dumps(fields), flush=True)
+    return fields
 
 
 def run(args: argparse.Namespace) -> None:
@@ -125,49 +130,84 @@ class Offline:
 
 
 def run_offline(args: argparse.Namespace, kinds: list[str]) -> None:
-    """latency, decode, prefill, throughput: each in turn, in one engine."""
+    """latency, decode, prefill, throughput: each in turn, in one engine; with --rounds N
+    (and --baseline) N times, taking turns with the transformers baseline kind by kind, then
+    a line per kind of the medians over the rounds."""
     args.model = args.model or "shape:llama3-8b"
     path, dummy = model_path(args.model, args.load_format, args.checkpoint_format)
     _, config = model_config(path)
-    if args.baseline:  # first, and freed after: both cannot hold the GPU's memory at once
-        _baseline(args, kinds, path, dummy, config)
+    baseline = _load_baseline(args, path, dummy) if args.baseline else None
+    ours: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+    theirs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+    if baseline is not None and args.rounds == 1:  # first, and freed: a GPU cannot hold both
+        for kind in kinds:
+            theirs[kind].append(_baseline(args, kind, baseline, config))
+        baseline = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     engine = FrontEnd.start(engine_config(args, str(path), dummy))
     llama = config.get("model_type") in ROOFLINE_MODEL_TYPES
     wbytes = step_weight_bytes(engine.core.runner.model) if llama else None
     bench = Offline(engine, config, wbytes, engine.info.quantization)
     runners = {"latency": _latency, "decode": _decode, "prefill": _prefill, "throughput": _throughput}
-    for kind in kinds:
-        runners[kind](bench, args)
+    for _ in range(args.rounds):
+        for kind in kinds:
+            if baseline is not None:
+                theirs[kind].append(_baseline(args, kind, baseline, config))
+            ours[kind].append(runners[kind](bench, args))
+    if args.rounds > 1 or args.baseline:
+        for kind in kinds:
+            _summary(kind, ours[kind], theirs[kind])
 
 
-def _latency(b: Offline, args: argparse.Namespace) -> None:
+def _summary(kind: str, ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:
+    """Medians over the rounds of mmserve's figure and the baseline's alike one: the decode
+    step at batch 1 (latency), output tokens per second (throughput)."""
+    field = {"latency": "decode_ms_median", "throughput": "output_tokens_per_s"}.get(kind)
+    if field is None:
+        return
+    base_field = "decode_ms_per_step" if kind == "latency" else "output_tokens_per_s"
+    mine = statistics.median(r[field] for r in ours)
+    line: dict[str, Any] = {"bench": f"{kind}-summary", "rounds": len(ours), field: mine}
+    if theirs:
+        base = statistics.median(r[base_field] for r in theirs)
+        speedup = base / mine if kind == "latency" else mine / base
+        line.update({f"transformers_{base_field}": base, "speedup_over_transformers": speedup})
+    _emit(**line)
+
+
+def _latency(b: Offline, args: argparse.Namespace) -> dict[str, Any]:
     lat = offline.latency(b.engine, args.input_len, args.output_len)
     floor_ms = 1e3 * b.weight_bytes / (args.bandwidth_gbs * 1e9) if b.weight_bytes else None
-    _emit(bench="latency", **asdict(lat), quantization=b.quantization, weight_bytes=b.weight_bytes,
-          bandwidth_floor_ms=floor_ms,
-          fraction_of_roofline=floor_ms / lat.decode_ms_median if floor_ms else None)  # fmt: skip
+    return _emit(bench="latency", **asdict(lat), quantization=b.quantization,
+                 weight_bytes=b.weight_bytes, bandwidth_floor_ms=floor_ms,
+                 fraction_of_roofline=floor_ms / lat.decode_ms_median if floor_ms else None)  # fmt: skip
 
 
-def _decode(b: Offline, args: argparse.Namespace) -> None:
+def _decode(b: Offline, args: argparse.Namespace) -> dict[str, Any]:
     """One line per batch size (--batch-sizes, else --batch-size), the roofline the weights
     and the KV cache read once."""
     context = args.decode_context or args.input_len
+    line: dict[str, Any] = {}
     for batch in parse_batch_sizes(args.batch_sizes) if args.batch_sizes else [args.batch_size]:
         ms, kv_bytes = decode_step_ms(b.engine, batch, context)
         floor_ms = 1e3 * ((b.weight_bytes or 0) + kv_bytes) / (args.bandwidth_gbs * 1e9)
-        _emit(bench="decode", batch_size=batch, context=context, step_ms=ms,
-              quantization=b.quantization, weight_bytes=b.weight_bytes, kv_bytes_read=kv_bytes,
-              roofline_ms=floor_ms, ratio_to_roofline=ms / floor_ms)  # fmt: skip
+        line = _emit(bench="decode", batch_size=batch, context=context, step_ms=ms,
+                     quantization=b.quantization, weight_bytes=b.weight_bytes,
+                     kv_bytes_read=kv_bytes, roofline_ms=floor_ms,
+                     ratio_to_roofline=ms / floor_ms)  # fmt: skip
+    return line  # the last batch size's
 
 
-def _prefill(b: Offline, args: argparse.Namespace) -> None:
+def _prefill(b: Offline, args: argparse.Namespace) -> dict[str, Any]:
     ms, _ = prefill_ms(b.engine, args.batch_size, args.input_len)
     flops = prefill_flops(b.config, args.batch_size, args.input_len) if b.weight_bytes else None
-    _emit(bench="prefill", batch_size=args.batch_size, input_len=args.input_len, step_ms=ms,
-          quantization=b.quantization, tflops=flops / ms / 1e9 if flops else None)  # fmt: skip
+    return _emit(bench="prefill", batch_size=args.batch_size, input_len=args.input_len,
+                 step_ms=ms, quantization=b.quantization,
+                 tflops=flops / ms / 1e9 if flops else None)  # fmt: skip
 
 
-def _throughput(b: Offline, args: argparse.Namespace) -> None:
+def _throughput(b: Offline, args: argparse.Namespace) -> dict[str, Any]:
     r = offline.throughput(b.engine, args.num_requests, args.input_len, args.output_len)
     # the matmuls of every request's whole sequence, at the measured matmul rate
     flops = (
@@ -176,10 +216,11 @@ def _throughput(b: Offline, args: argparse.Namespace) -> None:
     )  # fmt: skip
     tflops = args.matmul_tflops or matmul_tflops(b.quantization)
     bound_s = flops / (tflops * 1e12) if flops else None
-    _emit(bench="throughput", **asdict(r), quantization=b.quantization,
-          output_tokens_per_s=r.output_tokens_per_s, total_tokens_per_s=r.total_tokens_per_s,
-          matmul_tflops=tflops, flop_bound_s=bound_s,
-          fraction_of_flop_bound=bound_s / r.seconds if bound_s else None)  # fmt: skip
+    return _emit(bench="throughput", **asdict(r), quantization=b.quantization,
+                 output_tokens_per_s=r.output_tokens_per_s,
+                 total_tokens_per_s=r.total_tokens_per_s, matmul_tflops=tflops,
+                 flop_bound_s=bound_s,
+                 fraction_of_flop_bound=bound_s / r.seconds if bound_s else None)  # fmt: skip
 
 
 def matmul_tflops(quantization: str) -> float:
@@ -250,23 +291,37 @@ def prefill_ms(engine: FrontEnd, batch: int, input_len: int) -> tuple[float, int
     return 1e3 * statistics.median(times[1:]), batch * input_len
 
 
-def _baseline(args: argparse.Namespace, kinds: list[str], path: Path, dummy: bool, config: dict) -> None:
-    """transformers' generate on the same model (a GGUF dequantised), a line per kind."""
-    from mmserve.bench.hf_baseline import hf_generate, load_hf_model
+def _load_baseline(args: argparse.Namespace, path: Path, dummy: bool) -> torch.nn.Module:
+    """transformers' model of the same checkpoint (a GGUF dequantised), in the same dtype."""
+    from mmserve.bench.hf_baseline import load_hf_model
     from mmserve.models.loader import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     folder, _ = model_config(path, weights=not dummy)
-    model = load_hf_model(folder, str(device), resolve_dtype(args.dtype, device), dummy)
-    for kind in kinds:
-        batch = 1 if kind == "latency" else min(args.batch_size if kind != "throughput" else 128, 128)
-        out_len = min(args.output_len, 64) if batch == 1 else args.output_len
-        r = hf_generate(model, batch, args.input_len, out_len, config["vocab_size"])
-        _emit(bench=f"{kind}-transformers-generate", **asdict(r), output_tokens_per_s=r.output_tokens_per_s,
-              ms_per_step=1e3 * r.seconds / out_len)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    return load_hf_model(folder, str(device), resolve_dtype(args.dtype, device), dummy)
+
+
+def _baseline(
+    args: argparse.Namespace, kind: str, model: torch.nn.Module, config: dict
+) -> dict[str, Any]:
+    """transformers' generate for one kind: batch 1 for latency, as many prompts as the
+    engine runs at once for throughput (--num-requests up to --max-num-seqs, at most 128),
+    --batch-size for the others."""
+    from mmserve.bench.hf_baseline import hf_generate
+
+    if kind == "latency":
+        batch = 1
+    elif kind == "throughput":
+        batch = min(args.num_requests, args.max_num_seqs, 128)
+    else:
+        batch = min(args.batch_size, 128)
+    out_len = min(args.output_len, 64) if batch == 1 else args.output_len
+    r = hf_generate(model, batch, args.input_len, out_len, config["vocab_size"])
+    line = {"bench": f"{kind}-transformers-generate", **asdict(r),
+            "output_tokens_per_s": r.output_tokens_per_s, "ms_per_step": 1e3 * r.seconds / out_len,
+            "decode_ms_per_step": r.decode_ms_per_step}  # fmt: skip
+    _emit(**line)
+    return line
 
 
 def main() -> None:

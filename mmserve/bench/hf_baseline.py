@@ -15,11 +15,17 @@ class HFResult:
     batch_size: int
     input_len: int
     output_len: int
-    seconds: float
+    seconds: float  # the whole generate call: prefill and output_len tokens
+    first_token_seconds: float  # generate of the same prompts for one token (the prefill)
 
     @property
     def output_tokens_per_s(self) -> float:
         return self.batch_size * self.output_len / self.seconds
+
+    @property
+    def decode_ms_per_step(self) -> float:
+        """A decode step, the prefill taken out: (whole - first token) / (output_len - 1)."""
+        return 1e3 * (self.seconds - self.first_token_seconds) / max(1, self.output_len - 1)
 
 
 def load_hf_model(folder: Path, device: str, dtype: torch.dtype, dummy: bool) -> torch.nn.Module:
@@ -45,8 +51,16 @@ def hf_generate(model: Any, batch_size: int, input_len: int, output_len: int, vo
     model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
     if device.type == "cuda":
         torch.cuda.synchronize()
+    first = _timed_generate(model, ids, {**kwargs, "max_new_tokens": 1, "min_new_tokens": 1})
+    whole = _timed_generate(model, ids, kwargs)
+    return HFResult(batch_size, input_len, output_len, whole, first)
+
+
+def _timed_generate(model: Any, ids: torch.Tensor, kwargs: dict[str, Any]) -> float:
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    if device.type == "cuda":
+    if ids.device.type == "cuda":
         torch.cuda.synchronize()
-    return HFResult(batch_size, input_len, output_len, time.perf_counter() - start)
+    return time.perf_counter() - start
