@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -20,6 +22,12 @@ def check_same_device(**tensors: torch.Tensor) -> None:
             f"Triton kernels need CUDA tensors (got {device}); on CPU use the torch reference "
             "path, or set TRITON_INTERPRET=1 before importing triton (tests only)"
         )
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device (what launch grids are sized against)."""
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def check_at_least(name: str, value: int | None, low: int) -> None:

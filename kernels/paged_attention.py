@@ -9,7 +9,6 @@ the scale). For decode batches with long contexts the KV range is split over sev
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from mmserve.kernels._common import (
     check_ndim,
     check_same_device,
     check_shape,
+    num_sms,
 )
 from mmserve.kernels.paged_ref import FP8, NO_SCALES, attend, gather_context
 from mmserve.kernels.reshape_and_cache import check_scales
@@ -276,9 +276,9 @@ def paged_attention(
     if num_tokens == 0:
         return out
     if num_splits is None:
-        num_sms = _num_sms(q.device) if q.is_cuda else 0
+        sms = num_sms(q.device) if q.is_cuda else 0
         decode_programs = seq_lens.shape[0] * num_kv_heads if max_query_len == 1 else 0
-        num_splits = choose_num_splits(decode_programs, max_seq_len, tiling.block_n, num_sms)
+        num_splits = choose_num_splits(decode_programs, max_seq_len, tiling.block_n, sms)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
     part_acc = part_m = part_l = out  # placeholders, unused unless split
     if num_splits > 1:
@@ -306,11 +306,6 @@ def paged_attention(
             num_warps=4 if head_dim_p >= 128 else 2,
         )  # fmt: skip
     return out
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_inputs(

@@ -33,7 +33,7 @@ _ROUNDER = tl.constexpr(12582912.0)
 
 @triton.jit
 def _per_token_quant_kernel(
-    q_ptr, scale_ptr, x_ptr, static_scale_ptr, stride_x, cols, fp8_max, min_scale,
+    q_ptr, scale_ptr, x_ptr, static_scale_ptr, stride_x, cols, q_max, min_scale,
     STATIC: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -46,12 +46,12 @@ def _per_token_quant_kernel(
             mask = start + offs < cols
             x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, 0) / fp8_max, min_scale)
+        scale = tl.maximum(tl.max(amax, 0) / q_max, min_scale)
     tl.store(scale_ptr + row, scale)
     for start in range(0, cols, BLOCK):
         mask = start + offs < cols
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        q = tl.minimum(tl.maximum(x / scale, -q_max), q_max)
         if ROUND:  # to the nearest integer, ties to even (as torch.round): |q| < 2^22
             q = (q + _ROUNDER) - _ROUNDER
         tl.store(q_ptr + row * cols + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -63,19 +63,36 @@ def per_token_quant_fp8(
     """x [T, K] -> (q [T, K] in out_dtype, scale [T, 1] float32) with x ~= q * scale. With
     static_scale (one float32 element) every row takes that scale instead of its own.
     out_dtype other than float8_e4m3fn is for tests under the interpreter."""
+    _check_rows(x)
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    if static_scale is not None and (static_scale.numel() != 1 or static_scale.dtype != torch.float32):
+        raise ValueError(
+            f"static_scale must be one float32 element, got {static_scale.dtype} {list(static_scale.shape)}"
+        )
+    return _quantize_rows(x, out_dtype, FP8_MAX, MIN_SCALE, static_scale, round_to_integers=False)
+
+
+def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (int8 [T, K], scale [T, 1] float32), each row symmetric with scale
+    max(|x[t]|) / 127 and q rounded to nearest, ties to even: models/int8.py's quantize_rows
+    in one kernel (one program per row)."""
+    _check_rows(x)
+    return _quantize_rows(x, torch.int8, INT8_MAX, INT8_MIN_SCALE, None, round_to_integers=True)
+
+
+def _check_rows(x: torch.Tensor) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, features] (2-D), got shape {list(x.shape)}")
     check_float("x", x)
-    if out_dtype not in _OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
-    tensors = {"x": x}
-    if static_scale is not None:
-        if static_scale.numel() != 1 or static_scale.dtype != torch.float32:
-            raise ValueError(
-                f"static_scale must be one float32 element, got {static_scale.dtype} {list(static_scale.shape)}"
-            )
-        tensors["static_scale"] = static_scale
-    check_same_device(**tensors)
+
+
+def _quantize_rows(
+    x: torch.Tensor, out_dtype: torch.dtype, q_max: float, min_scale: float,
+    static_scale: torch.Tensor | None, round_to_integers: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The kernel's launch, one program per row, for checked arguments."""
+    check_same_device(x=x, **({} if static_scale is None else {"static_scale": static_scale}))
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         x = x.contiguous()
     rows, cols = x.shape
@@ -85,31 +102,9 @@ def per_token_quant_fp8(
         block = min(4096, triton.next_power_of_2(cols))
         _per_token_quant_kernel[(rows,)](
             q, scale, x, scale if static_scale is None else static_scale,
-            x.stride(0), cols, FP8_MAX, MIN_SCALE,
-            STATIC=static_scale is not None, ROUND=False, BLOCK=block,
+            x.stride(0), cols, q_max, min_scale,
+            STATIC=static_scale is not None, ROUND=round_to_integers, BLOCK=block,
             num_warps=min(8, max(1, block // 256)),
-        )  # fmt: skip
-    return q, scale
-
-
-def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (int8 [T, K], scale [T, 1] float32), each row symmetric with scale
-    max(|x[t]|) / 127 and q rounded to nearest, ties to even: models/int8.py's quantize_rows
-    in one kernel (one program per row)."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be [tokens, features] (2-D), got shape {list(x.shape)}")
-    check_float("x", x)
-    check_same_device(x=x)
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
-        x = x.contiguous()
-    rows, cols = x.shape
-    q = torch.empty((rows, cols), dtype=torch.int8, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if rows and cols:
-        block = min(4096, triton.next_power_of_2(cols))
-        _per_token_quant_kernel[(rows,)](
-            q, scale, x, scale, x.stride(0), cols, INT8_MAX, INT8_MIN_SCALE,
-            STATIC=False, ROUND=True, BLOCK=block, num_warps=min(8, max(1, block // 256)),
         )  # fmt: skip
     return q, scale
 

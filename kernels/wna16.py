@@ -19,14 +19,18 @@ step on the H200, 15x its bandwidth floor: latency-bound on its serial K loop.)"
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels._common import check_float, check_last_dim_contiguous, check_same_device
+from mmserve.kernels._common import (
+    check_float,
+    check_last_dim_contiguous,
+    check_same_device,
+    num_sms,
+)
 
 MAX_BLOCK_K = 128  # K per step when the group size allows (a multiple of 8: whole words)
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K
@@ -107,8 +111,8 @@ class Wna16Tiling:
     one_group: bool  # block_k divides the group size: one row of scales per step
     num_warps: int
     num_stages: int
-    splits: int = 1  # slices of K, each its own program (then summed)
-    k_per_split: int = 0  # channels of K per slice, whole steps (0: all of K)
+    splits: int  # slices of K, each its own program (then summed)
+    k_per_split: int  # channels of K per slice, whole steps
 
 
 def choose_tiling(rows: int, n: int, k: int, group_size: int, num_sms: int) -> Wna16Tiling:
@@ -171,13 +175,13 @@ def wna16_gemm(
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
-    t = choose_tiling(rows, n, k, group_size, _num_sms(x.device) if x.is_cuda else 132)
+    t = choose_tiling(rows, n, k, group_size, num_sms(x.device) if x.is_cuda else 132)
     split = t.splits > 1
     target = torch.empty(t.splits, rows, n, dtype=torch.float32, device=x.device) if split else out
     grid = (triton.cdiv(rows, t.block_m), triton.cdiv(n, t.block_n), t.splits)
     _wna16_kernel[grid](
         target, x, qweight, scales, zeros,
-        rows, n, k, group_size, t.k_per_split or k,
+        rows, n, k, group_size, t.k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), n if split else out.stride(0),
         BITS=bits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, ONE_GROUP=t.one_group,
         SPLIT=split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -187,11 +191,6 @@ def wna16_gemm(
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * n, block),)](out, target, rows * n, t.splits, BLOCK=block)
     return out
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def dequantize_packed(

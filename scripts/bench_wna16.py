@@ -13,7 +13,8 @@ import json
 import torch
 import triton
 
-from mmserve.kernels.wna16 import _num_sms, choose_tiling, wna16_gemm
+from mmserve.kernels._common import num_sms
+from mmserve.kernels.wna16 import choose_tiling, wna16_gemm
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
 
@@ -32,7 +33,7 @@ def main() -> None:
             w4 = 1e3 * triton.testing.do_bench(packed, warmup=25, rep=200)
             dense = functools.partial(torch.matmul, x, weight.t())
             bf16 = 1e3 * triton.testing.do_bench(dense, warmup=25, rep=200)
-            tiling = choose_tiling(rows, n, k, 128, _num_sms(x.device))
+            tiling = choose_tiling(rows, n, k, 128, num_sms(x.device))
             print(json.dumps({"n": n, "k": k, "rows": rows, "tiling": str(tiling),
                               "w4a16_us": round(w4, 1), "w4a16_gbs": round(packed_bytes / w4 / 1e3),
                               "bf16_us": round(bf16, 1),
