@@ -31,7 +31,6 @@ _SCALE_FIELDS = {"Q4_0": ((0, 1.0),), "Q8_0": ((0, 1.0),), "Q4_K": ((0, 1.0), (2
 FILE_TYPES = {"Q4_K_M": "Q4_K", "Q8_0": "Q8_0", "Q4_0": "Q4_0"}
 _GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}  # fmt: skip
-_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # gguf.TokenType
 
 
 def use_more_bits(layer: int, layers: int) -> bool:
@@ -155,6 +154,8 @@ def _add_tokenizer(writer: GGUFWriter, tokenizer_json: Path, config: dict, vocab
     """A byte-level BPE tokenizer.json as llama.cpp's converter writes it: every id up to the
     model's vocabulary a token (ids the tokenizer lacks padding, UNUSED), special added
     tokens CONTROL, other added tokens USER_DEFINED, the merges as "a b"."""
+    from gguf import TokenType
+
     spec = json.loads(tokenizer_json.read_text())
     model = spec["model"]
     if model.get("type") != "BPE":
@@ -164,12 +165,12 @@ def _add_tokenizer(writer: GGUFWriter, tokenizer_json: Path, config: dict, vocab
     if largest >= vocab:
         raise ValueError(f"{tokenizer_json}: token id {largest} is past the vocabulary ({vocab})")
     tokens = [f"[PAD{i}]" for i in range(vocab)]
-    types = [_UNUSED] * vocab
+    types = [TokenType.UNUSED] * vocab
     for token, index in model["vocab"].items():
-        tokens[index], types[index] = token, _NORMAL
+        tokens[index], types[index] = token, TokenType.NORMAL
     for added in added_tokens:
         tokens[added["id"]] = added["content"]
-        types[added["id"]] = _CONTROL if added.get("special") else _USER_DEFINED
+        types[added["id"]] = TokenType.CONTROL if added.get("special") else TokenType.USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)

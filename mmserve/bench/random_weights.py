@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-WEIGHT_STD = 0.02  # as init_dummy_weights draws them
+from mmserve.models.loader import DUMMY_WEIGHT_STD as WEIGHT_STD  # as init_dummy_weights draws them
+
 # a merged projection of the engine -> the checkpoint's projections, here as their HF names
 PROJECTIONS = (
     ("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),

@@ -97,6 +97,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+DUMMY_WEIGHT_STD = 0.02  # the spread of --load-format dummy's random weights
+
+
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights in place, for benchmarks (speed does not depend on the values). Norm
@@ -107,7 +110,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             param.fill_(1.0)
             continue
         gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
-        param.normal_(0.0, 0.02, generator=gen)  # on the weights' device: seconds on a GPU
+        param.normal_(0.0, DUMMY_WEIGHT_STD, generator=gen)  # on the weights' device: seconds on a GPU
 
 
 def load_model(
