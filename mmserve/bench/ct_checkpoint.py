@@ -10,17 +10,16 @@ time, so the 8B shape never sits in memory whole."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from mmserve.bench.models import copy_model_files
 from mmserve.bench.random_weights import WEIGHT_STD, Draw, LlamaLayout, Projection
 
 SHARD_BYTES = 2 << 30
-_WEIGHT_FILES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".gguf")
 
 
 def _uniform_std(bits: int) -> float:
@@ -112,9 +111,7 @@ class CompressedTensorsWriter:
         layout = LlamaLayout.of(config)
         config.update(torch_dtype="bfloat16", quantization_config=self.scheme.quantization_config())
         folder.mkdir(parents=True, exist_ok=True)
-        for other in base.iterdir():  # the tokenizer, its config, a generation config
-            if other.is_file() and other.name != "config.json" and not other.name.endswith(_WEIGHT_FILES):
-                shutil.copy(other, folder / other.name)
+        copy_model_files(base, folder)
         (folder / "config.json").write_text(json.dumps(config, indent=2))
         write_shards(folder, _tensors(layout, self.scheme, draw))
 

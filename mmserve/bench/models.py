@@ -229,6 +229,17 @@ def _image_processor_class() -> type:
     return Qwen2VLImageProcessorPil  # type: ignore[no-any-return]
 
 
+WEIGHT_FILES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".gguf")
+
+
+def copy_model_files(source: Path, target: Path, skip: tuple[str, ...] = ("config.json",)) -> None:
+    """The files of a model folder that are not weights (the tokenizer and its config, a
+    generation config, ...) copied into target, but those named in skip."""
+    for path in source.iterdir():
+        if path.is_file() and path.name not in skip and not path.name.endswith(WEIGHT_FILES):
+            shutil.copy(path, target / path.name)
+
+
 def first_layers_folder(model: str, layers: int) -> Path:
     """A draft for speculative decoding made from a real model: its embedding, its first
     `layers` decoder layers, its final norm and its head (an early exit, as LayerSkip drafts
@@ -259,10 +270,7 @@ def first_layers_folder(model: str, layers: int) -> Path:
                 index = re.search(r"\.layers\.(\d+)\.", name)
                 if index is None or int(index.group(1)) < layers:
                     tensors[name] = f.get_tensor(name)
-    for other in source.iterdir():
-        weights = other.name.endswith((".safetensors", ".safetensors.index.json"))
-        if other.is_file() and not weights and other.name != "config.json":
-            shutil.copy(other, out / other.name)
+    copy_model_files(source, out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

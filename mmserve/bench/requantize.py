@@ -12,19 +12,16 @@ weights' dtype (float32 for a GGUF's dequantised weights).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mmserve.bench.models import copy_model_files
 from mmserve.models.gguf_cache import materialize
 from mmserve.models.source import iter_weights, load_hf_config, resolve_model_source
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# files of a checkpoint folder that hold weights (rewritten here, never copied)
-_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
-_INDEX = "model.safetensors.index.json"
 
 
 def weight_scheme(bits: int, group_size: int) -> Any:
@@ -55,9 +52,7 @@ def write_weight_only(model: str, folder: Path, bits: int, group_size: int) -> P
         else:
             tensors[name] = tensor.contiguous()
     folder.mkdir(parents=True, exist_ok=True)
-    for path in source.folder.iterdir():
-        if path.is_file() and path.suffix not in _WEIGHT_SUFFIXES and path.name != _INDEX:
-            shutil.copy(path, folder / path.name)
+    copy_model_files(source.folder, folder, skip=())  # config.json too: its quantization_config is added
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     _write_quantization_config(folder, scheme)
     return folder
