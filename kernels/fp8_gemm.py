@@ -50,7 +50,10 @@ def _fp8_gemm_rows_kernel(
             wq_ptr + offs_n[:, None].to(tl.int64) * stride_w + start + offs_k[None, :],
             mask=mask_n[:, None] & mask_k[None, :], other=0.0,
         )  # fmt: skip
-        acc = tl.dot(a, tl.trans(b), acc)
+        if INT8:  # (triton 3.6's dot takes a float32 accumulator unless told)
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
     xs = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
     ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     out = acc.to(tl.float32) * xs[:, None] * ws[None, :]

@@ -46,12 +46,13 @@ def _per_token_quant_kernel(
             mask = start + offs < cols
             x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, 0) / q_max, min_scale)
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), q_max), min_scale)
     tl.store(scale_ptr + row, scale)
     for start in range(0, cols, BLOCK):
         mask = start + offs < cols
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -q_max), q_max)
+        # div_rn: IEEE division as torch's (the `/` operator is an approximate one on the GPU)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -q_max), q_max)
         if ROUND:  # to the nearest integer, ties to even (as torch.round): |q| < 2^22
             q = (q + _ROUNDER) - _ROUNDER
         tl.store(q_ptr + row * cols + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)

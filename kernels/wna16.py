@@ -8,14 +8,17 @@ own order); scales and zeros [groups, N] in the compute dtype (zeros as unsigned
 symmetric format has zeros of 2^(bits - 1)). An act-order checkpoint's input channels are
 permuted at load so that groups are contiguous; the caller permutes x the same way.
 
-A program owns BLOCK_M rows by BLOCK_N output channels and walks K in steps of up to 128: it
-loads each packed word once, unpacks it to its per values in registers, dequantises with one row
-of scales and zeros where the step lies inside one group, and multiplies on the tensor cores
-with fp32 accumulation. For a decode step (a few rows) the weights stream from memory once,
-with K split into slices when the output tiles alone are too few for the SMs; a large batch
-re-reads them once per row tile.
+A program owns BLOCK_M rows by BLOCK_N output channels and walks K in steps of 16 words of each
+column (128 channels at 4 bits): it loads each packed word once and, for each of a word's per
+values in turn, takes that value out of all 16 words at once and multiplies it, dequantised,
+with the 16 matching input channels on the tensor cores (fp32 accumulation), so the unpacked
+values are never reshaped. Scales (and zeros, which a symmetric weight does not have: its zero
+point is 2^(bits - 1)) come one row per step inside a group, one row per word otherwise. For a
+decode step (a few rows) the weights stream from memory once, with K split into slices when the
+output tiles alone are too few for the SMs; a large batch re-reads them once per row tile.
 (The first version, one word load per value and 32-channel steps, took 18 ms per 8B decode
-step on the H200, 15x its bandwidth floor: latency-bound on its serial K loop.)"""
+step on the H200, 15x its bandwidth floor: latency-bound on its serial K loop. The second
+unpacked each step to [128, N] with a reshape: 43-95 us per projection at one row, 2-5x bf16.)"""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from mmserve.kernels._common import (
     num_sms,
 )
 
-MAX_BLOCK_K = 128  # K per step when the group size allows (a multiple of 8: whole words)
+WORDS_PER_STEP = 16  # packed words of each column per K step (the dots' K: 16 at least)
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K
 MAX_SPLITS = 16
 
@@ -42,7 +45,8 @@ def _wna16_kernel(
     out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr,
     rows, n, k, group_size, k_per_split, stride_x, stride_q, stride_s, stride_out,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ONE_GROUP: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -51,40 +55,47 @@ def _wna16_kernel(
     k_hi = tl.minimum(k, k_lo + k_per_split)
     PER: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PER
+    MASK: tl.constexpr = (1 << BITS) - 1
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, WORDS)
-    shifts = tl.arange(0, PER) * BITS
     mask_m = offs_m < rows
     mask_n = offs_n < n
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(k_lo, k_hi, BLOCK_K):
-        ks = start + offs_k
-        mask_k = ks < k_hi
-        x = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_x + ks[None, :],
-            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
-        )  # fmt: skip
         word_rows = start // PER + offs_w
-        words = tl.load(  # each word once: [WORDS, BLOCK_N], unpacked to [BLOCK_K, BLOCK_N]
+        mask_w = (word_rows < k_hi // PER)[:, None] & mask_n[None, :]
+        words = tl.load(  # each word once: [WORDS, BLOCK_N]
             qweight_ptr + word_rows[:, None].to(tl.int64) * stride_q + offs_n[None, :],
-            mask=(word_rows < k_hi // PER)[:, None] & mask_n[None, :], other=0,
+            mask=mask_w, other=0,
         )  # fmt: skip
-        q = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
-        q = tl.reshape(q, [BLOCK_K, BLOCK_N]).to(tl.float32)
-        if ONE_GROUP:  # the step lies in one group: a row of scales and zeros
-            group = (start // group_size).to(tl.int64) * stride_s + offs_n
-            s = tl.load(scales_ptr + group, mask=mask_n, other=0.0).to(tl.float32)
-            z = tl.load(zeros_ptr + group, mask=mask_n, other=0.0).to(tl.float32)
-            w = ((q - z[None, :]) * s[None, :]).to(x.dtype)
-        else:
-            wk_mask = mask_k[:, None] & mask_n[None, :]
-            group = (ks // group_size)[:, None].to(tl.int64) * stride_s + offs_n[None, :]
-            s = tl.load(scales_ptr + group, mask=wk_mask, other=0.0).to(tl.float32)
-            z = tl.load(zeros_ptr + group, mask=wk_mask, other=0.0).to(tl.float32)
-            w = ((q - z) * s).to(x.dtype)  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        if GROUPS == 0:  # the step lies in one group: one row of scales and zeros
+            group = (start // group_size).to(tl.int64) * stride_s + offs_n[None, :]
+            s = tl.load(scales_ptr + group, mask=mask_n[None, :], other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(zeros_ptr + group, mask=mask_n[None, :], other=0.0).to(tl.float32)
+        elif GROUPS == 1:  # each word lies in one group: a row of scales per word
+            group = ((start + offs_w * PER) // group_size)[:, None].to(tl.int64) * stride_s + offs_n[None, :]
+            s = tl.load(scales_ptr + group, mask=mask_w, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(zeros_ptr + group, mask=mask_w, other=0.0).to(tl.float32)
+        # value p of every word at once: channels start + w * PER + p, a K of WORDS for the dot
+        # (no reshape of the unpacked values, which would cost a trip through shared memory)
+        for p in tl.static_range(PER):
+            ks = start + offs_w * PER + p
+            x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < k_hi)[None, :], other=0.0)
+            if GROUPS == 2:  # a group no word respects: scales per value
+                group = (ks // group_size)[:, None].to(tl.int64) * stride_s + offs_n[None, :]
+                s = tl.load(scales_ptr + group, mask=mask_w, other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    z = tl.load(zeros_ptr + group, mask=mask_w, other=0.0).to(tl.float32)
+            q = ((words >> (p * BITS)) & MASK).to(tl.float32)
+            if HAS_ZEROS:
+                w = ((q - z) * s).to(x.dtype)
+            else:  # symmetric: the zero point is 2^(bits - 1)
+                w = ((q - (1 << (BITS - 1))) * s).to(x.dtype)
+            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     out_offs = offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     if SPLIT:  # float32 partials [splits, rows, n], summed in order by _sum_splits_kernel
         out_offs += pid_s.to(tl.int64) * rows * n
@@ -107,37 +118,40 @@ def _sum_splits_kernel(out_ptr, part_ptr, size, splits, BLOCK: tl.constexpr):
 class Wna16Tiling:
     block_m: int
     block_n: int
-    block_k: int
-    one_group: bool  # block_k divides the group size: one row of scales per step
+    block_k: int  # channels of K per step: WORDS_PER_STEP words of each column
+    groups: int  # 0: a step lies in one group, 1: a word does, 2: neither (scales per value)
     num_warps: int
     num_stages: int
     splits: int  # slices of K, each its own program (then summed)
     k_per_split: int  # channels of K per slice, whole steps
 
 
-def choose_tiling(rows: int, n: int, k: int, group_size: int, num_sms: int) -> Wna16Tiling:
+def choose_tiling(
+    rows: int, n: int, k: int, group_size: int, num_sms: int, bits: int = 4,
+    block_n: int | None = None, words: int = WORDS_PER_STEP, num_stages: int | None = None,
+) -> Wna16Tiling:  # fmt: skip
     """Output tiles of 16 x 64 for a decode step (<= 16 rows: its weights are all the work,
-    streamed once), wider for more rows; K steps of up to 128 that stay inside one group where
-    the size allows. A grid of too few output tiles to keep about PROGRAMS_PER_SM programs on
-    every SM splits K (each slice of whole steps, partial sums added in order), since one
-    program's serial K steps are latency-bound: at one row, 4096 x 4096 took 35-63 us on the
-    H200 for every tiling without a split (BENCHMARKS.md, session 11), about 10x its floor."""
+    streamed once), wider for more rows; steps of WORDS_PER_STEP words of each column (128
+    channels at 4 bits, 64 at 8). A grid of too few output tiles to keep about PROGRAMS_PER_SM
+    programs on every SM splits K (each slice of whole steps, partial sums added in order),
+    since one program's serial K steps are latency-bound: at one row, 4096 x 4096 took 35-63 us
+    on the H200 for every tiling without a split (BENCHMARKS.md, session 11), about 10x its
+    floor. block_n, words and num_stages other than the defaults are for sweeps."""
+    per = 32 // bits
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = 64 if block_m < 64 else 128
-    block_k = next((b for b in (MAX_BLOCK_K, 64, 32, 16, 8) if group_size % b == 0), 0)
-    one_group = block_k >= 32
-    if not one_group:
-        block_k = 32
+    block_n = block_n or (64 if block_m < 64 else 128)
+    block_k = words * per
+    groups = 0 if group_size % block_k == 0 or group_size >= k else 1 if group_size % per == 0 else 2
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
     wanted = min(MAX_SPLITS, steps, triton.cdiv(PROGRAMS_PER_SM * num_sms, tiles))
     per_split = triton.cdiv(steps, max(1, wanted))
     splits = triton.cdiv(steps, per_split)
-    stages = 3 if block_m <= 32 else 2
-    return Wna16Tiling(block_m, block_n, block_k, one_group, 4, stages, splits, per_split * block_k)
+    stages = num_stages or (3 if block_m <= 32 else 2)
+    return Wna16Tiling(block_m, block_n, block_k, groups, 4, stages, splits, per_split * block_k)
 
 
-def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
            bits: int, group_size: int) -> None:  # fmt: skip
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
@@ -149,42 +163,46 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
     if qweight.shape[0] * (32 // bits) != k:
         raise ValueError(f"qweight has {qweight.shape[0]} rows of words for K = {k} at {bits} bits")
     groups = -(-k // group_size) if group_size > 0 else 0
-    if group_size < 1 or tuple(scales.shape) != (groups, n) or scales.shape != zeros.shape:
+    shapes = [scales.shape] + ([] if zeros is None else [zeros.shape])
+    if group_size < 1 or any(tuple(shape) != (groups, n) for shape in shapes):
         raise ValueError(
             f"scales and zeros must be [{groups}, {n}] (group_size {group_size}), got "
-            f"{list(scales.shape)} and {list(zeros.shape)}"
+            f"{' and '.join(str(list(shape)) for shape in shapes)}"
         )
     check_float("x", x)
-    for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+    named = {"x": x, "qweight": qweight, "scales": scales} | ({} if zeros is None else {"zeros": zeros})
+    for name, t in named.items():
         check_last_dim_contiguous(name, t)
-    check_same_device(x=x, qweight=qweight, scales=scales, zeros=zeros)
+    check_same_device(**named)
 
 
 def wna16_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    zeros: torch.Tensor | None,
     bits: int,
     group_size: int,
+    tiling: Wna16Tiling | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (float32/float16/bfloat16) times the packed weight: [M, N] in x's dtype."""
+    """x [M, K] (float32/float16/bfloat16) times the packed weight: [M, N] in x's dtype. zeros
+    None: a symmetric weight, every zero point 2^(bits - 1) (none read). tiling: for sweeps."""
     _check(x, qweight, scales, zeros, bits, group_size)
     rows, k = x.shape
     n = qweight.shape[1]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
-    t = choose_tiling(rows, n, k, group_size, num_sms(x.device) if x.is_cuda else 132)
+    t = tiling or choose_tiling(rows, n, k, group_size, num_sms(x.device) if x.is_cuda else 132, bits)
     split = t.splits > 1
     target = torch.empty(t.splits, rows, n, dtype=torch.float32, device=x.device) if split else out
     grid = (triton.cdiv(rows, t.block_m), triton.cdiv(n, t.block_n), t.splits)
     _wna16_kernel[grid](
-        target, x, qweight, scales, zeros,
+        target, x, qweight, scales, scales if zeros is None else zeros,
         rows, n, k, group_size, t.k_per_split,
         x.stride(0), qweight.stride(0), scales.stride(0), n if split else out.stride(0),
-        BITS=bits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, ONE_GROUP=t.one_group,
-        SPLIT=split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BITS=bits, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUPS=t.groups,
+        HAS_ZEROS=zeros is not None, SPLIT=split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     if split:
@@ -194,19 +212,20 @@ def wna16_gemm(
 
 
 def dequantize_packed(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group_size: int
 ) -> torch.Tensor:
-    """The torch reference of the layout: W [N, K] float32."""
+    """The torch reference of the layout: W [N, K] float32 (zeros None: 2^(bits - 1))."""
     per = 32 // bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
     q = (qweight.unsqueeze(1) >> shifts.view(1, per, 1)) & ((1 << bits) - 1)  # [K/per, per, N]
     q = q.reshape(-1, qweight.shape[1]).float()  # [K, N]
     groups = torch.arange(q.shape[0], device=q.device) // group_size
-    return ((q - zeros.float()[groups]) * scales.float()[groups]).t()
+    z = float(1 << (bits - 1)) if zeros is None else zeros.float()[groups]
+    return ((q - z) * scales.float()[groups]).t()
 
 
 def wna16_gemm_ref(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
     bits: int, group_size: int,
 ) -> torch.Tensor:  # fmt: skip
     """float32 [M, N]: x times the dequantised weight."""

@@ -260,19 +260,20 @@ _UNPACK = {"compressed-tensors": _compressed, "gptq": _gptq_weight, "awq": _awq_
 
 class WeightOnlyLinear(nn.Module):
     """y = x W^T + b with W kept packed: kernels/wna16.py's layout (qweight [K / per, N],
-    scales and zeros [groups, N]); an act-order checkpoint's input channels permuted so that
-    its groups are contiguous, and x permuted the same way (perm)."""
+    scales and zeros [groups, N]; zeros None for a symmetric weight, whose zero points are all
+    2^(bits - 1): the kernel then reads none); an act-order checkpoint's input channels permuted
+    so that its groups are contiguous, and x permuted the same way (perm)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
-    zeros: torch.Tensor
+    zeros: torch.Tensor | None
     perm: torch.Tensor | None
 
     def __init__(
         self,
         qweight: torch.Tensor,
         scales: torch.Tensor,
-        zeros: torch.Tensor,
+        zeros: torch.Tensor | None,
         bits: int,
         group_size: int,
         perm: torch.Tensor | None = None,
@@ -304,10 +305,11 @@ class WeightOnlyLinear(nn.Module):
         size = int(counts[0])
         if not bool((counts[:-1] == size).all()) or int(counts[-1]) > size:
             raise ValueError("the groups are not runs of one size")
+        symmetric = bool((u.zeros == 1 << (bits - 1)).all())
         return cls(
             pack_columns(q.t().contiguous(), bits),
             u.scales.t().to(dtype).contiguous(),
-            u.zeros.t().to(dtype).contiguous(),
+            None if symmetric else u.zeros.t().to(dtype).contiguous(),
             bits,
             size,
             perm,

@@ -40,6 +40,18 @@ def test_packed_projection_is_the_dequantised_one(bits: int, group_size: int, ac
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_symmetric_projection_keeps_no_zeros(bits: int) -> None:
+    """Zero points all 2^(bits - 1) (a symmetric checkpoint): none kept, none read."""
+    u = _unpacked(40, 64, bits, 32, act_order=False)
+    u.zeros = torch.full_like(u.zeros, 1 << (bits - 1))
+    layer = WeightOnlyLinear.from_unpacked(u, bits, torch.float32).to(DEVICE)
+    assert layer.zeros is None
+    x = torch.randn(4, 64)
+    expected = x @ u.dequantize().t()
+    torch.testing.assert_close(layer(x.to(DEVICE)).cpu(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
 def test_a_gptq_checkpoints_parts_repack() -> None:
     """GPTQ's qweight / qzeros / scales / g_idx (v1), unpacked then repacked: same product."""
     from tests.models.test_weight_only import pack_rows

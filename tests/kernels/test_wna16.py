@@ -18,7 +18,9 @@ CASES = [  # rows, N, K, bits, group_size
     (1, 64, 512, 4, 128),  # 128-channel steps, one row of scales each
     (5, 33, 384, 8, 128),
     (2, 48, 320, 4, 320),  # per channel (one group): 64-channel steps
-    (33, 56, 200, 4, 200),  # a group no step size divides: scales per value
+    (33, 56, 200, 4, 200),  # a group no step size divides: scales per word
+    (5, 40, 96, 4, 12),  # groups that split words: scales per value
+    (2, 36, 120, 8, 6),
 ]
 
 
@@ -45,6 +47,20 @@ def test_matches_the_dequantised_product(case, dtype):  # type: ignore[no-untype
     expected = x.float() @ w.t()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("case", [(1, 96, 256, 4, 128), (20, 40, 96, 8, 32), (3, 64, 192, 4, 192), (7, 48, 72, 4, 24)], ids=str)
+def test_symmetric_weights_need_no_zeros(case):  # type: ignore[no-untyped-def]
+    """zeros None: every zero point is 2^(bits - 1), none read (a symmetric checkpoint)."""
+    rows, n, k, bits, group_size = case
+    x, q, _, scales, _ = _operands(rows, n, k, bits, group_size, torch.float32)
+    qweight = pack_columns(q, bits)
+    zeros = torch.full_like(scales, float(1 << (bits - 1)))
+    w = dequantize_packed(qweight, scales, None, bits, group_size)
+    torch.testing.assert_close(w, dequantize_packed(qweight, scales, zeros, bits, group_size), atol=0, rtol=0)
+    out = wna16_gemm(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE), None, bits, group_size)
+    expected = x @ w.t()
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
 def test_rejects_bad_inputs():  # type: ignore[no-untyped-def]
@@ -81,7 +97,7 @@ def test_decode_splits_k_into_whole_steps():  # type: ignore[no-untyped-def]
 
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:  # Llama-3-8B
         t = choose_tiling(1, n, k, 128, num_sms=132)
-        assert t.one_group and t.block_k == 128 and t.k_per_split % t.block_k == 0
+        assert t.groups == 0 and t.block_k == 128 and t.k_per_split % t.block_k == 0
         assert (t.splits - 1) * t.k_per_split < k <= t.splits * t.k_per_split
         programs = -(-n // t.block_n) * t.splits
         assert programs >= 3 * 132 or t.splits == k // t.block_k  # SMs about filled, or K used up
