@@ -116,7 +116,10 @@ def per_token_quant_ref(
     """The torch reference (and the CPU path of the FP8 linear layers)."""
     xf = x.float()
     if static_scale is None:
-        scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+        # divided by a tensor on x's device: IEEE division everywhere (as the kernel's div_rn);
+        # a Python number would be a multiplication by its reciprocal on CUDA
+        q_max = torch.full((1, 1), FP8_MAX, device=xf.device)
+        scale = (xf.abs().amax(-1, keepdim=True) / q_max).clamp(min=MIN_SCALE)
     else:
         scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(out_dtype), scale

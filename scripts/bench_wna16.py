@@ -1,7 +1,8 @@
 """The w4a16 product (int4, group 128) on CUDA against a bf16 torch matmul, at Llama-3-8B's
 projection shapes (N, K) and 1-256 rows: one JSON line per case, the do_bench times and the
 bytes read per microsecond (packed weights and scales, symmetric: no zeros; bf16's weights).
-Then, at one row, a sweep of tilings (output channels per program, words per step, stages).
+Then, at one row, a sweep of tilings (output channels per program, words per step, programs
+wanted per SM).
 
     python scripts/bench_wna16.py
 """
@@ -28,7 +29,7 @@ def main() -> None:
         scales = torch.rand(k // 128, n, device="cuda", dtype=torch.bfloat16) * 0.01
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         packed_bytes = qweight.numel() * 4 + scales.numel() * 2
-        for rows in (1, 16, 64, 256):
+        for rows in (1, 4, 16, 64, 256):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             packed = functools.partial(wna16_gemm, x, qweight, scales, None, 4, 128)
             w4 = 1e3 * triton.testing.do_bench(packed, warmup=25, rep=200)
@@ -40,11 +41,11 @@ def main() -> None:
                               "bf16_us": round(bf16, 1),
                               "bf16_gbs": round(weight.numel() * 2 / bf16 / 1e3)}), flush=True)  # fmt: skip
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        for block_n, words, stages in itertools.product((32, 64, 128), (16, 32), (2, 3, 4)):
-            tiling = choose_tiling(1, n, k, 128, num_sms(x.device), 4, block_n, words, stages)
+        for block_n, words, programs in itertools.product((32, 64, 128), (16, 32), (4, 16, 32)):
+            tiling = choose_tiling(1, n, k, 128, num_sms(x.device), 4, block_n, words, None, programs)
             packed = functools.partial(wna16_gemm, x, qweight, scales, None, 4, 128, tiling)
             us = 1e3 * triton.testing.do_bench(packed, warmup=25, rep=100)
-            print(json.dumps({"sweep": [n, k], "tiling": [block_n, words, stages, tiling.splits],
+            print(json.dumps({"sweep": [n, k], "tiling": [block_n, words, programs, tiling.splits],
                               "us": round(us, 1), "gbs": round(packed_bytes / us / 1e3)}), flush=True)  # fmt: skip
 
 

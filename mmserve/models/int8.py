@@ -28,7 +28,10 @@ _ALIGN = 8  # ... and both matrix dimensions in multiples of 8
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] -> (int8 [R, K], float32 [R, 1]): each row symmetric, absmax / 127."""
     xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) / INT8_MAX).clamp(min=MIN_SCALE)
+    # (a tensor divisor: IEEE division on every device, as the GPU kernel's; a Python number
+    # would be a multiplication by its reciprocal on CUDA)
+    q_max = torch.full((1, 1), INT8_MAX, device=xf.device)
+    scale = (xf.abs().amax(-1, keepdim=True) / q_max).clamp(min=MIN_SCALE)
     return torch.round(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
