@@ -195,7 +195,7 @@ class Wna16Tiling:
 def choose_tiling(
     rows: int, n: int, k: int, group_size: int, num_sms: int, bits: int = 4,
     block_n: int | None = None, words: int = WORDS_PER_STEP, num_stages: int | None = None,
-    programs_per_sm: int | None = None,
+    programs_per_sm: int | None = None, gemv: bool | None = None,
 ) -> Wna16Tiling:  # fmt: skip
     """Output tiles of 16 x 64 for a decode step (<= 16 rows: its weights are all the work,
     streamed once), wider for more rows; steps of WORDS_PER_STEP words of each column (128
@@ -206,7 +206,7 @@ def choose_tiling(
     floor. Up to GEMV_ROWS rows take the kernel without tensor cores, its rows padded to a power
     of two. The keyword arguments other than the defaults are for sweeps."""
     per = 32 // bits
-    gemv = rows <= GEMV_ROWS
+    gemv = rows <= GEMV_ROWS if gemv is None else gemv
     block_m = triton.next_power_of_2(rows) if gemv else 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = block_n or (64 if block_m < 64 else 128)
     if programs_per_sm is None:
