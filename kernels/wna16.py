@@ -18,7 +18,10 @@ decode step (a few rows) the weights stream from memory once, with K split into 
 output tiles alone are too few for the SMs; a large batch re-reads them once per row tile.
 (The first version, one word load per value and 32-channel steps, took 18 ms per 8B decode
 step on the H200, 15x its bandwidth floor: latency-bound on its serial K loop. The second
-unpacked each step to [128, N] with a reshape: 43-95 us per projection at one row, 2-5x bf16.)"""
+unpacked each step to [128, N] with a reshape. This one, in CUDA graphs at one row: qkv 19.5 us,
+o 14.5, gate_up 60.2, down 36.8, about bf16's time for a quarter of its bytes (600-1,000 GB/s).
+A kernel without tensor cores for 1-4 rows (float32 dequantisation, one sum over the words at
+the end) measured 25.1 / 23.0 / 85.6 / 51.2 us at one row and 3-5x slower at four: removed.)"""
 
 from __future__ import annotations
 
@@ -38,8 +41,6 @@ from mmserve.kernels._common import (
 WORDS_PER_STEP = 16  # packed words of each column per K step (the dots' K: 16 at least)
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K
 MAX_SPLITS = 32
-GEMV_ROWS = 4  # at most this many rows take the kernel without tensor cores
-GEMV_PROGRAMS_PER_SM = 16  # (its programs are small: many stay resident on an SM)
 
 
 @triton.jit
@@ -106,69 +107,6 @@ def _wna16_kernel(
 
 
 @triton.jit
-def _wna16_gemv_kernel(
-    out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr,
-    rows, n, k, group_size, k_per_split, stride_x, stride_q, stride_s, stride_out,
-    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    """The same product for a few rows (a decode step) without the tensor cores: each weight
-    value dequantised once in float32 and multiplied into every row's [WORDS, BLOCK_N]
-    accumulator, one sum over the words at the end (no layout changes inside the loop)."""
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    k_lo = pid_s * k_per_split
-    k_hi = tl.minimum(k, k_lo + k_per_split)
-    PER: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // PER
-    MASK: tl.constexpr = (1 << BITS) - 1
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_w = tl.arange(0, WORDS)
-    mask_m = offs_m < rows
-    mask_n = offs_n < n
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
-    acc = tl.zeros([BLOCK_M, WORDS, BLOCK_N], dtype=tl.float32)
-    for start in range(k_lo, k_hi, BLOCK_K):
-        word_rows = start // PER + offs_w
-        mask_w = (word_rows < k_hi // PER)[:, None] & mask_n[None, :]
-        words = tl.load(
-            qweight_ptr + word_rows[:, None].to(tl.int64) * stride_q + offs_n[None, :],
-            mask=mask_w, other=0,
-        )  # fmt: skip
-        if GROUPS == 0:
-            group = (start // group_size).to(tl.int64) * stride_s + offs_n[None, :]
-            s = tl.load(scales_ptr + group, mask=mask_n[None, :], other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                z = tl.load(zeros_ptr + group, mask=mask_n[None, :], other=0.0).to(tl.float32)
-        elif GROUPS == 1:
-            group = ((start + offs_w * PER) // group_size)[:, None].to(tl.int64) * stride_s + offs_n[None, :]
-            s = tl.load(scales_ptr + group, mask=mask_w, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                z = tl.load(zeros_ptr + group, mask=mask_w, other=0.0).to(tl.float32)
-        for p in tl.static_range(PER):
-            ks = start + offs_w * PER + p
-            x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < k_hi)[None, :], other=0.0)
-            if GROUPS == 2:
-                group = (ks // group_size)[:, None].to(tl.int64) * stride_s + offs_n[None, :]
-                s = tl.load(scales_ptr + group, mask=mask_w, other=0.0).to(tl.float32)
-                if HAS_ZEROS:
-                    z = tl.load(zeros_ptr + group, mask=mask_w, other=0.0).to(tl.float32)
-            q = ((words >> (p * BITS)) & MASK).to(tl.float32)
-            if HAS_ZEROS:
-                w = (q - z) * s
-            else:
-                w = (q - (1 << (BITS - 1))) * s
-            acc += x.to(tl.float32)[:, :, None] * w[None, :, :]
-    out = tl.sum(acc, 1)
-    out_offs = offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
-    if SPLIT:
-        out_offs += pid_s.to(tl.int64) * rows * n
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])  # fmt: skip
-
-
-@triton.jit
 def _sum_splits_kernel(out_ptr, part_ptr, size, splits, BLOCK: tl.constexpr):
     """out[i] = sum over s of part[s, i], s in order (the same result every run)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -185,7 +123,6 @@ class Wna16Tiling:
     block_n: int
     block_k: int  # channels of K per step: WORDS_PER_STEP words of each column
     groups: int  # 0: a step lies in one group, 1: a word does, 2: neither (scales per value)
-    gemv: bool  # the kernel without tensor cores (a few rows)
     num_warps: int
     num_stages: int
     splits: int  # slices of K, each its own program (then summed)
@@ -195,7 +132,7 @@ class Wna16Tiling:
 def choose_tiling(
     rows: int, n: int, k: int, group_size: int, num_sms: int, bits: int = 4,
     block_n: int | None = None, words: int = WORDS_PER_STEP, num_stages: int | None = None,
-    programs_per_sm: int | None = None, gemv: bool | None = None,
+    programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> Wna16Tiling:  # fmt: skip
     """Output tiles of 16 x 64 for a decode step (<= 16 rows: its weights are all the work,
     streamed once), wider for more rows; steps of WORDS_PER_STEP words of each column (128
@@ -203,14 +140,10 @@ def choose_tiling(
     programs on every SM splits K (each slice of whole steps, partial sums added in order),
     since one program's serial K steps are latency-bound: at one row, 4096 x 4096 took 35-63 us
     on the H200 for every tiling without a split (BENCHMARKS.md, session 11), about 10x its
-    floor. Up to GEMV_ROWS rows take the kernel without tensor cores, its rows padded to a power
-    of two. The keyword arguments other than the defaults are for sweeps."""
+    floor. The keyword arguments other than the defaults are for sweeps."""
     per = 32 // bits
-    gemv = rows <= GEMV_ROWS if gemv is None else gemv
-    block_m = triton.next_power_of_2(rows) if gemv else 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = block_n or (64 if block_m < 64 else 128)
-    if programs_per_sm is None:
-        programs_per_sm = GEMV_PROGRAMS_PER_SM if gemv else PROGRAMS_PER_SM
     block_k = words * per
     groups = 0 if group_size % block_k == 0 or group_size >= k else 1 if group_size % per == 0 else 2
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
@@ -219,7 +152,7 @@ def choose_tiling(
     per_split = triton.cdiv(steps, max(1, wanted))
     splits = triton.cdiv(steps, per_split)
     stages = num_stages or (3 if block_m <= 32 else 2)
-    return Wna16Tiling(block_m, block_n, block_k, groups, gemv, 4, stages, splits, per_split * block_k)
+    return Wna16Tiling(block_m, block_n, block_k, groups, 4, stages, splits, per_split * block_k)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -278,10 +211,7 @@ def wna16_gemm(
         "GROUPS": t.groups, "HAS_ZEROS": zeros is not None, "SPLIT": split,
         "num_warps": t.num_warps, "num_stages": t.num_stages,
     }  # fmt: skip
-    if t.gemv:
-        _wna16_gemv_kernel[grid](*args, **meta)
-    else:
-        _wna16_kernel[grid](*args, **meta, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    _wna16_kernel[grid](*args, **meta, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if split:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * n, block),)](out, target, rows * n, t.splits, BLOCK=block)

@@ -3,8 +3,8 @@ projection shapes (N, K) and 1-256 rows: one JSON line per case, the times in CU
 (do_bench_cudagraph: the kernels alone, as a decode step runs them; plain do_bench also timed
 the Python launch, ~100 us), each product cycling through enough copies of its weights to
 overflow the L2 cache, and the bytes read per microsecond (packed weights and scales,
-symmetric: no zeros; bf16's weights). Then, at one row, a sweep of tilings (with or without
-tensor cores, output channels per program, programs wanted per SM).
+symmetric: no zeros; bf16's weights). Then, at one row, a sweep of tilings (output channels
+per program, words per step, programs wanted per SM).
 
     python scripts/bench_wna16.py
 """
@@ -55,10 +55,10 @@ def _shape(n: int, k: int) -> None:
                           "w4a16_us": round(w4, 1), "w4a16_gbs": round(packed_bytes / w4 / 1e3),
                           "bf16_us": round(bf16, 1), "bf16_gbs": round(n * k * 2 / bf16 / 1e3)}), flush=True)  # fmt: skip
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    for gemv, block_n, programs in itertools.product((True, False), (32, 64, 128), (4, 16)):
-        tiling = choose_tiling(1, n, k, 128, num_sms(x.device), 4, block_n, 16, None, programs, gemv)
+    for block_n, words, programs in itertools.product((32, 64, 128), (16, 32), (4, 16)):
+        tiling = choose_tiling(1, n, k, 128, num_sms(x.device), 4, block_n, words, None, programs)
         us = _time(packed(x, tiling), copies)
-        print(json.dumps({"sweep": [n, k], "tiling": [gemv, block_n, programs, tiling.splits],
+        print(json.dumps({"sweep": [n, k], "tiling": [block_n, words, programs, tiling.splits],
                           "us": round(us, 1), "gbs": round(packed_bytes / us / 1e3)}), flush=True)  # fmt: skip
 
 
