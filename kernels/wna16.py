@@ -132,7 +132,7 @@ class Wna16Tiling:
 def choose_tiling(
     rows: int, n: int, k: int, group_size: int, num_sms: int, bits: int = 4,
     block_n: int | None = None, words: int = WORDS_PER_STEP, num_stages: int | None = None,
-    programs_per_sm: int = PROGRAMS_PER_SM,
+    programs_per_sm: int | None = None,
 ) -> Wna16Tiling:  # fmt: skip
     """Output tiles of 16 x 64 for a decode step (<= 16 rows: its weights are all the work,
     streamed once), wider for more rows; steps of WORDS_PER_STEP words of each column (128
@@ -148,7 +148,8 @@ def choose_tiling(
     groups = 0 if group_size % block_k == 0 or group_size >= k else 1 if group_size % per == 0 else 2
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
-    wanted = min(MAX_SPLITS, steps, triton.cdiv(programs_per_sm * num_sms, tiles))
+    programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    wanted = min(MAX_SPLITS, steps, triton.cdiv(programs * num_sms, tiles))
     per_split = triton.cdiv(steps, max(1, wanted))
     splits = triton.cdiv(steps, per_split)
     stages = num_stages or (3 if block_m <= 32 else 2)
