@@ -15,7 +15,8 @@ with the 16 matching input channels on the tensor cores (fp32 accumulation), so 
 values are never reshaped. Scales (and zeros, which a symmetric weight does not have: its zero
 point is 2^(bits - 1)) come one row per step inside a group, one row per word otherwise. For a
 decode step (a few rows) the weights stream from memory once, with K split into slices when the
-output tiles alone are too few for the SMs; a large batch re-reads them once per row tile.
+output tiles alone are too few for the SMs. Over MAX_KERNEL_ROWS rows (prefill) the weight is
+dequantised by one more kernel, a slice of columns at a time, and multiplied by torch.matmul.
 (The first version, one word load per value and 32-channel steps, took 18 ms per 8B decode
 step on the H200, 15x its bandwidth floor: latency-bound on its serial K loop. The second
 unpacked each step to [128, N] with a reshape. This one, in CUDA graphs at one row: qkv 19.5 us,
@@ -39,6 +40,8 @@ from mmserve.kernels._common import (
 )
 
 WORDS_PER_STEP = 16  # packed words of each column per K step (the dots' K: 16 at least)
+MAX_KERNEL_ROWS = 32  # more rows: the weight dequantised (CHUNK_ELEMENTS at a time) + torch.matmul
+CHUNK_ELEMENTS = 1 << 25  # (64 MiB of bf16: a large LM head needs no float copy of itself)
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K
 MAX_SPLITS = 32
 
@@ -117,6 +120,31 @@ def _sum_splits_kernel(out_ptr, part_ptr, size, splits, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _wna16_dequantize_kernel(
+    out_ptr, qweight_ptr, scales_ptr, zeros_ptr, k, n, group_size, stride_q, stride_s, stride_out,
+    BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr,
+):  # fmt: skip
+    """W [K, N] in out's dtype from WORDS rows of words by BLOCK_N columns per program."""
+    PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    word_rows = tl.program_id(0) * WORDS + tl.arange(0, WORDS)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (word_rows < k // PER)[:, None] & (offs_n < n)[None, :]
+    words = tl.load(qweight_ptr + word_rows[:, None].to(tl.int64) * stride_q + offs_n[None, :], mask=mask, other=0)
+    for p in tl.static_range(PER):
+        ks = word_rows * PER + p
+        group = (ks // group_size)[:, None].to(tl.int64) * stride_s + offs_n[None, :]
+        s = tl.load(scales_ptr + group, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + group, mask=mask, other=0.0).to(tl.float32)
+        else:
+            z = 1 << (BITS - 1)
+        q = ((words >> (p * BITS)) & MASK).to(tl.float32)
+        tl.store(out_ptr + ks[:, None].to(tl.int64) * stride_out + offs_n[None, :],
+                 ((q - z) * s).to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Wna16Tiling:
     block_m: int
@@ -174,6 +202,8 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
             f"scales and zeros must be [{groups}, {n}] (group_size {group_size}), got "
             f"{' and '.join(str(list(shape)) for shape in shapes)}"
         )
+    if zeros is not None and zeros.stride() != scales.stride():
+        raise ValueError(f"zeros must have scales' strides, got {zeros.stride()} and {scales.stride()}")
     check_float("x", x)
     named = {"x": x, "qweight": qweight, "scales": scales} | ({} if zeros is None else {"zeros": zeros})
     for name, t in named.items():
@@ -191,10 +221,25 @@ def wna16_gemm(
     tiling: Wna16Tiling | None = None,
 ) -> torch.Tensor:
     """x [M, K] (float32/float16/bfloat16) times the packed weight: [M, N] in x's dtype. zeros
-    None: a symmetric weight, every zero point 2^(bits - 1) (none read). tiling: for sweeps."""
+    None: a symmetric weight, every zero point 2^(bits - 1) (none read). Up to MAX_KERNEL_ROWS
+    rows (decode steps) the product kernel; more (prefill) the weight dequantised to x's dtype,
+    CHUNK_ELEMENTS at a time, and torch.matmul: the kernel re-reads and re-dequantises the weight
+    for every 64-row tile (on the H200, 64 rows of the 8B shape's gate_up took 393 us against
+    bf16's 61, session 12). tiling (for sweeps) forces the kernel."""
     _check(x, qweight, scales, zeros, bits, group_size)
     rows, k = x.shape
     n = qweight.shape[1]
+    if rows > MAX_KERNEL_ROWS and tiling is None:
+        step = max(1, CHUNK_ELEMENTS // max(k, 1))
+        cols = [slice(start, start + step) for start in range(0, max(n, 1), step)]  # one for N = 0
+        outs = [
+            x
+            @ wna16_dequantize(
+                qweight[:, c], scales[:, c], None if zeros is None else zeros[:, c], bits, group_size, x.dtype
+            )
+            for c in cols
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
@@ -216,6 +261,26 @@ def wna16_gemm(
     if split:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * n, block),)](out, target, rows * n, t.splits, BLOCK=block)
+    return out
+
+
+def wna16_dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
+    group_size: int, dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The packed weight as W^T [K, N] in dtype, by one kernel (column slices of the operands
+    welcome: only their last dimension need be contiguous): dequantize_packed(...).t() computed
+    the same way, in float32 and then cast."""
+    k, n = qweight.shape[0] * (32 // bits), qweight.shape[1]
+    out = torch.empty(k, n, dtype=dtype, device=qweight.device)
+    if k and n:
+        words, block_n = 16, 64
+        grid = (triton.cdiv(k // (32 // bits), words), triton.cdiv(n, block_n))
+        _wna16_dequantize_kernel[grid](
+            out, qweight, scales, scales if zeros is None else zeros, k, n, group_size,
+            qweight.stride(0), scales.stride(0), out.stride(0),
+            BITS=bits, WORDS=words, BLOCK_N=block_n, HAS_ZEROS=zeros is not None,
+        )  # fmt: skip
     return out
 
 

@@ -5,7 +5,13 @@ ending in a partial group, N not a multiple of the tile), 4 and 8 bits, fp32 and
 import pytest
 import torch
 
-from mmserve.kernels.wna16 import dequantize_packed, pack_columns, wna16_gemm
+from mmserve.kernels.wna16 import (
+    choose_tiling,
+    dequantize_packed,
+    pack_columns,
+    wna16_dequantize,
+    wna16_gemm,
+)
 from tests.kernels.conftest import DEVICE, FLOAT_DTYPES
 
 CASES = [  # rows, N, K, bits, group_size
@@ -61,6 +67,40 @@ def test_symmetric_weights_need_no_zeros(case):  # type: ignore[no-untyped-def]
     out = wna16_gemm(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE), None, bits, group_size)
     expected = x @ w.t()
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[10], CASES[11], (3, 200, 64, 4, 64)], ids=str)
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
+def test_dequantize_kernel_is_the_reference(case, symmetric):  # type: ignore[no-untyped-def]
+    """The many-rows path's weight: dequantize_packed's values exactly (float32), also for a
+    column slice of the operands."""
+    _, n, _, bits, group_size = case
+    _, q, zeros, scales, _ = _operands(*case, torch.float32)
+    qweight = pack_columns(q, bits)
+    zeros = None if symmetric else zeros
+    want = dequantize_packed(qweight, scales, zeros, bits, group_size).t()
+    args = [None if t is None else t.to(DEVICE) for t in (qweight, scales, zeros)]
+    got = wna16_dequantize(*args, bits, group_size, torch.float32)
+    assert torch.equal(got.cpu(), want)
+    cut = slice(n // 3, n - 5)
+    sliced = [None if t is None else t[:, cut] for t in args]
+    assert torch.equal(wna16_dequantize(*sliced, bits, group_size, torch.float32).cpu(), want[:, cut])
+
+
+def test_many_rows_dequantise_in_chunks(monkeypatch):  # type: ignore[no-untyped-def]
+    """Over MAX_KERNEL_ROWS rows: chunks of columns dequantised and multiplied, concatenated;
+    the kernel, forced by a tiling, gives the same product."""
+    from mmserve.kernels import wna16
+
+    monkeypatch.setattr(wna16, "CHUNK_ELEMENTS", 128 * 24)  # chunks of 24 columns
+    rows, n, k, bits, group_size = 40, 100, 128, 4, 32
+    x, q, zeros, scales, w = _operands(rows, n, k, bits, group_size, torch.float32)
+    args = [t.to(DEVICE) for t in (x, pack_columns(q, bits), scales, zeros)]
+    expected = x @ w.t()
+    tol = {"rtol": 1e-4, "atol": 1e-4 * expected.abs().max().item()}
+    torch.testing.assert_close(wna16_gemm(*args, bits, group_size).cpu(), expected, **tol)
+    tiling = choose_tiling(rows, n, k, group_size, 132, bits)
+    torch.testing.assert_close(wna16_gemm(*args, bits, group_size, tiling).cpu(), expected, **tol)
 
 
 def test_rejects_bad_inputs():  # type: ignore[no-untyped-def]
