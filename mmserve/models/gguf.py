@@ -23,8 +23,10 @@ _Rows = TypeVar("_Rows", torch.Tensor, np.ndarray)
 
 
 def gguf_architecture(reader: Any) -> str:
-    """The file's general.architecture, e.g. "llama", "qwen2"."""
-    return str(reader.fields["general.architecture"].contents())
+    """The file's general.architecture, e.g. "llama", "qwen2" (reader: a GgufIndex, whose
+    fields are values, or a GGUFReader, whose fields have contents())."""
+    field = reader.fields["general.architecture"]
+    return str(field.contents() if hasattr(field, "contents") else field)
 
 
 def gguf_to_hf_names(hf_config: Any, gguf_arch: str) -> dict[str, str]:
@@ -92,9 +94,9 @@ def iter_gguf_blocks(
 def _iter_named(path: Path, hf_config: Any) -> Iterator[tuple[str, str, Any, np.ndarray]]:
     """(HF name, GGUF name, GGMLQuantizationType, the data as stored: numpy, memory-mapped),
     with the q/k rows un-permuted where the file permuted them."""
-    from gguf import GGUFReader
+    from mmserve.models.gguf_index import read_index
 
-    reader = GGUFReader(path)  # memory-maps the file
+    reader = read_index(path)  # memory-maps the file; its vocabulary is skipped, not parsed
     arch = gguf_architecture(reader)
     names = gguf_to_hf_names(hf_config, arch)
     heads = {".attn_q.": hf_config.num_attention_heads, ".attn_k.": hf_config.num_key_value_heads}

@@ -1,18 +1,24 @@
 """Converts a GGUF checkpoint once into a Hugging Face folder (config, float32 safetensors,
 tokenizer, chat template) under the cache directory, so later starts load in seconds.
 
-Reading a GGUF parses its whole metadata in Python (the vocabulary and merges) several times
-over (config, tokenizer, tensors) and dequantises every tensor; the converted folder holds
-exactly the dequantised weights, so a model loaded from it is the same model.
+Reading a GGUF parses its whole metadata in Python (the vocabulary and merges) and dequantises
+every tensor; the converted folder holds exactly the dequantised weights, so a model loaded
+from it is the same model. transformers parses the file's metadata once for the config and
+again for the tokenizer (about 15 s each for a Llama 3 vocabulary on a 2-core CPU): during a
+conversion its parse is kept and handed out as copies (_one_metadata_parse), and the tensors
+are found by mmserve's own index (models/gguf_index.py), which skips the vocabulary.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +62,12 @@ def _convert(source: ModelSource, target: Path, weights: bool) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
-        hf_config = load_hf_config(source)
-        hf_config.save_pretrained(tmp)
-        if weights:
-            _save_weights(source, hf_config, tmp / "model.safetensors")
-        load_tokenizer(source.folder, source.gguf_file).save_pretrained(tmp)
+        with _one_metadata_parse():
+            hf_config = load_hf_config(source)
+            hf_config.save_pretrained(tmp)
+            if weights:
+                _save_weights(source, hf_config, tmp / "model.safetensors")
+            load_tokenizer(source.folder, source.gguf_file).save_pretrained(tmp)
         try:
             tmp.rename(target)  # atomic: a concurrent converter either wins or finds it done
         except OSError:
@@ -68,6 +75,30 @@ def _convert(source: ModelSource, target: Path, weights: bool) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _one_metadata_parse() -> Iterator[None]:
+    """While inside, transformers' load_gguf_checkpoint (which its config and tokenizer loaders
+    import when called) parses each file once for the same arguments and hands each caller a
+    deep copy of the result, so no caller sees another's changes. Outside, it is transformers'
+    own again."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.load_gguf_checkpoint
+    parsed: dict[tuple[str, str], Any] = {}
+
+    def once(path: Any, *args: Any, **kwargs: Any) -> Any:
+        key = (str(path), repr((args, sorted(kwargs.items()))))
+        if key not in parsed:
+            parsed[key] = original(path, *args, **kwargs)
+        return copy.deepcopy(parsed[key])
+
+    gguf_utils.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = original
 
 
 def _write_weights(source: ModelSource, target: Path) -> None:

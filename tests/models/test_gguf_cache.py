@@ -55,3 +55,26 @@ def test_the_float_weights_are_written_only_when_asked_for(
     assert gguf_cache.materialize(source) == ModelSource(target, None)
     assert len(written) == 1 and (target / "model.safetensors").is_file()
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_conversion_parses_the_metadata_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' load_gguf_checkpoint runs once per set of arguments inside a conversion
+    (its config and tokenizer loaders both call it), each caller gets its own copy, and
+    outside it is transformers' own again."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    calls: list[tuple] = []
+
+    def parse(path, return_tensors=False):  # type: ignore[no-untyped-def]
+        calls.append((path, return_tensors))
+        return {"config": {"model_type": "llama", "layers": [1, 2]}}
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", parse)
+    with gguf_cache._one_metadata_parse():
+        first = gguf_utils.load_gguf_checkpoint("m.gguf", return_tensors=False)
+        first["config"]["layers"].append(3)  # a caller's change stays its own
+        second = gguf_utils.load_gguf_checkpoint("m.gguf", return_tensors=False)
+        gguf_utils.load_gguf_checkpoint("other.gguf", return_tensors=False)
+    assert second == {"config": {"model_type": "llama", "layers": [1, 2]}}
+    assert calls == [("m.gguf", False), ("other.gguf", False)]
+    assert gguf_utils.load_gguf_checkpoint is parse
