@@ -45,6 +45,12 @@ def int8_linear_ref(
     return (acc * scale.double() * weight_scale.double().view(1, -1)).float()
 
 
+# the product of more than 32 rows on CUDA: "int_mm" (torch._int_mm, then one pass that scales its
+# int32 sums) or "triton" (kernels/int8_gemm.py, the scales in its epilogue); int_mm until
+# scripts/bench_int8_gemm.py on the H200 says the Triton kernel is faster at prefill sizes
+LARGE_GEMM = "int_mm"
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with W int8 (per-output-channel scales) and x quantised per token."""
 
@@ -98,6 +104,10 @@ class Int8Linear(nn.Module):
         w_scale = self.weight_scale.view(1, -1)
         if rows <= MAX_ROWS:
             return fp8_gemm_rows(q, scale, self.weight, w_scale, out_dtype=x.dtype)
+        if LARGE_GEMM == "triton":
+            from mmserve.kernels.int8_gemm import int8_gemm
+
+            return int8_gemm(q, scale, self.weight, w_scale, out_dtype=x.dtype)
         acc = torch._int_mm(q, self.weight.t())  # int32 (more than 16 rows, as it needs)
         return scale_product(acc, scale, w_scale, x.dtype)
 

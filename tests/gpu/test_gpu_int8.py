@@ -1,5 +1,5 @@
-"""INT8 w8a8 on the GPU: torch._int_mm's products (int32, padded below 17 rows) against the
-exact reference, and the engine's greedy tokens against transformers with fake-quantised
+"""INT8 w8a8 on the GPU: the products (the rows kernel, torch._int_mm or the Triton GEMM for
+many rows) against the exact reference, and the engine's greedy tokens against transformers with fake-quantised
 int8 projections. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("large_gemm", ["int_mm", "triton"])
 @pytest.mark.parametrize("rows", [1, 16, 17, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_int_mm_is_the_reference(rows: int, dtype: torch.dtype) -> None:
+def test_gpu_int_mm_is_the_reference(rows: int, dtype: torch.dtype, large_gemm: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from mmserve.models import int8
     from mmserve.models.int8 import Int8Linear, int8_linear_ref
 
+    monkeypatch.setattr(int8, "LARGE_GEMM", large_gemm)
     torch.manual_seed(rows)
     linear = torch.nn.Linear(512, 264, bias=True, device="cuda", dtype=dtype)
     layer = Int8Linear.from_linear(linear)
