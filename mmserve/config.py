@@ -55,6 +55,12 @@ class ModelConfig:
         "honour", "honour = apply the config's sliding window; refuse = error", cli=False
     )
     enforce_eager: bool = setting(False, "run every step eagerly, no CUDA graphs (CUDA only)")
+    warmup: bool | None = setting(
+        None,
+        "run a few dummy requests at start-up, so that the GPU kernels serving uses are compiled "
+        "before the first client waits for them",
+        shown="on with CUDA, off on the CPU",
+    )
     load_format: str = setting(
         "auto", "auto = the checkpoint's weights; dummy = random (benchmarks)", cli=False
     )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests kvcap embed structured serve vlm (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests kvcap embed structured serve coldstart vlm (all =
 # tests bench); results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -66,6 +66,16 @@ if has structured; then
 fi
 if has serve; then
   $B serve --model shape:llama3-8b --load-format dummy --request-rate 8,32 --num-requests 300 --input-len 512 --output-len 128 --engine-process 2>&1 | grep -v Warning | tee "$OUT/serve.txt"
+fi
+if has coldstart; then
+  # issue 23, target 7: a fresh server's first minute (an empty Triton cache) at 8 req/s, then the
+  # same server's second minute (warm), without and with the start-up warm-up; serve-start
+  # lines give each start-up's seconds
+  C="--model shape:llama3-8b --load-format dummy --request-rate 8,8 --num-requests 480 --num-warmup 0"
+  C="$C --input-len 512 --output-len 128"
+  { TRITON_CACHE_DIR=$(mktemp -d) $B serve $C --no-warmup
+    TRITON_CACHE_DIR=$(mktemp -d) $B serve $C --warmup
+  } 2>&1 | grep -v Warning | tee "$OUT/coldstart.txt"
 fi
 if has vlm; then
   $B vlm --model shape:qwen2-vl-7b --load-format dummy --baseline 2>&1 | grep -v Warning | tee "$OUT/vlm.txt"

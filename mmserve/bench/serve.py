@@ -233,6 +233,7 @@ def local_server(args: argparse.Namespace) -> Iterator[str]:
     from mmserve.server.grpc_server import MMServer
     from mmserve.server.models import ModelRegistry, load_model
 
+    started = time.perf_counter()
     folder, dummy = model_folder(args.model, args.load_format)
     pending = args.num_requests + args.num_warmup
     metrics_port = 0 if getattr(args, "metrics", False) else None
@@ -245,6 +246,9 @@ def local_server(args: argparse.Namespace) -> Iterator[str]:
     thread.start()
     try:
         port = asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
+        # the start-up's cost (load, CUDA graphs, the warm-up: compare --warmup / --no-warmup)
+        start_s = time.perf_counter() - started
+        print(json.dumps({"bench": "serve-start", "start_s": round(start_s, 2), "warmup": getattr(args, "warmup", None)}), flush=True)
         yield f"127.0.0.1:{port}"
     finally:
         asyncio.run_coroutine_threadsafe(server.drain(grace=5.0), loop).result(60)

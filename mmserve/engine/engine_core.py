@@ -13,6 +13,7 @@ from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.messages import EngineOutput, EngineRequest, EngineStats
 from mmserve.engine.sched_output import RunnerOutput, SchedulerOutput
 from mmserve.engine.scheduler import Scheduler
+from mmserve.engine.warmup import timed_warm_up
 from mmserve.inputs import grid_thw
 from mmserve.models.base import CausalLM
 from mmserve.models.fp8 import is_fp8
@@ -99,6 +100,13 @@ class EngineCore:
             self.runner.capture_graphs(
                 scheduler.max_num_seqs, self.max_model_len, scheduler.budget,
                 guesses if self.speculator is not None else (0, 0),
+            )
+        self.warmup_seconds = 0.0  # the start-up warm-up's time (engine/warmup.py)
+        warm = config.model.warmup if config.model.warmup is not None else device.type == "cuda"
+        caps = model.capabilities  # (a model with a KV cache generates, unless a classifier)
+        if warm and num_blocks and caps.causal and not caps.classifier:
+            self.warmup_seconds = timed_warm_up(
+                self.runner, config, num_blocks, self.max_model_len, model.vocab_size
             )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens at most in flight), max_model_len %d",

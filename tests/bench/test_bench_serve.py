@@ -64,7 +64,8 @@ def test_bench_serve_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[st
         "--metrics",  # the server exports its metrics meanwhile (what they cost, on the GPU)
     )  # fmt: skip
     args.func(args)
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    start, *lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert start["bench"] == "serve-start" and start["start_s"] > 0 and start["warmup"] is None
     assert [line["request_rate"] for line in lines] == [20.0, "inf"]
     for line in lines:
         assert line["bench"] == "serve" and line["errors"] == [] and line["metrics"] is True

@@ -1,0 +1,81 @@
+"""Start-up warm-up: a few dummy requests through the model runner before the first real one.
+
+Triton compiles a kernel the first time it runs with a new set of compile-time constants:
+tile sizes chosen from the shapes (attention's query tiles by the longest query of a step,
+the products' tiles by their rows) and integer arguments that are 1 or divisible by 16. CUDA
+graph capture compiles what decode steps use; the first prefills of a fresh server compiled
+the rest while clients waited (TTFT p99 500 ms in the first minute on the H200, issue 23).
+
+warm_up() runs prompts of lengths that reach each of those cases (one token; 3, 7, 16 and 31
+tokens, which span the attention tiles of a group of up to 8 query heads; 100 and 512; and one
+longer than the token budget, which prefills in two chunks), first each alone (a prefill, then
+decodes at batch 1) and then all at once (mixed steps of prefill chunks and decodes at several
+batch sizes), greedy and sampled (top-k, top-p, a seed of its own). It uses a scheduler and KV
+bookkeeping of its own, without prefix caching: the engine's own scheduler, counters and
+prefix cache are untouched, and the KV blocks the dummies wrote are free again (a block is
+always written before it is read). Images, grammars and speculative guesses are not warmed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from mmserve.config import EngineConfig
+from mmserve.engine.kv_cache_manager import KVCacheManager
+from mmserve.engine.sched_output import RunnerOutput
+from mmserve.engine.scheduler import Scheduler
+from mmserve.params import SamplingParams
+from mmserve.request import Request
+from mmserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+PROMPT_LENS = (1, 3, 7, 16, 31, 100, 512)  # and one past the token budget
+OUTPUT_TOKENS = 4
+MAX_STEPS = 2000  # a guard: the dummies never take this many
+
+
+def warm_up(
+    runner: ModelRunner, config: EngineConfig, num_blocks: int, max_model_len: int, vocab_size: int
+) -> int:
+    """Runs the dummy requests (module docstring); returns how many steps they took."""
+    block_size = config.cache.block_size
+    budget = config.scheduler.budget
+    # each prompt and its output fits the context, and half of the KV cache (so that a wave of
+    # several always makes progress, by preempting if it must)
+    room = min(max_model_len, num_blocks * block_size // 2) - OUTPUT_TOKENS
+    lens = [n for n in (*PROMPT_LENS, budget + 17) if n <= room]
+    greedy = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(
+        max_tokens=OUTPUT_TOKENS, temperature=0.8, top_k=50, top_p=0.9, seed=0, ignore_eos=True
+    )
+    scheduler = Scheduler(config.scheduler, KVCacheManager(num_blocks, block_size, False), max_model_len)
+    steps = 0
+    for wave, prompt_lens in enumerate([*([n] for n in lens), lens]):
+        for i, n in enumerate(prompt_lens):
+            prompt = [(7 * j + 1) % vocab_size for j in range(n)]
+            params = sampled if i % 2 else greedy
+            scheduler.add_request(Request(f"warmup-{wave}-{i}", prompt, params, frozenset(), OUTPUT_TOKENS))
+        while scheduler.has_unfinished:
+            steps += 1
+            if steps > MAX_STEPS:
+                raise RuntimeError(f"the start-up warm-up did not finish in {MAX_STEPS} steps")
+            plan = scheduler.schedule()
+            step = runner.launch(plan)
+            if step is None:
+                scheduler.update(plan, RunnerOutput())
+                continue
+            runner.sample(step, scheduler.requests)
+            scheduler.update(plan, runner.resolve(step))
+    runner.launch(scheduler.schedule())  # the runner forgets the last of them
+    return steps
+
+
+def timed_warm_up(runner: ModelRunner, config: EngineConfig, num_blocks: int, max_model_len: int,
+                  vocab_size: int) -> float:  # fmt: skip
+    """warm_up(), logged; the seconds it took."""
+    start = time.perf_counter()
+    steps = warm_up(runner, config, num_blocks, max_model_len, vocab_size)
+    seconds = time.perf_counter() - start
+    logger.info("warm-up: %d steps of dummy requests in %.1f s", steps, seconds)
+    return seconds

@@ -1,0 +1,83 @@
+"""The start-up warm-up (engine/warmup.py): dummy requests of every planned length run through
+the runner, and the engine afterwards is as a fresh one: no request, every KV block free,
+nothing in the prefix cache, zero counters, and the same outputs (greedy and seeded) as an
+engine that never warmed up. Off by default on the CPU; it fits a small KV cache and context."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from mmserve.engine import warmup
+from mmserve.engine.engine_core import EngineCore
+from mmserve.params import SamplingParams
+from mmserve.request import Request
+from tests.engine.conftest import assert_all_blocks_free, run_all
+from tests.fake_model import FakeModel
+
+
+def _core(warm: bool | None, num_blocks: int = 128, budget: int = 64, max_len: int = 512) -> EngineCore:
+    config = EngineConfig(
+        model=ModelConfig(model="fake", warmup=warm),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8),
+    )
+    return EngineCore(config, FakeModel(), max_len, torch.device("cpu"), torch.float32)
+
+
+def _requests() -> list[Request]:
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    seeded = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # two full blocks: a prefix-cache entry if one were left
+    return [
+        Request("a", prompt, greedy, frozenset(), 6),
+        Request("b", prompt + [10], seeded, frozenset(), 6),
+    ]
+
+
+def test_a_warmed_engine_is_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[int]] = []
+    original = warmup.Request
+
+    def record(request_id, prompt, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(prompt)
+        return original(request_id, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(warmup, "Request", record)
+    warmed = _core(True)
+    lens = sorted({len(p) for p in seen})
+    assert lens == [1, 3, 7, 16, 31, 64 + 17, 100]  # 512 does not fit half the 512-token cache
+    assert warmed.warmup_seconds > 0
+    assert not warmed.has_unfinished and not warmed.scheduler.requests
+    assert_all_blocks_free(warmed)
+    stats = warmed.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions) == (0, 0, 0)
+    assert not warmed.kv.pool._cached  # nothing the dummies computed is found again
+    cold = _core(None)
+    assert cold.warmup_seconds == 0.0  # off on the CPU unless asked for
+    assert run_all(warmed, _requests()) == run_all(cold, _requests())
+    assert warmed.stats().prefix_cache_queries == cold.stats().prefix_cache_queries
+
+
+def test_it_fits_a_small_cache_and_context() -> None:
+    core = _core(True, num_blocks=8, budget=16, max_len=20)  # 32 cache tokens, 20 context
+    assert_all_blocks_free(core)
+    assert run_all(core, _requests()[:1])["a"]
+
+
+def test_a_warm_up_that_cannot_finish_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(warmup, "MAX_STEPS", 3)
+    with pytest.raises(RuntimeError, match="did not finish"):
+        _core(True)
+
+
+def test_the_setting_reaches_the_engine() -> None:
+    from mmserve.settings import settings_of
+
+    (s,) = [s for s in settings_of(ModelConfig) if s.name == "warmup"]
+    assert s.is_bool and s.default is None and s.flag == "--warmup"
+    config = replace(ModelConfig(model="m"), warmup=False)
+    assert config.warmup is False
