@@ -94,7 +94,7 @@ def _one_metadata_parse() -> Iterator[None]:
             parsed[key] = original(path, *args, **kwargs)
         return copy.deepcopy(parsed[key])
 
-    gguf_utils.load_gguf_checkpoint = once
+    gguf_utils.load_gguf_checkpoint = once  # type: ignore[assignment]
     try:
         yield
     finally:

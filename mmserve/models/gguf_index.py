@@ -48,7 +48,7 @@ class GgufIndex:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.data = np.memmap(path, mode="r")
-        buf = memoryview(self.data)  # (zero-copy: struct reads the mapped bytes)
+        buf = memoryview(self.data.data)  # (zero-copy: struct reads the mapped bytes)
         if bytes(buf[:4]) != GGUF_MAGIC:
             raise ValueError("GGUF magic invalid")
         version, tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
