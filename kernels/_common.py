@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import triton
@@ -75,3 +76,35 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 def check_index_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:
     if t.dtype not in dtypes:
         raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+
+
+def scaled_operand_sizes(xq: torch.Tensor, wq: torch.Tensor) -> tuple[int, int, int]:
+    """(M, K, N) of a product xq [M, K] @ wq [N, K]^T; ValueError unless they share K."""
+    if xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
+        raise ValueError(
+            f"xq [M, K] and wq [N, K] must share K, got {list(xq.shape)} and {list(wq.shape)}"
+        )
+    return xq.shape[0], xq.shape[1], wq.shape[0]
+
+
+def check_scales(
+    xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor
+) -> None:
+    """A scaled product's per-row and per-channel scales (x_scale [M, 1], w_scale [1, N]) fit
+    its operands, whose rows are contiguous, all on one device."""
+    check_shape("x_scale", x_scale, (xq.shape[0], 1))
+    check_shape("w_scale", w_scale, (1, wq.shape[0]))
+    check_last_dim_contiguous("xq", xq)
+    check_last_dim_contiguous("wq", wq)
+    check_same_device(xq=xq, x_scale=x_scale, wq=wq, w_scale=w_scale)
+
+
+def matmul_in_column_chunks(
+    x: torch.Tensor, n: int, chunk_elements: int, weight_t: Callable[[slice], torch.Tensor]
+) -> torch.Tensor:
+    """x [M, K] @ W^T [K, N] with W^T made chunk_elements at a time: weight_t(columns) gives the
+    [K, columns] slice of W^T (a weight dequantised for many rows: no float copy of all of it)."""
+    k = x.shape[1]
+    step = max(1, chunk_elements // max(k, 1))
+    outs = [x @ weight_t(slice(start, start + step)) for start in range(0, max(n, 1), step)]  # once for N = 0
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -17,7 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels._common import check_last_dim_contiguous, check_same_device, check_shape
+from mmserve.kernels._common import (
+    check_last_dim_contiguous,
+    check_same_device,
+    check_scales,
+    check_shape,
+    scaled_operand_sizes,
+)
 
 # rows are padded to a tile of 16 or 32. A 64-row tile compiled to Hopper's wgmma, whose FP8
 # accumulation is not float32-exact: it missed the reference by more than float rounding (H200)
@@ -75,21 +81,12 @@ def fp8_gemm_rows(
     """xq [M <= 32, K] and wq [N, K] in float8_e4m3fn or int8 (int32 sums; under the
     interpreter also any float dtype), x_scale [M, 1] and w_scale [1, N] float32 -> [M, N] in
     out_dtype."""
-    if xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
-        raise ValueError(
-            f"xq [M, K] and wq [N, K] must share K, got {list(xq.shape)} and {list(wq.shape)}"
-        )
-    rows, k = xq.shape
-    n = wq.shape[0]
+    rows, k, n = scaled_operand_sizes(xq, wq)
     if rows > MAX_ROWS:
         raise ValueError(f"xq has {rows} rows; this kernel takes at most {MAX_ROWS}")
     if xq.dtype != wq.dtype:
         raise ValueError(f"xq and wq must share a dtype, got {xq.dtype} and {wq.dtype}")
-    check_shape("x_scale", x_scale, (rows, 1))
-    check_shape("w_scale", w_scale, (1, n))
-    check_last_dim_contiguous("xq", xq)
-    check_last_dim_contiguous("wq", wq)
-    check_same_device(xq=xq, x_scale=x_scale, wq=wq, w_scale=w_scale)
+    check_scales(xq, x_scale, wq, w_scale)
     out = torch.empty((rows, n), dtype=out_dtype, device=xq.device)
     if rows and n:
         # measured on the H200 at 1-16 rows (Llama-3-8B's projections): 64 channels per

@@ -21,7 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels._common import check_float, check_last_dim_contiguous, check_same_device
+from mmserve.kernels._common import (
+    check_float,
+    check_last_dim_contiguous,
+    check_same_device,
+    matmul_in_column_chunks,
+)
 from mmserve.kernels.gguf_blocks import check_blocks, dequant_tile, gguf_dequantize
 
 MAX_ROWS = 32  # the rows of one tile of the few-rows kernel; more go to gguf_dequantize + matmul
@@ -110,12 +115,9 @@ def gguf_matmul(
     k = blocks.shape[1] * fmt.elements
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, K] with K = {k}, got {list(x.shape)}")
-    step = max(1, chunk_elements // max(k, 1))
-    outs = [
-        x @ gguf_dequantize(blocks[start : start + step], qtype, x.dtype).t()
-        for start in range(0, max(blocks.shape[0], 1), step)  # once for N = 0
-    ]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return matmul_in_column_chunks(
+        x, blocks.shape[0], chunk_elements, lambda cols: gguf_dequantize(blocks[cols], qtype, x.dtype).t()
+    )
 
 
 def gguf_matmul_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels._common import check_last_dim_contiguous, check_same_device, check_shape
+from mmserve.kernels._common import check_scales, scaled_operand_sizes
 
 
 @triton.jit
@@ -90,17 +90,10 @@ def int8_gemm(
 ) -> torch.Tensor:
     """xq [M, K] and wq [N, K] int8, x_scale [M, 1] and w_scale [1, N] float32 -> [M, N] in
     out_dtype. tiling: for sweeps."""
-    if xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
-        raise ValueError(f"xq [M, K] and wq [N, K] must share K, got {list(xq.shape)} and {list(wq.shape)}")
+    rows, k, n = scaled_operand_sizes(xq, wq)
     if xq.dtype != torch.int8 or wq.dtype != torch.int8:
         raise ValueError(f"xq and wq must be int8, got {xq.dtype} and {wq.dtype}")
-    rows, k = xq.shape
-    n = wq.shape[0]
-    check_shape("x_scale", x_scale, (rows, 1))
-    check_shape("w_scale", w_scale, (1, n))
-    check_last_dim_contiguous("xq", xq)
-    check_last_dim_contiguous("wq", wq)
-    check_same_device(xq=xq, x_scale=x_scale, wq=wq, w_scale=w_scale)
+    check_scales(xq, x_scale, wq, w_scale)
     out = torch.empty((rows, n), dtype=out_dtype, device=xq.device)
     if rows and n:
         t = tiling or choose_tiling(rows)

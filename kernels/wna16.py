@@ -36,6 +36,7 @@ from mmserve.kernels._common import (
     check_float,
     check_last_dim_contiguous,
     check_same_device,
+    matmul_in_column_chunks,
     num_sms,
 )
 
@@ -230,16 +231,11 @@ def wna16_gemm(
     rows, k = x.shape
     n = qweight.shape[1]
     if rows > MAX_KERNEL_ROWS and tiling is None:
-        step = max(1, CHUNK_ELEMENTS // max(k, 1))
-        cols = [slice(start, start + step) for start in range(0, max(n, 1), step)]  # one for N = 0
-        outs = [
-            x
-            @ wna16_dequantize(
-                qweight[:, c], scales[:, c], None if zeros is None else zeros[:, c], bits, group_size, x.dtype
-            )
-            for c in cols
-        ]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return matmul_in_column_chunks(
+            x, n, CHUNK_ELEMENTS,
+            lambda c: wna16_dequantize(qweight[:, c], scales[:, c], None if zeros is None else zeros[:, c],
+                                       bits, group_size, x.dtype),
+        )  # fmt: skip
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
