@@ -22,7 +22,12 @@ step on the H200, 15x its bandwidth floor: latency-bound on its serial K loop. T
 unpacked each step to [128, N] with a reshape. This one, in CUDA graphs at one row: qkv 19.5 us,
 o 14.5, gate_up 60.2, down 36.8, about bf16's time for a quarter of its bytes (600-1,000 GB/s).
 A kernel without tensor cores for 1-4 rows (float32 dequantisation, one sum over the words at
-the end) measured 25.1 / 23.0 / 85.6 / 51.2 us at one row and 3-5x slower at four: removed.)"""
+the end) measured 25.1 / 23.0 / 85.6 / 51.2 us at one row and 3-5x slower at four: removed.
+Session 13: values are dequantised by putting q into a float's mantissa (a bitcast, no
+int-to-float conversion): the same times at one row (19.5 / 14.7 / 59.7 / ~37 us), so the
+conversions were not the limit; a second kernel without tensor cores that folds the zero point
+and scale once per word (x * (1 + q / 2^bits) summed, one fused multiply-add per value) took
+21.8 / 16.8 / 80.4 / 47.3 us at its best tiling at one row and 2-10x more at 2-4 rows: removed.)"""
 
 from __future__ import annotations
 
@@ -44,8 +49,6 @@ WORDS_PER_STEP = 16  # packed words of each column per K step (the dots' K: 16 a
 MAX_KERNEL_ROWS = 32  # more rows: the weight dequantised (CHUNK_ELEMENTS at a time) + torch.matmul
 CHUNK_ELEMENTS = 1 << 25  # (64 MiB of bf16: a large LM head needs no float copy of itself)
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K
-GEMV_MAX_ROWS = 1  # rows the kernel without tensor cores takes (scripts/bench_wna16.py decides)
-GEMV_BLOCK_N = 128
 MAX_SPLITS = 32
 
 
@@ -66,18 +69,6 @@ def _value_plus_2_23(words, p: tl.constexpr, BITS: tl.constexpr):
     2^23 (two integer operations and a bitcast in place of an int-to-float conversion, which
     runs at a quarter of the float rate)."""
     return (((words >> (p * BITS)) & ((1 << BITS) - 1)) | 0x4B000000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _one_plus_fraction(words, p: tl.constexpr, BITS: tl.constexpr):
-    """Value p of each word as the float32 1 + q / 2^bits, exactly: q shifted straight into
-    the top of 1.0's mantissa (a shift and one and-or)."""
-    SHIFT: tl.constexpr = 23 - BITS - p * BITS
-    if SHIFT >= 0:
-        placed = words << SHIFT
-    else:
-        placed = words >> (-SHIFT)
-    return ((placed & (((1 << BITS) - 1) << (23 - BITS))) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -133,61 +124,6 @@ def _wna16_kernel(
 
 
 @triton.jit
-def _wna16_gemv_kernel(
-    out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr,
-    rows, n, k, group_size, k_per_split, stride_x, stride_q, stride_s, stride_out,
-    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
-    """A decode step's few rows without tensor cores: per word and output channel, the sum
-    over its values of x * (1 + q / 2^bits) (one fused multiply-add each), then, once per
-    word, 2^bits * s * (that - (1 + z / 2^bits) * the sum of x) = s * sum(x * (q - z)). A word
-    lies in one group (GROUPS 0 or 1). The sums over the words come at the end."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    k_lo = pid_s * k_per_split
-    k_hi = tl.minimum(k, k_lo + k_per_split)
-    PER: tl.constexpr = 32 // BITS
-    WORDS: tl.constexpr = BLOCK_K // PER
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_w = tl.arange(0, WORDS)
-    mask_m = offs_m < rows
-    mask_n = offs_n < n
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
-    acc = tl.zeros([BLOCK_M, WORDS, BLOCK_N], dtype=tl.float32)
-    for start in range(k_lo, k_hi, BLOCK_K):
-        word_rows = start // PER + offs_w
-        mask_w = (word_rows < k_hi // PER)[:, None] & mask_n[None, :]
-        words = tl.load(
-            qweight_ptr + word_rows[:, None].to(tl.int64) * stride_q + offs_n[None, :],
-            mask=mask_w, other=0,
-        )  # fmt: skip
-        if GROUPS == 0:
-            group = (start // group_size).to(tl.int64) * stride_s + offs_n[None, :]
-            s, z = _group_params(scales_ptr, zeros_ptr, group, mask_n[None, :], BITS, HAS_ZEROS)
-        else:
-            group = ((start + offs_w * PER) // group_size)[:, None].to(tl.int64) * stride_s + offs_n[None, :]
-            s, z = _group_params(scales_ptr, zeros_ptr, group, mask_w, BITS, HAS_ZEROS)
-        part = tl.zeros([BLOCK_M, WORDS, BLOCK_N], dtype=tl.float32)
-        sum_x = tl.zeros([BLOCK_M, WORDS], dtype=tl.float32)
-        for p in tl.static_range(PER):
-            ks = start + offs_w * PER + p
-            x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < k_hi)[None, :], other=0.0)
-            x = x.to(tl.float32)
-            sum_x += x
-            part += x[:, :, None] * _one_plus_fraction(words, p, BITS)[None, :, :]
-        s_full = s * (1 << BITS)
-        offset = 1.0 + z * (1.0 / (1 << BITS))
-        acc += s_full[None, :, :] * (part - sum_x[:, :, None] * offset[None, :, :])
-    out_offs = offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
-    if SPLIT:
-        out_offs += pid_s.to(tl.int64) * rows * n
-    tl.store(out_ptr + out_offs, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])  # fmt: skip
-
-
-@triton.jit
 def _sum_splits_kernel(out_ptr, part_ptr, size, splits, BLOCK: tl.constexpr):
     """out[i] = sum over s of part[s, i], s in order (the same result every run)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -228,36 +164,25 @@ class Wna16Tiling:
     num_stages: int
     splits: int  # slices of K, each its own program (then summed)
     k_per_split: int  # channels of K per slice, whole steps
-    gemv: bool = False  # the kernel without tensor cores (all rows in one tile, groups < 2)
 
 
 def choose_tiling(
     rows: int, n: int, k: int, group_size: int, num_sms: int, bits: int = 4,
     block_n: int | None = None, words: int = WORDS_PER_STEP, num_stages: int | None = None,
-    programs_per_sm: int | None = None, gemv: bool | None = None, num_warps: int = 4,
+    programs_per_sm: int | None = None, num_warps: int = 4,
 ) -> Wna16Tiling:  # fmt: skip
-    """Up to GEMV_MAX_ROWS rows whose words each lie in one group, the kernel without tensor
-    cores (all rows in one tile of GEMV_BLOCK_N channels); otherwise output tiles of 16 x 64
-    for a decode step (<= 16 rows: its weights are all the work, streamed once), wider for
-    more rows. Steps of WORDS_PER_STEP words of each column (128 channels at 4 bits, 64 at 8).
-    A grid of too few output tiles to keep about PROGRAMS_PER_SM programs on every SM splits
-    K (each slice of whole steps, partial sums added in order), since one program's serial K
-    steps are latency-bound: at one row, 4096 x 4096 took 35-63 us on the H200 for every
-    tiling without a split (BENCHMARKS.md, session 11), about 10x its floor. The keyword
-    arguments other than the defaults are for sweeps (gemv True forces that kernel)."""
+    """Output tiles of 16 x 64 for a decode step (<= 16 rows: its weights are all the work,
+    streamed once), wider for more rows; steps of WORDS_PER_STEP words of each column (128
+    channels at 4 bits, 64 at 8). A grid of too few output tiles to keep about PROGRAMS_PER_SM
+    programs on every SM splits K (each slice of whole steps, partial sums added in order),
+    since one program's serial K steps are latency-bound: at one row, 4096 x 4096 took 35-63 us
+    on the H200 for every tiling without a split (BENCHMARKS.md, session 11), about 10x its
+    floor. The keyword arguments other than the defaults are for sweeps."""
     per = 32 // bits
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_n = block_n or (64 if block_m < 64 else 128)
     block_k = words * per
     groups = 0 if group_size % block_k == 0 or group_size >= k else 1 if group_size % per == 0 else 2
-    if gemv is None:
-        gemv = rows <= GEMV_MAX_ROWS and groups < 2
-    if gemv:
-        if groups == 2 or rows > 64:
-            raise ValueError(f"the kernel without tensor cores needs words in one group and <= 64 rows ({rows})")
-        block_m = triton.next_power_of_2(max(rows, 1))
-        block_n = block_n or GEMV_BLOCK_N
-    else:
-        block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-        block_n = block_n or (64 if block_m < 64 else 128)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
     programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
@@ -265,7 +190,7 @@ def choose_tiling(
     per_split = triton.cdiv(steps, max(1, wanted))
     splits = triton.cdiv(steps, per_split)
     stages = num_stages or (3 if block_m <= 32 else 2)
-    return Wna16Tiling(block_m, block_n, block_k, groups, num_warps, stages, splits, per_split * block_k, gemv)
+    return Wna16Tiling(block_m, block_n, block_k, groups, num_warps, stages, splits, per_split * block_k)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -335,13 +260,8 @@ def wna16_gemm(
         "GROUPS": t.groups, "HAS_ZEROS": zeros is not None, "SPLIT": split,
         "num_warps": t.num_warps, "num_stages": t.num_stages,
     }  # fmt: skip
-    if t.gemv:
-        if rows > t.block_m:
-            raise ValueError(f"a tiling of {t.block_m} rows without tensor cores for {rows} rows")
-        _wna16_gemv_kernel[(triton.cdiv(n, t.block_n), t.splits)](*args, **meta)
-    else:
-        grid = (triton.cdiv(rows, t.block_m), triton.cdiv(n, t.block_n), t.splits)
-        _wna16_kernel[grid](*args, **meta, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    grid = (triton.cdiv(rows, t.block_m), triton.cdiv(n, t.block_n), t.splits)
+    _wna16_kernel[grid](*args, **meta, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if split:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * n, block),)](out, target, rows * n, t.splits, BLOCK=block)

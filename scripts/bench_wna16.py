@@ -3,9 +3,8 @@ projection shapes (N, K) and 1-256 rows: one JSON line per case, the times in CU
 (do_bench_cudagraph: the kernels alone, as a decode step runs them; plain do_bench also timed
 the Python launch, ~100 us), each product cycling through enough copies of its weights to
 overflow the L2 cache, and the bytes read per microsecond (packed weights and scales,
-symmetric: no zeros; bf16's weights). Then a sweep of tilings at 1, 2 and 4 rows: the kernel
-without tensor cores ("gemv": output channels per program, words per step, programs wanted per
-SM, warps) and the tensor-core one ("dot"), which decides GEMV_MAX_ROWS and the defaults.
+symmetric: no zeros; bf16's weights). Then a sweep of tilings at one row (output
+channels per program, words per step, programs wanted per SM, warps).
 
     python scripts/bench_wna16.py
 """
@@ -55,19 +54,13 @@ def _shape(n: int, k: int) -> None:
         print(json.dumps({"n": n, "k": k, "rows": rows, "tiling": str(tiling),
                           "w4a16_us": round(w4, 1), "w4a16_gbs": round(packed_bytes / w4 / 1e3),
                           "bf16_us": round(bf16, 1), "bf16_gbs": round(n * k * 2 / bf16 / 1e3)}), flush=True)  # fmt: skip
-    for rows in (1, 2, 4):
+    for rows in (1,):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        if rows == 1:
-            sweep = [("gemv", bn, w, pr, nw) for bn, w, pr, nw in itertools.product((64, 128, 256), (16, 32), (2, 4, 8), (4, 8))]
-            sweep += [("dot", bn, 16, pr, 4) for bn, pr in itertools.product((32, 64, 128), (4, 16))]
-        else:
-            sweep = [("gemv", bn, 16, 4, nw) for bn, nw in itertools.product((128, 256), (4, 8))]
-            sweep += [("dot", 64, 16, pr, 4) for pr in (4, 16)]
-        for kernel, block_n, words, programs, warps in sweep:
-            tiling = choose_tiling(rows, n, k, 128, num_sms(x.device), 4, block_n, words, None, programs,
-                                   kernel == "gemv", warps)  # fmt: skip
+        sweep = [(bn, w, pr, nw) for bn, w, pr, nw in itertools.product((64, 128), (16, 32), (4, 16), (4, 8))]
+        for block_n, words, programs, warps in sweep:
+            tiling = choose_tiling(rows, n, k, 128, num_sms(x.device), 4, block_n, words, None, programs, warps)
             us = _time(packed(x, tiling), copies)
-            print(json.dumps({"sweep": [n, k, rows], "kernel": kernel, "tiling": [block_n, words, programs, warps, tiling.splits],
+            print(json.dumps({"sweep": [n, k, rows], "tiling": [block_n, words, programs, warps, tiling.splits],
                               "us": round(us, 1), "gbs": round(packed_bytes / us / 1e3)}), flush=True)  # fmt: skip
 
 

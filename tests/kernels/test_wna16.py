@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from mmserve.kernels.wna16 import (
-    Wna16Tiling,
     choose_tiling,
     dequantize_packed,
     pack_columns,
@@ -42,38 +41,22 @@ def _operands(rows: int, n: int, k: int, bits: int, group_size: int, dtype: torc
     return x, q, zeros, scales, w.t()  # w: [N, K]
 
 
-def _kernel_tiling(case: tuple[int, ...], kernel: str) -> Wna16Tiling | None:
-    """The default choice ("chosen"), or that kernel forced, with its default tiling."""
-    rows, n, k, bits, group_size = case
-    if kernel == "chosen":
-        return None
-    return choose_tiling(rows, n, k, group_size, 132, bits, gemv=kernel == "gemv")
-
-
-GEMV_CASES = [c for c in CASES if c[0] <= 64 and c[4] % (32 // c[3]) == 0]  # words in one group
-
-
 @pytest.mark.parametrize("dtype", [d for d in FLOAT_DTYPES if d != torch.bfloat16], ids=str)
-@pytest.mark.parametrize(
-    "case,kernel",
-    [(c, "chosen") for c in CASES] + [(c, "dot") for c in CASES if c[0] <= 32] + [(c, "gemv") for c in GEMV_CASES],
-    ids=str,
-)
-def test_matches_the_dequantised_product(case, kernel, dtype):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_the_dequantised_product(case, dtype):  # type: ignore[no-untyped-def]
     rows, n, k, bits, group_size = case
     x, q, zeros, scales, w = _operands(rows, n, k, bits, group_size, dtype)
     qweight = pack_columns(q, bits)
     torch.testing.assert_close(dequantize_packed(qweight, scales, zeros, bits, group_size), w, atol=0, rtol=0)
     args = [t.to(DEVICE) for t in (x, qweight, scales, zeros)]
-    out = wna16_gemm(*args, bits, group_size, _kernel_tiling(case, kernel))
+    out = wna16_gemm(*args, bits, group_size)
     expected = x.float() @ w.t()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("kernel", ["dot", "gemv"])
 @pytest.mark.parametrize("case", [(1, 96, 256, 4, 128), (20, 40, 96, 8, 32), (3, 64, 192, 4, 192), (7, 48, 72, 4, 24)], ids=str)
-def test_symmetric_weights_need_no_zeros(case, kernel):  # type: ignore[no-untyped-def]
+def test_symmetric_weights_need_no_zeros(case):  # type: ignore[no-untyped-def]
     """zeros None: every zero point is 2^(bits - 1), none read (a symmetric checkpoint)."""
     rows, n, k, bits, group_size = case
     x, q, _, scales, _ = _operands(rows, n, k, bits, group_size, torch.float32)
@@ -81,8 +64,7 @@ def test_symmetric_weights_need_no_zeros(case, kernel):  # type: ignore[no-untyp
     zeros = torch.full_like(scales, float(1 << (bits - 1)))
     w = dequantize_packed(qweight, scales, None, bits, group_size)
     torch.testing.assert_close(w, dequantize_packed(qweight, scales, zeros, bits, group_size), atol=0, rtol=0)
-    tiling = _kernel_tiling(case, kernel)
-    out = wna16_gemm(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE), None, bits, group_size, tiling)
+    out = wna16_gemm(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE), None, bits, group_size)
     expected = x @ w.t()
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
@@ -160,16 +142,3 @@ def test_decode_splits_k_into_whole_steps():  # type: ignore[no-untyped-def]
         programs = -(-n // t.block_n) * t.splits
         assert programs >= 3 * 132 or t.splits == k // t.block_k  # SMs about filled, or K used up
     assert choose_tiling(4096, 4096, 4096, 128, num_sms=132).splits == 1  # a prefill's tiles suffice
-
-
-def test_gemv_takes_decode_rows_whose_words_lie_in_one_group():  # type: ignore[no-untyped-def]
-    from mmserve.kernels import wna16
-
-    rows = wna16.GEMV_MAX_ROWS
-    assert choose_tiling(rows, 4096, 4096, 128, 132).gemv
-    assert not choose_tiling(rows + 1, 4096, 4096, 128, 132).gemv
-    assert not choose_tiling(rows, 40, 96, 12, 132).gemv  # groups of 12 split words
-    with pytest.raises(ValueError, match="words in one group"):
-        choose_tiling(1, 40, 96, 12, 132, gemv=True)
-    forced = choose_tiling(3, 4096, 4096, 128, 132, gemv=True)
-    assert forced.block_m == 4 and forced.block_n == wna16.GEMV_BLOCK_N
