@@ -4,9 +4,9 @@ quantised when the model loads, as SmoothQuant / llm-compressor's W8A8 run them.
 Weights: int8 in [-127, 127] with one float32 scale per output channel (absmax / 127);
 activations: int8 per token, quantised when each layer runs (dynamic, no calibration). The
 product is exact integer arithmetic, scaled by the token's and the channel's scales: on CUDA
-through Triton kernels (activation quantisation; decode-sized products) and torch._int_mm
-(cuBLASLt's INT8 GEMM, int32 accumulation) for larger ones, elsewhere in float64 (exact for any
-K this engine meets). Embeddings, norms, the LM head and image towers stay in the
+through Triton kernels (activation quantisation; decode-sized products; a tiled INT8 GEMM with
+the scales in its epilogue for larger ones, or torch._int_mm: LARGE_GEMM), elsewhere in float64
+(exact for any K this engine meets). Embeddings, norms, the LM head and image towers stay in the
 model's dtype, as with FP8."""
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ def int8_linear_ref(
 
 
 # the product of more than 32 rows on CUDA: "int_mm" (torch._int_mm, then one pass that scales its
-# int32 sums) or "triton" (kernels/int8_gemm.py, the scales in its epilogue); int_mm until
-# scripts/bench_int8_gemm.py on the H200 says the Triton kernel is faster at prefill sizes
-LARGE_GEMM = "int_mm"
+# int32 sums) or "triton" (kernels/int8_gemm.py, the scales in its epilogue). On the H200 the
+# Triton kernel measured faster at every prefill size of the 8B shape but one (256 rows of
+# o_proj: 438 against 502 TOP/s), and 866-957 TOP/s against 733-875 at 4096 rows (session 13,
+# before its tiling was tuned); offline throughput 7,815 against 6,894 tok/s
+LARGE_GEMM = "triton"
 
 
 class Int8Linear(nn.Module):
