@@ -126,16 +126,32 @@ class Rope:
         )
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate the two halves of each head)."""
+class ComputedBuffers(nn.Module):
+    """A module whose buffers are computed from its settings, never loaded from a checkpoint.
+    compute_buffers() (re)makes them on the default device; __init__ calls it, and a model
+    built on the meta device (whose buffers hold no values) calls it again once its
+    parameters have storage (models/loader.py)."""
 
-    def __init__(self, inv_freq: torch.Tensor, scale: float, max_positions: int = 0) -> None:
+    def compute_buffers(self) -> None:
+        raise NotImplementedError
+
+
+class RotaryEmbedding(ComputedBuffers):
+    """Neox-style rotary embedding (rotate the two halves of each head), with the
+    frequencies rope_parameters(hf_config, head_dim) gives."""
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int = 0) -> None:
         super().__init__()
+        self.rope_config, self.head_dim = hf_config, head_dim
+        self.max_positions = max_positions  # rows of the CUDA tables
+        self.compute_buffers()
+
+    def compute_buffers(self) -> None:
+        inv_freq, scale = rope_parameters(self.rope_config, self.head_dim)
         # [head_dim // 2] float32 whatever the model dtype
         self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.scale = scale  # yarn-style attention factor folded into cos and sin
-        self.max_positions = max_positions  # rows of the CUDA tables
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:

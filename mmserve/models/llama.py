@@ -25,7 +25,6 @@ from mmserve.models.layers import (
     Rope,
     RotaryEmbedding,
     load_into,
-    rope_parameters,
     silu_and_mul,
 )
 from mmserve.models.parallel import (
@@ -237,7 +236,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, i, backend) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         max_positions = getattr(hf_config, "max_position_embeddings", 0) or 0
-        self.rotary_emb = RotaryEmbedding(*rope_parameters(hf_config, spec.head_dim), max_positions)
+        self.rotary_emb = RotaryEmbedding(hf_config, spec.head_dim, max_positions)
 
     def forward(
         self,

@@ -29,7 +29,7 @@ from mmserve.models.base import (
     ModelCapabilities,
     image_grid,
 )
-from mmserve.models.layers import Rope, RotaryEmbedding, load_into, rope_parameters
+from mmserve.models.layers import Rope, RotaryEmbedding, load_into
 from mmserve.models.llama import LlamaForCausalLM
 from mmserve.models.qwen2_vl_vision import VisionTransformer, vision_spec
 
@@ -39,14 +39,10 @@ class MRotaryEmbedding(RotaryEmbedding):
     transformers' Qwen2-VL rotary does. 1-D positions [T] act as three equal rows."""
 
     def __init__(
-        self,
-        inv_freq: torch.Tensor,
-        scale: float,
-        mrope_section: list[int],
-        max_positions: int = 0,
+        self, hf_config: Any, head_dim: int, mrope_section: list[int], max_positions: int = 0
     ) -> None:
-        super().__init__(inv_freq, scale, max_positions)
-        if sum(mrope_section) != inv_freq.numel():
+        super().__init__(hf_config, head_dim, max_positions)
+        if sum(mrope_section) != self.inv_freq.numel():
             raise UnsupportedModel(f"mrope_section {mrope_section} does not sum to head_dim / 2")
         self.mrope_section = list(mrope_section)
 
@@ -131,9 +127,8 @@ class Qwen2VLForConditionalGeneration(LanguageModelWrapper, ModelBase):
         section = text.rope_parameters.get("mrope_section")
         if section is None:
             raise UnsupportedModel("text_config.rope_parameters has no mrope_section")
-        inv_freq, scale = rope_parameters(text, lm.head_dim)
         max_positions = getattr(text, "max_position_embeddings", 0) or 0
-        lm.model.rotary_emb = MRotaryEmbedding(inv_freq, scale, section, max_positions)
+        lm.model.rotary_emb = MRotaryEmbedding(text, lm.head_dim, section, max_positions)
         self.image_token_id = hf_config.image_token_id
         self.merge_size = spec.merge_size
         self.image_tokens = ImageTokenCount(merge_size=spec.merge_size)

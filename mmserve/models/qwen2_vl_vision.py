@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.errors import UnsupportedModel
-from mmserve.models.layers import RMSNorm, apply_rotary
+from mmserve.models.layers import ComputedBuffers, RMSNorm, apply_rotary
 
 
 @dataclass(frozen=True)
@@ -181,18 +181,21 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.merged_dim))  # type: ignore[no-any-return]
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(ComputedBuffers):
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
         self.spec = spec
         self.patch_embed = PatchEmbed(spec)
         self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
         self.merger = PatchMerger(spec)
-        head_dim = spec.embed_dim // spec.num_heads
+        self.compute_buffers()
+
+    def compute_buffers(self) -> None:
+        head_dim = self.spec.embed_dim // self.spec.num_heads
         # h and w each rotate a quarter of the frequencies of a head_dim // 2 rope
         exponent = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
         self.inv_freq: torch.Tensor
-        self.register_buffer("inv_freq", 1.0 / spec.rope_theta**exponent, persistent=False)
+        self.register_buffer("inv_freq", 1.0 / self.spec.rope_theta**exponent, persistent=False)
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """patches [N, C*T*P*P] of the images whose (t, h, w) patch grids are `grids`, in
