@@ -73,10 +73,10 @@ class GgufLinear(nn.Module):
         self.parts: tuple[_Part, ...] = ()  # set by finish(), in row order
 
     @classmethod
-    def empty_like(cls, linear: nn.Linear) -> GgufLinear:
+    def empty_like(cls, linear: nn.Linear, device: torch.device) -> GgufLinear:
+        """(linear's bias, on the meta device with it, gets storage with the model's.)"""
         bias = None if linear.bias is None else torch.zeros_like(linear.bias)
-        w = linear.weight
-        return cls(linear.in_features, linear.out_features, bias, w.dtype, w.device)
+        return cls(linear.in_features, linear.out_features, bias, linear.weight.dtype, device)
 
     def load_rows(self, tensor: torch.Tensor, name: str, rows: slice | None = None) -> None:
         """Takes the checkpoint tensor `name` (blocks, or float [rows, K]) for rows (None: all)."""
@@ -180,9 +180,9 @@ class GgufEmbedding(nn.Module):
         self.register_buffer("table", None)  # [vocab, blocks, bytes] or [vocab, dim], loaded
 
     @classmethod
-    def empty_like(cls, embedding: nn.Embedding) -> GgufEmbedding:
-        w = embedding.weight
-        return cls(embedding.num_embeddings, embedding.embedding_dim, w.dtype, w.device)
+    def empty_like(cls, embedding: nn.Embedding, device: torch.device) -> GgufEmbedding:
+        dtype = embedding.weight.dtype
+        return cls(embedding.num_embeddings, embedding.embedding_dim, dtype, device)
 
     def load_rows(self, tensor: torch.Tensor, name: str, rows: slice | None = None) -> None:
         qtype = block_type(tensor)
@@ -225,10 +225,11 @@ class GgufEmbedding(nn.Module):
 
 
 @torch.no_grad()
-def prepare_gguf(model: ModelBase) -> int:
-    """Before a GGUF's weights load: the decoder layers' projections and the LM head become
-    empty GgufLinear, the token embedding an empty GgufEmbedding (a tied head multiplies by
-    its table); returns how many modules were replaced."""
+def prepare_gguf(model: ModelBase, device: torch.device) -> int:
+    """Before a GGUF's weights load (on a model built on the meta device, so that no float
+    copy of them is ever made): the decoder layers' projections and the LM head become empty
+    GgufLinear, the token embedding an empty GgufEmbedding (a tied head multiplies by its
+    table), whose blocks will load onto device; returns how many modules were replaced."""
     if not model.capabilities.supports_fp8:  # the decoders whose projections can be swapped
         raise UnsupportedModel(f"GGUF blocks on CUDA are not supported for {type(model).__name__}")
     embeddings = [
@@ -249,17 +250,12 @@ def prepare_gguf(model: ModelBase) -> int:
     if isinstance(head, nn.Linear):
         linears.append((model, "lm_head", head))
     for parent, name, linear in linears:
-        replacement = GgufLinear.empty_like(linear)
+        replacement = GgufLinear.empty_like(linear, device)
         replacement.tied = id(linear.weight) in tied_weights
         setattr(parent, name, replacement)
     for parent, name, embedding in embeddings:
-        setattr(parent, name, GgufEmbedding.empty_like(embedding))
-    replaced = len(linears) + len(embeddings)
-    on_cuda = any(m.weight.is_cuda for _, _, m in [*linears, *embeddings])
-    del linears, embeddings, head  # the last references to the float weights
-    if on_cuda:
-        torch.cuda.empty_cache()  # the float weights just dropped go back to the KV cache
-    return replaced
+        setattr(parent, name, GgufEmbedding.empty_like(embedding, device))
+    return len(linears) + len(embeddings)
 
 
 def finish_gguf(model: nn.Module) -> None:

@@ -19,7 +19,7 @@ from mmserve.attention import AttentionBackend
 from mmserve.config import ModelConfig
 from mmserve.errors import InvalidArgument, UnsupportedModel
 from mmserve.models import weight_only as weight_only_module
-from mmserve.models.base import CausalLM, ModelCapabilities
+from mmserve.models.base import CausalLM, ModelBase, ModelCapabilities
 from mmserve.models.fp8 import (
     check_quantization,
     checkpoint_fp8,
@@ -32,6 +32,7 @@ from mmserve.models.gguf import iter_gguf_blocks
 from mmserve.models.gguf_cache import materialize
 from mmserve.models.gguf_linear import SUPPORTED_TYPES, finish_gguf, prepare_gguf
 from mmserve.models.int8 import checkpoint_int8, prepare_int8_checkpoint, quantize_int8
+from mmserve.models.layers import ComputedBuffers
 from mmserve.models.parallel import TensorParallel, tensor_parallel
 from mmserve.models.registry import architecture_of, get_model_class
 from mmserve.models.source import (
@@ -44,9 +45,12 @@ from mmserve.models.source import (
     shard_weights,
 )
 from mmserve.models.weight_only import (
+    WeightOnlyCheckpoint,
     checkpoint_weight_only,
     dequantize_weight_only,
     pack_weight_only,
+    packed_parts,
+    quantised_prefix,
 )
 
 logger = logging.getLogger(__name__)
@@ -143,14 +147,6 @@ def load_model(
     blocks = not sharded and _keeps_gguf_blocks(checkpoint, model_config, device, model_class.capabilities)
     if not blocks:
         source = materialize(checkpoint)  # with its dequantised weights
-    with _default_dtype(torch_dtype), device, tensor_parallel(parallel):
-        model = model_class(hf_config, attention_backend)
-    model.to(device)  # buffers computed on the CPU (rotary frequencies) follow the weights
-    windows = [w for w in model.sliding_windows if w is not None]
-    if windows and model_config.sliding_window_policy == "refuse":
-        raise UnsupportedModel(
-            f"the model uses a sliding window ({windows[0]}) and the policy is refuse"
-        )
     weight_only = checkpoint_weight_only(hf_config)
     int8_checkpoint = weight_only is None and checkpoint_int8(hf_config)
     fp8_checkpoint = None if weight_only or int8_checkpoint else checkpoint_fp8(hf_config)
@@ -159,20 +155,35 @@ def load_model(
         raise InvalidArgument(
             "quantization", f"the checkpoint is {held} already (quantization_config)"
         )
-    if model_config.load_format == "dummy":
+    dummy = model_config.load_format == "dummy"
+    packs = (
+        weight_only is not None
+        and not (dummy or sharded)
+        and device.type in weight_only_module.PACKED_ON
+    )
+    # a load that keeps projections quantised builds the model on the meta device, so that
+    # the device never holds the float model (see _load_quantised)
+    on_meta = blocks or packs
+    with _default_dtype(torch_dtype), torch.device("meta") if on_meta else device, tensor_parallel(parallel):
+        model = model_class(hf_config, attention_backend)
+    if not on_meta:
+        model.to(device)  # buffers computed on the CPU (rotary frequencies) follow the weights
+    windows = [w for w in model.sliding_windows if w is not None]
+    if windows and model_config.sliding_window_policy == "refuse":
+        raise UnsupportedModel(
+            f"the model uses a sliding window ({windows[0]}) and the policy is refuse"
+        )
+    if dummy:
         init_dummy_weights(model)
+    elif on_meta:
+        _load_quantised(model, hf_config, checkpoint, source, weight_only, device, torch_dtype)
     else:
         shard = model.weight_shard if sharded else None
         if sharded and weight_only is not None:
             raise UnsupportedModel(
                 f"tensor parallelism with a {weight_only.scheme} checkpoint is not supported yet"
             )
-        if blocks:
-            prepare_gguf(model)
-            gguf_path = checkpoint.folder / str(checkpoint.gguf_file)
-            float_names = {name for name, _ in model.named_parameters()}
-            weights = iter_gguf_blocks(gguf_path, hf_config, float_names, SUPPORTED_TYPES)
-        elif fp8_checkpoint is not None and fp8_checkpoint.block is not None:
+        if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
             # block scales cover 128 x 128 tiles of the whole tensor: dequantised whole, then cut
             weights = iter_weights(source, hf_config)
             weights = shard_weights(dequantize_blocks(weights, fp8_checkpoint.block), shard)
@@ -181,20 +192,11 @@ def load_model(
             if fp8_checkpoint is not None:
                 check_quantization("fp8", device)  # the checkpoint's FP8 weights load as they are
                 prepare_fp8_checkpoint(model, fp8_checkpoint)
-        kv_scales: dict[tuple[int, str], float] = {}
-        weights = take_kv_scales(weights, kv_scales)
-        kept: dict[str, dict[str, torch.Tensor]] | None = None
         if weight_only is not None:
-            kept = {} if device.type in weight_only_module.PACKED_ON else None
-            weights = dequantize_weight_only(weights, weight_only, kept)
+            weights = dequantize_weight_only(weights, weight_only)
         if int8_checkpoint:
             prepare_int8_checkpoint(model)  # (the checkpoint's int8 weights load as they are)
-        model.load_weights(weights)
-        finish_gguf(model)
-        set_kv_scales(model, kv_scales)
-        if weight_only is not None and kept is not None:
-            packed = pack_weight_only(model, kept, weight_only, torch_dtype)
-            logger.info("%s: %d projections kept packed", weight_only.scheme, packed)
+        _load(model, weights)
     if model_config.quantization == "fp8" and not is_fp8(model):
         quantize_fp8(model)
     elif model_config.quantization == "int8":
@@ -206,6 +208,78 @@ def load_model(
     model.requires_grad_(False)
     model.eval()
     return model, hf_config, load_generation_config(source)
+
+
+def _load(model: ModelBase, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """The checkpoint's tensors into the model, an FP8 KV cache's scales into its layers."""
+    kv_scales: dict[tuple[int, str], float] = {}
+    model.load_weights(take_kv_scales(weights, kv_scales))
+    set_kv_scales(model, kv_scales)
+
+
+def _load_quantised(
+    model: ModelBase,
+    hf_config: Any,
+    checkpoint: ModelSource,
+    source: ModelSource,
+    weight_only: WeightOnlyCheckpoint | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """Loads a model built on the meta device whose projections stay quantised: a
+    weight-only checkpoint's packed weights (from source), else the GGUF file's blocks. The quantised layers are
+    put in first, holding the checkpoint's packed tensors on device; only then does the rest
+    get storage, and the float tensors load. No float copy of a quantised projection is made,
+    so the device's peak is about the quantised model's size."""
+    if weight_only is None:
+        prepare_gguf(model, device)
+        float_names = {name for name, _ in model.named_parameters()}
+        gguf_path = checkpoint.folder / str(checkpoint.gguf_file)
+        weights = iter_gguf_blocks(gguf_path, hf_config, float_names, SUPPORTED_TYPES)
+    else:
+        c = weight_only
+
+        def quantised(name: str) -> bool:
+            return quantised_prefix(name, c) is not None
+
+        parts = packed_parts(iter_weights(source, hf_config, only=quantised), c)
+        packed = pack_weight_only(model, parts, c, dtype, device)
+        logger.info("%s: %d projections kept packed", c.scheme, len(packed))
+        del parts  # (the parts of projections left float are read again, to dequantise)
+
+        def left(name: str) -> bool:
+            return quantised_prefix(name, c) not in packed
+
+        weights = dequantize_weight_only(iter_weights(source, hf_config, only=left), c)
+    with _default_dtype(dtype), device:
+        materialize_meta(model, device)
+    _load(model, weights)
+    finish_gguf(model)
+
+
+@torch.no_grad()
+def materialize_meta(model: torch.nn.Module, device: torch.device) -> None:
+    """A model built on the meta device, onto device: each parameter still on meta gets
+    uninitialised storage there (every one is loaded next; a tied one stays tied), each
+    ComputedBuffers module computes its buffers again (on the default device: call it inside
+    the model's default device and dtype, as the model was built), and what is elsewhere
+    moves to device. A meta tensor left over (a buffer computed at construction by a module
+    that is no ComputedBuffers) raises, rather than holding garbage."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(
+                        torch.empty_like(param, device=device), param.requires_grad
+                    )
+                module.register_parameter(name, made[id(param)])
+        if isinstance(module, ComputedBuffers):
+            module.compute_buffers()
+    left = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+    if left:
+        raise RuntimeError(f"{left[:4]} hold no values after the meta build: not ComputedBuffers?")
+    model.to(device)
 
 
 def _keeps_gguf_blocks(

@@ -76,10 +76,11 @@ def load_generation_config(source: ModelSource) -> Any | None:
 
 
 def iter_safetensors_weights(
-    folder: Path, shard: WeightShard | None = None
+    folder: Path, shard: WeightShard | None = None, only: Callable[[str], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) one at a time from model.safetensors or the indexed shards;
-    with shard, only the part of each tensor it names is read from the file."""
+    with shard, only the part of each tensor it names is read from the file; with only, only
+    the tensors whose names it accepts are read."""
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
@@ -94,6 +95,8 @@ def iter_safetensors_weights(
     for file in files:
         with safe_open(str(folder / file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                if only is not None and not only(name):
+                    continue
                 part = None
                 if shard is not None:
                     lazy = f.get_slice(name)
@@ -103,14 +106,21 @@ def iter_safetensors_weights(
 
 
 def iter_weights(
-    source: ModelSource, hf_config: Any, shard: WeightShard | None = None
+    source: ModelSource,
+    hf_config: Any,
+    shard: WeightShard | None = None,
+    only: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of the checkpoint, whatever its format; with shard, each
     tensor's part for this rank (a safetensors file reads only those bytes; a GGUF file is
-    dequantised tensor by tensor and cut, the engine converts it to safetensors first)."""
+    dequantised tensor by tensor and cut, the engine converts it to safetensors first); with
+    only, the tensors whose names it accepts (a safetensors file reads no others)."""
     if source.gguf_file is not None:
-        return shard_weights(iter_gguf_weights(source.folder / source.gguf_file, hf_config), shard)
-    return iter_safetensors_weights(source.folder, shard)
+        weights = iter_gguf_weights(source.folder / source.gguf_file, hf_config)
+        if only is not None:
+            weights = ((name, tensor) for name, tensor in weights if only(name))
+        return shard_weights(weights, shard)
+    return iter_safetensors_weights(source.folder, shard, only)
 
 
 def shard_weights(

@@ -5,12 +5,13 @@ AWQ's GEMM packing, detected from config.json's quantization_config.
 
 Each quantised projection is unpacked to its integer weights, zero points and scales:
 w[o, i] = (q[o, i] - z[o, g(i)]) * s[o, g(i)] with g(i) the input channel's group (i //
-group_size, or g_idx[i]). Everywhere it is first dequantised as it loads, so the model's
-outputs are those of the dequantised weights (what transformers computes on them). On CUDA
-each projection is then repacked into kernels/wna16.py's layout (a merged q/k/v or gate/up
-from its parts) and its float weight dropped: WeightOnlyLinear runs the product from the
-packed weight. ListModels names the format (e.g. "w4a16-g128"). A format that cannot be read
-exactly is refused, naming the config field."""
+group_size, or g_idx[i]). On the CPU it is dequantised as it loads, so the model's outputs
+are those of the dequantised weights (what transformers computes on them). On CUDA each
+projection is instead repacked into kernels/wna16.py's layout (a merged q/k/v or gate/up from
+its parts) before the float weights load, on a model built on the meta device, and is never
+dequantised: WeightOnlyLinear runs the product from the packed weight, and the load's peak
+is about the packed model. ListModels names the format (e.g. "w4a16-g128"). A format that
+cannot be read exactly is refused, naming the config field."""
 
 from __future__ import annotations
 
@@ -164,33 +165,57 @@ class Unpacked:
         return (self.q.float() - self.zeros.float()[:, g]) * self.scales.float()[:, g]
 
 
+def quantised_prefix(name: str, checkpoint: WeightOnlyCheckpoint) -> str | None:
+    """The projection (prefix) whose quantised part the tensor `name` is; None for a tensor
+    that loads as it is."""
+    prefix, _, part = name.rpartition(".")
+    return prefix if part in _PARTS[checkpoint.format] else None
+
+
 def dequantize_weight_only(
-    weights: Iterable[tuple[str, torch.Tensor]],
-    checkpoint: WeightOnlyCheckpoint,
-    keep: dict[str, dict[str, torch.Tensor]] | None = None,
+    weights: Iterable[tuple[str, torch.Tensor]], checkpoint: WeightOnlyCheckpoint
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's (name, tensor) pairs with every quantised projection's parts replaced
-    by its dequantised float32 weight (name.weight); other tensors pass as they are. keep:
-    also gets each projection's packed parts, by prefix (pack_weight_only repacks them)."""
-    parts, required = _PARTS[checkpoint.format], _required(checkpoint)
+    by its dequantised float32 weight (name.weight); other tensors pass as they are."""
+    parts = _PARTS[checkpoint.format]
     unpack = _UNPACK[checkpoint.format]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
-        prefix, _, part = name.rpartition(".")
-        if part not in parts:
+        prefix = quantised_prefix(name, checkpoint)
+        if prefix is None:
             yield name, tensor
             continue
         have = pending.setdefault(prefix, {})
-        have[part] = tensor
-        if keep is not None:
-            keep.setdefault(prefix, {})[part] = tensor
+        have[name.rpartition(".")[2]] = tensor
         if parts <= have.keys():  # (else an optional part, g_idx, may still come)
             yield f"{prefix}.weight", unpack(prefix, pending.pop(prefix), checkpoint).dequantize()
-    for prefix, have in pending.items():
+    for prefix, have in _complete(pending, checkpoint).items():
+        yield f"{prefix}.weight", unpack(prefix, have, checkpoint).dequantize()
+
+
+def packed_parts(
+    weights: Iterable[tuple[str, torch.Tensor]], checkpoint: WeightOnlyCheckpoint
+) -> dict[str, dict[str, torch.Tensor]]:
+    """The quantised projections' parts among weights, by prefix then part name (other
+    tensors are passed over): what pack_weight_only repacks."""
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix = quantised_prefix(name, checkpoint)
+        if prefix is not None:
+            found.setdefault(prefix, {})[name.rpartition(".")[2]] = tensor
+    return _complete(found, checkpoint)
+
+
+def _complete(
+    found: dict[str, dict[str, torch.Tensor]], checkpoint: WeightOnlyCheckpoint
+) -> dict[str, dict[str, torch.Tensor]]:
+    """found, after checking that every projection in it has its required parts."""
+    required = _required(checkpoint)
+    for prefix, have in found.items():
         missing = sorted(set(required) - set(have))
         if missing:
             raise UnsupportedModel(f"{prefix}: quantised weight without {', '.join(missing)}")
-        yield f"{prefix}.weight", unpack(prefix, have, checkpoint).dequantize()
+    return found
 
 
 _PARTS = {
@@ -339,17 +364,20 @@ _MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("g
 @torch.no_grad()
 def pack_weight_only(
     model: nn.Module,
-    kept: dict[str, dict[str, torch.Tensor]],
+    parts: dict[str, dict[str, torch.Tensor]],
     checkpoint: WeightOnlyCheckpoint,
     dtype: torch.dtype,
-) -> int:
-    """After the dequantised weights loaded: every projection whose checkpoint parts were kept
-    becomes a WeightOnlyLinear of those parts (a merged one's concatenated along the output
-    channels), so only the packed weights stay; returns how many. A projection whose parts
-    are missing (a checkpoint naming its modules otherwise) or whose parts' groups differ
-    keeps its dequantised weight."""
+    device: torch.device,
+) -> set[str]:
+    """Before the float weights load (on a model built on the meta device, so that no float
+    copy of a packed projection is ever made): every nn.Linear whose checkpoint projections'
+    parts (packed_parts) are all in parts becomes a WeightOnlyLinear of those parts on device
+    (a merged one's concatenated along the output channels), keeping the linear's bias, which
+    loads with the float weights. Returns the checkpoint prefixes packed (their parts leave
+    parts). A projection whose parts are missing (a checkpoint naming its modules otherwise)
+    or whose parts' groups differ stays an nn.Linear, to load its dequantised weight."""
     unpack = _UNPACK[checkpoint.format]
-    replaced = 0
+    packed: set[str] = set()
     for path, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
@@ -358,24 +386,24 @@ def pack_weight_only(
             prefixes = [
                 f"{path}.{part}" if path else part for part in _MERGED_PARTS.get(name, ())
             ] or [base]
-            if not all(p in kept for p in prefixes):
+            if not all(p in parts for p in prefixes):
                 continue
-            parts = [unpack(p, kept.pop(p), checkpoint) for p in prefixes]
-            if any(not torch.equal(u.groups, parts[0].groups) for u in parts):
+            unpacked = [unpack(p, parts[p], checkpoint) for p in prefixes]
+            if any(not torch.equal(u.groups, unpacked[0].groups) for u in unpacked):
                 continue
             whole = Unpacked(
-                torch.cat([u.q for u in parts]),
-                torch.cat([u.zeros for u in parts]),
-                torch.cat([u.scales for u in parts]),
-                parts[0].groups,
+                torch.cat([u.q for u in unpacked]),
+                torch.cat([u.zeros for u in unpacked]),
+                torch.cat([u.scales for u in unpacked]),
+                unpacked[0].groups,
             )
-            bias = None if child.bias is None else child.bias.data
             try:
-                packed = WeightOnlyLinear.from_unpacked(whole, checkpoint.bits, dtype, bias)
+                layer = WeightOnlyLinear.from_unpacked(whole, checkpoint.bits, dtype).to(device)
             except ValueError:
                 continue
-            setattr(parent, name, packed.to(child.weight.device))
-            replaced += 1
-    if replaced and next(model.parameters()).is_cuda:
-        torch.cuda.empty_cache()  # the dequantised weights go back to the KV cache's budget
-    return replaced
+            layer.bias = child.bias
+            setattr(parent, name, layer)
+            for p in prefixes:
+                del parts[p]  # (the host's copy of the packed weight goes as soon as it is used)
+            packed.update(prefixes)
+    return packed
