@@ -37,15 +37,10 @@ if has qtests; then
   { python3 scripts/bench_wna16.py; python3 scripts/bench_int8_gemm.py; python3 scripts/bench_paged_attention_fp8.py; } 2>&1 | tee "$OUT/qkernels.txt"
 fi
 if has int8; then
-  # INT8 w8a8 (issue 19): the large GEMM's two paths (torch._int_mm + scaling, the Triton kernel)
-  # at prefill sizes, then offline throughput 1000 x 512/128 in bf16 and int8 with each path
-  python3 scripts/bench_int8_gemm.py 2>&1 | tee "$OUT/int8_gemm.txt"
+  # INT8 w8a8 (issue 19): offline throughput 1000 x 512/128 in bf16 and int8 from the same run (the
+  # large GEMM's paths are compared by scripts/bench_int8_gemm.py, in qtests)
   I="throughput --model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --num-requests 1000"
-  { $B $I
-    $B $I --quantization int8
-    python3 -c "import sys; import mmserve.models.int8 as m; m.LARGE_GEMM = 'triton'; sys.argv = ['mmserve', 'bench'] + sys.argv[1:]
-from mmserve.bench.cli import main; main()" $I --quantization int8
-  } 2>&1 | grep -v Warning | tee "$OUT/int8.txt"
+  { $B $I; $B $I --quantization int8; } 2>&1 | grep -v Warning | tee "$OUT/int8.txt"
 fi
 if has kvcap; then
   # FP8 KV cache: the concurrency that fits at 8k context in the same memory, and its throughput
