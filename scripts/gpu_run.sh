@@ -77,7 +77,7 @@ if has coldstart; then
   # issue 23, target 7: a fresh server's first minute (an empty Triton cache) at 8 req/s, then the
   # same server's second minute (warm), without and with the start-up warm-up; serve-start
   # lines give each start-up's seconds
-  C="--model shape:llama3-8b --load-format dummy --request-rate 8,8 --num-requests 480 --num-warmup 0"
+  C="--model shape:llama3-8b --load-format dummy --request-rate 8,8 --num-requests ${COLD_REQUESTS:-480} --num-warmup 0"
   C="$C --input-len 512 --output-len 128"
   { TRITON_CACHE_DIR=$(mktemp -d) $B serve $C --no-warmup
     TRITON_CACHE_DIR=$(mktemp -d) $B serve $C --warmup
