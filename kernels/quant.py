@@ -32,6 +32,38 @@ _ROUNDER = tl.constexpr(12582912.0)
 
 
 @triton.jit
+def row_scale(amax, q_max, min_scale):
+    """A row's dynamic scale from its max |x| (float32): amax / q_max, at least min_scale."""
+    return tl.maximum(tl.math.div_rn(amax, q_max), min_scale)
+
+
+@triton.jit
+def quantize(x, scale, q_max, ROUND: tl.constexpr):
+    """float32 x / scale saturated to [-q_max, q_max] (and, with ROUND, to the nearest integer,
+    ties to even as torch.round: |q| < 2^22), still float32 for the caller's store to cast."""
+    # div_rn: IEEE division as torch's (the `/` operator is an approximate one on the GPU)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -q_max), q_max)
+    if ROUND:
+        q = (q + _ROUNDER) - _ROUNDER
+    return q
+
+
+@triton.jit
+def store_quantized_row(
+    q_ptrs, scale_ptr, x, mask, static_scale_ptr, q_max, min_scale,
+    STATIC: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    """A whole row held in registers (float32 x [BLOCK], 0 where masked off) quantised as
+    _per_token_quant_kernel quantises it: its scale to scale_ptr, its values to q_ptrs."""
+    if STATIC:
+        scale = tl.load(static_scale_ptr).to(tl.float32)
+    else:
+        scale = row_scale(tl.max(tl.abs(x), 0), q_max, min_scale)
+    tl.store(scale_ptr, scale)
+    tl.store(q_ptrs, quantize(x, scale, q_max, ROUND).to(q_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _per_token_quant_kernel(
     q_ptr, scale_ptr, x_ptr, static_scale_ptr, stride_x, cols, q_max, min_scale,
     STATIC: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
@@ -46,15 +78,12 @@ def _per_token_quant_kernel(
             mask = start + offs < cols
             x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), q_max), min_scale)
+        scale = row_scale(tl.max(amax, 0), q_max, min_scale)
     tl.store(scale_ptr + row, scale)
     for start in range(0, cols, BLOCK):
         mask = start + offs < cols
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        # div_rn: IEEE division as torch's (the `/` operator is an approximate one on the GPU)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -q_max), q_max)
-        if ROUND:  # to the nearest integer, ties to even (as torch.round): |q| < 2^22
-            q = (q + _ROUNDER) - _ROUNDER
+        q = quantize(x, scale, q_max, ROUND)
         tl.store(q_ptr + row * cols + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -67,11 +96,8 @@ def per_token_quant_fp8(
     _check_rows(x)
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
-    if static_scale is not None and (static_scale.numel() != 1 or static_scale.dtype != torch.float32):
-        raise ValueError(
-            f"static_scale must be one float32 element, got {static_scale.dtype} {list(static_scale.shape)}"
-        )
-    return _quantize_rows(x, out_dtype, FP8_MAX, MIN_SCALE, static_scale, round_to_integers=False)
+    check_static_scale(static_scale)
+    return _quantize_rows(x, out_dtype, static_scale)
 
 
 def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +105,24 @@ def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     max(|x[t]|) / 127 and q rounded to nearest, ties to even: models/int8.py's quantize_rows
     in one kernel (one program per row)."""
     _check_rows(x)
-    return _quantize_rows(x, torch.int8, INT8_MAX, INT8_MIN_SCALE, None, round_to_integers=True)
+    return _quantize_rows(x, torch.int8, None)
+
+
+def row_quant_params(out_dtype: torch.dtype) -> tuple[float, float, bool]:
+    """(q_max, min_scale, rounds to integers) of the per-token scheme that writes out_dtype:
+    INT8's for int8, else FP8's (float16 / float32: FP8's unrounded, for the interpreter)."""
+    if out_dtype == torch.int8:
+        return INT8_MAX, INT8_MIN_SCALE, True
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be int8 or one of {_OUT_DTYPES}, got {out_dtype}")
+    return FP8_MAX, MIN_SCALE, False
+
+
+def check_static_scale(static_scale: torch.Tensor | None) -> None:
+    if static_scale is not None and (static_scale.numel() != 1 or static_scale.dtype != torch.float32):
+        raise ValueError(
+            f"static_scale must be one float32 element, got {static_scale.dtype} {list(static_scale.shape)}"
+        )
 
 
 def _check_rows(x: torch.Tensor) -> None:
@@ -89,10 +132,10 @@ def _check_rows(x: torch.Tensor) -> None:
 
 
 def _quantize_rows(
-    x: torch.Tensor, out_dtype: torch.dtype, q_max: float, min_scale: float,
-    static_scale: torch.Tensor | None, round_to_integers: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor, out_dtype: torch.dtype, static_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's launch, one program per row, for checked arguments."""
+    q_max, min_scale, round_to_integers = row_quant_params(out_dtype)
     check_same_device(x=x, **({} if static_scale is None else {"static_scale": static_scale}))
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         x = x.contiguous()
@@ -113,16 +156,19 @@ def _quantize_rows(
 def per_token_quant_ref(
     x: torch.Tensor, out_dtype: torch.dtype = FP8_DTYPE, static_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference (and the CPU path of the FP8 linear layers)."""
+    """The torch reference (and the CPU path of the FP8 linear layers); out_dtype int8 is
+    INT8's scheme (per_token_quant_int8's: absmax / 127, rounded half to even)."""
+    q_max, min_scale, round_to_integers = row_quant_params(out_dtype)
     xf = x.float()
     if static_scale is None:
         # divided by a tensor on x's device: IEEE division everywhere (as the kernel's div_rn);
         # a Python number would be a multiplication by its reciprocal on CUDA
-        q_max = torch.full((1, 1), FP8_MAX, device=xf.device)
-        scale = (xf.abs().amax(-1, keepdim=True) / q_max).clamp(min=MIN_SCALE)
+        q_max_t = torch.full((1, 1), q_max, device=xf.device)
+        scale = (xf.abs().amax(-1, keepdim=True) / q_max_t).clamp(min=min_scale)
     else:
         scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(out_dtype), scale
+    q = (xf / scale).clamp(-q_max, q_max)
+    return (torch.round(q) if round_to_integers else q).to(out_dtype), scale
 
 
 def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
