@@ -229,6 +229,11 @@ class Fp8Model(Protocol):
 
     def decoder_layers(self) -> nn.ModuleList: ...
 
+    def fuse_input_quant(self) -> None:
+        """After the projections are swapped: each norm or activation that feeds a w8a8
+        projection hands it its input quantised, per models/quantized_input.py's switch."""
+        ...
+
 
 class LanguageModelWrapper:
     """For VLMs: token embeddings, the decoder pass and the LM head are those of
@@ -254,6 +259,9 @@ class LanguageModelWrapper:
 
     def decoder_layers(self) -> nn.ModuleList:
         return self.language_model.decoder_layers()  # type: ignore[no-any-return]
+
+    def fuse_input_quant(self) -> None:
+        self.language_model.fuse_input_quant()
 
     def weight_shard(self, name: str, shape: tuple[int, ...]) -> Shard | None:
         """The language model's tensors are sharded as its own; the vision tower and the

@@ -28,6 +28,7 @@ from mmserve.errors import InvalidArgument, UnsupportedModel
 from mmserve.models.base import Fp8Model, ModelBase
 from mmserve.models.gguf_cache import materialize
 from mmserve.models.layers import load_into
+from mmserve.models.quantized_input import InputQuant, QuantizedActivation, W8A8Linear
 from mmserve.models.registry import architecture_of, get_model_class
 from mmserve.models.source import load_hf_config, resolve_model_source
 
@@ -44,7 +45,7 @@ FEW_ROWS = 32
 _ALIGN = 16  # torch._scaled_mm wants both matrix dimensions in multiples of 16
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(W8A8Linear):
     """y = x W^T + b with W in float8_e4m3fn (per-output-channel scales) and x quantised to FP8
     on the fly: per token, or with the checkpoint's static input_scale when it has one."""
 
@@ -84,29 +85,28 @@ class Fp8Linear(nn.Module):
         weight = torch.zeros(n, k, device=device, dtype=FP8_DTYPE)
         return cls(weight, torch.zeros(n, device=device), bias, input_scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.is_cuda and x2.dtype == torch.bfloat16:
-            out = self._scaled_mm(x2)
-        else:
-            out = fp8_linear_ref(x2, self.weight, self.weight_scale, None, self.input_scale)
-            out = out.to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*shape[:-1], self.out_features)
+    @property
+    def input_quant(self) -> InputQuant:
+        # the FP8 tensor cores' path is bfloat16's; other dtypes run the float32 reference
+        return InputQuant(FP8_DTYPE, self.input_scale, kernel_dtypes=(torch.bfloat16,))
 
-    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, xq: QuantizedActivation) -> torch.Tensor:
+        if xq.q.is_cuda and xq.dtype == torch.bfloat16:
+            return self._scaled_mm(xq.q, xq.scale)
+        from mmserve.kernels.fp8_gemm import fp8_gemm_rows_ref
+
+        w_scale = self.weight_scale.view(1, -1)
+        return fp8_gemm_rows_ref(xq.q, xq.scale, self.weight, w_scale).to(xq.dtype)
+
+    def _scaled_mm(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """On the FP8 tensor cores: a few rows (decode) by our kernel, which reads the weights
         at the memory's speed; more by torch._scaled_mm (CUTLASS)."""
         from mmserve.kernels.fp8_gemm import fp8_gemm_rows
-        from mmserve.kernels.quant import per_token_quant_fp8
 
-        if x.shape[0] == 0:
-            return x.new_empty((0, self.out_features))
-        q, scale = per_token_quant_fp8(x, static_scale=self.input_scale)
+        if q.shape[0] == 0:
+            return q.new_empty((0, self.out_features), dtype=torch.bfloat16)
         w_scale = self.weight_scale.view(1, -1)
-        if x.shape[0] <= FEW_ROWS:
+        if q.shape[0] <= FEW_ROWS:
             return fp8_gemm_rows(q, scale, self.weight, w_scale)
         return torch._scaled_mm(
             q, self.weight.t(), scale_a=scale, scale_b=w_scale, out_dtype=torch.bfloat16
@@ -188,6 +188,7 @@ def replace_projections(
                     )
                 setattr(parent, name, make(child))
                 replaced += 1
+    cast(Fp8Model, model).fuse_input_quant()
     param = next(model.parameters())
     if param.is_cuda:
         torch.cuda.empty_cache()  # the freed weights go back to the KV cache's budget

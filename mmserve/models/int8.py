@@ -17,22 +17,18 @@ import torch
 from torch import nn
 
 from mmserve.errors import UnsupportedModel
-from mmserve.kernels.quant import INT8_MAX
-from mmserve.kernels.quant import INT8_MIN_SCALE as MIN_SCALE
+from mmserve.kernels.quant import per_token_quant_ref
 from mmserve.models.base import ModelBase
 from mmserve.models.fp8 import check_kv_cache_scheme, config_group, replace_projections
+from mmserve.models.quantized_input import InputQuant, QuantizedActivation, W8A8Linear
 
 _ALIGN = 8  # ... and both matrix dimensions in multiples of 8
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] -> (int8 [R, K], float32 [R, 1]): each row symmetric, absmax / 127."""
-    xf = x.float()
-    # (a tensor divisor: IEEE division on every device, as the GPU kernel's; a Python number
-    # would be a multiplication by its reciprocal on CUDA)
-    q_max = torch.full((1, 1), INT8_MAX, device=xf.device)
-    scale = (xf.abs().amax(-1, keepdim=True) / q_max).clamp(min=MIN_SCALE)
-    return torch.round(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+    """x [R, K] -> (int8 [R, K], float32 [R, 1]): each row symmetric, absmax / 127, rounded
+    half to even (kernels/quant.py's INT8 scheme)."""
+    return per_token_quant_ref(x, torch.int8)
 
 
 def int8_linear_ref(
@@ -40,7 +36,13 @@ def int8_linear_ref(
 ) -> torch.Tensor:
     """float32 [T, N]: x quantised per token, the int8 products summed exactly (float64),
     scaled by the token's and the output channel's scales (what the INT8 GEMM computes)."""
-    q, scale = quantize_rows(x)
+    return int8_product_ref(*quantize_rows(x), weight, weight_scale)
+
+
+def int8_product_ref(
+    q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """float32 [T, N]: int8 q [T, K] (scales [T, 1]) times the int8 weight, summed exactly."""
     acc = q.double() @ weight.double().t()
     return (acc * scale.double() * weight_scale.double().view(1, -1)).float()
 
@@ -53,7 +55,7 @@ def int8_linear_ref(
 LARGE_GEMM = "triton"
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(W8A8Linear):
     """y = x W^T + b with W int8 (per-output-channel scales) and x quantised per token."""
 
     def __init__(
@@ -80,38 +82,33 @@ class Int8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.data
         return cls(weight, scale, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if x2.is_cuda and not (self.in_features % _ALIGN or self.out_features % _ALIGN):
-            out = self._int_mm(x2)
-        else:
-            out = int8_linear_ref(x2, self.weight, self.weight_scale)
-        out = out.to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*shape[:-1], self.out_features)
+    @property
+    def input_quant(self) -> InputQuant:
+        return InputQuant(torch.int8)
 
-    def _int_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """On the INT8 tensor cores, x quantised by one kernel: a few rows (decode) by the
-        rows kernel FP8 uses (the weights read once, the scales applied in it), more by
-        torch._int_mm and one pass that scales its int32 sums."""
+    def product(self, xq: QuantizedActivation) -> torch.Tensor:
+        if xq.q.is_cuda and not (self.in_features % _ALIGN or self.out_features % _ALIGN):
+            return self._int_mm(xq.q, xq.scale, xq.dtype)
+        return int8_product_ref(xq.q, xq.scale, self.weight, self.weight_scale).to(xq.dtype)
+
+    def _int_mm(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """On the INT8 tensor cores: a few rows (decode) by the rows kernel FP8 uses (the
+        weights read once, the scales applied in it), more by torch._int_mm and one pass that
+        scales its int32 sums."""
         from mmserve.kernels.fp8_gemm import MAX_ROWS, fp8_gemm_rows, scale_product
-        from mmserve.kernels.quant import per_token_quant_int8
 
-        rows = x.shape[0]
+        rows = q.shape[0]
         if rows == 0:
-            return x.new_empty((0, self.out_features))
-        q, scale = per_token_quant_int8(x)
+            return q.new_empty((0, self.out_features), dtype=dtype)
         w_scale = self.weight_scale.view(1, -1)
         if rows <= MAX_ROWS:
-            return fp8_gemm_rows(q, scale, self.weight, w_scale, out_dtype=x.dtype)
+            return fp8_gemm_rows(q, scale, self.weight, w_scale, out_dtype=dtype)
         if LARGE_GEMM == "triton":
             from mmserve.kernels.int8_gemm import int8_gemm
 
-            return int8_gemm(q, scale, self.weight, w_scale, out_dtype=x.dtype)
+            return int8_gemm(q, scale, self.weight, w_scale, out_dtype=dtype)
         acc = torch._int_mm(q, self.weight.t())  # int32 (more than 16 rows, as it needs)
-        return scale_product(acc, scale, w_scale, x.dtype)
+        return scale_product(acc, scale, w_scale, dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 w8a8"

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.errors import UnsupportedModel
+from mmserve.models.quantized_input import InputQuant, QuantizedActivation
 
 # Rope types whose frequencies depend on the batch's longest sequence: transformers recomputes
 # them per forward, which a server batching unrelated requests cannot reproduce.
@@ -23,23 +24,42 @@ class RMSNorm(nn.Module):
     """y = weight * x / rms(x), normalised in float32 and cast back before the weight.
 
     With a residual, first x = x + residual (in x's dtype, as transformers adds it), and the
-    sum is returned too. On CUDA both run as one Triton kernel (mmserve.kernels.rmsnorm)."""
+    sum is returned too. On CUDA both run as one Triton kernel (mmserve.kernels.rmsnorm).
+    With output_quant set (the norm feeds a w8a8 projection: models/quantized_input.py), y is
+    handed over quantised as that projection quantises its input, by the same kernel."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.output_quant: InputQuant | None = None  # set after the projections are swapped
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        quant = self.output_quant
+        if quant is not None and quant.uses_kernels(x) and x.is_contiguous():
+            from mmserve.kernels.rmsnorm import add_rms_norm_quant
+
+            q, scale, x = add_rms_norm_quant(
+                x, residual, self.weight, self.eps, quant.dtype, quant.static_scale
+            )
+            out: torch.Tensor | QuantizedActivation = QuantizedActivation(q, scale, x.dtype, x.shape)
+        else:
+            normed, x = self._unfused(x, residual)
+            out = normed if quant is None else quant.quantize(normed)
+        return out if residual is None else (out, x)
+
+    def _unfused(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normed value, x + residual or x)."""
         if x.is_cuda and x.is_contiguous():
             from mmserve.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
             if residual is None:
-                return rms_norm(x, self.weight, self.eps)
+                return rms_norm(x, self.weight, self.eps), x
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
+        if residual is not None:
+            x = x + residual
         return self._norm(x), x
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +86,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return fused(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_and_mul_quant(gate_up: torch.Tensor, quant: InputQuant) -> QuantizedActivation:
+    """silu_and_mul(gate_up) quantised as quant's projection quantises its input: in the same
+    kernel where quant uses kernels."""
+    if not quant.uses_kernels(gate_up):
+        return quant.quantize(silu_and_mul(gate_up))
+    from mmserve.kernels.activation import silu_and_mul_quant as fused
+
+    q, scale = fused(gate_up, quant.dtype, quant.static_scale)
+    shape = torch.Size((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+    return QuantizedActivation(q, scale, gate_up.dtype, shape)
 
 
 def rope_parameters(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from mmserve.models.layers import (
     RotaryEmbedding,
     load_into,
     silu_and_mul,
+    silu_and_mul_quant,
 )
 from mmserve.models.parallel import (
     KVHeads,
@@ -42,6 +43,7 @@ from mmserve.models.parallel import (
     vocab_per_rank,
     vocab_rows,
 )
+from mmserve.models.quantized_input import InputQuant, QuantizedActivation, fused_input_quant
 
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -156,7 +158,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor | QuantizedActivation,  # [T, hidden]
         rope: Rope,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
@@ -192,14 +194,18 @@ class MLP(nn.Module):
             size = divide(size, tp.size, "intermediate_size")
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * size, spec.mlp_bias)
         self.down_proj = nn.Linear(size, spec.hidden_size, spec.mlp_bias)
+        self.act_quant: InputQuant | None = None  # down_proj's, when it takes it quantised
 
     def merged_rows(self, index: int) -> slice:
         """Rows of gate (0) or up (1) inside gate_up_proj."""
         size = self.down_proj.in_features
         return slice(index * size, (index + 1) * size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce(self.tp, self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        quant = self.act_quant
+        h = silu_and_mul(gate_up) if quant is None else silu_and_mul_quant(gate_up, quant)
+        return reduce(self.tp, self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -227,6 +233,13 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, rope, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def fuse_input_quant(self) -> None:
+        """The norms and the activation feeding a w8a8 projection hand it its input quantised
+        (models/quantized_input.py); o_proj's input comes from attention, quantised by o_proj."""
+        self.input_layernorm.output_quant = fused_input_quant(self.self_attn.qkv_proj)
+        self.post_attention_layernorm.output_quant = fused_input_quant(self.mlp.gate_up_proj)
+        self.mlp.act_quant = fused_input_quant(self.mlp.down_proj)
 
 
 class LlamaModel(nn.Module):
@@ -297,6 +310,10 @@ class LlamaForCausalLM(ModelBase):
 
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.layers
+
+    def fuse_input_quant(self) -> None:
+        for layer in self.model.layers:
+            cast(DecoderLayer, layer).fuse_input_quant()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = gather_logits(self.tp, self.lm_head(hidden), self.vocab_size)
