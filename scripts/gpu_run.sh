@@ -33,7 +33,7 @@ if has qtests; then
   # the quantised paths' GPU tests and kernel microbenchmarks (issue 19)
   python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int8_kernels.py tests/kernels/test_wna16.py \
     tests/kernels/test_weight_only_linear.py tests/kernels/test_int8_gemm.py tests/kernels/test_paged_attention.py tests/gpu/test_gpu_int8.py \
-    tests/gpu/test_gpu_fp8_kv_cache.py tests/gpu/test_gpu_gguf.py tests/kernels/test_fused_quant.py \
+    tests/gpu/test_gpu_fp8_kv_cache.py tests/gpu/test_gpu_gguf.py tests/kernels/test_fused_quant_kernels.py \
     tests/gpu/test_gpu_fused_quant.py 2>&1 | tail -30 | tee "$OUT/qtests.txt"
   { python3 scripts/bench_wna16.py; python3 scripts/bench_int8_gemm.py; python3 scripts/bench_paged_attention_fp8.py
     python3 scripts/bench_fused_quant.py; } 2>&1 | tee "$OUT/qkernels.txt"

@@ -2,7 +2,7 @@
 post-attention norm and the SiLU-and-mul hand qkv_proj, gate_up_proj and down_proj their
 inputs quantised (o_proj quantises its own), and the logits are those with it off, bit for
 bit: INT8, FP8, and an FP8 checkpoint's static input scales. On CPU the hand-over runs the torch
-references (the kernels' bits are tests/kernels/test_fused_quant.py's and, on CUDA,
+references (the kernels' bits are tests/kernels/test_fused_quant_kernels.py's and, on CUDA,
 tests/gpu/test_gpu_fused_quant.py's)."""
 
 from __future__ import annotations
