@@ -76,7 +76,7 @@ class ModelConfig:
         "fp8: FP8 weights and activations for Llama-family decoders and the language models "
         "of LLaVA and Qwen2-VL, quantised at load (FP8 tensor cores on CUDA, compute "
         "capability 8.9+; a float32 reference on CPU); int8: INT8 weights and activations "
-        "(w8a8) for the same models, quantised at load (torch._int_mm on CUDA, an exact "
+        "(w8a8) for the same models, quantised at load (Triton INT8 kernels on CUDA, an exact "
         "reference on CPU); other models load unquantised, and ListModels says which are",
     )
 

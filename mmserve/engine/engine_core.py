@@ -13,7 +13,7 @@ from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.messages import EngineOutput, EngineRequest, EngineStats
 from mmserve.engine.sched_output import RunnerOutput, SchedulerOutput
 from mmserve.engine.scheduler import Scheduler
-from mmserve.engine.warmup import timed_warm_up
+from mmserve.engine.warmup import timed_warm_up, watch_late_compiles
 from mmserve.inputs import grid_thw
 from mmserve.models.base import CausalLM
 from mmserve.models.fp8 import is_fp8
@@ -108,6 +108,8 @@ class EngineCore:
             self.warmup_seconds = timed_warm_up(
                 self.runner, config, num_blocks, self.max_model_len, model.vocab_size
             )
+        # what compiles from here on made a request wait (logged: what to warm up next)
+        self.late_compiles = watch_late_compiles() if device.type == "cuda" else None
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens at most in flight), max_model_len %d",
             num_blocks, cache.block_size, num_blocks * cache.block_size, self.max_model_len,

@@ -71,6 +71,46 @@ def warm_up(
     return steps
 
 
+LOGGED_COMPILES = 20  # late compiles logged one by one; the rest only counted
+
+
+class LateCompiles:
+    """Triton's post-compile hook once start-up is over: counts, and logs the first
+    LOGGED_COMPILES of, the kernels compiled while serving. Each one is a variant (tile sizes,
+    specialised integer arguments) that graph capture and the warm-up did not reach, compiled
+    while a request waited: what the warm-up should cover next."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.start = time.monotonic()
+
+    def __call__(self, **hook: object) -> None:
+        self.count += 1
+        if self.count <= LOGGED_COMPILES:
+            kernel = str(hook.get("repr", "?"))[:500]  # its name, launch options and argument types
+            logger.warning(
+                "a Triton kernel compiled while serving (%.1f s after start-up, %d so far): %s",
+                time.monotonic() - self.start, self.count, kernel,
+            )  # fmt: skip
+
+
+def watch_late_compiles() -> LateCompiles | None:
+    """Installs a LateCompiles as Triton's post-compile hook (None: this Triton has no such
+    knob, or another hook is installed, which is left alone)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return None
+    if runtime.jit_post_compile_hook is not None:
+        return None
+    watch = LateCompiles()
+    runtime.jit_post_compile_hook = watch
+    return watch
+
+
 def timed_warm_up(runner: ModelRunner, config: EngineConfig, num_blocks: int, max_model_len: int,
                   vocab_size: int) -> float:  # fmt: skip
     """warm_up(), logged; the seconds it took."""

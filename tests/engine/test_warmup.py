@@ -81,3 +81,26 @@ def test_the_setting_reaches_the_engine() -> None:
     assert s.is_bool and s.default is None and s.flag == "--warmup"
     config = replace(ModelConfig(model="m"), warmup=False)
     assert config.warmup is False
+
+
+def test_late_compiles_are_counted_and_the_first_logged(caplog, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """After start-up, Triton's post-compile hook counts each compile and logs the first
+    LOGGED_COMPILES with the kernel's description; an installed hook is left alone."""
+    import logging
+
+    from triton import knobs
+
+    from mmserve.engine import warmup
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    monkeypatch.setattr(warmup, "LOGGED_COMPILES", 2)
+    watch = warmup.watch_late_compiles()
+    assert watch is not None and knobs.runtime.jit_post_compile_hook is watch
+    with caplog.at_level(logging.WARNING, logger="mmserve.engine.warmup"):
+        for i in range(3):
+            watch(key=i, repr=f"_kernel_{i}[num_warps=4](x: *fp32)", fn=None, compile={})
+    assert watch.count == 3
+    logged = [r.getMessage() for r in caplog.records if "compiled while serving" in r.getMessage()]
+    assert len(logged) == 2 and "_kernel_0[num_warps=4]" in logged[0] and "_kernel_1" in logged[1]
+    assert warmup.watch_late_compiles() is None  # a hook is installed: not replaced
+    assert knobs.runtime.jit_post_compile_hook is watch
