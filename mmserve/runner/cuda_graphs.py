@@ -1,4 +1,5 @@
-"""CUDA graphs for decode-only steps, and for encoder steps.
+"""CUDA graphs for decode-only steps, for decoder steps with prefill tokens, and for encoder
+steps.
 
 A decode step at small batch launches hundreds of small kernels; replaying a captured graph
 removes the launch overhead, which otherwise exceeds the GPU time itself. One graph per
@@ -12,7 +13,10 @@ split into empty pieces and merged; larger batches get one graph at the model's 
 An encoder step (BERT, XLM-RoBERTa: whole inputs, no KV cache) launches about ten kernels per
 layer, whose host time (~3.4 ms for a bert-base step, H200) about equals their GPU time and
 holds the engine thread, so encoders get graphs too (EncoderGraphs): one per token-count
-bucket, the step padded up to it with zero-length requests and pad tokens.
+bucket, the step padded up to it with zero-length requests and pad tokens. A decoder's steps
+with prefill tokens (a short prompt, a prompt mostly in the prefix cache, a prefill chunk with
+decodes beside it) get the same treatment up to MIXED_TOKEN_SIZES[-1] tokens (MixedGraphs),
+their pad tokens writing no cache.
 """
 
 from __future__ import annotations
@@ -215,20 +219,86 @@ class DecodeGraphs:
 
 # token counts of the captured encoder steps: those below the step budget, and the budget itself
 ENCODER_TOKEN_SIZES = (64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+# token counts of the captured decoder steps with prefill tokens (small prefills, prefix hits,
+# mixed steps): past 256 tokens a step's kernels outlast their launches, and padding costs more
+MIXED_TOKEN_SIZES = (16, 32, 48, 64, 96, 128, 192, 256)
 
 
-class EncoderGraphs:
-    """CUDA graphs for encoder steps (a model with uses_kv_cache False and the Triton
-    attention backend). A step of T tokens in R requests runs the graph of the smallest
-    size >= T; its rows T.. are pad tokens at position 0 and its requests R.. are empty
-    (query_start_loc T), which attention skips, so they change no real row (every other
-    layer works row by row). The attention launch freezes max_query_len at
-    min(size, max_len) (it steers tiling only). A step with more tokens than the largest
-    size (one input over the budget) runs eagerly.
+class _TokenGraphs:
+    """Graphs of whole steps by token count, shared by EncoderGraphs and MixedGraphs. A step
+    of T tokens in R requests runs the graph of the smallest size >= T; its rows T.. are pad
+    tokens at position 0, in no request, and its requests R.. are empty (query_start_loc T),
+    which attention skips, so they change no real row (every other layer works row by row).
+    The attention launch freezes max_query_len (it steers tiling only).
 
     Until capture() (which needs CUDA) run() runs the same padded forward eagerly, so the
-    padding is tested where there is no GPU.
-    """
+    padding is tested where there is no GPU."""
+
+    def __init__(
+        self, model: CausalLM, sizes: list[int], max_reqs: int, device: torch.device, mrope: bool = False
+    ) -> None:
+        self.model = model
+        self.sizes = sizes
+        self.max_reqs = max_reqs
+        n = self.sizes[-1]
+        self.pad_id = model.pad_token_id or 0
+        self.input_ids = torch.full((n,), self.pad_id, dtype=torch.int64, device=device)
+        self.positions = torch.zeros((3, n) if mrope else (n,), dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(self.reqs_for(n) + 1, dtype=torch.int32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def reqs_for(self, size: int) -> int:
+        """Requests a graph of size tokens holds (each has at least one token)."""
+        return min(self.max_reqs, size)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture(self, what: str = "CUDA graphs") -> None:
+        """Captures every size, the largest first so the rest reuse its memory pool."""
+        capture = _Capture()
+        for size in reversed(self.sizes):
+            if capture.out_of_time(f"{size} tokens"):
+                break
+            self._graphs[size], self._outputs[size] = capture.graph(partial(self._forward, size))
+        capture.done(f"{len(self._graphs)} {what} (tokens {sorted(self._graphs)})")
+
+    def _padded(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> int | None:
+        """Fills the shared inputs with the step, padded to a size; the size, or None when no
+        graph fits the step (or was captured for it)."""
+        num_tokens, num_reqs = input_ids.shape[0], meta.num_reqs
+        size = next((s for s in self.sizes if s >= num_tokens), None)
+        if size is None or num_reqs > self.reqs_for(size) or positions.dim() != self.positions.dim():
+            return None
+        if self._graphs and size not in self._graphs:
+            return None  # not captured (the time limit)
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.input_ids[num_tokens:size].fill_(self.pad_id)
+        self.positions[..., :num_tokens].copy_(positions)
+        self.positions[..., num_tokens:size].zero_()
+        self.query_start_loc[: num_reqs + 1].copy_(meta.query_start_loc)
+        self.query_start_loc[num_reqs + 1 : self.reqs_for(size) + 1].fill_(num_tokens)
+        return size
+
+    def _replay(self, size: int, num_tokens: int) -> torch.Tensor:
+        """The padded step's real rows: the graph replayed, or (not captured) run eagerly."""
+        graph = self._graphs.get(size)
+        if graph is None:
+            with torch.inference_mode():
+                return self._forward(size)[:num_tokens]
+        graph.replay()
+        return self._outputs[size][:num_tokens]
+
+
+class EncoderGraphs(_TokenGraphs):
+    """CUDA graphs for encoder steps (a model with uses_kv_cache False and the Triton
+    attention backend), padded as _TokenGraphs says; max_query_len frozen at min(size,
+    max_len). A step with more tokens than the largest size (one input over the budget) runs
+    eagerly."""
 
     def __init__(
         self,
@@ -239,22 +309,9 @@ class EncoderGraphs:
         device: torch.device,
         sizes: tuple[int, ...] = ENCODER_TOKEN_SIZES,
     ) -> None:
-        self.model = model
-        self.sizes = sorted({s for s in sizes if s < max_tokens} | {max_tokens})
-        self.max_reqs = max_reqs
+        super().__init__(model, sorted({s for s in sizes if s < max_tokens} | {max_tokens}), max_reqs, device)
         self.max_len = max_len
-        n = self.sizes[-1]
-        self.pad_id = model.pad_token_id or 0
-        self.input_ids = torch.full((n,), self.pad_id, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.token_type_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.zeros(self.reqs_for(n) + 1, dtype=torch.int32, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-
-    def reqs_for(self, size: int) -> int:
-        """Requests a graph of size tokens holds (each has at least one token)."""
-        return min(self.max_reqs, size)
+        self.token_type_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
 
     def _meta(self, size: int) -> AttentionMetadata:
         reqs = self.reqs_for(size)
@@ -280,15 +337,8 @@ class EncoderGraphs:
             token_type_ids=self.token_type_ids[:size],  # type: ignore[call-arg]
         )
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        """Captures every size, the largest first so the rest reuse its memory pool."""
-        capture = _Capture()
-        for size in reversed(self.sizes):
-            if capture.out_of_time(f"{size} tokens"):
-                break
-            self._graphs[size], self._outputs[size] = capture.graph(partial(self._forward, size))
-        capture.done(f"{len(self._graphs)} encoder CUDA graphs (tokens {sorted(self._graphs)})")
+    def capture(self, what: str = "encoder CUDA graphs") -> None:
+        super().capture(what)
 
     def run(
         self,
@@ -298,26 +348,92 @@ class EncoderGraphs:
         token_type_ids: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """Hidden states [T, hidden] of an encoder step; None when no graph fits it."""
-        num_tokens, num_reqs = input_ids.shape[0], meta.num_reqs
-        size = next((s for s in self.sizes if s >= num_tokens), None)
-        if size is None or num_reqs > self.reqs_for(size) or meta.max_query_len > self.max_len:
+        if meta.max_query_len > self.max_len:
             return None
-        graph = self._graphs.get(size)
-        if graph is None and self._graphs:
-            return None  # not captured (the time limit)
-        self.input_ids[:num_tokens].copy_(input_ids)
-        self.input_ids[num_tokens:size].fill_(self.pad_id)
-        self.positions[:num_tokens].copy_(positions)
-        self.positions[num_tokens:size].zero_()
+        size = self._padded(input_ids, positions, meta)
+        if size is None:
+            return None
+        num_tokens = input_ids.shape[0]
         if token_type_ids is None:
             self.token_type_ids[:size].zero_()
         else:
             self.token_type_ids[:num_tokens].copy_(token_type_ids)
             self.token_type_ids[num_tokens:size].zero_()
-        self.query_start_loc[: num_reqs + 1].copy_(meta.query_start_loc)
-        self.query_start_loc[num_reqs + 1 : self.reqs_for(size) + 1].fill_(num_tokens)
-        if graph is None:
-            with torch.inference_mode():
-                return self._forward(size)[:num_tokens]
-        graph.replay()
-        return self._outputs[size][:num_tokens]
+        return self._replay(size, num_tokens)
+
+
+class MixedGraphs(_TokenGraphs):
+    """CUDA graphs for decoder steps with prefill tokens of at most MIXED_TOKEN_SIZES[-1]
+    tokens in all: a prompt mostly found in the prefix cache, a short prompt, a prefill chunk
+    with decodes beside it. Eager, such a step is bound by its hundreds of kernel launches
+    (issue 23: a full prefix hit took 21.3 ms on the 8B shape against 103.6 ms cold). Padded
+    as _TokenGraphs says: the pad tokens write no cache (slot -1); the empty requests have
+    seq_len 0. max_query_len is frozen at the size: only the attention's tiling follows it,
+    and a step with more than one query token a request never splits its KV range. One graph
+    per size holds up to min(size, max_num_seqs) requests."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[torch.Tensor],
+        max_tokens: int,
+        max_reqs: int,
+        max_blocks_per_seq: int,
+        max_seq_len: int,
+        device: torch.device,
+        sizes: tuple[int, ...] = MIXED_TOKEN_SIZES,
+        mrope: bool = False,
+    ) -> None:
+        super().__init__(model, sorted(s for s in sizes if s <= max_tokens), max_reqs, device, mrope)
+        self.kv_caches = kv_caches
+        self.max_seq_len = max_seq_len
+        n = self.sizes[-1] if self.sizes else 0
+        reqs = self.reqs_for(n)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(reqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # an eager run's host copies of the padded step (the reference backend loops on them)
+        self._query_lens_cpu: list[int] | None = None
+        self._seq_lens_cpu: list[int] | None = None
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        reqs = self.reqs_for(size)
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: reqs + 1],
+            seq_lens=self.seq_lens[:reqs],
+            block_tables=self.block_tables[:reqs],
+            slot_mapping=self.slot_mapping[:size],
+            max_query_len=size,
+            max_seq_len=self.max_seq_len,
+            query_lens_cpu=self._query_lens_cpu or [0] * reqs,
+            seq_lens_cpu=self._seq_lens_cpu or [0] * reqs,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        positions = self.positions[..., :size]
+        return self.model.forward(self.input_ids[:size], positions, self.kv_caches, self._meta(size))
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Hidden states [T, hidden] of a decoder step; None when no graph fits it."""
+        if not self.sizes or meta.max_seq_len > self.max_seq_len:
+            return None
+        width = meta.block_tables.shape[1]
+        if width > self.block_tables.shape[1]:
+            return None
+        size = self._padded(input_ids, positions, meta)
+        if size is None:
+            return None
+        num_tokens, num_reqs, reqs = input_ids.shape[0], meta.num_reqs, self.reqs_for(size)
+        self.slot_mapping[:num_tokens].copy_(meta.slot_mapping)
+        self.slot_mapping[num_tokens:size].fill_(-1)
+        self.seq_lens[:num_reqs].copy_(meta.seq_lens)
+        self.seq_lens[num_reqs:reqs].zero_()
+        self.block_tables[:num_reqs, :width].copy_(meta.block_tables)
+        if not self._graphs:  # eager (no GPU): the host copies the reference backend reads
+            pad = reqs - num_reqs
+            self._query_lens_cpu = [*meta.query_lens_cpu, *[0] * pad]
+            self._seq_lens_cpu = [*meta.seq_lens_cpu, *[0] * pad]
+        try:
+            return self._replay(size, num_tokens)
+        finally:
+            self._query_lens_cpu = self._seq_lens_cpu = None

@@ -25,7 +25,7 @@ from mmserve.models.base import (
 from mmserve.models.parallel import TensorParallel
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams
-from mmserve.runner.cuda_graphs import DecodeGraphs, EncoderGraphs
+from mmserve.runner.cuda_graphs import DecodeGraphs, EncoderGraphs, MixedGraphs
 from mmserve.runner.distributed import RankMirror
 from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder, SampledOnDevice
 from mmserve.runner.pooler import ModelPooler, Pooler, finish_embedding
@@ -131,6 +131,8 @@ class ModelRunner:
         # the same for steps of up to 1 + k tokens per request (speculative decoding)
         self.spec_graphs: DecodeGraphs | None = None
         self.encoder_graphs: EncoderGraphs | None = None  # the same, for an encoder
+        # a decoder's steps with prefill tokens (small prefills, prefix hits, mixed steps)
+        self.mixed_graphs: MixedGraphs | None = None
         self._generators: dict[str, torch.Generator] = {}
         caps = model.capabilities
         self.mrope = caps.uses_mrope
@@ -157,8 +159,9 @@ class ModelRunner:
     def capture_graphs(
         self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int] = (0, 0)
     ) -> None:
-        """Captures decode graphs, or an encoder's step graphs up to max_tokens (CUDA only,
-        where attention is the graph-safe Triton backend). spec: (1 + k, batch limit) of
+        """Captures decode graphs and graphs of steps with prefill tokens (up to max_tokens,
+        the step budget, and MIXED_TOKEN_SIZES), or an encoder's step graphs up to max_tokens
+        (CUDA only, where attention is the graph-safe Triton backend). spec: (1 + k, batch limit) of
         speculative decoding: graphs for its steps too (not for M-RoPE models). With tensor
         parallelism every rank captures the same graphs, which hold the all-reduces."""
         if self.mirror is not None:
@@ -178,6 +181,11 @@ class ModelRunner:
             mrope=self.mrope,
         )
         self.graphs.capture()
+        self.mixed_graphs = MixedGraphs(
+            self.model, self.kv_caches, max_tokens, max_batch, max_blocks, max_model_len,
+            self.device, mrope=self.mrope,
+        )
+        self.mixed_graphs.capture("CUDA graphs of steps with prefill tokens")
         query_len, spec_batch = spec
         if query_len > 1 and not self.mrope:
             self.spec_graphs = DecodeGraphs(
@@ -380,7 +388,9 @@ class ModelRunner:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         elif self.spec_graphs is not None and plain and batch.meta.max_query_len > 1:
             hidden = self.spec_graphs.run_padded(batch.input_ids, batch.positions, batch.meta)
-        elif self.encoder_graphs is not None and not batch.image_rows:
+        if hidden is None and self.mixed_graphs is not None and plain:  # (or what did not fit)
+            hidden = self.mixed_graphs.run(batch.input_ids, batch.positions, batch.meta)
+        if hidden is None and self.encoder_graphs is not None and not batch.image_rows:
             meta, types = batch.meta, batch.token_type_ids
             hidden = self.encoder_graphs.run(batch.input_ids, batch.positions, meta, types)
         if hidden is not None:

@@ -38,6 +38,31 @@ def test_gpu_greedy_equals_cpu_fp32(tmp_path, arch: str) -> None:  # type: ignor
     assert _outputs(path, "cuda", "float32", max_num_batched_tokens=16) == cpu  # chunked
 
 
+def test_gpu_mixed_graphs_equal_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Steps with prefill tokens replayed from CUDA graphs (prefix hits: a shared prefix, a
+    few new tokens; chunks beside decodes) give the CPU path's greedy tokens, in float32."""
+    path = str(make_tiny_model(tmp_path, arch="llama"))
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [PROMPTS[2] + p for p in PROMPTS]
+
+    def tokens(device: str) -> tuple[list[list[int]], int]:
+        llm = LLM(path, device=device, dtype="float32", num_kv_blocks=128, block_size=16, max_num_batched_tokens=64)
+        if device == "cuda":
+            graphs = llm.frontend.core.runner.mixed_graphs
+            assert graphs is not None and graphs._graphs  # captured
+        out, cached = [], 0
+        for prompt in prompts:  # one by one: each after the first finds the shared prefix
+            r = llm.generate([prompt], params, use_tqdm=False)[0]
+            out.append(r.outputs[0].token_ids)
+            cached += r.num_cached_tokens
+        out += [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        return out, cached
+
+    got, cached = tokens("cuda")
+    assert cached > 0
+    assert got == tokens("cpu")[0]
+
+
 def test_gpu_bf16_logits_close(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = str(make_tiny_model(tmp_path, arch="llama"))
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
