@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests int8 kvcap embed structured serve coldstart vlm (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests int8 kvcap embed structured serve coldstart prefix vlm (all =
 # tests bench); results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -84,6 +84,14 @@ if has coldstart; then
   { TRITON_CACHE_DIR=$(mktemp -d) $B serve $C --no-warmup
     TRITON_CACHE_DIR=$(mktemp -d) $B serve $C --warmup
   } 2>&1 | grep -v Warning | tee "$OUT/coldstart.txt"
+fi
+if has prefix; then
+  # issue 23, target 3: TTFT on a prefix-cache miss and hit (a 4,096-token system prompt and a
+  # 64-token turn), and offline throughput at 0% hits with prefix caching on and off
+  T="throughput --model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --num-requests 1000"
+  { $B prefix --model shape:llama3-8b --load-format dummy
+    $B $T; $B $T --no-enable-prefix-caching
+  } 2>&1 | grep -v Warning | tee "$OUT/prefix.txt"
 fi
 if has vlm; then
   $B vlm --model shape:qwen2-vl-7b --load-format dummy --baseline 2>&1 | grep -v Warning | tee "$OUT/vlm.txt"

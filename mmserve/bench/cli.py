@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from mmserve import envs
-from mmserve.bench import embed, offline, quality, serve, soak, speculative, structured, vlm
+from mmserve.bench import embed, offline, prefix, quality, serve, soak, speculative, structured, vlm
 from mmserve.bench.checkpoints import FORMATS, model_path
 from mmserve.bench.engine_flags import add_engine_flags, engine_config
 from mmserve.bench.models import model_config
@@ -38,8 +38,8 @@ BF16_MATMUL_TFLOPS = 800.0
 FP8_MATMUL_TFLOPS = 1300.0
 # the kinds that share one engine when combined (latency,decode,...), in the order they run
 OFFLINE_KINDS = ("latency", "decode", "prefill", "throughput")
-KINDS = (*OFFLINE_KINDS, "embed", "serve", "structured", "vlm", "soak", "spec", "spec-cost",
-         "quality")
+KINDS = (*OFFLINE_KINDS, "embed", "serve", "structured", "vlm", "prefix", "soak", "spec",
+         "spec-cost", "quality")
 # the architectures whose rooflines the config describes (Llama-shaped decoders)
 ROOFLINE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -84,6 +84,7 @@ def add_parser(sub: Any) -> None:
     serve.add_arguments(p)
     structured.add_arguments(p)
     vlm.add_arguments(p)
+    prefix.add_arguments(p)
     soak.add_arguments(p)
     speculative.add_arguments(p)
     quality.add_arguments(p)
@@ -109,7 +110,7 @@ def _emit(**fields: Any) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> None:
     others = {"embed": embed.run, "serve": serve.run, "structured": structured.run, "vlm": vlm.run,
-              "soak": soak.run, "quality": lambda a: quality.run(a, _emit)}  # fmt: skip
+              "prefix": prefix.run, "soak": soak.run, "quality": lambda a: quality.run(a, _emit)}  # fmt: skip
     if args.kind in others:
         others[args.kind](args)
     elif args.kind in ("spec", "spec-cost"):

@@ -32,11 +32,11 @@ import numpy as np
 import PIL.Image
 import torch
 
+from mmserve.bench.prefix import first_token
 from mmserve.bench.structured import percentile
 from mmserve.frontend.frontend import FrontEnd
 from mmserve.frontend.images import expand_placeholders
 from mmserve.inputs import MMInput
-from mmserve.params import SamplingParams
 from mmserve.processors.chat_template import render_and_tokenize
 from mmserve.processors.images import local_image
 
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 PHASES = ("cold", "encoder-warm", "prefix-hit")
 QUESTION = "Describe this picture in detail: the colours, the objects and where they are."
-FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 WARMUP_SEED = 10_000  # the warm-up image's seed, apart from the measured images' 0..N-1
 
 
@@ -126,14 +125,7 @@ def timed_request(engine: FrontEnd, image: PIL.Image.Image, phase: str, index: i
     ids, mm = encode_prompt(engine, image, phase_prefix(phase, index))
     enqueued = time.perf_counter()
     encoder_cached = mm[0].key in engine.core.runner.encoder_outputs
-    engine.add_request(f"{phase}-{index}", ids, FIRST_TOKEN, mm_inputs=mm)
-    first, cached = 0.0, 0
-    while engine.has_unfinished:
-        for delta in engine.step_deltas():  # returns once the step's tokens are on the CPU
-            if delta.error:
-                raise RuntimeError(f"{phase} request {index} failed: {delta.error}")
-            if delta.token_ids and not first:
-                first, cached = time.perf_counter(), delta.num_cached_tokens
+    first, cached = first_token(engine, f"{phase}-{index}", ids, mm_inputs=mm)
     return Sample(
         phase=phase,
         ttft_ms=1e3 * (first - start),
