@@ -31,7 +31,7 @@ and scale once per word (x * (1 + q / 2^bits) summed, one fused multiply-add per
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -50,6 +50,11 @@ MAX_KERNEL_ROWS = 32  # more rows: the weight dequantised (CHUNK_ELEMENTS at a t
 CHUNK_ELEMENTS = 1 << 25  # (64 MiB of bf16: a large LM head needs no float copy of itself)
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K
 MAX_SPLITS = 32
+# untried on the GPU yet (scripts/bench_wna16.py sweeps them): a step inside one group multiplies
+# q itself on the tensor cores and applies the group's scale and zero point once after its dots
+# (not per value), and on CUDA a 4-bit word's values come out two at a time (_two_values)
+RAW_PRODUCT = False
+PAIRED_UNPACK = False
 
 
 @triton.jit
@@ -72,12 +77,44 @@ def _value_plus_2_23(words, p: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _two_values(shifted, PAIRS: tl.constexpr):
+    """Values 0 and 4 of each 4-bit word (shifted right to its value p: values p and p + 4)
+    as two 16-bit floats (PAIRS 1: bf16, 2: fp16), exactly, in three instructions per word:
+    the two nibbles and-or-ed into the mantissas of 128.0 (1024.0) twice, 128.0 (1024.0)
+    subtracted from both halves at once, the halves split."""
+    if PAIRS == 1:
+        low, high = tl.inline_asm_elementwise(
+            asm="{ .reg .b32 t, m; mov.b32 m, 1124090624; lop3.b32 t, $2, 983055, m, 234; "
+            "sub.rn.bf16x2 t, t, m; mov.b32 {$0, $1}, t; }",
+            constraints="=h,=h,r", args=[shifted], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        low, high = tl.inline_asm_elementwise(
+            asm="{ .reg .b32 t, m; mov.b32 m, 1677747200; lop3.b32 t, $2, 983055, m, 234; "
+            "sub.rn.f16x2 t, t, m; mov.b32 {$0, $1}, t; }",
+            constraints="=h,=h,r", args=[shifted], dtype=(tl.float16, tl.float16),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    return low, high
+
+
+@triton.jit
+def _raw_dot(x_rows, ks, mask_m, k_hi, q, step, sum_x, DOT_PRECISION: tl.constexpr):
+    """The step's product with unscaled values q [WORDS, BLOCK_N] at channels ks, and the
+    sum of x over those channels (for the zero point)."""
+    x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < k_hi)[None, :], other=0.0)
+    step = tl.dot(x, q.to(x.dtype), step, input_precision=DOT_PRECISION)
+    return step, sum_x + tl.sum(x.to(tl.float32), axis=1)
+
+
+@triton.jit
 def _wna16_kernel(
     out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr,
     rows, n, k, group_size, k_per_split, stride_x, stride_q, stride_s, stride_out,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, RAW: tl.constexpr, PAIRS: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -106,16 +143,34 @@ def _wna16_kernel(
         elif GROUPS == 1:  # each word lies in one group: a row of scales per word
             group = ((start + offs_w * PER) // group_size)[:, None].to(tl.int64) * stride_s + offs_n[None, :]
             s, z = _group_params(scales_ptr, zeros_ptr, group, mask_w, BITS, HAS_ZEROS)
-        # value p of every word at once: channels start + w * PER + p, a K of WORDS for the dot
-        # (no reshape of the unpacked values, which would cost a trip through shared memory)
-        for p in tl.static_range(PER):
-            ks = start + offs_w * PER + p
-            x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < k_hi)[None, :], other=0.0)
-            if GROUPS == 2:  # a group no word respects: scales per value
-                group = (ks // group_size)[:, None].to(tl.int64) * stride_s + offs_n[None, :]
-                s, z = _group_params(scales_ptr, zeros_ptr, group, mask_w, BITS, HAS_ZEROS)
-            w = ((_value_plus_2_23(words, p, BITS) - (z + 8388608.0)) * s).to(x.dtype)  # (q - z) * s
-            acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+        if RAW:  # (GROUPS 0) the dots take q itself; the group's scale and zero come after
+            step = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            sum_x = tl.zeros([BLOCK_M], dtype=tl.float32)
+            if PAIRS:  # values p and p + PER / 2 of each word unpacked together (CUDA, 4 bits)
+                for p in tl.static_range(PER // 2):
+                    low, high = _two_values(words >> (p * BITS), PAIRS)
+                    ks = start + offs_w * PER + p
+                    step, sum_x = _raw_dot(x_rows, ks, mask_m, k_hi, low, step, sum_x, DOT_PRECISION)
+                    ks += PER // 2
+                    step, sum_x = _raw_dot(x_rows, ks, mask_m, k_hi, high, step, sum_x, DOT_PRECISION)
+            else:
+                for p in tl.static_range(PER):
+                    ks = start + offs_w * PER + p
+                    q = (words >> (p * BITS)) & ((1 << BITS) - 1)  # (exact in any float: q < 256)
+                    step, sum_x = _raw_dot(x_rows, ks, mask_m, k_hi, q, step, sum_x, DOT_PRECISION)
+            acc += s * (step - z * sum_x[:, None])  # s * sum over the step of x * (q - z)
+        else:
+            # value p of every word at once: channels start + w * PER + p, a K of WORDS for the
+            # dot (no reshape of the unpacked values, which would cost a trip through shared
+            # memory)
+            for p in tl.static_range(PER):
+                ks = start + offs_w * PER + p
+                x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < k_hi)[None, :], other=0.0)
+                if GROUPS == 2:  # a group no word respects: scales per value
+                    group = (ks // group_size)[:, None].to(tl.int64) * stride_s + offs_n[None, :]
+                    s, z = _group_params(scales_ptr, zeros_ptr, group, mask_w, BITS, HAS_ZEROS)
+                w = ((_value_plus_2_23(words, p, BITS) - (z + 8388608.0)) * s).to(x.dtype)  # (q - z) * s
+                acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     out_offs = offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     if SPLIT:  # float32 partials [splits, rows, n], summed in order by _sum_splits_kernel
         out_offs += pid_s.to(tl.int64) * rows * n
@@ -164,12 +219,15 @@ class Wna16Tiling:
     num_stages: int
     splits: int  # slices of K, each its own program (then summed)
     k_per_split: int  # channels of K per slice, whole steps
+    raw: bool = False  # (groups 0) the dots take q, the step's scale and zero point after them
+    pairs: int = 0  # (raw, 4 bits, CUDA) two values a word at once: 1 for bf16 x, 2 for fp16 x
 
 
 def choose_tiling(
     rows: int, n: int, k: int, group_size: int, num_sms: int, bits: int = 4,
     block_n: int | None = None, words: int = WORDS_PER_STEP, num_stages: int | None = None,
-    programs_per_sm: int | None = None, num_warps: int = 4,
+    programs_per_sm: int | None = None, num_warps: int = 4, raw: bool | None = None,
+    pairs: int = 0,
 ) -> Wna16Tiling:  # fmt: skip
     """Output tiles of 16 x 64 for a decode step (<= 16 rows: its weights are all the work,
     streamed once), wider for more rows; steps of WORDS_PER_STEP words of each column (128
@@ -177,7 +235,8 @@ def choose_tiling(
     programs on every SM splits K (each slice of whole steps, partial sums added in order),
     since one program's serial K steps are latency-bound: at one row, 4096 x 4096 took 35-63 us
     on the H200 for every tiling without a split (BENCHMARKS.md, session 11), about 10x its
-    floor. The keyword arguments other than the defaults are for sweeps."""
+    floor. A step inside one group multiplies q itself when RAW_PRODUCT says so (raw None).
+    The keyword arguments other than the defaults are for sweeps."""
     per = 32 // bits
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = block_n or (64 if block_m < 64 else 128)
@@ -190,7 +249,12 @@ def choose_tiling(
     per_split = triton.cdiv(steps, max(1, wanted))
     splits = triton.cdiv(steps, per_split)
     stages = num_stages or (3 if block_m <= 32 else 2)
-    return Wna16Tiling(block_m, block_n, block_k, groups, num_warps, stages, splits, per_split * block_k)
+    raw = RAW_PRODUCT and groups == 0 if raw is None else raw
+    if (raw and groups) or (pairs and not (raw and bits == 4)):
+        raise ValueError(f"raw products need steps inside a group, pairs also 4 bits ({groups=}, {bits=})")
+    return Wna16Tiling(
+        block_m, block_n, block_k, groups, num_warps, stages, splits, per_split * block_k, raw, pairs
+    )
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -248,6 +312,10 @@ def wna16_gemm(
     if rows == 0 or n == 0:
         return out
     t = tiling or choose_tiling(rows, n, k, group_size, num_sms(x.device) if x.is_cuda else 132, bits)
+    if tiling is None and t.raw and bits == 4 and x.is_cuda and PAIRED_UNPACK:
+        t = replace(t, pairs={torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0))
+    if t.pairs and (not x.is_cuda or x.dtype != (torch.bfloat16, torch.float16)[t.pairs - 1]):
+        raise ValueError(f"pairs {t.pairs} needs CUDA and {('bf16', 'fp16')[t.pairs - 1]} x, got {x.dtype}")
     split = t.splits > 1
     target = torch.empty(t.splits, rows, n, dtype=torch.float32, device=x.device) if split else out
     args = (
@@ -258,7 +326,7 @@ def wna16_gemm(
     meta = {
         "BITS": bits, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k,
         "GROUPS": t.groups, "HAS_ZEROS": zeros is not None, "SPLIT": split,
-        "num_warps": t.num_warps, "num_stages": t.num_stages,
+        "RAW": t.raw, "PAIRS": t.pairs, "num_warps": t.num_warps, "num_stages": t.num_stages,
     }  # fmt: skip
     grid = (triton.cdiv(rows, t.block_m), triton.cdiv(n, t.block_n), t.splits)
     _wna16_kernel[grid](*args, **meta, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")

@@ -3,8 +3,10 @@ projection shapes (N, K) and 1-256 rows: one JSON line per case, the times in CU
 (do_bench_cudagraph: the kernels alone, as a decode step runs them; plain do_bench also timed
 the Python launch, ~100 us), each product cycling through enough copies of its weights to
 overflow the L2 cache, and the bytes read per microsecond (packed weights and scales,
-symmetric: no zeros; bf16's weights). Then a sweep of tilings at one row (output
-channels per program, words per step, programs wanted per SM, warps).
+symmetric: no zeros; bf16's weights). Then a sweep at 1 and 16 rows of the product's three
+forms (the weight dequantised per value; q multiplied and the scales applied per step, "raw";
+raw with q unpacked two values at a time, "pairs") by output channels per program and programs
+wanted per SM: it decides RAW_PRODUCT and PAIRED_UNPACK.
 
     python scripts/bench_wna16.py
 """
@@ -54,13 +56,13 @@ def _shape(n: int, k: int) -> None:
         print(json.dumps({"n": n, "k": k, "rows": rows, "tiling": str(tiling),
                           "w4a16_us": round(w4, 1), "w4a16_gbs": round(packed_bytes / w4 / 1e3),
                           "bf16_us": round(bf16, 1), "bf16_gbs": round(n * k * 2 / bf16 / 1e3)}), flush=True)  # fmt: skip
-    for rows in (1,):
+    for rows in (1, 16):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        sweep = [(bn, w, pr, nw) for bn, w, pr, nw in itertools.product((64, 128), (16, 32), (4, 16), (4, 8))]
-        for block_n, words, programs, warps in sweep:
-            tiling = choose_tiling(rows, n, k, 128, num_sms(x.device), 4, block_n, words, None, programs, warps)
+        # (raw, pairs): the dequantised product; q multiplied, scales after; and q unpacked in pairs
+        for (raw, pairs), block_n, programs in itertools.product(((False, 0), (True, 0), (True, 1)), (64, 128), (4, 16)):
+            tiling = choose_tiling(rows, n, k, 128, num_sms(x.device), 4, block_n, 16, None, programs, 4, raw, pairs)
             us = _time(packed(x, tiling), copies)
-            print(json.dumps({"sweep": [n, k, rows], "tiling": [block_n, words, programs, warps, tiling.splits],
+            print(json.dumps({"sweep": [n, k, rows], "raw": raw, "pairs": pairs, "tiling": [block_n, programs, tiling.splits],
                               "us": round(us, 1), "gbs": round(packed_bytes / us / 1e3)}), flush=True)  # fmt: skip
 
 

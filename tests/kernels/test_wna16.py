@@ -142,3 +142,59 @@ def test_decode_splits_k_into_whole_steps():  # type: ignore[no-untyped-def]
         programs = -(-n // t.block_n) * t.splits
         assert programs >= 3 * 132 or t.splits == k // t.block_k  # SMs about filled, or K used up
     assert choose_tiling(4096, 4096, 4096, 128, num_sms=132).splits == 1  # a prefill's tiles suffice
+
+
+RAW_CASES = [c for c in CASES if c[4] % 128 == 0 or c[4] >= c[2] or (c[3] == 8 and c[4] % 64 == 0)]
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
+@pytest.mark.parametrize("dtype", [d for d in FLOAT_DTYPES if d != torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", RAW_CASES, ids=str)
+def test_raw_products_match_the_dequantised_product(case, dtype, symmetric):  # type: ignore[no-untyped-def]
+    """Steps inside one group multiplying q itself, the scale and zero point applied once a
+    step (the same product, up to float rounding); the chosen tiling takes them when
+    RAW_PRODUCT is on."""
+    rows, n, k, bits, group_size = case
+    x, q, zeros, scales, w = _operands(rows, n, k, bits, group_size, dtype)
+    qweight = pack_columns(q, bits)
+    if symmetric:
+        zeros = None
+        w = dequantize_packed(qweight, scales, None, bits, group_size)
+    tiling = choose_tiling(rows, n, k, group_size, 132, bits, raw=True)
+    assert tiling.groups == 0 and tiling.raw
+    args = [None if t is None else t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+    out = wna16_gemm(*args, bits, group_size, tiling)
+    expected = x.float() @ w.t().float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_raw_products_need_steps_inside_a_group(monkeypatch):  # type: ignore[no-untyped-def]
+    from mmserve.kernels import wna16
+
+    with pytest.raises(ValueError, match="raw products need steps inside a group"):
+        choose_tiling(5, 40, 96, 12, 132, raw=True)
+    with pytest.raises(ValueError, match="pairs also 4 bits"):
+        choose_tiling(1, 64, 256, 128, 132, bits=8, raw=True, pairs=1)
+    monkeypatch.setattr(wna16, "RAW_PRODUCT", True)
+    assert choose_tiling(1, 64, 512, 128, 132).raw
+    assert not choose_tiling(5, 40, 96, 12, 132).raw  # (groups split words: per value)
+    x, q, _, scales, _ = _operands(1, 64, 256, 4, 128, torch.float32)
+    tiling = choose_tiling(1, 64, 256, 128, 132, raw=True, pairs=1)
+    with pytest.raises(ValueError, match="needs CUDA and bf16"):
+        wna16_gemm(x.to(DEVICE), pack_columns(q, 4).to(DEVICE), scales.to(DEVICE), None, 4, 128, tiling)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the paired unpacking is PTX: CUDA only")
+@pytest.mark.parametrize("dtype,pairs", [(torch.bfloat16, 0), (torch.bfloat16, 1), (torch.float16, 2)], ids=str)
+@pytest.mark.parametrize("case", [(1, 4096, 4096, 4, 128), (16, 6144, 4096, 4, 128), (3, 200, 384, 4, 384)], ids=str)
+def test_gpu_raw_and_paired_products(case, dtype, pairs):  # type: ignore[no-untyped-def]
+    """On the GPU, in the 16-bit dtypes: raw products, with and without the paired unpacking,
+    against the product of the dequantised weight (the bf16 rounding of x only)."""
+    rows, n, k, bits, group_size = case
+    x, q, zeros, scales, w = _operands(rows, n, k, bits, group_size, dtype)
+    tiling = choose_tiling(rows, n, k, group_size, 132, bits, raw=True, pairs=pairs)
+    args = [t.to(DEVICE) for t in (x, pack_columns(q, bits), scales, zeros)]
+    out = wna16_gemm(*args, bits, group_size, tiling).float().cpu()
+    expected = x.float() @ w.t().float()
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
