@@ -18,25 +18,36 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels._common import (
+    check_at_least,
     check_last_dim_contiguous,
     check_same_device,
     check_scales,
     check_shape,
+    num_sms,
     scaled_operand_sizes,
 )
 
 # rows are padded to a tile of 16 or 32. A 64-row tile compiled to Hopper's wgmma, whose FP8
 # accumulation is not float32-exact: it missed the reference by more than float rounding (H200)
 MAX_ROWS = 32
+# a product of at most this many output tiles splits K until about SPLIT_PROGRAMS_PER_SM
+# programs run on each SM: 0 (never) until scripts/fp8_kernels.py --sweep measures it (the
+# down projection, 64 tiles over K = 14,336, read its weights at 60% of the copy rate unsplit)
+SPLIT_BELOW = 0
+SPLIT_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
 def _fp8_gemm_rows_kernel(
-    out_ptr, xq_ptr, xs_ptr, wq_ptr, ws_ptr,
-    rows, n, k, stride_x, stride_w, stride_out,
+    out_ptr, part_ptr, xq_ptr, xs_ptr, wq_ptr, ws_ptr,
+    rows, n, k, k_per_split, stride_x, stride_w, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    pid_s = tl.program_id(1)  # this program's slice of K, whole tiles: [k_lo, k_hi)
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k, k_lo + k_per_split)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -46,8 +57,8 @@ def _fp8_gemm_rows_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
-        mask_k = start + offs_k < k
+    for start in range(k_lo, k_hi, BLOCK_K):
+        mask_k = start + offs_k < k_hi
         a = tl.load(
             xq_ptr + offs_m[:, None] * stride_x + start + offs_k[None, :],
             mask=mask_m[:, None] & mask_k[None, :], other=0.0,
@@ -60,6 +71,10 @@ def _fp8_gemm_rows_kernel(
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
         else:
             acc = tl.dot(a, tl.trans(b), acc)
+    if SPLIT:  # the slice's sums [splits, rows, n] (int32 or float32), scaled when summed
+        part = part_ptr + pid_s.to(tl.int64) * rows * n + offs_m[:, None] * n + offs_n[None, :]
+        tl.store(part, acc, mask=mask_m[:, None] & mask_n[None, :])
+        return
     xs = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
     ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     out = acc.to(tl.float32) * xs[:, None] * ws[None, :]
@@ -77,16 +92,19 @@ def fp8_gemm_rows(
     out_dtype: torch.dtype = torch.bfloat16,
     block_n: int | None = None,
     block_k: int | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """xq [M <= 32, K] and wq [N, K] in float8_e4m3fn or int8 (int32 sums; under the
     interpreter also any float dtype), x_scale [M, 1] and w_scale [1, N] float32 -> [M, N] in
-    out_dtype."""
+    out_dtype. splits: K in that many slices of whole tiles, their sums added (in order, in
+    int32 for int8) and scaled by one more kernel; None: by SPLIT_BELOW."""
     rows, k, n = scaled_operand_sizes(xq, wq)
     if rows > MAX_ROWS:
         raise ValueError(f"xq has {rows} rows; this kernel takes at most {MAX_ROWS}")
     if xq.dtype != wq.dtype:
         raise ValueError(f"xq and wq must share a dtype, got {xq.dtype} and {wq.dtype}")
     check_scales(xq, x_scale, wq, w_scale)
+    check_at_least("splits", splits, 1)
     out = torch.empty((rows, n), dtype=out_dtype, device=xq.device)
     if rows and n:
         # measured on the H200 at 1-16 rows (Llama-3-8B's projections): 64 channels per
@@ -102,13 +120,44 @@ def fp8_gemm_rows(
                 block_m + block_n
             ) * block_k * xq.element_size() * 4 > 160 * 1024 and block_k > 32:
                 block_k //= 2
-        _fp8_gemm_rows_kernel[(triton.cdiv(n, block_n),)](
-            out, xq, x_scale.float(), wq, w_scale.float(),
-            rows, n, k, xq.stride(0), wq.stride(0), out.stride(0),
+        tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+        if splits is None:  # SPLIT_BELOW tiles or fewer (0: never) split K for the SMs
+            sms = num_sms(xq.device) if xq.is_cuda else 132
+            splits = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles) if tiles <= SPLIT_BELOW else 1
+        per_split = triton.cdiv(steps, max(1, min(splits, steps)))
+        splits = triton.cdiv(steps, per_split)
+        xs, ws = x_scale.float(), w_scale.float()
+        part = out
+        if splits > 1:
+            part = torch.empty(splits, rows, n, device=xq.device,
+                               dtype=torch.int32 if xq.dtype == torch.int8 else torch.float32)  # fmt: skip
+        _fp8_gemm_rows_kernel[(tiles, splits)](
+            out, part, xq, xs, wq, ws,
+            rows, n, k, per_split * block_k, xq.stride(0), wq.stride(0), out.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INT8=xq.dtype == torch.int8,
-            num_warps=4, num_stages=4,
+            SPLIT=splits > 1, num_warps=4, num_stages=4,
         )  # fmt: skip
+        if splits > 1:
+            block = min(1024, triton.next_power_of_2(n))
+            _sum_splits_scaled_kernel[(rows, triton.cdiv(n, block))](
+                out, part, xs.contiguous(), ws.contiguous(), rows, n, splits, out.stride(0), BLOCK_N=block
+            )  # fmt: skip
     return out
+
+
+@triton.jit
+def _sum_splits_scaled_kernel(
+    out_ptr, part_ptr, xs_ptr, ws_ptr, rows, n, splits, stride_out, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    """out[m] = (the sum over s of part[s, m], in order, in part's dtype) * xs[m] * ws."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < n
+    acc = tl.load(part_ptr + row * n + offs, mask=mask, other=0)
+    for s in range(1, splits):
+        acc += tl.load(part_ptr + (s * rows + row) * n + offs, mask=mask, other=0)
+    out = acc.to(tl.float32) * tl.load(xs_ptr + row) * tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """FP8 products on Llama-3-8B's projection shapes, on the GPU: bf16 (cuBLAS), torch._scaled_mm
-with row-wise scales, and kernels/fp8_gemm.py (its default blocks, or --sweep over block
-sizes), plus the per-token quantisation kernel. One JSON line per (rows, projection); times in
+with row-wise scales, and kernels/fp8_gemm.py (its default blocks, K split in 2, 4 and 8, or
+--sweep over block sizes), plus the per-token quantisation kernel. One JSON line per (rows, projection); times in
 microseconds per product over back-to-back launches replayed from a CUDA graph.
 
     python scripts/fp8_kernels.py [--rows 1,16,32,256,4096] [--sweep]
@@ -58,6 +58,8 @@ def measure(rows: int, name: str, n: int, k: int, sweep: bool) -> dict[str, obje
     line["quant_us"] = time_us(lambda: per_token_quant_fp8(x))
     if rows <= MAX_ROWS:
         line["ours_us"] = time_us(lambda: fp8_gemm_rows(xq, xs, wq, ws))
+        for splits in (2, 4, 8):  # K split (kernels/fp8_gemm.py SPLIT_BELOW decides from these)
+            line[f"ours_split{splits}_us"] = time_us(functools.partial(fp8_gemm_rows, xq, xs, wq, ws, splits=splits))
         for bn, bk in (
             [(bn, bk) for bn in (16, 32, 64, 128) for bk in (128, 256, 512)] if sweep else []
         ):

@@ -36,7 +36,8 @@ if has qtests; then
     tests/gpu/test_gpu_fp8_kv_cache.py tests/gpu/test_gpu_gguf.py tests/kernels/test_fused_quant_kernels.py \
     tests/gpu/test_gpu_fused_quant.py 2>&1 | tail -30 | tee "$OUT/qtests.txt"
   { python3 scripts/bench_wna16.py; python3 scripts/bench_int8_gemm.py; python3 scripts/bench_paged_attention_fp8.py
-    python3 scripts/bench_fused_quant.py; } 2>&1 | tee "$OUT/qkernels.txt"
+    python3 scripts/bench_fused_quant.py;
+    python3 scripts/fp8_kernels.py --rows 1,16,32; } 2>&1 | tee "$OUT/qkernels.txt"
 fi
 if has int8; then
   # INT8 w8a8 (issue 19): offline throughput 1000 x 512/128 in bf16 and int8 from the same run (the

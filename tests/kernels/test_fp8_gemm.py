@@ -63,3 +63,22 @@ def test_rejects_bad_operands():
         fp8_gemm_rows(xq, xs, wq, ws[:, :8])
     with pytest.raises(ValueError, match="share a dtype"):
         fp8_gemm_rows(xq.float(), xs, wq, ws)
+
+
+@pytest.mark.parametrize("case", [(1, 96, 2048), (5, 40, 1000), (32, 64, 700)], ids=str)
+@pytest.mark.parametrize("splits", [2, 3, 64])
+def test_split_k_sums_the_slices(case, splits):  # type: ignore[no-untyped-def]
+    """K split into slices of whole tiles (more slices than tiles: one a tile), their sums
+    added in order and scaled: the unsplit result within float rounding; int8's exactly."""
+    xq, xs, wq, ws = _operands(*case)
+    expected = fp8_gemm_rows_ref(xq, xs, wq, ws)
+    out = fp8_gemm_rows(xq, xs, wq, ws, torch.float32, block_k=128, splits=splits)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    rows, n, k = case
+    gen = torch.Generator().manual_seed(k)
+    iq = torch.randint(-127, 128, (rows, k), generator=gen, dtype=torch.int8).to(DEVICE)
+    iw = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).to(DEVICE)
+    unsplit = fp8_gemm_rows(iq, xs, iw, ws, torch.float32, block_k=128, splits=1)
+    assert torch.equal(fp8_gemm_rows(iq, xs, iw, ws, torch.float32, block_k=128, splits=splits), unsplit)
+    with pytest.raises(ValueError, match="splits must be >= 1"):
+        fp8_gemm_rows(xq, xs, wq, ws, splits=0)
