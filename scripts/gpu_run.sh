@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests int8 kvcap embed structured serve coldstart prefix vlm (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix vlm (all =
 # tests bench); results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -35,6 +35,9 @@ if has qtests; then
     tests/kernels/test_weight_only_linear.py tests/kernels/test_int8_gemm.py tests/kernels/test_paged_attention.py tests/gpu/test_gpu_int8.py \
     tests/gpu/test_gpu_fp8_kv_cache.py tests/gpu/test_gpu_gguf.py tests/kernels/test_fused_quant_kernels.py \
     tests/gpu/test_gpu_fused_quant.py 2>&1 | tail -30 | tee "$OUT/qtests.txt"
+fi
+if has qkernels; then
+  # their microbenchmarks (6-7 minutes on the H200 with the tests above: two calls)
   { python3 scripts/bench_wna16.py; python3 scripts/bench_int8_gemm.py; python3 scripts/bench_paged_attention_fp8.py
     python3 scripts/bench_fused_quant.py;
     python3 scripts/fp8_kernels.py --rows 1,16,32; } 2>&1 | tee "$OUT/qkernels.txt"
