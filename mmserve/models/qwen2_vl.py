@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -119,6 +119,8 @@ class Qwen2VLForConditionalGeneration(LanguageModelWrapper, ModelBase):
         super().__init__()
         spec = vision_spec(hf_config)
         self.visual = VisionTransformer(spec)
+        # the tower's CUDA graphs, the same call (set by the runner on CUDA: runner/cuda_graphs.py)
+        self.visual_graphs: Callable[[torch.Tensor, list[tuple[int, int, int]]], torch.Tensor] | None = None
         self.language_model = LlamaForCausalLM(text_config_as_qwen2(hf_config), attention_backend)
         lm = self.language_model
         if spec.out_dim != lm.hidden_size:
@@ -152,7 +154,8 @@ class Qwen2VLForConditionalGeneration(LanguageModelWrapper, ModelBase):
         grids = [image_grid(d, self.merge_size) for d in data]
         param = next(self.visual.parameters())
         patches = torch.cat([d["pixel_values"] for d in data]).to(param.device, param.dtype)
-        tokens = self.visual(patches, grids).to(self.language_model.lm_head.weight.dtype)
+        tower = self.visual_graphs or self.visual
+        tokens = tower(patches, grids).to(self.language_model.lm_head.weight.dtype)
         return list(tokens.split([t * h * w // self.merge_size**2 for t, h, w in grids]))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -75,25 +75,47 @@ def _norm(spec: VisionSpec, dim: int) -> nn.Module:
     return RMSNorm(dim, 1e-6) if spec.windowed else nn.LayerNorm(dim, eps=1e-6)
 
 
-def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int], scale: float
-) -> torch.Tensor:
-    """Bidirectional attention within each segment [cu[i], cu[i+1]) of q, k, v [N, H, D]: the
-    segments are padded to the longest and run as one batch, the padding masked as keys."""
+@dataclass(frozen=True)
+class Segments:
+    """Where varlen_attention's segments (images or windows) lie in the rows, as device
+    tensors made on the host once per set of image grids: equal segments (one image, or
+    frames of one size) are a plain batch of `count`; otherwise each segment's rows are
+    gathered by index [S, L] (padded to the longest), the padding masked by valid [S, L], and
+    the outputs [S * L] gathered back by rows [N] (valid's positions)."""
+
+    count: int
+    index: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+
+
+def segments(cu_seqlens: list[int], rows: int, device: torch.device) -> Segments:
+    """The Segments of rows [cu[i], cu[i+1])."""
     lengths = [b - a for a, b in itertools.pairwise(cu_seqlens)]
-    if len(set(lengths)) == 1:  # equal segments (one image): a plain batch, no mask
-        count = len(lengths)
-        q, k, v = (x.view(count, -1, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+    if len(set(lengths)) == 1:
+        return Segments(len(lengths))
+    offsets = torch.arange(max(lengths))
+    valid = offsets[None, :] < torch.tensor(lengths)[:, None]  # [S, L]
+    index = torch.tensor(cu_seqlens[:-1])[:, None] + offsets[None, :]
+    index = index.clamp(max=rows - 1)  # [S, L]: padding reads any row, masked in attention
+    back = valid.flatten().nonzero().flatten()  # [N]: segments back in order
+    return Segments(len(lengths), index.to(device), valid.to(device), back.to(device))
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: Segments, scale: float
+) -> torch.Tensor:
+    """Bidirectional attention within each segment of q, k, v [N, H, D] (`where`), as one
+    batch: no host work, no host sync (a CUDA graph can hold it)."""
+    if where.index is None:  # equal segments: a plain batch, no mask
+        q, k, v = (x.view(where.count, -1, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, scale=scale)  # [S, H, L, D]
         return out.transpose(1, 2).flatten(0, 1)
-    device = q.device
-    offsets = torch.arange(max(lengths), device=device)
-    valid = offsets[None, :] < torch.tensor(lengths, device=device)[:, None]  # [S, L]
-    index = torch.tensor(cu_seqlens[:-1], device=device)[:, None] + offsets[None, :]
-    index = index.clamp(max=q.shape[0] - 1)  # [S, L]: padding reads any row, masked below
-    q, k, v = (x[index].transpose(1, 2) for x in (q, k, v))  # [S, H, L, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
-    return out.transpose(1, 2)[valid]  # [N, H, D], segments back in order
+    assert where.valid is not None and where.rows is not None
+    q, k, v = (x[where.index].transpose(1, 2) for x in (q, k, v))  # [S, H, L, D]
+    mask = where.valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).flatten(0, 1)[where.rows]  # [N, H, D]
 
 
 class PatchEmbed(nn.Module):
@@ -117,15 +139,13 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(spec.embed_dim, 3 * spec.embed_dim)
         self.proj = nn.Linear(spec.embed_dim, spec.embed_dim)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, where: Segments) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, H, D]
         # rotated in float32, as transformers does whatever the model dtype
         q = apply_rotary(q.float(), cos, sin).to(v.dtype)
         k = apply_rotary(k.float(), cos, sin).to(v.dtype)
-        return self.proj(varlen_attention(q, k, v, cu_seqlens, self.scale).reshape(n, -1))
+        return self.proj(varlen_attention(q, k, v, where, self.scale).reshape(n, -1))
 
 
 class VisionMLP(nn.Module):
@@ -157,10 +177,8 @@ class VisionBlock(nn.Module):
         self.norm2 = _norm(spec, spec.embed_dim)
         self.mlp = VisionMLP(spec)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, where: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, where)
         return x + self.mlp(self.norm2(x))
 
 
@@ -179,6 +197,20 @@ class PatchMerger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, E] -> [N / merge**2, out]
         return self.mlp(self.ln_q(x).view(-1, self.merged_dim))  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class VisionPlan:
+    """VisionTransformer.plan(): the rotary tables, where the attention segments lie (whole
+    frames; Qwen2.5-VL's windows too), and the windows' reordering of the merge units and
+    its inverse."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    full: Segments
+    window: Segments | None = None
+    order: torch.Tensor | None = None
+    restore: torch.Tensor | None = None
 
 
 class VisionTransformer(ComputedBuffers):
@@ -200,17 +232,32 @@ class VisionTransformer(ComputedBuffers):
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """patches [N, C*T*P*P] of the images whose (t, h, w) patch grids are `grids`, in
         order -> their LM tokens [N / merge**2, out_dim], in the same order."""
-        x = self.patch_embed(patches)  # [N, E]
+        return self.run(patches, self.plan(grids))
+
+    def plan(self, grids: list[tuple[int, int, int]]) -> VisionPlan:
+        """What the tower derives from the images' grids alone, made on the host and moved to
+        the tower's device: the same for every set of images of those sizes."""
+        device = self.inv_freq.device
         cos, sin = self._rotary(grids)  # [N, 1, D / 2]
+        rows = cos.shape[0]
         cu_full = _cumulative([h * w for t, h, w in grids for _ in range(t)])  # per frame
-        if self.spec.windowed:
-            order, cu_window = self._windows(grids)
-            x, cos, sin = (self._by_unit(y, order) for y in (x, cos, sin))
+        if not self.spec.windowed:
+            return VisionPlan(cos, sin, segments(cu_full, rows, device))
+        order, cu_window = self._windows(grids)
+        cos, sin = (self._by_unit(y, order) for y in (cos, sin))
+        return VisionPlan(cos, sin, segments(cu_full, rows, device), segments(cu_window, rows, device),
+                          order, torch.argsort(order))  # fmt: skip
+
+    def run(self, patches: torch.Tensor, plan: VisionPlan) -> torch.Tensor:
+        """forward() with the grids' plan made: device work only (a CUDA graph can hold it)."""
+        x = self.patch_embed(patches)  # [N, E]
+        if plan.order is not None:
+            x = self._by_unit(x, plan.order)
         for i, block in enumerate(self.blocks):
-            full = not self.spec.windowed or i in self.spec.fullatt_blocks
-            x = block(x, cos, sin, cu_full if full else cu_window)
+            full = plan.window is None or i in self.spec.fullatt_blocks
+            x = block(x, plan.cos, plan.sin, plan.full if full else plan.window)  # type: ignore[arg-type]
         out = self.merger(x)
-        return out[torch.argsort(order)] if self.spec.windowed else out
+        return out if plan.restore is None else out[plan.restore]
 
     def _rotary(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.cat([_patch_positions(g, self.spec.merge_size) for g in grids])

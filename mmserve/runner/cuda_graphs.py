@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 
 from mmserve.attention import AttentionMetadata
 from mmserve.models.base import CausalLM
+from mmserve.models.qwen2_vl_vision import VisionPlan, VisionTransformer
 
 logger = logging.getLogger(__name__)
 
@@ -437,3 +439,50 @@ class MixedGraphs(_TokenGraphs):
             return self._replay(size, num_tokens)
         finally:
             self._query_lens_cpu = self._seq_lens_cpu = None
+
+
+MAX_VISION_GRAPHS = 8  # sets of image sizes whose tower graphs are kept (least recently used go)
+
+
+class VisionGraphs:
+    """CUDA graphs of a Qwen2-VL vision tower (models/qwen2_vl_vision.py), one per list of
+    image grids, captured the first time a step brings images of those sizes (an app's
+    uploads, resized by the processor, mostly share one) and replayed after: eager, the
+    tower is bound by its launches (one 448 x 448 image took 14.6 ms on the H200 at the 7B
+    shape, about 1.6 ms of FLOPs; BENCHMARKS.md). The tower's plan (what the grids alone
+    decide: rotary tables, segments, window order) is made once per graph; its run is device
+    work only. Called as the tower is: (patches, grids) -> LM tokens."""
+
+    def __init__(self, tower: VisionTransformer, limit: int = MAX_VISION_GRAPHS) -> None:
+        self.tower = tower
+        self.limit = limit
+        self._graphs: OrderedDict[tuple[tuple[int, int, int], ...], tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor, VisionPlan]] = OrderedDict()  # fmt: skip
+        self._pool: Any = None
+
+    def __call__(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        key = tuple((t, h, w) for t, h, w in grids)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(patches, grids)
+            while len(self._graphs) > self.limit:
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
+        static, graph, out, _ = entry
+        static.copy_(patches)
+        graph.replay()
+        return out.clone()  # (the next replay writes over out)
+
+    @torch.inference_mode()
+    def _capture(
+        self, patches: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor, VisionPlan]:
+        plan = self.tower.plan(grids)
+        static = patches.clone()
+        self.tower.run(static, plan)  # its kernels compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self.tower.run(static, plan)
+        self._pool = graph.pool()
+        logger.info("captured the vision tower's CUDA graph for images %s", list(grids))
+        return static, graph, out, plan

@@ -23,9 +23,10 @@ from mmserve.models.base import (
     check_capabilities,
 )
 from mmserve.models.parallel import TensorParallel
+from mmserve.models.qwen2_vl_vision import VisionTransformer
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams
-from mmserve.runner.cuda_graphs import DecodeGraphs, EncoderGraphs, MixedGraphs
+from mmserve.runner.cuda_graphs import DecodeGraphs, EncoderGraphs, MixedGraphs, VisionGraphs
 from mmserve.runner.distributed import RankMirror
 from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder, SampledOnDevice
 from mmserve.runner.pooler import ModelPooler, Pooler, finish_embedding
@@ -175,6 +176,9 @@ class ModelRunner:
                 )
                 self.encoder_graphs.capture()
             return
+        tower = getattr(self.vision, "visual", None)  # (Qwen2-VL's tower: graphs as images come)
+        if isinstance(tower, VisionTransformer):
+            self.vision.visual_graphs = VisionGraphs(tower)  # type: ignore[union-attr]
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(
             self.model, self.kv_caches, max_batch, max_blocks, max_model_len, self.device,

@@ -103,6 +103,28 @@ def test_gpu_vlm_greedy_equals_transformers_fp32(tmp_path: Path, kind: str) -> N
     assert sum(out[0] == ref[0] for (_, out), ref in zip(bf16, expected)) >= 1
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2.5"])
+def test_gpu_vision_tower_graphs_equal_eager(tmp_path: Path, kind: str) -> None:
+    """The Qwen2-VL tower replayed from its CUDA graphs (one per list of image sizes, captured
+    as they come) gives the eager tower's tokens, on repeats and new sizes alike (float32)."""
+    from transformers import AutoImageProcessor
+
+    folder = _make(kind, tmp_path)
+    llm = LLM(str(folder), device="cuda", dtype="float32", num_kv_blocks=128, block_size=16)
+    model = llm.frontend.core.runner.model
+    assert model.visual_graphs is not None  # type: ignore[attr-defined]
+    processor = AutoImageProcessor.from_pretrained(folder)
+    batches = [[picture(24, 40, 0)], [picture(24, 40, 3)], [picture(24, 40, 4), picture(50, 20, 5)], [picture(50, 20, 6)]]
+    for images in batches * 2:
+        data = [dict(processor(images=[p], return_tensors="pt")) for p in images]
+        graphed = model.encode_images(data)  # type: ignore[attr-defined]
+        graphs, model.visual_graphs = model.visual_graphs, None  # type: ignore[attr-defined]
+        eager = model.encode_images(data)  # type: ignore[attr-defined]
+        model.visual_graphs = graphs  # type: ignore[attr-defined]
+        for got, want in zip(graphed, eager, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("make", [make_tiny_clip, make_tiny_siglip])
 def test_gpu_dual_encoder_embeddings_match_transformers(tmp_path: Path, make: object) -> None:
     folder = make(tmp_path)  # type: ignore[operator]

@@ -235,3 +235,50 @@ def test_tied_word_embeddings(tmp_path: Path) -> None:
     expected = hf(input_ids=torch.tensor([ids])).logits[0]
     logits = PagedKV(ours).step(ours, [(PagedSeq(), ids)])
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_a_tower_plan_serves_every_image_of_its_sizes(case: Case) -> None:
+    """The tower's plan (what the grids alone decide) made once gives other images of the
+    same sizes their forward's tokens: what a CUDA graph of the tower replays."""
+    tower = case.ours.visual
+    pixels = torch.cat([d["pixel_values"] for d in case.images])
+    sizes = grids(case, len(case.images))
+    plan = tower.plan(sizes)
+    other = torch.randn_like(pixels)
+    torch.testing.assert_close(tower.run(other, plan), tower(other, sizes), atol=0, rtol=0)
+    torch.testing.assert_close(tower.run(pixels, plan), tower(pixels, sizes), atol=0, rtol=0)
+
+
+def test_vision_graphs_capture_once_per_sizes_and_keep_the_latest(case: Case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """VisionGraphs (runner/cuda_graphs.py) on the CPU, the capture replaced by a replay that
+    runs the tower: one capture per list of sizes, replays reading the new patches, the
+    least recently used list dropped past the limit, outputs the tower's."""
+    from mmserve.runner import cuda_graphs
+
+    class Replay:  # what a captured graph does: the tower's run on the static inputs
+        def __init__(self, static: torch.Tensor, plan: object, out: torch.Tensor) -> None:
+            self.static, self.plan, self.out = static, plan, out
+
+        def replay(self) -> None:
+            self.out.copy_(case.ours.visual.run(self.static, self.plan))
+
+    captured: list[tuple[tuple[int, int, int], ...]] = []
+
+    def capture(self, patches, sizes):  # type: ignore[no-untyped-def]
+        captured.append(tuple(sizes))
+        plan = self.tower.plan(sizes)
+        static = patches.clone()
+        out = self.tower.run(static, plan)
+        return static, Replay(static, plan, out), out, plan
+
+    monkeypatch.setattr(cuda_graphs.VisionGraphs, "_capture", capture)
+    graphs = cuda_graphs.VisionGraphs(case.ours.visual, limit=1)
+    first, second = ([d] for d in case.images)
+    with torch.no_grad():
+        for image in (first, first, second, first):
+            pixels = image[0]["pixel_values"] + torch.rand(1).item()  # new values, same size
+            sizes = grids(Case(case.path, None, case.ours, None, image), 1)
+            got = graphs(pixels, sizes)
+            torch.testing.assert_close(got, case.ours.visual(pixels, sizes), atol=1e-6, rtol=0)
+    assert [len(c) for c in captured] == [1, 1, 1] and captured[0] == captured[2] != captured[1]
