@@ -242,7 +242,7 @@ class _TokenGraphs:
         self.model = model
         self.sizes = sizes
         self.max_reqs = max_reqs
-        n = self.sizes[-1]
+        n = self.sizes[-1] if self.sizes else 0  # (none: a step budget below every size)
         self.pad_id = model.pad_token_id or 0
         self.input_ids = torch.full((n,), self.pad_id, dtype=torch.int64, device=device)
         self.positions = torch.zeros((3, n) if mrope else (n,), dtype=torch.int64, device=device)

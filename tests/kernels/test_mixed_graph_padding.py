@@ -105,3 +105,7 @@ def test_steps_no_graph_fits_are_refused(tiny) -> None:  # type: ignore[no-untyp
     assert graphs.run(ids[:5], positions, too_many_requests) is None
     too_long, positions = _step([(30, 3)], gen)  # 33 > max_seq_len
     assert graphs.run(ids[:3], positions, too_long) is None
+    tiny_budget = MixedGraphs(model, _caches(model, gen), max_tokens=8, max_reqs=4, max_blocks_per_seq=8,
+                              max_seq_len=32, device=DEVICE)  # fmt: skip
+    short, positions = _step([(0, 5)], gen)
+    assert tiny_budget.sizes == [] and tiny_budget.run(ids[:5], positions, short) is None
