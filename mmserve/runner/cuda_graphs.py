@@ -458,12 +458,21 @@ class VisionGraphs:
         self.limit = limit
         self._graphs: OrderedDict[tuple[tuple[int, int, int], ...], tuple[torch.Tensor, torch.cuda.CUDAGraph, torch.Tensor, VisionPlan]] = OrderedDict()  # fmt: skip
         self._pool: Any = None
+        self._eager: set[tuple[tuple[int, int, int], ...]] = set()  # sizes whose capture failed
 
     def __call__(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         key = tuple((t, h, w) for t, h, w in grids)
+        if key in self._eager:
+            return self.tower.forward(patches, grids)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(patches, grids)
+            try:
+                entry = self._capture(patches, grids)
+            except RuntimeError as e:  # (a capture that fails leaves these sizes eager)
+                logger.warning("the vision tower runs eagerly for images %s: %s", list(grids), e)
+                self._eager.add(key)
+                return self.tower.forward(patches, grids)
+            self._graphs[key] = entry
             while len(self._graphs) > self.limit:
                 self._graphs.popitem(last=False)
         self._graphs.move_to_end(key)

@@ -3,6 +3,7 @@ logits only where a token is sampled (or prompt logprobs are wanted), and sample
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Container
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from mmserve.runner.sampler import (
     verify_on_device,
 )
 from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
+
+logger = logging.getLogger(__name__)
 
 # Prompt logprobs take the logits of this many prompt rows at a time: [rows, vocab] float32
 # (256 x 128k is 128 MiB), whatever the chunk the token budget let through.
@@ -185,11 +188,15 @@ class ModelRunner:
             mrope=self.mrope,
         )
         self.graphs.capture()
-        self.mixed_graphs = MixedGraphs(
+        mixed = MixedGraphs(
             self.model, self.kv_caches, max_tokens, max_batch, max_blocks, max_model_len,
             self.device, mrope=self.mrope,
         )
-        self.mixed_graphs.capture("CUDA graphs of steps with prefill tokens")
+        try:  # (new in session 13: a model whose prefill cannot be captured runs it eagerly)
+            mixed.capture("CUDA graphs of steps with prefill tokens")
+            self.mixed_graphs = mixed
+        except RuntimeError as e:
+            logger.warning("steps with prefill tokens run eagerly: their CUDA graphs failed (%s)", e)
         query_len, spec_batch = spec
         if query_len > 1 and not self.mrope:
             self.spec_graphs = DecodeGraphs(
