@@ -282,3 +282,21 @@ def test_vision_graphs_capture_once_per_sizes_and_keep_the_latest(case: Case, mo
             got = graphs(pixels, sizes)
             torch.testing.assert_close(got, case.ours.visual(pixels, sizes), atol=1e-6, rtol=0)
     assert [len(c) for c in captured] == [1, 1, 1] and captured[0] == captured[2] != captured[1]
+
+
+def test_vision_graphs_that_fail_to_capture_stay_eager(case: Case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from mmserve.runner import cuda_graphs
+
+    tries = []
+
+    def fail(self, patches, sizes):  # type: ignore[no-untyped-def]
+        tries.append(sizes)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs.VisionGraphs, "_capture", fail)
+    graphs = cuda_graphs.VisionGraphs(case.ours.visual)
+    pixels, sizes = case.images[0]["pixel_values"], grids(case, 1)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(graphs(pixels, sizes), case.ours.visual(pixels, sizes), atol=0, rtol=0)
+    assert len(tries) == 1  # not tried again for those sizes
