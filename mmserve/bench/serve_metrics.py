@@ -39,6 +39,9 @@ def _stats(name: str, seconds: list[float]) -> dict[str, float | None]:
     }
 
 
+SLOWEST = 5  # the slowest first tokens listed by request number
+
+
 def summarize(
     results: list[RequestResult],
     duration: float,
@@ -73,5 +76,10 @@ def summarize(
         **_stats("tpot", [t for r, t in zip(done, tpot, strict=True) if r.output_tokens > 1]),
         **_stats("itl", [gap for r in done for gap in r.itl]),
         **_stats("e2el", [r.latency for r in done]),
+        # (request number in arrival order, TTFT ms) of the slowest first tokens: a cold start's
+        # waits come first, a load's anywhere
+        "slowest_ttft_ms": sorted(
+            ((i, 1e3 * r.ttft) for i, r in enumerate(results) if r.ok), key=lambda p: -p[1]
+        )[:SLOWEST],
         "errors": errors[:5],
     }

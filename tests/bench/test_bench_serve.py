@@ -49,6 +49,7 @@ def test_summarize_follows_vllm_definitions() -> None:
     assert out["mean_tpot_ms"] == pytest.approx(200.0)  # only requests of > 1 token
     assert out["median_itl_ms"] == pytest.approx(200.0)
     assert out["mean_ttft_ms"] == pytest.approx(550.0)
+    assert out["slowest_ttft_ms"] == [(1, pytest.approx(1000.0)), (0, pytest.approx(100.0))]
     empty = summarize([RequestResult(False)], 1.0, None, None)
     assert empty["p99_ttft_ms"] is None and empty["goodput"] == 0.0
 
