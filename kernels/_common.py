@@ -108,3 +108,36 @@ def matmul_in_column_chunks(
     step = max(1, chunk_elements // max(k, 1))
     outs = [x @ weight_t(slice(start, start + step)) for start in range(0, max(n, 1), step)]  # once for N = 0
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+MAX_SPLITS = 32  # slices of K at most (a product's partial sums: splits x its output)
+
+
+def k_splits(tiles: int, steps: int, sms: int, programs_per_sm: int) -> tuple[int, int]:
+    """(splits, steps per split) for a product of `tiles` output tiles whose programs each walk
+    `steps` K steps serially: K split into slices of whole steps until about programs_per_sm
+    programs run on every SM (a program's serial K loop is latency-bound: at one row the H200
+    read a 4096 x 4096 w4a16 weight at a tenth of its bandwidth without a split, session 11),
+    never more than MAX_SPLITS or steps. programs_per_sm 0: no split."""
+    wanted = min(MAX_SPLITS, steps, triton.cdiv(programs_per_sm * sms, max(tiles, 1)))
+    per_split = triton.cdiv(steps, max(1, wanted))
+    return triton.cdiv(steps, per_split), per_split
+
+
+@triton.jit
+def _sum_splits_kernel(out_ptr, part_ptr, size, splits, BLOCK: tl.constexpr):
+    """out[i] = sum over s of part[s, i], s in order (the same result every run)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(part_ptr + s * size + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_splits(out: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """out (contiguous) = part [splits, *out.shape] (float32) summed over its first dimension,
+    in order, in float32, cast to out's dtype."""
+    size, block = out.numel(), 1024
+    _sum_splits_kernel[(triton.cdiv(size, block),)](out, part, size, part.shape[0], BLOCK=block)
+    return out

@@ -23,6 +23,7 @@ from mmserve.kernels._common import (
     check_same_device,
     check_scales,
     check_shape,
+    k_splits,
     num_sms,
     scaled_operand_sizes,
 )
@@ -123,9 +124,10 @@ def fp8_gemm_rows(
         tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
         if splits is None:  # SPLIT_BELOW tiles or fewer (0: never) split K for the SMs
             sms = num_sms(xq.device) if xq.is_cuda else 132
-            splits = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sms, tiles) if tiles <= SPLIT_BELOW else 1
-        per_split = triton.cdiv(steps, max(1, min(splits, steps)))
-        splits = triton.cdiv(steps, per_split)
+            splits, per_split = k_splits(tiles, steps, sms, SPLIT_PROGRAMS_PER_SM if tiles <= SPLIT_BELOW else 0)
+        else:
+            per_split = triton.cdiv(steps, min(splits, steps))
+            splits = triton.cdiv(steps, per_split)
         xs, ws = x_scale.float(), w_scale.float()
         part = out
         if splits > 1:

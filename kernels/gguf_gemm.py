@@ -11,8 +11,10 @@ More rows (prefill, large batches): the weight is dequantised to x's dtype by on
 multiplied by torch.matmul (cuBLAS). That costs one write and one read of the float weight
 per call, small next to a product of hundreds of rows, and keeps the large-batch product at
 cuBLAS's speed without a tiled kernel of our own. Neither path has been timed on a GPU yet
-(both compile for sm_90; they were run under the interpreter only): the cut at 32 rows and
-the 32 x 128 weight tiles follow kernels/fp8_gemm.py's measured choices, untuned here.
+(both compile for sm_90 and pass the GPU tests): the cut at 32 rows and the 32 x 128 weight
+tiles follow kernels/fp8_gemm.py's measured choices, untuned here, and K is split for grids
+too small for the SMs as the w4a16 kernel's measurements said to (down: 128 tiles over
+K = 14,336).
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ from mmserve.kernels._common import (
     check_float,
     check_last_dim_contiguous,
     check_same_device,
+    k_splits,
     matmul_in_column_chunks,
+    num_sms,
+    sum_splits,
 )
 from mmserve.kernels.gguf_blocks import check_blocks, dequant_tile, gguf_dequantize
 
 MAX_ROWS = 32  # the rows of one tile of the few-rows kernel; more go to gguf_dequantize + matmul
+PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # the many-rows path dequantises at most this many weights at a time (64 MiB of bf16), so a
 # large LM head (128k x 4k) does not need a float copy of itself for one call
 CHUNK_ELEMENTS = 1 << 25
@@ -37,19 +43,22 @@ CHUNK_ELEMENTS = 1 << 25
 
 @triton.jit
 def _gguf_gemm_rows_kernel(
-    out_ptr, x_ptr, w_ptr, rows, n, k, row_bytes, stride_x, stride_out,
+    out_ptr, x_ptr, w_ptr, rows, n, k, k_per_split, row_bytes, stride_x, stride_out,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
+    pid_s = tl.program_id(1)  # this program's slice of K, whole tiles: [k_lo, k_hi)
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k, k_lo + k_per_split)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < rows
     mask_n = offs_n < n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
-        mask_k = start + offs_k < k
+    for start in range(k_lo, k_hi, BLOCK_K):
+        mask_k = start + offs_k < k_hi
         a = tl.load(
             x_ptr + offs_m[:, None] * stride_x + start + offs_k[None, :],
             mask=mask_m[:, None] & mask_k[None, :], other=0.0,
@@ -62,18 +71,21 @@ def _gguf_gemm_rows_kernel(
             acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(w), acc)
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_out + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :],
-    )  # fmt: skip
+    out_offs = offs_m[:, None] * stride_out + offs_n[None, :]
+    if SPLIT:  # float32 partials [splits, rows, n], summed in order by _common.sum_splits
+        out_offs += pid_s.to(tl.int64) * rows * n
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 def gguf_gemm_rows(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = 32, block_k: int = 128
-) -> torch.Tensor:
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = 32, block_k: int = 128,
+    programs_per_sm: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """x [M <= 32, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
     transposed -> [M, N] in x's dtype. block_k: a power of two >= 32 (a partial K tile is
-    masked; tiles need not hold whole super-blocks)."""
+    masked; tiles need not hold whole super-blocks). A grid of too few output tiles for about
+    programs_per_sm (default PROGRAMS_PER_SM) programs on every SM splits K, as the w4a16
+    kernel does (kernels/_common.k_splits); 0 never splits."""
     fmt = check_blocks("blocks", blocks, qtype)
     check_float("x", x)
     if x.dim() != 2 or x.shape[1] != blocks.shape[1] * fmt.elements:
@@ -93,12 +105,18 @@ def gguf_gemm_rows(
     n = blocks.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows and n:
-        _gguf_gemm_rows_kernel[(triton.cdiv(n, block_n),)](
-            out, x, blocks, rows, n, k, blocks.shape[1] * fmt.bytes, x.stride(0), out.stride(0),
-            **fmt.kernel_args(), IEEE=x.dtype == torch.float32,
+        tiles = triton.cdiv(n, block_n)
+        programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+        splits, per_split = k_splits(tiles, triton.cdiv(k, block_k), num_sms(x.device) if x.is_cuda else 132, programs)
+        target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+        _gguf_gemm_rows_kernel[(tiles, splits)](
+            target, x, blocks, rows, n, k, per_split * block_k, blocks.shape[1] * fmt.bytes, x.stride(0),
+            n if splits > 1 else out.stride(0), **fmt.kernel_args(), IEEE=x.dtype == torch.float32,
             BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=4,
+            SPLIT=splits > 1, num_warps=4,
         )  # fmt: skip
+        if splits > 1:
+            sum_splits(out, target)
     return out
 
 

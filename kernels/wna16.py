@@ -41,15 +41,16 @@ from mmserve.kernels._common import (
     check_float,
     check_last_dim_contiguous,
     check_same_device,
+    k_splits,
     matmul_in_column_chunks,
     num_sms,
+    sum_splits,
 )
 
 WORDS_PER_STEP = 16  # packed words of each column per K step (the dots' K: 16 at least)
 MAX_KERNEL_ROWS = 32  # more rows: the weight dequantised (CHUNK_ELEMENTS at a time) + torch.matmul
 CHUNK_ELEMENTS = 1 << 25  # (64 MiB of bf16: a large LM head needs no float copy of itself)
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K
-MAX_SPLITS = 32
 # untried on the GPU yet (scripts/bench_wna16.py sweeps them): a step inside one group multiplies
 # q itself on the tensor cores and applies the group's scale and zero point once after its dots
 # (not per value), and on CUDA a 4-bit word's values come out two at a time (_two_values)
@@ -172,21 +173,10 @@ def _wna16_kernel(
                 w = ((_value_plus_2_23(words, p, BITS) - (z + 8388608.0)) * s).to(x.dtype)  # (q - z) * s
                 acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     out_offs = offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
-    if SPLIT:  # float32 partials [splits, rows, n], summed in order by _sum_splits_kernel
+    if SPLIT:  # float32 partials [splits, rows, n], summed in order by _common.sum_splits
         out_offs += pid_s.to(tl.int64) * rows * n
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])  # fmt: skip
-
-
-@triton.jit
-def _sum_splits_kernel(out_ptr, part_ptr, size, splits, BLOCK: tl.constexpr):
-    """out[i] = sum over s of part[s, i], s in order (the same result every run)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < size
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(splits):
-        acc += tl.load(part_ptr + s * size + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -243,11 +233,8 @@ def choose_tiling(
     block_k = words * per
     groups = 0 if group_size % block_k == 0 or group_size >= k else 1 if group_size % per == 0 else 2
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
-    steps = triton.cdiv(k, block_k)
     programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
-    wanted = min(MAX_SPLITS, steps, triton.cdiv(programs * num_sms, tiles))
-    per_split = triton.cdiv(steps, max(1, wanted))
-    splits = triton.cdiv(steps, per_split)
+    splits, per_split = k_splits(tiles, triton.cdiv(k, block_k), num_sms, programs)
     stages = num_stages or (3 if block_m <= 32 else 2)
     raw = RAW_PRODUCT and groups == 0 if raw is None else raw
     if (raw and groups) or (pairs and not (raw and bits == 4)):
@@ -331,8 +318,7 @@ def wna16_gemm(
     grid = (triton.cdiv(rows, t.block_m), triton.cdiv(n, t.block_n), t.splits)
     _wna16_kernel[grid](*args, **meta, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if split:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(rows * n, block),)](out, target, rows * n, t.splits, BLOCK=block)
+        sum_splits(out, target)
     return out
 
 

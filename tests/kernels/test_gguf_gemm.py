@@ -84,6 +84,18 @@ def test_tile_sizes_do_not_change_the_product(qtype: str, block_n: int, block_k:
     _assert_close(out, gguf_matmul_ref(x, blocks, qtype), torch.float32)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("programs_per_sm", [0, 1, 4])
+def test_split_k_does_not_change_the_product(qtype: str, programs_per_sm: int) -> None:
+    """K split into slices of whole 32-wide tiles (0: none; 4: a slice a tile here), partial
+    sums added in order: the unsplit product within float rounding."""
+    k = 4 * _k(qtype)
+    blocks = random_blocks(qtype, 40, k, seed=programs_per_sm)
+    x = torch.randn(2, k, device=DEVICE)
+    out = gguf_gemm_rows(x, blocks, qtype, block_k=32, programs_per_sm=programs_per_sm)
+    _assert_close(out, gguf_matmul_ref(x, blocks, qtype), torch.float32)
+
+
 def test_many_rows_in_chunks_of_the_weight() -> None:
     blocks = random_blocks("Q8_0", 70, 64)
     x = torch.randn(40, 64, device=DEVICE)
