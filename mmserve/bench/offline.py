@@ -6,8 +6,9 @@ import itertools
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from mmserve.engine.sched_output import SchedulerOutput
 from mmserve.frontend.frontend import FrontEnd
 from mmserve.params import SamplingParams
 
@@ -30,6 +31,8 @@ class ThroughputResult:
     steps: int
     kv_cache_tokens: int = 0  # what the KV pool holds
     peak_running: int = 0  # the most requests decoding or prefilling in one step
+    # where the time went: {"decode": ..., "prefill": ...} (steps_breakdown's)
+    breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -108,10 +111,24 @@ def throughput(
     for i, (prompt, out_len) in enumerate(requests):
         engine.add_request(f"tp-{i}", prompt, _fixed_length(out_len))
     steps = peak = 0
-    while engine.has_unfinished:
-        engine.step()
-        steps += 1
-        peak = max(peak, len(engine.core.scheduler.running))
+    plans: list[SchedulerOutput] = []
+    ends: list[float] = []
+    scheduler = engine.core.scheduler
+    schedule = scheduler.schedule
+
+    def recorded() -> SchedulerOutput:
+        plans.append(schedule())
+        return plans[-1]
+
+    scheduler.schedule = recorded  # type: ignore[method-assign]
+    try:
+        while engine.has_unfinished:
+            engine.step()
+            ends.append(time.perf_counter())
+            steps += 1
+            peak = max(peak, len(scheduler.running))
+    finally:
+        del scheduler.schedule  # (the instance's wrapper: the class's method again)
     seconds = time.perf_counter() - start
     return ThroughputResult(
         num_requests=num_requests,
@@ -121,4 +138,29 @@ def throughput(
         steps=steps,
         kv_cache_tokens=engine.core.kv.num_blocks * engine.core.kv.block_size,
         peak_running=peak,
+        breakdown=steps_breakdown(plans, [start, *ends], engine.core.async_scheduling),
     )
+
+
+def steps_breakdown(plans: list[SchedulerOutput], stamps: list[float], in_flight: bool) -> dict[str, dict[str, float]]:
+    """The run's time by kind of step: "decode" (every request past its prompt) and "prefill"
+    (prompt tokens, with or without decodes beside them): steps, seconds, tokens, prompt
+    tokens, decode rows. A step() call that returns at stamps[i + 1] took stamps[i + 1] -
+    stamps[i]; with a step in flight (async scheduling) that call landed the plan before its
+    own, so the time goes to that plan."""
+    out: dict[str, dict[str, float]] = {
+        kind: {"steps": 0, "seconds": 0.0, "tokens": 0, "prompt_tokens": 0, "decode_rows": 0}
+        for kind in ("decode", "prefill")
+    }
+    for i, (begin, end) in enumerate(itertools.pairwise(stamps)):
+        j = i - 1 if in_flight else i
+        if not 0 <= j < len(plans) or plans[j].is_empty:
+            continue
+        prompt = [len(s.token_ids) for s in plans[j].scheduled if s.start_pos < len(s.prompt_token_ids)]
+        row = out["prefill" if prompt else "decode"]
+        row["steps"] += 1
+        row["seconds"] += end - begin
+        row["tokens"] += plans[j].num_tokens
+        row["prompt_tokens"] += sum(prompt)
+        row["decode_rows"] += len(plans[j].scheduled) - len(prompt)
+    return out

@@ -160,6 +160,12 @@ def test_bench_throughput_reports_its_flop_bound(
     bound = throughput_flops(config, 3, 8, 4) / 0.5e12
     assert line["flop_bound_s"] == pytest.approx(bound)
     assert line["fraction_of_flop_bound"] == pytest.approx(bound / line["seconds"])
+    # where the time went: the 3 prompts' 24 tokens in prefill steps, the decodes in the rest
+    prefill, decode = line["breakdown"]["prefill"], line["breakdown"]["decode"]
+    assert prefill["prompt_tokens"] == 24 and prefill["steps"] >= 1 and decode["prompt_tokens"] == 0
+    assert prefill["decode_rows"] + decode["decode_rows"] == 3 * (4 - 1)  # (the first token: prefill)
+    assert decode["tokens"] == decode["decode_rows"] > 0
+    assert 0 < prefill["seconds"] + decode["seconds"] <= line["seconds"]
 
 
 def test_bench_engine_flags_are_the_engine_settings() -> None:
@@ -268,3 +274,22 @@ def test_bench_loads_a_shapes_checkpoint_in_a_format(
     assert line["quantization"] == "w8a8-int8"
     assert line["weight_bytes"] == weights + 4 * (2 * 2 * h + h + vocab * h)
     assert len(list((tmp_path / "cache" / "bench-checkpoints").iterdir())) == 1
+
+
+def test_steps_breakdown_gives_a_step_in_flight_the_next_calls_time() -> None:
+    """With a step in flight, the call after a plan's own lands it: its time is that call's."""
+    from mmserve.bench.offline import steps_breakdown
+    from mmserve.engine.sched_output import ScheduledRequest, SchedulerOutput
+    from mmserve.params import SamplingParams
+
+    def plan(prompt_len: int, start: int, n: int) -> SchedulerOutput:
+        request = ScheduledRequest("r", [1] * n, start, [], True, SamplingParams(), [1] * prompt_len, [], frozenset())
+        return SchedulerOutput(scheduled=[request])
+
+    plans = [plan(8, 0, 8), plan(8, 8, 1), plan(8, 9, 1)]  # a prefill, then two decodes
+    stamps = [0.0, 1.0, 3.0, 6.0]  # calls of 1, 2 and 3 seconds
+    sync = steps_breakdown(plans, stamps, in_flight=False)
+    assert (sync["prefill"]["seconds"], sync["decode"]["seconds"]) == (1.0, 5.0)
+    flight = steps_breakdown(plans, stamps, in_flight=True)  # the prefill landed in the 2nd call
+    assert (flight["prefill"]["seconds"], flight["decode"]["seconds"]) == (2.0, 3.0)
+    assert flight["prefill"]["prompt_tokens"] == 8 and flight["decode"]["steps"] == 1
