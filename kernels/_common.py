@@ -106,6 +106,8 @@ def matmul_in_column_chunks(
     [K, columns] slice of W^T (a weight dequantised for many rows: no float copy of all of it)."""
     k = x.shape[1]
     step = max(1, chunk_elements // max(k, 1))
+    if step >= 256:  # whole 128-column tiles per chunk, as cuBLAS's kernels like them
+        step -= step % 128
     outs = [x @ weight_t(slice(start, start + step)) for start in range(0, max(n, 1), step)]  # once for N = 0
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
