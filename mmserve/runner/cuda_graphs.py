@@ -460,6 +460,7 @@ class VisionGraphs:
         self._pool: Any = None
         self._eager: set[tuple[tuple[int, int, int], ...]] = set()  # sizes whose capture failed
 
+    @torch.inference_mode()  # (the static inputs are inference tensors, updated in place)
     def __call__(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         key = tuple((t, h, w) for t, h, w in grids)
         if key in self._eager:
