@@ -192,7 +192,7 @@ class ModelRunner:
             self.model, self.kv_caches, max_tokens, max_batch, max_blocks, max_model_len,
             self.device, mrope=self.mrope,
         )
-        try:  # (new in session 13: a model whose prefill cannot be captured runs it eagerly)
+        try:  # (a model whose prefill steps cannot be captured runs them eagerly)
             mixed.capture("CUDA graphs of steps with prefill tokens")
             self.mixed_graphs = mixed
         except RuntimeError as e:
