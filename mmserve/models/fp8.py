@@ -66,6 +66,7 @@ class Fp8Linear(W8A8Linear):
             if input_scale is None
             else nn.Parameter(input_scale.reshape(1), requires_grad=False)
         )
+        self._input_quant: InputQuant | None = None  # (input_quant's, made on first use)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
@@ -87,8 +88,12 @@ class Fp8Linear(W8A8Linear):
 
     @property
     def input_quant(self) -> InputQuant:
-        # the FP8 tensor cores' path is bfloat16's; other dtypes run the float32 reference
-        return InputQuant(FP8_DTYPE, self.input_scale, kernel_dtypes=(torch.bfloat16,))
+        # the FP8 tensor cores' path is bfloat16's; other dtypes run the float32 reference.
+        # Made once per input_scale (a load may put a new Parameter there)
+        made = self._input_quant
+        if made is None or made.static_scale is not self.input_scale:
+            made = self._input_quant = InputQuant(FP8_DTYPE, self.input_scale, kernel_dtypes=(torch.bfloat16,))
+        return made
 
     def product(self, xq: QuantizedActivation) -> torch.Tensor:
         if xq.q.is_cuda and xq.dtype == torch.bfloat16:

@@ -55,6 +55,9 @@ def int8_product_ref(
 LARGE_GEMM = "triton"
 
 
+_INT8_INPUT = InputQuant(torch.int8)  # (every INT8 projection's: per token, dynamic)
+
+
 class Int8Linear(W8A8Linear):
     """y = x W^T + b with W int8 (per-output-channel scales) and x quantised per token."""
 
@@ -84,7 +87,7 @@ class Int8Linear(W8A8Linear):
 
     @property
     def input_quant(self) -> InputQuant:
-        return InputQuant(torch.int8)
+        return _INT8_INPUT
 
     def product(self, xq: QuantizedActivation) -> torch.Tensor:
         if xq.q.is_cuda and not (self.in_features % _ALIGN or self.out_features % _ALIGN):

@@ -27,7 +27,8 @@ FUSE_ACTIVATION_QUANT = False
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@dataclass(frozen=True, eq=False)
+# (slots, not frozen: one is made per projection call, and a frozen dataclass costs ~1.5 us more)
+@dataclass(eq=False, slots=True)
 class QuantizedActivation:
     """An activation x [..., K] of the model dtype, quantised per token: x[t] ~= q[t] * scale[t]."""
 
@@ -37,7 +38,7 @@ class QuantizedActivation:
     shape: torch.Size  # x's shape [..., K]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class InputQuant:
     """How a w8a8 projection quantises its input per token. The projection applies it to a
     model-dtype input; a norm or activation feeding it may apply it to its own output instead,
