@@ -55,6 +55,12 @@ class ModelConfig:
         "honour", "honour = apply the config's sliding window; refuse = error", cli=False
     )
     enforce_eager: bool = setting(False, "run every step eagerly, no CUDA graphs (CUDA only)")
+    prefill_graph_tokens: int = setting(
+        256,
+        "the longest step with prompt tokens (a short prompt, a prefix-cache hit, a chunk beside "
+        "decodes) replayed from a CUDA graph, padded up to the next captured size; 0 = none "
+        "(CUDA only)",
+    )
     warmup: bool | None = setting(
         None,
         "run a few dummy requests at start-up, so that the GPU kernels serving uses are compiled "
@@ -82,6 +88,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _at_least_one(self, "max_model_len")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix vlm (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft vlm (all =
 # tests bench); results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -96,6 +96,15 @@ if has prefix; then
   { $B prefix --model shape:llama3-8b --load-format dummy
     $B $T; $B $T --no-enable-prefix-caching
   } 2>&1 | grep -v Warning | tee "$OUT/prefix.txt"
+fi
+if has fp8ttft; then
+  # issue 23, target 5: TTFT at 8 req/s, bf16 against FP8, with prefill-step graphs up to 256
+  # tokens (the default) and up to 1024 (covering a 512-token prompt beside the decodes)
+  S="--model shape:llama3-8b --load-format dummy --request-rate 8 --num-requests 240 --input-len 512"
+  S="$S --output-len 128 --engine-process"
+  { for q in "" "--quantization fp8"; do for g in 256 1024; do
+      $B serve $S $q --prefill-graph-tokens $g; done; done
+  } 2>&1 | grep -v Warning | tee "$OUT/fp8ttft.txt"
 fi
 if has vlm; then
   $B vlm --model shape:qwen2-vl-7b --load-format dummy --baseline 2>&1 | grep -v Warning | tee "$OUT/vlm.txt"

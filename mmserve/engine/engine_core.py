@@ -99,7 +99,7 @@ class EngineCore:
             guesses = (1 + spec.num_speculative_tokens, spec.disable_batch_size)
             self.runner.capture_graphs(
                 scheduler.max_num_seqs, self.max_model_len, scheduler.budget,
-                guesses if self.speculator is not None else (0, 0),
+                guesses if self.speculator is not None else (0, 0), config.model.prefill_graph_tokens,
             )
         self.warmup_seconds = 0.0  # the start-up warm-up's time (engine/warmup.py)
         warm = config.model.warmup if config.model.warmup is not None else device.type == "cuda"

@@ -189,6 +189,7 @@ class RankCapture(msgspec.Struct, tag=True):
     max_model_len: int
     max_tokens: int
     spec: tuple[int, int]
+    prefill_tokens: int
 
 
 class RankShutdown(msgspec.Struct, tag=True):

@@ -134,9 +134,10 @@ class Ranks:
         self._send(m.RankStep(for_ranks(plan)))
 
     def capture_graphs(
-        self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int]
-    ) -> None:
-        self._send(m.RankCapture(max_batch, max_model_len, max_tokens, spec))
+        self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int],
+        prefill_tokens: int,
+    ) -> None:  # fmt: skip
+        self._send(m.RankCapture(max_batch, max_model_len, max_tokens, spec, prefill_tokens))
 
     def check_alive(self) -> None:
         for rank, proc in enumerate(self._procs, start=1):
@@ -269,7 +270,9 @@ def _receive(plans: Any) -> Step | Capture | None:
     if isinstance(message, m.RankShutdown):
         return None
     if isinstance(message, m.RankCapture):
-        return Capture((message.max_batch, message.max_model_len, message.max_tokens, message.spec))
+        return Capture(
+            (message.max_batch, message.max_model_len, message.max_tokens, message.spec, message.prefill_tokens)
+        )
     for s in message.plan.scheduled:
         if s.mrope_positions is not None:  # a field typed Any arrives as the encoded triple
             s.mrope_positions = m.tensor_from_wire(s.mrope_positions)

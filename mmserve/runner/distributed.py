@@ -29,8 +29,9 @@ class RankMirror(Protocol):
         ...
 
     def capture_graphs(
-        self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int]
-    ) -> None:
+        self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int],
+        prefill_tokens: int,
+    ) -> None:  # fmt: skip
         """The other ranks capture the same CUDA graphs (as rank 0 is about to)."""
         ...
 
@@ -52,7 +53,8 @@ class Follower(Protocol):
     def sample(self, step: Any) -> None: ...
 
     def capture_graphs(
-        self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int]
+        self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int],
+        prefill_tokens: int,
     ) -> None: ...
 
 
@@ -66,7 +68,7 @@ class Step:
 class Capture:
     """capture_graphs() arguments for a follower rank."""
 
-    def __init__(self, args: tuple[int, int, int, tuple[int, int]]) -> None:
+    def __init__(self, args: tuple[int, int, int, tuple[int, int], int]) -> None:
         self.args = args
 
 

@@ -161,15 +161,16 @@ class ModelRunner:
         self._bitmasks = [torch.empty(0, 0, dtype=torch.int32)] * 2  # see _bitmask_buffer
 
     def capture_graphs(
-        self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int] = (0, 0)
-    ) -> None:
-        """Captures decode graphs and graphs of steps with prefill tokens (up to max_tokens,
-        the step budget, and MIXED_TOKEN_SIZES), or an encoder's step graphs up to max_tokens
+        self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int] = (0, 0),
+        prefill_tokens: int = 256,
+    ) -> None:  # fmt: skip
+        """Captures decode graphs and graphs of steps with prefill tokens (up to prefill_tokens
+        and max_tokens, the step budget), or an encoder's step graphs up to max_tokens
         (CUDA only, where attention is the graph-safe Triton backend). spec: (1 + k, batch limit) of
         speculative decoding: graphs for its steps too (not for M-RoPE models). With tensor
         parallelism every rank captures the same graphs, which hold the all-reduces."""
         if self.mirror is not None:
-            self.mirror.capture_graphs(max_batch, max_model_len, max_tokens, spec)
+            self.mirror.capture_graphs(max_batch, max_model_len, max_tokens, spec, prefill_tokens)
         if self.device.type != "cuda":
             return
         if not self.kv_caches:
@@ -189,12 +190,13 @@ class ModelRunner:
         )
         self.graphs.capture()
         mixed = MixedGraphs(
-            self.model, self.kv_caches, max_tokens, max_batch, max_blocks, max_model_len,
-            self.device, mrope=self.mrope,
+            self.model, self.kv_caches, min(max_tokens, prefill_tokens), max_batch, max_blocks,
+            max_model_len, self.device, mrope=self.mrope,
         )
         try:  # (a model whose prefill steps cannot be captured runs them eagerly)
-            mixed.capture("CUDA graphs of steps with prefill tokens")
-            self.mixed_graphs = mixed
+            if mixed.sizes:
+                mixed.capture("CUDA graphs of steps with prefill tokens")
+                self.mixed_graphs = mixed
         except RuntimeError as e:
             logger.warning("steps with prefill tokens run eagerly: their CUDA graphs failed (%s)", e)
         query_len, spec_batch = spec

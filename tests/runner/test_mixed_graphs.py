@@ -65,3 +65,20 @@ def test_an_engine_with_mixed_graphs_gives_the_same_outputs(tiny: str) -> None:
         assert logprobs == pytest.approx(want_logprobs, abs=1e-5)
     assert calls["taken"] > 0
     assert_all_blocks_free(llm.frontend.core)
+
+
+def test_the_prefill_graph_setting_caps_the_sizes(tiny: str) -> None:
+    """prefill_graph_tokens (a setting; 0 = none) bounds the captured sizes with the step
+    budget; a negative one is refused, naming it."""
+    from mmserve.config import ModelConfig
+    from mmserve.runner.cuda_graphs import MIXED_TOKEN_SIZES
+
+    assert ModelConfig(model="m").prefill_graph_tokens == 256
+    with pytest.raises(ValueError, match="prefill_graph_tokens must be >= 0"):
+        ModelConfig(model="m", prefill_graph_tokens=-1)
+    llm = LLM(tiny, kv_cache_memory=16 << 20, prefill_graph_tokens=100)
+    assert llm.frontend.core.config.model.prefill_graph_tokens == 100
+    runner = llm.frontend.core.runner
+    for cap, want in ((100, [s for s in MIXED_TOKEN_SIZES if s <= 100]), (0, [])):
+        graphs = MixedGraphs(runner.model, runner.kv_caches, cap, 8, 64, 256, runner.device)
+        assert graphs.sizes == want
