@@ -84,10 +84,11 @@ class LateCompiles:
         self.count = 0
         self.start = time.monotonic()
 
-    def __call__(self, **hook: object) -> None:
+    def __call__(self, *args: object, **hook: object) -> None:
+        # (whatever a Triton version passes: a hook that raised would fail the kernel's launch)
         self.count += 1
         if self.count <= LOGGED_COMPILES:
-            kernel = str(hook.get("repr", "?"))[:500]  # its name, launch options and argument types
+            kernel = str(hook.get("repr", args[1] if len(args) > 1 else "?"))[:500]  # name, options, types
             logger.warning(
                 "a Triton kernel compiled while serving (%.1f s after start-up, %d so far): %s",
                 time.monotonic() - self.start, self.count, kernel,
