@@ -7,6 +7,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from mmserve.engine.sched_output import SchedulerOutput
 from mmserve.frontend.frontend import FrontEnd
@@ -111,24 +112,22 @@ def throughput(
     for i, (prompt, out_len) in enumerate(requests):
         engine.add_request(f"tp-{i}", prompt, _fixed_length(out_len))
     steps = peak = 0
-    plans: list[SchedulerOutput] = []
-    ends: list[float] = []
+    landed: list[tuple[SchedulerOutput, float]] = []  # each plan as its tokens reach the host
     scheduler = engine.core.scheduler
-    schedule = scheduler.schedule
+    update = scheduler.update
 
-    def recorded() -> SchedulerOutput:
-        plans.append(schedule())
-        return plans[-1]
+    def recorded(plan: SchedulerOutput, output: Any) -> Any:
+        landed.append((plan, time.perf_counter()))
+        return update(plan, output)
 
-    scheduler.schedule = recorded  # type: ignore[method-assign]
+    scheduler.update = recorded  # type: ignore[method-assign,assignment]
     try:
         while engine.has_unfinished:
             engine.step()
-            ends.append(time.perf_counter())
             steps += 1
             peak = max(peak, len(scheduler.running))
     finally:
-        del scheduler.schedule  # (the instance's wrapper: the class's method again)
+        del scheduler.update  # (the instance's wrapper: the class's method again)
     seconds = time.perf_counter() - start
     return ThroughputResult(
         num_requests=num_requests,
@@ -138,29 +137,30 @@ def throughput(
         steps=steps,
         kv_cache_tokens=engine.core.kv.num_blocks * engine.core.kv.block_size,
         peak_running=peak,
-        breakdown=steps_breakdown(plans, [start, *ends], engine.core.async_scheduling),
+        breakdown=steps_breakdown(landed, start),
     )
 
 
-def steps_breakdown(plans: list[SchedulerOutput], stamps: list[float], in_flight: bool) -> dict[str, dict[str, float]]:
+def steps_breakdown(landed: list[tuple[SchedulerOutput, float]], start: float) -> dict[str, dict[str, float]]:
     """The run's time by kind of step: "decode" (every request past its prompt) and "prefill"
     (prompt tokens, with or without decodes beside them): steps, seconds, tokens, prompt
-    tokens, decode rows. A step() call that returns at stamps[i + 1] took stamps[i + 1] -
-    stamps[i]; with a step in flight (async scheduling) that call landed the plan before its
-    own, so the time goes to that plan."""
+    tokens, decode rows. landed: each plan with the time its outputs reached the scheduler; a
+    plan's time is from the landing before it (or start) to its own, which with a step in
+    flight (async scheduling) is its device time, the host's work for the next overlapping."""
     out: dict[str, dict[str, float]] = {
         kind: {"steps": 0, "seconds": 0.0, "tokens": 0, "prompt_tokens": 0, "decode_rows": 0}
         for kind in ("decode", "prefill")
     }
-    for i, (begin, end) in enumerate(itertools.pairwise(stamps)):
-        j = i - 1 if in_flight else i
-        if not 0 <= j < len(plans) or plans[j].is_empty:
+    before = start
+    for plan, at in landed:
+        seconds, before = at - before, at
+        if plan.is_empty:
             continue
-        prompt = [len(s.token_ids) for s in plans[j].scheduled if s.start_pos < len(s.prompt_token_ids)]
+        prompt = [len(s.token_ids) for s in plan.scheduled if s.start_pos < len(s.prompt_token_ids)]
         row = out["prefill" if prompt else "decode"]
         row["steps"] += 1
-        row["seconds"] += end - begin
-        row["tokens"] += plans[j].num_tokens
+        row["seconds"] += seconds
+        row["tokens"] += plan.num_tokens
         row["prompt_tokens"] += sum(prompt)
-        row["decode_rows"] += len(plans[j].scheduled) - len(prompt)
+        row["decode_rows"] += len(plan.scheduled) - len(prompt)
     return out

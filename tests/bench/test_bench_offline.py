@@ -276,8 +276,8 @@ def test_bench_loads_a_shapes_checkpoint_in_a_format(
     assert len(list((tmp_path / "cache" / "bench-checkpoints").iterdir())) == 1
 
 
-def test_steps_breakdown_gives_a_step_in_flight_the_next_calls_time() -> None:
-    """With a step in flight, the call after a plan's own lands it: its time is that call's."""
+def test_steps_breakdown_times_each_plan_from_the_landing_before() -> None:
+    """A plan's time runs from the plan before it landing (or the start) to its own."""
     from mmserve.bench.offline import steps_breakdown
     from mmserve.engine.sched_output import ScheduledRequest, SchedulerOutput
     from mmserve.params import SamplingParams
@@ -286,10 +286,8 @@ def test_steps_breakdown_gives_a_step_in_flight_the_next_calls_time() -> None:
         request = ScheduledRequest("r", [1] * n, start, [], True, SamplingParams(), [1] * prompt_len, [], frozenset())
         return SchedulerOutput(scheduled=[request])
 
-    plans = [plan(8, 0, 8), plan(8, 8, 1), plan(8, 9, 1)]  # a prefill, then two decodes
-    stamps = [0.0, 1.0, 3.0, 6.0]  # calls of 1, 2 and 3 seconds
-    sync = steps_breakdown(plans, stamps, in_flight=False)
-    assert (sync["prefill"]["seconds"], sync["decode"]["seconds"]) == (1.0, 5.0)
-    flight = steps_breakdown(plans, stamps, in_flight=True)  # the prefill landed in the 2nd call
-    assert (flight["prefill"]["seconds"], flight["decode"]["seconds"]) == (2.0, 3.0)
-    assert flight["prefill"]["prompt_tokens"] == 8 and flight["decode"]["steps"] == 1
+    landed = [(plan(8, 0, 8), 1.0), (SchedulerOutput(), 1.5), (plan(8, 8, 1), 3.0), (plan(8, 9, 1), 6.0)]
+    got = steps_breakdown(landed, start=0.0)  # a prefill, an empty step, two decodes
+    assert (got["prefill"]["seconds"], got["decode"]["seconds"]) == (1.0, 4.5)
+    assert got["prefill"]["prompt_tokens"] == 8 and got["decode"]["steps"] == 2
+    assert got["decode"]["decode_rows"] == 2 and got["prefill"]["decode_rows"] == 0
