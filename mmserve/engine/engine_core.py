@@ -137,6 +137,7 @@ class EngineCore:
             num_speculative_tokens=spec.num_speculative_tokens,
             seed=config.seed,
             cuda_graphs=not config.model.enforce_eager,
+            prefill_graph_tokens=config.model.prefill_graph_tokens,
             kv_cache_memory_bytes=config.cache.kv_cache_memory_bytes,
             load_format=config.model.load_format,
         )

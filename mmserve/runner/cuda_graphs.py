@@ -238,13 +238,16 @@ class _TokenGraphs:
     Until capture() (which needs CUDA) run() runs the same padded forward eagerly, so the
     padding is tested where there is no GPU."""
 
+    what = "CUDA graphs"  # (the capture's log line)
+
     def __init__(
         self, model: CausalLM, sizes: list[int], max_reqs: int, device: torch.device, mrope: bool = False
     ) -> None:
         self.model = model
         self.sizes = sizes
         self.max_reqs = max_reqs
-        n = self.sizes[-1] if self.sizes else 0  # (none: a step budget below every size)
+        # the largest step's tokens (0: none, a step budget below every size)
+        self.capacity = n = self.sizes[-1] if self.sizes else 0
         self.pad_id = model.pad_token_id or 0
         self.input_ids = torch.full((n,), self.pad_id, dtype=torch.int64, device=device)
         self.positions = torch.zeros((3, n) if mrope else (n,), dtype=torch.int64, device=device)
@@ -260,14 +263,14 @@ class _TokenGraphs:
         raise NotImplementedError
 
     @torch.inference_mode()
-    def capture(self, what: str = "CUDA graphs") -> None:
+    def capture(self) -> None:
         """Captures every size, the largest first so the rest reuse its memory pool."""
         capture = _Capture()
         for size in reversed(self.sizes):
             if capture.out_of_time(f"{size} tokens"):
                 break
             self._graphs[size], self._outputs[size] = capture.graph(partial(self._forward, size))
-        capture.done(f"{len(self._graphs)} {what} (tokens {sorted(self._graphs)})")
+        capture.done(f"{len(self._graphs)} {self.what} (tokens {sorted(self._graphs)})")
 
     def _padded(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -304,6 +307,8 @@ class EncoderGraphs(_TokenGraphs):
     max_len). A step with more tokens than the largest size (one input over the budget) runs
     eagerly."""
 
+    what = "encoder CUDA graphs"
+
     def __init__(
         self,
         model: CausalLM,
@@ -315,7 +320,7 @@ class EncoderGraphs(_TokenGraphs):
     ) -> None:
         super().__init__(model, sorted({s for s in sizes if s < max_tokens} | {max_tokens}), max_reqs, device)
         self.max_len = max_len
-        self.token_type_ids = torch.zeros(self.sizes[-1], dtype=torch.int64, device=device)
+        self.token_type_ids = torch.zeros(self.capacity, dtype=torch.int64, device=device)
 
     def _meta(self, size: int) -> AttentionMetadata:
         reqs = self.reqs_for(size)
@@ -340,9 +345,6 @@ class EncoderGraphs(_TokenGraphs):
             self._meta(size),
             token_type_ids=self.token_type_ids[:size],  # type: ignore[call-arg]
         )
-
-    def capture(self, what: str = "encoder CUDA graphs") -> None:
-        super().capture(what)
 
     def run(
         self,
@@ -376,6 +378,8 @@ class MixedGraphs(_TokenGraphs):
     and a step with more than one query token a request never splits its KV range. One graph
     per size holds up to min(size, max_num_seqs) requests."""
 
+    what = "CUDA graphs of steps with prefill tokens"
+
     def __init__(
         self,
         model: CausalLM,
@@ -393,7 +397,7 @@ class MixedGraphs(_TokenGraphs):
         super().__init__(model, sorted(s for s in sizes if s <= max_tokens), max_reqs, device, mrope)
         self.kv_caches = kv_caches
         self.max_seq_len = max_seq_len
-        n = self.sizes[-1] if self.sizes else 0
+        n = self.capacity
         reqs = self.reqs_for(n)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(reqs, dtype=torch.int32, device=device)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmserve.config import ModelConfig
 from mmserve.engine.sched_output import (
     RunnerOutput,
     SampledToken,
@@ -162,7 +163,7 @@ class ModelRunner:
 
     def capture_graphs(
         self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int] = (0, 0),
-        prefill_tokens: int = 256,
+        prefill_tokens: int = ModelConfig.prefill_graph_tokens,
     ) -> None:  # fmt: skip
         """Captures decode graphs and graphs of steps with prefill tokens (up to prefill_tokens
         and max_tokens, the step budget), or an encoder's step graphs up to max_tokens
@@ -195,7 +196,7 @@ class ModelRunner:
         )
         try:  # (a model whose prefill steps cannot be captured runs them eagerly)
             if mixed.sizes:
-                mixed.capture("CUDA graphs of steps with prefill tokens")
+                mixed.capture()
                 self.mixed_graphs = mixed
         except RuntimeError as e:
             logger.warning("steps with prefill tokens run eagerly: their CUDA graphs failed (%s)", e)

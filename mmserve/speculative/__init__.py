@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from mmserve.config import ModelConfig
 from mmserve.request import Request
 
 # name -> "module:class"; a "+"-joined name chains proposers (the first ahead of the next);
@@ -50,6 +51,7 @@ class ProposerContext:
     num_speculative_tokens: int = 4
     seed: int = 0
     cuda_graphs: bool = True  # capture graphs for a draft model's steps (CUDA only)
+    prefill_graph_tokens: int = ModelConfig.prefill_graph_tokens  # (the model's setting)
     kv_cache_memory_bytes: int = 1 << 30  # the model's KV budget on the CPU
     load_format: str = "auto"  # the model's: a draft of a model with random weights has them too
 

@@ -141,7 +141,7 @@ class DraftProposer(Proposer):
         if context.cuda_graphs:  # one-token steps, and catch-ups of up to CATCH_UP_GRAPH tokens
             self.runner.capture_graphs(
                 context.max_batch, self.max_model_len, context.max_tokens,
-                (CATCH_UP_GRAPH, context.max_batch),
+                (CATCH_UP_GRAPH, context.max_batch), context.prefill_graph_tokens,
             )
         logger.info(
             "speculative draft %s: %d KV blocks, up to %d tokens per step",
