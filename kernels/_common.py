@@ -31,6 +31,15 @@ def num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+INTERPRETER_SMS = 132  # the SMs a grid is sized against under the interpreter: an H200's
+
+
+def grid_sms(device: torch.device) -> int:
+    """num_sms on CUDA; under the interpreter an H200's, so that tests size and split grids as
+    the GPU does."""
+    return num_sms(device) if device.type == "cuda" else INTERPRETER_SMS
+
+
 def check_at_least(name: str, value: int | None, low: int) -> None:
     """An optional integer argument, when given, is at least `low`."""
     if value is not None and value < low:
@@ -121,8 +130,13 @@ def k_splits(tiles: int, steps: int, sms: int, programs_per_sm: int) -> tuple[in
     programs run on every SM (a program's serial K loop is latency-bound: at one row the H200
     read a 4096 x 4096 w4a16 weight at a tenth of its bandwidth without a split, session 11),
     never more than MAX_SPLITS or steps. programs_per_sm 0: no split."""
-    wanted = min(MAX_SPLITS, steps, triton.cdiv(programs_per_sm * sms, max(tiles, 1)))
-    per_split = triton.cdiv(steps, max(1, wanted))
+    return split_steps(steps, min(MAX_SPLITS, triton.cdiv(programs_per_sm * sms, max(tiles, 1))))
+
+
+def split_steps(steps: int, wanted: int) -> tuple[int, int]:
+    """(splits, steps per split): `steps` K steps in at most `wanted` slices of whole steps
+    (at least one slice, none empty)."""
+    per_split = triton.cdiv(steps, max(1, min(wanted, steps)))
     return triton.cdiv(steps, per_split), per_split
 
 

@@ -23,9 +23,10 @@ from mmserve.kernels._common import (
     check_same_device,
     check_scales,
     check_shape,
+    grid_sms,
     k_splits,
-    num_sms,
     scaled_operand_sizes,
+    split_steps,
 )
 
 # rows are padded to a tile of 16 or 32. A 64-row tile compiled to Hopper's wgmma, whose FP8
@@ -123,11 +124,10 @@ def fp8_gemm_rows(
                 block_k //= 2
         tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
         if splits is None:  # SPLIT_BELOW tiles or fewer (0: never) split K for the SMs
-            sms = num_sms(xq.device) if xq.is_cuda else 132
-            splits, per_split = k_splits(tiles, steps, sms, SPLIT_PROGRAMS_PER_SM if tiles <= SPLIT_BELOW else 0)
+            programs = SPLIT_PROGRAMS_PER_SM if tiles <= SPLIT_BELOW else 0
+            splits, per_split = k_splits(tiles, steps, grid_sms(xq.device), programs)
         else:
-            per_split = triton.cdiv(steps, min(splits, steps))
-            splits = triton.cdiv(steps, per_split)
+            splits, per_split = split_steps(steps, splits)
         xs, ws = x_scale.float(), w_scale.float()
         part = out
         if splits > 1:
@@ -140,39 +140,38 @@ def fp8_gemm_rows(
             SPLIT=splits > 1, num_warps=4, num_stages=4,
         )  # fmt: skip
         if splits > 1:
-            block = min(1024, triton.next_power_of_2(n))
-            _sum_splits_scaled_kernel[(rows, triton.cdiv(n, block))](
-                out, part, xs.contiguous(), ws.contiguous(), rows, n, splits, out.stride(0), BLOCK_N=block
-            )  # fmt: skip
+            _scale(out, part, xs, ws)
     return out
 
 
 @triton.jit
-def _sum_splits_scaled_kernel(
-    out_ptr, part_ptr, xs_ptr, ws_ptr, rows, n, splits, stride_out, BLOCK_N: tl.constexpr
-):  # fmt: skip
-    """out[m] = (the sum over s of part[s, m], in order, in part's dtype) * xs[m] * ws."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs < n
-    acc = tl.load(part_ptr + row * n + offs, mask=mask, other=0)
-    for s in range(1, splits):
-        acc += tl.load(part_ptr + (s * rows + row) * n + offs, mask=mask, other=0)
-    out = acc.to(tl.float32) * tl.load(xs_ptr + row) * tl.load(ws_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _scale_product_kernel(
-    out_ptr, acc_ptr, xs_ptr, ws_ptr, n, stride_acc, stride_out, BLOCK_N: tl.constexpr
+    out_ptr, acc_ptr, xs_ptr, ws_ptr, n, splits, stride_split, stride_acc, stride_out,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """out[m] = (the sum over s of acc[s, m], in order, in acc's dtype) * xs[m] * ws: a
+    product's sums (one split) or the slices of a product whose K was split."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < n
-    acc = tl.load(acc_ptr + row * stride_acc + offs, mask=mask, other=0).to(tl.float32)
+    acc = tl.load(acc_ptr + row * stride_acc + offs, mask=mask, other=0)
+    for s in range(1, splits):
+        acc += tl.load(acc_ptr + s * stride_split + row * stride_acc + offs, mask=mask, other=0)
     ws = tl.load(ws_ptr + offs, mask=mask, other=0.0)
-    out = acc * tl.load(xs_ptr + row) * ws
+    out = acc.to(tl.float32) * tl.load(xs_ptr + row) * ws
     tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale(out: torch.Tensor, acc: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """out [M, N] = acc's sums ([M, N], or [splits, M, N]) scaled by xs [M, 1] and ws [1, N]."""
+    rows, n = out.shape
+    part = acc if acc.dim() == 3 else acc.unsqueeze(0)
+    block_n = min(1024, triton.next_power_of_2(n))
+    _scale_product_kernel[(rows, triton.cdiv(n, block_n))](
+        out, part, xs.float().contiguous(), ws.float().contiguous(), n, part.shape[0],
+        part.stride(0), part.stride(1), out.stride(0), BLOCK_N=block_n,
+    )  # fmt: skip
+    return out
 
 
 def scale_product(
@@ -188,13 +187,7 @@ def scale_product(
     check_last_dim_contiguous("acc", acc)
     check_same_device(acc=acc, x_scale=x_scale, w_scale=w_scale)
     out = torch.empty((rows, n), dtype=out_dtype, device=acc.device)
-    if rows and n:
-        block_n = min(1024, triton.next_power_of_2(n))
-        _scale_product_kernel[(rows, triton.cdiv(n, block_n))](
-            out, acc, x_scale.float().contiguous(), w_scale.float().contiguous(), n,
-            acc.stride(0), out.stride(0), BLOCK_N=block_n,
-        )  # fmt: skip
-    return out
+    return _scale(out, acc, x_scale, w_scale) if rows and n else out
 
 
 def fp8_gemm_rows_ref(

@@ -27,9 +27,9 @@ from mmserve.kernels._common import (
     check_float,
     check_last_dim_contiguous,
     check_same_device,
+    grid_sms,
     k_splits,
     matmul_in_column_chunks,
-    num_sms,
     sum_splits,
 )
 from mmserve.kernels.gguf_blocks import check_blocks, dequant_tile, gguf_dequantize
@@ -107,7 +107,7 @@ def gguf_gemm_rows(
     if rows and n:
         tiles = triton.cdiv(n, block_n)
         programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
-        splits, per_split = k_splits(tiles, triton.cdiv(k, block_k), num_sms(x.device) if x.is_cuda else 132, programs)
+        splits, per_split = k_splits(tiles, triton.cdiv(k, block_k), grid_sms(x.device), programs)
         target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
         _gguf_gemm_rows_kernel[(tiles, splits)](
             target, x, blocks, rows, n, k, per_split * block_k, blocks.shape[1] * fmt.bytes, x.stride(0),

@@ -41,9 +41,9 @@ from mmserve.kernels._common import (
     check_float,
     check_last_dim_contiguous,
     check_same_device,
+    grid_sms,
     k_splits,
     matmul_in_column_chunks,
-    num_sms,
     sum_splits,
 )
 
@@ -298,7 +298,7 @@ def wna16_gemm(
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
-    t = tiling or choose_tiling(rows, n, k, group_size, num_sms(x.device) if x.is_cuda else 132, bits)
+    t = tiling or choose_tiling(rows, n, k, group_size, grid_sms(x.device), bits)
     if tiling is None and t.raw and bits == 4 and x.is_cuda and PAIRED_UNPACK:
         t = replace(t, pairs={torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0))
     if t.pairs and (not x.is_cuda or x.dtype != (torch.bfloat16, torch.float16)[t.pairs - 1]):
