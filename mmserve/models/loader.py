@@ -50,7 +50,7 @@ from mmserve.models.weight_only import (
     dequantize_weight_only,
     pack_weight_only,
     packed_parts,
-    quantised_prefix,
+    quantised_part,
 )
 
 logger = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ def _load_quantised(
         c = weight_only
 
         def quantised(name: str) -> bool:
-            return quantised_prefix(name, c) is not None
+            return quantised_part(name, c) is not None
 
         parts = packed_parts(iter_weights(source, hf_config, only=quantised), c)
         packed = pack_weight_only(model, parts, c, dtype, device)
@@ -248,7 +248,8 @@ def _load_quantised(
         del parts  # (the parts of projections left float are read again, to dequantise)
 
         def left(name: str) -> bool:
-            return quantised_prefix(name, c) not in packed
+            where = quantised_part(name, c)
+            return where is None or where[0] not in packed
 
         weights = dequantize_weight_only(iter_weights(source, hf_config, only=left), c)
     with _default_dtype(dtype), device:

@@ -165,11 +165,11 @@ class Unpacked:
         return (self.q.float() - self.zeros.float()[:, g]) * self.scales.float()[:, g]
 
 
-def quantised_prefix(name: str, checkpoint: WeightOnlyCheckpoint) -> str | None:
-    """The projection (prefix) whose quantised part the tensor `name` is; None for a tensor
-    that loads as it is."""
+def quantised_part(name: str, checkpoint: WeightOnlyCheckpoint) -> tuple[str, str] | None:
+    """(the projection's prefix, the part's name) when the tensor `name` is a quantised
+    projection's part; None for a tensor that loads as it is."""
     prefix, _, part = name.rpartition(".")
-    return prefix if part in _PARTS[checkpoint.format] else None
+    return (prefix, part) if part in _PARTS[checkpoint.format] else None
 
 
 def dequantize_weight_only(
@@ -181,12 +181,13 @@ def dequantize_weight_only(
     unpack = _UNPACK[checkpoint.format]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
-        prefix = quantised_prefix(name, checkpoint)
-        if prefix is None:
+        found = quantised_part(name, checkpoint)
+        if found is None:
             yield name, tensor
             continue
+        prefix, part = found
         have = pending.setdefault(prefix, {})
-        have[name.rpartition(".")[2]] = tensor
+        have[part] = tensor
         if parts <= have.keys():  # (else an optional part, g_idx, may still come)
             yield f"{prefix}.weight", unpack(prefix, pending.pop(prefix), checkpoint).dequantize()
     for prefix, have in _complete(pending, checkpoint).items():
@@ -200,9 +201,9 @@ def packed_parts(
     tensors are passed over): what pack_weight_only repacks."""
     found: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
-        prefix = quantised_prefix(name, checkpoint)
-        if prefix is not None:
-            found.setdefault(prefix, {})[name.rpartition(".")[2]] = tensor
+        where = quantised_part(name, checkpoint)
+        if where is not None:
+            found.setdefault(where[0], {})[where[1]] = tensor
     return _complete(found, checkpoint)
 
 
