@@ -23,8 +23,6 @@ from mmserve.kernels._common import (
     check_same_device,
     check_scales,
     check_shape,
-    grid_sms,
-    k_splits,
     scaled_operand_sizes,
     split_steps,
 )
@@ -32,11 +30,13 @@ from mmserve.kernels._common import (
 # rows are padded to a tile of 16 or 32. A 64-row tile compiled to Hopper's wgmma, whose FP8
 # accumulation is not float32-exact: it missed the reference by more than float rounding (H200)
 MAX_ROWS = 32
-# a product of at most this many output tiles splits K until about SPLIT_PROGRAMS_PER_SM
-# programs run on each SM: 0 (never) until scripts/fp8_kernels.py --sweep measures it (the
-# down projection, 64 tiles over K = 14,336, read its weights at 60% of the copy rate unsplit)
-SPLIT_BELOW = 0
-SPLIT_PROGRAMS_PER_SM = 4
+# a product of at most this many output tiles (0: none) splits K in SPLITS slices. Measured on
+# the H200 (scripts/fp8_kernels.py, session 14): Llama-3-8B's o and down projections (64 tiles)
+# at 1, 16 and 32 rows took 10.4/32.0, 10.1/31.0 and 13.2/41.0 us unsplit, 7.7/20.4, 7.9/20.2
+# and 9.4/23.6 us in 2 slices (4 and 8 slices were slower at 1-16 rows); qkv (96 tiles) and
+# gate_up (448) were fastest unsplit at 1-16 rows
+SPLIT_BELOW = 64
+SPLITS = 2
 
 
 @triton.jit
@@ -123,11 +123,9 @@ def fp8_gemm_rows(
             ) * block_k * xq.element_size() * 4 > 160 * 1024 and block_k > 32:
                 block_k //= 2
         tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-        if splits is None:  # SPLIT_BELOW tiles or fewer (0: never) split K for the SMs
-            programs = SPLIT_PROGRAMS_PER_SM if tiles <= SPLIT_BELOW else 0
-            splits, per_split = k_splits(tiles, steps, grid_sms(xq.device), programs)
-        else:
-            splits, per_split = split_steps(steps, splits)
+        if splits is None:  # SPLIT_BELOW tiles or fewer split K for the SMs
+            splits = SPLITS if tiles <= SPLIT_BELOW else 1
+        splits, per_split = split_steps(steps, splits)
         xs, ws = x_scale.float(), w_scale.float()
         part = out
         if splits > 1:

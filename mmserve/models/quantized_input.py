@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# off until scripts/bench_fused_quant.py on the H200 shows the fused kernels pay
-FUSE_ACTIVATION_QUANT = False
+# on: scripts/bench_fused_quant.py on the H200 (session 14) measured the fused kernels 1.24-1.74x
+# the unfused pair (add_rms_norm_quant 2.97 vs 4.45 us at 1 row, 4096 wide; silu_and_mul_quant
+# 6.57 vs 8.38 us at 1 row, 14,336 wide), int8 and fp8 alike, 1 to 8,192 rows
+FUSE_ACTIVATION_QUANT = True
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
