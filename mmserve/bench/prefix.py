@@ -82,6 +82,9 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError("--num-rounds, --system-len and --turn-len must be >= 1")
     model = args.model or "shape:llama3-8b"
     folder, dummy = model_folder(model, args.load_format)
+    # the context must hold the system prompt, the turn and the one token generated (the
+    # bench's 4,096-token default of max_model_len does not: raise it, never lower it)
+    args.max_model_len = max(args.max_model_len or 0, args.system_len + args.turn_len + 1)
     engine = FrontEnd.start(engine_config(args, str(folder), dummy))
     vocab_size = engine.info.vocab_size
     samples = run_rounds(engine, args.num_rounds, args.system_len, args.turn_len, vocab_size)
