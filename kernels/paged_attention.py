@@ -99,7 +99,10 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# (num_reqs and num_splits vary step to step: not specialised, else a step of 16, 32, ...
+# requests compiles a variant of its own while serving; the H200 logged two such compiles in a
+# server's first 20 s, session 14)
+@triton.jit(do_not_specialize=["num_reqs"])
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,  # partials: [T, H, splits, (HEAD_DIM_P)]
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -206,7 +209,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr,

@@ -88,7 +88,9 @@ class LateCompiles:
         # (whatever a Triton version passes: a hook that raised would fail the kernel's launch)
         self.count += 1
         if self.count <= LOGGED_COMPILES:
-            kernel = str(hook.get("repr", args[1] if len(args) > 1 else "?"))[:500]  # name, options, types
+            # name, options and each argument's type and specialisation (Triton's repr spans
+            # lines: one line here, long enough to reach the integer arguments past the pointers)
+            kernel = " ".join(str(hook.get("repr", args[1] if len(args) > 1 else "?")).split())[:2000]
             logger.warning(
                 "a Triton kernel compiled while serving (%.1f s after start-up, %d so far): %s",
                 time.monotonic() - self.start, self.count, kernel,

@@ -98,9 +98,13 @@ def test_late_compiles_are_counted_and_the_first_logged(caplog, monkeypatch) -> 
     assert watch is not None and knobs.runtime.jit_post_compile_hook is watch
     with caplog.at_level(logging.WARNING, logger="mmserve.engine.warmup"):
         for i in range(3):
-            watch(key=i, repr=f"_kernel_{i}[num_warps=4](x: *fp32)", fn=None, compile={})
+            # (a repr over lines, its integer argument past many pointers, as Triton's are)
+            pointers = "p: ('*fp32', 'D'), " * 40
+            text = f"_kernel_{i}[num_warps=4](x: (\n  '*fp32',\n  'D'), {pointers}num_reqs: ('i32', 'D'))"
+            watch(key=i, repr=text, fn=None, compile={})
     assert watch.count == 3
     logged = [r.getMessage() for r in caplog.records if "compiled while serving" in r.getMessage()]
     assert len(logged) == 2 and "_kernel_0[num_warps=4]" in logged[0] and "_kernel_1" in logged[1]
+    assert "\n" not in logged[0] and "x: ( '*fp32', 'D')" in logged[0] and "num_reqs: ('i32', 'D')" in logged[0]
     assert warmup.watch_late_compiles() is None  # a hook is installed: not replaced
     assert knobs.runtime.jit_post_compile_hook is watch

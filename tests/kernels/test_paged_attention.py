@@ -164,3 +164,20 @@ def test_rejects_bad_inputs(device):
         paged_attention(**batch, **lens, sliding_window=0)
     with pytest.raises(ValueError, match="scale must be finite"):
         paged_attention(**{**batch, "scale": float("nan")}, **lens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter compiles nothing")
+def test_the_number_of_requests_compiles_no_variant(monkeypatch):  # type: ignore[no-untyped-def]
+    """num_reqs is not specialised: a step of 16 or 32 requests (divisible by 16) runs the
+    kernel a step of 3 compiled, instead of compiling one of its own while serving."""
+    from triton import knobs
+
+    compiles: list[object] = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda *a, **k: compiles.append(k.get("repr")))
+    for i, n in enumerate((3, 16, 32)):
+        lens = [(3, 40)] * n
+        out, expected = run(make_batch(lens, 2, 4, 64, 16, torch.bfloat16, "cuda"), lens)
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+        if i == 0:
+            first = len(compiles)
+    assert len(compiles) == first
