@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft vlm (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers vlm (all =
 # tests bench); results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -27,7 +27,7 @@ if has bench; then
     $B decode --batch-size 64 --input-len 1024 --max-num-seqs 64
     $B prefill --batch-size 8 --input-len 2048 --max-num-batched-tokens 16384 --max-num-seqs 8 --enforce-eager
     $B throughput --num-requests 1000 --input-len 512 --output-len 128 --baseline
-  } 2>&1 | grep -v Warning | tee "$OUT/bench.txt"
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/bench.txt"
 fi
 if has qtests; then
   # the quantised paths' GPU tests and kernel microbenchmarks (issue 19)
@@ -46,13 +46,13 @@ if has int8; then
   # INT8 w8a8 (issue 19): offline throughput 1000 x 512/128 in bf16 and int8 from the same run (the
   # large GEMM's paths are compared by scripts/bench_int8_gemm.py, in qtests)
   I="throughput --model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --num-requests 1000"
-  { $B $I; $B $I --quantization int8; } 2>&1 | grep -v Warning | tee "$OUT/int8.txt"
+  { $B $I; $B $I --quantization int8; } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/int8.txt"
 fi
 if has kvcap; then
   # FP8 KV cache: the concurrency that fits at 8k context in the same memory, and its throughput
   K="--model shape:llama3-8b --device cuda --input-len 8064 --output-len 128 --num-requests 64"
   K="$K --max-model-len 8320 --max-num-seqs 64 --gpu-memory-utilization 0.3"
-  { $B throughput $K; $B throughput $K --kv-cache-dtype fp8; } 2>&1 | grep -v Warning | tee "$OUT/kvcap.txt"
+  { $B throughput $K; $B throughput $K --kv-cache-dtype fp8; } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/kvcap.txt"
 fi
 if has quant; then
   # quantised formats at the 8B shape next to bf16 and FP8 (issue 19): batch-1 latency and decode
@@ -68,16 +68,16 @@ if has quant; then
     $B latency,decode $Q --checkpoint-format w4a16-g128
     $B latency,decode $Q --checkpoint-format gguf:Q4_K_M
     $B latency,decode,throughput $Q --checkpoint-format w8a8-int8
-  } 2>&1 | grep -v Warning | tee "$OUT/quant.txt"
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/quant.txt"
 fi
 if has embed; then
-  $B embed --model shape:bert-base --device cuda --batch-size 64 --seq-len 128 2>&1 | grep -v Warning | tee "$OUT/embed.txt"
+  $B embed --model shape:bert-base --device cuda --batch-size 64 --seq-len 128 2>&1 | grep --line-buffered -v Warning | tee "$OUT/embed.txt"
 fi
 if has structured; then
-  $B structured --model shape:llama3-8b --load-format dummy --batch-sizes 1,64 --input-len 128 --output-len 128 --max-num-seqs 64 2>&1 | grep -v Warning | tee "$OUT/structured.txt"
+  $B structured --model shape:llama3-8b --load-format dummy --batch-sizes 1,64 --input-len 128 --output-len 128 --max-num-seqs 64 2>&1 | grep --line-buffered -v Warning | tee "$OUT/structured.txt"
 fi
 if has serve; then
-  $B serve --model shape:llama3-8b --load-format dummy --request-rate 8,32 --num-requests 300 --input-len 512 --output-len 128 --engine-process 2>&1 | grep -v Warning | tee "$OUT/serve.txt"
+  $B serve --model shape:llama3-8b --load-format dummy --request-rate 8,32 --num-requests 300 --input-len 512 --output-len 128 --engine-process 2>&1 | grep --line-buffered -v Warning | tee "$OUT/serve.txt"
 fi
 if has coldstart; then
   # issue 23, target 7: a fresh server's first minute (an empty Triton cache) at 8 req/s, then the
@@ -87,7 +87,7 @@ if has coldstart; then
   C="$C --input-len 512 --output-len 128"
   { TRITON_CACHE_DIR=$(mktemp -d) $B serve $C --no-warmup
     TRITON_CACHE_DIR=$(mktemp -d) $B serve $C --warmup
-  } 2>&1 | grep -v Warning | tee "$OUT/coldstart.txt"
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/coldstart.txt"
 fi
 if has prefix; then
   # issue 23, target 3: TTFT on a prefix-cache miss and hit (a 4,096-token system prompt and a
@@ -95,7 +95,7 @@ if has prefix; then
   T="throughput --model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --num-requests 1000"
   { $B prefix --model shape:llama3-8b --load-format dummy
     $B $T; $B $T --no-enable-prefix-caching
-  } 2>&1 | grep -v Warning | tee "$OUT/prefix.txt"
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/prefix.txt"
 fi
 if has fp8ttft; then
   # issue 23, target 5: TTFT at 8 req/s, bf16 against FP8, with prefill-step graphs up to 256
@@ -104,8 +104,18 @@ if has fp8ttft; then
   S="$S --output-len 128 --engine-process"
   { for q in "" "--quantization fp8"; do for g in 256 1024; do
       $B serve $S $q --prefill-graph-tokens $g; done; done
-  } 2>&1 | grep -v Warning | tee "$OUT/fp8ttft.txt"
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/fp8ttft.txt"
+fi
+if has fp8levers; then
+  # issue 23 target 1: FP8 batch-1 decode with the rows kernel's split-K and the fused activation
+  # quantisation each off and on (scripts/ab_switch.py sets the switches in-process)
+  L="latency --input-len 128 --output-len 128 --max-num-seqs 1 --load-format dummy --quantization fp8"
+  for sw in "0 False" "64 False" "0 True" "64 True"; do set -- $sw
+    echo "SPLIT_BELOW=$1 FUSE_ACTIVATION_QUANT=$2"
+    python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.SPLIT_BELOW=$1 \
+      mmserve.models.quantized_input.FUSE_ACTIVATION_QUANT=$2 -- $L
+  done 2>&1 | grep --line-buffered -v Warning | tee "$OUT/fp8levers.txt"
 fi
 if has vlm; then
-  $B vlm --model shape:qwen2-vl-7b --load-format dummy --baseline 2>&1 | grep -v Warning | tee "$OUT/vlm.txt"
+  $B vlm --model shape:qwen2-vl-7b --load-format dummy --baseline 2>&1 | grep --line-buffered -v Warning | tee "$OUT/vlm.txt"
 fi
