@@ -102,7 +102,10 @@ if has fp8ttft; then
   # tokens (the default) and up to 1024 (covering a 512-token prompt beside the decodes)
   S="--model shape:llama3-8b --load-format dummy --request-rate 8 --num-requests 240 --input-len 512"
   S="$S --output-len 128 --engine-process"
-  { for q in "" "--quantization fp8"; do for g in 256 1024; do
+  # (first where one 512-token prefill's time goes in each: profiles in prefill-{bf16,fp8}.txt)
+  P="prefill --model shape:llama3-8b --load-format dummy --batch-size 1 --input-len 512"
+  { MMSERVE_BENCH_PROFILE=$OUT/prefill-bf16.txt $B $P; MMSERVE_BENCH_PROFILE=$OUT/prefill-fp8.txt $B $P --quantization fp8
+    for q in "" "--quantization fp8"; do for g in 256 1024; do
       $B serve $S $q --prefill-graph-tokens $g; done; done
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/fp8ttft.txt"
 fi

@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -245,7 +246,7 @@ def decode_step_ms(engine: FrontEnd, batch: int, context: int) -> tuple[float, i
     while engine.has_unfinished:
         decoding = all(r.num_computed_tokens > 0 for r in engine.core.scheduler.running) and not engine.core.scheduler.waiting
         if decoding and len(times) == 8 and envs.bench_profile_path():
-            _profile_steps(engine, 5)
+            _profile(f"5 decode steps at batch {batch}", lambda: [engine.step() for _ in range(5)])
         t = time.perf_counter()
         engine.step()
         if decoding and len(engine.core.scheduler.running) == batch:
@@ -255,19 +256,20 @@ def decode_step_ms(engine: FrontEnd, batch: int, context: int) -> tuple[float, i
     return 1e3 * statistics.median(times[2:]), batch * (context + 32) * kv_per_token
 
 
-def _profile_steps(engine: FrontEnd, steps: int) -> None:
-    """Writes the top kernels and CPU ops of a few decode steps to $MMSERVE_BENCH_PROFILE."""
+def _profile(title: str, steps: Callable[[], object]) -> None:
+    """Writes the top kernels and CPU ops of what steps() runs to $MMSERVE_BENCH_PROFILE."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        for _ in range(steps):
-            engine.step()
+        steps()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     path = envs.bench_profile_path()
     assert path is not None
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     with open(path, "a") as f:
-        f.write(f"# {steps} decode steps at batch {len(engine.core.scheduler.running)}\n")
+        f.write(f"# {title}\n")
         f.write(prof.key_averages().table(sort_by=sort, row_limit=25) + "\n")
         f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15) + "\n")
 
@@ -279,16 +281,22 @@ def prefill_ms(engine: FrontEnd, batch: int, input_len: int) -> tuple[float, int
 
     rng = random.Random(0)
     times = []
-    for rep in range(4):
+
+    def prefill(rep: int) -> None:
         engine.core.kv.pool.reset_cache()
         for i in range(batch):
             engine.add_request(f"pf-{rep}-{i}", offline.random_prompt(rng, input_len, engine.vocab_size), offline._fixed_length(1))
+        while engine.has_unfinished:  # one prefill step (and, async, one to read its tokens)
+            engine.step()
+
+    for rep in range(4):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t = time.perf_counter()
-        while engine.has_unfinished:  # one prefill step (and, async, one to read its tokens)
-            engine.step()
+        prefill(rep)
         times.append(time.perf_counter() - t)
+    if envs.bench_profile_path():  # (after the timed ones: kernels compiled, not timed)
+        _profile(f"a prefill of {batch} x {input_len} tokens", lambda: prefill(4))
     return 1e3 * statistics.median(times[1:]), batch * input_len
 
 

@@ -291,3 +291,21 @@ def test_steps_breakdown_times_each_plan_from_the_landing_before() -> None:
     assert (got["prefill"]["seconds"], got["decode"]["seconds"]) == (1.0, 4.5)
     assert got["prefill"]["prompt_tokens"] == 8 and got["decode"]["steps"] == 2
     assert got["decode"]["decode_rows"] == 2 and got["prefill"]["decode_rows"] == 0
+
+
+def test_bench_profile_covers_a_prefill_and_decode_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    one_thread: None,
+) -> None:
+    """MMSERVE_BENCH_PROFILE: `bench prefill` appends a profile of one untimed prefill and
+    `bench decode` one of five decode steps, each under its title, ops by time."""
+    profile = tmp_path / "profile.txt"
+    monkeypatch.setenv("MMSERVE_BENCH_PROFILE", str(profile))
+    path = make_tiny_model(tmp_path, "llama")
+    flags = ["--model", str(path), "--device", "cpu", "--input-len", "8", "--max-model-len", "128"]
+    cli.run(bench_args("prefill", *flags, "--batch-size", "2"))
+    cli.run(bench_args("decode", *flags, "--batch-size", "2", "--output-len", "4"))
+    text = profile.read_text()
+    assert text.index("# a prefill of 2 x 8 tokens") < text.index("# 5 decode steps at batch 2")
+    assert text.count("aten::") > 10  # the ops' tables
+    capsys.readouterr()
