@@ -1,6 +1,8 @@
 """FP8 products on Llama-3-8B's projection shapes, on the GPU: bf16 (cuBLAS), torch._scaled_mm
-with row-wise scales, and kernels/fp8_gemm.py (its default blocks, K split in 2, 4 and 8, or
---sweep over block sizes), plus the per-token quantisation kernel. One JSON line per (rows, projection); times in
+with row-wise scales (also with fast accumulation, and on rows padded to a multiple of 128),
+kernels/fp8_gemm.py up to 32 rows (its default blocks, K split in 2, 4 and 8, or --sweep over
+block sizes) and kernels/int8_gemm.py's tiled fp8_gemm_tiled past them, plus the per-token
+quantisation kernel. One JSON line per (rows, projection); times in
 microseconds per product over back-to-back launches replayed from a CUDA graph.
 
     python scripts/fp8_kernels.py [--rows 1,16,32,256,4096] [--sweep]
@@ -56,6 +58,22 @@ def measure(rows: int, name: str, n: int, k: int, sweep: bool) -> dict[str, obje
         lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
     )
     line["quant_us"] = time_us(lambda: per_token_quant_fp8(x))
+    if rows > MAX_ROWS:  # the many-rows choices (models/fp8.py LARGE_GEMM), at odd row counts too
+        from mmserve.kernels.int8_gemm import fp8_gemm_tiled
+
+        line["triton_us"] = time_us(lambda: fp8_gemm_tiled(xq, xs, wq, ws))
+        line["scaled_mm_fast_accum_us"] = time_us(
+            lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=True)
+        )
+        padded = -(-rows // 128) * 128
+        xp, sp = torch.zeros(padded, k, device="cuda", dtype=xq.dtype), torch.ones(padded, 1, device="cuda")
+
+        def pad_and_multiply() -> torch.Tensor:  # (the copy in and the slice out counted)
+            xp[:rows].copy_(xq)
+            sp[:rows].copy_(xs)
+            return torch._scaled_mm(xp, wq.t(), scale_a=sp, scale_b=ws, out_dtype=torch.bfloat16)[:rows]
+
+        line["scaled_mm_padded_us"] = time_us(pad_and_multiply)
     if rows <= MAX_ROWS:
         line["ours_us"] = time_us(lambda: fp8_gemm_rows(xq, xs, wq, ws))
         for splits in (2, 4, 8):  # K split (kernels/fp8_gemm.py SPLIT_BELOW decides from these)
@@ -76,7 +94,7 @@ def measure(rows: int, name: str, n: int, k: int, sweep: bool) -> dict[str, obje
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,16,32,256,1024,4096,16384")
+    parser.add_argument("--rows", default="1,16,32,256,512,518,1024,1030,4096,16384")
     parser.add_argument(
         "--sweep", action="store_true", help="also every block size of the few-rows kernel"
     )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers vlm (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm (all =
 # tests bench); results under $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -118,6 +118,17 @@ if has fp8levers; then
     python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.SPLIT_BELOW=$1 \
       mmserve.models.quantized_input.FUSE_ACTIVATION_QUANT=$2 -- $L
   done 2>&1 | grep --line-buffered -v Warning | tee "$OUT/fp8levers.txt"
+fi
+if has fp8gemm; then
+  # issue 23 targets 2 and 5: FP8 products past 32 rows (torch._scaled_mm, with fast accumulation,
+  # on padded rows, and the tiled Triton GEMM), then throughput 1000 x 512/128 with each
+  # models/fp8.py LARGE_GEMM, bf16 in the same run
+  T="throughput --model shape:llama3-8b --load-format dummy --input-len 512 --output-len 128 --num-requests 1000"
+  { python3 scripts/fp8_kernels.py --rows 256,512,518,1024,1030,4096
+    $B $T
+    for g in scaled_mm triton; do echo "LARGE_GEMM=$g"
+      python3 scripts/ab_switch.py mmserve.models.fp8.LARGE_GEMM="'$g'" -- $T --quantization fp8; done
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/fp8gemm.txt"
 fi
 if has vlm; then
   $B vlm --model shape:qwen2-vl-7b --load-format dummy --baseline 2>&1 | grep --line-buffered -v Warning | tee "$OUT/vlm.txt"

@@ -42,6 +42,10 @@ _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper onwards
 # torch._scaled_mm on Llama-3-8B's projections at 1-16 rows (1.2-1.8x at 16) and, summed over a
 # layer's four, at 17-32 (102 vs 108 us at 32 rows; the down projection alone is slower)
 FEW_ROWS = 32
+# more rows: "scaled_mm" (torch._scaled_mm, CUTLASS's row-wise kernel) or "triton"
+# (kernels/int8_gemm.py fp8_gemm_tiled, INT8's tiled kernel on FP8 operands, its sums promoted
+# to float32 every K step); scaled_mm until scripts/fp8_kernels.py's triton_us measures the other
+LARGE_GEMM = "scaled_mm"
 _ALIGN = 16  # torch._scaled_mm wants both matrix dimensions in multiples of 16
 
 
@@ -113,6 +117,10 @@ class Fp8Linear(W8A8Linear):
         w_scale = self.weight_scale.view(1, -1)
         if q.shape[0] <= FEW_ROWS:
             return fp8_gemm_rows(q, scale, self.weight, w_scale)
+        if LARGE_GEMM == "triton":
+            from mmserve.kernels.int8_gemm import fp8_gemm_tiled
+
+            return fp8_gemm_tiled(q, scale, self.weight, w_scale)
         return torch._scaled_mm(
             q, self.weight.t(), scale_a=scale, scale_b=w_scale, out_dtype=torch.bfloat16
         )
