@@ -27,9 +27,13 @@ from mmserve.kernels._common import (
     split_steps,
 )
 
-# rows are padded to a tile of 16 or 32. A 64-row tile compiled to Hopper's wgmma, whose FP8
-# accumulation is not float32-exact: it missed the reference by more than float rounding (H200)
-MAX_ROWS = 32
+# rows are padded to a tile of 16, 32 or 64. A 64-row tile compiles to Hopper's wgmma, whose
+# FP8 partial sums are narrower than float32: it missed the float32 reference by more than
+# rounding (H200, session 6) until the sums were promoted to float32 every PROMOTE_EVERY
+# products, as torch._scaled_mm's own accumulation does (models/fp8.py FEW_ROWS decides the
+# rows that come here: 33-64 are not measured yet; float32-exact up to 32 rows, by mma)
+MAX_ROWS = 64
+PROMOTE_EVERY = 128
 # a product of at most this many output tiles (0: none) splits K in SPLITS slices. Measured on
 # the H200 (scripts/fp8_kernels.py, session 14): Llama-3-8B's o and down projections (64 tiles)
 # at 1, 16 and 32 rows took 10.4/32.0, 10.1/31.0 and 13.2/41.0 us unsplit, 7.7/20.4, 7.9/20.2
@@ -44,7 +48,7 @@ def _fp8_gemm_rows_kernel(
     out_ptr, part_ptr, xq_ptr, xs_ptr, wq_ptr, ws_ptr,
     rows, n, k, k_per_split, stride_x, stride_w, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PROMOTE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)  # this program's slice of K, whole tiles: [k_lo, k_hi)
@@ -71,8 +75,8 @@ def _fp8_gemm_rows_kernel(
         )  # fmt: skip
         if INT8:  # (triton 3.6's dot takes a float32 accumulator unless told)
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+        else:  # (PROMOTE: the wgmma of a 64-row tile's FP8; mma and other floats ignore it)
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
     if SPLIT:  # the slice's sums [splits, rows, n] (int32 or float32), scaled when summed
         part = part_ptr + pid_s.to(tl.int64) * rows * n + offs_m[:, None] * n + offs_n[None, :]
         tl.store(part, acc, mask=mask_m[:, None] & mask_n[None, :])
@@ -96,7 +100,7 @@ def fp8_gemm_rows(
     block_k: int | None = None,
     splits: int | None = None,
 ) -> torch.Tensor:
-    """xq [M <= 32, K] and wq [N, K] in float8_e4m3fn or int8 (int32 sums; under the
+    """xq [M <= MAX_ROWS, K] and wq [N, K] in float8_e4m3fn or int8 (int32 sums; under the
     interpreter also any float dtype), x_scale [M, 1] and w_scale [1, N] float32 -> [M, N] in
     out_dtype. splits: K in that many slices of whole tiles, their sums added (in order, in
     int32 for int8) and scaled by one more kernel; None: by SPLIT_BELOW."""
@@ -135,7 +139,7 @@ def fp8_gemm_rows(
             out, part, xq, xs, wq, ws,
             rows, n, k, per_split * block_k, xq.stride(0), wq.stride(0), out.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INT8=xq.dtype == torch.int8,
-            SPLIT=splits > 1, num_warps=4, num_stages=4,
+            SPLIT=splits > 1, PROMOTE=min(PROMOTE_EVERY, block_k), num_warps=4, num_stages=4,
         )  # fmt: skip
         if splits > 1:
             _scale(out, part, xs, ws)

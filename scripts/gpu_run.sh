@@ -40,7 +40,7 @@ if has qkernels; then
   # their microbenchmarks (6-7 minutes on the H200 with the tests above: two calls)
   { python3 scripts/bench_wna16.py; python3 scripts/bench_int8_gemm.py; python3 scripts/bench_paged_attention_fp8.py
     python3 scripts/bench_fused_quant.py;
-    python3 scripts/fp8_kernels.py --rows 1,16,32; } 2>&1 | tee "$OUT/qkernels.txt"
+    python3 scripts/fp8_kernels.py --rows 1,16,32,48,64; } 2>&1 | tee "$OUT/qkernels.txt"
 fi
 if has int8; then
   # INT8 w8a8 (issue 19): offline throughput 1000 x 512/128 in bf16 and int8 from the same run (the

@@ -19,7 +19,7 @@ from torch import nn
 from mmserve.errors import UnsupportedModel
 from mmserve.kernels.quant import per_token_quant_ref
 from mmserve.models.base import ModelBase
-from mmserve.models.fp8 import check_kv_cache_scheme, config_group, replace_projections
+from mmserve.models.fp8 import FEW_ROWS, check_kv_cache_scheme, config_group, replace_projections
 from mmserve.models.quantized_input import InputQuant, QuantizedActivation, W8A8Linear
 
 _ALIGN = 8  # ... and both matrix dimensions in multiples of 8
@@ -98,13 +98,13 @@ class Int8Linear(W8A8Linear):
         """On the INT8 tensor cores: a few rows (decode) by the rows kernel FP8 uses (the
         weights read once, the scales applied in it), more by torch._int_mm and one pass that
         scales its int32 sums."""
-        from mmserve.kernels.fp8_gemm import MAX_ROWS, fp8_gemm_rows, scale_product
+        from mmserve.kernels.fp8_gemm import fp8_gemm_rows, scale_product
 
         rows = q.shape[0]
         if rows == 0:
             return q.new_empty((0, self.out_features), dtype=dtype)
         w_scale = self.weight_scale.view(1, -1)
-        if rows <= MAX_ROWS:
+        if rows <= FEW_ROWS:
             return fp8_gemm_rows(q, scale, self.weight, w_scale, out_dtype=dtype)
         if LARGE_GEMM == "triton":
             from mmserve.kernels.int8_gemm import int8_gemm

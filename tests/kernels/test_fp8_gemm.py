@@ -15,6 +15,8 @@ CASES = [
     (7, 4096 + 32, 256 + 16),
     (24, 48, 160),
     (32, 32, 64),
+    (48, 80, 200),  # 64-row tiles
+    (64, 64, 640),
 ]
 
 
@@ -34,6 +36,8 @@ def test_matches_the_reference(case, out_dtype):
     expected = fp8_gemm_rows_ref(xq, xs, wq, ws)
     assert out.shape == (case[0], case[1]) and out.dtype == out_dtype
     tol = 1e-5 if out_dtype == torch.float32 else 2e-3
+    if DEVICE.type == "cuda" and case[0] > 32:  # wgmma's FP8 partial sums, promoted every 128
+        tol = max(tol, 1e-3)
     torch.testing.assert_close(
         out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item()
     )
@@ -50,7 +54,7 @@ def test_block_sizes_do_not_change_the_result(block_n):
 
 def test_rejects_bad_operands():
     xq, xs, wq, ws = _operands(2, 32, 64)
-    with pytest.raises(ValueError, match="at most 32"):
+    with pytest.raises(ValueError, match=f"at most {MAX_ROWS}"):
         fp8_gemm_rows(
             torch.zeros(MAX_ROWS + 1, 64, dtype=FP8_DTYPE, device=DEVICE),
             torch.ones(17, 1, device=DEVICE),
