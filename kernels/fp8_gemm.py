@@ -28,10 +28,11 @@ from mmserve.kernels._common import (
 )
 
 # rows are padded to a tile of 16, 32 or 64. A 64-row tile compiles to Hopper's wgmma, whose
-# FP8 partial sums are narrower than float32: it missed the float32 reference by more than
-# rounding (H200, session 6) until the sums were promoted to float32 every PROMOTE_EVERY
-# products, as torch._scaled_mm's own accumulation does (models/fp8.py FEW_ROWS decides the
-# rows that come here: 33-64 are not measured yet; float32-exact up to 32 rows, by mma)
+# FP8 partial sums are narrower than float32: unpromoted, it missed the float32 reference by
+# more than rounding (H200, session 6). Its sums are now promoted to float32 every
+# PROMOTE_EVERY products, as torch._scaled_mm's own accumulation does, which should bring it
+# within that path's accuracy: not yet run on the GPU. models/fp8.py FEW_ROWS decides the rows
+# that come here (32 until 33-64 are measured); up to 32 rows (mma) it is float32-exact.
 MAX_ROWS = 64
 PROMOTE_EVERY = 128
 # a product of at most this many output tiles (0: none) splits K in SPLITS slices. Measured on

@@ -12,11 +12,12 @@ the layout the 8-bit tensor-core instructions want. Under the interpreter (CI) i
 exactly against int64 sums; its speed against torch._int_mm is measured by
 scripts/bench_int8_gemm.py on the GPU, which decides models/int8.py's LARGE_GEMM.
 
-fp8_gemm_tiled is the same kernel for float8_e4m3fn operands (models/fp8.py's LARGE_GEMM "triton"),
-float32 sums. On Hopper Triton's FP8 tl.dot by default never promotes the tensor cores'
-partial sums (about 22-bit, as torch._scaled_mm's fast accumulation): this kernel promotes
-them to float32 once per K step of BLOCK_K (max_num_imprecise_acc), as cuBLAS does without
-fast accumulation. Under the interpreter it takes any float dtype (whose fp8 it rounds wrong).
+fp8_gemm_tiled is the same kernel for float8_e4m3fn operands (models/fp8.py LARGE_GEMM
+"triton"), float32 sums. On Hopper, Triton's FP8 tl.dot by default never promotes the tensor
+cores' partial sums, which are narrower than float32 (as in torch._scaled_mm's fast
+accumulation): this kernel promotes them to float32 once per K step of BLOCK_K
+(max_num_imprecise_acc), as cuBLAS does without fast accumulation. Under the interpreter it
+takes any float dtype (the interpreter rounds fp8 wrong). Not yet run on the GPU.
 """
 
 from __future__ import annotations

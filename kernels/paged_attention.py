@@ -100,8 +100,9 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
 
 
 # (num_reqs and num_splits vary step to step: not specialised, else a step of 16, 32, ...
-# requests compiles a variant of its own while serving; the H200 logged two such compiles in a
-# server's first 20 s, session 14)
+# requests compiles a variant of its own while serving. The H200 logged two late compiles of
+# this kernel in a server's first 20 s, session 14, without the argument that differed:
+# num_reqs is the integer that varies between the eager steps the warm-up does not reach)
 @triton.jit(do_not_specialize=["num_reqs"])
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,  # partials: [T, H, splits, (HEAD_DIM_P)]
