@@ -18,7 +18,7 @@ stages=" ${*:-all} "
 has() { [[ "$stages" == *" $1 "* ]]; }
 B="python3 -m mmserve.bench.cli bench"
 if has tests; then
-  python3 -m pytest -q ${TESTS:-tests/kernels tests/gpu} -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/tests.txt"
+  python3 -m pytest -q ${TESTS:-tests/kernels tests/gpu} -p no:cacheprovider 2>&1 | tee "$OUT/tests-full.txt" | tail -40 | tee "$OUT/tests.txt"
 fi
 if has bench; then
   export MMSERVE_BENCH_PROFILE=$OUT/profile.txt
