@@ -76,8 +76,10 @@ def _fp8_gemm_rows_kernel(
         )  # fmt: skip
         if INT8:  # (triton 3.6's dot takes a float32 accumulator unless told)
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
-        else:  # (PROMOTE: the wgmma of a 64-row tile's FP8; mma and other floats ignore it)
+        elif BLOCK_M >= 64:  # a 64-row tile's FP8 wgmma: partial sums promoted every PROMOTE
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
+        else:  # (16-32 rows: the GPU-measured kernel as it was, exact)
+            acc = tl.dot(a, tl.trans(b), acc)
     if SPLIT:  # the slice's sums [splits, rows, n] (int32 or float32), scaled when summed
         part = part_ptr + pid_s.to(tl.int64) * rows * n + offs_m[:, None] * n + offs_n[None, :]
         tl.store(part, acc, mask=mask_m[:, None] & mask_n[None, :])
