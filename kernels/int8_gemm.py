@@ -59,11 +59,14 @@ def _int8_gemm_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         mask_k = offs_k < k - start
-        a = tl.load(a_ptrs, mask=mask_k[None, :], other=0)
-        b = tl.load(b_ptrs, mask=mask_k[:, None], other=0)
         if INT8:
+            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None], other=0)
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        else:  # (float32 sums: promoted once per step; float operands other than fp8 ignore it)
+        else:  # (float32 sums: promoted once per step; float operands other than fp8 ignore it;
+            # a float fill: the GPU cannot cast an integer 0 to fp8)
+            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None], other=0.0)
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K

@@ -88,13 +88,38 @@ class LateCompiles:
         # (whatever a Triton version passes: a hook that raised would fail the kernel's launch)
         self.count += 1
         if self.count <= LOGGED_COMPILES:
-            # name, options and each argument's type and specialisation (Triton's repr spans
-            # lines: one line here, long enough to reach the integer arguments past the pointers)
-            kernel = " ".join(str(hook.get("repr", args[1] if len(args) > 1 else "?")).split())[:2000]
+            kernel = describe_compile(hook) or " ".join(str(hook.get("repr", "?")).split())[:2000]
             logger.warning(
                 "a Triton kernel compiled while serving (%.1f s after start-up, %d so far): %s",
                 time.monotonic() - self.start, self.count, kernel,
             )  # fmt: skip
+
+
+def describe_compile(hook: dict[str, object]) -> str:
+    """One line naming a compiled kernel and what it was specialised on: each argument's type,
+    its specialisation attributes (pointer alignment, integer divisibility) and each constexpr's
+    value, from the post-compile hook's `compile` data. ("" where that data is not as Triton
+    3.x passes it. Triton's own `repr` is built from the cache key and, since the key became a
+    string, names only the first argument.)"""
+    try:
+        compile_ = hook.get("compile")
+        fn = hook.get("fn")
+        if not isinstance(compile_, dict) or not isinstance(compile_.get("signature"), dict):
+            return ""
+        constants = compile_.get("constants") or {}
+        configs = compile_.get("configs") or [{}]
+        attrs = configs[0] if isinstance(configs, (list, tuple)) and configs else {}
+        parts = []
+        for i, (name, ty) in enumerate(compile_["signature"].items()):
+            if ty == "constexpr":
+                parts.append(f"{name}={constants.get((i,))!r}")
+                continue
+            special = ",".join(f"{a}={v}" for a, v in attrs.get((i,), ()))
+            parts.append(f"{name}:{ty}" + (f"[{special}]" if special else ""))
+        options = ", ".join(f"{k}={compile_.get(k)}" for k in ("num_warps", "num_stages"))
+        return f"{getattr(fn, 'name', '?')}[{options}]({', '.join(parts)})"[:2000]
+    except Exception:  # noqa: BLE001 - a hook that raised would fail the kernel's launch
+        return ""
 
 
 def watch_late_compiles() -> LateCompiles | None:

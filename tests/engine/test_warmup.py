@@ -96,15 +96,30 @@ def test_late_compiles_are_counted_and_the_first_logged(caplog, monkeypatch) -> 
     monkeypatch.setattr(warmup, "LOGGED_COMPILES", 2)
     watch = warmup.watch_late_compiles()
     assert watch is not None and knobs.runtime.jit_post_compile_hook is watch
+    from triton.runtime.jit import JitFunctionInfo
+
     with caplog.at_level(logging.WARNING, logger="mmserve.engine.warmup"):
         for i in range(3):
-            # (a repr over lines, its integer argument past many pointers, as Triton's are)
-            pointers = "p: ('*fp32', 'D'), " * 40
-            text = f"_kernel_{i}[num_warps=4](x: (\n  '*fp32',\n  'D'), {pointers}num_reqs: ('i32', 'D'))"
-            watch(key=i, repr=text, fn=None, compile={})
-    assert watch.count == 3
+            # the hook's arguments as Triton's JITFunction._call_hook passes them: many pointers,
+            # then the integer that was specialised (divisible by 16) and constexprs
+            names = [f"p{j}" for j in range(40)] + ["num_reqs", "n", "BLOCK"]
+            types = ["*fp32"] * 40 + ["i32", "i32", "constexpr"]
+            attrs = {(j,): [["tt.divisibility", 16]] for j in range(40)}
+            attrs |= {(40,): [["tt.divisibility", 16]], (41,): []}
+            compile_ = {"signature": dict(zip(names, types)), "constants": {(42,): 64},
+                        "configs": [attrs], "num_warps": 4, "num_stages": 3}  # fmt: skip
+            fn = JitFunctionInfo(None, f"_kernel_{i}", None)  # type: ignore[arg-type]
+            watch(key="k", repr=f"_kernel_{i}[num_warps=4](p0: (", fn=fn, compile=compile_)
+        watch(key="k", repr="_old[num_warps=4](x: (\n 'i32'))", fn=None, compile={})
+    assert watch.count == 4
     logged = [r.getMessage() for r in caplog.records if "compiled while serving" in r.getMessage()]
-    assert len(logged) == 2 and "_kernel_0[num_warps=4]" in logged[0] and "_kernel_1" in logged[1]
-    assert "\n" not in logged[0] and "x: ( '*fp32', 'D')" in logged[0] and "num_reqs: ('i32', 'D')" in logged[0]
+    assert len(logged) == 2 and "_kernel_0[num_warps=4, num_stages=3](" in logged[0]
+    assert "_kernel_1" in logged[1] and "\n" not in logged[0]
+    assert "p39:*fp32[tt.divisibility=16]" in logged[0]
+    assert "num_reqs:i32[tt.divisibility=16], n:i32, BLOCK=64)" in logged[0]
+    monkeypatch.setattr(warmup, "LOGGED_COMPILES", 5)
+    with caplog.at_level(logging.WARNING, logger="mmserve.engine.warmup"):
+        watch(key="k", repr="_old[num_warps=4](x: (\n 'i32'))", fn=None, compile={})
+    assert "_old[num_warps=4](x: ( 'i32'))" in caplog.records[-1].getMessage()  # no data: the repr
     assert warmup.watch_late_compiles() is None  # a hook is installed: not replaced
     assert knobs.runtime.jit_post_compile_hook is watch
