@@ -11,13 +11,6 @@ column of tiles (the tiles a group shares stay in L2); both operands are read K-
 the layout the 8-bit tensor-core instructions want. Under the interpreter (CI) it is tested
 exactly against int64 sums; its speed against torch._int_mm is measured by
 scripts/bench_int8_gemm.py on the GPU, which decides models/int8.py's LARGE_GEMM.
-
-fp8_gemm_tiled is the same kernel for float8_e4m3fn operands (models/fp8.py LARGE_GEMM
-"triton"), float32 sums. On Hopper, Triton's FP8 tl.dot by default never promotes the tensor
-cores' partial sums, which are narrower than float32 (as in torch._scaled_mm's fast
-accumulation): this kernel promotes them to float32 once per K step of BLOCK_K
-(max_num_imprecise_acc), as cuBLAS does without fast accumulation. Under the interpreter it
-takes any float dtype (the interpreter rounds fp8 wrong). Not yet run on the GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +28,6 @@ from mmserve.kernels._common import check_scales, scaled_operand_sizes
 def _int8_gemm_kernel(
     out_ptr, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, m, n, k, stride_a, stride_b, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INT8: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(m, BLOCK_M)
@@ -53,21 +45,12 @@ def _int8_gemm_kernel(
     rows_b = tl.where(offs_n < n, offs_n, 0).to(tl.int64)
     a_ptrs = a_ptr + rows_a[:, None] * stride_a + offs_k[None, :]
     b_ptrs = b_ptr + rows_b[None, :] * stride_b + offs_k[:, None]  # [BLOCK_K, BLOCK_N], K-contiguous
-    if INT8:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for start in range(0, k, BLOCK_K):
         mask_k = offs_k < k - start
-        if INT8:
-            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None], other=0)
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        else:  # (float32 sums: promoted once per step; float operands other than fp8 ignore it;
-            # a float fill: the GPU cannot cast an integer 0 to fp8)
-            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        a = tl.load(a_ptrs, mask=mask_k[None, :], other=0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None], other=0)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     a_scale = tl.load(a_scale_ptr + rows_a)
@@ -109,39 +92,9 @@ def int8_gemm(
 ) -> torch.Tensor:
     """xq [M, K] and wq [N, K] int8, x_scale [M, 1] and w_scale [1, N] float32 -> [M, N] in
     out_dtype. tiling: for sweeps."""
+    rows, k, n = scaled_operand_sizes(xq, wq)
     if xq.dtype != torch.int8 or wq.dtype != torch.int8:
         raise ValueError(f"xq and wq must be int8, got {xq.dtype} and {wq.dtype}")
-    return _gemm(xq, x_scale, wq, w_scale, out_dtype, tiling)
-
-
-def fp8_gemm_tiled(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-    tiling: Int8Tiling | None = None,
-) -> torch.Tensor:
-    """int8_gemm for xq and wq in float8_e4m3fn (on the GPU; any one float dtype under the
-    interpreter), float32 sums."""
-    allowed = (torch.float8_e4m3fn,) if xq.is_cuda else (torch.float8_e4m3fn, *_FLOATS)
-    if xq.dtype != wq.dtype or xq.dtype not in allowed:
-        raise ValueError(f"xq and wq must both be float8_e4m3fn, got {xq.dtype} and {wq.dtype}")
-    return _gemm(xq, x_scale, wq, w_scale, out_dtype, tiling)
-
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _gemm(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
-    wq: torch.Tensor,
-    w_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    tiling: Int8Tiling | None,
-) -> torch.Tensor:
-    rows, k, n = scaled_operand_sizes(xq, wq)
     check_scales(xq, x_scale, wq, w_scale)
     out = torch.empty((rows, n), dtype=out_dtype, device=xq.device)
     if rows and n:
@@ -151,6 +104,6 @@ def _gemm(
             out, xq, x_scale.float().contiguous(), wq, w_scale.float().contiguous(),
             rows, n, k, xq.stride(0), wq.stride(0), out.stride(0),
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-            INT8=xq.dtype == torch.int8, num_warps=t.num_warps, num_stages=t.num_stages,
+            num_warps=t.num_warps, num_stages=t.num_stages,
         )  # fmt: skip
     return out

@@ -99,11 +99,12 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-# (num_reqs and num_splits vary step to step: not specialised, else a step of 16, 32, ...
-# requests compiles a variant of its own while serving. The H200 logged two late compiles of
-# this kernel in a server's first 20 s, session 14, without the argument that differed:
-# num_reqs is the integer that varies between the eager steps the warm-up does not reach)
-@triton.jit(do_not_specialize=["num_reqs"])
+# (num_reqs, stride_bt and num_splits vary step to step: not specialised, else a step of 16,
+# 32, ... requests, or whose block table's width is a multiple of 16 or not, compiles a variant
+# of its own while serving. The H200 logged such late compiles in a server's first seconds,
+# sessions 14 and 15; in 15 the compile's description showed stride_bt not divisible by 16
+# where the warm-up's had been)
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,  # partials: [T, H, splits, (HEAD_DIM_P)]
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,

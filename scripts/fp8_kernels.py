@@ -1,8 +1,7 @@
 """FP8 products on Llama-3-8B's projection shapes, on the GPU: bf16 (cuBLAS), torch._scaled_mm
 with row-wise scales (also with fast accumulation, and on rows padded to a multiple of 128),
 kernels/fp8_gemm.py up to 32 rows (its default blocks, K split in 2, 4 and 8, or --sweep over
-block sizes) and kernels/int8_gemm.py's tiled fp8_gemm_tiled past them, plus the per-token
-quantisation kernel. One JSON line per (rows, projection); times in
+block sizes), plus the per-token quantisation kernel. One JSON line per (rows, projection); times in
 microseconds per product over back-to-back launches replayed from a CUDA graph.
 
     python scripts/fp8_kernels.py [--rows 1,16,32,256,4096] [--sweep]
@@ -58,10 +57,7 @@ def measure(rows: int, name: str, n: int, k: int, sweep: bool) -> dict[str, obje
         lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
     )
     line["quant_us"] = time_us(lambda: per_token_quant_fp8(x))
-    if rows > MAX_ROWS:  # the many-rows choices (models/fp8.py LARGE_GEMM), at odd row counts too
-        from mmserve.kernels.int8_gemm import fp8_gemm_tiled
-
-        line["triton_us"] = time_us(lambda: fp8_gemm_tiled(xq, xs, wq, ws))
+    if rows > MAX_ROWS:  # torch._scaled_mm's choices (models/fp8.py PAD_ROWS), at odd row counts too
         line["scaled_mm_fast_accum_us"] = time_us(
             lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=True)
         )

@@ -121,13 +121,13 @@ if has fp8levers; then
 fi
 if has fp8gemm; then
   # issue 23 targets 2 and 5: FP8 products past 32 rows (torch._scaled_mm, with fast accumulation,
-  # on padded rows, and the tiled Triton GEMM), then throughput 1000 x 512/128 with each
-  # models/fp8.py LARGE_GEMM, bf16 in the same run
+  # on padded rows), then throughput 1000 x 512/128 with models/fp8.py's row padding off and on,
+  # bf16 in the same run
   T="throughput --model shape:llama3-8b --load-format dummy --input-len 512 --output-len 128 --num-requests 1000"
   { python3 scripts/fp8_kernels.py --rows 256,512,518,1024,1030,4096
     $B $T
-    for g in scaled_mm triton; do echo "LARGE_GEMM=$g"
-      python3 scripts/ab_switch.py mmserve.models.fp8.LARGE_GEMM="'$g'" -- $T --quantization fp8; done
+    for p in 0 128; do echo "PAD_ROWS=$p"
+      python3 scripts/ab_switch.py mmserve.models.fp8.PAD_ROWS=$p -- $T --quantization fp8; done
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/fp8gemm.txt"
 fi
 if has vlm; then

@@ -42,11 +42,20 @@ _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper onwards
 # torch._scaled_mm on Llama-3-8B's projections at 1-16 rows (1.2-1.8x at 16) and, summed over a
 # layer's four, at 17-32 (102 vs 108 us at 32 rows; the down projection alone is slower)
 FEW_ROWS = 32
-# more rows: "scaled_mm" (torch._scaled_mm, CUTLASS's row-wise kernel) or "triton"
-# (kernels/int8_gemm.py fp8_gemm_tiled, INT8's tiled kernel on FP8 operands, its sums promoted
-# to float32 every K step); scaled_mm until scripts/fp8_kernels.py's triton_us measures the other
-LARGE_GEMM = "scaled_mm"
+# more rows: torch._scaled_mm (CUTLASS's row-wise kernel). INT8's tiled Triton GEMM on FP8
+# operands (float32 sums promoted every K step) lost to it at every shape on the H200 (256-4,096
+# rows of the 8B shape's projections, e.g. 565 against 376 us for down at 4,096 rows; offline
+# throughput 7,197 against 8,798 tok/s, session 15), and was removed
 _ALIGN = 16  # torch._scaled_mm wants both matrix dimensions in multiples of 16
+# torch._scaled_mm on more than PAD_ABOVE rows that are not a multiple of PAD_ROWS: the rows
+# first copied into a buffer of the next multiple (its tail rows left as they are: each output
+# row reads only its own input row, and the tail's are dropped). On the H200 at 518 and 1,030
+# rows (a 512- or 1,024-token prefill beside a few decodes) the copy and the product together
+# beat the product alone: gate_up 156 -> 123 us and 242 -> 224, down 88 -> 85 and 147 -> 136,
+# qkv 34 -> 30 and 63 -> 59 (o about even), session 15, scripts/fp8_kernels.py; at 256 rows and
+# at multiples of 128 the copy only costs (~2.6 us). 0: never padded.
+PAD_ROWS = 128
+PAD_ABOVE = 256
 
 
 class Fp8Linear(W8A8Linear):
@@ -117,10 +126,17 @@ class Fp8Linear(W8A8Linear):
         w_scale = self.weight_scale.view(1, -1)
         if q.shape[0] <= FEW_ROWS:
             return fp8_gemm_rows(q, scale, self.weight, w_scale)
-        if LARGE_GEMM == "triton":
-            from mmserve.kernels.int8_gemm import fp8_gemm_tiled
-
-            return fp8_gemm_tiled(q, scale, self.weight, w_scale)
+        rows = q.shape[0]
+        if PAD_ROWS and rows > PAD_ABOVE and rows % PAD_ROWS:
+            padded = -(-rows // PAD_ROWS) * PAD_ROWS
+            q_padded = q.new_empty((padded, q.shape[1]))
+            scale_padded = scale.new_empty((padded, 1))
+            q_padded[:rows] = q
+            scale_padded[:rows] = scale.view(rows, 1)
+            out = torch._scaled_mm(
+                q_padded, self.weight.t(), scale_a=scale_padded, scale_b=w_scale, out_dtype=torch.bfloat16
+            )
+            return out[:rows]
         return torch._scaled_mm(
             q, self.weight.t(), scale_a=scale, scale_b=w_scale, out_dtype=torch.bfloat16
         )

@@ -136,16 +136,16 @@ def _tiny_bert(folder, num_labels=None):  # type: ignore[no-untyped-def]
     return folder
 
 
-@pytest.mark.parametrize("large_gemm", ["scaled_mm", "triton"])
-@pytest.mark.parametrize("rows", [1, 7, 16, 24, 32, 33, 64, 300])  # both sides of FEW_ROWS
-def test_gpu_fp8_linear_equals_the_reference(rows: int, large_gemm: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The FP8 tensor cores' products (the rows kernel; torch._scaled_mm or the tiled Triton
-    GEMM past FEW_ROWS; Triton per-token quantisation) against the float32 reference of the
-    same FP8 operands."""
+@pytest.mark.parametrize("pad_rows", [128, 0])
+@pytest.mark.parametrize("rows", [1, 7, 16, 24, 32, 33, 64, 256, 300, 518])  # FEW_ROWS, PAD_ABOVE
+def test_gpu_fp8_linear_equals_the_reference(rows: int, pad_rows: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The FP8 tensor cores' products (the rows kernel; torch._scaled_mm past FEW_ROWS, on rows
+    padded to a multiple of PAD_ROWS past PAD_ABOVE or not; Triton per-token quantisation)
+    against the float32 reference of the same FP8 operands."""
     from mmserve.models import fp8 as fp8_module
     from mmserve.models.fp8 import Fp8Linear, fp8_linear_ref
 
-    monkeypatch.setattr(fp8_module, "LARGE_GEMM", large_gemm)
+    monkeypatch.setattr(fp8_module, "PAD_ROWS", pad_rows)
     torch.manual_seed(rows)
     for n, k in [(96, 64), (6144, 4096), (4096, 14336)]:
         linear = torch.nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
