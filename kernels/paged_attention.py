@@ -3,8 +3,9 @@
 A program takes BLOCK_Q query tokens of one request and all GROUP query heads that share one KV
 head, packed as BLOCK_M = BLOCK_Q * GROUP rows, so each K/V tile is loaded once per group (GQA).
 It walks the request's KV tiles with an online softmax in fp32 (base 2: log2(e) is folded into
-the scale). For decode batches with long contexts the KV range is split over several programs
-(flash-decoding); a second kernel merges their partial results by log-sum-exp.
+the scale). For batches too small to fill the GPU (decodes, a short turn after a long cached
+prompt) the KV range is split over several programs (flash-decoding); a second kernel merges
+their partial results by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -72,16 +73,54 @@ def choose_tiling(
     return AttentionTiling(block_m, block_m // group, block_n, num_warps, num_stages)
 
 
-def choose_num_splits(num_programs: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
+def choose_num_splits(
+    num_programs: int,
+    max_seq_len: int,
+    block_n: int,
+    num_sms: int,
+    programs_per_sm: int = _PROGRAMS_PER_SM,
+    min_tiles: int = 1,
+) -> int:
     """Splits the KV range of a batch too small to fill the GPU until there are about
-    _PROGRAMS_PER_SM programs per SM, each split at least one KV tile long. Short contexts
+    programs_per_sm programs per SM, each split at least min_tiles KV tiles long. Short contexts
     split too: at batch 1 (8B shape, 8 programs) a 129-256 token context takes 5.8-5.9 us in
     3-4 splits against 6.3-7.6 us in one (H200, bf16). num_sms=0 (no GPU) means no split."""
     if num_programs <= 0 or num_programs >= num_sms:
         return 1
-    by_length = triton.cdiv(max_seq_len, block_n)
-    by_occupancy = triton.cdiv(_PROGRAMS_PER_SM * num_sms, num_programs)
+    by_length = max_seq_len // (block_n * min_tiles) if min_tiles > 1 else triton.cdiv(max_seq_len, block_n)
+    by_occupancy = triton.cdiv(programs_per_sm * num_sms, num_programs)
     return max(1, min(_MAX_SPLITS, by_length, by_occupancy))
+
+
+# Steps with several query tokens (a prompt mostly found in the prefix cache, a short prompt
+# beside a few decodes): as few programs as query tiles times KV heads, each walking the whole
+# context. A 64-token turn after a 4,096-token cached system prompt on the 8B shape is 40
+# programs on 132 SMs, each over 130 KV tiles: split until about _PREFILL_PROGRAMS_PER_SM per
+# SM, each split at least _PREFILL_MIN_TILES tiles (a prefill program's tile is 4x a decode
+# one's rows, so fewer per SM and longer splits than decode's). Unmeasured choices.
+_PREFILL_PROGRAMS_PER_SM = 2
+_PREFILL_MIN_TILES = 4
+
+
+def auto_num_splits(
+    num_tokens: int,
+    num_reqs: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_seq_len: int,
+    tiling: AttentionTiling,
+    num_sms: int,
+) -> int:
+    """paged_attention's split count when the caller names none: decode-only batches by
+    choose_num_splits' defaults; steps with several query tokens by its prefill arguments,
+    counting the programs the launch has (query tiles, one partial tile per request, times KV
+    heads)."""
+    if max_query_len == 1:
+        return choose_num_splits(num_reqs * num_kv_heads, max_seq_len, tiling.block_n, num_sms)
+    programs = (num_tokens // tiling.block_q + num_reqs) * num_kv_heads
+    return choose_num_splits(
+        programs, max_seq_len, tiling.block_n, num_sms, _PREFILL_PROGRAMS_PER_SM, _PREFILL_MIN_TILES
+    )
 
 
 @triton.jit
@@ -253,6 +292,7 @@ def paged_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     kv_scales: tuple[float, float] = NO_SCALES,
+    busy_reqs: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] over key_cache/value_cache [num_blocks, block_size, Hkv, D]; returns [T, H, D].
     The caches hold q's dtype, or FP8 whose values are stored x / scale (kv_scales: K's, V's).
@@ -260,8 +300,9 @@ def paged_attention(
     query_start_loc [R + 1], seq_lens [R], block_tables [R, max_blocks] (all int32) as in
     AttentionMetadata; request r's queries are the last query_len positions of its seq_len
     context. max_query_len and max_seq_len only steer tile sizes and splitting (the result does
-    not depend on them). num_splits: None picks by shape (split-KV only for decode-only batches
-    on CUDA), 1 turns split-KV off, n > 1 forces n splits. Rows past query_start_loc[-1] are
+    not depend on them). num_splits: None picks by shape (auto_num_splits: on CUDA, batches
+    whose programs do not fill the GPU; busy_reqs: the requests it counts, default all),
+    1 turns split-KV off, n > 1 forces n splits. Rows past query_start_loc[-1] are
     left undefined. Not range-checked (that would cost a device sync): seq_lens[r] >= query
     length of r, and block_tables covers each request's seq_len with valid block ids.
     """
@@ -282,8 +323,8 @@ def paged_attention(
         return out
     if num_splits is None:
         sms = num_sms(q.device) if q.is_cuda else 0
-        decode_programs = seq_lens.shape[0] * num_kv_heads if max_query_len == 1 else 0
-        num_splits = choose_num_splits(decode_programs, max_seq_len, tiling.block_n, sms)
+        reqs = seq_lens.shape[0] if busy_reqs is None else busy_reqs
+        num_splits = auto_num_splits(num_tokens, reqs, num_kv_heads, max_query_len, max_seq_len, tiling, sms)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
     part_acc = part_m = part_l = out  # placeholders, unused unless split
     if num_splits > 1:

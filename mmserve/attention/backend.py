@@ -27,6 +27,9 @@ class AttentionMetadata:
     query_lens_cpu: list[int]  # host copy of the query lengths (the reference path loops on it)
     seq_lens_cpu: list[int]  # host copy of seq_lens
     causal: bool = True  # False for encoders (bidirectional, no KV cache kept)
+    # the requests a KV split count weighs (None: every one): a CUDA graph's padded step holds
+    # up to its size in empty requests, which do no work, so its graphs weigh one
+    busy_reqs: int | None = None
     # tensors a backend derives from the above once per step and reuses in every layer
     derived: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict, repr=False, compare=False)
 

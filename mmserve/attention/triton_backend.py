@@ -63,6 +63,7 @@ class TritonAttentionBackend(AttentionBackend):
             causal=meta.causal,
             sliding_window=sliding_window,
             kv_scales=kv_scales,
+            busy_reqs=meta.busy_reqs,
         )
 
     @staticmethod

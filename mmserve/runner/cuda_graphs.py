@@ -374,8 +374,11 @@ class MixedGraphs(_TokenGraphs):
     with decodes beside it. Eager, such a step is bound by its hundreds of kernel launches
     (issue 23: a full prefix hit took 21.3 ms on the 8B shape against 103.6 ms cold). Padded
     as _TokenGraphs says: the pad tokens write no cache (slot -1); the empty requests have
-    seq_len 0. max_query_len is frozen at the size: only the attention's tiling follows it,
-    and a step with more than one query token a request never splits its KV range. One graph
+    seq_len 0. max_query_len is frozen at the size, max_seq_len at the graphs' largest: they
+    steer only the attention's tiling and its KV split count (kernels/paged_attention.py
+    auto_num_splits), chosen for one busy request: a turn after a long cached prompt is a few
+    query tiles that would leave most SMs idle unsplit, and a split's range follows each
+    request's real length at replay (a short context's spare splits are empty). One graph
     per size holds up to min(size, max_num_seqs) requests."""
 
     what = "CUDA graphs of steps with prefill tokens"
@@ -417,6 +420,7 @@ class MixedGraphs(_TokenGraphs):
             max_seq_len=self.max_seq_len,
             query_lens_cpu=self._query_lens_cpu or [0] * reqs,
             seq_lens_cpu=self._seq_lens_cpu or [0] * reqs,
+            busy_reqs=1,  # (the split count for a long context's few query tiles)
         )
 
     def _forward(self, size: int) -> torch.Tensor:

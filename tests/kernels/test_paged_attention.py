@@ -119,6 +119,31 @@ def test_split_kv_mixed_batch(window, device, tol_f32):
     split_matches_single_pass(lens, window, torch.float32, device, tol_f32)
 
 
+def test_split_kv_short_turn_after_a_long_context(device, tol_f32):
+    # a prefix-cache hit: a few dozen query tokens after hundreds of cached ones (split by
+    # default on the GPU when the step's programs do not fill it)
+    split_matches_single_pass([(40, 700), (3, 300)], None, torch.float32, device, tol_f32)
+
+
+def test_steps_of_several_tokens_split_only_when_they_leave_the_gpu_idle():
+    from mmserve.kernels.paged_attention import auto_num_splits
+
+    # the 8B shape (8 KV heads of 4 query heads, head_dim 128) on 132 SMs
+    prefill = choose_tiling(head_dim=128, group=4, max_query_len=64)
+    assert (prefill.block_q, prefill.block_n) == (16, 32)
+    # a 64-token turn after a 4,096-token cached prompt: 40 programs -> 7 splits (2 per SM)
+    assert auto_num_splits(64, 1, 8, 64, 4160, prefill, 132) == 7
+    assert auto_num_splits(64, 1, 8, 64, 4160, prefill, 0) == 1  # no GPU
+    # a short context: each split at least 4 tiles of 32 keys, so under 256 keys no split
+    assert auto_num_splits(64, 1, 8, 64, 200, prefill, 132) == 1
+    assert auto_num_splits(64, 1, 8, 64, 300, prefill, 132) == 2
+    # a 512-token prompt fills the GPU: (32 + 1) x 8 = 264 programs
+    assert auto_num_splits(512, 1, 8, 512, 4160, choose_tiling(128, 4, 512), 132) == 1
+    # decode-only batches keep their own rule
+    decode = choose_tiling(head_dim=128, group=4, max_query_len=1)
+    assert auto_num_splits(1, 1, 8, 1, 4160, decode, 132) == choose_num_splits(8, 4160, decode.block_n, 132)
+
+
 def test_choose_tiling():
     decode = choose_tiling(head_dim=128, group=8, max_query_len=1)
     assert (decode.block_m, decode.block_q) == (16, 2)  # tl.dot needs 16 rows
@@ -139,6 +164,10 @@ def test_choose_num_splits():
     assert choose_num_splits(8, max_seq_len=300, block_n=64, num_sms=132) == 5  # one tile each
     assert choose_num_splits(8, max_seq_len=64, block_n=64, num_sms=132) == 1  # one tile
     assert choose_num_splits(256, max_seq_len=32768, block_n=64, num_sms=132) == 1  # busy
+    # fewer programs per SM, longer splits: (the prefill arguments)
+    assert choose_num_splits(40, 4160, 32, 132, programs_per_sm=2, min_tiles=4) == 7
+    assert choose_num_splits(40, 4160, 32, 132, programs_per_sm=2, min_tiles=64) == 2  # 130 tiles
+    assert choose_num_splits(40, 100, 32, 132, programs_per_sm=2, min_tiles=4) == 1
     assert choose_num_splits(8, max_seq_len=32768, block_n=64, num_sms=0) == 1  # no GPU
 
 
