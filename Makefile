@@ -22,7 +22,7 @@ protos:
 	./scripts/gen_protos.sh
 
 lint:
-	.venv/bin/ruff check mmserve kernels processors clients tests
+	.venv/bin/ruff check mmserve clients tests
 
 check: lint
 	PYTHON=$(CURDIR)/.venv/bin/python ./scripts/typecheck.sh

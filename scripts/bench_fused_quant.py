@@ -1,6 +1,6 @@
 """The activation quantisation fused into residual-add + RMSNorm and SiLU-and-mul
-(kernels/rmsnorm.py add_rms_norm_quant, kernels/activation.py silu_and_mul_quant) against the
-unfused pair of kernels they replace (the norm or activation, then kernels/quant.py's
+(mmserve/kernels/rmsnorm.py add_rms_norm_quant, mmserve/kernels/activation.py silu_and_mul_quant) against the
+unfused pair of kernels they replace (the norm or activation, then mmserve/kernels/quant.py's
 per-token quantisation), in CUDA graphs, bf16 in, int8 and FP8 out, at Llama-3-8B's widths
 (hidden 4096; intermediate 14336, its input 2 x 14336) and decode to prefill row counts. One
 JSON line per case, times in microseconds. Decides models/quantized_input.py's

@@ -1,6 +1,6 @@
 """The INT8 product of many rows on CUDA, at Llama-3-8B's projection shapes (N, K) and prefill
 sizes: torch._int_mm plus the scaling pass (models/int8.py's LARGE_GEMM "int_mm") against the
-Triton kernel with the scales in its epilogue ("triton", kernels/int8_gemm.py, its default
+Triton kernel with the scales in its epilogue ("triton", mmserve/kernels/int8_gemm.py, its default
 tiling and a sweep) and bf16 torch.matmul; one JSON line per case with TOP/s. Decides
 LARGE_GEMM.
 

@@ -1,6 +1,6 @@
 """FP8 products on Llama-3-8B's projection shapes, on the GPU: bf16 (cuBLAS), torch._scaled_mm
 with row-wise scales (also with fast accumulation, and on rows padded to a multiple of 128),
-kernels/fp8_gemm.py up to 32 rows (its default blocks, K split in 2, 4 and 8, or --sweep over
+mmserve/kernels/fp8_gemm.py up to 32 rows (its default blocks, K split in 2, 4 and 8, or --sweep over
 block sizes), plus the per-token quantisation kernel. One JSON line per (rows, projection); times in
 microseconds per product over back-to-back launches replayed from a CUDA graph.
 
@@ -72,7 +72,7 @@ def measure(rows: int, name: str, n: int, k: int, sweep: bool) -> dict[str, obje
         line["scaled_mm_padded_us"] = time_us(pad_and_multiply)
     if rows <= MAX_ROWS:
         line["ours_us"] = time_us(lambda: fp8_gemm_rows(xq, xs, wq, ws))
-        for splits in (2, 4, 8):  # K split (kernels/fp8_gemm.py SPLIT_BELOW decides from these)
+        for splits in (2, 4, 8):  # K split (mmserve/kernels/fp8_gemm.py SPLIT_BELOW decides from these)
             line[f"ours_split{splits}_us"] = time_us(functools.partial(fp8_gemm_rows, xq, xs, wq, ws, splits=splits))
         for bn, bk in (
             [(bn, bk) for bn in (16, 32, 64, 128) for bk in (128, 256, 512)] if sweep else []

@@ -1,10 +1,9 @@
 """Imports point down only, and no two modules import each other (ARCHITECTURE.md, "Layout").
 
-Every module of the distribution is parsed (mmserve/, kernels/ as mmserve.kernels, processors/ as
-mmserve.processors) and every import in it counts: at module level, inside functions (the issue:
-"not even inside functions") and under `if TYPE_CHECKING:` too, since a type-only import still
-ties the importer to the module above it and becomes a real one as soon as it is used at run
-time. Only the source is read; nothing is imported.
+Every module of the distribution (mmserve/) is parsed and every import in it counts: at module
+level, inside functions (the issue: "not even inside functions") and under `if TYPE_CHECKING:`
+too, since a type-only import still ties the importer to the module above it and becomes a real
+one as soon as it is used at run time. Only the source is read; nothing is imported.
 """
 
 from __future__ import annotations
@@ -14,12 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# package -> its directory ([tool.setuptools.package-dir] of pyproject.toml)
-PACKAGE_DIRS = {
-    "mmserve": ROOT / "mmserve",
-    "mmserve.kernels": ROOT / "kernels",
-    "mmserve.processors": ROOT / "processors",
-}
+# package -> its directory
+PACKAGE_DIRS = {"mmserve": ROOT / "mmserve"}
 
 # Top to bottom; a module may import its own layer and any layer below. The data and utility
 # modules sit below whoever uses them: request and inputs (what a request carries) are data of

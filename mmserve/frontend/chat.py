@@ -1,7 +1,7 @@
 """Chats into prompts, and how their tool calls are read: the chat side of the front end.
 
 A chat is rendered with the model's template (arbitrary jinja, sandboxed and bounded:
-processors/chat_template.py), tokenised, and each image's placeholder expanded to its tokens
+mmserve/processors/chat_template.py), tokenised, and each image's placeholder expanded to its tokens
 (frontend/images.py). Its tool_choice becomes, under a forced choice, the output constraint
 and, in every mode with tools, the reading of the output (tool_stream.py). The server and the
 offline LLM both come through here; neither renders a template itself."""

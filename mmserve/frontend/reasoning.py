@@ -1,6 +1,6 @@
 """Reasoning models, the output side: each choice's text -> its thought and its answer.
 
-The model's reasoning parser (processors/reasoning_parsers: named by the server's
+The model's reasoning parser (mmserve/processors/reasoning_parsers: named by the server's
 --reasoning-parser, else implied by its chat template) splits the text; a ThinkTracker
 follows the same on token ids, for usage.reasoning_tokens. Where the request has a
 reasoning_budget or an output constraint, the engine gets the ReasoningGate too: it forces

@@ -5,7 +5,7 @@ Fp8Checkpoint).
 Weights: float8_e4m3fn with one float32 scale per output channel, so they take half the
 memory of bfloat16 and half the bytes a decode step reads. Activations: quantised per token
 when each layer runs (dynamic scales, no calibration). On CUDA in bfloat16 the product runs on
-the FP8 tensor cores: up to FEW_ROWS rows on kernels/fp8_gemm.py, more on torch._scaled_mm with
+the FP8 tensor cores: up to FEW_ROWS rows on mmserve/kernels/fp8_gemm.py, more on torch._scaled_mm with
 row-wise scales; elsewhere, and for other compute dtypes, the same FP8 operands are multiplied
 in float32 and scaled: the reference the CUDA path is tested against.
 
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 FP8_DTYPE = torch.float8_e4m3fn
 QUANTIZATION_METHODS = ("fp8", "int8")  # int8: models/int8.py
 _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper onwards
-# products of up to this many rows run on kernels/fp8_gemm.py: on the H200 it beats
+# products of up to this many rows run on mmserve/kernels/fp8_gemm.py: on the H200 it beats
 # torch._scaled_mm on Llama-3-8B's projections at 1-16 rows (1.2-1.8x at 16) and, summed over a
 # layer's four, at 17-32 (102 vs 108 us at 32 rows; the down projection alone is slower)
 FEW_ROWS = 32

@@ -1,6 +1,6 @@
 """GGUF checkpoints served quantised on CUDA: the decoder's projections (and an untied LM head)
 keep the file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks in GPU memory, and
-Triton kernels dequantise them inside each product (kernels/gguf_gemm.py).
+Triton kernels dequantise them inside each product (mmserve/kernels/gguf_gemm.py).
 
 The blocks are the file's bytes, unchanged: uint8 [rows, blocks per row, bytes per block]. A
 block's size in bytes names its type (every supported type has its own), so a tensor of blocks
@@ -23,7 +23,7 @@ from mmserve.errors import UnsupportedModel
 from mmserve.models.base import Fp8Model, ModelBase
 
 # mmserve.kernels.* are imported where used (see mmserve.models.fp8); these are the formats of
-# kernels/gguf_blocks.py: type -> bytes per block
+# mmserve/kernels/gguf_blocks.py: type -> bytes per block
 BLOCK_BYTES = {
     "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34,
     "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,

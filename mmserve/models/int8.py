@@ -27,7 +27,7 @@ _ALIGN = 8  # ... and both matrix dimensions in multiples of 8
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, K] -> (int8 [R, K], float32 [R, 1]): each row symmetric, absmax / 127, rounded
-    half to even (kernels/quant.py's INT8 scheme)."""
+    half to even (mmserve/kernels/quant.py's INT8 scheme)."""
     return per_token_quant_ref(x, torch.int8)
 
 
@@ -48,7 +48,7 @@ def int8_product_ref(
 
 
 # the product of more than 32 rows on CUDA: "int_mm" (torch._int_mm, then one pass that scales its
-# int32 sums) or "triton" (kernels/int8_gemm.py, the scales in its epilogue). On the H200 the
+# int32 sums) or "triton" (mmserve/kernels/int8_gemm.py, the scales in its epilogue). On the H200 the
 # Triton kernel measured faster at every prefill size of the 8B shape but one (256 rows of
 # o_proj: 438 against 502 TOP/s), and 866-957 TOP/s against 733-875 at 4096 rows (session 13,
 # before its tiling was tuned); offline throughput 7,815 against 6,894 tok/s

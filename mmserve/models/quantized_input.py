@@ -2,8 +2,8 @@
 
 A w8a8 projection (models/int8.py's Int8Linear, models/fp8.py's Fp8Linear) quantises its input
 per token. With FUSE_ACTIVATION_QUANT on, the RMSNorm or the SiLU-and-mul that computes that
-input quantises it instead, in the same kernel (kernels/rmsnorm.py add_rms_norm_quant,
-kernels/activation.py silu_and_mul_quant), and hands over a QuantizedActivation: one kernel
+input quantises it instead, in the same kernel (mmserve/kernels/rmsnorm.py add_rms_norm_quant,
+mmserve/kernels/activation.py silu_and_mul_quant), and hands over a QuantizedActivation: one kernel
 launch and one write and read of the model-dtype activation fewer per projection fed (qkv,
 gate_up and down; o's input comes from attention). The values are bit for bit those of the
 unfused path: the fused kernels quantise the output rounded to the model dtype, as the
@@ -52,7 +52,7 @@ class InputQuant:
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
         """On CUDA, in a model dtype the projection's kernels take: quantised by a Triton kernel
-        (elsewhere by kernels/quant.py's torch reference)."""
+        (elsewhere by mmserve/kernels/quant.py's torch reference)."""
         return x.is_cuda and x.dtype in self.kernel_dtypes
 
     def quantize(self, x: torch.Tensor) -> QuantizedActivation:

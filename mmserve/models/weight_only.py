@@ -7,7 +7,7 @@ Each quantised projection is unpacked to its integer weights, zero points and sc
 w[o, i] = (q[o, i] - z[o, g(i)]) * s[o, g(i)] with g(i) the input channel's group (i //
 group_size, or g_idx[i]). On the CPU it is dequantised as it loads, so the model's outputs
 are those of the dequantised weights (what transformers computes on them). On CUDA each
-projection is instead repacked into kernels/wna16.py's layout (a merged q/k/v or gate/up from
+projection is instead repacked into mmserve/kernels/wna16.py's layout (a merged q/k/v or gate/up from
 its parts) before the float weights load, on a model built on the meta device, and is never
 dequantised: WeightOnlyLinear runs the product from the packed weight, and the load's peak
 is about the packed model. ListModels names the format (e.g. "w4a16-g128"). A format that
@@ -281,11 +281,11 @@ def _awq_weight(prefix: str, t: dict[str, torch.Tensor], c: WeightOnlyCheckpoint
 _UNPACK = {"compressed-tensors": _compressed, "gptq": _gptq_weight, "awq": _awq_weight}
 
 
-# --- kept packed (the w4a16 / w8a16 kernel, kernels/wna16.py) --------------------------------
+# --- kept packed (the w4a16 / w8a16 kernel, mmserve/kernels/wna16.py) --------------------------------
 
 
 class WeightOnlyLinear(nn.Module):
-    """y = x W^T + b with W kept packed: kernels/wna16.py's layout (qweight [K / per, N],
+    """y = x W^T + b with W kept packed: mmserve/kernels/wna16.py's layout (qweight [K / per, N],
     scales and zeros [groups, N]; zeros None for a symmetric weight, whose zero points are all
     2^(bits - 1): the kernel then reads none); an act-order checkpoint's input channels permuted
     so that its groups are contiguous, and x permuted the same way (perm)."""

@@ -375,7 +375,7 @@ class MixedGraphs(_TokenGraphs):
     (issue 23: a full prefix hit took 21.3 ms on the 8B shape against 103.6 ms cold). Padded
     as _TokenGraphs says: the pad tokens write no cache (slot -1); the empty requests have
     seq_len 0. max_query_len is frozen at the size, max_seq_len at the graphs' largest: they
-    steer only the attention's tiling and its KV split count (kernels/paged_attention.py
+    steer only the attention's tiling and its KV split count (mmserve/kernels/paged_attention.py
     auto_num_splits), chosen for one busy request: a turn after a long cached prompt is a few
     query tiles that would leave most SMs idle unsplit, and a split's range follows each
     request's real length at replay (a short context's spare splits are empty). One graph

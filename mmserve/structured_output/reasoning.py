@@ -1,7 +1,7 @@
 """A reasoning model's output constraint: free thought first, then the grammar.
 
 ReasoningMatcher wraps a request's matcher (or none) and follows the output's thought with a
-ThinkTracker (processors/reasoning_parsers/gate.py): while the model thinks every token is
+ThinkTracker (mmserve/processors/reasoning_parsers/gate.py): while the model thinks every token is
 allowed (stop tokens too, unless a grammar waits: an answer it constrains must come); once
 the end marker's tokens have been generated the inner grammar starts, from its start state.
 At the request's reasoning_budget the end marker is forced, token by token. An output that

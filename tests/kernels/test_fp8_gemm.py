@@ -1,4 +1,4 @@
-"""The few-rows FP8 product (kernels/fp8_gemm.py) against its torch reference: float8 operands
+"""The few-rows FP8 product (mmserve/kernels/fp8_gemm.py) against its torch reference: float8 operands
 (loads and tensor-core products of float8 are exact under the interpreter too), odd sizes."""
 
 import pytest

@@ -1,5 +1,5 @@
-"""RMSNorm and SiLU-and-mul with the per-token quantisation fused in (kernels/rmsnorm.py
-add_rms_norm_quant, kernels/activation.py silu_and_mul_quant) against the unfused kernels run
+"""RMSNorm and SiLU-and-mul with the per-token quantisation fused in (mmserve/kernels/rmsnorm.py
+add_rms_norm_quant, mmserve/kernels/activation.py silu_and_mul_quant) against the unfused kernels run
 one after the other (bit for bit) and the torch references; odd row counts and widths, a zero
 row, static scales, the SiLU kernel's two-pass path for wide rows.
 

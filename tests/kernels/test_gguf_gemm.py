@@ -1,4 +1,4 @@
-"""The GGUF block kernels (kernels/gguf_blocks.py, kernels/gguf_gemm.py) against the gguf
+"""The GGUF block kernels (mmserve/kernels/gguf_blocks.py, mmserve/kernels/gguf_gemm.py) against the gguf
 package's own dequantiser, for every supported type: random blocks (quantised by gguf where
 it can quantise the type, random valid bytes for the K-quants, which it only dequantises),
 rows 1-300, partial tiles of rows and of K, float32 / float16 (bfloat16 too on CUDA)."""

@@ -1,4 +1,4 @@
-"""The many-rows INT8 product (kernels/int8_gemm.py) against int64 sums scaled in float32:
+"""The many-rows INT8 product (mmserve/kernels/int8_gemm.py) against int64 sums scaled in float32:
 odd sizes (rows past a tile, N not a multiple of a tile, K ending in a partial step), the
 default tiling and small tiles whose grouped launch order covers several row and column
 tiles, float32 and float16 outputs."""

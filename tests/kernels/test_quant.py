@@ -1,4 +1,4 @@
-"""Per-token FP8 activation quantisation (kernels/quant.py) against its torch reference.
+"""Per-token FP8 activation quantisation (mmserve/kernels/quant.py) against its torch reference.
 
 Under the interpreter (CPU) float8 rounding is wrong, so there the kernel writes float16 or
 float32 (checking the row max, the scale and the clamp); float8 itself runs on CUDA.

@@ -1,4 +1,4 @@
-"""WeightOnlyLinear (a weight-only projection kept packed, run by kernels/wna16.py) against
+"""WeightOnlyLinear (a weight-only projection kept packed, run by mmserve/kernels/wna16.py) against
 x @ W^T with W the dequantised weight: groups in order and in act order (permuted at load),
 a GPTQ checkpoint's parts unpacked and repacked, 4 and 8 bits."""
 

@@ -1,4 +1,4 @@
-"""The weight-only int4/int8 product (kernels/wna16.py) against x @ W^T with W built from the
+"""The weight-only int4/int8 product (mmserve/kernels/wna16.py) against x @ W^T with W built from the
 unpacked values directly, W[n, k] = (q[k, n] - z[g, n]) * s[g, n]: odd sizes (rows 1-300, K
 ending in a partial group, N not a multiple of the tile), 4 and 8 bits, fp32 and fp16."""
 

@@ -1,5 +1,6 @@
-"""A plain (non-editable) install must carry kernels/ and processors/ as mmserve.kernels and
-mmserve.processors, as the editable install maps them."""
+"""A plain (non-editable) install carries mmserve.kernels and mmserve.processors inside mmserve and
+puts no top-level package of its own beside it (a top-level `kernels` shadowed the package of that
+name that transformers imports)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ may also quantise its output per token for the w8a8 projection it feeds (add_rms
 Rounding follows HF Llama: the residual sum is rounded to the input dtype before it is
 normalised, the statistics are fp32, and the normalised value is rounded to the input dtype
 before it is scaled by the weight. The quantised output is that of the product rounded to the
-input dtype, as kernels/quant.py quantises the stored output: bit for bit the same values.
+input dtype, as mmserve/kernels/quant.py quantises the stored output: bit for bit the same values.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr, ROUND: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """QUANT: out_ptr takes the output quantised (kernels/quant.py's scheme: q_max, min_scale,
+    """QUANT: out_ptr takes the output quantised (mmserve/kernels/quant.py's scheme: q_max, min_scale,
     STATIC, ROUND) and scale_ptr its per-row scales."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -133,7 +133,7 @@ def add_rms_norm_quant(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """fused_add_rms_norm (rms_norm without a residual) with its output quantised per token in
     one kernel: (q [rows, hidden] out_dtype, scale [rows, 1] float32, x + residual or x), q and
-    scale exactly what kernels/quant.py's per_token_quant_int8 (out_dtype int8) or
+    scale exactly what mmserve/kernels/quant.py's per_token_quant_int8 (out_dtype int8) or
     per_token_quant_fp8 (FP8's out dtypes, static_scale) give for the unquantised output."""
     q, summed, scale = _launch(x, residual, weight, eps, out_dtype, static_scale)
     assert scale is not None

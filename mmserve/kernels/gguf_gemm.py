@@ -1,4 +1,4 @@
-"""out = x @ W^T with W kept in GGUF blocks (kernels/gguf_blocks.py): dequantised inside the
+"""out = x @ W^T with W kept in GGUF blocks (mmserve/kernels/gguf_blocks.py): dequantised inside the
 product for a few rows, once per call for many.
 
 Up to MAX_ROWS rows (decode steps): each program owns BLOCK_N output channels, streams their
@@ -12,7 +12,7 @@ multiplied by torch.matmul (cuBLAS). That costs one write and one read of the fl
 per call, small next to a product of hundreds of rows, and keeps the large-batch product at
 cuBLAS's speed without a tiled kernel of our own. Neither path has been timed on a GPU yet
 (both compile for sm_90 and pass the GPU tests): the cut at 32 rows and the 32 x 128 weight
-tiles follow kernels/fp8_gemm.py's measured choices, untuned here, and K is split for grids
+tiles follow mmserve/kernels/fp8_gemm.py's measured choices, untuned here, and K is split for grids
 too small for the SMs as the w4a16 kernel's measurements said to (down: 128 tiles over
 K = 14,336).
 """
@@ -85,7 +85,7 @@ def gguf_gemm_rows(
     transposed -> [M, N] in x's dtype. block_k: a power of two >= 32 (a partial K tile is
     masked; tiles need not hold whole super-blocks). A grid of too few output tiles for about
     programs_per_sm (default PROGRAMS_PER_SM) programs on every SM splits K, as the w4a16
-    kernel does (kernels/_common.k_splits); 0 never splits."""
+    kernel does (mmserve/kernels/_common.k_splits); 0 never splits."""
     fmt = check_blocks("blocks", blocks, qtype)
     check_float("x", x)
     if x.dim() != 2 or x.shape[1] != blocks.shape[1] * fmt.elements:

@@ -3,7 +3,7 @@ and the same quantised per token for the w8a8 down projection it feeds (silu_and
 
 The gate is the first half of the last dimension and up the second (vLLM's layout).
 Arithmetic is fp32, rounded once to the input dtype; the quantised output is that of the
-rounded value, as kernels/quant.py quantises the stored output: bit for bit the same values.
+rounded value, as mmserve/kernels/quant.py quantises the stored output: bit for bit the same values.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def silu_and_mul_quant(
     x: torch.Tensor, out_dtype: torch.dtype, static_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., 2 * I] -> (q [rows, I] out_dtype, scale [rows, 1] float32): silu_and_mul(x)
-    quantised per token in one kernel, exactly as kernels/quant.py's per_token_quant_int8
+    quantised per token in one kernel, exactly as mmserve/kernels/quant.py's per_token_quant_int8
     (out_dtype int8) or per_token_quant_fp8 (FP8's out dtypes, static_scale) quantise it."""
     q_max, min_scale, round_to_integers = row_quant_params(out_dtype)
     check_static_scale(static_scale)
