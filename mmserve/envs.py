@@ -18,7 +18,7 @@ from mmserve.settings import env_name, parse_bool, parse_bytes, parse_list
 
 # the parsers and names of settings are re-exported for the callers of this module
 __all__ = [
-    "bench_data_dir", "bench_profile_path", "cache_dir", "env_name", "parse_bool", "parse_bytes",
+    "bench_data_dir", "bench_profile_path", "cache_dir", "cpu_kernels_enabled", "env_name", "parse_bool", "parse_bytes",
     "parse_list", "serve_env",
 ]  # fmt: skip
 
@@ -44,6 +44,14 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     environ = os.environ if environ is None else environ
     root = environ.get("MMSERVE_CACHE_DIR", "").strip()
     return Path(root).expanduser() if root else Path.home() / ".cache" / "mmserve"
+
+
+def cpu_kernels_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """MMSERVE_CPU_KERNELS (default on): the C kernels built at first use for GGUF blocks on the
+    CPU (mmserve.kernels.cpu_gguf); 0 keeps GGUF weights dequantised at load there."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("MMSERVE_CPU_KERNELS", "").strip()
+    return parse_bool(raw) if raw else True
 
 
 def bench_data_dir(environ: Mapping[str, str] | None = None) -> Path | None:

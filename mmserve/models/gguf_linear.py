@@ -1,13 +1,15 @@
-"""GGUF checkpoints served quantised on CUDA: the decoder's projections (and an untied LM head)
-keep the file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks in GPU memory, and
-Triton kernels dequantise them inside each product (mmserve/kernels/gguf_gemm.py).
+"""GGUF checkpoints served quantised: the decoder's projections (and an untied LM head) keep
+the file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks in memory, and kernels
+dequantise them inside each product: Triton's on CUDA (mmserve/kernels/gguf_gemm.py), a C
+library's on the CPU (mmserve/kernels/cpu_gguf.py).
 
 The blocks are the file's bytes, unchanged: uint8 [rows, blocks per row, bytes per block]. A
 block's size in bytes names its type (every supported type has its own), so a tensor of blocks
 describes itself on its way from the file to the layer. Float tensors (F32 / F16 / BF16) and
 the token embedding (a lookup table, and a tied LM head with it) load as floats in the model
-dtype. The CPU keeps the dequantised-at-load path (mmserve.models.gguf_cache); a GgufLinear on
-the CPU (tests) multiplies by the gguf package's dequantisation, the kernels' reference.
+dtype. Where the CPU library cannot be built, the CPU keeps the dequantised-at-load path
+(mmserve.models.gguf_cache); use_kernels=False multiplies by the gguf package's dequantisation,
+the kernels' reference.
 """
 
 from __future__ import annotations
@@ -128,24 +130,29 @@ class GgufLinear(nn.Module):
         self._loading.clear()
 
     def forward(self, x: torch.Tensor, use_kernels: bool | None = None) -> torch.Tensor:
-        """use_kernels: the Triton path (default: on CUDA; tests set it under the interpreter)."""
-        kernels = x.is_cuda if use_kernels is None else use_kernels
+        """use_kernels: True the Triton path (tests set it under the interpreter), False the
+        reference; by default Triton on CUDA, the C library on the CPU where it built."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        outs = [self._product(x2, part, kernels) for part in self.parts]
+        path = _path(x, use_kernels)
+        outs = [self._product(x2, part, path) for part in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*shape[:-1], self.out_features)
 
-    def _product(self, x: torch.Tensor, part: _Part, kernels: bool) -> torch.Tensor:
+    def _product(self, x: torch.Tensor, part: _Part, path: str) -> torch.Tensor:
         weight = self.get_buffer(part.buffer)
         if part.qtype is None:
             return F.linear(x, weight)
-        if kernels:
+        if path == "triton":
             from mmserve.kernels.gguf_gemm import gguf_matmul
 
             return gguf_matmul(x.contiguous(), weight, part.qtype)
+        if path == "cpu":
+            from mmserve.kernels.cpu_gguf import gguf_gemm_cpu
+
+            return gguf_gemm_cpu(x, weight, part.qtype)
         from mmserve.kernels.gguf_blocks import gguf_dequantize_ref
 
         return (x.float() @ gguf_dequantize_ref(weight, part.qtype).t()).to(x.dtype)
@@ -205,10 +212,15 @@ class GgufEmbedding(nn.Module):
         if self.qtype is None:
             return F.embedding(ids, self.table)
         rows = self.table.index_select(0, ids.reshape(-1))
-        if rows.is_cuda:
+        path = _path(rows, None)
+        if path == "triton":
             from mmserve.kernels.gguf_blocks import gguf_dequantize
 
             out = gguf_dequantize(rows, self.qtype, self.dtype)
+        elif path == "cpu":
+            from mmserve.kernels.cpu_gguf import gguf_dequantize_cpu
+
+            out = gguf_dequantize_cpu(rows, self.qtype).to(self.dtype)
         else:
             from mmserve.kernels.gguf_blocks import gguf_dequantize_ref
 
@@ -224,6 +236,22 @@ class GgufEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, gguf {self.qtype or self.dtype}"
 
 
+def _path(x: torch.Tensor, use_kernels: bool | None) -> str:
+    """Which product multiplies x by blocks: "triton", "cpu" (the C library) or "reference"."""
+    if use_kernels is not None:
+        return "triton" if use_kernels else "reference"
+    if x.is_cuda:
+        return "triton"
+    return "cpu" if cpu_kernels_available() else "reference"
+
+
+def cpu_kernels_available() -> bool:
+    """The CPU's GGUF kernels built on this machine (the loader keeps blocks on the CPU then)."""
+    from mmserve.kernels.cpu_gguf import available
+
+    return available()
+
+
 @torch.no_grad()
 def prepare_gguf(model: ModelBase, device: torch.device) -> int:
     """Before a GGUF's weights load (on a model built on the meta device, so that no float
@@ -231,7 +259,7 @@ def prepare_gguf(model: ModelBase, device: torch.device) -> int:
     GgufLinear, the token embedding an empty GgufEmbedding (a tied head multiplies by its
     table), whose blocks will load onto device; returns how many modules were replaced."""
     if not model.capabilities.supports_fp8:  # the decoders whose projections can be swapped
-        raise UnsupportedModel(f"GGUF blocks on CUDA are not supported for {type(model).__name__}")
+        raise UnsupportedModel(f"GGUF blocks are not kept for {type(model).__name__}")
     embeddings = [
         (parent, name, child)
         for parent in model.modules()

@@ -30,7 +30,12 @@ from mmserve.models.fp8 import (
 )
 from mmserve.models.gguf import iter_gguf_blocks
 from mmserve.models.gguf_cache import materialize
-from mmserve.models.gguf_linear import SUPPORTED_TYPES, finish_gguf, prepare_gguf
+from mmserve.models.gguf_linear import (
+    SUPPORTED_TYPES,
+    cpu_kernels_available,
+    finish_gguf,
+    prepare_gguf,
+)
 from mmserve.models.int8 import checkpoint_int8, prepare_int8_checkpoint, quantize_int8
 from mmserve.models.layers import ComputedBuffers
 from mmserve.models.parallel import TensorParallel, tensor_parallel
@@ -286,13 +291,13 @@ def materialize_meta(model: torch.nn.Module, device: torch.device) -> None:
 def _keeps_gguf_blocks(
     source: ModelSource, config: ModelConfig, device: torch.device, caps: ModelCapabilities
 ) -> bool:
-    """A GGUF checkpoint on CUDA keeps its quantised blocks (mmserve.models.gguf_linear) when
-    its model's projections can be swapped (caps.supports_fp8: the Llama family), unless it
-    is loaded with dummy weights or quantised to FP8 (from its floats). On the CPU it is
-    dequantised once, at conversion."""
+    """A GGUF checkpoint keeps its quantised blocks (mmserve.models.gguf_linear) when its
+    model's projections can be swapped (caps.supports_fp8: the Llama family), unless it is
+    loaded with dummy weights or quantised (from its floats): on CUDA, and on the CPU where
+    the C kernels built; else it is dequantised once, at conversion."""
     return (
         source.gguf_file is not None
-        and device.type == "cuda"
+        and (device.type == "cuda" or (device.type == "cpu" and cpu_kernels_available()))
         and caps.supports_fp8
         and config.load_format != "dummy"
         and config.quantization is None

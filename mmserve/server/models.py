@@ -243,8 +243,8 @@ def handle_for(
 
 
 def _quantization(path: str, loaded: str) -> str:
-    """A GGUF's scheme as its file name says ("Q4_1"), whether its blocks are kept on the GPU
-    (EngineInfo says "gguf:Q4_1") or dequantised at load (the CPU: ""); else the engine's."""
+    """A GGUF's scheme as its file name says ("Q4_1"), whether its blocks are kept (EngineInfo
+    says "gguf:Q4_1+Q8_0") or dequantised at load (""); else the engine's."""
     if loaded and not loaded.startswith("gguf:"):
         return loaded
     quant = _GGUF_QUANT.search(Path(path).name)

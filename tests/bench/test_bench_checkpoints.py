@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,19 +18,21 @@ from mmserve import LLM, SamplingParams
 from mmserve.bench import checkpoints
 from mmserve.bench.checkpoints import FORMATS, shape_checkpoint, write_checkpoint
 from mmserve.bench.gguf_checkpoint import GgufWriter, tensor_type
+from mmserve.kernels import cpu_gguf
 from mmserve.server.models import _quantization
 from tests.utils.tiny_models import make_tiny_tokenizer, tiny_config
 
-# the scheme as the engine runs it on the CPU (a GGUF is dequantised there) and as ListModels
-# names it (a GGUF's from its file name)
+# the scheme as the engine runs it on the CPU (a GGUF keeps its blocks where the CPU kernels
+# build, else is dequantised) and as ListModels names it (a GGUF's from its file name)
+_KEPT = cpu_gguf.available()
 SCHEMES = {
     "w4a16-g128": ("w4a16-g128", "w4a16-g128"),
     "w4a16-g128-asym": ("w4a16-g128", "w4a16-g128"),
     "w8a16-g128": ("w8a16-g128", "w8a16-g128"),
     "w8a8-int8": ("w8a8-int8", "w8a8-int8"),
-    "gguf:Q4_K_M": ("", "Q4_K_M"),
-    "gguf:Q8_0": ("", "Q8_0"),
-    "gguf:Q4_0": ("", "Q4_0"),
+    "gguf:Q4_K_M": ("gguf:Q4_K+Q6_K" if _KEPT else "", "Q4_K_M"),
+    "gguf:Q8_0": ("gguf:Q8_0" if _KEPT else "", "Q8_0"),
+    "gguf:Q4_0": ("gguf:Q4_0+Q6_K" if _KEPT else "", "Q4_0"),
 }
 
 
@@ -139,7 +142,7 @@ def test_gguf_tensors_are_what_the_loader_holds(base: Path, tmp_path: Path) -> N
 
     from mmserve.attention.torch_ref import TorchAttentionBackend
     from mmserve.config import ModelConfig
-    from mmserve.models.loader import load_model
+    from mmserve.models import loader
 
     path = write_checkpoint(base, "gguf:Q4_K_M", tmp_path / "gguf", "tiny")
     assert path == GgufWriter("Q4_K_M").model_path(tmp_path / "gguf", "tiny")
@@ -150,7 +153,8 @@ def test_gguf_tensors_are_what_the_loader_holds(base: Path, tmp_path: Path) -> N
     assert (types["output.weight"], types["token_embd.weight"], types["blk.1.attn_norm.weight"]) == (
         "Q6_K", "Q4_K", "F32",
     )  # fmt: skip
-    model, _, _ = load_model(ModelConfig(model=str(path)), "cpu", "float32", TorchAttentionBackend())
+    with mock.patch.object(loader, "_keeps_gguf_blocks", return_value=False):  # (floats to compare)
+        model, _, _ = loader.load_model(ModelConfig(model=str(path)), "cpu", "float32", TorchAttentionBackend())
     state = model.state_dict()
     heads, kv_heads = 4, 2
     for t in reader.tensors:

@@ -1,4 +1,6 @@
-"""GGUF loading: the q/k un-permutation, and SmolLM2 against transformers' own GGUF load."""
+"""GGUF loading: the q/k un-permutation, and SmolLM2 against transformers' own GGUF load (on
+the CPU with its blocks kept where the C kernels build, as a default load does): logits, and 16
+greedy tokens from the engine against transformers' generate."""
 
 from __future__ import annotations
 
@@ -6,9 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from mmserve import LLM, SamplingParams
 from mmserve.attention.torch_ref import TorchAttentionBackend
 from mmserve.config import ModelConfig
+from mmserve.kernels import cpu_gguf
 from mmserve.models.gguf import unpermute_rotary
+from mmserve.models.gguf_linear import gguf_quantization
 from mmserve.models.loader import load_model
 from tests.models.paged import PagedKV, PagedSeq
 from tests.utils.tiny_models import smollm2_gguf_path
@@ -38,6 +43,8 @@ def test_smollm2_gguf_matches_transformers() -> None:
         ModelConfig(model=str(SMOLLM2)), "cpu", "float32", TorchAttentionBackend()
     )
     assert (hf_config.model_type, model.num_layers, model.vocab_size) == ("llama", 30, 49152)
+    if cpu_gguf.available():  # the product under test is the C library's
+        assert gguf_quantization(model) == "gguf:Q4_1+Q8_0"
     ours = PagedKV(model, num_blocks=8).step(model, [(PagedSeq(), HELLO)])
     del model
     hf = AutoModelForCausalLM.from_pretrained(
@@ -46,3 +53,9 @@ def test_smollm2_gguf_matches_transformers() -> None:
     expected = hf(torch.tensor([HELLO])).logits[0].float()
     torch.testing.assert_close(ours, expected, atol=1e-3, rtol=0)
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+    greedy = hf.generate(torch.tensor([HELLO]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    del hf
+    with LLM(str(SMOLLM2), device="cpu", dtype="float32", num_kv_blocks=16) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        tokens = llm.generate([HELLO], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert list(tokens) == greedy[0, len(HELLO) :].tolist()

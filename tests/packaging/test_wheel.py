@@ -24,6 +24,8 @@ def test_wheel_maps_kernels_and_processors(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in (
         "mmserve/kernels/paged_attention.py",
+        "mmserve/kernels/cpu/gguf_gemm.c",  # (built at first use)
+        "mmserve/kernels/cpu/gguf_cpu.h",
         "mmserve/processors/detokenizer.py",
         "mmserve/processors/tool_parsers/hermes.py",
         "mmserve/structured_output/manager.py",

@@ -1,0 +1,19 @@
+/* GGUF blocks on the CPU: dequantisation (gguf_dequant.c) and products (gguf_gemm.c). */
+#ifndef MMSERVE_GGUF_CPU_H
+#define MMSERVE_GGUF_CPU_H
+
+#include <stdint.h>
+
+/* ggml's GGMLQuantizationType values */
+enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8,
+       GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14 };
+
+/* 1 where the build vectorises the dequantisation with AVX-512 (the path measured faster than
+ * float32 weights); elsewhere the generic code runs, correct but not faster */
+int gguf_cpu_vectorised(void);
+int gguf_block_elements(int qtype);  /* 0: not a supported type */
+int gguf_block_bytes(int qtype);
+/* One row of k weights (k / elements blocks at row) -> y[k] float32. */
+void gguf_dequant_row(int qtype, const uint8_t *restrict row, int64_t k, float *restrict y);
+
+#endif

@@ -1,0 +1,113 @@
+"""The CPU's GGUF library (mmserve/kernels/cpu_gguf.py, mmserve/kernels/cpu/*.c) against the
+gguf package's own dequantiser, for every supported type: the dequantised weights bit-equal,
+products of 1-300 rows (the library's register tiles of 4 rows x 4 channels, partial ones at
+both edges, and past MAX_ROWS the many-rows path) within float32 rounding, any thread count
+giving the same bits; a library that cannot be built leaves it unavailable instead of
+failing."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmserve.kernels import cpu_gguf
+from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize_ref
+from tests.kernels.test_gguf_gemm import random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="no C compiler with OpenMP here")
+TYPES = list(FORMATS)
+# 7 blocks of 32, 2 super-blocks of 256 (K a multiple of 16 lanes, not of 128)
+K = {"legacy": 224, "k_quant": 512}
+
+
+def _k(qtype: str) -> int:
+    return K["k_quant" if qtype.endswith("_K") else "legacy"]
+
+
+def _blocks(qtype: str, n: int, seed: int = 0) -> torch.Tensor:
+    return random_blocks(qtype, n, _k(qtype), seed).cpu()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_is_bit_equal_to_ggufs(qtype: str) -> None:
+    blocks = _blocks(qtype, 37)
+    assert torch.equal(cpu_gguf.gguf_dequantize_cpu(blocks, qtype), gguf_dequantize_ref(blocks, qtype))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, 128, 129, 300])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_product_is_x_times_ggufs_weight(qtype: str, rows: int) -> None:
+    """41 output channels: 10 groups of 4 and one of 1. Up to MAX_ROWS rows the library's
+    product, more the dequantised weight and torch.matmul."""
+    blocks = _blocks(qtype, 41, seed=rows)
+    x = torch.randn(rows, _k(qtype), generator=torch.Generator().manual_seed(rows))
+    out = cpu_gguf.gguf_gemm_cpu(x, blocks, qtype)
+    expected = x.double() @ gguf_dequantize_ref(blocks, qtype).double().t()
+    assert out.shape == (rows, 41) and out.dtype == torch.float32
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_rows_with_a_stride_and_other_dtypes() -> None:
+    """x may be a view whose rows are apart (a slice of a wider activation); a bfloat16 x is
+    multiplied in float32 and comes back bfloat16."""
+    blocks = _blocks("Q4_1", 9)
+    wide = torch.randn(3, 2 * 224)
+    x = wide[:, :224]
+    expected = x @ gguf_dequantize_ref(blocks, "Q4_1").t()
+    torch.testing.assert_close(cpu_gguf.gguf_gemm_cpu(x, blocks, "Q4_1"), expected)
+    out = cpu_gguf.gguf_gemm_cpu(x.bfloat16(), blocks, "Q4_1")
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), x.bfloat16().float() @ gguf_dequantize_ref(blocks, "Q4_1").t(),
+                               rtol=1.6e-2, atol=5e-2)  # fmt: skip
+
+
+def test_threads_do_not_change_the_bits() -> None:
+    """Each output is one thread's sum, whatever the number of threads."""
+    blocks, x = _blocks("Q6_K", 64), torch.randn(5, 512)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_gguf.gguf_gemm_cpu(x, blocks, "Q6_K")
+        torch.set_num_threads(2)
+        two = cpu_gguf.gguf_gemm_cpu(x, blocks, "Q6_K")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_bad_inputs_are_refused_naming_them() -> None:
+    blocks = _blocks("Q8_0", 4)
+    with pytest.raises(ValueError, match="K = 224"):
+        cpu_gguf.gguf_gemm_cpu(torch.randn(2, 200), blocks, "Q8_0")
+    with pytest.raises(ValueError, match="qtype 'Q2_K'"):
+        cpu_gguf.gguf_gemm_cpu(torch.randn(2, 224), blocks, "Q2_K")
+    with pytest.raises(ValueError, match="blocks must be uint8"):
+        cpu_gguf.gguf_gemm_cpu(torch.randn(2, 224), blocks.float(), "Q8_0")
+
+
+def test_no_compiler_leaves_the_library_unavailable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A machine without a working C compiler (or with the kernels switched off) has none;
+    the loader then dequantises GGUF weights at load."""
+    monkeypatch.setenv("MMSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    cpu_gguf.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_gguf.__name__):
+            assert not cpu_gguf.available()
+        assert "CPU GGUF kernels off" in caplog.text
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv("MMSERVE_CPU_KERNELS", "0")
+        cpu_gguf.library.cache_clear()
+        assert not cpu_gguf.available()
+        monkeypatch.delenv("MMSERVE_CPU_KERNELS")
+        cpu_gguf.library.cache_clear()
+        assert cpu_gguf.available()  # built anew into tmp_path
+        assert list((tmp_path / "cpu-kernels").glob("gguf-*.so"))
+    finally:
+        cpu_gguf.library.cache_clear()
