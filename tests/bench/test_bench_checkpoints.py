@@ -69,11 +69,40 @@ def test_each_checkpoint_loads_with_its_scheme_and_finite_logits(
     assert all(-4 * math.log(384) < x < -0.25 * math.log(384) for x in logprobs)
 
 
-def test_a_gguf_kept_as_blocks_reports_its_types(base: Path, tmp_path: Path, one_thread: None) -> None:
-    """The CUDA load path (blocks kept, forced here on the CPU, where GgufLinear multiplies by
-    the gguf package's dequantisation): the engine names the types it holds, most bytes first."""
-    from unittest import mock
+@pytest.mark.skipif(not _KEPT, reason="the CPU GGUF kernels do not build here")
+@pytest.mark.parametrize("fmt", ["gguf:Q4_K_M", "gguf:Q4_0", "gguf:Q8_0"])
+def test_cpu_blocks_give_the_dequantised_models_logits(
+    base: Path, tmp_path: Path, fmt: str, one_thread: None
+) -> None:
+    """The C library's products on every type of llama.cpp's mixes (Q4_K, Q6_K attn_v /
+    ffn_down and an untied Q6_K head; Q4_0; Q8_0) give the logits of the same file
+    dequantised at load: a prompt of several rows, then single-row decode steps."""
+    from mmserve.attention.torch_ref import TorchAttentionBackend
+    from mmserve.config import ModelConfig
+    from mmserve.models import loader
+    from mmserve.models.gguf_linear import gguf_quantization
+    from tests.models.paged import PagedKV, PagedSeq
 
+    config = ModelConfig(model=str(write_checkpoint(base, fmt, tmp_path / "checkpoint", "tiny")))
+    kept, _, _ = loader.load_model(config, "cpu", "float32", TorchAttentionBackend())
+    assert gguf_quantization(kept) == SCHEMES[fmt][0]
+    with mock.patch.object(loader, "_keeps_gguf_blocks", return_value=False):
+        floats, _, _ = loader.load_model(config, "cpu", "float32", TorchAttentionBackend())
+    assert gguf_quantization(floats) == ""
+    logits = []
+    for model in (kept, floats):
+        kv, seq = PagedKV(model, num_blocks=16), PagedSeq()
+        steps = [kv.step(model, [(seq, [5, 17, 200, 3, 99, 41, 7])])]
+        steps += [kv.step(model, [(seq, [token])]) for token in (12, 250, 64)]
+        logits.append(torch.cat(steps))
+    with torch.no_grad():
+        torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4 * logits[1].abs().max().item())
+
+
+def test_a_gguf_kept_as_blocks_reports_its_types(base: Path, tmp_path: Path, one_thread: None) -> None:
+    """Blocks kept (forced, so also where the CPU kernels do not build and GgufLinear
+    multiplies by the gguf package's dequantisation): the engine names the types it holds,
+    most bytes first."""
     from mmserve.models import loader
 
     path = write_checkpoint(base, "gguf:Q4_K_M", tmp_path / "gguf", "tiny")

@@ -163,23 +163,22 @@ static inline void q45_k(const uint8_t *restrict b, float *restrict y, int five)
 }
 
 /* Q6_K: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d last; sub-blocks of
- * 16: (q - 32) (d sc). */
+ * 16: (q - 32) (d sc), (d sc) rounded first as ggml computes it. Each half of 128 elements
+ * takes 64 low-nibble bytes and 32 high-bit bytes; element l + 32 j (l < 32) has the low
+ * nibble (j odd: of byte l + 32) and bit pair j of high byte l. */
 static inline void q6_k(const uint8_t *restrict b, float *restrict y) {
     float d = f16(b + 208);
     for (int half = 0; half < 2; half++) {
         const uint8_t *ql = b + 64 * half, *qh = b + 128 + 32 * half;
         const int8_t *sc = (const int8_t *)(b + 192 + 8 * half);
-        float *out = y + 128 * half;
-        for (int l = 0; l < 32; l++) {
-            int is = l / 16;
-            int q1 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
-            int q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            out[l] = d * (float)sc[is] * (float)q1;
-            out[l + 32] = d * (float)sc[is + 2] * (float)q2;
-            out[l + 64] = d * (float)sc[is + 4] * (float)q3;
-            out[l + 96] = d * (float)sc[is + 6] * (float)q4;
+        for (int l = 0; l < 32; l += 16) {
+            u8x16 lo_a = bytes16(ql + l), lo_b = bytes16(ql + 32 + l), hi = bytes16(qh + l);
+            u8x16 q[4] = {(lo_a & 0x0f) | ((hi & 3) << 4), (lo_b & 0x0f) | (((hi >> 2) & 3) << 4),
+                          (lo_a >> 4) | (((hi >> 4) & 3) << 4), (lo_b >> 4) | (((hi >> 6) & 3) << 4)};
+            for (int j = 0; j < 4; j++) {
+                float ds = d * (float)sc[l / 16 + 2 * j];
+                store16(y + 128 * half + 32 * j + l, floats(ints(q[j]) - 32) * ds);
+            }
         }
     }
 }
