@@ -79,6 +79,32 @@ def test_threads_do_not_change_the_bits() -> None:
     assert torch.equal(one, two)
 
 
+def _has(*flags: str) -> bool:
+    try:
+        info = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return all(flag in info for flag in flags)
+
+
+@pytest.mark.skipif(not _has("avx2", "fma", "f16c"), reason="no AVX2 here to run that build on")
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_the_avx2_and_generic_builds_give_the_same_weights(march: str, tmp_path: Path) -> None:
+    """The library as an AVX2 machine builds it (8 lanes, 2-row tiles) and as a machine
+    without AVX2 does (the generic code, which library() does not use): every type's weights
+    bit-equal, products of 1-5 rows within float32 rounding."""
+    lib = cpu_gguf.load(cpu_gguf.build(tmp_path, march))
+    assert lib.gguf_cpu_vectorised() == (march == "haswell")
+    for qtype in TYPES:
+        blocks = _blocks(qtype, 11)
+        weight = gguf_dequantize_ref(blocks, qtype)
+        assert torch.equal(cpu_gguf.gguf_dequantize_cpu(blocks, qtype, lib), weight), qtype
+        x = torch.randn(5, _k(qtype))
+        for rows in (1, 2, 5):
+            out = cpu_gguf.gguf_gemm_cpu(x[:rows], blocks, qtype, lib)
+            torch.testing.assert_close(out, x[:rows] @ weight.t(), rtol=1e-5, atol=1e-5 * weight.abs().max().item())
+
+
 def test_bad_inputs_are_refused_naming_them() -> None:
     blocks = _blocks("Q8_0", 4)
     with pytest.raises(ValueError, match="K = 224"):

@@ -4,30 +4,22 @@
  * A decode step is bound by the weight bytes it streams; float32 weights are 6.4 times the
  * bytes of Q4_1's. Each thread takes 4 output channels at a time, dequantises their rows into a
  * float buffer of its own (exactly, gguf_dequant.c: 4 x K floats, in L1/L2) and multiplies it
- * with x in register tiles of up to 4 rows x 4 channels of 16-lane float32 sums, so the blocks
- * are read from memory once per call whatever the rows. Threads are OpenMP's: the library
- * links libgomp.so.1, which resolves to the runtime torch loaded (the same threads, no second
- * pool spinning against torch's).
+ * with x in register tiles of up to ROWS rows x 4 channels of LANES-wide float32 sums, so the
+ * blocks are read from memory once per call whatever the rows. Threads are OpenMP's: the
+ * library links libgomp.so.1, which resolves to the runtime torch loaded (the same threads, no
+ * second pool spinning against torch's).
  */
 #include "gguf_cpu.h"
+#include "gguf_vec.h"
 
 #include <stdlib.h>
-#include <string.h>
 
-/* 4 x 4 measured as fast as 8 x 3, 6 x 3 or 6 x 4 at 1-16 rows (SmolLM2's layers, 2 cores) */
+/* AVX-512: 4 x 4 measured as fast as 8 x 3, 6 x 3 or 6 x 4 at 1-16 rows (SmolLM2's layers, 2
+ * cores); AVX2's 16 registers hold 2 x 4 sums with the 4 weights and x */
 #define CHANNELS 4  /* output channels a thread dequantises at a time */
-#define ROWS 4      /* rows of x in one register tile: 16 sums, 4 weights and x in registers */
-#define LANES 16
+#define ROWS (LANES == 16 ? 4 : 2)  /* rows of x in one register tile */
 
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float hsum(vec v) {
+static inline float hsum(vf v) {
     float s = 0.0f;
     for (int i = 0; i < LANES; i++) s += v[i];
     return s;
@@ -41,13 +33,13 @@ static inline __attribute__((always_inline)) void tile(
     const float *xr[ROWS], *wc[CHANNELS];
     for (int r = 0; r < ROWS; r++) xr[r] = x + (r < rows ? r : 0) * ldx;
     for (int c = 0; c < CHANNELS; c++) wc[c] = w + (c < channels ? c : 0) * k;
-    vec acc[ROWS][CHANNELS];
+    vf acc[ROWS][CHANNELS];
     memset(acc, 0, sizeof acc);
     for (int64_t i = 0; i < k; i += LANES) {
-        vec wv[CHANNELS];
-        for (int c = 0; c < CHANNELS; c++) wv[c] = load(wc[c] + i);
+        vf wv[CHANNELS];
+        for (int c = 0; c < CHANNELS; c++) wv[c] = vload(wc[c] + i);
         for (int r = 0; r < rows; r++) {
-            vec xv = load(xr[r] + i);
+            vf xv = vload(xr[r] + i);
             for (int c = 0; c < CHANNELS; c++) acc[r][c] += xv * wv[c];
         }
     }
@@ -64,8 +56,10 @@ static void tiles(int64_t m, int channels, const float *x, int64_t ldx, const fl
     out += r * ldo;
     switch (m - r) {  /* the last rows, fewer than ROWS */
     case 1: tile(1, channels, x, ldx, w, k, out, ldo); break;
+#if ROWS > 2
     case 2: tile(2, channels, x, ldx, w, k, out, ldo); break;
     case 3: tile(3, channels, x, ldx, w, k, out, ldo); break;
+#endif
     }
 }
 

@@ -1,0 +1,64 @@
+/* The vectors the GGUF library computes on: LANES float32 / int32 lanes (GCC / Clang vector
+ * extensions), 16 with AVX-512, 8 with AVX2, and bytes widened to int32 lanes by the ISA's
+ * own instructions. GCC 12 turns a generic uint8 -> int32 vector conversion into one scalar
+ * conversion per byte (a 6x slower dequantisation, measured), so the generic build (no AVX2)
+ * is correct but not fast: gguf_cpu_vectorised() says which this build is. */
+#ifndef MMSERVE_GGUF_VEC_H
+#define MMSERVE_GGUF_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__F16C__)
+#define LANES 16
+#define VECTORISED 1
+#elif defined(__AVX2__) && defined(__F16C__)
+#define LANES 8
+#define VECTORISED 1
+#else
+#define LANES 8
+#define VECTORISED 0
+#endif
+
+#if VECTORISED
+#include <immintrin.h>
+#endif
+
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline vf vload(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+static inline vf vsplat(float x) { return (vf){0} + x; }
+
+static inline vf vfloat(vi v) { return __builtin_convertvector(v, vf); }
+
+/* bytes p[0 .. LANES) as int32 lanes, zero- or sign-extended */
+static inline vi vbytes(const uint8_t *p, int is_signed) {
+#if VECTORISED && LANES == 16
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    return (vi)(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif VECTORISED
+    __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    return (vi)(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#else
+    vi v;
+    for (int i = 0; i < LANES; i++) v[i] = is_signed ? (int8_t)p[i] : p[i];
+    return v;
+#endif
+}
+
+/* lane i: i + first */
+static inline vi vindex(int first) {
+    vi v;
+    for (int i = 0; i < LANES; i++) v[i] = i + first;
+    return v;
+}
+
+#endif
