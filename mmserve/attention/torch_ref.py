@@ -33,31 +33,51 @@ def attend_own_tokens(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """An encoder step: each request attends within its own new tokens. Requests of similar
-    length run as one padded batch through scaled_dot_product_attention (padded keys masked
-    out, padded queries dropped): the same maths as attend(), without a loop per request."""
+    """An encoder step: each request attends within its own new tokens (attend_within)."""
+    out = torch.empty_like(q)
     lengths = meta.query_lens_cpu
-    if not lengths:
-        return torch.empty_like(q)
-    if min(lengths) == max(lengths):  # the flat batch is [R, L] already: views, no copies
+    attend_within(q, k, v, lengths, list(range(len(lengths))), scale, meta.causal, sliding_window, out)
+    return out
+
+
+def attend_within(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: list[int],
+    requests: list[int],
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Writes out's rows of `requests` (indices into the step's query lengths), each attending
+    within its own new tokens: an encoder's, or a prompt with nothing cached before it.
+    Requests of similar length run as one padded batch through scaled_dot_product_attention
+    (padded keys masked out, padded queries dropped): the same maths as attend(), without a
+    loop per request."""
+    if not requests:
+        return
+    if len(requests) == len(lengths) and min(lengths) == max(lengths):
+        # the flat batch is [R, L] already: views, no copies
         valid = torch.ones(len(lengths), lengths[0], dtype=torch.bool, device=q.device)
         q_pad, k_pad, v_pad = (x.unflatten(0, valid.shape) for x in (q, k, v))
-        attended = _padded_sdpa(q_pad, k_pad, v_pad, valid, scale, meta.causal, sliding_window)
-        return attended.reshape(q.shape).to(q.dtype)
+        attended = _padded_sdpa(q_pad, k_pad, v_pad, valid, scale, causal, sliding_window)
+        out.copy_(attended.reshape(q.shape))
+        return
     starts = list(accumulate(lengths, initial=0))
-    out = torch.empty_like(q)
-    for group in length_groups(lengths):
-        pos = torch.arange(lengths[group[0]], device=q.device)
-        group_lens = torch.tensor([lengths[i] for i in group], device=q.device)
-        group_starts = torch.tensor([starts[i] for i in group], device=q.device)
+    for group in length_groups([lengths[i] for i in requests]):
+        members = [requests[g] for g in group]
+        pos = torch.arange(lengths[members[0]], device=q.device)
+        group_lens = torch.tensor([lengths[i] for i in members], device=q.device)
+        group_starts = torch.tensor([starts[i] for i in members], device=q.device)
         valid = pos < group_lens[:, None]  # [G, L]: which padded slots are real tokens
         rows = torch.where(valid, group_starts[:, None] + pos, 0).flatten()  # [G * L] token rows
         q_pad, k_pad, v_pad = (_rows(x, rows).unflatten(0, valid.shape) for x in (q, k, v))
-        attended = _padded_sdpa(q_pad, k_pad, v_pad, valid, scale, meta.causal, sliding_window)
+        attended = _padded_sdpa(q_pad, k_pad, v_pad, valid, scale, causal, sliding_window)
         keep = valid.flatten()
         attended = attended.reshape(len(rows), -1).to(q.dtype)  # [G * L, H * D]
         out.flatten(1).index_copy_(0, rows[keep], attended[keep])
-    return out
 
 
 def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -96,8 +116,11 @@ def _padded_sdpa(
 class TorchAttentionBackend(AttentionBackend):
     """Decoder steps: the requests that decode one token attend together, through one
     scaled_dot_product_attention over their contexts gathered with one index_select per layer
-    (decode_attention); the others (prompt chunks) loop over requests with the reference
-    attend(). Encoder steps batch requests of similar length through one padded attention each."""
+    (decode_attention); prompts with nothing cached before them attend within their own new
+    tokens, batched as an encoder's are (attend_within; with a float cache, whose values are
+    the new K and V themselves); the others (chunks after a cached prefix, or any prompt with
+    an FP8 cache) loop over requests with the reference attend(). Encoder steps batch requests
+    of similar length through one padded attention each."""
 
     def forward(
         self,
@@ -120,13 +143,18 @@ class TorchAttentionBackend(AttentionBackend):
         if len(plan.rows):
             attended = decode_attention(q[plan.rows], kv_cache, plan, scale, sliding_window, kv_scales)
             out.index_copy_(0, plan.rows, attended)
-        start = 0
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            rows = slice(start, start + q_len)
-            if q_len > 1 or not meta.causal:
-                ctx_k, ctx_v = gather_context(kv_cache, meta.block_tables[i], seq_len, kv_scales)
-                out[rows] = attend(q[rows], ctx_k, ctx_v, scale, meta.causal, sliding_window)
-            start += q_len
+        lengths, fresh = meta.query_lens_cpu, []
+        starts = list(accumulate(lengths, initial=0))
+        for i, (q_len, seq_len) in enumerate(zip(lengths, meta.seq_lens_cpu)):
+            if q_len == 0 or (q_len == 1 and meta.causal):
+                continue  # a decode row, attended above (or a padding one, with no query)
+            if q_len == seq_len and kv_cache.dtype != FP8:
+                fresh.append(i)
+                continue
+            rows = slice(starts[i], starts[i] + q_len)
+            ctx_k, ctx_v = gather_context(kv_cache, meta.block_tables[i], seq_len, kv_scales)
+            out[rows] = attend(q[rows], ctx_k, ctx_v, scale, meta.causal, sliding_window)
+        attend_within(q, k, v, lengths, fresh, scale, meta.causal, sliding_window, out)
         return out
 
 

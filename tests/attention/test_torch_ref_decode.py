@@ -1,7 +1,8 @@
-"""The batched decode path of the torch attention backend (one padded attention for every
-request that decodes a token) equals the per-request reference on random inputs: odd context
-lengths, block boundaries, GQA, sliding windows, FP8 caches, and steps that mix prompt chunks
-with decodes."""
+"""The batched paths of the torch attention backend (one padded attention for every request
+that decodes a token; prompts with nothing cached before them batched by length) equal the
+per-request reference on random inputs: odd context lengths, block boundaries, GQA, sliding
+windows, FP8 caches, and steps that mix fresh prompts and chunks after a cached prefix with
+decodes."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def _reference(q, k, v, cache, meta, scale, window, scales):  # type: ignore[no-
         ([1, 12, 1, 5, 1], [20, 12, 48, 30, 3], 4, 2, None),  # prompt chunks among decodes
         ([7, 1, 3], [7, 50, 19], 6, 3, 16),
         ([9, 4], [9, 20], 4, 4, None),  # no decodes at all
+        ([16, 16, 16], [16, 16, 16], 9, 3, None),  # fresh prompts of one length: views
+        ([40, 3, 25, 1, 6], [40, 3, 25, 30, 6], 8, 4, 8),  # fresh prompts past the window
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
