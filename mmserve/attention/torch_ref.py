@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.attention.backend import AttentionBackend, AttentionMetadata
+from mmserve.kernels import cpu_attention
 from mmserve.kernels.paged_ref import FP8, attend, gather_context, write_kv_cache
 
 
@@ -167,14 +168,15 @@ class DecodePlan:
     slots: torch.Tensor  # [R * S] int64, the cache slot of each request's first S positions
     seq_lens: torch.Tensor  # [R, 1] int64, their context lengths (the query sits at seq_len - 1)
     width: int  # S: the longest of their contexts (shorter ones read slot padding, masked)
+    tables: torch.Tensor  # [R, max_blocks] int32, their block tables (the C library reads them)
 
 
 def decode_plan(meta: AttentionMetadata, block_size: int) -> DecodePlan:
     """The step's DecodePlan, computed by the first layer and kept in meta.derived."""
     cached = meta.derived.get("torch_decode")
     if cached is not None:
-        rows, slots, seq_lens = cached
-        return DecodePlan(rows, slots, seq_lens, slots.numel() // max(1, len(rows)))
+        rows, slots, seq_lens, tables = cached
+        return DecodePlan(rows, slots, seq_lens, slots.numel() // max(1, len(rows)), tables)
     picked = [
         i for i, n in enumerate(meta.query_lens_cpu) if n == 1 and meta.causal
     ]  # (a non-causal step never decodes)
@@ -183,12 +185,13 @@ def decode_plan(meta: AttentionMetadata, block_size: int) -> DecodePlan:
     rows = starts[index]
     width = max((meta.seq_lens_cpu[i] for i in picked), default=0)
     pos = torch.arange(width, device=starts.device)
-    tables = meta.block_tables[index].long()  # [R, max_blocks]
-    slots = tables[:, pos // block_size] * block_size + pos % block_size  # [R, S]
+    tables = meta.block_tables[index]  # [R, max_blocks]
+    slots = tables[:, pos // block_size].long() * block_size + pos % block_size  # [R, S]
     seq_lens = meta.seq_lens[index].long().unsqueeze(1)
     slots = torch.where(pos < seq_lens, slots, 0).flatten()  # padding reads slot 0, masked
-    meta.derived["torch_decode"] = (rows, slots, seq_lens)
-    return DecodePlan(rows, slots, seq_lens, width)
+    tables = tables.to(torch.int32).contiguous()
+    meta.derived["torch_decode"] = (rows, slots, seq_lens, tables)
+    return DecodePlan(rows, slots, seq_lens, width, tables)
 
 
 def decode_attention(
@@ -202,7 +205,12 @@ def decode_attention(
     """q: [R, H, D], one query per decoding request at position seq_len - 1. Returns [R, H, D]:
     attend() for each request, all R in one padded attention. Grouped-query heads ride along
     as extra query rows ([R, Hkv, H / Hkv, D] against [R, Hkv, S, D]): K and V are never
-    repeated."""
+    repeated. A float32 cache on a CPU whose C library built is read in place instead
+    (mmserve.kernels.cpu_attention): no gathered copy."""
+    if cpu_attention.supports(q, kv_cache):
+        return cpu_attention.paged_decode_cpu(
+            q, kv_cache, plan.tables, plan.seq_lens.view(-1), scale, sliding_window
+        )
     num_reqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     k, v = (

@@ -246,8 +246,8 @@ def _path(x: torch.Tensor, use_kernels: bool | None) -> str:
 
 
 def cpu_kernels_available() -> bool:
-    """The CPU's GGUF kernels built on this machine (the loader keeps blocks on the CPU then)."""
-    from mmserve.kernels.cpu_gguf import available
+    """The CPU's C library built on this machine (the loader keeps blocks on the CPU then)."""
+    from mmserve.kernels.cpu_lib import available
 
     return available()
 

@@ -1,8 +1,8 @@
 """The batched paths of the torch attention backend (one padded attention for every request
-that decodes a token; prompts with nothing cached before them batched by length) equal the
-per-request reference on random inputs: odd context lengths, block boundaries, GQA, sliding
-windows, FP8 caches, and steps that mix fresh prompts and chunks after a cached prefix with
-decodes."""
+that decodes a token, or the C library's in-place reads of a float32 cache; prompts with
+nothing cached before them batched by length) equal the per-request reference on random
+inputs: odd context lengths, block boundaries, GQA, sliding windows, FP8 caches, and steps
+that mix fresh prompts and chunks after a cached prefix with decodes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from mmserve.attention.backend import AttentionMetadata
 from mmserve.attention.torch_ref import TorchAttentionBackend
+from mmserve.kernels import cpu_attention, cpu_lib
 from mmserve.kernels.paged_ref import FP8, attend, gather_context, write_kv_cache
 
 BLOCK = 16
@@ -74,6 +75,7 @@ def _reference(q, k, v, cache, meta, scale, window, scales):  # type: ignore[no-
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+@pytest.mark.parametrize("c_library", [True, False])
 def test_decode_path_equals_the_per_request_reference(
     query_lens: list[int],
     seq_lens: list[int],
@@ -81,7 +83,15 @@ def test_decode_path_equals_the_per_request_reference(
     kv_heads: int,
     window: int | None,
     dtype: torch.dtype,
+    c_library: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """c_library: a float32 cache's decodes read in place by the CPU's C library where it
+    builds (mmserve.kernels.cpu_attention); else, and for other caches, gathered for SDPA."""
+    if not c_library:
+        monkeypatch.setattr(cpu_attention, "supports", lambda q, cache: False)
+    elif dtype == torch.float32 and not cpu_lib.available():
+        pytest.skip("the CPU library does not build here")
     meta, cache, gen = _step(query_lens, seq_lens, kv_heads, dtype)
     compute = torch.float32 if dtype == FP8 else dtype
     tokens = sum(query_lens)

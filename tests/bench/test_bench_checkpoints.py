@@ -18,13 +18,13 @@ from mmserve import LLM, SamplingParams
 from mmserve.bench import checkpoints
 from mmserve.bench.checkpoints import FORMATS, shape_checkpoint, write_checkpoint
 from mmserve.bench.gguf_checkpoint import GgufWriter, tensor_type
-from mmserve.kernels import cpu_gguf
+from mmserve.kernels import cpu_lib
 from mmserve.server.models import _quantization
 from tests.utils.tiny_models import make_tiny_tokenizer, tiny_config
 
 # the scheme as the engine runs it on the CPU (a GGUF keeps its blocks where the CPU kernels
 # build, else is dequantised) and as ListModels names it (a GGUF's from its file name)
-_KEPT = cpu_gguf.available()
+_KEPT = cpu_lib.available()
 SCHEMES = {
     "w4a16-g128": ("w4a16-g128", "w4a16-g128"),
     "w4a16-g128-asym": ("w4a16-g128", "w4a16-g128"),

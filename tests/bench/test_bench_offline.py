@@ -14,7 +14,7 @@ import torch
 from mmserve.bench import cli
 from mmserve.bench.models import SHAPES
 from mmserve.bench.roofline import matmul_parameters, step_weight_bytes, throughput_flops
-from mmserve.kernels import cpu_gguf
+from mmserve.kernels import cpu_lib
 from tests.bench.conftest import bench_args
 from tests.utils.tiny_models import (
     TINY_VOCAB_SIZE,
@@ -221,7 +221,7 @@ def test_bench_latency_takes_a_gguf_file(
                        "--output-len", "4", "--max-model-len", "64"))  # fmt: skip
     (line,) = _lines(capsys)
     assert (line["bench"], line["input_len"], line["output_len"]) == ("latency", 8, 4)
-    if cpu_gguf.available():
+    if cpu_lib.available():
         from gguf import GGUFReader
 
         tensors = GGUFReader(path).tensors

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmserve.kernels import cpu_gguf
+from mmserve.kernels import cpu_gguf, cpu_lib
 from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize_ref
 from tests.kernels.test_gguf_gemm import random_blocks
 
-pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="no C compiler with OpenMP here")
+pytestmark = pytest.mark.skipif(not cpu_lib.available(), reason="no C compiler with OpenMP here")
 TYPES = list(FORMATS)
 # 7 blocks of 32, 2 super-blocks of 256 (K a multiple of 16 lanes, not of 128)
 K = {"legacy": 224, "k_quant": 512}
@@ -93,7 +93,7 @@ def test_the_avx2_and_generic_builds_give_the_same_weights(march: str, tmp_path:
     """The library as an AVX2 machine builds it (8 lanes, 2-row tiles) and as a machine
     without AVX2 does (the generic code, which library() does not use): every type's weights
     bit-equal, products of 1-5 rows within float32 rounding."""
-    lib = cpu_gguf.load(cpu_gguf.build(tmp_path, march))
+    lib = cpu_lib.load(cpu_lib.build(tmp_path, march))
     assert lib.gguf_cpu_vectorised() == (march == "haswell")
     for qtype in TYPES:
         blocks = _blocks(qtype, 11)
@@ -122,18 +122,18 @@ def test_no_compiler_leaves_the_library_unavailable(
     the loader then dequantises GGUF weights at load."""
     monkeypatch.setenv("MMSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    cpu_gguf.library.cache_clear()
+    cpu_lib.library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=cpu_gguf.__name__):
-            assert not cpu_gguf.available()
-        assert "CPU GGUF kernels off" in caplog.text
+        with caplog.at_level(logging.WARNING, logger=cpu_lib.__name__):
+            assert not cpu_lib.available()
+        assert "CPU kernels off" in caplog.text
         monkeypatch.delenv("CC")
         monkeypatch.setenv("MMSERVE_CPU_KERNELS", "0")
-        cpu_gguf.library.cache_clear()
-        assert not cpu_gguf.available()
+        cpu_lib.library.cache_clear()
+        assert not cpu_lib.available()
         monkeypatch.delenv("MMSERVE_CPU_KERNELS")
-        cpu_gguf.library.cache_clear()
-        assert cpu_gguf.available()  # built anew into tmp_path
-        assert list((tmp_path / "cpu-kernels").glob("gguf-*.so"))
+        cpu_lib.library.cache_clear()
+        assert cpu_lib.available()  # built anew into tmp_path
+        assert list((tmp_path / "cpu-kernels").glob("mmserve-*.so"))
     finally:
-        cpu_gguf.library.cache_clear()
+        cpu_lib.library.cache_clear()

@@ -11,7 +11,7 @@ import torch
 from mmserve import LLM, SamplingParams
 from mmserve.attention.torch_ref import TorchAttentionBackend
 from mmserve.config import ModelConfig
-from mmserve.kernels import cpu_gguf
+from mmserve.kernels import cpu_lib
 from mmserve.models.gguf import unpermute_rotary
 from mmserve.models.gguf_linear import gguf_quantization
 from mmserve.models.loader import load_model
@@ -43,7 +43,7 @@ def test_smollm2_gguf_matches_transformers() -> None:
         ModelConfig(model=str(SMOLLM2)), "cpu", "float32", TorchAttentionBackend()
     )
     assert (hf_config.model_type, model.num_layers, model.vocab_size) == ("llama", 30, 49152)
-    if cpu_gguf.available():  # the product under test is the C library's
+    if cpu_lib.available():  # the product under test is the C library's
         assert gguf_quantization(model) == "gguf:Q4_1+Q8_0"
     ours = PagedKV(model, num_blocks=8).step(model, [(PagedSeq(), HELLO)])
     del model

@@ -8,7 +8,7 @@
 enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8,
        GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14 };
 
-/* 1 where the build vectorises with AVX-512 or AVX2 (gguf_vec.h; measured faster than float32
+/* 1 where the build vectorises with AVX-512 or AVX2 (cpu_vec.h; measured faster than float32
  * weights); elsewhere the generic code runs, correct but slower */
 int gguf_cpu_vectorised(void);
 int gguf_block_elements(int qtype);  /* 0: not a supported type */

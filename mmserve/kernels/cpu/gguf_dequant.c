@@ -3,11 +3,11 @@
  * Compiled with -ffp-contract=off: d * q + m is two roundings, as in the reference, so every
  * weight comes out bit-equal to the dequantised-at-load path. The block layouts are ggml's
  * block_q4_0 ... block_q6_K structs, little-endian (mmserve/kernels/gguf_blocks.py lists them).
- * Every block is read LANES elements at a time (gguf_vec.h): bytes widened to int32 lanes,
+ * Every block is read LANES elements at a time (cpu_vec.h): bytes widened to int32 lanes,
  * then masked, shifted and converted there.
  */
 #include "gguf_cpu.h"
-#include "gguf_vec.h"
+#include "cpu_vec.h"
 
 #if defined(__F16C__)
 #include <immintrin.h>

@@ -10,7 +10,7 @@
  * second pool spinning against torch's).
  */
 #include "gguf_cpu.h"
-#include "gguf_vec.h"
+#include "cpu_vec.h"
 
 #include <stdlib.h>
 

@@ -1,10 +1,10 @@
-/* The vectors the GGUF library computes on: LANES float32 / int32 lanes (GCC / Clang vector
+/* The vectors the CPU library computes on: LANES float32 / int32 lanes (GCC / Clang vector
  * extensions), 16 with AVX-512, 8 with AVX2, and bytes widened to int32 lanes by the ISA's
  * own instructions. GCC 12 turns a generic uint8 -> int32 vector conversion into one scalar
  * conversion per byte (a 6x slower dequantisation, measured), so the generic build (no AVX2)
  * is correct but not fast: gguf_cpu_vectorised() says which this build is. */
-#ifndef MMSERVE_GGUF_VEC_H
-#define MMSERVE_GGUF_VEC_H
+#ifndef MMSERVE_CPU_VEC_H
+#define MMSERVE_CPU_VEC_H
 
 #include <stdint.h>
 #include <string.h>
@@ -51,6 +51,21 @@ static inline vi vbytes(const uint8_t *p, int is_signed) {
     vi v;
     for (int i = 0; i < LANES; i++) v[i] = is_signed ? (int8_t)p[i] : p[i];
     return v;
+#endif
+}
+
+/* the sum of the lanes, as a tree */
+static inline float vsum(vf v) {
+#if VECTORISED && LANES == 16
+    return _mm512_reduce_add_ps((__m512)v);
+#elif VECTORISED
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+#else
+    float s = 0.0f;
+    for (int i = 0; i < LANES; i++) s += v[i];
+    return s;
 #endif
 }
 

@@ -1,0 +1,125 @@
+"""The CPU's C library (mmserve/kernels/cpu/): GGUF products (mmserve.kernels.cpu_gguf) and decode
+attention over the paged KV cache (mmserve.kernels.cpu_attention). Built at first use by the
+machine's C compiler for its own processor (-march=native) and cached under
+MMSERVE_CACHE_DIR/cpu-kernels; its threads are torch's own OpenMP runtime (the library links
+libgomp.so.1, which resolves to the one torch loaded).
+
+Where it cannot be built (no C compiler, no OpenMP, torch not on OpenMP, MMSERVE_CPU_KERNELS=0)
+or is not vectorised (x86-64 with AVX2 or AVX-512 only: the generic code was measured slower
+than float32 weights) library() is None, and the callers keep their torch paths: a GGUF is
+dequantised once at load, decode attention gathers its context for scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mmserve import envs
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
+EXACT_SOURCES = ("gguf_dequant",)  # compiled without fused multiply-adds
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The library built for this machine, or None where it cannot be had (the reason logged
+    once)."""
+    if not envs.cpu_kernels_enabled():
+        return None
+    if "OpenMP" not in torch.__config__.parallel_info().split("parallel backend:")[-1]:
+        logger.info("CPU kernels off: torch's parallel backend is not OpenMP")
+        return None
+    try:
+        lib = load(build(envs.cache_dir() / "cpu-kernels"))
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("CPU kernels off (GGUF weights dequantised at load): %s", e)
+        return None
+    if not lib.gguf_cpu_vectorised():
+        logger.info("CPU kernels off: no AVX2 or AVX-512 here (the generic build is slower)")
+        return None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library with its functions' signatures set."""
+    lib = ctypes.CDLL(str(path))
+    for fn in (lib.gguf_gemm_f32, lib.gguf_dequant_f32, lib.gguf_cpu_vectorised):
+        fn.restype = ctypes.c_int
+    lib.gguf_gemm_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64]
+    lib.gguf_dequant_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _PTR]
+    lib.paged_decode_f32.restype = ctypes.c_int
+    lib.paged_decode_f32.argtypes = [ctypes.c_int, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR,
+                                     _I64, _I64, ctypes.c_float, _I64, _PTR]  # fmt: skip
+    return lib
+
+
+def build(folder: Path, march: str = "native") -> Path:
+    """Compiles the sources for -march=`march` into folder, once per source, compiler, target
+    and processor; concurrent builders each write their own file and rename it."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler (cc) on PATH")
+    version = subprocess.run([cc, "--version"], check=True, capture_output=True, text=True, timeout=30).stdout
+    sources = sorted(SOURCE_DIR.glob("*.[ch]"))
+    key = hashlib.sha256()
+    for part in (version, march, platform.machine(), _cpu_flags(), *(p.read_text() for p in sources)):
+        key.update(part.encode())
+    target = folder / f"mmserve-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        objects = []
+        for source in (p for p in sources if p.suffix == ".c"):
+            # the dequantisation rounds as the reference does: no fused multiply-add
+            contract = "off" if source.stem in EXACT_SOURCES else "fast"
+            obj = Path(tmp) / f"{source.stem}.o"
+            _compile([cc, "-O3", f"-march={march}", "-fPIC", "-fopenmp", f"-ffp-contract={contract}",
+                      "-Wno-psabi", "-c", str(source), "-o", str(obj)])  # fmt: skip
+            objects.append(str(obj))
+        built = Path(tmp) / "lib.so"
+        _compile([cc, "-shared", "-fopenmp", *objects, "-o", str(built)])
+        os.replace(built, target)
+    return target
+
+
+def _compile(command: list[str]) -> None:
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise OSError(f"{Path(command[0]).name} failed: {done.stderr.strip()[-500:]}")
+
+
+def _cpu_flags() -> str:
+    """The processor's feature flags (-march=native builds for them), where Linux lists them."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def require(lib: ctypes.CDLL | None = None) -> ctypes.CDLL:
+    """lib, else this machine's library; raises where there is none."""
+    lib = lib or library()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available on this machine")
+    return lib

@@ -1,0 +1,56 @@
+"""The CPU library's decode attention (mmserve/kernels/cpu_attention.py, cpu/paged_decode.c)
+against the per-request reference attend() on random inputs: contexts read in place from
+shuffled cache blocks, odd lengths and block boundaries, grouped-query heads, sliding windows,
+a head size that is not a multiple of the vector width; and the torch backend takes it for a
+float32 cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmserve.kernels import cpu_attention, cpu_lib
+from mmserve.kernels.paged_ref import attend, gather_context
+
+pytestmark = pytest.mark.skipif(not cpu_lib.available(), reason="the CPU library does not build here")
+BLOCK = 16
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "heads", "kv_heads", "dim", "window"),
+    [
+        ([1], 4, 4, 64, None),
+        ([5, 17, 16, 33, 1, 130], 9, 3, 64, None),
+        ([40, 7, 64, 65], 8, 2, 128, 9),
+        ([3, 300, 31], 12, 4, 72, None),  # 72: a tail past the last whole vector
+        ([50, 20], 6, 6, 80, 50),  # a window as long as a context
+    ],
+)
+def test_decode_equals_the_per_request_reference(
+    seq_lens: list[int], heads: int, kv_heads: int, dim: int, window: int | None
+) -> None:
+    gen = torch.Generator().manual_seed(len(seq_lens) * dim)
+    blocks = [-(-n // BLOCK) for n in seq_lens]
+    num_blocks = sum(blocks) + 5
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    first = 0
+    for i, count in enumerate(blocks):
+        tables[i, :count] = order[first : first + count]
+        first += count
+    cache = torch.randn(2, num_blocks, BLOCK, kv_heads, dim, generator=gen)
+    q = torch.randn(len(seq_lens), heads, dim, generator=gen)
+    assert cpu_attention.supports(q, cache)
+    got = cpu_attention.paged_decode_cpu(q, cache, tables, torch.tensor(seq_lens), dim**-0.5, window)
+    for i, n in enumerate(seq_lens):
+        k, v = gather_context(cache, tables[i], n)
+        expected = attend(q[i : i + 1], k, v, dim**-0.5, True, window)[0]
+        torch.testing.assert_close(got[i], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_only_float32_caches_and_fitting_shapes() -> None:
+    q, cache = torch.randn(2, 4, 64), torch.randn(2, 3, BLOCK, 2, 64)
+    assert not cpu_attention.supports(q.bfloat16(), cache.bfloat16())
+    assert not cpu_attention.supports(q, cache.transpose(3, 4))  # not contiguous
+    with pytest.raises(ValueError, match="do not fit together"):
+        cpu_attention.paged_decode_cpu(q, cache[..., :32], torch.zeros(2, 1, dtype=torch.int32), torch.tensor([3, 4]), 0.1, None)
