@@ -18,8 +18,8 @@ from mmserve.settings import env_name, parse_bool, parse_bytes, parse_list
 
 # the parsers and names of settings are re-exported for the callers of this module
 __all__ = [
-    "bench_data_dir", "bench_profile_path", "cache_dir", "cpu_kernels_enabled", "env_name", "parse_bool", "parse_bytes",
-    "parse_list", "serve_env",
+    "bench_data_dir", "bench_profile_path", "cache_dir", "cpu_kernels_enabled", "env_name",
+    "parse_bool", "parse_bytes", "parse_list", "serve_env",
 ]  # fmt: skip
 
 
@@ -47,8 +47,9 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def cpu_kernels_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """MMSERVE_CPU_KERNELS (default on): the C kernels built at first use for GGUF blocks on the
-    CPU (mmserve.kernels.cpu_gguf); 0 keeps GGUF weights dequantised at load there."""
+    """MMSERVE_CPU_KERNELS (default on): the CPU's C library, built at first use
+    (mmserve.kernels.cpu_lib: GGUF products, decode attention); 0 keeps the torch paths (GGUF
+    weights dequantised at load, the KV cache gathered for attention)."""
     environ = os.environ if environ is None else environ
     raw = environ.get("MMSERVE_CPU_KERNELS", "").strip()
     return parse_bool(raw) if raw else True
