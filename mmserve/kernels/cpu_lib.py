@@ -47,7 +47,7 @@ def library() -> ctypes.CDLL | None:
     try:
         lib = load(build(envs.cache_dir() / "cpu-kernels"))
     except (OSError, subprocess.SubprocessError) as e:
-        logger.warning("CPU kernels off (GGUF weights dequantised at load): %s", e)
+        logger.warning("CPU kernels off (the torch paths run instead): %s", e)
         return None
     if not lib.gguf_cpu_vectorised():
         logger.info("CPU kernels off: no AVX2 or AVX-512 here (the generic build is slower)")
