@@ -32,6 +32,12 @@ from mmserve_client.v1 import inference_pb2, inference_pb2_grpc
 logger = logging.getLogger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 HEALTH_POLL_S = 0.5  # how often engine liveness is mirrored into health
+# A drain keeps refusing calls (UNAVAILABLE, which clients retry on another replica) at least
+# this long (within the grace) before the gRPC server stops: clients' health watches learn
+# NOT_SERVING meanwhile. A call that reaches a stopping gRPC server before a handler takes it is
+# CANCELLED (grpc/grpc#41785), which no client retries; seen when the server stopped 13 ms after
+# NOT_SERVING, three callers on two replicas, a loaded 2-core machine.
+DRAIN_SETTLE_S = 0.5
 RESTARTS, RESTART_WINDOW_S = 3, 600.0  # a model's engine restarts at most this often
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -204,8 +210,8 @@ class MMServer:
         await self._set_health(handle.name, SERVING)
 
     async def drain(self, grace: float | None = None) -> None:
-        """Refuses new calls (UNAVAILABLE), waits for running ones up to `grace` seconds,
-        cancels what is left, and stops the engines."""
+        """Refuses new calls (UNAVAILABLE), waits for running ones up to `grace` seconds (and
+        at least DRAIN_SETTLE_S of it), cancels what is left, and stops the engines."""
         grace = self.config.shutdown_grace if grace is None else grace
         start = time.monotonic()
         self.admission.draining = True
@@ -213,6 +219,9 @@ class MMServer:
         logger.info("draining: %d calls in flight, up to %.0fs", self.admission.in_flight, grace)
         if not await self.admission.wait_idle(grace):
             logger.warning("grace period over: cancelling %d calls", self.admission.in_flight)
+        settle = min(grace, DRAIN_SETTLE_S) - (time.monotonic() - start)
+        if settle > 0:
+            await asyncio.sleep(settle)
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self._server is not None:
