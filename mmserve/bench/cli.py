@@ -36,6 +36,7 @@ from mmserve.frontend.frontend import FrontEnd
 # measured on the H200 (issue 5; BENCHMARKS.md): bf16 matmul at 8192^3, and torch._scaled_mm
 # with row-wise FP8 scales on Llama-3-8B's projections at 1k-16k rows
 BF16_MATMUL_TFLOPS = 800.0
+H200_COPY_GBS = 4180.0  # the H200's measured copy bandwidth
 FP8_MATMUL_TFLOPS = 1300.0
 # the kinds that share one engine when combined (latency,decode,...), in the order they run
 OFFLINE_KINDS = ("latency", "decode", "prefill", "throughput")
@@ -72,10 +73,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--engine-process", action="store_true",
                    help="serve, embed: run the (gRPC side's) engine core in its own process "
                         "(as `mmserve serve` on CUDA; embed does so on CUDA anyway)")
-    p.add_argument("--bandwidth-gbs", type=float, default=4180.0, help="measured copy bandwidth, for the roofline")
+    p.add_argument("--bandwidth-gbs", type=float, default=None,
+                   help=f"measured read bandwidth, for the roofline (default: on CUDA the H200's "
+                        f"{H200_COPY_GBS:.0f}; on the CPU none, and no roofline)")
     p.add_argument("--matmul-tflops", type=float, default=None,
-                   help="measured matmul rate for throughput's FLOP bound (default: the H200's, "
-                        f"{BF16_MATMUL_TFLOPS:.0f} bf16, {FP8_MATMUL_TFLOPS:.0f} with --quantization fp8)")
+                   help="measured matmul rate for throughput's FLOP bound (default: on CUDA the "
+                        f"H200's, {BF16_MATMUL_TFLOPS:.0f} bf16, {FP8_MATMUL_TFLOPS:.0f} with "
+                        "--quantization fp8; on the CPU none, and no bound)")
     p.add_argument("--baseline", action="store_true", help="also time transformers generate")
     p.add_argument("--rounds", type=int, default=1,
                    help="latency, decode, prefill, throughput: run each kind this many times, "
@@ -178,9 +182,18 @@ def _summary(kind: str, ours: list[dict[str, Any]], theirs: list[dict[str, Any]]
     _emit(**line)
 
 
+def _limits(b: Offline, args: argparse.Namespace) -> tuple[float | None, float | None]:
+    """(GB/s, TFLOP/s) the rooflines are drawn at: the flags, else the H200's on CUDA; on the
+    CPU none unless given (a machine's own limits are not known here)."""
+    cuda = b.engine.info.device.startswith("cuda")
+    bandwidth = args.bandwidth_gbs or (H200_COPY_GBS if cuda else None)
+    return bandwidth, args.matmul_tflops or (matmul_tflops(b.quantization) if cuda else None)
+
+
 def _latency(b: Offline, args: argparse.Namespace) -> dict[str, Any]:
     lat = offline.latency(b.engine, args.input_len, args.output_len)
-    floor_ms = 1e3 * b.weight_bytes / (args.bandwidth_gbs * 1e9) if b.weight_bytes else None
+    gbs, _ = _limits(b, args)
+    floor_ms = 1e3 * b.weight_bytes / (gbs * 1e9) if b.weight_bytes and gbs else None
     return _emit(bench="latency", **asdict(lat), quantization=b.quantization,
                  weight_bytes=b.weight_bytes, bandwidth_floor_ms=floor_ms,
                  fraction_of_roofline=floor_ms / lat.decode_ms_median if floor_ms else None)  # fmt: skip
@@ -193,11 +206,12 @@ def _decode(b: Offline, args: argparse.Namespace) -> dict[str, Any]:
     line: dict[str, Any] = {}
     for batch in parse_batch_sizes(args.batch_sizes) if args.batch_sizes else [args.batch_size]:
         ms, kv_bytes = decode_step_ms(b.engine, batch, context)
-        floor_ms = 1e3 * ((b.weight_bytes or 0) + kv_bytes) / (args.bandwidth_gbs * 1e9)
+        gbs, _ = _limits(b, args)
+        floor_ms = 1e3 * ((b.weight_bytes or 0) + kv_bytes) / (gbs * 1e9) if gbs else None
         line = _emit(bench="decode", batch_size=batch, context=context, step_ms=ms,
                      quantization=b.quantization, weight_bytes=b.weight_bytes,
                      kv_bytes_read=kv_bytes, roofline_ms=floor_ms,
-                     ratio_to_roofline=ms / floor_ms)  # fmt: skip
+                     ratio_to_roofline=ms / floor_ms if floor_ms else None)  # fmt: skip
     return line  # the last batch size's
 
 
@@ -216,8 +230,8 @@ def _throughput(b: Offline, args: argparse.Namespace) -> dict[str, Any]:
         throughput_flops(b.config, args.num_requests, args.input_len, args.output_len)
         if b.weight_bytes else None
     )  # fmt: skip
-    tflops = args.matmul_tflops or matmul_tflops(b.quantization)
-    bound_s = flops / (tflops * 1e12) if flops else None
+    _, tflops = _limits(b, args)
+    bound_s = flops / (tflops * 1e12) if flops and tflops else None
     return _emit(bench="throughput", **asdict(r), quantization=b.quantization,
                  output_tokens_per_s=r.output_tokens_per_s,
                  total_tokens_per_s=r.total_tokens_per_s, matmul_tflops=tflops,
