@@ -20,9 +20,8 @@ import torch
 
 from mmserve.kernels._common import matmul_in_column_chunks
 from mmserve.kernels.cpu_lib import require
+from mmserve.kernels.gguf_blocks import FORMATS, check_blocks
 
-# ggml's type ids, as the library's switch takes them (gguf_cpu.h)
-TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # more rows than this: dequantised in chunks + torch.matmul. SmolLM2's layers, 2 cores: the
 # library's product costs about what torch.matmul on float32 weights does up to 128 rows
 # (64: 114 against 104 ms, 128: 228 against 245), and loses above (512: 891 against 752)
@@ -30,26 +29,26 @@ MAX_ROWS = 128
 CHUNK_ELEMENTS = 1 << 22  # the many-rows path dequantises at most this many weights at a time
 
 
-def _check(blocks: torch.Tensor, qtype: str, k: int) -> None:
-    if qtype not in TYPE_IDS:
-        raise ValueError(f"qtype {qtype!r} is not one of {list(TYPE_IDS)}")
-    if blocks.device.type != "cpu" or blocks.dtype != torch.uint8 or blocks.dim() != 3:
-        raise ValueError(f"blocks must be uint8 [N, blocks, bytes] on the CPU, got {blocks.dtype} {list(blocks.shape)}")
-    if not blocks.is_contiguous():
-        raise ValueError("blocks must be contiguous")
-    elements = 256 if qtype.endswith("_K") else 32
-    if blocks.shape[1] * elements != k:
-        raise ValueError(f"x must be [M, K] with K = {blocks.shape[1] * elements}, got K = {k}")
+def _check(blocks: torch.Tensor, qtype: str, k: int | None) -> int:
+    """blocks are qtype's (uint8 [N, K // e, bytes of a qtype block], contiguous, on the CPU:
+    the library reads exactly that many bytes), for K = k if given; returns qtype's ggml type
+    id."""
+    fmt = check_blocks("blocks", blocks, qtype)
+    if blocks.device.type != "cpu":
+        raise ValueError(f"blocks must be on the CPU, got {blocks.device}")
+    if k is not None and blocks.shape[1] * fmt.elements != k:
+        raise ValueError(f"x must be [M, K] with K = {blocks.shape[1] * fmt.elements}, got K = {k}")
+    return fmt.type_id
 
 
 def gguf_dequantize_cpu(blocks: torch.Tensor, qtype: str, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """uint8 blocks [N, K // e, bytes] -> float32 [N, K], bit-equal to the gguf package. lib:
     another build of the library (tests), else this machine's."""
-    k = blocks.shape[1] * (256 if qtype.endswith("_K") else 32)
-    _check(blocks, qtype, k)
+    type_id = _check(blocks, qtype, None)
+    k = blocks.shape[1] * FORMATS[qtype].elements
     out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
-    status = require(lib).gguf_dequant_f32(TYPE_IDS[qtype], torch.get_num_threads(), blocks.data_ptr(),
-                                     blocks.shape[0], k, out.data_ptr())  # fmt: skip
+    status = require(lib).gguf_dequant_f32(type_id, torch.get_num_threads(), blocks.data_ptr(),
+                                           blocks.shape[0], k, out.data_ptr())  # fmt: skip
     if status:
         raise RuntimeError(f"gguf_dequant_f32 failed ({status})")
     return out
@@ -63,7 +62,7 @@ def gguf_gemm_cpu(
     CHUNK_ELEMENTS at a time and torch.matmul."""
     if x.dim() != 2 or x.device.type != "cpu" or not x.is_floating_point():
         raise ValueError(f"x must be a float [M, K] CPU tensor, got {x.dtype} {list(x.shape)} on {x.device}")
-    _check(blocks, qtype, x.shape[1])
+    type_id = _check(blocks, qtype, x.shape[1])
     xf = x.float()
     m, n = x.shape[0], blocks.shape[0]
     if m > MAX_ROWS:
@@ -75,8 +74,8 @@ def gguf_gemm_cpu(
             xf = xf.contiguous()
         out = torch.empty(m, n, dtype=torch.float32)
         if m and n:
-            status = require(lib).gguf_gemm_f32(TYPE_IDS[qtype], torch.get_num_threads(), xf.data_ptr(), m,
-                                          x.shape[1], xf.stride(0), blocks.data_ptr(), n, out.data_ptr(), n)  # fmt: skip
+            status = require(lib).gguf_gemm_f32(type_id, torch.get_num_threads(), xf.data_ptr(), m, x.shape[1],
+                                                xf.stride(0), blocks.data_ptr(), n, out.data_ptr(), n)  # fmt: skip
             if status:
                 raise RuntimeError(f"gguf_gemm_f32 failed ({status})")
     return out if x.dtype == torch.float32 else out.to(x.dtype)

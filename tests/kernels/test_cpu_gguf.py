@@ -113,6 +113,10 @@ def test_bad_inputs_are_refused_naming_them() -> None:
         cpu_gguf.gguf_gemm_cpu(torch.randn(2, 224), blocks, "Q2_K")
     with pytest.raises(ValueError, match="blocks must be uint8"):
         cpu_gguf.gguf_gemm_cpu(torch.randn(2, 224), blocks.float(), "Q8_0")
+    with pytest.raises(ValueError, match="34 bytes per Q8_0 block"):  # (Q4_1's 20-byte blocks)
+        cpu_gguf.gguf_gemm_cpu(torch.randn(2, 224), _blocks("Q4_1", 4), "Q8_0")
+    with pytest.raises(ValueError, match="blocks must be contiguous"):
+        cpu_gguf.gguf_dequantize_cpu(_blocks("Q8_0", 4)[::2], "Q8_0")
 
 
 def test_no_compiler_leaves_the_library_unavailable(
