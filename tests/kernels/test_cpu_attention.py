@@ -52,5 +52,10 @@ def test_only_float32_caches_and_fitting_shapes() -> None:
     q, cache = torch.randn(2, 4, 64), torch.randn(2, 3, BLOCK, 2, 64)
     assert not cpu_attention.supports(q.bfloat16(), cache.bfloat16())
     assert not cpu_attention.supports(q, cache.transpose(3, 4))  # not contiguous
+    tables = torch.tensor([[0], [2]], dtype=torch.int32)
     with pytest.raises(ValueError, match="do not fit together"):
-        cpu_attention.paged_decode_cpu(q, cache[..., :32], torch.zeros(2, 1, dtype=torch.int32), torch.tensor([3, 4]), 0.1, None)
+        cpu_attention.paged_decode_cpu(q, cache[..., :32], tables, torch.tensor([3, 4]), 0.1, None)
+    # a block id past the cache, or a context longer than its table: refused, nothing read
+    for bad_tables, lens in ((torch.tensor([[0], [3]], dtype=torch.int32), [3, 4]), (tables, [3, 17])):
+        with pytest.raises(RuntimeError, match=r"failed \(-3\)"):
+            cpu_attention.paged_decode_cpu(q, cache, bad_tables, torch.tensor(lens), 0.1, None)

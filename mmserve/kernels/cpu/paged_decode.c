@@ -46,13 +46,19 @@ static inline float dot(const float *a, const float *b, int64_t d) {
  * position seq_lens[i] - 1 and sees positions > seq_lens[i] - 1 - window (window <= 0: all).
  * Query heads h of kv head j: j * group .. (j + 1) * group - 1. A thread takes a request at a
  * time and reads each position's K and V for every head at once (one contiguous row).
- * Returns 0, -2 when a buffer could not be allocated. */
+ * Returns 0; -2 when a buffer could not be allocated; -3 for a context length out of its table
+ * or a block id out of the cache (nothing read). */
 int paged_decode_f32(int threads, const float *q, const float *cache, int64_t num_blocks,
                      int64_t block_size, int64_t kv_heads, int64_t d, const int32_t *tables,
                      int64_t max_blocks, const int64_t *seq_lens, int64_t reqs, int64_t heads,
                      float scale, int64_t window, float *out) {
     int64_t group = heads / kv_heads, longest = 0, row = kv_heads * d;
-    for (int64_t i = 0; i < reqs; i++) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
+    for (int64_t i = 0; i < reqs; i++) {  /* every block a request reads is in the cache */
+        if (seq_lens[i] < 1 || seq_lens[i] > max_blocks * block_size) return -3;
+        for (int64_t b = 0; b < (seq_lens[i] + block_size - 1) / block_size; b++)
+            if (tables[i * max_blocks + b] < 0 || tables[i * max_blocks + b] >= num_blocks) return -3;
+        longest = seq_lens[i] > longest ? seq_lens[i] : longest;
+    }
     const float *values = cache + num_blocks * block_size * row;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
