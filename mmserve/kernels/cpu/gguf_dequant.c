@@ -6,91 +6,18 @@
  * Every block is read LANES elements at a time (cpu_vec.h): bytes widened to int32 lanes,
  * then masked, shifted and converted there.
  */
-#include "gguf_cpu.h"
-#include "cpu_vec.h"
+#include "gguf_legacy.h"
 
-#if defined(__F16C__)
-#include <immintrin.h>
-static inline float f16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-#else
-static inline float f16(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);  /* inf, nan */
-    } else if (exp) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man) {  /* subnormal: normalise */
-        int shift = 0;
-        while (!(man & 0x400)) { man <<= 1; shift++; }
-        bits = sign | ((uint32_t)(113 - shift) << 23) | ((man & 0x3ff) << 13);
-    } else {
-        bits = sign;
+/* 32-element blocks (gguf_legacy.h): q d, plus m for the types with one (not + 0: that would
+ * turn a -0 into +0). */
+static inline void legacy(int qtype, const uint8_t *restrict b, float *restrict y) {
+    vi q[32 / LANES];
+    float d, m;
+    legacy_ints(qtype, b, q, &d, &m);
+    for (int i = 0; i < 32 / LANES; i++) {
+        vf w = vfloat(q[i]) * d;
+        vstore(y + i * LANES, qtype == GGUF_Q4_1 || qtype == GGUF_Q5_1 ? w + m : w);
     }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-#endif
-
-static inline uint32_t u32(const uint8_t *p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
-}
-
-/* 32-element blocks. Q4_0: d, 16 bytes of nibbles (element j low, j + 16 high), (q - 8) d.
- * Q4_1: d, m, q d + m. Q5_0 / Q5_1: the same with element j's fifth bit as bit j of qh. Q8_0:
- * d, 32 int8. */
-static inline void q4_0(const uint8_t *restrict b, float *restrict y) {
-    vf d = vsplat(f16(b));
-    for (int j = 0; j < 16; j += LANES) {
-        vi q = vbytes(b + 2 + j, 0);
-        vstore(y + j, vfloat((q & 0x0f) - 8) * d);
-        vstore(y + 16 + j, vfloat((q >> 4) - 8) * d);
-    }
-}
-
-static inline void q4_1(const uint8_t *restrict b, float *restrict y) {
-    vf d = vsplat(f16(b)), m = vsplat(f16(b + 2));
-    for (int j = 0; j < 16; j += LANES) {
-        vi q = vbytes(b + 4 + j, 0);
-        vstore(y + j, vfloat(q & 0x0f) * d + m);
-        vstore(y + 16 + j, vfloat(q >> 4) * d + m);
-    }
-}
-
-/* the fifth bits of elements j .. j + LANES (bits j .. of qh), as 16s */
-static inline vi fifth(uint32_t qh, int j) {
-    vi bits = (vi){0} + (int32_t)qh;  /* (bit 31 of qh sign-extends; only bit j + lane is kept) */
-    return ((bits >> vindex(j)) & 1) << 4;
-}
-
-static inline void q5_0(const uint8_t *restrict b, float *restrict y) {
-    vf d = vsplat(f16(b));
-    uint32_t qh = u32(b + 2);
-    for (int j = 0; j < 16; j += LANES) {
-        vi q = vbytes(b + 6 + j, 0);
-        vstore(y + j, vfloat(((q & 0x0f) | fifth(qh, j)) - 16) * d);
-        vstore(y + 16 + j, vfloat(((q >> 4) | fifth(qh, j + 16)) - 16) * d);
-    }
-}
-
-static inline void q5_1(const uint8_t *restrict b, float *restrict y) {
-    vf d = vsplat(f16(b)), m = vsplat(f16(b + 2));
-    uint32_t qh = u32(b + 4);
-    for (int j = 0; j < 16; j += LANES) {
-        vi q = vbytes(b + 8 + j, 0);
-        vstore(y + j, vfloat((q & 0x0f) | fifth(qh, j)) * d + m);
-        vstore(y + 16 + j, vfloat((q >> 4) | fifth(qh, j + 16)) * d + m);
-    }
-}
-
-static inline void q8_0(const uint8_t *restrict b, float *restrict y) {
-    vf d = vsplat(f16(b));
-    for (int j = 0; j < 32; j += LANES) vstore(y + j, vfloat(vbytes(b + 2 + j, 1)) * d);
 }
 
 /* The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (12 bytes at q). */
@@ -183,11 +110,11 @@ void gguf_dequant_row(int qtype, const uint8_t *restrict row, int64_t k, float *
     int64_t elements = gguf_block_elements(qtype), bytes = gguf_block_bytes(qtype);
     int64_t blocks = elements ? k / elements : 0;
     switch (qtype) {
-    case GGUF_Q4_0: EACH_BLOCK(q4_0(row, y)); break;
-    case GGUF_Q4_1: EACH_BLOCK(q4_1(row, y)); break;
-    case GGUF_Q5_0: EACH_BLOCK(q5_0(row, y)); break;
-    case GGUF_Q5_1: EACH_BLOCK(q5_1(row, y)); break;
-    case GGUF_Q8_0: EACH_BLOCK(q8_0(row, y)); break;
+    case GGUF_Q4_0: EACH_BLOCK(legacy(GGUF_Q4_0, row, y)); break;
+    case GGUF_Q4_1: EACH_BLOCK(legacy(GGUF_Q4_1, row, y)); break;
+    case GGUF_Q5_0: EACH_BLOCK(legacy(GGUF_Q5_0, row, y)); break;
+    case GGUF_Q5_1: EACH_BLOCK(legacy(GGUF_Q5_1, row, y)); break;
+    case GGUF_Q8_0: EACH_BLOCK(legacy(GGUF_Q8_0, row, y)); break;
     case GGUF_Q4_K: EACH_BLOCK(q45_k(row, y, 0)); break;
     case GGUF_Q5_K: EACH_BLOCK(q45_k(row, y, 1)); break;
     case GGUF_Q6_K: EACH_BLOCK(q6_k(row, y)); break;

@@ -9,8 +9,7 @@
  * library links libgomp.so.1, which resolves to the runtime torch loaded (the same threads, no
  * second pool spinning against torch's).
  */
-#include "gguf_cpu.h"
-#include "cpu_vec.h"
+#include "gguf_legacy.h"
 
 #include <stdlib.h>
 
@@ -63,6 +62,26 @@ static void tiles(int64_t m, int channels, const float *x, int64_t ldx, const fl
     }
 }
 
+/* One row of x against one output channel of 32-element blocks, without dequantising:
+ * sum_b d_b (sum_j x_j q_bj) + m_b (sum_j x_j), the block's integers times x in float32 lanes,
+ * scaled once per block; xsums[b]: x's sum over block b (used by the types with an m). The
+ * weights are the file's; the sums run in another order than x . (q d + m). */
+static float legacy_dot(int qtype, const float *x, const float *xsums, const uint8_t *row,
+                        int64_t blocks, int64_t bytes) {
+    vf total = vsplat(0.0f);
+    float mins = 0.0f;
+    for (int64_t b = 0; b < blocks; b++, row += bytes, x += 32) {
+        vi q[32 / LANES];
+        float d, m;
+        legacy_ints(qtype, row, q, &d, &m);
+        vf acc = vfloat(q[0]) * vload(x);
+        for (int i = 1; i < 32 / LANES; i++) acc += vfloat(q[i]) * vload(x + i * LANES);
+        total += acc * d;
+        mins += m * xsums[b];
+    }
+    return vsum(total) + mins;
+}
+
 /* On `threads` OpenMP threads. Returns 0; -1 for an unsupported type or a k that is not whole
  * blocks; -2 when a thread's buffer could not be allocated. */
 int gguf_gemm_f32(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
@@ -70,6 +89,20 @@ int gguf_gemm_f32(int qtype, int threads, const float *x, int64_t m, int64_t k, 
     int64_t elements = gguf_block_elements(qtype);
     if (!elements || k % elements) return -1;
     int64_t row_bytes = k / elements * gguf_block_bytes(qtype);
+    if (m == 1 && is_legacy(qtype)) {  /* a decode step of one request: no buffer */
+        float *xsums = malloc(sizeof(float) * (k / 32));
+        if (!xsums) return -2;
+        for (int64_t b = 0; b < k / 32; b++) {
+            float sum = 0.0f;
+            for (int j = 0; j < 32; j++) sum += x[32 * b + j];
+            xsums[b] = sum;
+        }
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t c = 0; c < n; c++)
+            out[c] = legacy_dot(qtype, x, xsums, w + c * row_bytes, k / 32, gguf_block_bytes(qtype));
+        free(xsums);
+        return 0;
+    }
     int64_t groups = (n + CHANNELS - 1) / CHANNELS;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
