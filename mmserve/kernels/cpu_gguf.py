@@ -8,7 +8,9 @@ the file's, as the dequantised-at-load path has them) into a buffer the size of 
 multiplies it there, float32 sums.
 
 Up to MAX_ROWS rows (decode steps, short prompts) run that product; more dequantise the weight
-in chunks and multiply with torch.matmul, which is faster there. Where the library is not
+in chunks and multiply with torch.matmul, which is faster there. One row against 32-element
+blocks (a decode step of one request) skips the buffer: each block's integers times x, scaled
+by its d once, plus its m times x's block sum; the same weights, the sums in another order. Where the library is not
 available (cpu_lib) the loader keeps the other path: the GGUF dequantised once at load.
 """
 

@@ -5,7 +5,8 @@
  * bytes of Q4_1's. Each thread takes 4 output channels at a time, dequantises their rows into a
  * float buffer of its own (exactly, gguf_dequant.c: 4 x K floats, in L1/L2) and multiplies it
  * with x in register tiles of up to ROWS rows x 4 channels of LANES-wide float32 sums, so the
- * blocks are read from memory once per call whatever the rows. Threads are OpenMP's: the
+ * blocks are read from memory once per call whatever the rows (one row against 32-element
+ * blocks skips the buffer: legacy_dot). Threads are OpenMP's: the
  * library links libgomp.so.1, which resolves to the runtime torch loaded (the same threads, no
  * second pool spinning against torch's).
  */
