@@ -204,9 +204,9 @@ def _decode(b: Offline, args: argparse.Namespace) -> dict[str, Any]:
     and the KV cache read once."""
     context = args.decode_context or args.input_len
     line: dict[str, Any] = {}
+    gbs, _ = _limits(b, args)
     for batch in parse_batch_sizes(args.batch_sizes) if args.batch_sizes else [args.batch_size]:
         ms, kv_bytes = decode_step_ms(b.engine, batch, context)
-        gbs, _ = _limits(b, args)
         floor_ms = 1e3 * ((b.weight_bytes or 0) + kv_bytes) / (gbs * 1e9) if gbs else None
         line = _emit(bench="decode", batch_size=batch, context=context, step_ms=ms,
                      quantization=b.quantization, weight_bytes=b.weight_bytes,

@@ -10,8 +10,9 @@ multiplies it there, float32 sums.
 Up to MAX_ROWS rows (decode steps, short prompts) run that product; more dequantise the weight
 in chunks and multiply with torch.matmul, which is faster there. One row against 32-element
 blocks (a decode step of one request) skips the buffer: each block's integers times x, scaled
-by its d once, plus its m times x's block sum; the same weights, the sums in another order. Where the library is not
-available (cpu_lib) the loader keeps the other path: the GGUF dequantised once at load.
+by its d once, plus its m times x's block sum; the same weights, the sums in another order.
+Where the library is not available (cpu_lib) the loader keeps the other path: the GGUF
+dequantised once at load.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from mmserve.kernels._common import matmul_in_column_chunks
 from mmserve.kernels.cpu_lib import require
-from mmserve.kernels.gguf_blocks import FORMATS, check_blocks
+from mmserve.kernels.gguf_blocks import BlockFormat, check_blocks
 
 # more rows than this: dequantised in chunks + torch.matmul. SmolLM2's layers, 2 cores: the
 # library's product costs about what torch.matmul on float32 weights does up to 128 rows
@@ -31,25 +32,24 @@ MAX_ROWS = 128
 CHUNK_ELEMENTS = 1 << 22  # the many-rows path dequantises at most this many weights at a time
 
 
-def _check(blocks: torch.Tensor, qtype: str, k: int | None) -> int:
+def _check(blocks: torch.Tensor, qtype: str, k: int | None) -> BlockFormat:
     """blocks are qtype's (uint8 [N, K // e, bytes of a qtype block], contiguous, on the CPU:
-    the library reads exactly that many bytes), for K = k if given; returns qtype's ggml type
-    id."""
+    the library reads exactly that many bytes), for K = k if given; returns qtype's format."""
     fmt = check_blocks("blocks", blocks, qtype)
     if blocks.device.type != "cpu":
         raise ValueError(f"blocks must be on the CPU, got {blocks.device}")
     if k is not None and blocks.shape[1] * fmt.elements != k:
         raise ValueError(f"x must be [M, K] with K = {blocks.shape[1] * fmt.elements}, got K = {k}")
-    return fmt.type_id
+    return fmt
 
 
 def gguf_dequantize_cpu(blocks: torch.Tensor, qtype: str, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """uint8 blocks [N, K // e, bytes] -> float32 [N, K], bit-equal to the gguf package. lib:
     another build of the library (tests), else this machine's."""
-    type_id = _check(blocks, qtype, None)
-    k = blocks.shape[1] * FORMATS[qtype].elements
+    fmt = _check(blocks, qtype, None)
+    k = blocks.shape[1] * fmt.elements
     out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
-    status = require(lib).gguf_dequant_f32(type_id, torch.get_num_threads(), blocks.data_ptr(),
+    status = require(lib).gguf_dequant_f32(fmt.type_id, torch.get_num_threads(), blocks.data_ptr(),
                                            blocks.shape[0], k, out.data_ptr())  # fmt: skip
     if status:
         raise RuntimeError(f"gguf_dequant_f32 failed ({status})")
@@ -64,7 +64,7 @@ def gguf_gemm_cpu(
     CHUNK_ELEMENTS at a time and torch.matmul."""
     if x.dim() != 2 or x.device.type != "cpu" or not x.is_floating_point():
         raise ValueError(f"x must be a float [M, K] CPU tensor, got {x.dtype} {list(x.shape)} on {x.device}")
-    type_id = _check(blocks, qtype, x.shape[1])
+    type_id = _check(blocks, qtype, x.shape[1]).type_id
     xf = x.float()
     m, n = x.shape[0], blocks.shape[0]
     if m > MAX_ROWS:

@@ -19,12 +19,6 @@
 #define CHANNELS 4  /* output channels a thread dequantises at a time */
 #define ROWS (LANES == 16 ? 4 : 2)  /* rows of x in one register tile */
 
-static inline float hsum(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < LANES; i++) s += v[i];
-    return s;
-}
-
 /* rows (1..ROWS) of x against channels (1..CHANNELS) dequantised rows of w, k a multiple of
  * LANES; unused rows / channels repeat the first, computed and not stored. */
 static inline __attribute__((always_inline)) void tile(
@@ -44,7 +38,7 @@ static inline __attribute__((always_inline)) void tile(
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < channels; c++) out[r * ldo + c] = hsum(acc[r][c]);
+        for (int c = 0; c < channels; c++) out[r * ldo + c] = vsum(acc[r][c]);
 }
 
 /* rows is a compile-time constant in each call, so each gets its own unrolled loop */
