@@ -30,7 +30,7 @@ from mmserve import envs
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
-EXACT_SOURCES = ("gguf_dequant",)  # compiled without fused multiply-adds
+EXACT_SOURCES = ("gguf_dequant", "gguf_panel")  # compiled without fused multiply-adds
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -62,8 +62,9 @@ def available() -> bool:
 def load(path: Path) -> ctypes.CDLL:
     """A built library with its functions' signatures set."""
     lib = ctypes.CDLL(str(path))
-    for fn in (lib.gguf_gemm_f32, lib.gguf_dequant_f32, lib.gguf_cpu_vectorised):
+    for fn in (lib.gguf_gemm_f32, lib.gguf_dequant_f32, lib.gguf_cpu_vectorised, lib.gguf_panel_supported):
         fn.restype = ctypes.c_int
+    lib.gguf_panel_supported.argtypes = [ctypes.c_int]
     lib.gguf_gemm_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64]
     lib.gguf_dequant_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _PTR]
     lib.paged_decode_f32.restype = ctypes.c_int

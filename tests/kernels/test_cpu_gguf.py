@@ -1,9 +1,10 @@
 """The CPU's GGUF library (mmserve/kernels/cpu_gguf.py, mmserve/kernels/cpu/*.c) against the
 gguf package's own dequantiser, for every supported type: the dequantised weights bit-equal,
 products of 1-300 rows (the library's register tiles of 4 rows x 4 channels, partial ones at
-both edges, and past MAX_ROWS the many-rows path) within float32 rounding, any thread count
-giving the same bits; a library that cannot be built leaves it unavailable instead of
-failing."""
+both edges; its outer-product path over 16-channel panels, several chunks of k and blocks of
+rows; past MAX_ROWS the many-rows path) within float32 rounding and, against one-hot rows,
+exactly; any thread count giving the same bits; the builds for AVX2, AVX-512 without VBMI and
+no vectors alike; a library that cannot be built leaves it unavailable instead of failing."""
 
 from __future__ import annotations
 
@@ -51,6 +52,33 @@ def test_product_is_x_times_ggufs_weight(qtype: str, rows: int) -> None:
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("rows", [4, 16, 33, 300])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q8_0", "Q4_K"])
+def test_products_over_several_chunks_of_k_and_blocks_of_rows(qtype: str, rows: int) -> None:
+    """K = 608 (three chunks of the outer-product path: 256, 256, 96) or 768 for a K-quant;
+    300 rows are two blocks of 256 rows there."""
+    k = 768 if qtype.endswith("_K") else 608
+    blocks = random_blocks(qtype, 41, k, rows).cpu()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    expected = x.double() @ gguf_dequantize_ref(blocks, qtype).double().t()
+    out = cpu_gguf.gguf_gemm_cpu(x, blocks, qtype)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_one_hot_rows_give_the_weights_exactly(qtype: str) -> None:
+    """Row i of the identity picks weight column i: every path's product must give the
+    dequantised weights bit for bit (all rows at once and 16 at a time: the outer-product path
+    where the build has it; 3: the 4 x 4 tiles)."""
+    blocks = _blocks(qtype, 41)
+    weight = gguf_dequantize_ref(blocks, qtype)
+    eye = torch.eye(_k(qtype))
+    for rows in (eye.shape[0], 16, 3):
+        for start in range(0, eye.shape[0], rows):
+            out = cpu_gguf.gguf_gemm_cpu(eye[start : start + rows], blocks, qtype)
+            assert torch.equal(out, weight[:, start : start + rows].t()), (qtype, rows, start)
+
+
 def test_rows_with_a_stride_and_other_dtypes() -> None:
     """x may be a view whose rows are apart (a slice of a wider activation); a bfloat16 x is
     multiplied in float32 and comes back bfloat16."""
@@ -87,20 +115,28 @@ def _has(*flags: str) -> bool:
     return all(flag in info for flag in flags)
 
 
-@pytest.mark.skipif(not _has("avx2", "fma", "f16c"), reason="no AVX2 here to run that build on")
-@pytest.mark.parametrize("march", ["haswell", "x86-64"])
-def test_the_avx2_and_generic_builds_give_the_same_weights(march: str, tmp_path: Path) -> None:
-    """The library as an AVX2 machine builds it (8 lanes, 2-row tiles) and as a machine
-    without AVX2 does (the generic code, which library() does not use): every type's weights
-    bit-equal, products of 1-5 rows within float32 rounding."""
+# what each build needs of the machine that runs it
+BUILDS = {"haswell": ("avx2", "fma", "f16c"), "skylake-avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl"),
+          "x86-64": ()}  # fmt: skip
+
+
+@pytest.mark.parametrize("march", list(BUILDS))
+def test_other_machines_builds_give_the_same_weights(march: str, tmp_path: Path) -> None:
+    """The library as an AVX2 machine builds it (8 lanes, 2-row tiles), as an AVX-512 machine
+    without VBMI does (16 lanes, no outer-product path) and as a machine without AVX2 does
+    (the generic code, which library() does not use): every type's weights bit-equal,
+    products of 1-17 rows within float32 rounding."""
+    if not _has("avx2", "fma", "f16c", *BUILDS[march]):  # (an x86 machine, for any of them)
+        pytest.skip(f"this machine cannot run the {march} build")
     lib = cpu_lib.load(cpu_lib.build(tmp_path, march))
-    assert lib.gguf_cpu_vectorised() == (march == "haswell")
+    assert lib.gguf_cpu_vectorised() == (march != "x86-64")
+    assert not lib.gguf_panel_supported(FORMATS["Q4_1"].type_id)
     for qtype in TYPES:
         blocks = _blocks(qtype, 11)
         weight = gguf_dequantize_ref(blocks, qtype)
         assert torch.equal(cpu_gguf.gguf_dequantize_cpu(blocks, qtype, lib), weight), qtype
-        x = torch.randn(5, _k(qtype))
-        for rows in (1, 2, 5):
+        x = torch.randn(17, _k(qtype))
+        for rows in (1, 2, 5, 17):
             out = cpu_gguf.gguf_gemm_cpu(x[:rows], blocks, qtype, lib)
             torch.testing.assert_close(out, x[:rows] @ weight.t(), rtol=1e-5, atol=1e-5 * weight.abs().max().item())
 

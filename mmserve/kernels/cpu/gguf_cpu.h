@@ -15,5 +15,11 @@ int gguf_block_elements(int qtype);  /* 0: not a supported type */
 int gguf_block_bytes(int qtype);
 /* One row of k weights (k / elements blocks at row) -> y[k] float32. */
 void gguf_dequant_row(int qtype, const uint8_t *restrict row, int64_t k, float *restrict y);
+/* 1 where this build dequantises 16 channels transposed for qtype (gguf_panel.c) */
+int gguf_panel_supported(int qtype);
+/* Weights [k0, k0 + kc) of 16 channels (rows of blocks at w, row_bytes apart; those past
+ * `channels` are garbage) -> wt[kc][16] float32, 64-byte aligned; k0, kc whole blocks. */
+void gguf_dequant_panel(int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc,
+                        float *wt);
 
 #endif

@@ -1,0 +1,127 @@
+/* 16 output channels' weights of a 32-element GGUF type, dequantised exactly and transposed
+ * for the outer-product GEMM (gguf_gemm.c): wt[j * 16 + c] is channel c's weight k0 + j.
+ *
+ * Channels are rows of blocks row_bytes apart. Each block's quant bytes are loaded 16 at a
+ * time from the 16 channels and transposed as bytes by AVX-512 VBMI's two-table byte permute
+ * (3 permutes for 4 output vectors), so that byte j of every channel lies in one vector; the
+ * integers are then widened, scaled and stored a k at a time. Compiled with -ffp-contract=off:
+ * q d + m rounds as legacy() in gguf_dequant.c does, bit-equal to the gguf package.
+ *
+ * Only AVX-512 builds with VBMI (Ice Lake, Zen 4 and newer) have it; gguf_panel_supported()
+ * says where it does not, and the row-at-a-time path (gguf_gemm.c) runs instead.
+ */
+#include "gguf_legacy.h"
+
+#if VECTORISED && LANES == 16 && defined(__AVX512VBMI__)
+
+/* The byte permutes' indices. A[s] holds channels 4s .. 4s + 3, 16 bytes each. Step 1:
+ * P[pair] (from A[0] | A[1], channels 0-7) and Q[pair] (A[2] | A[3], channels 8-15) gather,
+ * at 32 h + 8 t + c, byte 4 (2 pair + h) + t of channel c. Step 2: O[q] takes, at 16 t + c,
+ * byte 4 q + t of channel c from P[q / 2] (c < 8) or Q[q / 2]. */
+static uint8_t STEP1[2][64], STEP2[4][64];
+
+__attribute__((constructor)) static void panel_indices(void) {
+    for (int pair = 0; pair < 2; pair++)
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++)
+                for (int c = 0; c < 8; c++)
+                    STEP1[pair][32 * h + 8 * t + c] = (uint8_t)((c / 4) * 64 + (c % 4) * 16 + 4 * (2 * pair + h) + t);
+    for (int q = 0; q < 4; q++)
+        for (int t = 0; t < 4; t++)
+            for (int c = 0; c < 16; c++)
+                STEP2[q][16 * t + c] = (uint8_t)((c < 8 ? 0 : 64) + 32 * (q % 2) + 8 * t + c % 8);
+}
+
+/* 16 bytes at p[c] + at for each channel c -> O[q]: byte 4 q + t of channel c at 16 t + c */
+static inline void transpose_bytes(const uint8_t *const p[16], int64_t at, __m512i O[4]) {
+    __m512i A[4], P[2], Q[2];
+    for (int s = 0; s < 4; s++) {
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p[4 * s] + at)));
+        for (int g = 1; g < 4; g++)
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p[4 * s + g] + at)), g);
+        A[s] = v;
+    }
+    for (int pair = 0; pair < 2; pair++) {
+        __m512i index = _mm512_loadu_si512(STEP1[pair]);
+        P[pair] = _mm512_permutex2var_epi8(A[0], index, A[1]);
+        Q[pair] = _mm512_permutex2var_epi8(A[2], index, A[3]);
+    }
+    for (int q = 0; q < 4; q++) O[q] = _mm512_permutex2var_epi8(P[q / 2], _mm512_loadu_si512(STEP2[q]), Q[q / 2]);
+}
+
+/* the 4 bytes at p[c] + at of each channel, as int32 lanes */
+static inline __m512i words(const uint8_t *const p[16], int64_t at) {
+    uint32_t v[16];
+    for (int c = 0; c < 16; c++) memcpy(v + c, p[c] + at, 4);
+    return _mm512_loadu_si512(v);
+}
+
+/* group t (< 4) of O, bytes widened to int32 lanes */
+#define WIDEN(O, t, is_signed) \
+    (is_signed ? _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(O, t)) : _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(O, t)))
+
+static inline __attribute__((always_inline)) void legacy_panel(
+    int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc, float *wt) {
+    const int bytes = gguf_block_bytes(qtype), has_m = qtype == GGUF_Q4_1 || qtype == GGUF_Q5_1;
+    const int five = qtype == GGUF_Q5_0 || qtype == GGUF_Q5_1;
+    const int offset = qtype == GGUF_Q4_0 ? 8 : qtype == GGUF_Q5_0 ? 16 : 0;
+    const int quants = qtype == GGUF_Q4_1 ? 4 : qtype == GGUF_Q5_0 ? 6 : qtype == GGUF_Q5_1 ? 8 : 2;
+    const uint8_t *p[16];  /* each channel's block; channels past `channels` read the first's */
+    for (int c = 0; c < 16; c++) p[c] = w + (c < channels ? c : 0) * row_bytes + k0 / 32 * bytes;
+    const __m512i nibble = _mm512_set1_epi8(15), one = _mm512_set1_epi32(1);
+    for (int64_t b = 0; b < kc / 32; b++, wt += 32 * 16) {
+        __m512i head = words(p, 0), O[4];
+        __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head)), m = _mm512_setzero_ps();
+        if (has_m) m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+        if (qtype == GGUF_Q8_0) {
+            for (int half = 0; half < 2; half++) {
+                transpose_bytes(p, quants + 16 * half, O);
+                for (int j = 0; j < 16; j++)
+                    _mm512_store_ps(wt + (16 * half + j) * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(WIDEN(O[j / 4], j % 4, 1)), d));
+            }
+        } else {
+            __m512i qh = five ? words(p, qtype == GGUF_Q5_0 ? 2 : 4) : _mm512_setzero_si512();
+            transpose_bytes(p, quants, O);
+            for (int q = 0; q < 4; q++) {
+                __m512i low = _mm512_and_si512(O[q], nibble), high = _mm512_and_si512(_mm512_srli_epi16(O[q], 4), nibble);
+                for (int t = 0; t < 4; t++) {
+                    int j = 4 * q + t;  /* element j: the low nibble of byte j; j + 16: the high */
+                    __m512i lo = WIDEN(low, t, 0), hi = WIDEN(high, t, 0);
+                    if (five) {
+                        lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, j), one), 4));
+                        hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, j + 16), one), 4));
+                    }
+                    __m512 wl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, _mm512_set1_epi32(offset))), d);
+                    __m512 wh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, _mm512_set1_epi32(offset))), d);
+                    _mm512_store_ps(wt + j * 16, has_m ? _mm512_add_ps(wl, m) : wl);
+                    _mm512_store_ps(wt + (j + 16) * 16, has_m ? _mm512_add_ps(wh, m) : wh);
+                }
+            }
+        }
+        for (int c = 0; c < 16; c++) p[c] += bytes;
+    }
+}
+
+int gguf_panel_supported(int qtype) { return is_legacy(qtype); }
+
+void gguf_dequant_panel(int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc,
+                        float *wt) {
+    switch (qtype) {
+    case GGUF_Q4_0: legacy_panel(GGUF_Q4_0, w, row_bytes, channels, k0, kc, wt); break;
+    case GGUF_Q4_1: legacy_panel(GGUF_Q4_1, w, row_bytes, channels, k0, kc, wt); break;
+    case GGUF_Q5_0: legacy_panel(GGUF_Q5_0, w, row_bytes, channels, k0, kc, wt); break;
+    case GGUF_Q5_1: legacy_panel(GGUF_Q5_1, w, row_bytes, channels, k0, kc, wt); break;
+    case GGUF_Q8_0: legacy_panel(GGUF_Q8_0, w, row_bytes, channels, k0, kc, wt); break;
+    }
+}
+
+#else
+
+int gguf_panel_supported(int qtype) { return (void)qtype, 0; }
+
+void gguf_dequant_panel(int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc,
+                        float *wt) {
+    (void)qtype, (void)w, (void)row_bytes, (void)channels, (void)k0, (void)kc, (void)wt;
+}
+
+#endif
