@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.attention.backend import AttentionBackend, AttentionMetadata
-from mmserve.kernels import cpu_attention
+from mmserve.kernels import cpu_attention, cpu_layers
 from mmserve.kernels.paged_ref import FP8, attend, gather_context, write_kv_cache
 
 
@@ -136,7 +136,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if kv_cache is None:  # encoder: each request's own tokens are its whole context
             return attend_own_tokens(q, k, v, meta, scale, sliding_window)
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scales)
+        if cpu_layers.supports(k, v, kv_cache) and kv_cache.is_contiguous():
+            cpu_layers.write_kv_cpu(k, v, kv_cache, meta.slot_mapping)
+        else:
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scales)
         plan = decode_plan(meta, kv_cache.shape[2])
         if len(plan.rows) == q.shape[0]:  # decodes only: the rows are the requests, in order
             return decode_attention(q, kv_cache, plan, scale, sliding_window, kv_scales)

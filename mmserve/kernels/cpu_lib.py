@@ -30,7 +30,7 @@ from mmserve import envs
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
-EXACT_SOURCES = ("gguf_dequant", "gguf_panel")  # compiled without fused multiply-adds
+EXACT_SOURCES = ("gguf_dequant", "gguf_panel", "layer_ops")  # compiled without fused multiply-adds
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -67,6 +67,11 @@ def load(path: Path) -> ctypes.CDLL:
     lib.gguf_panel_supported.argtypes = [ctypes.c_int]
     lib.gguf_gemm_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64]
     lib.gguf_dequant_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _PTR]
+    for fn in (lib.rms_norm_f32, lib.rotary_f32, lib.write_kv_f32):
+        fn.restype = ctypes.c_int
+    lib.rms_norm_f32.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_float, _PTR, _PTR]
+    lib.rotary_f32.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]
+    lib.write_kv_f32.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]
     lib.paged_decode_f32.restype = ctypes.c_int
     lib.paged_decode_f32.argtypes = [ctypes.c_int, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR,
                                      _I64, _I64, ctypes.c_float, _I64, _PTR]  # fmt: skip

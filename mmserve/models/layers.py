@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.errors import UnsupportedModel
+from mmserve.kernels import cpu_layers
 from mmserve.models.quantized_input import InputQuant, QuantizedActivation
 
 # Rope types whose frequencies depend on the batch's longest sequence: transformers recomputes
@@ -24,7 +25,8 @@ class RMSNorm(nn.Module):
     """y = weight * x / rms(x), normalised in float32 and cast back before the weight.
 
     With a residual, first x = x + residual (in x's dtype, as transformers adds it), and the
-    sum is returned too. On CUDA both run as one Triton kernel (mmserve.kernels.rmsnorm).
+    sum is returned too. On CUDA both run as one Triton kernel (mmserve.kernels.rmsnorm), on the
+    CPU in float32 as one call of the C library (mmserve.kernels.cpu_layers) where it built.
     With output_quant set (the norm feeds a w8a8 projection: models/quantized_input.py), y is
     handed over quantised as that projection quantises its input, by the same kernel."""
 
@@ -58,6 +60,8 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x, self.weight, self.eps), x
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if x.device.type == "cpu" and cpu_layers.supports(x, self.weight, *(() if residual is None else (residual,))):
+            return cpu_layers.rms_norm_cpu(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return self._norm(x), x
@@ -137,6 +141,8 @@ class Rope:
             from mmserve.kernels.rotary import rotary_embedding
 
             return rotary_embedding(self.positions, q, k, self.cos, self.sin)
+        if q.device.type == "cpu" and cpu_layers.supports(q, k, self.cos):  # (one C call each)
+            return cpu_layers.rotary_cpu(q, self.cos, self.sin), cpu_layers.rotary_cpu(k, self.cos, self.sin)
         return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
     def apply_and_cache(

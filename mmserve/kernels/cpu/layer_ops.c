@@ -1,0 +1,81 @@
+/* A decoder layer's small float32 operations on the CPU, each one call instead of the dozen
+ * torch operations (and their dispatch, a few microseconds each) that a decode step of a
+ * small model spends most of its time between products on: the residual add with RMSNorm,
+ * rotary embedding, and the KV cache write.
+ *
+ * Compiled with -ffp-contract=off, so each product and sum rounds as torch's separate
+ * operations do (mmserve.models.layers): rotary and the cache write are bit-equal to the torch
+ * path, RMSNorm differs only in the order of its sum of squares.
+ */
+#include "cpu_vec.h"
+
+#include <math.h>
+
+/* the parallel regions' threshold: below it (a decode step's rows) one thread, no fork */
+#define PARALLEL_ELEMENTS (1 << 16)
+
+/* sum[r] = x[r] + residual[r] (when residual is given; else s = x), out[r] = weight *
+ * (s * (1 / sqrt(mean(s^2) + eps))), rows of dim floats, x's and residual's rows ldx / ldr
+ * apart, out's and sum's dim. */
+int rms_norm_f32(int threads, const float *x, int64_t ldx, const float *residual, int64_t ldr,
+                 const float *weight, int64_t rows, int64_t dim, float eps, float *out, float *sum) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *s = x + r * ldx;
+        if (residual) {
+            float *t = sum + r * dim;
+            const float *res = residual + r * ldr;
+            for (int64_t i = 0; i < dim; i++) t[i] = s[i] + res[i];
+            s = t;
+        }
+        vf acc = vsplat(0.0f);
+        int64_t i = 0;
+        for (; i + LANES <= dim; i += LANES) {
+            vf v = vload(s + i);
+            acc += v * v;
+        }
+        float squares = vsum(acc);
+        for (; i < dim; i++) squares += s[i] * s[i];
+        float scale = 1.0f / sqrtf(squares / (float)dim + eps);
+        float *o = out + r * dim;
+        for (i = 0; i < dim; i++) o[i] = weight[i] * (s[i] * scale);
+    }
+    return 0;
+}
+
+/* Rotary embedding, neox style: each head's halves x1, x2 (d / 2 each) become x1 cos - x2 sin
+ * and x2 cos + x1 sin. x [tokens, heads, d], its rows ldx apart (heads d apart); cos, sin
+ * [tokens, d / 2]; out [tokens, heads, d] contiguous. */
+int rotary_f32(int threads, const float *x, int64_t ldx, int64_t tokens, int64_t heads, int64_t d,
+               const float *cos, const float *sin, float *out) {
+    int64_t half = d / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * d >= PARALLEL_ELEMENTS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *x1 = x + t * ldx + h * d, *x2 = x1 + half;
+            float *o1 = out + (t * heads + h) * d, *o2 = o1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                o1[i] = x1[i] * c[i] - x2[i] * s[i];
+                o2[i] = x2[i] * c[i] + x1[i] * s[i];
+            }
+        }
+    }
+    return 0;
+}
+
+/* Each token's K and V rows (width floats, ldk / ldv apart) into cache [2, num_slots, width]
+ * at its slot; a negative slot is skipped. Returns 0; -3 for a slot past the cache (nothing
+ * written). */
+int write_kv_f32(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t tokens,
+                 int64_t width, const int64_t *slots, int64_t num_slots, float *cache) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] >= num_slots) return -3;
+    float *values = cache + num_slots * width;
+    for (int64_t t = 0; t < tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(cache + slots[t] * width, k + t * ldk, sizeof(float) * width);
+        memcpy(values + slots[t] * width, v + t * ldv, sizeof(float) * width);
+    }
+    return 0;
+}

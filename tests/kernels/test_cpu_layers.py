@@ -1,0 +1,79 @@
+"""The CPU library's layer operations (mmserve/kernels/cpu_layers.py, cpu/layer_ops.c) against
+the torch path they replace, on random inputs of odd sizes: rotary embedding and the KV cache
+write bit-equal, RMSNorm (with and without the residual add, rows apart, decode- and
+prefill-sized so both the one-thread and the threaded loops run) within float32 rounding; and
+a model's layers take them where they apply, the torch path elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmserve.kernels import cpu_layers, cpu_lib
+from mmserve.kernels.paged_ref import write_kv_cache
+from mmserve.models.layers import RMSNorm, Rope, apply_rotary
+
+pytestmark = pytest.mark.skipif(not cpu_lib.available(), reason="the CPU library does not build here")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(1, 64), (16, 576), (7, 100), (2048, 72)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_equals_the_torch_path(rows: int, dim: int, with_residual: bool) -> None:
+    gen = _gen(rows + dim)
+    norm = RMSNorm(dim, 1e-6)
+    norm.weight.data = torch.randn(dim, generator=gen)
+    wide = torch.randn(rows, dim + 8, generator=gen) * 30
+    x = wide[:, 3 : 3 + dim]  # rows apart
+    residual = torch.randn(rows, dim, generator=gen) if with_residual else None
+    total = x + residual if residual is not None else x
+    expected = norm._norm(total)  # the torch composite transformers computes
+    out, summed = cpu_layers.rms_norm_cpu(x, residual, norm.weight, norm.eps)
+    assert torch.equal(summed, total)
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)
+    got = norm(x, residual) if residual is not None else (norm(x), x)
+    assert torch.equal(got[0], out) and torch.equal(got[1], summed)  # the module takes it
+
+
+@pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 9, 64), (16, 3, 64), (5, 2, 10), (300, 4, 128)])
+def test_rotary_is_bit_equal(tokens: int, heads: int, dim: int) -> None:
+    gen = _gen(tokens * dim)
+    qkv = torch.randn(tokens, (heads + 1) * dim, generator=gen)
+    x = qkv[:, :heads * dim].view(tokens, heads, dim)  # a view of a wider row, as in a layer
+    angles = torch.rand(tokens, 1, dim // 2, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    assert torch.equal(cpu_layers.rotary_cpu(x, cos, sin), apply_rotary(x, cos, sin))
+    k = qkv[:, heads * dim :].view(tokens, 1, dim)
+    q_got, k_got = Rope(cos, sin, None).apply(x, k)  # the CPU path of every model's rotary
+    assert torch.equal(q_got, apply_rotary(x, cos, sin)) and torch.equal(k_got, apply_rotary(k, cos, sin))
+
+
+def test_the_cache_write_is_bit_equal_and_checks_its_slots() -> None:
+    gen = _gen(3)
+    tokens, kv_heads, dim = 11, 3, 24
+    qkv = torch.randn(tokens, 2 * kv_heads * dim + 5, generator=gen)
+    k = qkv[:, : kv_heads * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, kv_heads * dim : 2 * kv_heads * dim].view(tokens, kv_heads, dim)
+    slots = torch.randperm(5 * 8, generator=gen)[:tokens]
+    slots[[2, 7]] = -1  # skipped
+    ours, theirs = torch.randn(2, 5, 8, kv_heads, dim, generator=gen), None
+    theirs = ours.clone()
+    cpu_layers.write_kv_cpu(k, v, ours, slots)
+    write_kv_cache(k, v, theirs, slots)
+    assert torch.equal(ours, theirs)
+    before = ours.clone()
+    with pytest.raises(ValueError, match="past the cache's 40"):
+        cpu_layers.write_kv_cpu(k, v, ours, torch.tensor([0] * (tokens - 1) + [40]))
+    assert torch.equal(ours, before)  # nothing written
+
+
+def test_only_float32_cpu_tensors() -> None:
+    x = torch.randn(2, 8)
+    assert cpu_layers.supports(x, x)
+    assert not cpu_layers.supports(x, x.bfloat16())
+    norm = RMSNorm(8, 1e-5).bfloat16()
+    out = norm(x.bfloat16())  # the torch path, as transformers rounds bfloat16
+    assert out.dtype == torch.bfloat16
