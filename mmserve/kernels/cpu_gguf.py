@@ -48,6 +48,11 @@ def _check(blocks: torch.Tensor, qtype: str, k: int | None) -> BlockFormat:
     return fmt
 
 
+def check(blocks: torch.Tensor, qtype: str, k: int) -> int:
+    """Checks blocks as gguf_gemm_cpu does for x of K = k; returns qtype's id for gemm_checked."""
+    return _check(blocks, qtype, k).type_id
+
+
 def gguf_dequantize_cpu(blocks: torch.Tensor, qtype: str, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """uint8 blocks [N, K // e, bytes] -> float32 [N, K], bit-equal to the gguf package. lib:
     another build of the library (tests), else this machine's."""
@@ -70,10 +75,19 @@ def gguf_gemm_cpu(
     torch.matmul."""
     if x.dim() != 2 or x.device.type != "cpu" or not x.is_floating_point():
         raise ValueError(f"x must be a float [M, K] CPU tensor, got {x.dtype} {list(x.shape)} on {x.device}")
-    type_id = _check(blocks, qtype, x.shape[1]).type_id
+    return gemm_checked(x, blocks, qtype, _check(blocks, qtype, x.shape[1]).type_id, lib)
+
+
+def gemm_checked(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, type_id: int, lib: ctypes.CDLL | None = None
+) -> torch.Tensor:
+    """gguf_gemm_cpu for inputs already checked (x a float [M, K] CPU tensor; blocks qtype's,
+    type_id its id, K whole blocks): a layer that checked its blocks once at load calls this
+    every step (the checks were a tenth of a decode step's product calls at 16 rows)."""
+    lib = require(lib)
     xf = x.float()
     m, n = x.shape[0], blocks.shape[0]
-    if m > MAX_ROWS and not require(lib).gguf_panel_supported(type_id):
+    if m > MAX_ROWS and not lib.gguf_panel_supported(type_id):
         out = matmul_in_column_chunks(
             xf, n, CHUNK_ELEMENTS, lambda cols: gguf_dequantize_cpu(blocks[cols], qtype, lib).t()
         )
@@ -82,8 +96,8 @@ def gguf_gemm_cpu(
             xf = xf.contiguous()
         out = torch.empty(m, n, dtype=torch.float32)
         if m and n:
-            status = require(lib).gguf_gemm_f32(type_id, torch.get_num_threads(), xf.data_ptr(), m, x.shape[1],
-                                                xf.stride(0), blocks.data_ptr(), n, out.data_ptr(), n)  # fmt: skip
+            status = lib.gguf_gemm_f32(type_id, torch.get_num_threads(), xf.data_ptr(), m, x.shape[1],
+                                       xf.stride(0), blocks.data_ptr(), n, out.data_ptr(), n)  # fmt: skip
             if status:
                 raise RuntimeError(f"gguf_gemm_f32 failed ({status})")
     return out if x.dtype == torch.float32 else out.to(x.dtype)

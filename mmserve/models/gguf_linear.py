@@ -73,6 +73,7 @@ class GgufLinear(nn.Module):
         self.tied = False  # an LM head tied to the embedding: multiplies by its table
         self._loading: dict[int, tuple[int, torch.Tensor]] = {}  # start row -> (stop, tensor)
         self.parts: tuple[_Part, ...] = ()  # set by finish(), in row order
+        self._checked: dict[str, int] = {}  # buffer -> its type id, checked at its first CPU product
 
     @classmethod
     def empty_like(cls, linear: nn.Linear, device: torch.device) -> GgufLinear:
@@ -104,6 +105,7 @@ class GgufLinear(nn.Module):
                 raise UnsupportedModel("a tied LM head without a loaded GGUF embedding")
             self.register_buffer("part0", embedding.table)
             self.parts = (_Part(0, self.out_features, embedding.qtype, "part0"),)
+            self._checked.clear()
             return
         runs: list[tuple[int, int, str | None, list[torch.Tensor]]] = []
         at = 0
@@ -128,6 +130,7 @@ class GgufLinear(nn.Module):
             parts.append(_Part(start, stop, qtype, f"part{i}"))
         self.parts = tuple(parts)
         self._loading.clear()
+        self._checked.clear()
 
     def forward(self, x: torch.Tensor, use_kernels: bool | None = None) -> torch.Tensor:
         """use_kernels: True the Triton path (tests set it under the interpreter), False the
@@ -150,9 +153,12 @@ class GgufLinear(nn.Module):
 
             return gguf_matmul(x.contiguous(), weight, part.qtype)
         if path == "cpu":
-            from mmserve.kernels.cpu_gguf import gguf_gemm_cpu
+            from mmserve.kernels import cpu_gguf
 
-            return gguf_gemm_cpu(x, weight, part.qtype)
+            type_id = self._checked.get(part.buffer)
+            if type_id is None:  # (the blocks do not change after finish(): checked once)
+                type_id = self._checked[part.buffer] = cpu_gguf.check(weight, part.qtype, self.in_features)
+            return cpu_gguf.gemm_checked(x, weight, part.qtype, type_id)
         from mmserve.kernels.gguf_blocks import gguf_dequantize_ref
 
         return (x.float() @ gguf_dequantize_ref(weight, part.qtype).t()).to(x.dtype)
