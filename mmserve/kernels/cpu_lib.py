@@ -1,5 +1,6 @@
-"""The CPU's C library (mmserve/kernels/cpu/): GGUF products (mmserve.kernels.cpu_gguf) and decode
-attention over the paged KV cache (mmserve.kernels.cpu_attention). Built at first use by the
+"""The CPU's C library (mmserve/kernels/cpu/): GGUF products (mmserve.kernels.cpu_gguf), decode
+attention over the paged KV cache (mmserve.kernels.cpu_attention) and a decoder layer's small
+float32 operations (mmserve.kernels.cpu_layers). Built at first use by the
 machine's C compiler for its own processor (-march=native) and cached under
 MMSERVE_CACHE_DIR/cpu-kernels; its threads are torch's own OpenMP runtime (the library links
 libgomp.so.1, which resolves to the one torch loaded).
@@ -7,7 +8,8 @@ libgomp.so.1, which resolves to the one torch loaded).
 Where it cannot be built (no C compiler, no OpenMP, torch not on OpenMP, MMSERVE_CPU_KERNELS=0)
 or is not vectorised (x86-64 with AVX2 or AVX-512 only: the generic code was measured slower
 than float32 weights) library() is None, and the callers keep their torch paths: a GGUF is
-dequantised once at load, decode attention gathers its context for scaled_dot_product_attention.
+dequantised once at load, decode attention gathers its context for scaled_dot_product_attention,
+RMSNorm, rotary embedding and the cache write run as torch operations.
 """
 
 from __future__ import annotations
