@@ -82,8 +82,8 @@ def gemm_checked(
     x: torch.Tensor, blocks: torch.Tensor, qtype: str, type_id: int, lib: ctypes.CDLL | None = None
 ) -> torch.Tensor:
     """gguf_gemm_cpu for inputs already checked (x a float [M, K] CPU tensor; blocks qtype's,
-    type_id its id, K whole blocks): a layer that checked its blocks once at load calls this
-    every step (the checks were a tenth of a decode step's product calls at 16 rows)."""
+    type_id its id, K whole blocks): a layer that checked its blocks at its first product calls
+    this every step (the checks took about 4 us a call in a profile; SmolLM2 makes 121 a step)."""
     lib = require(lib)
     xf = x.float()
     m, n = x.shape[0], blocks.shape[0]

@@ -8,10 +8,10 @@
  * blocks are read from memory once per call whatever the rows (one row against 32-element
  * blocks skips the buffer: legacy_dot). From OUTER_MIN_ROWS rows on, the 32-element types on
  * AVX-512 with VBMI take the outer-product path below instead (16 channels dequantised
- * transposed, gguf_panel.c), whatever the rows: it multiplies at 90% of the FMA limit where
- * the 4 x 4 tiles reach 65%. Threads are OpenMP's: the library links libgomp.so.1, which
- * resolves to the runtime torch loaded (the same threads, no second pool spinning against
- * torch's).
+ * transposed, gguf_panel.c), whatever the rows: SmolLM2's layers at 88-92% of the FMA limit
+ * from 128 rows on and 70% at 16, where the 4 x 4 tiles reached 65% at 64 rows and 54% at 16.
+ * Threads are OpenMP's: the library links libgomp.so.1, which resolves to the runtime torch
+ * loaded (the same threads, no second pool spinning against torch's).
  */
 #include "gguf_legacy.h"
 
@@ -89,8 +89,9 @@ static float legacy_dot(int qtype, const float *x, const float *xsums, const uin
 #define KC 256  /* wt and 16 rows of x's chunk fill 32 KiB, an L1 */
 #define ROWS_OUTER 16
 #define ROW_BLOCK 256
-/* fewer rows take the row-at-a-time path: at 2-3 rows it was faster (SmolLM2, 2 cores: 11.0
- * against 13.4 ms at 2 rows; 13.5 against 14.7 at 4) */
+/* fewer rows take the row-at-a-time path, faster there (SmolLM2, 2 cores: 11.0 against the
+ * outer path's 13.4 ms at 2 rows, 12.4 against 14.7 at 3; at 4 the outer path's 13.5 against
+ * 14.7-16.0) */
 #define OUTER_MIN_ROWS 4
 
 static inline __attribute__((always_inline)) void outer(
