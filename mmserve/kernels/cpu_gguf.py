@@ -85,8 +85,9 @@ def gemm_checked(
     type_id its id, K whole blocks): a layer that checked its blocks at its first product calls
     this every step (the checks took about 4 us a call in a profile; SmolLM2 makes 121 a step)."""
     lib = require(lib)
-    xf = x.float()
-    m, n = x.shape[0], blocks.shape[0]
+    is_float = x.dtype == torch.float32
+    xf = x if is_float else x.float()
+    m, n = xf.shape[0], blocks.shape[0]
     if m > MAX_ROWS and not lib.gguf_panel_supported(type_id):
         out = matmul_in_column_chunks(
             xf, n, CHUNK_ELEMENTS, lambda cols: gguf_dequantize_cpu(blocks[cols], qtype, lib).t()
@@ -94,10 +95,10 @@ def gemm_checked(
     else:
         if xf.stride(1) != 1:  # (rows may be apart: the library takes x's row stride)
             xf = xf.contiguous()
-        out = torch.empty(m, n, dtype=torch.float32)
+        out = xf.new_empty((m, n))
         if m and n:
-            status = lib.gguf_gemm_f32(type_id, torch.get_num_threads(), xf.data_ptr(), m, x.shape[1],
+            status = lib.gguf_gemm_f32(type_id, torch.get_num_threads(), xf.data_ptr(), m, xf.shape[1],
                                        xf.stride(0), blocks.data_ptr(), n, out.data_ptr(), n)  # fmt: skip
             if status:
                 raise RuntimeError(f"gguf_gemm_f32 failed ({status})")
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out if is_float else out.to(x.dtype)

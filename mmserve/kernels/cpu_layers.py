@@ -18,12 +18,12 @@ from mmserve.kernels.cpu_lib import library, require
 
 def supports(*tensors: torch.Tensor) -> bool:
     """All float32 CPU tensors, the library here."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and library() is not None
+    return all(t.dtype == torch.float32 and t.is_cpu for t in tensors) and library() is not None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last] with unit stride inside a row (rows may be apart), copied if not."""
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
@@ -31,19 +31,21 @@ def rms_norm_cpu(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * s / sqrt(mean(s^2) + eps), s) with s = x + residual (x without one): what
-    RMSNorm computes in float32, in one call. x, residual [..., dim]; weight [dim]."""
-    dim = x.shape[-1]
-    x2 = _rows(x)
+    RMSNorm computes in float32, in one call. x, residual [..., dim]; weight [dim], contiguous
+    (a parameter)."""
+    x2, weight = _rows(x), weight if weight.is_contiguous() else weight.contiguous()
     res = _rows(residual) if residual is not None else None
-    out = torch.empty(x.shape, dtype=torch.float32)
-    total = torch.empty(x.shape, dtype=torch.float32) if res is not None else x
-    weight = weight.contiguous()
+    out = x2.new_empty(x2.shape)
+    total = out.new_empty(x2.shape) if res is not None else x
     require().rms_norm_f32(
         torch.get_num_threads(), x2.data_ptr(), x2.stride(0),
         None if res is None else res.data_ptr(), 0 if res is None else res.stride(0),
-        weight.data_ptr(), x2.shape[0], dim, eps, out.data_ptr(),
+        weight.data_ptr(), x2.shape[0], x2.shape[1], eps, out.data_ptr(),
         None if res is None else total.data_ptr(),
     )  # fmt: skip
+    if x.dim() != 2:
+        out = out.view(x.shape)
+        total = total if res is None else total.view(x.shape)
     return out, total
 
 
@@ -71,3 +73,14 @@ def write_kv_cpu(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_
                                     width, slots.data_ptr(), num_slots, kv_cache.data_ptr())  # fmt: skip
     if status:
         raise ValueError(f"slot_mapping holds a slot past the cache's {num_slots}")
+
+
+def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * I] (gate then up) -> [..., I] = silu(gate) * up, in one call; exp is the
+    library's polynomial, so within a few float32 ulp of torch's silu, not bit-equal."""
+    rows = _rows(gate_up)
+    width = rows.shape[1] // 2
+    out = rows.new_empty((rows.shape[0], width))
+    require().silu_and_mul_f32(torch.get_num_threads(), rows.data_ptr(), rows.stride(0), rows.shape[0], width,
+                               out.data_ptr())  # fmt: skip
+    return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], width)

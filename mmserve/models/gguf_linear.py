@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.errors import UnsupportedModel
+from mmserve.kernels import cpu_lib
 from mmserve.models.base import Fp8Model, ModelBase
 
 # mmserve.kernels.* are imported where used (see mmserve.models.fp8); these are the formats of
@@ -135,9 +136,11 @@ class GgufLinear(nn.Module):
     def forward(self, x: torch.Tensor, use_kernels: bool | None = None) -> torch.Tensor:
         """use_kernels: True the Triton path (tests set it under the interpreter), False the
         reference; by default Triton on CUDA, the C library on the CPU where it built."""
+        path = _path(x, use_kernels)
+        if x.dim() == 2 and len(self.parts) == 1 and self.bias is None:  # (a step's usual call)
+            return self._product(x, self.parts[0], path)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        path = _path(x, use_kernels)
         outs = [self._product(x2, part, path) for part in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         if self.bias is not None:
@@ -145,7 +148,8 @@ class GgufLinear(nn.Module):
         return out.view(*shape[:-1], self.out_features)
 
     def _product(self, x: torch.Tensor, part: _Part, path: str) -> torch.Tensor:
-        weight = self.get_buffer(part.buffer)
+        weight = self._buffers[part.buffer]  # (set by finish())
+        assert weight is not None
         if part.qtype is None:
             return F.linear(x, weight)
         if path == "triton":
@@ -248,14 +252,12 @@ def _path(x: torch.Tensor, use_kernels: bool | None) -> str:
         return "triton" if use_kernels else "reference"
     if x.is_cuda:
         return "triton"
-    return "cpu" if cpu_kernels_available() else "reference"
+    return "cpu" if cpu_lib.available() else "reference"
 
 
 def cpu_kernels_available() -> bool:
     """The CPU's C library built on this machine (the loader keeps blocks on the CPU then)."""
-    from mmserve.kernels.cpu_lib import available
-
-    return available()
+    return cpu_lib.available()
 
 
 @torch.no_grad()

@@ -83,11 +83,14 @@ def add_layer_norm(norm: nn.LayerNorm, x: torch.Tensor, residual: torch.Tensor) 
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2 * I] (gate then up) -> [..., I] = silu(gate) * up (one Triton kernel on CUDA)."""
+    """[..., 2 * I] (gate then up) -> [..., I] = silu(gate) * up (one Triton kernel on CUDA, one
+    call of the C library in float32 on the CPU where it built)."""
     if gate_up.is_cuda:
         from mmserve.kernels.activation import silu_and_mul as fused
 
         return fused(gate_up)
+    if cpu_layers.supports(gate_up):
+        return cpu_layers.silu_and_mul_cpu(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

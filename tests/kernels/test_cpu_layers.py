@@ -1,7 +1,8 @@
 """The CPU library's layer operations (mmserve/kernels/cpu_layers.py, cpu/layer_ops.c) against
 the torch path they replace, on random inputs of odd sizes: rotary embedding and the KV cache
 write bit-equal, RMSNorm (with and without the residual add, rows apart, decode- and
-prefill-sized so both the one-thread and the threaded loops run) within float32 rounding; and
+prefill-sized so both the one-thread and the threaded loops run) and SiLU-and-mul (its exp a
+polynomial, over the whole range where silu bends and saturates) within float32 rounding; and
 a model's layers take them where they apply, the torch path elsewhere."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 from mmserve.kernels import cpu_layers, cpu_lib
 from mmserve.kernels.paged_ref import write_kv_cache
-from mmserve.models.layers import RMSNorm, Rope, apply_rotary
+from mmserve.models.layers import RMSNorm, Rope, apply_rotary, silu_and_mul
 
 pytestmark = pytest.mark.skipif(not cpu_lib.available(), reason="the CPU library does not build here")
 
@@ -49,6 +50,21 @@ def test_rotary_is_bit_equal(tokens: int, heads: int, dim: int) -> None:
     k = qkv[:, heads * dim :].view(tokens, 1, dim)
     q_got, k_got = Rope(cos, sin, None).apply(x, k)  # the CPU path of every model's rotary
     assert torch.equal(q_got, apply_rotary(x, cos, sin)) and torch.equal(k_got, apply_rotary(k, cos, sin))
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 16), (16, 3072), (5, 70), (300, 2, 1536)])
+def test_silu_and_mul_equals_torchs(shape: tuple[int, ...]) -> None:
+    gen = _gen(sum(shape))
+    wide = torch.randn(*shape[:-1], shape[-1] + 6, generator=gen) * 12  # (rows apart)
+    edges = torch.tensor([0.0, -0.0, 88.0, -88.0, 1e-30, -1e-30, 200.0, -200.0])  # 0s, saturation, tiny
+    wide.view(-1, wide.shape[-1])[0, : min(8, shape[-1] // 2)] = edges[: shape[-1] // 2]
+    gate_up = wide[..., : shape[-1]]
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = cpu_layers.silu_and_mul_cpu(gate_up)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(silu_and_mul(gate_up), expected, rtol=2e-6, atol=1e-6)  # the model's
 
 
 def test_the_cache_write_is_bit_equal_and_checks_its_slots() -> None:

@@ -13,6 +13,8 @@
 
 /* the parallel regions' threshold: below it (a decode step's rows) one thread, no fork */
 #define PARALLEL_ELEMENTS (1 << 16)
+/* silu's exp costs more an element: two threads pay from a decode step's 16 x 1536 on */
+#define SILU_PARALLEL_ELEMENTS (1 << 13)
 
 /* sum[r] = x[r] + residual[r] (when residual is given; else s = x), out[r] = weight *
  * (s * (1 / sqrt(mean(s^2) + eps))), rows of dim floats, x's and residual's rows ldx / ldr
@@ -76,6 +78,31 @@ int write_kv_f32(const float *k, int64_t ldk, const float *v, int64_t ldv, int64
         if (slots[t] < 0) continue;
         memcpy(cache + slots[t] * width, k + t * ldk, sizeof(float) * width);
         memcpy(values + slots[t] * width, v + t * ldv, sizeof(float) * width);
+    }
+    return 0;
+}
+
+/* out[r, i] = silu(g) u = g / (1 + e^-g) u for gate_up's row r = [g (width), u (width)], rows
+ * ldg apart: as g / (1 + t) for g >= 0 and g t / (1 + t) below, t = e^-|g| (vexp's range).
+ * exp is a polynomial (cpu_vec.h) where torch's silu uses its own: within a few float32 ulp
+ * of torch's silu and product, not bit-equal. */
+int silu_and_mul_f32(int threads, const float *gate_up, int64_t ldg, int64_t rows, int64_t width, float *out) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= SILU_PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * ldg, *u = g + width;
+        float *o = out + r * width;
+        int64_t i = 0;
+        for (; i + LANES <= width; i += LANES) {
+            vf x = vload(g + i);
+            vi negative = x < 0.0f;
+            vf t = vexp((vf)((vi)x | INT32_MIN));  /* e^-|x|: x with its sign bit set */
+            vf num = (vf)(((vi)(x * t) & negative) | ((vi)x & ~negative));
+            vstore(o + i, num / (1.0f + t) * vload(u + i));
+        }
+        for (; i < width; i++) {
+            float x = g[i], t = expf(-fabsf(x));
+            o[i] = (x < 0.0f ? x * t : x) / (1.0f + t) * u[i];
+        }
     }
     return 0;
 }

@@ -2,35 +2,12 @@
  * head against its context, read where it lies in the cache blocks (no gathered copy), in
  * float32: scores q.k * scale, a softmax over the positions the request may see, and the
  * weighted sum of V. The maths of mmserve/kernels/paged_ref.py attend() for one query at the
- * last position; the sums run in another order and exp is a polynomial (below), so the
+ * last position; the sums run in another order and exp is a polynomial (cpu_vec.h), so the
  * results agree with it to float32 rounding, not bit for bit.
  */
 #include "cpu_vec.h"
 
 #include <stdlib.h>
-
-/* e^x for x <= 0 (scores less their maximum), to about 2 ulp: x = n ln2 + r, |r| <= ln2 / 2,
- * e^r by Cephes' expf polynomial, 2^n put into the exponent; below -87 it is 0. */
-static inline vf vexp(vf x) {
-    const vf lo = vsplat(-87.0f);
-    vi under = x < lo;
-    x = (vf)((vi)x & ~under) + (vf)((vi)lo & under);  /* max(x, -87) */
-    vf t = x * 1.44269504088896341f + 0.5f;
-    vi n = __builtin_convertvector(t, vi);
-    n += (vi)(vfloat(n) > t);  /* truncation -> floor (a true compare is -1) */
-    vf fn = vfloat(n);
-    vf r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-    vf p = vsplat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    vf y = p * r * r + r + 1.0f;
-    vi scale = (n + 127) << 23;
-    vf out = y * (vf)scale;
-    return (vf)((vi)out & ~under);
-}
 
 static inline float dot(const float *a, const float *b, int64_t d) {
     vf acc = vsplat(0.0f);
