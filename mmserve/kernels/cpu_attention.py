@@ -6,6 +6,8 @@ scaled_dot_product_attention; its reference is mmserve.kernels.paged_ref.attend(
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from mmserve.kernels.cpu_lib import library, require
@@ -28,8 +30,10 @@ def paged_decode_cpu(
     seq_lens: torch.Tensor,  # [R] int64
     scale: float,
     sliding_window: int | None,
+    lib: ctypes.CDLL | None = None,
 ) -> torch.Tensor:
-    """Returns [R, H, D] float32: attend() for each request's one query."""
+    """Returns [R, H, D] float32: attend() for each request's one query. lib: another build of
+    the library (tests), else this machine's."""
     reqs, heads, dim = q.shape
     _, num_blocks, block_size, kv_heads, cache_dim = kv_cache.shape
     if cache_dim != dim or heads % kv_heads or tables.shape[0] != reqs or seq_lens.shape != (reqs,):
@@ -41,7 +45,7 @@ def paged_decode_cpu(
     tables = tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    status = require().paged_decode_f32(
+    status = require(lib).paged_decode_f32(
         torch.get_num_threads(), q.data_ptr(), kv_cache.data_ptr(), num_blocks, block_size, kv_heads,
         dim, tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), reqs, heads, scale,
         sliding_window or 0, out.data_ptr(),

@@ -18,6 +18,101 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return s;
 }
 
+/* lane t: the sum of v[t]'s lanes, t < LANES (a transposing tree: LANES - 1 adds of vectors
+ * where one sum each would take a tree of its own) */
+static inline vf vsums(const vf *v) {
+#if VECTORISED && LANES == 16
+    __m512 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++)
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps((__m512)v[2 * i], (__m512)v[2 * i + 1]),
+                             _mm512_unpackhi_ps((__m512)v[2 * i], (__m512)v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xee));
+    for (int i = 0; i < 2; i++)
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xdd));
+    return (vf)_mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xdd));
+#elif VECTORISED
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps((__m256)v[0], (__m256)v[1]), _mm256_hadd_ps((__m256)v[2], (__m256)v[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps((__m256)v[4], (__m256)v[5]), _mm256_hadd_ps((__m256)v[6], (__m256)v[7]));
+    return (vf)_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+#else
+    vf out;
+    for (int t = 0; t < LANES; t++) out[t] = vsum(v[t]);
+    return out;
+#endif
+}
+
+/* scores[h * stride + p - first] = q_h . k_p * scale for positions first .. n - 1, LANES
+ * positions at a time: each head's LANES partial-sum vectors reduced by one vsums; D (a
+ * multiple of LANES; 0: d, at run time) a constant where it can be, so that q_h stays in
+ * registers. The next LANES positions' K rows are prefetched, and their V rows into L2 for
+ * the weighted sum that follows (the cache's blocks lie anywhere: a new block is a jump the
+ * hardware prefetchers do not foresee). */
+#define SCORES(D)                                                                                             \
+    static void scores_##D(const float *qi, const float *cache, const float *values, const int32_t *table,    \
+                           int64_t block_size, int64_t row, int64_t heads, int64_t group, int64_t d,          \
+                           int64_t first, int64_t n, float scale, float *scores, int64_t stride) {            \
+        const int64_t dim = D ? D : d;                                                                        \
+        vf parts[LANES];                                                                                      \
+        const float *k[LANES];                                                                                \
+        for (int64_t p0 = first; p0 < n; p0 += LANES) {                                                       \
+            int count = n - p0 < LANES ? (int)(n - p0) : LANES;                                               \
+            for (int t = 0; t < LANES; t++) { /* (past n: the last position again, not stored) */             \
+                int64_t p = p0 + (t < count ? t : count - 1);                                                 \
+                k[t] = cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * row;          \
+            }                                                                                                 \
+            for (int64_t p = p0 + LANES; p < p0 + 2 * LANES && p < n; p++) {                                  \
+                int64_t at = ((int64_t)table[p / block_size] * block_size + p % block_size) * row;            \
+                for (int64_t b = 0; b < row; b += 64 / sizeof(float)) {                                       \
+                    __builtin_prefetch(cache + at + b, 0, 3);                                                 \
+                    __builtin_prefetch(values + at + b, 0, 2);                                                \
+                }                                                                                             \
+            }                                                                                                 \
+            for (int64_t h = 0; h < heads; h++) {                                                             \
+                const float *qh = qi + h * dim;                                                               \
+                int64_t at = h / group * dim;                                                                 \
+                for (int t = 0; t < LANES; t++) {                                                             \
+                    vf acc = vload(qh) * vload(k[t] + at);                                                    \
+                    for (int64_t c = LANES; c < dim; c += LANES) acc += vload(qh + c) * vload(k[t] + at + c); \
+                    parts[t] = acc;                                                                           \
+                }                                                                                             \
+                vf sc = vsums(parts) * scale;                                                                 \
+                float *out = scores + h * stride + p0 - first;                                                \
+                if (count == LANES) {                                                                         \
+                    vstore(out, sc);                                                                          \
+                } else {                                                                                      \
+                    for (int t = 0; t < count; t++) out[t] = sc[t];                                           \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+SCORES(0)
+SCORES(64)
+SCORES(128)
+
+/* out_h += sum_p w_h[p] v_p for every head, D (a multiple of LANES) floats held in registers
+ * a head at a time while the positions pass */
+#define WEIGHTED_V(D)                                                                                         \
+    static void weighted_v_##D(const float *values, const int32_t *table, int64_t block_size, int64_t row,    \
+                               int64_t heads, int64_t group, int64_t first, int64_t n, const float *scores,   \
+                               int64_t stride, float *oi) {                                                   \
+        for (int64_t h = 0; h < heads; h++) {                                                                 \
+            vf acc[D / LANES];                                                                                \
+            for (int c = 0; c < D / LANES; c++) acc[c] = vsplat(0.0f);                                        \
+            const float *w = scores + h * stride - first;                                                     \
+            int64_t at = h / group * D;                                                                       \
+            for (int64_t p = first; p < n; p++) {                                                             \
+                const float *v = values + ((int64_t)table[p / block_size] * block_size + p % block_size) * row + at; \
+                vf wp = vsplat(w[p]);                                                                         \
+                for (int c = 0; c < D / LANES; c++) acc[c] += wp * vload(v + c * LANES);                      \
+            }                                                                                                 \
+            for (int c = 0; c < D / LANES; c++) vstore(oi + h * D + c * LANES, acc[c]);                       \
+        }                                                                                                     \
+    }
+WEIGHTED_V(64)
+WEIGHTED_V(128)
+
 /* out[i, h, :] for i < reqs: q [reqs, heads, d]; cache [2, blocks, block_size, kv_heads, d]
  * (K then V); tables [reqs, max_blocks] block ids; seq_lens [reqs]: request i's query sits at
  * position seq_lens[i] - 1 and sees positions > seq_lens[i] - 1 - window (window <= 0: all).
@@ -55,10 +150,15 @@ int paged_decode_f32(int threads, const float *q, const float *cache, int64_t nu
             const int32_t *table = tables + i * max_blocks;
             const float *qi = q + i * heads * d;
             float *oi = out + i * heads * d;
-            for (int64_t p = first; p < n; p++) {
-                const float *k = cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * row;
-                for (int64_t h = 0; h < heads; h++)
-                    scores[h * stride + p - first] = dot(qi + h * d, k + h / group * d, d) * scale;
+            if (VECTORISED && d % LANES == 0) {
+                (d == 64 ? scores_64 : d == 128 ? scores_128 : scores_0)(
+                    qi, cache, values, table, block_size, row, heads, group, d, first, n, scale, scores, stride);
+            } else {
+                for (int64_t p = first; p < n; p++) {
+                    const float *k = cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * row;
+                    for (int64_t h = 0; h < heads; h++)
+                        scores[h * stride + p - first] = dot(qi + h * d, k + h / group * d, d) * scale;
+                }
             }
             for (int64_t h = 0; h < heads; h++) {
                 float *s = scores + h * stride, top = s[0], total = 0.0f;
@@ -68,6 +168,11 @@ int paged_decode_f32(int threads, const float *q, const float *cache, int64_t nu
                 for (int64_t p = 0; p < len; p++) total += s[p];
                 for (int64_t p = 0; p < len; p++) s[p] /= total;
                 for (int64_t c = 0; c < d; c++) oi[h * d + c] = 0.0f;
+            }
+            if (d == 64 || d == 128) {
+                (d == 64 ? weighted_v_64 : weighted_v_128)(values, table, block_size, row, heads, group, first, n,
+                                                           scores, stride, oi);
+                continue;
             }
             for (int64_t p = first; p < n; p++) {
                 const float *v = values + ((int64_t)table[p / block_size] * block_size + p % block_size) * row;
