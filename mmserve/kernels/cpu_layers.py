@@ -1,11 +1,12 @@
 """A decoder layer's small float32 operations by the CPU's C library (mmserve.kernels.cpu_lib;
-mmserve/kernels/cpu/layer_ops.c): the residual add with RMSNorm, rotary embedding and the KV
-cache write, each one call where torch runs a dozen small operations. A decode step of
-SmolLM2-135M at batch 16 spent about 8 ms of its ~55 in those operations' dispatch.
+mmserve/kernels/cpu/layer_ops.c): the residual add with RMSNorm, rotary embedding, the KV
+cache write and SiLU-and-mul, each one call where torch runs several small operations. A
+decode step of SmolLM2-135M at batch 16 spent 8.3-8.7 ms outside its products and attention
+before them (measured with both stubbed out), 5.5 ms after.
 
 Each computes what the torch path (mmserve.models.layers, mmserve.kernels.paged_ref) computes,
 with the same roundings: rotary and the cache write bit-equal, RMSNorm but for the order of
-its sum of squares. supports() says where they apply (float32 CPU tensors, the library built);
+its sum of squares, SiLU within a few ulp (its exp is the library's polynomial). supports() says where they apply (float32 CPU tensors, the library built);
 elsewhere the callers keep their torch paths.
 """
 
