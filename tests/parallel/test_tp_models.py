@@ -25,8 +25,10 @@ from tests.models.test_llama_family import PROMPT, hf_logits
 from tests.utils.tiny_models import make_tiny_model
 
 # against one rank: the same math, summed in another order (float32 rounding of sums whose
-# terms reach ~30 differs by a few ulps, hence the relative part)
-TP_ATOL, TP_RTOL = 1e-5, 1e-6
+# terms reach ~30 differs by a few ulps, hence the relative part). The tiny Llama with biases
+# and a tied head at 2 ranks differs by up to 1.34e-5 on the torch path and 1.19e-5 with the
+# CPU library's layer operations (measured on fresh checkpoints), so 1e-5 sat on the edge.
+TP_ATOL, TP_RTOL = 2e-5, 1e-6
 HF_ATOL = 1e-4  # against transformers (as tests/models/test_llama_family.py)
 
 

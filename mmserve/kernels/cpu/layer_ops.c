@@ -86,22 +86,27 @@ int write_kv_f32(const float *k, int64_t ldk, const float *v, int64_t ldv, int64
  * ldg apart: as g / (1 + t) for g >= 0 and g t / (1 + t) below, t = e^-|g| (vexp's range).
  * exp is a polynomial (cpu_vec.h) where torch's silu uses its own: within a few float32 ulp
  * of torch's silu and product, not bit-equal. */
+static inline vf silu_mul(vf x, vf u) {
+    vi negative = x < 0.0f;
+    vf t = vexp((vf)((vi)x | INT32_MIN));  /* e^-|x|: x with its sign bit set */
+    vf num = (vf)(((vi)(x * t) & negative) | ((vi)x & ~negative));
+    return num / (1.0f + t) * u;
+}
+
 int silu_and_mul_f32(int threads, const float *gate_up, int64_t ldg, int64_t rows, int64_t width, float *out) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * width >= SILU_PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * ldg, *u = g + width;
         float *o = out + r * width;
         int64_t i = 0;
-        for (; i + LANES <= width; i += LANES) {
-            vf x = vload(g + i);
-            vi negative = x < 0.0f;
-            vf t = vexp((vf)((vi)x | INT32_MIN));  /* e^-|x|: x with its sign bit set */
-            vf num = (vf)(((vi)(x * t) & negative) | ((vi)x & ~negative));
-            vstore(o + i, num / (1.0f + t) * vload(u + i));
-        }
-        for (; i < width; i++) {
-            float x = g[i], t = expf(-fabsf(x));
-            o[i] = (x < 0.0f ? x * t : x) / (1.0f + t) * u[i];
+        for (; i + LANES <= width; i += LANES) vstore(o + i, silu_mul(vload(g + i), vload(u + i)));
+        if (i < width) {  /* the last elements through the same vector code, so that an element's
+                           * value does not depend on where it falls (a tensor-parallel shard) */
+            float x[LANES] = {0}, y[LANES] = {0}, z[LANES];
+            memcpy(x, g + i, sizeof(float) * (width - i));
+            memcpy(y, u + i, sizeof(float) * (width - i));
+            vstore(z, silu_mul(vload(x), vload(y)));
+            memcpy(o + i, z, sizeof(float) * (width - i));
         }
     }
     return 0;
