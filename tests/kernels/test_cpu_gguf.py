@@ -53,11 +53,10 @@ def test_product_is_x_times_ggufs_weight(qtype: str, rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [4, 16, 33, 300])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q8_0", "Q4_K"])
-def test_products_over_several_chunks_of_k_and_blocks_of_rows(qtype: str, rows: int) -> None:
-    """K = 608 (three chunks of the outer-product path: 256, 256, 96) or 768 for a K-quant;
-    300 rows are two blocks of 256 rows there."""
-    k = 768 if qtype.endswith("_K") else 608
+@pytest.mark.parametrize(("qtype", "k"), [("Q4_0", 608), ("Q5_1", 608), ("Q8_0", 608), ("Q4_1", 1024), ("Q4_K", 768)])
+def test_products_over_several_chunks_of_k_and_blocks_of_rows(qtype: str, k: int, rows: int) -> None:
+    """K = 608: three chunks of the outer-product path (256, 256, 96); K = 1024: rows 4 KiB
+    apart, which that path copies further apart; 300 rows are two blocks of 256 rows there."""
     blocks = random_blocks(qtype, 41, k, rows).cpu()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     expected = x.double() @ gguf_dequantize_ref(blocks, qtype).double().t()

@@ -143,6 +143,14 @@ static void panel(int qtype, const float *x, int64_t rows, int64_t k, int64_t ld
 static int outer_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
                       const uint8_t *w, int64_t n, float *out, int64_t ldo) {
     int64_t row_bytes = k / 32 * gguf_block_bytes(qtype), panels = (n + 15) / 16;
+    /* Rows of x whose stride is a multiple of 2 KiB (k = 512, 1024, 4096, ...) fall in one or
+     * two L1 sets, and 16 of them thrash its 8 ways (K = 4096 at 16 rows took 18.4 ms where 8
+     * rows took 6.1): those are copied ld = k + 16 floats apart, each row a set further. Others
+     * are read in place (the copy cost SmolLM2's K = 576 about 4%). */
+    int pack = ldx % 512 == 0;
+    int64_t ld = pack ? k + 16 : ldx, block = m < ROW_BLOCK ? m : ROW_BLOCK;
+    float *xp = pack ? aligned_alloc(64, sizeof(float) * block * ld) : NULL;
+    if (pack && !xp) return -2;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -154,12 +162,19 @@ static int outer_gemm(int qtype, int threads, const float *x, int64_t m, int64_t
         /* ROW_BLOCK rows of x at a time, which stay in L2 while the panels pass */
         for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
             int64_t rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
+            const float *xr = x + r0 * ldx;
+            if (pack) {
+#pragma omp for schedule(static)
+                for (int64_t r = 0; r < rows; r++) memcpy(xp + r * ld, xr + r * ldx, sizeof(float) * k);
+                xr = xp;
+            }
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++)
-                if (wt) panel(qtype, x + r0 * ldx, rows, k, ldx, w, row_bytes, 16 * p, n, out + r0 * ldo, ldo, wt);
+                if (wt) panel(qtype, xr, rows, k, ld, w, row_bytes, 16 * p, n, out + r0 * ldo, ldo, wt);
         }
         free(wt);
     }
+    free(xp);
     return failed ? -2 : 0;
 }
 #endif
