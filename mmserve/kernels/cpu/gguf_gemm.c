@@ -8,8 +8,8 @@
  * blocks are read from memory once per call whatever the rows (one row against 32-element
  * blocks skips the buffer: legacy_dot). From OUTER_MIN_ROWS rows on, the 32-element types on
  * AVX-512 with VBMI take the outer-product path below instead (16 channels dequantised
- * transposed, gguf_panel.c), whatever the rows: SmolLM2's layers at 88-92% of the FMA limit
- * from 128 rows on and 70% at 16, where the 4 x 4 tiles reached 65% at 64 rows and 54% at 16.
+ * transposed, gguf_panel.c), whatever the rows: SmolLM2's layers at 92-95% of the FMA limit
+ * from 128 rows on and 73% at 16, where the 4 x 4 tiles reached 65% at 64 rows and 54% at 16.
  * Threads are OpenMP's: the library links libgomp.so.1, which resolves to the runtime torch
  * loaded (the same threads, no second pool spinning against torch's).
  */
