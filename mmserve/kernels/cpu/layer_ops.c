@@ -1,11 +1,12 @@
-/* A decoder layer's small float32 operations on the CPU, each one call instead of the dozen
+/* A decoder layer's small float32 operations on the CPU, each one call instead of the several
  * torch operations (and their dispatch, a few microseconds each) that a decode step of a
  * small model spends most of its time between products on: the residual add with RMSNorm,
- * rotary embedding, and the KV cache write.
+ * rotary embedding, the KV cache write, and SiLU-and-mul.
  *
  * Compiled with -ffp-contract=off, so each product and sum rounds as torch's separate
  * operations do (mmserve.models.layers): rotary and the cache write are bit-equal to the torch
- * path, RMSNorm differs only in the order of its sum of squares.
+ * path, RMSNorm differs only in the order of its sum of squares, SiLU in its exp (a polynomial,
+ * cpu_vec.h's vexp).
  */
 #include "cpu_vec.h"
 
