@@ -9,6 +9,8 @@ no vectors alike; a library that cannot be built leaves it unavailable instead o
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -138,6 +140,20 @@ def test_other_machines_builds_give_the_same_weights(march: str, tmp_path: Path)
         for rows in (1, 2, 5, 17):
             out = cpu_gguf.gguf_gemm_cpu(x[:rows], blocks, qtype, lib)
             torch.testing.assert_close(out, x[:rows] @ weight.t(), rtol=1e-5, atol=1e-5 * weight.abs().max().item())
+
+
+@pytest.mark.parametrize("level", ["-O0", "-O1"])
+def test_the_sources_compile_without_optimisation(level: str, tmp_path: Path) -> None:
+    """Intrinsics whose lane must be a literal are spelled out, not left to the optimiser's
+    unrolling (gguf_panel.c's inserts and extracts compiled at -O3 only, once): another
+    compiler or level must build the library too."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    for source in sorted(cpu_lib.SOURCE_DIR.glob("*.c")):
+        done = subprocess.run([cc, level, "-march=native", "-fPIC", "-fopenmp", "-c", str(source), "-o",
+                               str(tmp_path / f"{source.stem}.o")], capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, (source.name, done.stderr[-2000:])
 
 
 def test_bad_inputs_are_refused_naming_them() -> None:

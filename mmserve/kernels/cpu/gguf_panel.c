@@ -35,12 +35,15 @@ __attribute__((constructor)) static void panel_indices(void) {
 /* 16 bytes at p[c] + at for each channel c -> O[q]: byte 4 q + t of channel c at 16 t + c */
 static inline void transpose_bytes(const uint8_t *const p[16], int64_t at, __m512i O[4]) {
     __m512i A[4], P[2], Q[2];
+    /* (the lane of an insert or extract must be a literal: spelled out, not left to unrolling) */
+#define BYTES16(c) _mm_loadu_si128((const __m128i *)(p[c] + at))
     for (int s = 0; s < 4; s++) {
-        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p[4 * s] + at)));
-        for (int g = 1; g < 4; g++)
-            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p[4 * s + g] + at)), g);
-        A[s] = v;
+        __m512i v = _mm512_castsi128_si512(BYTES16(4 * s));
+        v = _mm512_inserti32x4(v, BYTES16(4 * s + 1), 1);
+        v = _mm512_inserti32x4(v, BYTES16(4 * s + 2), 2);
+        A[s] = _mm512_inserti32x4(v, BYTES16(4 * s + 3), 3);
     }
+#undef BYTES16
     for (int pair = 0; pair < 2; pair++) {
         __m512i index = _mm512_loadu_si512(STEP1[pair]);
         P[pair] = _mm512_permutex2var_epi8(A[0], index, A[1]);
@@ -56,9 +59,25 @@ static inline __m512i words(const uint8_t *const p[16], int64_t at) {
     return _mm512_loadu_si512(v);
 }
 
-/* group t (< 4) of O, bytes widened to int32 lanes */
+/* group t (a literal, < 4) of O, bytes widened to int32 lanes */
 #define WIDEN(O, t, is_signed) \
     (is_signed ? _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(O, t)) : _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(O, t)))
+
+/* elements j (lo) and j + 16 (hi) of a 32-element block for the 16 channels: with their fifth
+ * bits (bits j and j + 16 of qh) where the type has them, less the type's offset, times d,
+ * plus m where it has one (legacy() in gguf_dequant.c, the same roundings) */
+static inline __attribute__((always_inline)) void nibbles(__m512i lo, __m512i hi, int j, __m512i qh, int five,
+                                                          int offset, __m512 d, int has_m, __m512 m, float *wt) {
+    if (five) {
+        const __m512i one = _mm512_set1_epi32(1);
+        lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, j), one), 4));
+        hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, j + 16), one), 4));
+    }
+    __m512 wl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, _mm512_set1_epi32(offset))), d);
+    __m512 wh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, _mm512_set1_epi32(offset))), d);
+    _mm512_store_ps(wt + j * 16, has_m ? _mm512_add_ps(wl, m) : wl);
+    _mm512_store_ps(wt + (j + 16) * 16, has_m ? _mm512_add_ps(wh, m) : wh);
+}
 
 static inline __attribute__((always_inline)) void legacy_panel(
     int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc, float *wt) {
@@ -68,7 +87,7 @@ static inline __attribute__((always_inline)) void legacy_panel(
     const int quants = qtype == GGUF_Q4_1 ? 4 : qtype == GGUF_Q5_0 ? 6 : qtype == GGUF_Q5_1 ? 8 : 2;
     const uint8_t *p[16];  /* each channel's block; channels past `channels` read the first's */
     for (int c = 0; c < 16; c++) p[c] = w + (c < channels ? c : 0) * row_bytes + k0 / 32 * bytes;
-    const __m512i nibble = _mm512_set1_epi8(15), one = _mm512_set1_epi32(1);
+    const __m512i nibble = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < kc / 32; b++, wt += 32 * 16) {
         __m512i head = words(p, 0), O[4];
         __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head)), m = _mm512_setzero_ps();
@@ -76,26 +95,22 @@ static inline __attribute__((always_inline)) void legacy_panel(
         if (qtype == GGUF_Q8_0) {
             for (int half = 0; half < 2; half++) {
                 transpose_bytes(p, quants + 16 * half, O);
-                for (int j = 0; j < 16; j++)
-                    _mm512_store_ps(wt + (16 * half + j) * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(WIDEN(O[j / 4], j % 4, 1)), d));
+                for (int q = 0; q < 4; q++) {
+                    float *at = wt + (16 * half + 4 * q) * 16;  /* elements 16 half + 4 q + t */
+#define SIGNED(t) _mm512_store_ps(at + 16 * t, _mm512_mul_ps(_mm512_cvtepi32_ps(WIDEN(O[q], t, 1)), d));
+                    SIGNED(0) SIGNED(1) SIGNED(2) SIGNED(3)
+#undef SIGNED
+                }
             }
         } else {
             __m512i qh = five ? words(p, qtype == GGUF_Q5_0 ? 2 : 4) : _mm512_setzero_si512();
             transpose_bytes(p, quants, O);
             for (int q = 0; q < 4; q++) {
                 __m512i low = _mm512_and_si512(O[q], nibble), high = _mm512_and_si512(_mm512_srli_epi16(O[q], 4), nibble);
-                for (int t = 0; t < 4; t++) {
-                    int j = 4 * q + t;  /* element j: the low nibble of byte j; j + 16: the high */
-                    __m512i lo = WIDEN(low, t, 0), hi = WIDEN(high, t, 0);
-                    if (five) {
-                        lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, j), one), 4));
-                        hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, j + 16), one), 4));
-                    }
-                    __m512 wl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, _mm512_set1_epi32(offset))), d);
-                    __m512 wh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, _mm512_set1_epi32(offset))), d);
-                    _mm512_store_ps(wt + j * 16, has_m ? _mm512_add_ps(wl, m) : wl);
-                    _mm512_store_ps(wt + (j + 16) * 16, has_m ? _mm512_add_ps(wh, m) : wh);
-                }
+                /* element j = 4 q + t: the low nibble of byte j; j + 16: the high */
+#define NIBBLES(t) nibbles(WIDEN(low, t, 0), WIDEN(high, t, 0), 4 * q + t, qh, five, offset, d, has_m, m, wt);
+                NIBBLES(0) NIBBLES(1) NIBBLES(2) NIBBLES(3)
+#undef NIBBLES
             }
         }
         for (int c = 0; c < 16; c++) p[c] += bytes;
