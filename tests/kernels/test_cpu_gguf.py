@@ -151,8 +151,8 @@ def test_the_sources_compile_without_optimisation(level: str, tmp_path: Path) ->
     if cc is None:
         pytest.skip("no C compiler")
     for source in sorted(cpu_lib.SOURCE_DIR.glob("*.c")):
-        done = subprocess.run([cc, level, "-march=native", "-fPIC", "-fopenmp", "-c", str(source), "-o",
-                               str(tmp_path / f"{source.stem}.o")], capture_output=True, text=True, timeout=120)  # fmt: skip
+        command = [cc, level, "-march=native", "-fPIC", "-fopenmp", "-c", str(source), "-o", str(tmp_path / "a.o")]
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, (source.name, done.stderr[-2000:])
 
 
