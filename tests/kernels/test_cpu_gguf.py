@@ -70,11 +70,11 @@ def test_products_over_several_chunks_of_k_and_blocks_of_rows(qtype: str, k: int
 def test_one_hot_rows_give_the_weights_exactly(qtype: str) -> None:
     """Row i of the identity picks weight column i: every path's product must give the
     dequantised weights bit for bit (all rows at once and 16 at a time: the outer-product path
-    where the build has it; 3: the 4 x 4 tiles)."""
+    where the build has it; 3: the 4 x 4 tiles; 1: the one-row products)."""
     blocks = _blocks(qtype, 41)
     weight = gguf_dequantize_ref(blocks, qtype)
     eye = torch.eye(_k(qtype))
-    for rows in (eye.shape[0], 16, 3):
+    for rows in (eye.shape[0], 16, 3, 1):
         for start in range(0, eye.shape[0], rows):
             out = cpu_gguf.gguf_gemm_cpu(eye[start : start + rows], blocks, qtype)
             assert torch.equal(out, weight[:, start : start + rows].t()), (qtype, rows, start)

@@ -20,17 +20,6 @@ static inline void legacy(int qtype, const uint8_t *restrict b, float *restrict 
     }
 }
 
-/* The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (12 bytes at q). */
-static void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-}
-
 /* 256-element super-blocks. Q4_K: d, dmin, 12 bytes of scales, 128 of nibbles; Q5_K: with 32
  * bytes of fifth bits before the nibbles. Sub-block j of 32: q (d sc_j) - (dmin m_j), the two
  * products rounded first as ggml computes them; sub-blocks 2i and 2i + 1 are the low and high

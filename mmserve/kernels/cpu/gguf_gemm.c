@@ -81,6 +81,60 @@ static float legacy_dot(int qtype, const float *x, const float *xsums, const uin
 }
 
 
+/* One row of x against one output channel of 256-element K-quant blocks, without
+ * dequantising: each sub-block's integers times x in float32 lanes, scaled once by its d sc
+ * (Q4_K / Q5_K: less its dmin m times x's sub-block sum, xsums[s] over x's 32 elements s;
+ * Q6_K: q - 32, 16 elements to a scale). The scales round as gguf_dequant.c's q45_k / q6_k
+ * compute them; the sums run in another order than x . w. */
+static float kquant_dot(int qtype, const float *x, const float *xsums, const uint8_t *row, int64_t blocks) {
+    vf total = vsplat(0.0f);
+    float mins = 0.0f;
+    const int bytes = gguf_block_bytes(qtype), five = qtype == GGUF_Q5_K;
+    for (int64_t b = 0; b < blocks; b++, row += bytes, x += 256, xsums += 8) {
+        if (qtype == GGUF_Q6_K) {
+            float d = f16(row + 208);
+            for (int half = 0; half < 2; half++) {
+                const uint8_t *ql = row + 64 * half, *qh = row + 128 + 32 * half;
+                const int8_t *sc = (const int8_t *)(row + 192 + 8 * half);
+                const float *xh = x + 128 * half;
+                for (int l = 0; l < 32; l += LANES) {
+                    vi lo_a = vbytes(ql + l, 0), lo_b = vbytes(ql + 32 + l, 0), hi = vbytes(qh + l, 0);
+                    vi q[4] = {(lo_a & 0x0f) | ((hi & 3) << 4), (lo_b & 0x0f) | (((hi >> 2) & 3) << 4),
+                               (lo_a >> 4) | (((hi >> 4) & 3) << 4), (lo_b >> 4) | (((hi >> 6) & 3) << 4)};
+                    for (int j = 0; j < 4; j++) {
+                        float ds = d * (float)sc[l / 16 + 2 * j];
+                        total += vfloat(q[j] - 32) * vload(xh + 32 * j + l) * ds;
+                    }
+                }
+            }
+            continue;
+        }
+        float d = f16(row), dmin = f16(row + 2);
+        const uint8_t *scales = row + 4, *qh = row + 16, *ql = row + (five ? 48 : 16);
+        for (int i = 0; i < 4; i++) {
+            int sc1, m1, sc2, m2;
+            scale_min_k4(2 * i, scales, &sc1, &m1);
+            scale_min_k4(2 * i + 1, scales, &sc2, &m2);
+            vf acc1 = vsplat(0.0f), acc2 = vsplat(0.0f);
+            for (int l = 0; l < 32; l += LANES) {
+                vi q = vbytes(ql + 32 * i + l, 0), lo = q & 0x0f, hi = q >> 4;
+                if (five) {
+                    vi h = vbytes(qh + l, 0);
+                    lo += ((h >> (2 * i)) & 1) << 4;
+                    hi += ((h >> (2 * i + 1)) & 1) << 4;
+                }
+                acc1 += vfloat(lo) * vload(x + 64 * i + l);
+                acc2 += vfloat(hi) * vload(x + 64 * i + 32 + l);
+            }
+            float d1 = d * (float)sc1, d2 = d * (float)sc2, min1 = dmin * (float)m1, min2 = dmin * (float)m2;
+            total += acc1 * d1;
+            total += acc2 * d2;
+            mins += min1 * xsums[2 * i] + min2 * xsums[2 * i + 1];
+        }
+    }
+    return vsum(total) - mins;
+}
+
 #if VECTORISED && LANES == 16
 /* The outer-product path, for the types gguf_panel.c transposes (AVX-512 with VBMI): panels of
  * 16 output channels, KC weights of k at a time dequantised into wt[KC][16] (the 16 channels'
@@ -186,7 +240,7 @@ int gguf_gemm_f32(int qtype, int threads, const float *x, int64_t m, int64_t k, 
     int64_t elements = gguf_block_elements(qtype);
     if (!elements || k % elements) return -1;
     int64_t row_bytes = k / elements * gguf_block_bytes(qtype);
-    if (m == 1 && is_legacy(qtype)) {  /* a decode step of one request: no buffer */
+    if (m == 1) {  /* a decode step of one request: no buffer */
         float *xsums = malloc(sizeof(float) * (k / 32));
         if (!xsums) return -2;
         for (int64_t b = 0; b < k / 32; b++) {
@@ -194,9 +248,11 @@ int gguf_gemm_f32(int qtype, int threads, const float *x, int64_t m, int64_t k, 
             for (int j = 0; j < 32; j++) sum += x[32 * b + j];
             xsums[b] = sum;
         }
+        int legacy = is_legacy(qtype);
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t c = 0; c < n; c++)
-            out[c] = legacy_dot(qtype, x, xsums, w + c * row_bytes, k / 32, gguf_block_bytes(qtype));
+            out[c] = legacy ? legacy_dot(qtype, x, xsums, w + c * row_bytes, k / 32, gguf_block_bytes(qtype))
+                            : kquant_dot(qtype, x, xsums, w + c * row_bytes, k / 256);
         free(xsums);
         return 0;
     }

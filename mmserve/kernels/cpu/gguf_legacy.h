@@ -1,6 +1,7 @@
-/* The 32-element GGUF blocks' integers, shared by the dequantisation (gguf_dequant.c) and the
- * fused one-row product (gguf_gemm.c): integer work only, so either file's floating-point
- * contraction setting leaves it alone. Layouts: ggml's block_q4_0 ... block_q8_0. */
+/* The 32-element GGUF blocks' integers (and the K-quants' packed scales), shared by the
+ * dequantisation (gguf_dequant.c) and the fused one-row products (gguf_gemm.c): integer work
+ * only, so either file's floating-point contraction setting leaves it alone. Layouts: ggml's
+ * block_q4_0 ... block_q8_0, block_q4_K, block_q5_K. */
 #ifndef MMSERVE_GGUF_LEGACY_H
 #define MMSERVE_GGUF_LEGACY_H
 
@@ -71,5 +72,17 @@ static inline void legacy_ints(int qtype, const uint8_t *b, vi *q, float *d, flo
 }
 
 static inline int is_legacy(int qtype) { return gguf_block_elements(qtype) == 32; }
+
+/* The 6-bit scale and min of sub-block j of a Q4_K / Q5_K super-block (12 bytes at q). */
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
 
 #endif
