@@ -8,8 +8,8 @@ the file's, as the dequantised-at-load path has them) into a buffer the size of 
 multiplies it there, float32 sums.
 
 Up to MAX_ROWS rows (decode steps, short prompts) run that product; more dequantise the weight
-in chunks and multiply with torch.matmul, which is faster there. One row against 32-element
-blocks (a decode step of one request) skips the buffer: each block's integers times x, scaled
+in chunks and multiply with torch.matmul, which is faster there. One row (a decode step of
+one request) skips the buffer: each block's (a K-quant's: sub-block's) integers times x, scaled
 by its d once, plus its m times x's block sum; the same weights, the sums in another order.
 The 32-element types on AVX-512 with VBMI (gguf_panel_supported) take the library's
 outer-product path from 4 rows on, at any row count: 16 channels dequantised transposed,
