@@ -10,17 +10,13 @@ import ctypes
 
 import torch
 
-from mmserve.kernels.cpu_lib import library, require
+from mmserve.kernels import cpu_layers
+from mmserve.kernels.cpu_lib import require
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """The library is here and both are float32 CPU tensors, the cache contiguous."""
-    return (
-        q.dtype == kv_cache.dtype == torch.float32
-        and q.device.type == kv_cache.device.type == "cpu"
-        and kv_cache.is_contiguous()
-        and library() is not None
-    )
+    return cpu_layers.supports(q, kv_cache) and kv_cache.is_contiguous()
 
 
 def paged_decode_cpu(

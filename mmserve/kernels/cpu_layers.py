@@ -6,8 +6,9 @@ before them (measured with both stubbed out), 5.5 ms after.
 
 Each computes what the torch path (mmserve.models.layers, mmserve.kernels.paged_ref) computes,
 with the same roundings: rotary and the cache write bit-equal, RMSNorm but for the order of
-its sum of squares, SiLU within a few ulp (its exp is the library's polynomial). supports() says where they apply (float32 CPU tensors, the library built);
-elsewhere the callers keep their torch paths.
+its sum of squares, SiLU within a few ulp (its exp is the library's polynomial). supports()
+says where they apply (float32 CPU tensors, the library built); elsewhere the callers keep
+their torch paths.
 """
 
 from __future__ import annotations

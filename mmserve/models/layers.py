@@ -60,7 +60,7 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x, self.weight, self.eps), x
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if x.device.type == "cpu" and cpu_layers.supports(x, self.weight, *(() if residual is None else (residual,))):
+        if cpu_layers.supports(x, self.weight, *(() if residual is None else (residual,))):
             return cpu_layers.rms_norm_cpu(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
@@ -144,7 +144,7 @@ class Rope:
             from mmserve.kernels.rotary import rotary_embedding
 
             return rotary_embedding(self.positions, q, k, self.cos, self.sin)
-        if q.device.type == "cpu" and cpu_layers.supports(q, k, self.cos):  # (one C call each)
+        if cpu_layers.supports(q, k, self.cos):  # (one C call each)
             return cpu_layers.rotary_cpu(q, self.cos, self.sin), cpu_layers.rotary_cpu(k, self.cos, self.sin)
         return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 

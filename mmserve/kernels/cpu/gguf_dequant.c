@@ -34,12 +34,8 @@ static inline void q45_k(const uint8_t *restrict b, float *restrict y, int five)
         scale_min_k4(2 * i + 1, scales, &sc, &m);
         vf d2 = vsplat(d * (float)sc), m2 = vsplat(dmin * (float)m);
         for (int l = 0; l < 32; l += LANES) {
-            vi q = vbytes(ql + 32 * i + l, 0), lo = q & 0x0f, hi = q >> 4;
-            if (five) {
-                vi h = vbytes(qh + l, 0);
-                lo += ((h >> (2 * i)) & 1) << 4;
-                hi += ((h >> (2 * i + 1)) & 1) << 4;
-            }
+            vi lo, hi;
+            k45_ints(ql, qh, five, i, l, &lo, &hi);
             vstore(y + 64 * i + l, d1 * vfloat(lo) - m1);
             vstore(y + 64 * i + 32 + l, d2 * vfloat(hi) - m2);
         }
@@ -56,9 +52,8 @@ static inline void q6_k(const uint8_t *restrict b, float *restrict y) {
         const uint8_t *ql = b + 64 * half, *qh = b + 128 + 32 * half;
         const int8_t *sc = (const int8_t *)(b + 192 + 8 * half);
         for (int l = 0; l < 32; l += LANES) {  /* (LANES <= 16: one scale per vector) */
-            vi lo_a = vbytes(ql + l, 0), lo_b = vbytes(ql + 32 + l, 0), hi = vbytes(qh + l, 0);
-            vi q[4] = {(lo_a & 0x0f) | ((hi & 3) << 4), (lo_b & 0x0f) | (((hi >> 2) & 3) << 4),
-                       (lo_a >> 4) | (((hi >> 4) & 3) << 4), (lo_b >> 4) | (((hi >> 6) & 3) << 4)};
+            vi q[4];
+            q6_ints(ql, qh, l, q);
             for (int j = 0; j < 4; j++) {
                 vf ds = vsplat(d * (float)sc[l / 16 + 2 * j]);
                 vstore(y + 128 * half + 32 * j + l, vfloat(q[j] - 32) * ds);

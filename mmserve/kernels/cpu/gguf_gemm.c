@@ -98,9 +98,8 @@ static float kquant_dot(int qtype, const float *x, const float *xsums, const uin
                 const int8_t *sc = (const int8_t *)(row + 192 + 8 * half);
                 const float *xh = x + 128 * half;
                 for (int l = 0; l < 32; l += LANES) {
-                    vi lo_a = vbytes(ql + l, 0), lo_b = vbytes(ql + 32 + l, 0), hi = vbytes(qh + l, 0);
-                    vi q[4] = {(lo_a & 0x0f) | ((hi & 3) << 4), (lo_b & 0x0f) | (((hi >> 2) & 3) << 4),
-                               (lo_a >> 4) | (((hi >> 4) & 3) << 4), (lo_b >> 4) | (((hi >> 6) & 3) << 4)};
+                    vi q[4];
+                    q6_ints(ql, qh, l, q);
                     for (int j = 0; j < 4; j++) {
                         float ds = d * (float)sc[l / 16 + 2 * j];
                         total += vfloat(q[j] - 32) * vload(xh + 32 * j + l) * ds;
@@ -117,12 +116,8 @@ static float kquant_dot(int qtype, const float *x, const float *xsums, const uin
             scale_min_k4(2 * i + 1, scales, &sc2, &m2);
             vf acc1 = vsplat(0.0f), acc2 = vsplat(0.0f);
             for (int l = 0; l < 32; l += LANES) {
-                vi q = vbytes(ql + 32 * i + l, 0), lo = q & 0x0f, hi = q >> 4;
-                if (five) {
-                    vi h = vbytes(qh + l, 0);
-                    lo += ((h >> (2 * i)) & 1) << 4;
-                    hi += ((h >> (2 * i + 1)) & 1) << 4;
-                }
+                vi lo, hi;
+                k45_ints(ql, qh, five, i, l, &lo, &hi);
                 acc1 += vfloat(lo) * vload(x + 64 * i + l);
                 acc2 += vfloat(hi) * vload(x + 64 * i + 32 + l);
             }

@@ -1,4 +1,4 @@
-/* The 32-element GGUF blocks' integers (and the K-quants' packed scales), shared by the
+/* The 32-element GGUF blocks' integers (and the K-quants' scales and integers), shared by the
  * dequantisation (gguf_dequant.c) and the fused one-row products (gguf_gemm.c): integer work
  * only, so either file's floating-point contraction setting leaves it alone. Layouts: ggml's
  * block_q4_0 ... block_q8_0, block_q4_K, block_q5_K. */
@@ -82,6 +82,30 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
         *sc = (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
         *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
+}
+
+/* Q4_K / Q5_K: the integers of elements l .. l + LANES of sub-blocks 2i (lo, the low nibbles of
+ * bytes 32 i + l ..) and 2i + 1 (hi, the high nibbles), with their fifth bits (bits 2i and
+ * 2i + 1 of qh[l ..]) for Q5_K. ql: the 128 nibble bytes, qh: the 32 fifth-bit bytes. */
+static inline void k45_ints(const uint8_t *ql, const uint8_t *qh, int five, int i, int l, vi *lo, vi *hi) {
+    vi q = vbytes(ql + 32 * i + l, 0);
+    *lo = q & 0x0f;
+    *hi = q >> 4;
+    if (five) {
+        vi h = vbytes(qh + l, 0);
+        *lo += ((h >> (2 * i)) & 1) << 4;
+        *hi += ((h >> (2 * i + 1)) & 1) << 4;
+    }
+}
+
+/* Q6_K: the integers (0 .. 63, before its - 32) of elements l + 32 j .. (j < 4, l < 32) of a
+ * half of 128: the low nibble (j odd: of byte l + 32 of ql) and bit pair j of high byte l. */
+static inline void q6_ints(const uint8_t *ql, const uint8_t *qh, int l, vi q[4]) {
+    vi lo_a = vbytes(ql + l, 0), lo_b = vbytes(ql + 32 + l, 0), hi = vbytes(qh + l, 0);
+    q[0] = (lo_a & 0x0f) | ((hi & 3) << 4);
+    q[1] = (lo_b & 0x0f) | (((hi >> 2) & 3) << 4);
+    q[2] = (lo_a >> 4) | (((hi >> 4) & 3) << 4);
+    q[3] = (lo_b >> 4) | (((hi >> 6) & 3) << 4);
 }
 
 
