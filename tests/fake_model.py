@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from mmserve.attention import AttentionMetadata
-from mmserve.attention.torch_ref import TorchAttentionBackend, attend
+from mmserve.attention.torch_ref import TorchAttentionBackend
+from mmserve.kernels.paged_ref import attend
 from mmserve.models.base import ModelBase, ModelCapabilities
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from mmserve.attention.backend import AttentionBackend, AttentionMetadata
 from mmserve.kernels import cpu_attention, cpu_layers
-from mmserve.kernels.paged_ref import FP8, attend, gather_context, write_kv_cache
+from mmserve.kernels.paged_ref import FP8, context_mask, gather_context, write_kv_cache
 
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
@@ -116,13 +116,42 @@ def _padded_sdpa(
     return out.transpose(1, 2)
 
 
+def attend_context(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """attend() through one scaled_dot_product_attention: q [Q, H, D] at the last Q of S
+    positions, k and v [S, Hkv, D]; returns [Q, H, D]. A chunk of a prompt after its cached
+    (or earlier) positions. The heads that share a KV head ride along as extra query rows
+    ([Hkv, G * Q, D] against [Hkv, S, D]): K and V are not repeated. A 64-token chunk over
+    2,048 positions, 9 heads on 3, 2 threads: 2.3 ms against attend()'s einsums' 5-6."""
+    num_q, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    rows = q.float().view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    rows = rows.reshape(num_kv_heads, group * num_q, head_dim)  # row g * Q + i: head kv * G + g
+    mask = context_mask(num_q, seq_len, causal, sliding_window, q.device)
+    if mask is not None:
+        mask = mask.repeat(group, 1)
+    # 4-D inputs: with 3-D ones the CPU takes SDPA's unfused math path (2.9 ms against 1.1 for
+    # 64 queries over 1,024 positions)
+    keys, values = (x.float().transpose(0, 1).unsqueeze(0) for x in (k, v))
+    out = F.scaled_dot_product_attention(rows.unsqueeze(0), keys, values, attn_mask=mask, scale=scale)
+    out = out.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)
+    return out.reshape(num_q, num_heads, head_dim).to(q.dtype)
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Decoder steps: the requests that decode one token attend together, through one
     scaled_dot_product_attention over their contexts gathered with one index_select per layer
     (decode_attention); prompts with nothing cached before them attend within their own new
     tokens, batched as an encoder's are (attend_within; with a float cache, whose values are
     the new K and V themselves); the others (chunks after a cached prefix, or any prompt with
-    an FP8 cache) loop over requests with the reference attend(). Encoder steps batch requests
+    an FP8 cache) loop over requests through attend_context(). Encoder steps batch requests
     of similar length through one padded attention each."""
 
     def forward(
@@ -159,7 +188,7 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             rows = slice(starts[i], starts[i] + q_len)
             ctx_k, ctx_v = gather_context(kv_cache, meta.block_tables[i], seq_len, kv_scales)
-            out[rows] = attend(q[rows], ctx_k, ctx_v, scale, meta.causal, sliding_window)
+            out[rows] = attend_context(q[rows], ctx_k, ctx_v, scale, meta.causal, sliding_window)
         attend_within(q, k, v, lengths, fresh, scale, meta.causal, sliding_window, out)
         return out
 

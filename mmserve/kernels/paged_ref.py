@@ -63,6 +63,22 @@ def gather_context(
     return k, v
 
 
+def context_mask(
+    num_q: int, seq_len: int, causal: bool, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """[Q, S] bool, True where the last Q of S positions may attend; None when all may."""
+    if not causal and sliding_window is None:
+        return None
+    q_pos = torch.arange(seq_len - num_q, seq_len, device=device).unsqueeze(1)  # [Q, 1]
+    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)  # [1, S]
+    allowed = torch.ones(num_q, seq_len, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    return allowed
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -78,13 +94,8 @@ def attend(
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    q_pos = torch.arange(seq_len - num_q, seq_len).unsqueeze(1)  # [Q, 1]
-    k_pos = torch.arange(seq_len).unsqueeze(0)  # [1, S]
-    allowed = torch.ones(num_q, seq_len, dtype=torch.bool)
-    if causal:
-        allowed &= k_pos <= q_pos
-    if sliding_window is not None:
-        allowed &= k_pos > q_pos - sliding_window
-    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+    allowed = context_mask(num_q, seq_len, causal, sliding_window, scores.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)

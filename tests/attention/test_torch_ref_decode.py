@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmserve.attention.backend import AttentionMetadata
-from mmserve.attention.torch_ref import TorchAttentionBackend
+from mmserve.attention.torch_ref import TorchAttentionBackend, attend_context
 from mmserve.kernels import cpu_attention, cpu_lib
 from mmserve.kernels.paged_ref import FP8, attend, gather_context, write_kv_cache
 
@@ -106,3 +106,28 @@ def test_decode_path_equals_the_per_request_reference(
     # the plan kept for the next layers gives the same again
     again = TorchAttentionBackend().forward(q, k, v, cache, meta, 0.125, window, scales)
     torch.testing.assert_close(again, got, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("num_q", "seq_len", "heads", "kv_heads", "causal", "window"),
+    [
+        (1, 1, 4, 4, True, None),
+        (5, 37, 9, 3, True, None),  # a chunk after 32 cached positions, GQA
+        (64, 200, 8, 2, True, 48),  # sliding window
+        (17, 17, 6, 1, True, None),  # a whole prompt, one KV head (MQA)
+        (7, 30, 4, 2, False, None),  # no mask at all
+    ],
+)
+def test_attend_context_equals_the_reference(
+    num_q: int, seq_len: int, heads: int, kv_heads: int, causal: bool, window: int | None
+) -> None:
+    """The chunk path's one scaled_dot_product_attention (GQA heads folded into query rows)
+    computes attend()'s einsums, in bfloat16 inputs too (both compute in float32)."""
+    gen = torch.Generator().manual_seed(num_q * 1000 + seq_len)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        q = torch.randn(num_q, heads, 64, generator=gen).to(dtype)
+        k = torch.randn(seq_len, kv_heads, 64, generator=gen).to(dtype)
+        v = torch.randn(seq_len, kv_heads, 64, generator=gen).to(dtype)
+        got = attend_context(q, k, v, 0.125, causal, window)
+        assert got.dtype == dtype and got.shape == q.shape
+        torch.testing.assert_close(got, attend(q, k, v, 0.125, causal, window), atol=tol, rtol=tol)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mmserve.attention.backend import AttentionMetadata
-from mmserve.attention.torch_ref import TorchAttentionBackend, attend, length_groups
+from mmserve.attention.torch_ref import TorchAttentionBackend, length_groups
+from mmserve.kernels.paged_ref import attend
 
 
 def _meta(lengths: list[int], causal: bool) -> AttentionMetadata:

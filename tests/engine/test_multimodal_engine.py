@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from mmserve.attention.torch_ref import attend
 from mmserve.engine import messages as m
 from mmserve.engine.encoder_cache import EncoderCacheManager
 from mmserve.errors import InvalidArgument
 from mmserve.frontend.images import check_placeholders, expand_placeholders
 from mmserve.inputs import MMInput, MMPlaceholder
+from mmserve.kernels.paged_ref import attend
 from mmserve.models.base import ModelCapabilities
 from mmserve.params import SamplingParams
 from tests.engine.conftest import assert_all_blocks_free, make_core, make_request, run_all
