@@ -69,8 +69,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.gguf_panel_supported.argtypes = [ctypes.c_int]
     lib.gguf_gemm_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64]
     lib.gguf_dequant_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _PTR]
-    for fn in (lib.rms_norm_f32, lib.rotary_f32, lib.write_kv_f32, lib.silu_and_mul_f32):
+    for fn in (lib.rms_norm_f32, lib.rotary_f32, lib.write_kv_f32, lib.silu_and_mul_f32, lib.apply_bitmask_f32):
         fn.restype = ctypes.c_int
+    lib.apply_bitmask_f32.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64]
     lib.silu_and_mul_f32.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR]
     lib.rms_norm_f32.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_float, _PTR, _PTR]
     lib.rotary_f32.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR]

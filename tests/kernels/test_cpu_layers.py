@@ -7,12 +7,15 @@ a model's layers take them where they apply, the torch path elsewhere."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from mmserve.kernels import cpu_layers, cpu_lib
 from mmserve.kernels.paged_ref import write_kv_cache
 from mmserve.models.layers import RMSNorm, Rope, apply_rotary, silu_and_mul
+from tests.kernels.test_cpu_gguf import BUILDS, _has
 
 pytestmark = pytest.mark.skipif(not cpu_lib.available(), reason="the CPU library does not build here")
 
@@ -93,3 +96,53 @@ def test_only_float32_cpu_tensors() -> None:
     norm = RMSNorm(8, 1e-5).bfloat16()
     out = norm(x.bfloat16())  # the torch path, as transformers rounds bfloat16
     assert out.dtype == torch.bfloat16
+
+
+def masked_by_bits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """A grammar bitmask's meaning written out a token at a time: bit t % 32 of word t // 32
+    clear means token t of a listed row is -inf."""
+    out = logits.clone()
+    words = bitmask.tolist()
+    for r in rows:
+        for t in range(logits.shape[1]):
+            if not (words[r][t // 32] >> (t % 32)) & 1:
+                out[r, t] = float("-inf")
+    return out
+
+
+def bitmask_case(vocab: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Random logits [6, vocab] and bits, rows 4, 0, 2 masked: row 2 starts with words of all
+    ones, row 4 ends with words of none; the last word is part padding unless 32 | vocab."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (6, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    bitmask[2, :5] = -1
+    bitmask[4, 10:] = 0
+    return logits, bitmask, [4, 0, 2]
+
+
+@pytest.mark.parametrize("vocab", [1000, 1024, 353])
+def test_the_bitmask_masks_what_its_bits_say(vocab: int) -> None:
+    """-inf exactly where a listed row's bit is clear; other rows and the padding untouched."""
+    logits, bitmask, rows = bitmask_case(vocab)
+    got = logits.clone()
+    cpu_layers.apply_bitmask_cpu(got, bitmask, vocab, rows)
+    assert torch.equal(got, masked_by_bits(logits, bitmask, rows))
+    wide = torch.randn(6, vocab + 40)  # a row stride past the vocabulary: the rest is kept
+    narrow = wide[:, :vocab]
+    expected = wide.clone()
+    expected[:, :vocab] = masked_by_bits(narrow, bitmask, rows)
+    cpu_layers.apply_bitmask_cpu(narrow, bitmask, vocab, rows)
+    assert torch.equal(wide, expected)
+
+
+@pytest.mark.parametrize("march", list(BUILDS))
+def test_other_machines_builds_mask_alike(march: str, tmp_path: Path) -> None:
+    """The AVX2 and generic builds clear bit by bit; AVX-512 without VBMI as the native."""
+    if not _has("avx2", "fma", "f16c", *BUILDS[march]):
+        pytest.skip(f"this machine cannot run the {march} build")
+    lib = cpu_lib.load(cpu_lib.build(tmp_path, march))
+    logits, bitmask, rows = bitmask_case(1000)
+    got = logits.clone()
+    cpu_layers.apply_bitmask_cpu(got, bitmask, 1000, rows, lib)
+    assert torch.equal(got, masked_by_bits(logits, bitmask, rows))

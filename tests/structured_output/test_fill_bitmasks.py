@@ -17,8 +17,14 @@ from mmserve.structured_output import (
     allocate_bitmask,
     apply_bitmask,
 )
-from mmserve.structured_output.backend import _device_kernel, default_fill_threads, fill_bitmasks
+from mmserve.structured_output.backend import (
+    _apply_with_torch,
+    _device_kernel,
+    default_fill_threads,
+    fill_bitmasks,
+)
 from mmserve.structured_output.xgrammar_backend import XGrammarMatcher
+from tests.kernels.test_cpu_layers import bitmask_case, masked_by_bits
 from tests.structured_output.conftest import PADDED_VOCAB, SMOLLM2_EOS, get_backend
 from tests.structured_output.walk import Vocab, walk
 
@@ -146,17 +152,25 @@ def random_logits_and_bitmask(batch: int, vocab: int) -> tuple[torch.Tensor, tor
     return logits, bitmask
 
 
-def test_cpu_path_is_the_reference_for_the_kernel() -> None:
-    """The call the CUDA path makes, run by xgrammar's CPU kernel, equals the torch path."""
-    pytest.importorskip("xgrammar")
-    from xgrammar import apply_token_bitmask_inplace
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_cpu_masking_follows_the_bits(dtype: torch.dtype) -> None:
+    """apply_bitmask on CPU logits (float32: the C library's kernel; bfloat16 / float16:
+    xgrammar's; float64: the torch code) and the torch code itself: both mask exactly the
+    listed rows' tokens whose bits are clear, vocab 1000 leaving the last word's padding."""
+    logits, bitmask, rows = bitmask_case(1000)
+    logits = logits.to(dtype)
+    expected = masked_by_bits(logits, bitmask, rows)
+    ours = logits.clone()
+    apply_bitmask(ours, bitmask, rows)
+    assert torch.equal(ours, expected)
+    by_torch = logits.clone()
+    _apply_with_torch(by_torch, bitmask, 1000, rows)
+    assert torch.equal(by_torch, expected)
 
-    assert _device_kernel("cpu") is None
-    logits, bitmask = random_logits_and_bitmask(6, 1000)  # 1000: the last word is padding
-    ours, theirs = logits.clone(), logits.clone()
-    apply_bitmask(ours, bitmask, [4, 0, 2])
-    apply_token_bitmask_inplace(theirs, bitmask, vocab_size=1000, indices=[4, 0, 2], backend="cpu")
-    assert torch.equal(ours, theirs)
+
+def test_cpu_logits_take_a_kernel() -> None:
+    assert _device_kernel("cpu") is not None
+    assert _device_kernel("mps") is None
 
 
 @pytest.mark.skipif(

@@ -1,7 +1,7 @@
 /* A decoder layer's small float32 operations on the CPU, each one call instead of the several
  * torch operations (and their dispatch, a few microseconds each) that a decode step of a
  * small model spends most of its time between products on: the residual add with RMSNorm,
- * rotary embedding, the KV cache write, and SiLU-and-mul.
+ * rotary embedding, the KV cache write, and SiLU-and-mul; and a grammar's bitmask on the logits.
  *
  * Compiled with -ffp-contract=off, so each product and sum rounds as torch's separate
  * operations do (mmserve.models.layers): rotary and the cache write are bit-equal to the torch
@@ -108,6 +108,33 @@ int silu_and_mul_f32(int threads, const float *gate_up, int64_t ldg, int64_t row
             memcpy(y, u + i, sizeof(float) * (width - i));
             vstore(z, silu_mul(vload(x), vload(y)));
             memcpy(o + i, z, sizeof(float) * (width - i));
+        }
+    }
+    return 0;
+}
+
+/* A grammar's masks: logits[rows[i]] (float32 rows ld apart) set to -inf at each token t <
+ * vocab whose bit t % 32 of word t / 32 in bitmask[rows[i]] (int32 rows ldw apart) is clear.
+ * Words of all ones are skipped; AVX-512 stores a word's clear bits as two masked stores. */
+int apply_bitmask_f32(int threads, float *logits, int64_t ld, const int32_t *bitmask, int64_t ldw,
+                      const int64_t *rows, int64_t n, int64_t vocab) {
+    const int64_t words = (vocab + 31) / 32;
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * vocab >= PARALLEL_ELEMENTS)
+    for (int64_t i = 0; i < n; i++) {
+        float *row = logits + rows[i] * ld;
+        const int32_t *bits = bitmask + rows[i] * ldw;
+        for (int64_t w = 0; w < words; w++) {
+            uint32_t clear = ~(uint32_t)bits[w];
+            if (w == words - 1 && vocab % 32) clear &= (1u << (vocab % 32)) - 1;  /* past vocab: kept */
+            if (!clear) continue;
+            float *at = row + 32 * w;
+#if VECTORISED && LANES == 16
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            _mm512_mask_storeu_ps(at, (__mmask16)(clear & 0xFFFF), ninf);
+            _mm512_mask_storeu_ps(at + 16, (__mmask16)(clear >> 16), ninf);
+#else
+            for (; clear; clear &= clear - 1) at[__builtin_ctz(clear)] = -INFINITY;
+#endif
         }
     }
     return 0;
