@@ -92,12 +92,13 @@ def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def apply_bitmask_cpu(
-    logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int, rows: list[int], lib: ctypes.CDLL | None = None
+    logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int, indices: list[int], lib: ctypes.CDLL | None = None
 ) -> None:
-    """logits [B, V] float32 (unit stride in a row) set to -inf in place at rows' tokens below
-    vocab_size whose bits are clear in bitmask [B, W] int32 (CPU): what
-    mmserve.structured_output.backend's torch code does, in one call."""
+    """logits [B, V] float32 (unit stride in a row) set to -inf in place at the rows indices'
+    tokens below vocab_size whose bits are clear in bitmask [B, W] int32 (CPU): what
+    mmserve.structured_output.backend's torch code does, in one call (its apply_bitmask's
+    kernel for float32 CPU logits)."""
     bits = bitmask if bitmask.stride(-1) == 1 else bitmask.contiguous()
-    index = torch.tensor(rows, dtype=torch.int64)
+    index = torch.tensor(indices, dtype=torch.int64)
     require(lib).apply_bitmask_f32(torch.get_num_threads(), logits.data_ptr(), logits.stride(0), bits.data_ptr(),
-                                bits.stride(0), index.data_ptr(), len(rows), vocab_size)  # fmt: skip
+                                bits.stride(0), index.data_ptr(), len(indices), vocab_size)  # fmt: skip

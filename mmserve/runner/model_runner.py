@@ -17,6 +17,7 @@ from mmserve.engine.sched_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from mmserve.kernels import cpu_layers
 from mmserve.models.base import (
     CausalLM,
     DualEncoderModel,
@@ -45,6 +46,13 @@ logger = logging.getLogger(__name__)
 # Prompt logprobs take the logits of this many prompt rows at a time: [rows, vocab] float32
 # (256 x 128k is 128 MiB), whatever the chunk the token budget let through.
 PROMPT_LOGPROB_ROWS = 256
+
+
+def _mask(logits: torch.Tensor, bitmask: tuple[torch.Tensor, list[int]]) -> None:
+    """A step's grammar masks on its logits: float32 CPU logits by the C library's kernel
+    (mmserve.kernels.cpu_layers), the others by the device's (apply_bitmask)."""
+    kernel = cpu_layers.apply_bitmask_cpu if cpu_layers.supports(logits) else None
+    apply_bitmask(logits, bitmask[0], bitmask[1], kernel)
 
 
 def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -281,7 +289,7 @@ class ModelRunner:
         bitmask = self._grammar_bitmask(reqs, live)  # CPU work while the GPU runs
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, batch.sample_rows))
         if bitmask is not None:
-            apply_bitmask(logits, bitmask[0], bitmask[1])
+            _mask(logits, bitmask)
         rows = [self._sampling_row(s) for s in reqs]
         tokens, step.logprobs = sample_on_device(logits, rows, self.generator)
         if self.parallel is not None:
@@ -313,7 +321,7 @@ class ModelRunner:
         bitmask = self._guess_bitmask(reqs, len(rows), live)
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, rows))
         if bitmask is not None:
-            apply_bitmask(logits, bitmask[0], bitmask[1])
+            _mask(logits, bitmask)
         q = (drawn, torch.cat(probs)) if probs else None
         tokens, accepted, step.logprobs = verify_on_device(
             logits, sampling, drafts, self.generator, q

@@ -200,13 +200,23 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.bool().flatten(1)[:, :vocab_size]
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+# (logits [B, V], bitmask [B, W] on logits' device, vocab_size=V, indices=rows) -> None
+BitmaskKernel = Callable[..., None]
+
+
+def apply_bitmask(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    rows: Sequence[int],
+    kernel: BitmaskKernel | None = None,
+) -> None:
     """Set disallowed tokens of logits[rows] to -inf, in place.
 
     logits: [B, V] float on any device; bitmask: [B, W] int32 with W * 32 >= V, row i
     belonging to logits row i (usually on the CPU, pinned when logits are on a GPU: it is
     copied to logits' device without waiting); rows: the constrained rows (the others are
-    left untouched). Kernels mask CUDA and CPU logits where they apply (_device_kernel).
+    left untouched). kernel: one to use (the same call as _device_kernel's) instead of the
+    device's own (xgrammar's where installed, else the torch code).
     """
     if not rows:
         return
@@ -216,7 +226,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     if bitmask.shape[1] * 32 < vocab_size:
         raise ValueError(f"bitmask covers {bitmask.shape[1] * 32} tokens, logits have {vocab_size}")
     mask = bitmask.to(logits.device, non_blocking=True)  # async from pinned memory
-    kernel = _device_kernel(logits.device.type)
+    kernel = kernel or _device_kernel(logits.device.type)
     if kernel is not None and logits.stride(1) == 1 and mask.stride(1) == 1:
         kernel(logits, mask, vocab_size=vocab_size, indices=list(rows))
         return
@@ -231,33 +241,30 @@ def _apply_with_torch(logits: torch.Tensor, mask: torch.Tensor, vocab_size: int,
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
-# (logits [B, V], bitmask [B, W] on logits' device, vocab_size=V, indices=rows) -> None
-BitmaskKernel = Callable[..., None]
-
-
 @functools.cache
 def _device_kernel(device_type: str) -> BitmaskKernel | None:
-    """A kernel for logits on this device, or None: the torch code above, the reference the
-    kernels are tested against. CUDA: xgrammar's Triton kernel (with triton; one launch, no
-    [R, V] temporaries). CPU: the C library's for float32 (mmserve.kernels.cpu_layers), else
-    xgrammar's C++ loop for float32 / bfloat16 / float16. 64 rows of Llama 3's 128,256 logits
-    in a JSON grammar's states, 2 cores: torch 26 ms, xgrammar 12.5, the library 1.3."""
+    """xgrammar's kernel for logits on this device where installed, or None: the torch code
+    above, the reference the kernels are tested against. CUDA: its Triton kernel (with
+    triton; one launch, no [R, V] temporaries). CPU: its C++ loop for float32 / bfloat16 /
+    float16 (the runner passes the C library's instead for float32: mmserve.kernels.cpu_layers).
+    64 rows of Llama 3's 128,256 logits in a JSON grammar's states, 2 cores: torch 26 ms,
+    xgrammar 12.5, the library 0.9."""
     have = {name: importlib.util.find_spec(name) is not None for name in ("xgrammar", "triton")}
-    if device_type == "cuda" and have["xgrammar"] and have["triton"]:
-        from xgrammar import apply_token_bitmask_inplace
-
-        return functools.partial(apply_token_bitmask_inplace, backend="triton")
-    if device_type != "cpu":
+    if not have["xgrammar"] or device_type not in ("cuda", "cpu"):
         return None
-    from mmserve.kernels import cpu_layers
+    if device_type == "cuda" and not have["triton"]:
+        return None
+    from xgrammar import apply_token_bitmask_inplace
+
+    kernel = functools.partial(
+        apply_token_bitmask_inplace, backend="triton" if device_type == "cuda" else "cpu"
+    )
+    if device_type == "cuda":
+        return kernel
 
     def on_cpu(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int, indices: list[int]) -> None:
-        if cpu_layers.supports(logits):
-            cpu_layers.apply_bitmask_cpu(logits, bitmask, vocab_size, indices)
-        elif have["xgrammar"] and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            from xgrammar import apply_token_bitmask_inplace
-
-            apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=indices, backend="cpu")
+        if logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            kernel(logits, bitmask, vocab_size=vocab_size, indices=indices)
         else:
             _apply_with_torch(logits, bitmask, vocab_size, indices)
 

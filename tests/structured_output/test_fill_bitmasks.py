@@ -11,6 +11,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from mmserve.kernels import cpu_layers
 from mmserve.structured_output import (
     GrammarMatcher,
     StructuredOutputParams,
@@ -154,9 +155,10 @@ def random_logits_and_bitmask(batch: int, vocab: int) -> tuple[torch.Tensor, tor
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_cpu_masking_follows_the_bits(dtype: torch.dtype) -> None:
-    """apply_bitmask on CPU logits (float32: the C library's kernel; bfloat16 / float16:
-    xgrammar's; float64: the torch code) and the torch code itself: both mask exactly the
-    listed rows' tokens whose bits are clear, vocab 1000 leaving the last word's padding."""
+    """apply_bitmask on CPU logits (xgrammar's C++ kernel where installed, float64 through
+    the torch code), with the C library's kernel that the runner passes for float32, and
+    the torch code itself: each masks exactly the listed rows' tokens whose bits are clear,
+    vocab 1000 leaving the last word's padding."""
     logits, bitmask, rows = bitmask_case(1000)
     logits = logits.to(dtype)
     expected = masked_by_bits(logits, bitmask, rows)
@@ -166,11 +168,30 @@ def test_cpu_masking_follows_the_bits(dtype: torch.dtype) -> None:
     by_torch = logits.clone()
     _apply_with_torch(by_torch, bitmask, 1000, rows)
     assert torch.equal(by_torch, expected)
+    if cpu_layers.supports(logits):
+        by_library = logits.clone()
+        apply_bitmask(by_library, bitmask, rows, cpu_layers.apply_bitmask_cpu)
+        assert torch.equal(by_library, expected)
 
 
-def test_cpu_logits_take_a_kernel() -> None:
+def test_cpu_logits_take_xgrammars_kernel() -> None:
+    pytest.importorskip("xgrammar")
     assert _device_kernel("cpu") is not None
     assert _device_kernel("mps") is None
+
+
+def test_the_runner_masks_float32_cpu_logits_with_the_library(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from mmserve.runner import model_runner
+
+    if not cpu_layers.supports(torch.zeros(1)):
+        pytest.skip("the CPU library does not build here")
+    calls: list[int] = []
+    real = cpu_layers.apply_bitmask_cpu
+    monkeypatch.setattr(cpu_layers, "apply_bitmask_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logits, bitmask, rows = bitmask_case(1000)
+    expected = masked_by_bits(logits, bitmask, rows)
+    model_runner._mask(logits, (bitmask, rows))
+    assert calls == [1] and torch.equal(logits, expected)
 
 
 @pytest.mark.skipif(
