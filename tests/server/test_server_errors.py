@@ -4,6 +4,7 @@ in the engine while a concurrent stream finishes untouched."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -112,7 +113,8 @@ def test_pooling_routing_on_decoders(stub: Any) -> None:
     assert ok.model == "tiny-b" and ok.usage.prompt_tokens >= 1
 
 
-LONG: dict[str, Any] = {"model": "tiny-a", "max_tokens": 600, "temperature": 0, "ignore_eos": True}
+# (tiny-a's context is 1,024 tokens)
+LONG: dict[str, Any] = {"model": "tiny-a", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
 SHORT: dict[str, Any] = {"model": "tiny-a", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 PROMPT = "The quick brown fox"
 
@@ -120,7 +122,11 @@ PROMPT = "The quick brown fox"
 def test_cancel_and_deadline_abort_in_the_engine(tiny_server: ServerThread) -> None:
     handle = tiny_server.handle("tiny-a")
     with Client(tiny_server.target, timeout=120) as c:
+        start = time.monotonic()
         alone = c.generate(PROMPT, **SHORT).token_ids
+        # a deadline at half of 400 tokens' time passes while LONG's 1,000 are made, on a
+        # machine of any speed (a fixed 0.5 s did not on a fast one)
+        deadline = (time.monotonic() - start) / 2
         wait_all_blocks_free(handle)
         survivor = c.generate_stream(PROMPT, **SHORT)
         got = list(next(survivor).token_ids)
@@ -130,7 +136,7 @@ def test_cancel_and_deadline_abort_in_the_engine(tiny_server: ServerThread) -> N
         victim.close()
         # 2. deadline passes mid-stream
         with pytest.raises(MMServeError) as e:
-            for _ in c.generate_stream("Too slow", **LONG, timeout=0.5):
+            for _ in c.generate_stream("Too slow", **LONG, timeout=deadline):
                 pass
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         for chunk in survivor:
