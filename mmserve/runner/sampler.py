@@ -101,9 +101,10 @@ def draw(
 def _adjusts_logits(row: SamplingRow) -> bool:
     """Whether bias, min_tokens or a penalty changes this row's logits this step."""
     params = row.params
+    bans = params.stop_token_ids or (row.eos_token_ids and not params.ignore_eos)
     return bool(
         params.logit_bias
-        or len(row.output_token_ids) < params.min_tokens
+        or (len(row.output_token_ids) < params.min_tokens and bans)
         or params.repetition_penalty != 1.0
         or ((params.presence_penalty or params.frequency_penalty) and row.output_token_ids)
     )
@@ -170,39 +171,131 @@ def _to(device: torch.device, values: Sequence[float], dtype: torch.dtype) -> to
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
+# On the CPU, rows that filter first try the PREFIX most likely tokens (torch.topk) instead of
+# sorting the whole vocabulary: 16 x 49,152 logits, 2 cores: sort 24 ms, topk(1024) 3.2 ms.
+PREFIX = 1024
+
+
+def _filters(params: SamplingParams, vocab: int) -> bool:
+    """Whether top-k, top-p or min-p can drop a token of this row."""
+    return 0 < params.top_k < vocab or params.top_p < 1.0 or params.min_p > 0.0
+
+
 def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, as probabilities: [N, V]."""
+    """Temperature, then top-k, top-p and min-p, as probabilities: [N, V]. Rows that filter
+    nothing are a softmax; the others keep, in order of probability, the top_k most likely
+    tokens, of those the smallest set whose mass reaches top_p (the mass renormalised after
+    top-k), and of those the tokens of at least min_p times the most likely one's
+    probability (the most likely always survives)."""
     dtype, device = logits.dtype, logits.device
     temps = _to(device, [r.params.temperature or 1.0 for r in rows], dtype)
     logits = logits / temps.unsqueeze(1)
     vocab = logits.shape[1]
-    top_k = _to(device, [min(r.params.top_k or vocab, vocab) for r in rows], torch.int64)
-    top_p = _to(device, [r.params.top_p for r in rows], dtype)
-    min_p = _to(device, [r.params.min_p for r in rows], dtype)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=device).unsqueeze(0)
-    drop = ranks >= top_k.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)
+    filtering = [i for i, r in enumerate(rows) if _filters(r.params, vocab)]
+    probs = logits.softmax(dim=-1)
+    if not filtering:
+        return probs
+    at = _to(device, filtering, torch.int64)
+    some = [rows[i].params for i in filtering]
+    top_k = [min(p.top_k or vocab, vocab) for p in some]
+    top_p, min_p = [p.top_p for p in some], [p.min_p for p in some]
+    sub = logits.index_select(0, at)
+    lse = sub.logsumexp(dim=-1)
+    ranked: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows of sub, sorted, ids)
+    rest = list(range(len(filtering)))
+    if device.type == "cpu":  # (its host checks cost no device synchronisation here)
+        prefix, rest = _prefix_rows(sub, lse, top_k, top_p, min_p)
+        ranked += prefix
+    if rest:
+        part = sub if len(rest) == len(filtering) else sub[rest]
+        order = part.argsort(dim=-1, descending=True)
+        ranked.append((rest, part.gather(1, order), order))
+    filtered = torch.full_like(sub, float("-inf"))
+    for where, values, order in ranked:
+        index = _to(device, where, torch.int64)
+        kept = _filter_sorted(
+            values, lse.index_select(0, index), [top_k[i] for i in where],
+            [top_p[i] for i in where], [min_p[i] for i in where], vocab,
+        )  # fmt: skip
+        part = torch.full((len(where), vocab), float("-inf"), dtype=dtype, device=device)
+        filtered.index_copy_(0, index, part.scatter(1, order, kept))
+    return probs.index_copy(0, at, filtered.softmax(dim=-1))
+
+
+def _filter_sorted(
+    sorted_logits: torch.Tensor,
+    full_lse: torch.Tensor,
+    top_k: list[int],
+    top_p: list[float],
+    min_p: list[float],
+    vocab: int,
+) -> torch.Tensor:
+    """The most likely K >= max(top_k) logits of each row, in descending order, with the
+    dropped ones set to -inf. full_lse: each row's logsumexp over all its logits, the
+    normaliser of rows that keep all their tokens through top-k."""
+    device, width = sorted_logits.device, sorted_logits.shape[1]
+    k = _to(device, top_k, torch.int64).unsqueeze(1)
+    drop = torch.arange(width, device=device).unsqueeze(0) >= k
+    masked = sorted_logits.masked_fill(drop, float("-inf"))
+    # renormalised after top-k: over the kept prefix, or the whole row where top-k keeps all
+    keeps_all = _to(device, [t >= vocab for t in top_k], torch.bool).unsqueeze(1)
+    norm = torch.where(keeps_all, full_lse.unsqueeze(1), masked.logsumexp(dim=-1, keepdim=True))
+    sorted_probs = (masked - norm).exp()
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before >= top_p.unsqueeze(1)  # keeps the smallest set reaching top_p
-    drop |= sorted_probs < min_p.unsqueeze(1) * sorted_probs[:, :1]
+    p = _to(device, top_p, sorted_probs.dtype).unsqueeze(1)
+    drop |= (mass_before >= p) & (p < 1.0)  # keeps the smallest set reaching top_p
+    drop |= sorted_probs < _to(device, min_p, sorted_probs.dtype).unsqueeze(1) * sorted_probs[:, :1]
     drop[:, 0] = False  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    return filtered.softmax(dim=-1)
+    return masked.masked_fill(drop, float("-inf"))
+
+
+def _prefix_rows(
+    sub: torch.Tensor, lse: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
+) -> tuple[list[tuple[list[int], torch.Tensor, torch.Tensor]], list[int]]:
+    """The rows whose kept tokens all lie among their PREFIX (or max top_k) most likely ones,
+    with those logits sorted and their ids, and the other rows. A token past the prefix is
+    dropped by top_k, by top_p (the prefix's mass reaches it) or by min_p (the prefix's last
+    token is already below it); a row with none of these, or a prefix as wide as the
+    vocabulary, is sorted whole."""
+    vocab = sub.shape[1]
+    width = max([PREFIX] + [t for t in top_k if t < vocab])
+    if width >= vocab:
+        return [], list(range(len(top_k)))
+    values, order = sub.topk(width, dim=-1)
+    probs = (values - lse.unsqueeze(1)).exp()
+    mass, last, first = probs.sum(dim=-1).tolist(), probs[:, -1].tolist(), probs[:, 0].tolist()
+    fits = [
+        k < vocab or mass[i] >= top_p[i] or last[i] < min_p[i] * first[i] for i, k in enumerate(top_k)
+    ]
+    where = [i for i, ok in enumerate(fits) if ok]
+    rest = [i for i, ok in enumerate(fits) if not ok]
+    if not where:
+        return [], rest
+    if rest:
+        values, order = values[where], order[where]
+    return [(where, values, order)], rest
 
 
 def _exponential_noise(
     probs: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None
 ) -> torch.Tensor:
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    """Exp(1) noise, [N, V]: a seeded row's from its own generator."""
+    noise = _exponential(probs.shape, probs, generator)
     for i, row in enumerate(rows):
         if row.generator is not None:
             if row.position_seed is not None:
                 row.generator.manual_seed(row.position_seed)
-            noise[i].exponential_(generator=row.generator)
+            noise[i] = _exponential(probs.shape[1:], probs, row.generator)
     return noise
+
+
+def _exponential(shape: torch.Size, like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) samples on like's device and dtype. On the CPU as -log(U), U uniform in [0, 1)
+    (U = 0 gives +inf: that token loses the draw): exponential_() draws one element at a
+    time there, 11.8 ms for 16 x 49,152 against 1.5 for torch.rand (2 cores)."""
+    if like.device.type != "cpu":
+        return torch.empty(shape, dtype=like.dtype, device=like.device).exponential_(generator=generator)
+    return torch.rand(shape, dtype=like.dtype, generator=generator).log_().neg_()
 
 
 def position_seed(seed: int, position: int) -> int:

@@ -167,3 +167,78 @@ def test_bias_on_some_rows_leaves_the_others_alone() -> None:
     tokens, _ = sample(logits, rows)
     assert tokens == [0, 4, 0]
     assert torch.equal(logits, torch.tensor([LOGITS] * 3))
+
+
+def definition(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row's distribution written out from the parameters' meaning, in float64: the
+    top_k most likely tokens, renormalised; of those the smallest set whose mass reaches
+    top_p; of those the tokens of at least min_p times the most likely one's probability."""
+    scaled = logits.double() / (params.temperature or 1.0)
+    probs = scaled.softmax(0)
+    order = probs.argsort(descending=True)
+    ranked = probs[order]
+    keep = torch.ones_like(ranked, dtype=torch.bool)
+    if 0 < params.top_k < len(ranked):
+        keep[params.top_k :] = False
+    renorm = torch.where(keep, ranked, 0.0)
+    renorm = renorm / renorm.sum()
+    if params.top_p < 1.0:
+        keep &= renorm.cumsum(0) - renorm < params.top_p
+    keep &= renorm >= params.min_p * renorm[0]
+    keep[0] = True
+    out = torch.zeros_like(probs)
+    out[order[keep]] = probs[order[keep]]
+    return out / out.sum()
+
+
+def test_filtered_distributions_follow_the_definition(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every mix of top-k / top-p / min-p, on a vocabulary past the CPU's topk prefix, peaked
+    rows (the prefix holds every kept token) and flat ones (it does not: the whole row is
+    sorted), and a vocabulary smaller than the prefix."""
+    from mmserve.runner import sampler
+
+    split: list[tuple[int, int]] = []  # (rows that took the prefix, rows sorted whole)
+    real = sampler._prefix_rows
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        got = real(*args)
+        split.append((sum(len(where) for where, _, _ in got[0]), len(got[1])))
+        return got
+
+    monkeypatch.setattr(sampler, "_prefix_rows", spy)
+    gen = torch.Generator().manual_seed(0)
+    kinds = [
+        {}, {"top_k": 50}, {"top_k": 3000}, {"top_p": 0.9}, {"top_p": 0.995}, {"min_p": 0.05},
+        {"min_p": 1e-4}, {"top_k": 40, "top_p": 0.8, "min_p": 0.02}, {"top_k": 2000, "top_p": 0.7},
+        {"temperature": 0.7, "top_p": 0.95}, {"top_p": 0.5, "min_p": 0.3},
+    ]  # fmt: skip
+    for vocab, spread in [(5000, 6.0), (5000, 0.3), (500, 2.0)]:
+        params = [SamplingParams(**kw) for kw in kinds]
+        logits = torch.randn(len(params), vocab, generator=gen) * spread
+        got = sampler._filtered_probs(logits, [row(**kw) for kw in kinds])
+        for i, p in enumerate(params):
+            want = definition(logits[i], p)
+            assert torch.equal(got[i] > 0, want > 0), (vocab, spread, kinds[i])
+            torch.testing.assert_close(got[i].double(), want, atol=1e-6, rtol=1e-4)
+    # (the 10 rows that filter; the prefix is 3,000 wide, the largest top_k.) Peaked: all of
+    # them took the prefix. Flat: the four with a top_k and top_p 0.5, which the prefix's
+    # mass (about 0.71) reaches; the other five were sorted whole in the same call. 500
+    # tokens: the prefix would be all of them (and top_k 3000 filters nothing there)
+    assert split == [(10, 0), (5, 5), (0, 9)]
+
+
+def test_cpu_noise_draws_the_distribution() -> None:
+    """argmax(p / E) with the CPU's -log(U) noise picks token t with probability p(t)."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    n = 40_000
+    tokens = sampler_draw(p.repeat(n, 1), n)
+    counts = torch.bincount(tokens, minlength=5).double() / n
+    sigma = (p * (1 - p) / n).sqrt()
+    assert counts[4] == 0
+    assert ((counts - p).abs() <= 5 * sigma + 1e-12).all(), counts
+
+
+def sampler_draw(probs: torch.Tensor, n: int) -> torch.Tensor:
+    from mmserve.runner.sampler import draw
+
+    return draw(probs, [row() for _ in range(n)], torch.Generator().manual_seed(3))
