@@ -192,14 +192,14 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     logits = logits / temps.unsqueeze(1)
     vocab = logits.shape[1]
     filtering = [i for i, r in enumerate(rows) if _filters(r.params, vocab)]
-    probs = logits.softmax(dim=-1)
     if not filtering:
-        return probs
+        return logits.softmax(dim=-1)
+    every = len(filtering) == len(rows)
     at = _to(device, filtering, torch.int64)
     some = [rows[i].params for i in filtering]
     top_k = [min(p.top_k or vocab, vocab) for p in some]
     top_p, min_p = [p.top_p for p in some], [p.min_p for p in some]
-    sub = logits.index_select(0, at)
+    sub = logits if every else logits.index_select(0, at)
     lse = sub.logsumexp(dim=-1)
     ranked: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (rows of sub, sorted, ids)
     rest = list(range(len(filtering)))
@@ -208,8 +208,7 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         ranked += prefix
     if rest:
         part = sub if len(rest) == len(filtering) else sub[rest]
-        order = part.argsort(dim=-1, descending=True)
-        ranked.append((rest, part.gather(1, order), order))
+        ranked.append((rest, *part.sort(dim=-1, descending=True)))
     filtered = torch.full_like(sub, float("-inf"))
     for where, values, order in ranked:
         index = _to(device, where, torch.int64)
@@ -219,7 +218,9 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         )  # fmt: skip
         part = torch.full((len(where), vocab), float("-inf"), dtype=dtype, device=device)
         filtered.index_copy_(0, index, part.scatter(1, order, kept))
-    return probs.index_copy(0, at, filtered.softmax(dim=-1))
+    if every:
+        return filtered.softmax(dim=-1)
+    return logits.softmax(dim=-1).index_copy(0, at, filtered.softmax(dim=-1))
 
 
 def _filter_sorted(

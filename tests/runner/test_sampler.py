@@ -220,11 +220,14 @@ def test_filtered_distributions_follow_the_definition(monkeypatch) -> None:  # t
             want = definition(logits[i], p)
             assert torch.equal(got[i] > 0, want > 0), (vocab, spread, kinds[i])
             torch.testing.assert_close(got[i].double(), want, atol=1e-6, rtol=1e-4)
+        # every row filtering (the first is the one that does not): the same rows
+        only_filtering = sampler._filtered_probs(logits[1:], [row(**kw) for kw in kinds[1:]])
+        torch.testing.assert_close(only_filtering, got[1:], atol=1e-7, rtol=1e-6)
     # (the 10 rows that filter; the prefix is 3,000 wide, the largest top_k.) Peaked: all of
     # them took the prefix. Flat: the four with a top_k and top_p 0.5, which the prefix's
     # mass (about 0.71) reaches; the other five were sorted whole in the same call. 500
     # tokens: the prefix would be all of them (and top_k 3000 filters nothing there)
-    assert split == [(10, 0), (5, 5), (0, 9)]
+    assert split[::2] == [(10, 0), (5, 5), (0, 9)] and split[1::2] == split[::2]
 
 
 def test_cpu_noise_draws_the_distribution() -> None:
