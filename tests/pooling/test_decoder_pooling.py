@@ -80,7 +80,9 @@ def test_yes_token_truncation_shortens_the_document_only(tiny_llms: Callable[[st
 def test_generate_and_embed_concurrently_equal_alone(tiny_models: Callable[[str], Path]) -> None:
     engine = AsyncFrontEnd(load_engine(tiny_models("chat-decoder"), max_num_batched_tokens=64))
     prompt = engine.frontend.tokenizer.encode("The quick brown fox")
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # 200 tokens (of the model's 256 positions): the stream must outlast the embed calls'
+    # tokenising and admission in wall time, on a fast machine too (24 did not always)
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
     async def generate(log: list[str] | None = None) -> list[int]:
         tokens: list[int] = []
@@ -110,7 +112,7 @@ def test_generate_and_embed_concurrently_equal_alone(tiny_models: Callable[[str]
         tokens, first, second, log = asyncio.run(together())
     finally:
         engine.shutdown()
-    assert tokens == tokens_alone and len(tokens) == 24
+    assert tokens == tokens_alone and len(tokens) == 200
     torch.testing.assert_close(first, vectors_alone, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(second, vectors_alone, atol=1e-5, rtol=1e-5)
     assert log.index("embedded") < len(log) - 2  # the embeddings came while tokens still streamed
