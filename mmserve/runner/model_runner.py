@@ -147,6 +147,7 @@ class ModelRunner:
         # a decoder's steps with prefill tokens (small prefills, prefix hits, mixed steps)
         self.mixed_graphs: MixedGraphs | None = None
         self._generators: dict[str, torch.Generator] = {}
+        self._prompt_ids: dict[str, torch.Tensor] = {}  # repetition penalty: distinct prompt ids
         caps = model.capabilities
         self.mrope = caps.uses_mrope
         self.dual = caps.dual_encoder  # CLIP/SigLIP: Embed only
@@ -249,6 +250,7 @@ class ModelRunner:
             self.mirror.launch(plan)  # the other ranks run the same step
         for request_id in plan.finished_ids:
             self._generators.pop(request_id, None)
+            self._prompt_ids.pop(request_id, None)
         for key in plan.encoder_free:
             self.encoder_outputs.pop(key, None)
         self.input_batch.forget(plan.finished_ids)
@@ -550,7 +552,16 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device).manual_seed(item.params.seed)
                 self._generators[item.request_id] = gen
         seed = None if item.params.seed is None else position_seed(item.params.seed, len(output))
-        return SamplingRow(item.params, item.prompt_token_ids, output, item.eos_token_ids, gen, seed)
+        prompt_ids = None
+        if item.params.repetition_penalty != 1.0:  # (converted once, not every step)
+            prompt_ids = self._prompt_ids.get(item.request_id)
+            if prompt_ids is None:
+                prompt_ids = torch.unique(torch.tensor(item.prompt_token_ids, dtype=torch.int64))
+                prompt_ids = prompt_ids.to(self.device, non_blocking=True)
+                self._prompt_ids[item.request_id] = prompt_ids
+        return SamplingRow(
+            item.params, item.prompt_token_ids, output, item.eos_token_ids, gen, seed, prompt_ids
+        )
 
     def _prompt_logprobs(
         self, plan: SchedulerOutput, hidden: torch.Tensor

@@ -26,6 +26,10 @@ class SamplingRow:
     # the output position the row samples, so a seeded output depends on nothing else (not
     # on the batch, nor on how many positions speculative decoding checked in a step)
     position_seed: int | None = None
+    # the prompt's distinct token ids on the logits' device, for the repetition penalty: the
+    # runner keeps them per request (a long prompt is not converted again every step); None:
+    # taken from prompt_token_ids
+    prompt_ids: torch.Tensor | None = None
 
 
 def sample(
@@ -78,7 +82,7 @@ def _adjusted(logits: torch.Tensor, rows: list[SamplingRow], adjusted: list[int]
     logits = logits.clone()
     for i in adjusted:
         _apply_bias_and_min_tokens(logits[i], rows[i])
-        _apply_penalties(logits[i], rows[i])
+    _apply_penalties(logits, rows, adjusted)
     return logits
 
 
@@ -134,20 +138,46 @@ def _apply_bias_and_min_tokens(row_logits: torch.Tensor, row: SamplingRow) -> No
             row_logits[ids] = float("-inf")
 
 
-def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
-    params = row.params
-    if params.repetition_penalty != 1.0:  # HF semantics: over prompt and output tokens
-        seen_ids = sorted(set(row.prompt_token_ids) | set(row.output_token_ids))
-        seen = _to(row_logits.device, seen_ids, torch.long)
-        if seen.numel():
-            vals = row_logits[seen]
-            p = params.repetition_penalty
-            row_logits[seen] = torch.where(vals > 0, vals / p, vals * p)
-    if (params.presence_penalty or params.frequency_penalty) and row.output_token_ids:
-        out = _to(row_logits.device, row.output_token_ids, torch.long)
-        counts = torch.bincount(out, minlength=row_logits.numel()).to(row_logits.dtype)
-        row_logits -= params.frequency_penalty * counts
-        row_logits -= params.presence_penalty * (counts > 0).to(row_logits.dtype)
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
+    """The repetition penalty (HF semantics: over the prompt's and the output's tokens, a
+    positive logit divided by it, a negative one multiplied), then the frequency and presence
+    penalties (over the output's tokens: its count times one, and the other once), on the
+    rows `which` of logits, in place. Each kind gathers, for all its rows at once, the logits
+    of the tokens it penalises and writes them back (a token listed twice is written twice
+    with the same value): no pass over the vocabulary, no wait for the device."""
+    device, vocab = logits.device, logits.shape[1]
+    rep = [i for i in which if rows[i].params.repetition_penalty != 1.0]
+    if rep:
+        prompts = [_prompt_ids(rows[i], device) for i in rep]
+        outputs = [rows[i].output_token_ids for i in rep]
+        flat = torch.split(_to(device, [t for o in outputs for t in o], torch.int64), [len(o) for o in outputs])
+        ids = torch.cat([x for pair in zip(prompts, flat, strict=True) for x in pair])  # row by row
+        lengths = _to(device, [len(p) + len(o) for p, o in zip(prompts, outputs, strict=True)], torch.int64)
+        at = torch.repeat_interleave(_to(device, rep, torch.int64), lengths, output_size=len(ids))
+        penalty = _to(device, [rows[i].params.repetition_penalty for i in rep], logits.dtype)
+        p = torch.repeat_interleave(penalty, lengths, output_size=len(ids))
+        vals = logits[at, ids]
+        logits[at, ids] = torch.where(vals > 0, vals / p, vals * p)
+    counted = [
+        i for i in which
+        if (rows[i].params.presence_penalty or rows[i].params.frequency_penalty) and rows[i].output_token_ids
+    ]  # fmt: skip
+    if counted:
+        outputs = [rows[i].output_token_ids for i in counted]
+        ids = _to(device, [t for o in outputs for t in o], torch.int64)
+        of_row = _to(device, [j for j, o in enumerate(outputs) for _ in o], torch.int64)
+        counts = torch.zeros(len(counted), vocab, dtype=logits.dtype, device=device)
+        counts.index_put_((of_row, ids), torch.ones_like(ids, dtype=logits.dtype), accumulate=True)
+        at = _to(device, [i for i, o in zip(counted, outputs, strict=True) for _ in o], torch.int64)
+        freq = _to(device, [rows[i].params.frequency_penalty for i in counted], logits.dtype)[of_row]
+        pres = _to(device, [rows[i].params.presence_penalty for i in counted], logits.dtype)[of_row]
+        logits[at, ids] = logits[at, ids] - freq * counts[of_row, ids] - pres
+
+
+def _prompt_ids(row: SamplingRow, device: torch.device) -> torch.Tensor:
+    if row.prompt_ids is not None:
+        return row.prompt_ids
+    return _to(device, row.prompt_token_ids, torch.int64)
 
 
 def _pick(

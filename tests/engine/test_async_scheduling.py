@@ -208,3 +208,16 @@ def test_grammar_masks_with_a_step_in_flight_equal_sync() -> None:
             assert r.grammar.accepted == tokens
         else:
             assert async_out[f"r{i}"] == MODEL.reference_greedy(ps[i], 20)
+
+
+def test_the_runner_keeps_prompt_ids_only_while_their_request_runs() -> None:
+    """The repetition penalty's prompt ids, converted once per request, are let go when it ends."""
+    core = make_core(MODEL)
+    for i, p in enumerate(prompts(3, seed=7)):
+        core.add(make_request(f"r{i}", p, max_tokens=6, repetition_penalty=2.0))
+    held = 0
+    while core.has_unfinished:
+        core.step()
+        held = max(held, len(core.runner._prompt_ids))
+    core.step()  # (an ended request's ids go with the next step's plan)
+    assert held == 3 and core.runner._prompt_ids == {}

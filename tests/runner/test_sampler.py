@@ -245,3 +245,47 @@ def sampler_draw(probs: torch.Tensor, n: int) -> torch.Tensor:
     from mmserve.runner.sampler import draw
 
     return draw(probs, [row() for _ in range(n)], torch.Generator().manual_seed(3))
+
+
+def penalised_one_row_at_a_time(row_logits: torch.Tensor, r: SamplingRow) -> None:
+    """The penalties as one row's torch operations (the code the batched one replaced)."""
+    params = r.params
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long)
+        if seen.numel():
+            vals = row_logits[seen]
+            p = params.repetition_penalty
+            row_logits[seen] = torch.where(vals > 0, vals / p, vals * p)
+    if (params.presence_penalty or params.frequency_penalty) and r.output_token_ids:
+        counts = torch.bincount(torch.tensor(r.output_token_ids), minlength=row_logits.numel())
+        row_logits -= params.frequency_penalty * counts.to(row_logits.dtype)
+        row_logits -= params.presence_penalty * (counts > 0).to(row_logits.dtype)
+
+
+def test_batched_penalties_equal_one_row_at_a_time() -> None:
+    """Bit for bit, for rows with each penalty, both, none, repeated tokens, an empty output,
+    and the prompt's ids given as the runner keeps them or taken from the prompt."""
+    from mmserve.runner.sampler import _apply_penalties
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 300
+    kinds = [
+        {"repetition_penalty": 1.3}, {"presence_penalty": 0.7}, {"frequency_penalty": -0.4},
+        {"repetition_penalty": 0.8, "presence_penalty": 0.2, "frequency_penalty": 0.5}, {},
+        {"repetition_penalty": 2.0, "frequency_penalty": 1.0},
+    ]  # fmt: skip
+    rows = []
+    for i, kw in enumerate(kinds * 2):
+        prompt = torch.randint(0, vocab, (int(torch.randint(0, 60, (1,), generator=gen)),), generator=gen)
+        output = torch.randint(0, 40, (0 if i == 5 else 25,), generator=gen).tolist()  # repeats
+        cached = prompt.unique() if i % 2 else None
+        rows.append(SamplingRow(SamplingParams(**kw), prompt.tolist(), output, frozenset(), None, None, cached))
+    logits = torch.randn(len(rows), vocab, generator=gen) * 3
+    expected = logits.clone()
+    for i, r in enumerate(rows):
+        penalised_one_row_at_a_time(expected[i], r)
+    got = logits.clone()
+    which = [i for i in range(len(rows)) if i != 7]  # a row not listed is left alone
+    _apply_penalties(got, rows, which)
+    expected[7] = logits[7]
+    assert torch.equal(got, expected)
