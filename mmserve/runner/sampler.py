@@ -80,8 +80,7 @@ def _adjusted(logits: torch.Tensor, rows: list[SamplingRow], adjusted: list[int]
     if not adjusted:
         return logits
     logits = logits.clone()
-    for i in adjusted:
-        _apply_bias_and_min_tokens(logits[i], rows[i])
+    _apply_bias_and_min_tokens(logits, rows, adjusted)
     _apply_penalties(logits, rows, adjusted)
     return logits
 
@@ -105,10 +104,9 @@ def draw(
 def _adjusts_logits(row: SamplingRow) -> bool:
     """Whether bias, min_tokens or a penalty changes this row's logits this step."""
     params = row.params
-    bans = params.stop_token_ids or (row.eos_token_ids and not params.ignore_eos)
     return bool(
         params.logit_bias
-        or (len(row.output_token_ids) < params.min_tokens and bans)
+        or _banned(row)
         or params.repetition_penalty != 1.0
         or ((params.presence_penalty or params.frequency_penalty) and row.output_token_ids)
     )
@@ -123,19 +121,30 @@ def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(token_id=token, logprob=float(value), rank=rank, top=top)
 
 
-def _apply_bias_and_min_tokens(row_logits: torch.Tensor, row: SamplingRow) -> None:
+def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
+    """logit_bias added, then, while fewer than min_tokens are out, the stop token ids (and
+    EOS unless ignore_eos) set to -inf, on the rows `which` of logits, in place: one indexed
+    add and one indexed write for all of them."""
+    device = logits.device
+    biased = [(i, t, b) for i in which for t, b in rows[i].params.logit_bias.items()]
+    if biased:
+        at, ids, bias = zip(*biased, strict=True)
+        logits.index_put_(
+            (_to(device, at, torch.int64), _to(device, ids, torch.int64)),
+            _to(device, bias, logits.dtype), accumulate=True,
+        )  # fmt: skip
+    banned = [(i, t) for i in which for t in sorted(_banned(rows[i]))]
+    if banned:
+        at, ids = zip(*banned, strict=True)
+        logits[_to(device, at, torch.int64), _to(device, ids, torch.int64)] = float("-inf")
+
+
+def _banned(row: SamplingRow) -> set[int]:
+    """The tokens min_tokens keeps out of this row now."""
     params = row.params
-    if params.logit_bias:
-        ids = _to(row_logits.device, list(params.logit_bias), torch.long)
-        bias = list(params.logit_bias.values())
-        row_logits[ids] += _to(row_logits.device, bias, row_logits.dtype)
-    if len(row.output_token_ids) < params.min_tokens:
-        banned = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            banned |= row.eos_token_ids
-        if banned:
-            ids = _to(row_logits.device, sorted(banned), torch.long)
-            row_logits[ids] = float("-inf")
+    if len(row.output_token_ids) >= params.min_tokens:
+        return set()
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(row.eos_token_ids))
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:

@@ -289,3 +289,32 @@ def test_batched_penalties_equal_one_row_at_a_time() -> None:
     _apply_penalties(got, rows, which)
     expected[7] = logits[7]
     assert torch.equal(got, expected)
+
+
+def test_batched_bias_and_min_tokens_equal_one_row_at_a_time() -> None:
+    """logit_bias and min_tokens' bans for all rows in one indexed add and one indexed write:
+    bit for bit what each row's own operations gave, with the penalties after them."""
+    from mmserve.runner.sampler import _adjusted, _adjusts_logits
+
+    gen = torch.Generator().manual_seed(9)
+    kinds = [
+        {"logit_bias": {3: 2.5, 7: -1.0, 299: 100.0}}, {"min_tokens": 30, "stop_token_ids": [5, 6]},
+        {"min_tokens": 30, "ignore_eos": True}, {"min_tokens": 30, "ignore_eos": True, "stop_token_ids": [9]},
+        {"min_tokens": 2, "logit_bias": {5: -3.0}}, {"logit_bias": {11: 1.0}, "repetition_penalty": 1.5},
+        {"min_tokens": 30, "presence_penalty": 0.5, "logit_bias": {1: 0.25}},
+    ]  # fmt: skip
+    rows = [row(output=[1, 2, 3, 3], eos=(0, 4), prompt=(7, 8, 9), **kw) for kw in kinds]
+    logits = torch.randn(len(rows), 300, generator=gen)
+    expected = logits.clone()
+    for i, r in enumerate(rows):
+        params = r.params
+        for t, b in params.logit_bias.items():
+            expected[i, t] += b
+        if len(r.output_token_ids) < params.min_tokens:
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(r.eos_token_ids))
+            for t in banned:
+                expected[i, t] = float("-inf")
+        penalised_one_row_at_a_time(expected[i], r)
+    adjusted = [i for i, r in enumerate(rows) if _adjusts_logits(r)]
+    assert adjusted == [0, 1, 3, 4, 5, 6]  # row 2 bans nothing; row 4's min_tokens has passed
+    assert torch.equal(_adjusted(logits, rows, adjusted), expected)
