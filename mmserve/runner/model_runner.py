@@ -37,6 +37,7 @@ from mmserve.runner.sampler import (
     SamplingRow,
     position_seed,
     sample_on_device,
+    top_logprobs,
     verify_on_device,
 )
 from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
@@ -589,13 +590,6 @@ class ModelRunner:
             chunk = targets[start : start + PROMPT_LOGPROB_ROWS]
             logits = self.model.compute_logits(hidden[start : start + len(chunk)])
             logprobs = torch.log_softmax(logits.float(), -1)
-            ids = torch.tensor(chunk, device=logprobs.device).unsqueeze(1)
-            values = logprobs.gather(1, ids)  # [t, 1]
-            ranks = (logprobs > values).sum(-1) + 1
-            top_v, top_i = logprobs.topk(k, dim=-1)
-            host = [x.tolist() for x in (values.squeeze(1), ranks, top_v, top_i)]
-            found += [
-                TokenLogprob(t, v, r, list(zip(ti, tv)))
-                for t, v, r, tv, ti in zip(chunk, *host, strict=True)
-            ]
+            ids = torch.tensor(chunk).to(logprobs.device, non_blocking=True)
+            found += top_logprobs(logprobs, ids, [k] * len(chunk))
         return found

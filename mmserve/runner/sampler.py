@@ -64,14 +64,17 @@ def logprobs_of(
 ) -> list[TokenLogprob | None]:
     """The logprob of each row's token, for the rows that asked (from the raw distribution);
     None elsewhere. Reads the tokens on the host only when some row asked."""
-    wants = [r.params.logprobs for r in rows]
-    if not any(wants):
-        return [None] * len(rows)
+    asked = [i for i, r in enumerate(rows) if r.params.logprobs]
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    if not asked:
+        return out
+    if len(asked) < len(rows):
+        at = _to(logits.device, asked, torch.int64)
+        logits, tokens = logits.index_select(0, at), tokens.index_select(0, at)
     raw = torch.log_softmax(logits, dim=-1)
-    values = tokens.tolist()
-    return [
-        top_logprobs(raw[i], t, k) if k else None for i, (t, k) in enumerate(zip(values, wants))
-    ]
+    for i, found in zip(asked, top_logprobs(raw, tokens, [rows[i].params.logprobs for i in asked]), strict=True):
+        out[i] = found
+    return out
 
 
 def _adjusted(logits: torch.Tensor, rows: list[SamplingRow], adjusted: list[int]) -> torch.Tensor:
@@ -112,13 +115,18 @@ def _adjusts_logits(row: SamplingRow) -> bool:
     )
 
 
-def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
-    """logprobs: [V]. The token's logprob and rank, with the k most likely alternatives."""
-    value = logprobs[token]
-    rank = int((logprobs > value).sum()) + 1
-    top_v, top_i = logprobs.topk(k)
-    top = [(int(t), float(v)) for t, v in zip(top_i, top_v)]
-    return TokenLogprob(token_id=token, logprob=float(value), rank=rank, top=top)
+def top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int]) -> list[TokenLogprob]:
+    """logprobs [R, V], tokens [R] (int64, on logprobs' device), ks[i] >= 1: row i's token's
+    logprob and rank (1 = most likely), with its ks[i] most likely alternatives. A few tensor
+    operations and one copy to the host for all rows, not a few per row and value."""
+    values = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = (logprobs > values).sum(-1) + 1
+    top_v, top_i = logprobs.topk(max(ks), dim=-1)
+    host = [x.tolist() for x in (tokens, values.squeeze(1), ranks, top_v, top_i)]
+    return [
+        TokenLogprob(t, v, r, list(zip(ti[:k], tv[:k], strict=True)))
+        for t, v, r, tv, ti, k in zip(*host, ks, strict=True)
+    ]
 
 
 def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 
 from mmserve.params import SamplingParams
@@ -115,6 +116,28 @@ def test_logprobs_rank_and_top() -> None:
     assert lp[0] is not None
     assert lp[0].rank == 4 and abs(lp[0].logprob - float(ref[3])) < 1e-6
     assert [i for i, _ in lp[0].top] == [0, 1, 2]
+
+
+def test_logprobs_of_a_batch_row_by_row() -> None:
+    """Rows asking 1, 3 or 7 alternatives beside rows asking none, after bias: each row's
+    entry is its own (from the raw distribution), none for the others."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 50, generator=gen) * 2
+    asks = [3, 0, 1, 7, 0, 3]
+    rows = [row(temperature=0.0, logprobs=k, logit_bias={i: 50.0}) for i, k in enumerate(asks)]
+    tokens, lp = sample(logits, rows)
+    assert tokens == [0, 1, 2, 3, 4, 5]
+    raw = logits.log_softmax(-1)
+    for i, k in enumerate(asks):
+        got = lp[i]
+        if not k:
+            assert got is None
+            continue
+        assert got is not None and got.token_id == i
+        assert got.logprob == pytest.approx(float(raw[i, i]), abs=1e-6)
+        assert got.rank == int((raw[i] > raw[i, i]).sum()) + 1
+        assert [t for t, _ in got.top] == raw[i].topk(k).indices.tolist()
+        assert [v for _, v in got.top] == pytest.approx(raw[i].topk(k).values.tolist(), abs=1e-6)
 
 
 def _plain_rows(rng: torch.Generator, n: int, **extra) -> list[SamplingRow]:  # type: ignore[no-untyped-def]
