@@ -267,7 +267,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = setting(0, "seed of unseeded sampling (the engine-wide generator)")
     # run the engine core in its own process (engine/core_proc.py; grammars are compiled again
-    # there). Off here; `mmserve serve` turns it on for CUDA (ServeOptions.engine_process)
+    # there). Off here; `mmserve serve` turns it on (ServeOptions.engine_process)
     multiprocess: bool = False
 
     @classmethod
@@ -430,12 +430,12 @@ class ServeOptions:
         parse=parse_list,
         shown="the embedded SmolLM2-135M-Instruct and all-MiniLM-L6-v2",
     )
-    # None: decided by the device (serve's engine_template), hence no dataclass default to show
-    engine_process: bool | None = setting(
-        None,
+    # on with every device: on the CPU too the front end's Python (tokenising, detokenising,
+    # gRPC) otherwise shares the GIL with the engine's steps (BENCHMARKS.md session 19)
+    engine_process: bool = setting(
+        True,
         "run each engine core in its own process (msgpack over a pipe), so tokenising, "
         "detokenising and gRPC never delay a step",
-        shown="on with CUDA, off on CPU",
     )
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
     log_format: str = setting(

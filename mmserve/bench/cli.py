@@ -70,9 +70,9 @@ def add_parser(sub: Any) -> None:
                    help="decode: tokens of context per request (default --input-len; lets "
                    "latency,decode,throughput in one engine give decode its own)")
     add_engine_flags(p)  # --device, --dtype, --max-num-seqs, ... --no-async-scheduling
-    p.add_argument("--engine-process", action="store_true",
-                   help="serve, embed: run the (gRPC side's) engine core in its own process "
-                        "(as `mmserve serve` on CUDA; embed does so on CUDA anyway)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve, embed: run the (gRPC side's) engine core in its own process, as "
+                        "`mmserve serve` does (default: embed yes, serve no)")
     p.add_argument("--bandwidth-gbs", type=float, default=None,
                    help=f"measured read bandwidth, for the roofline (default: on CUDA the H200's "
                         f"{H200_COPY_GBS:.0f}; on the CPU none, and no roofline)")

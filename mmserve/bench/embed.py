@@ -3,9 +3,9 @@ AsyncFrontEnd) and over gRPC (a server on a free port, called through the SDK fr
 process of its own), against sentence-transformers on the same model, the same weights and the
 same texts, in the same run. One JSON line per side.
 
-The gRPC side is deployed as `mmserve serve` deploys it: on CUDA (or with --engine-process)
-the server's engine core runs in a process of its own, a second copy of the model beside the
-offline side's; on the CPU the server shares the offline side's engine. The client process
+The gRPC side is deployed as `mmserve serve` deploys it: the server's engine core runs in a
+process of its own, a second copy of the model beside the offline side's (with
+--no-engine-process the server shares the offline side's engine). The client process
 times each call itself, as a user's program would (in the server's process it would contend
 for the GIL with the front end and the engine thread, as `bench serve` notes).
 
@@ -277,11 +277,11 @@ def run(args: argparse.Namespace) -> None:
     folder = model_folder(model)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    engine_process = (device.type == "cuda" or args.engine_process) and not args.skip_grpc
+    engine_process = args.engine_process is not False and not args.skip_grpc
     config, server_config = engine_configs(args, folder, engine_process)
     engine = FrontEnd.start(config)
     server_engine = None
-    if server_config is not None:  # as `mmserve serve` runs on CUDA: the core in its own process
+    if server_config is not None:  # as `mmserve serve` runs: the core in its own process
         server_engine = FrontEnd.start(server_config)
     if args.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")

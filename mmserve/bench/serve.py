@@ -238,7 +238,7 @@ def local_server(args: argparse.Namespace) -> Iterator[str]:
     pending = args.num_requests + args.num_warmup
     metrics_port = 0 if getattr(args, "metrics", False) else None
     config = ServerConfig(host="127.0.0.1", port=0, max_pending=pending, metrics_port=metrics_port)
-    template = engine_config(args, "", dummy, getattr(args, "engine_process", False))
+    template = engine_config(args, "", dummy, bool(getattr(args, "engine_process", False)))
     handle = load_model(ModelSpec(SERVED_NAME, str(folder)), template, pending)
     server = MMServer(ModelRegistry([handle]), config)
     loop = asyncio.new_event_loop()

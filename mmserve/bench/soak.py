@@ -216,7 +216,7 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, Any, str | None]]:
         folder, dummy = path, args.load_format == "dummy"
         if path.startswith("shape:"):  # random weights of a known shape
             folder, dummy = str(make_model_folder(path[6:], Path(tempfile.mkdtemp()) / name)), True
-        template = engine_config(args, "", dummy, getattr(args, "engine_process", False))
+        template = engine_config(args, "", dummy, bool(getattr(args, "engine_process", False)))
         handles.append(load_model(ModelSpec(name, folder), template, config.max_pending))
     registry = ModelRegistry(handles)
     vlm = next((h.name for h in registry if h.facts.supports_images and "generate" in h.frontend.tasks), None)

@@ -61,16 +61,8 @@ def engine_template(args: argparse.Namespace) -> EngineConfig:
 
 
 def _engine_process(args: argparse.Namespace) -> bool:
-    """--engine-process as given, else on when the engine will run on CUDA."""
-    if args.engine_process is not None:
-        return bool(args.engine_process)
-    return _cuda_default(args.device or "auto")
-
-
-def _cuda_default(device: str) -> bool:
-    from mmserve.models.loader import resolve_device
-
-    return resolve_device(device).type == "cuda"
+    """--engine-process as given, else on (ServeOptions.engine_process's default)."""
+    return True if args.engine_process is None else bool(args.engine_process)
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

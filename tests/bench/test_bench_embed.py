@@ -53,13 +53,13 @@ def test_texts_tokenise_to_the_asked_length(tiny_embedder: Path) -> None:
 def test_bench_embed_reports_every_side(
     tiny_embedder: Path, capsys: pytest.CaptureFixture[str], engine_process: bool, concurrency: int
 ) -> None:
-    """With --engine-process (the default on CUDA) the gRPC side's server runs its own
-    engine core process, a second copy of the model: its vectors must agree all the same.
+    """With its own engine process (the default, as `mmserve serve` runs) the gRPC side's
+    server runs a second copy of the model: its vectors must agree all the same.
     With --concurrency the offline and gRPC sides keep that many calls in flight."""
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers(dest="command"))
     flags = ["--model", str(tiny_embedder), "--device", "cpu", "--batch-size", "4"]
-    flags += ["--engine-process"] if engine_process else []
+    flags += ["--engine-process"] if engine_process else ["--no-engine-process"]
     flags += ["--concurrency", str(concurrency)]
     args = parser.parse_args(["bench", "embed", *flags, "--seq-len", "24", "--num-batches", "2"])
     args.func(args)
