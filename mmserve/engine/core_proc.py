@@ -34,6 +34,26 @@ HEARTBEAT_S = 0.5  # a busy child reports at least this often, outputs or not (s
 M = TypeVar("M")
 
 
+# OpenMP threads that wait at a barrier spin this many times before they sleep, in a CPU engine
+# process. libgomp spins 300,000 times unless a process has more threads than CPUs. Two engine
+# processes on 2 cores (chat and embeddings, each with 2 threads) then spin on each other's cores:
+# under a mixed load, chat streams got 41 tok/s and Embed 10 texts/s, against 172 and 43 at
+# 1,000 spins (BENCHMARKS.md, session 19).
+CPU_GOMP_SPINCOUNT = "1000"
+
+
+def _throttle_openmp_spinning(config: EngineConfig) -> None:
+    """Sets GOMP_SPINCOUNT for the engine processes started from here on, when this one runs on
+    the CPU and the user set neither it nor OMP_WAIT_POLICY. A spawned child reads it as its
+    OpenMP runtime loads; this process's runtime is loaded already and keeps its own."""
+    from mmserve.models.loader import resolve_device
+
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return
+    if resolve_device(config.model.device).type == "cpu":
+        os.environ["GOMP_SPINCOUNT"] = CPU_GOMP_SPINCOUNT
+
+
 class ProcessClient:
     """An EngineClient (engine/client.py) over a pipe to the engine-core process. Not
     thread-safe: one thread drives it."""
@@ -47,6 +67,7 @@ class ProcessClient:
             name="mmserve-engine-core",
             daemon=True,
         )
+        _throttle_openmp_spinning(config)
         self._proc.start()
         child_conn.close()  # only the child holds it now: its death reads as EOF here
         self._in_flight: set[str] = set()

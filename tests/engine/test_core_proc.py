@@ -17,7 +17,7 @@ import torch
 
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig
 from mmserve.engine import messages as m
-from mmserve.engine.core_proc import ProcessClient
+from mmserve.engine.core_proc import CPU_GOMP_SPINCOUNT, ProcessClient, _throttle_openmp_spinning
 from mmserve.errors import EngineDead, InvalidArgument
 from mmserve.frontend.async_frontend import AsyncFrontEnd
 from mmserve.frontend.frontend import FrontEnd, GenerationDelta, PooledResult
@@ -280,3 +280,30 @@ def test_shutdown_leaves_no_child(bert: tuple[FrontEnd, FrontEnd]) -> None:
     assert not proc.is_alive() and proc.exitcode == 0
     with pytest.raises(EngineDead):
         remote.add_pooling([("late", [101, 102], None, ())], PoolingParams())
+
+
+def test_a_cpu_engine_process_spins_briefly(tmp_path: Path) -> None:
+    """Its OpenMP threads wait at a barrier 1,000 spins, not libgomp's 300,000, which two
+    engine processes on the same cores spent on each other's cores."""
+    client = ProcessClient(_config(make_tiny_model(tmp_path), True))
+    try:
+        if os.environ.get("GOMP_SPINCOUNT") != CPU_GOMP_SPINCOUNT:
+            pytest.skip("GOMP_SPINCOUNT or OMP_WAIT_POLICY was set by whoever ran the tests")
+        environ = Path(f"/proc/{client.pid}/environ").read_bytes().split(b"\0")
+        assert f"GOMP_SPINCOUNT={CPU_GOMP_SPINCOUNT}".encode() in environ
+    finally:
+        client.shutdown()
+
+
+def test_the_spin_count_is_the_users_when_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = _config(tmp_path, True)
+    for mine in ({"GOMP_SPINCOUNT": "50"}, {"OMP_WAIT_POLICY": "passive"}):
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        for name, value in mine.items():
+            monkeypatch.setenv(name, value)
+        _throttle_openmp_spinning(config)
+        assert os.environ.get("GOMP_SPINCOUNT") == mine.get("GOMP_SPINCOUNT")
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    _throttle_openmp_spinning(config)
+    assert os.environ["GOMP_SPINCOUNT"] == CPU_GOMP_SPINCOUNT
