@@ -233,7 +233,6 @@ def apply_bitmask(
     _apply_with_torch(logits, mask, vocab_size, rows)
 
 
-
 def _apply_with_torch(logits: torch.Tensor, mask: torch.Tensor, vocab_size: int, rows: Sequence[int]) -> None:
     """apply_bitmask in torch operations (mask on logits' device): the reference."""
     index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
