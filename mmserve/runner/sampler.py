@@ -185,7 +185,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], which: list[
         of_row = _to(device, [j for j, o in enumerate(outputs) for _ in o], torch.int64)
         counts = torch.zeros(len(counted), vocab, dtype=logits.dtype, device=device)
         counts.index_put_((of_row, ids), torch.ones_like(ids, dtype=logits.dtype), accumulate=True)
-        at = _to(device, [i for i, o in zip(counted, outputs, strict=True) for _ in o], torch.int64)
+        at = _to(device, counted, torch.int64)[of_row]
         freq = _to(device, [rows[i].params.frequency_penalty for i in counted], logits.dtype)[of_row]
         pres = _to(device, [rows[i].params.presence_penalty for i in counted], logits.dtype)[of_row]
         logits[at, ids] = logits[at, ids] - freq * counts[of_row, ids] - pres
