@@ -19,7 +19,7 @@ from mmserve.settings import env_name, parse_bool, parse_bytes, parse_list
 # the parsers and names of settings are re-exported for the callers of this module
 __all__ = [
     "bench_data_dir", "bench_profile_path", "cache_dir", "cpu_kernels_enabled", "env_name",
-    "parse_bool", "parse_bytes", "parse_list", "serve_env",
+    "gc_freeze_enabled", "parse_bool", "parse_bytes", "parse_list", "serve_env",
 ]  # fmt: skip
 
 
@@ -52,6 +52,15 @@ def cpu_kernels_enabled(environ: Mapping[str, str] | None = None) -> bool:
     weights dequantised at load, the KV cache gathered for attention)."""
     environ = os.environ if environ is None else environ
     raw = environ.get("MMSERVE_CPU_KERNELS", "").strip()
+    return parse_bool(raw) if raw else True
+
+
+def gc_freeze_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """MMSERVE_GC_FREEZE (default on): freeze the objects alive after start-up out of Python's
+    garbage collector (mmserve.heap), in the engine's process and the server's; 0 keeps them
+    in its full collections."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("MMSERVE_GC_FREEZE", "").strip()
     return parse_bool(raw) if raw else True
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf gcab (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -70,6 +70,26 @@ if has quant; then
     $B latency,decode $Q --checkpoint-format gguf:Q4_K_M
     $B latency,decode,throughput $Q --checkpoint-format w8a8-int8
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/quant.txt"
+fi
+if has gguf; then
+  # the GGUF Q4_K_M file at the 8B shape alone, next to bf16 from the same call (issue 19)
+  Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024"
+  Q="$Q --batch-sizes 1,2,4,8,16,32,64"
+  { $B latency,decode $Q; $B latency,decode $Q --checkpoint-format gguf:Q4_K_M
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gguf.txt"
+fi
+if has gcab; then
+  # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline
+  # throughput 1000 x 512/128 (two rounds in each engine; prefix caching on and off, issue 23
+  # targets 2 and 3) and constrained decoding at batch 64 (target 6, with the host's time by part)
+  T="throughput --model shape:llama3-8b --load-format dummy --input-len 512 --output-len 128"
+  T="$T --num-requests 1000 --rounds 2"
+  S="structured --model shape:llama3-8b --load-format dummy --batch-sizes 64 --input-len 128"
+  S="$S --output-len 128 --max-num-seqs 64 --compile-repeats 1"
+  { $B $T; MMSERVE_GC_FREEZE=0 $B $T
+    $B $T --no-enable-prefix-caching; MMSERVE_GC_FREEZE=0 $B $T --no-enable-prefix-caching
+    $B $S; MMSERVE_GC_FREEZE=0 $B $S
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gcab.txt"
 fi
 if has embed; then
   $B embed --model shape:bert-base --device cuda --batch-size 64 --seq-len 128 2>&1 | grep --line-buffered -v Warning | tee "$OUT/embed.txt"

@@ -18,3 +18,9 @@ if shutil.which("nvidia-smi") is None:  # no GPU: torch is not imported yet to a
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _workers > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
+
+# Engines freeze the start-up heap out of the garbage collector (mmserve.heap): one full
+# collection per engine start, and in a test worker that starts many engines and drops some
+# without shutting them down, frozen cycles that are never freed. Tests start engines with it
+# off unless they say otherwise; tests/engine/test_heap.py turns it on.
+os.environ.setdefault("MMSERVE_GC_FREEZE", "0")

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mmserve.attention",),
     ("mmserve.kernels",),
     ("mmserve.request", "mmserve.inputs"),
-    ("mmserve.config", "mmserve.envs"),
+    ("mmserve.config", "mmserve.envs", "mmserve.heap"),
     ("mmserve.processors", "mmserve.structured_output"),
     ("mmserve.params", "mmserve.outputs", "mmserve.structured_output.params"),
     ("mmserve.errors", "mmserve.settings"),

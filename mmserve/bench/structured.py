@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from mmserve.bench.host_times import HostTimes, host_times
 from mmserve.bench.offline import DEFAULT_BATCH_SIZES, parse_batch_sizes, random_prompt
 from mmserve.errors import InvalidArgument
 from mmserve.frontend.frontend import FrontEnd
@@ -106,6 +107,7 @@ class DecodeSamples:
     decode_steps: int = 0  # steps once every request of a run had its first token
     decode_s: float = 0.0  # their wall time
     sample_text: str = ""  # the first request's output (of the last run): what was decoded
+    host: HostTimes = field(default_factory=HostTimes)  # the host thread's time, by part
 
     def summary(self, output_len: int) -> dict[str, Any]:
         return {
@@ -115,6 +117,9 @@ class DecodeSamples:
             "output_tokens_mean": statistics.fmean(self.output_tokens),
             # stopped before output_len: their grammar reached an end (not with ENDLESS_SCHEMA)
             "finished_early": sum(n < output_len for n in self.output_tokens),
+            # the host's ms per step in each part (mmserve.bench.host_times: "wait" is the
+            # time it waited for the device)
+            "host_ms_per_step": self.host.per_step_ms(),
             "sample_output": self.sample_text[:400],  # what one request decoded, cut
         }
 
@@ -189,20 +194,21 @@ def decode_run(
     tokens: dict[str, int] = {}
     decode_start, decode_steps = 0.0, 0
     sample = ""
-    while engine.has_unfinished:
-        deltas = engine.step_deltas()
-        now = time.perf_counter()
-        if len(first) == len(prompts):  # every request had its first token before this step
-            decode_steps += 1
-        for delta in deltas:
-            if into is not None and delta.request_id == f"{tag}-0":
-                sample += delta.text
-            if delta.token_ids:
-                first.setdefault(delta.request_id, now)
-                last[delta.request_id] = now
-                tokens[delta.request_id] = tokens.get(delta.request_id, 0) + len(delta.token_ids)
-        if not decode_start and len(first) == len(prompts):
-            decode_start = now
+    with host_times(engine.core, into.host if into is not None else HostTimes()):
+        while engine.has_unfinished:
+            deltas = engine.step_deltas()
+            now = time.perf_counter()
+            if len(first) == len(prompts):  # every request had its first token before this step
+                decode_steps += 1
+            for delta in deltas:
+                if into is not None and delta.request_id == f"{tag}-0":
+                    sample += delta.text
+                if delta.token_ids:
+                    first.setdefault(delta.request_id, now)
+                    last[delta.request_id] = now
+                    tokens[delta.request_id] = tokens.get(delta.request_id, 0) + len(delta.token_ids)
+            if not decode_start and len(first) == len(prompts):
+                decode_start = now
     if into is not None:
         into.tpot_ms += [1e3 * (last[r] - first[r]) / (n - 1) for r, n in tokens.items() if n > 1]
         into.output_tokens += tokens.values()

@@ -14,6 +14,7 @@ from mmserve.engine.messages import EngineOutput, EngineRequest, EngineStats
 from mmserve.engine.sched_output import RunnerOutput, SchedulerOutput
 from mmserve.engine.scheduler import Scheduler
 from mmserve.engine.warmup import timed_warm_up, watch_late_compiles
+from mmserve.heap import thaw_heap
 from mmserve.inputs import grid_thw
 from mmserve.models.base import CausalLM
 from mmserve.models.fp8 import is_fp8
@@ -217,6 +218,7 @@ class EngineCore:
         if self._compiling is not None:
             self._compiling.close()
         self.runner.shutdown()
+        thaw_heap()  # load_engine froze this engine's objects: they may be freed now
 
     def step(self) -> list[EngineOutput]:
         """One step. With async scheduling a step that samples stays in flight: the next

@@ -14,6 +14,7 @@ from mmserve.engine.engine_core import EngineCore
 from mmserve.engine.messages import EngineInfo
 from mmserve.engine.pooling_setup import PoolingSetup, pooling_setup
 from mmserve.engine.tp_workers import Ranks, start_ranks
+from mmserve.heap import freeze_heap
 from mmserve.models.base import CausalLM
 from mmserve.models.gguf_cache import materialize
 from mmserve.models.loader import (
@@ -52,11 +53,13 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     if config.parallel.tensor_parallel_size > 1:  # the other ranks load their shards meanwhile
         ranks = start_ranks(replace(config, model=model_config))
     try:
-        return _load(config, model_config, source, ranks, start)
+        loaded = _load(config, model_config, source, ranks, start)
     except BaseException:
         if ranks is not None:
             ranks.shutdown()
         raise
+    freeze_heap()  # start-up's objects out of the collector's full passes (mmserve.heap)
+    return loaded
 
 
 def _load(

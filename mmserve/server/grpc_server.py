@@ -17,6 +17,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from mmserve.errors import EngineStalled
+from mmserve.heap import freeze_heap
 from mmserve.server.access_log import AccessLog
 from mmserve.server.admission import Admission
 from mmserve.server.auth import ApiKeyInterceptor, load_api_keys
@@ -155,6 +156,7 @@ class MMServer:
             auth,
             ", ".join(self.registry.names),
         )
+        freeze_heap()  # the server's start-up objects too (mmserve.heap)
         return port
 
     async def _watch_engines(self) -> None:

@@ -75,6 +75,14 @@ def test_bench_structured_on_a_tiny_model(
             assert side["steps_per_s"] > 0
             # the endless schema never lets a constrained request stop early
             assert side["output_tokens_mean"] == OUTPUT_LEN and side["finished_early"] == 0
+            # the host's parts of a step (bench/host_times.py): every one ran, and together
+            # they take no longer than the steps did
+            host = side["host_ms_per_step"]
+            assert set(host) == {"schedule", "launch", "wait", "sample", "update", "gc"}
+            assert all(host[k] > 0 for k in ("schedule", "launch", "wait", "sample", "update"))
+            assert host["gc"] >= 0
+            total = 1e3 / side["steps_per_s"]
+            assert sum(host.values()) <= 1.5 * total
         # a constrained request's text starts the schema's object (whitespace allowed first)
         assert line["constrained"]["sample_output"].lstrip().startswith("{")
 
