@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf gcab (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk gcab embedhost (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -78,6 +78,12 @@ if has gguf; then
   { $B latency,decode $Q; $B latency,decode $Q --checkpoint-format gguf:Q4_K_M
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gguf.txt"
 fi
+if has ggufk; then
+  # the GGUF K-quant kernels (issue 19): their tests in bf16, then scripts/bench_gguf.py
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gguf_gemm.py tests/gpu/test_gpu_gguf.py 2>&1 \
+    | tail -5 | tee "$OUT/ggufk-tests.txt"
+  python3 scripts/bench_gguf.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ggufk.txt"
+fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline
   # throughput 1000 x 512/128 (two rounds in each engine; prefix caching on and off, issue 23
@@ -87,9 +93,13 @@ if has gcab; then
   S="structured --model shape:llama3-8b --load-format dummy --batch-sizes 64 --input-len 128"
   S="$S --output-len 128 --max-num-seqs 64 --compile-repeats 1"
   { $B $T; MMSERVE_GC_FREEZE=0 $B $T
-    $B $T --no-enable-prefix-caching; MMSERVE_GC_FREEZE=0 $B $T --no-enable-prefix-caching
+    $B $T --no-enable-prefix-caching
     $B $S; MMSERVE_GC_FREEZE=0 $B $S
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gcab.txt"
+fi
+if has embedhost; then
+  # where one offline Embed call's time goes (issue 23, target 4): bert-base shape, 64 x 128
+  python3 scripts/embed_host.py --device cuda 2>&1 | grep --line-buffered -v Warning | tee "$OUT/embedhost.txt"
 fi
 if has embed; then
   $B embed --model shape:bert-base --device cuda --batch-size 64 --seq-len 128 2>&1 | grep --line-buffered -v Warning | tee "$OUT/embed.txt"

@@ -161,6 +161,127 @@ def dequant_tile(w_ptr, offs_n, offs_k, mask, row_bytes, QTYPE: tl.constexpr, BY
     return tl.where(mask, w, 0.0)
 
 
+# The K-quants read a super-block at a time (kquant_part): the bytes of BLOCK_N rows' blocks
+# as tiles of whole quants, nibbles and scales, in loads along each block's bytes (16 rows of a
+# Q4_K super-block are 16 runs of 128 quant bytes), where dequant_tile loads every element's
+# bytes on their own. A super-block is read in parts of elements that share their bytes'
+# positions: Q4_K / Q5_K in 2 (the low nibbles of its 128 quant bytes, then the high ones),
+# Q6_K in 4 (its quarters). Each part comes with the element index of each of its columns, so
+# a product reads the matching activations and a dequantiser writes the matching columns.
+KQUANT_PARTS = {12: 2, 13: 2, 14: 4}  # type id -> parts per super-block
+
+
+@triton.jit
+def _f16_at(ptr):
+    """float16 at byte pointers ptr (2-byte aligned: every GGUF scale is), as float32."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def kquant_part(block, PART: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(w, cols): part PART of the super-blocks at byte pointers block [BLOCK_N], float32
+    [BLOCK_N, P] as ggml dequantises it, and cols [P], each column's element in the super-block.
+    Q6_K's part q is its quarter q: elements 128 h + 32 q + l (h < 2, l < 32), P = 64. Q4_K's
+    and Q5_K's part 0 is the low nibbles of qs[32 c + j], elements 64 c + j (c < 4, j < 32),
+    and part 1 the high ones, elements 64 c + 32 + j; P = 128."""
+    if QTYPE == 14:  # Q6_K: ql[128], qh[64], scales[16] int8, d
+        h = tl.arange(0, 2)[None, :, None]
+        lane = tl.arange(0, 32)[None, None, :]
+        ql = tl.load(block[:, None, None] + 64 * h + 32 * (PART % 2) + lane).to(tl.int32)
+        qh = tl.load(block[:, None, None] + 128 + 32 * h + lane).to(tl.int32)
+        q = ((ql >> (4 * (PART // 2))) & 15) | (((qh >> (2 * PART)) & 3) << 4)
+        q = q - 32  # [BLOCK_N, 2, 32]
+        g = tl.arange(0, 2)[None, None, :]  # the 16-element sub-block within 32 lanes
+        sc_ptr = block[:, None, None] + 192 + 8 * h + g + 2 * PART
+        sc = tl.load(sc_ptr.to(tl.pointer_type(tl.int8))).to(tl.float32)  # [BLOCK_N, 2, 2]
+        d1 = _f16_at(block + 208)[:, None, None] * sc
+        w = d1[:, :, :, None] * tl.reshape(q.to(tl.float32), [BLOCK_N, 2, 2, 16])
+        t = tl.arange(0, 64)
+        return tl.reshape(w, [BLOCK_N, 64]), 128 * (t // 32) + 32 * PART + t % 32
+    else:  # Q4_K / Q5_K: d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
+        c = tl.arange(0, 4)
+        j = tl.arange(0, 32)
+        QS: tl.constexpr = 48 if QTYPE == 13 else 16
+        qs = tl.load(block[:, None, None] + QS + 32 * c[None, :, None] + j[None, None, :])
+        q = (qs.to(tl.int32) >> (4 * PART)) & 15  # [BLOCK_N, 4, 32]
+        sub = 2 * c + PART  # each chunk's sub-block of 32
+        if QTYPE == 13:  # bit sub of qh[j] is the fifth
+            qh = tl.load(block[:, None] + 16 + j[None, :]).to(tl.int32)
+            q = q | (((qh[:, None, :] >> sub[None, :, None]) & 1) << 4)
+        scales = block[:, None] + 4  # 6-bit scale and min of sub-block s: ggml's get_scale_min_k4
+        s_a = tl.load(scales + sub[None, :]).to(tl.int32)
+        s_b = tl.load(scales + 4 + sub[None, :]).to(tl.int32)
+        s_c = tl.load(scales + tl.maximum(sub - 4, 0)[None, :]).to(tl.int32)
+        low_sub = (sub < 4)[None, :]
+        sc = tl.where(low_sub, s_a & 63, (s_b & 15) | ((s_c >> 6) << 4))
+        mn = tl.where(low_sub, s_b & 63, (s_b >> 4) | ((s_a >> 6) << 4))
+        d1 = _f16_at(block)[:, None] * sc.to(tl.float32)  # [BLOCK_N, 4]
+        m1 = _f16_at(block + 2)[:, None] * mn.to(tl.float32)
+        w = d1[:, :, None] * q.to(tl.float32) - m1[:, :, None]
+        t = tl.arange(0, 128)
+        return tl.reshape(w, [BLOCK_N, 128]), 64 * (t // 32) + 32 * PART + t % 32
+
+
+@triton.jit
+def q45k_chunk(block, c: tl.constexpr, QTYPE: tl.constexpr):
+    """Chunk c (< 4) of the Q4_K / Q5_K super-blocks at byte pointers block [BLOCK_N]: the
+    quants of its two sub-blocks, q_lo [BLOCK_N, 32] (elements 64 c + j) and q_hi (64 c + 32 +
+    j), int32 in [0, 32), and each sub-block's factors, d1 = d * scale and m1 = dmin * min
+    (float32 [BLOCK_N]): a weight is d1 * q - m1. kquant_part's values, by sub-block, so that a
+    product can apply the factors to sums of q * x instead of to every weight."""
+    j = tl.arange(0, 32)
+    QS: tl.constexpr = 48 if QTYPE == 13 else 16
+    qs = tl.load(block[:, None] + QS + 32 * c + j[None, :]).to(tl.int32)
+    q_lo = qs & 15
+    q_hi = qs >> 4
+    if QTYPE == 13:  # bit s of qh[j] is sub-block s's fifth
+        qh = tl.load(block[:, None] + 16 + j[None, :]).to(tl.int32)
+        q_lo = q_lo | (((qh >> (2 * c)) & 1) << 4)
+        q_hi = q_hi | (((qh >> (2 * c + 1)) & 1) << 4)
+    d = _f16_at(block)
+    dmin = _f16_at(block + 2)
+    scales = block + 4
+    # sub-blocks 2c and 2c + 1's 6-bit scales and mins (ggml's get_scale_min_k4)
+    if c < 2:
+        sc_lo = tl.load(scales + 2 * c).to(tl.int32) & 63
+        mn_lo = tl.load(scales + 2 * c + 4).to(tl.int32) & 63
+        sc_hi = tl.load(scales + 2 * c + 1).to(tl.int32) & 63
+        mn_hi = tl.load(scales + 2 * c + 5).to(tl.int32) & 63
+    else:
+        s = 2 * c
+        a_lo = tl.load(scales + s).to(tl.int32)  # the low pair's s - 4 + 4
+        b_lo = tl.load(scales + s + 4).to(tl.int32)
+        c_lo = tl.load(scales + s - 4).to(tl.int32)
+        sc_lo = (b_lo & 15) | ((c_lo >> 6) << 4)
+        mn_lo = (b_lo >> 4) | ((a_lo >> 6) << 4)
+        a_hi = tl.load(scales + s + 1).to(tl.int32)
+        b_hi = tl.load(scales + s + 5).to(tl.int32)
+        c_hi = tl.load(scales + s - 3).to(tl.int32)
+        sc_hi = (b_hi & 15) | ((c_hi >> 6) << 4)
+        mn_hi = (b_hi >> 4) | ((a_hi >> 6) << 4)
+    d1_lo = d * sc_lo.to(tl.float32)
+    d1_hi = d * sc_hi.to(tl.float32)
+    m1_lo = dmin * mn_lo.to(tl.float32)
+    m1_hi = dmin * mn_hi.to(tl.float32)
+    return q_lo, q_hi, d1_lo, m1_lo, d1_hi, m1_hi
+
+
+@triton.jit
+def _dequantize_kquant_kernel(
+    out_ptr, w_ptr, n, k, row_bytes,
+    QTYPE: tl.constexpr, BYTES: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_N rows' super-block program_id(1), part by part."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    row = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_bytes  # past n: row 0's bytes
+    sb = tl.program_id(1)
+    for part in tl.static_range(PARTS):
+        w, cols = kquant_part(row + sb * BYTES, part, QTYPE, BLOCK_N)
+        out = out_ptr + offs_n[:, None].to(tl.int64) * k + sb * 256 + cols[None, :]
+        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask_n[:, None])
+
+
 @triton.jit
 def _dequantize_kernel(
     out_ptr, w_ptr, n, k, row_bytes,
@@ -182,7 +303,13 @@ def gguf_dequantize(blocks: torch.Tensor, qtype: str, dtype: torch.dtype) -> tor
     check_same_device(blocks=blocks)
     n, k = blocks.shape[0], blocks.shape[1] * fmt.elements
     out = torch.empty((n, k), dtype=dtype, device=blocks.device)
-    if n and k:
+    if n and k and fmt.type_id in KQUANT_PARTS:
+        block_n = 16
+        _dequantize_kquant_kernel[(triton.cdiv(n, block_n), blocks.shape[1])](
+            out, blocks, n, k, blocks.shape[1] * fmt.bytes, QTYPE=fmt.type_id, BYTES=fmt.bytes,
+            PARTS=KQUANT_PARTS[fmt.type_id], BLOCK_N=block_n,
+        )  # fmt: skip
+    elif n and k:
         block_n, block_k = 16, 256
         grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
         _dequantize_kernel[grid](

@@ -32,8 +32,17 @@ from mmserve.kernels._common import (
     matmul_in_column_chunks,
     sum_splits,
 )
-from mmserve.kernels.gguf_blocks import check_blocks, dequant_tile, gguf_dequantize
+from mmserve.kernels.gguf_blocks import (
+    KQUANT_PARTS,
+    BlockFormat,
+    check_blocks,
+    dequant_tile,
+    gguf_dequantize,
+    kquant_part,
+    q45k_chunk,
+)
 
+FACTORED = True  # Q4_K / Q5_K products scale sums of q x by sub-block (_gguf_kquant_rows_kernel)
 MAX_ROWS = 32  # the rows of one tile of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # the many-rows path dequantises at most this many weights at a time (64 MiB of bf16), so a
@@ -77,6 +86,57 @@ def _gguf_gemm_rows_kernel(
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _gguf_kquant_rows_kernel(
+    out_ptr, x_ptr, w_ptr, rows, n, blocks_per_split, num_blocks, row_bytes, stride_x, stride_out,
+    QTYPE: tl.constexpr, BYTES: tl.constexpr, PARTS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FACTORED: tl.constexpr,
+):  # fmt: skip
+    """_gguf_gemm_rows_kernel for the K-quants: K walked a super-block at a time, each read
+    part by part (gguf_blocks.kquant_part) and multiplied with the activations of its
+    columns. FACTORED (Q4_K / Q5_K): the quants themselves multiply the activations, a
+    sub-block at a time, and its factors scale the sums: sum (d1 q - m1) x = d1 sum q x -
+    m1 sum x (gguf_blocks.q45k_chunk)."""
+    pid_s = tl.program_id(1)  # this program's super-blocks: [sb_lo, sb_hi)
+    sb_lo = pid_s * blocks_per_split
+    sb_hi = tl.minimum(num_blocks, sb_lo + blocks_per_split)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < rows
+    mask_n = offs_n < n
+    row = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_bytes  # past n: row 0's bytes
+    x_rows = x_ptr + offs_m[:, None] * stride_x
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    j = tl.arange(0, 32)
+    for sb in range(sb_lo, sb_hi):
+        if FACTORED:
+            for c in tl.static_range(4):
+                q_lo, q_hi, d1_lo, m1_lo, d1_hi, m1_hi = q45k_chunk(row + sb * BYTES, c, QTYPE)
+                x_lo = tl.load(x_rows + sb * 256 + 64 * c + j[None, :], mask=mask_m[:, None], other=0.0)
+                x_hi = tl.load(x_rows + sb * 256 + 64 * c + 32 + j[None, :], mask=mask_m[:, None], other=0.0)
+                if IEEE:  # float32 activations: no TF32 rounding of either operand
+                    s_lo = tl.dot(x_lo, tl.trans(q_lo.to(x_lo.dtype)), input_precision="ieee")
+                    s_hi = tl.dot(x_hi, tl.trans(q_hi.to(x_hi.dtype)), input_precision="ieee")
+                else:
+                    s_lo = tl.dot(x_lo, tl.trans(q_lo.to(x_lo.dtype)))
+                    s_hi = tl.dot(x_hi, tl.trans(q_hi.to(x_hi.dtype)))
+                acc += d1_lo[None, :] * s_lo + d1_hi[None, :] * s_hi
+                acc -= m1_lo[None, :] * tl.sum(x_lo.to(tl.float32), axis=1)[:, None]
+                acc -= m1_hi[None, :] * tl.sum(x_hi.to(tl.float32), axis=1)[:, None]
+        else:
+            for part in tl.static_range(PARTS):
+                w, cols = kquant_part(row + sb * BYTES, part, QTYPE, BLOCK_N)
+                a = tl.load(x_rows + sb * 256 + cols[None, :], mask=mask_m[:, None], other=0.0)
+                if IEEE:  # float32 activations: no TF32 rounding of either operand
+                    acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+    out_offs = offs_m[:, None] * stride_out + offs_n[None, :]
+    if SPLIT:  # float32 partials [splits, rows, n], summed in order by _common.sum_splits
+        out_offs += pid_s.to(tl.int64) * rows * n
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
 def gguf_gemm_rows(
     x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = 32, block_k: int = 128,
     programs_per_sm: int | None = None,
@@ -104,7 +164,9 @@ def gguf_gemm_rows(
     check_same_device(x=x, blocks=blocks)
     n = blocks.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    if rows and n:
+    if rows and n and fmt.type_id in KQUANT_PARTS:
+        _kquant_rows(out, x, blocks, fmt, block_n, programs_per_sm)
+    elif rows and n:
         tiles = triton.cdiv(n, block_n)
         programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
         splits, per_split = k_splits(tiles, triton.cdiv(k, block_k), grid_sms(x.device), programs)
@@ -118,6 +180,27 @@ def gguf_gemm_rows(
         if splits > 1:
             sum_splits(out, target)
     return out
+
+
+def _kquant_rows(
+    out: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat, block_n: int,
+    programs_per_sm: int | None, factored: bool | None = None,
+) -> None:  # fmt: skip
+    """gguf_gemm_rows' launch for the K-quants: K split in whole super-blocks."""
+    rows, n, num_blocks = x.shape[0], blocks.shape[0], blocks.shape[1]
+    tiles = triton.cdiv(n, block_n)
+    programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    splits, per_split = k_splits(tiles, num_blocks, grid_sms(x.device), programs)
+    target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    _gguf_kquant_rows_kernel[(tiles, splits)](
+        target, x, blocks, rows, n, per_split, num_blocks, num_blocks * fmt.bytes, x.stride(0),
+        n if splits > 1 else out.stride(0), QTYPE=fmt.type_id, BYTES=fmt.bytes,
+        PARTS=KQUANT_PARTS[fmt.type_id], IEEE=x.dtype == torch.float32,
+        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, SPLIT=splits > 1,
+        FACTORED=(FACTORED if factored is None else factored) and fmt.type_id != 14, num_warps=4,
+    )  # fmt: skip
+    if splits > 1:
+        sum_splits(out, target)
 
 
 def gguf_matmul(

@@ -96,6 +96,23 @@ def test_split_k_does_not_change_the_product(qtype: str, programs_per_sm: int) -
     _assert_close(out, gguf_matmul_ref(x, blocks, qtype), torch.float32)
 
 
+@pytest.mark.parametrize("factored", [True, False])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_kquant_products_by_weight_and_by_sub_block_sum(
+    qtype: str, rows: int, factored: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q4_K / Q5_K's two forms of the product: every weight dequantised, then multiplied
+    (kquant_part), and the quants multiplied, then scaled a sub-block at a time (q45k_chunk).
+    Both are x times gguf's weights; 3 super-blocks, 45 channels (a partial tile)."""
+    from mmserve.kernels import gguf_gemm
+
+    monkeypatch.setattr(gguf_gemm, "FACTORED", factored)
+    blocks = random_blocks(qtype, 45, 768, seed=rows)
+    x = torch.randn(rows, 768, device=DEVICE).to(dtype)
+    _assert_close(gguf_gemm_rows(x, blocks, qtype), gguf_matmul_ref(x, blocks, qtype), dtype)
+
+
 def test_many_rows_in_chunks_of_the_weight() -> None:
     blocks = random_blocks("Q8_0", 70, 64)
     x = torch.randn(40, 64, device=DEVICE)

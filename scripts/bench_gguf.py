@@ -1,0 +1,116 @@
+"""GGUF K-quant products on CUDA (issue 19) against a bf16 torch matmul, at Llama-3-8B's
+projection shapes and the LM head, 1-64 rows: one JSON line per case, times in CUDA graphs
+(do_bench_cudagraph), each product cycling through enough copies of its blocks to overflow the
+L2 cache, and the bytes read per microsecond. Q4_K in both forms of the product (FACTORED: the
+quants multiplied, then scaled per sub-block; or every weight dequantised first), the
+dequantise-then-matmul path at 32 and 64 rows (where the cut between the paths lies), then a
+sweep of output channels per program and programs per SM at one row.
+
+    python scripts/bench_gguf.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable
+
+import torch
+import triton
+
+from mmserve.kernels import gguf_gemm
+from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize
+from mmserve.kernels.gguf_gemm import _kquant_rows
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+L2_OVERFLOW = 160e6  # bytes cycled through per timed call (the H200's L2: 50 MB)
+
+
+def _time(product: Callable[[int], object], copies: int) -> float:
+    def run() -> None:
+        for i in range(copies):
+            product(i)
+
+    return 1e3 * triton.testing.do_bench_cudagraph(run, rep=100) / copies
+
+
+def _blocks(qtype: str, n: int, k: int, copies: int) -> list[torch.Tensor]:
+    """Random blocks with small finite float16 scales (d, dmin; Q6_K's d is last)."""
+    fmt = FORMATS[qtype]
+    out = []
+    for _ in range(copies):
+        raw = torch.randint(0, 256, (n, k // 256, fmt.bytes), dtype=torch.uint8, device="cuda")
+        scales = (torch.randn(n, k // 256, 2, device="cuda") * 5e-3).half().view(torch.uint8)
+        if qtype == "Q6_K":
+            raw[:, :, 208:210] = scales[:, :, :2]
+        else:
+            raw[:, :, 0:4] = scales
+        out.append(raw)
+    return out
+
+
+def _rows_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = 32,
+                 programs: int | None = None, factored: bool | None = None) -> torch.Tensor:  # fmt: skip
+    out = torch.empty(x.shape[0], blocks.shape[0], dtype=x.dtype, device=x.device)
+    _kquant_rows(out, x, blocks, FORMATS[qtype], block_n, programs, factored)
+    return out
+
+
+def _check(qtype: str) -> None:
+    """The kernel against the dequantised weight's product, bf16, one shape."""
+    blocks = _blocks(qtype, 4096, 4096, 1)[0]
+    weight = gguf_dequantize(blocks, qtype, torch.float32)
+    for rows, factored in itertools.product((1, 16, 64), (True, False)):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ weight.t()
+        out = _rows_kernel(x, blocks, qtype, factored=factored).float()
+        rel = ((out - ref).norm() / ref.norm()).item()
+        print(json.dumps({"check": qtype, "rows": rows, "factored": factored, "rel_err": rel}), flush=True)
+        assert rel < 1e-2, rel
+
+
+def _shape(n: int, k: int, qtype: str) -> None:
+    fmt = FORMATS[qtype]
+    nbytes = n * (k // 256) * fmt.bytes
+    copies = max(2, int(L2_OVERFLOW // nbytes) + 1)
+    dense_copies = max(2, int(L2_OVERFLOW // (n * k * 2)) + 1)
+    blocks = _blocks(qtype, n, k, copies)
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(dense_copies)]
+    for rows in (1, 4, 16, 32, 64):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        line: dict[str, object] = {"qtype": qtype, "n": n, "k": k, "rows": rows}
+        forms = (True, False) if qtype != "Q6_K" else (False,)
+        for factored in forms:
+            us = _time(lambda i, x=x, f=factored: _rows_kernel(x, blocks[i], qtype, factored=f), copies)
+            key = "factored" if factored else "dequant_tiles"
+            line[f"{key}_us"], line[f"{key}_gbs"] = round(us, 1), round(nbytes / us / 1e3)
+        if rows >= 32:  # the many-rows path: the weight dequantised in chunks, then cuBLAS
+            us = _time(lambda i, x=x: torch.matmul(x, gguf_dequantize(blocks[i], qtype, x.dtype).t()), copies)
+            line["dequant_matmul_us"] = round(us, 1)
+        bf16 = _time(lambda i, x=x: torch.matmul(x, weights[i].t()), dense_copies)
+        line["bf16_us"], line["bf16_gbs"] = round(bf16, 1), round(n * k * 2 / bf16 / 1e3)
+        print(json.dumps(line), flush=True)
+    if (n, k) in ((28672, 4096), (4096, 14336), (4096, 4096)):
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        forms = (True, False) if qtype != "Q6_K" else (False,)
+        for factored, block_n, programs in itertools.product(forms, (16, 32, 64), (4, 8, 16)):
+            us = _time(lambda i, b=block_n, p=programs, f=factored: _rows_kernel(x, blocks[i], qtype, b, p, f), copies)
+            print(json.dumps({"sweep": [qtype, n, k, 1], "factored": factored, "block_n": block_n,
+                              "programs_per_sm": programs, "us": round(us, 1),
+                              "gbs": round(nbytes / us / 1e3)}), flush=True)  # fmt: skip
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    for qtype in ("Q4_K", "Q6_K"):
+        _check(qtype)
+    for qtype in ("Q4_K", "Q6_K"):
+        for n, k in SHAPES:
+            if qtype == "Q4_K" and n == 128256:
+                continue  # Q4_K_M's LM head is Q6_K
+            _shape(n, k, qtype)
+    print(json.dumps({"defaults": {"FACTORED": gguf_gemm.FACTORED, "MAX_ROWS": gguf_gemm.MAX_ROWS}}))
+
+
+if __name__ == "__main__":
+    main()
