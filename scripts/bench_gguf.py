@@ -1,4 +1,4 @@
-"""GGUF K-quant products on CUDA (issue 19) against a bf16 torch matmul, at Llama-3-8B's
+"""GGUF products on CUDA (issue 19) against a bf16 torch matmul, at Llama-3-8B's
 projection shapes and the LM head, 1-64 rows: one JSON line per case, times in CUDA graphs
 (do_bench_cudagraph), each product cycling through enough copies of its blocks to overflow the
 L2 cache, and the bytes read per microsecond. Q4_K in both forms of the product (FACTORED: the
@@ -20,7 +20,7 @@ import triton
 
 from mmserve.kernels import gguf_gemm
 from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize
-from mmserve.kernels.gguf_gemm import _kquant_rows
+from mmserve.kernels.gguf_gemm import gguf_gemm_rows
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 L2_OVERFLOW = 160e6  # bytes cycled through per timed call (the H200's L2: 50 MB)
@@ -35,32 +35,33 @@ def _time(product: Callable[[int], object], copies: int) -> float:
 
 
 def _blocks(qtype: str, n: int, k: int, copies: int) -> list[torch.Tensor]:
-    """Random blocks with small finite float16 scales (d, dmin; Q6_K's d is last)."""
+    """Random blocks with small finite float16 scales (d and the K-quants' dmin; Q6_K's d is
+    last; Q4_1's min)."""
     fmt = FORMATS[qtype]
     out = []
     for _ in range(copies):
-        raw = torch.randint(0, 256, (n, k // 256, fmt.bytes), dtype=torch.uint8, device="cuda")
-        scales = (torch.randn(n, k // 256, 2, device="cuda") * 5e-3).half().view(torch.uint8)
+        raw = torch.randint(0, 256, (n, k // fmt.elements, fmt.bytes), dtype=torch.uint8, device="cuda")
+        scales = (torch.randn(n, k // fmt.elements, 2, device="cuda") * 5e-3).half().view(torch.uint8)
         if qtype == "Q6_K":
             raw[:, :, 208:210] = scales[:, :, :2]
-        else:
+        elif fmt.elements == 256 or fmt.has_min:
             raw[:, :, 0:4] = scales
+        else:
+            raw[:, :, 0:2] = scales[:, :, :2]
         out.append(raw)
     return out
 
 
 def _rows_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = 32,
                  programs: int | None = None, factored: bool | None = None) -> torch.Tensor:  # fmt: skip
-    out = torch.empty(x.shape[0], blocks.shape[0], dtype=x.dtype, device=x.device)
-    _kquant_rows(out, x, blocks, FORMATS[qtype], block_n, programs, factored)
-    return out
+    return gguf_gemm_rows(x, blocks, qtype, block_n, programs, factored)
 
 
 def _check(qtype: str) -> None:
     """The kernel against the dequantised weight's product, bf16, one shape."""
     blocks = _blocks(qtype, 4096, 4096, 1)[0]
     weight = gguf_dequantize(blocks, qtype, torch.float32)
-    for rows, factored in itertools.product((1, 16, 64), (True, False)):
+    for rows, factored in itertools.product((1, 16, 64), (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)):
         x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
         ref = x.float() @ weight.t()
         out = _rows_kernel(x, blocks, qtype, factored=factored).float()
@@ -71,7 +72,7 @@ def _check(qtype: str) -> None:
 
 def _shape(n: int, k: int, qtype: str) -> None:
     fmt = FORMATS[qtype]
-    nbytes = n * (k // 256) * fmt.bytes
+    nbytes = n * (k // fmt.elements) * fmt.bytes
     copies = max(2, int(L2_OVERFLOW // nbytes) + 1)
     dense_copies = max(2, int(L2_OVERFLOW // (n * k * 2)) + 1)
     blocks = _blocks(qtype, n, k, copies)
@@ -79,7 +80,7 @@ def _shape(n: int, k: int, qtype: str) -> None:
     for rows in (1, 4, 16, 32, 64):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         line: dict[str, object] = {"qtype": qtype, "n": n, "k": k, "rows": rows}
-        forms = (True, False) if qtype != "Q6_K" else (False,)
+        forms = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
         for factored in forms:
             us = _time(lambda i, x=x, f=factored: _rows_kernel(x, blocks[i], qtype, factored=f), copies)
             key = "factored" if factored else "dequant_tiles"
@@ -90,9 +91,9 @@ def _shape(n: int, k: int, qtype: str) -> None:
         bf16 = _time(lambda i, x=x: torch.matmul(x, weights[i].t()), dense_copies)
         line["bf16_us"], line["bf16_gbs"] = round(bf16, 1), round(n * k * 2 / bf16 / 1e3)
         print(json.dumps(line), flush=True)
-    if (n, k) in ((28672, 4096), (4096, 14336), (4096, 4096)):
+    if (n, k) in ((28672, 4096), (4096, 14336), (4096, 4096)) and qtype in ("Q4_K", "Q6_K"):
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        forms = (True, False) if qtype != "Q6_K" else (False,)
+        forms = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
         for factored, block_n, programs in itertools.product(forms, (16, 32, 64), (4, 8, 16)):
             us = _time(lambda i, b=block_n, p=programs, f=factored: _rows_kernel(x, blocks[i], qtype, b, p, f), copies)
             print(json.dumps({"sweep": [qtype, n, k, 1], "factored": factored, "block_n": block_n,
@@ -102,14 +103,17 @@ def _shape(n: int, k: int, qtype: str) -> None:
 
 def main() -> None:
     torch.manual_seed(0)
-    for qtype in ("Q4_K", "Q6_K"):
+    cut, gguf_gemm.MAX_ROWS = gguf_gemm.MAX_ROWS, 64  # the few-rows kernel timed past its cut too
+    for qtype in ("Q4_K", "Q6_K", "Q8_0", "Q4_1"):
         _check(qtype)
     for qtype in ("Q4_K", "Q6_K"):
         for n, k in SHAPES:
             if qtype == "Q4_K" and n == 128256:
                 continue  # Q4_K_M's LM head is Q6_K
             _shape(n, k, qtype)
-    print(json.dumps({"defaults": {"FACTORED": gguf_gemm.FACTORED, "MAX_ROWS": gguf_gemm.MAX_ROWS}}))
+    for qtype in ("Q8_0", "Q4_1"):  # SmolLM2's GGUF types
+        _shape(4096, 4096, qtype)
+    print(json.dumps({"defaults": {"FACTORED": gguf_gemm.FACTORED, "MAX_ROWS": cut}}))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from mmserve.models.gguf_linear import GgufLinear
 from tests.kernels.conftest import DEVICE
 
 TYPES = list(FORMATS)
-# K per type family: 7 blocks of 32 (the 128-wide K tiles end in a partial one), and 2
-# super-blocks of 256 (tiles of 128 hold half a super-block each)
+# K per type family: 7 blocks of 32 (a partial step: the kernels read 8 at a time), and 2
+# super-blocks of 256
 K = {"legacy": 224, "k_quant": 512}
 
 
@@ -75,24 +75,24 @@ def test_matmul_is_x_times_ggufs_weight(qtype: str, rows: int, dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize(("block_n", "block_k"), [(16, 32), (64, 64), (32, 512)])
-def test_tile_sizes_do_not_change_the_product(qtype: str, block_n: int, block_k: int) -> None:
-    """Tiles smaller than a super-block, and a K tile longer than K (masked)."""
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_tile_sizes_do_not_change_the_product(qtype: str, block_n: int) -> None:
     blocks = random_blocks(qtype, 50, _k(qtype))
     x = torch.randn(3, _k(qtype), device=DEVICE)
-    out = gguf_gemm_rows(x, blocks, qtype, block_n=block_n, block_k=block_k)
+    out = gguf_gemm_rows(x, blocks, qtype, block_n=block_n)
     _assert_close(out, gguf_matmul_ref(x, blocks, qtype), torch.float32)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("programs_per_sm", [0, 1, 4])
 def test_split_k_does_not_change_the_product(qtype: str, programs_per_sm: int) -> None:
-    """K split into slices of whole 32-wide tiles (0: none; 4: a slice a tile here), partial
-    sums added in order: the unsplit product within float rounding."""
-    k = 4 * _k(qtype)
+    """K split into slices of whole 256-element steps (0: none; 4: a slice a step here; the
+    32-element types end in a partial step), partial sums added in order: the unsplit product
+    within float rounding."""
+    k = 4 * _k(qtype) + (96 if qtype in ("Q4_0", "Q8_0") else 0)
     blocks = random_blocks(qtype, 40, k, seed=programs_per_sm)
     x = torch.randn(2, k, device=DEVICE)
-    out = gguf_gemm_rows(x, blocks, qtype, block_k=32, programs_per_sm=programs_per_sm)
+    out = gguf_gemm_rows(x, blocks, qtype, programs_per_sm=programs_per_sm)
     _assert_close(out, gguf_matmul_ref(x, blocks, qtype), torch.float32)
 
 
@@ -100,17 +100,15 @@ def test_split_k_does_not_change_the_product(qtype: str, programs_per_sm: int) -
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_kquant_products_by_weight_and_by_sub_block_sum(
-    qtype: str, rows: int, factored: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    qtype: str, rows: int, factored: bool, dtype: torch.dtype
 ) -> None:
     """Q4_K / Q5_K's two forms of the product: every weight dequantised, then multiplied
-    (kquant_part), and the quants multiplied, then scaled a sub-block at a time (q45k_chunk).
+    (step_part), and the quants multiplied, then scaled a sub-block at a time (q45k_chunk).
     Both are x times gguf's weights; 3 super-blocks, 45 channels (a partial tile)."""
-    from mmserve.kernels import gguf_gemm
-
-    monkeypatch.setattr(gguf_gemm, "FACTORED", factored)
     blocks = random_blocks(qtype, 45, 768, seed=rows)
     x = torch.randn(rows, 768, device=DEVICE).to(dtype)
-    _assert_close(gguf_gemm_rows(x, blocks, qtype), gguf_matmul_ref(x, blocks, qtype), dtype)
+    out = gguf_gemm_rows(x, blocks, qtype, factored=factored)
+    _assert_close(out, gguf_matmul_ref(x, blocks, qtype), dtype)
 
 
 def test_many_rows_in_chunks_of_the_weight() -> None:
@@ -147,8 +145,8 @@ def test_rejects_bad_operands() -> None:
         gguf_matmul(x[:, :32], blocks, "Q4_0")
     with pytest.raises(ValueError, match="at most 32"):
         gguf_gemm_rows(torch.randn(33, 64, device=DEVICE), blocks, "Q4_0")
-    with pytest.raises(ValueError, match="powers of two"):
-        gguf_gemm_rows(x, blocks, "Q4_0", block_k=48)
+    with pytest.raises(ValueError, match="power of two"):
+        gguf_gemm_rows(x, blocks, "Q4_0", block_n=48)
     with pytest.raises(ValueError, match="x must be float32"):
         gguf_matmul(x.long(), blocks, "Q4_0")
     with pytest.raises(ValueError, match="contiguous"):
