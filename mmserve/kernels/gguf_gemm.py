@@ -5,7 +5,7 @@ Up to MAX_ROWS rows (decode steps): each program owns BLOCK_N output channels an
 blocks once over K, a step of 256 elements at a time (gguf_blocks.step_part: each byte loaded
 once, in runs along the blocks). Each part of a step is dequantised in registers (float32, then
 x's dtype, as a weight dequantised at load and cast to the model dtype would be) and multiplied
-on the tensor cores with the rows padded to 16 or more, accumulating in float32. Q4_K and Q5_K
+on the tensor cores with the rows padded to 16, accumulating in float32. Q4_K and Q5_K
 (FACTORED) multiply the quants themselves, a 32-element sub-block at a time, and scale the
 sums: sum (d1 q - m1) x = d1 sum q x - m1 sum x, fewer operations per weight. The bytes a step
 reads are the file's: for Q4_K about 0.28 of bf16's. K is split for grids too small for the
@@ -41,8 +41,13 @@ from mmserve.kernels.gguf_blocks import (
     step_part,
 )
 
+# Measured on an H100 (session 20, scripts/bench_gguf.py; BENCHMARKS.md): at one row of the
+# 4096 x 14336 Q4_K down projection, 64 channels a program and the factored form took 53 us,
+# the dequantised form 56-58 (32 channels: 66-81). From 32 rows on, dequantise-then-cuBLAS beat
+# the few-rows kernel at every 8B shape (e.g. Q4_K 28672 x 4096: 207 against 254 us).
 FACTORED = True  # Q4_K / Q5_K products scale sums of q x by sub-block (q45k_chunk)
-MAX_ROWS = 32  # the rows of one tile of the few-rows kernel; more go to gguf_dequantize + matmul
+BLOCK_N = 64  # output channels per program of the few-rows kernel
+MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # the many-rows path dequantises at most this many weights at a time (64 MiB of bf16), so a
 # large LM head (128k x 4k) does not need a float copy of itself for one call
@@ -85,9 +90,9 @@ def _gguf_gemm_rows_kernel(
                 x_lo = tl.load(at, mask=mask_m[:, None], other=0.0)
                 x_hi = tl.load(at + 32, mask=mask_m[:, None], other=0.0)
                 zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                s_lo = _dot(x_lo, tl.trans(q_lo.to(x_lo.dtype)), zeros, IEEE)
-                s_hi = _dot(x_hi, tl.trans(q_hi.to(x_hi.dtype)), zeros, IEEE)
-                acc += d1_lo[None, :] * s_lo + d1_hi[None, :] * s_hi
+                sum_lo = _dot(x_lo, tl.trans(q_lo.to(x_lo.dtype)), zeros, IEEE)
+                sum_hi = _dot(x_hi, tl.trans(q_hi.to(x_hi.dtype)), zeros, IEEE)
+                acc += d1_lo[None, :] * sum_lo + d1_hi[None, :] * sum_hi
                 acc -= m1_lo[None, :] * tl.sum(x_lo.to(tl.float32), axis=1)[:, None]
                 acc -= m1_hi[None, :] * tl.sum(x_hi.to(tl.float32), axis=1)[:, None]
         else:
@@ -106,10 +111,10 @@ def _gguf_gemm_rows_kernel(
 
 
 def gguf_gemm_rows(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = 32,
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = BLOCK_N,
     programs_per_sm: int | None = None, factored: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """x [M <= 32, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
+    """x [M <= MAX_ROWS, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
     transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
     >= 16. A grid of too few output tiles for about programs_per_sm (default PROGRAMS_PER_SM)
     programs on every SM splits K in whole steps, as the w4a16 kernel does
