@@ -1,0 +1,102 @@
+"""The host's work per decode step, the model's compute stubbed out (CPU; issue 23). ROWS
+requests of 512 prompt tokens decode OUT tokens each in one in-process engine (the Llama-3
+tiny shape, its tokenizer), with the forward pass, the LM head and sampling replaced by
+constants and random tokens, so what is timed is the scheduler, the KV-cache manager, the batch
+building, the output handling and detokenising, and Python's garbage collector (its passes
+counted and timed by generation). Extra arguments go to the engine's bench flags (e.g.
+--no-enable-prefix-caching); MMSERVE_GC_FREEZE=0 keeps the start-up heap in the collector.
+
+    python scripts/host_step.py 256 128 [--profile] [bench flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import pstats
+import random
+import sys
+import time
+from typing import Any
+
+import torch
+
+from mmserve.bench import cli
+from mmserve.bench.checkpoints import model_path
+from mmserve.bench.engine_flags import engine_config
+from mmserve.frontend.frontend import FrontEnd
+from mmserve.params import SamplingParams
+from mmserve.runner import model_runner
+
+PROMPT_LEN = 512
+
+
+def main() -> None:
+    rows, out_len, flags = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    profile = "--profile" in flags
+    flags = [f for f in flags if f != "--profile"]
+    parser = argparse.ArgumentParser(prog="mmserve")
+    cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(
+        ["bench", "throughput", "--model", "shape:llama3-tiny", "--device", "cpu",
+         "--dtype", "float32", "--max-num-seqs", str(rows), "--max-num-batched-tokens", "16384",
+         "--max-model-len", "1024", *flags]
+    )  # fmt: skip
+    path, dummy = model_path(args.model, args.load_format, args.checkpoint_format)
+    engine = FrontEnd.start(engine_config(args, str(path), dummy))
+    runner = engine.core.runner
+    hidden = torch.zeros(16384, 256)
+    runner._forward = lambda batch: hidden[: batch.input_ids.shape[0]]  # type: ignore[method-assign]
+    runner.model.compute_logits = lambda h: torch.zeros(h.shape[0], 8)  # type: ignore[method-assign]
+
+    def sample(logits: torch.Tensor, sampling: list[Any], generator: Any = None) -> Any:
+        return torch.randint(1000, 30000, (logits.shape[0],)), [None] * len(sampling)
+
+    model_runner.sample_on_device = sample  # type: ignore[assignment]
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=out_len, min_tokens=out_len, temperature=0.0, ignore_eos=True)
+    for i in range(rows):
+        engine.add_request(f"r{i}", [rng.randrange(1000, 30000) for _ in range(PROMPT_LEN)], params)
+    scheduler = engine.core.scheduler
+    while len(scheduler.running) < rows or any(
+        r.num_computed_tokens < PROMPT_LEN for r in scheduler.running
+    ):
+        engine.step()  # the prompts
+    for _ in range(3):
+        engine.step()
+    passes = {"n": [0, 0, 0], "s": [0.0, 0.0, 0.0]}
+    began = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            passes["n"][info["generation"]] += 1
+            passes["s"][info["generation"]] += time.perf_counter() - began[0]
+
+    gc.callbacks.append(on_gc)
+    profiler = cProfile.Profile() if profile else None
+    steps, start = 0, time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+    if profiler is not None:
+        profiler.disable()
+    seconds = time.perf_counter() - start
+    gc.callbacks.remove(on_gc)
+    print(json.dumps({
+        "rows": rows, "steps": steps, "flags": flags, "host_ms_per_step": round(1e3 * seconds / steps, 3),
+        "us_per_row": round(1e6 * seconds / steps / rows, 2), "gc_passes": passes["n"],
+        "gc_seconds": [round(v, 4) for v in passes["s"]], "frozen_objects": gc.get_freeze_count(),
+    }))  # fmt: skip
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
