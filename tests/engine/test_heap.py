@@ -105,3 +105,23 @@ def test_the_switch_off_leaves_the_heap_alone(
         assert gc.get_freeze_count() == 0
     finally:
         engine.shutdown()
+
+
+def test_the_server_freezes_what_its_start_made(
+    thawed: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The gRPC server's own objects (made after its engines froze theirs) are frozen once it
+    listens: a later full collection no longer walks them."""
+    from mmserve.server.config import ModelSpec
+    from tests.server.conftest import ServerThread, load_registry
+
+    monkeypatch.setenv("MMSERVE_GC_FREEZE", "1")
+    registry = load_registry([ModelSpec("tiny", str(make_tiny_model(tmp_path)))])
+    thread = ServerThread(registry)
+    assert any(o is thread.server for o in gc.get_objects())  # made after the engine froze
+    thread.start()
+    try:
+        assert not any(o is thread.server for o in gc.get_objects())
+    finally:
+        thread.stop()
+        registry.shutdown()
