@@ -4,7 +4,8 @@ projection shapes and the LM head, 1-64 rows: one JSON line per case, times in C
 L2 cache, and the bytes read per microsecond. Q4_K in both forms of the product (FACTORED: the
 quants multiplied, then scaled per sub-block; or every weight dequantised first), the
 dequantise-then-matmul path at 32 and 64 rows (where the cut between the paths lies), then a
-sweep of output channels per program and programs per SM at one row.
+sweep at one row of output channels per program, programs per SM, steps per loop iteration
+(unroll) and warps per program.
 
     python scripts/bench_gguf.py
 """
@@ -52,9 +53,10 @@ def _blocks(qtype: str, n: int, k: int, copies: int) -> list[torch.Tensor]:
     return out
 
 
-def _rows_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = 32,
-                 programs: int | None = None, factored: bool | None = None) -> torch.Tensor:  # fmt: skip
-    return gguf_gemm_rows(x, blocks, qtype, block_n, programs, factored)
+def _rows_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int | None = None,
+                 programs: int | None = None, factored: bool | None = None, unroll: int = 1,
+                 warps: int = 4) -> torch.Tensor:  # fmt: skip
+    return gguf_gemm_rows(x, blocks, qtype, block_n or gguf_gemm.BLOCK_N, programs, factored, unroll, warps)
 
 
 def _check(qtype: str) -> None:
@@ -85,7 +87,7 @@ def _shape(n: int, k: int, qtype: str) -> None:
             us = _time(lambda i, x=x, f=factored: _rows_kernel(x, blocks[i], qtype, factored=f), copies)
             key = "factored" if factored else "dequant_tiles"
             line[f"{key}_us"], line[f"{key}_gbs"] = round(us, 1), round(nbytes / us / 1e3)
-        if rows >= 32:  # the many-rows path: the weight dequantised in chunks, then cuBLAS
+        if rows >= 16:  # the many-rows path: the weight dequantised in chunks, then cuBLAS
             us = _time(lambda i, x=x: torch.matmul(x, gguf_dequantize(blocks[i], qtype, x.dtype).t()), copies)
             line["dequant_matmul_us"] = round(us, 1)
         bf16 = _time(lambda i, x=x: torch.matmul(x, weights[i].t()), dense_copies)
@@ -94,11 +96,13 @@ def _shape(n: int, k: int, qtype: str) -> None:
     if (n, k) == (4096, 14336) and qtype in ("Q4_K", "Q6_K"):
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         forms = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
-        for factored, block_n, programs in itertools.product(forms, (32, 64), (4, 8, 16)):
-            us = _time(lambda i, b=block_n, p=programs, f=factored: _rows_kernel(x, blocks[i], qtype, b, p, f), copies)
+        grid = itertools.product(forms, (64, 128), (4, 8), (1, 2), (4, 8))
+        for factored, block_n, programs, unroll, warps in grid:
+            us = _time(lambda i, b=block_n, p=programs, f=factored, u=unroll, w=warps:
+                       _rows_kernel(x, blocks[i], qtype, b, p, f, u, w), copies)  # fmt: skip
             print(json.dumps({"sweep": [qtype, n, k, 1], "factored": factored, "block_n": block_n,
-                              "programs_per_sm": programs, "us": round(us, 1),
-                              "gbs": round(nbytes / us / 1e3)}), flush=True)  # fmt: skip
+                              "programs_per_sm": programs, "unroll": unroll, "num_warps": warps,
+                              "us": round(us, 1), "gbs": round(nbytes / us / 1e3)}), flush=True)  # fmt: skip
 
 
 def main() -> None:

@@ -64,12 +64,41 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _step_product(
+    acc, x_rows, mask_m, row, step, num_blocks, j,
+    QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
+    MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FACTORED: tl.constexpr,
+):  # fmt: skip
+    """acc plus the product of the activations with one step (256 elements of K) of the rows."""
+    if FACTORED:  # Q4_K / Q5_K: chunk c's two sub-blocks of 32
+        for c in tl.static_range(4):
+            q_lo, q_hi, d1_lo, m1_lo, d1_hi, m1_hi = q45k_chunk(row + step * BYTES, c, QTYPE)
+            at = x_rows + step * 256 + 64 * c + j[None, :]
+            x_lo = tl.load(at, mask=mask_m[:, None], other=0.0)
+            x_hi = tl.load(at + 32, mask=mask_m[:, None], other=0.0)
+            zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            sum_lo = _dot(x_lo, tl.trans(q_lo.to(x_lo.dtype)), zeros, IEEE)
+            sum_hi = _dot(x_hi, tl.trans(q_hi.to(x_hi.dtype)), zeros, IEEE)
+            acc += d1_lo[None, :] * sum_lo + d1_hi[None, :] * sum_hi
+            acc -= m1_lo[None, :] * tl.sum(x_lo.to(tl.float32), axis=1)[:, None]
+            acc -= m1_hi[None, :] * tl.sum(x_hi.to(tl.float32), axis=1)[:, None]
+    else:
+        for part in tl.static_range(PARTS):
+            w, cols, exists = step_part(row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N)
+            a = tl.load(x_rows + step * 256 + cols[None, :], mask=mask_m[:, None] & exists[None, :], other=0.0)
+            acc = _dot(a, tl.trans(w.to(a.dtype)), acc, IEEE)
+    return acc
+
+
+@triton.jit
 def _gguf_gemm_rows_kernel(
     out_ptr, x_ptr, w_ptr, rows, n, k, num_blocks, steps_per_split, num_steps, row_bytes,
     stride_x, stride_out,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FACTORED: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     pid_s = tl.program_id(1)  # this program's steps of K: [s_lo, s_hi)
     s_lo = pid_s * steps_per_split
@@ -82,28 +111,21 @@ def _gguf_gemm_rows_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_x
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     j = tl.arange(0, 32)
-    for step in range(s_lo, s_hi):
-        if FACTORED:  # Q4_K / Q5_K: chunk c's two sub-blocks of 32
-            for c in tl.static_range(4):
-                q_lo, q_hi, d1_lo, m1_lo, d1_hi, m1_hi = q45k_chunk(row + step * BYTES, c, QTYPE)
-                at = x_rows + step * 256 + 64 * c + j[None, :]
-                x_lo = tl.load(at, mask=mask_m[:, None], other=0.0)
-                x_hi = tl.load(at + 32, mask=mask_m[:, None], other=0.0)
-                zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                sum_lo = _dot(x_lo, tl.trans(q_lo.to(x_lo.dtype)), zeros, IEEE)
-                sum_hi = _dot(x_hi, tl.trans(q_hi.to(x_hi.dtype)), zeros, IEEE)
-                acc += d1_lo[None, :] * sum_lo + d1_hi[None, :] * sum_hi
-                acc -= m1_lo[None, :] * tl.sum(x_lo.to(tl.float32), axis=1)[:, None]
-                acc -= m1_hi[None, :] * tl.sum(x_hi.to(tl.float32), axis=1)[:, None]
-        else:
-            for part in tl.static_range(PARTS):
-                w, cols, exists = step_part(
-                    row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N
-                )
-                a = tl.load(
-                    x_rows + step * 256 + cols[None, :], mask=mask_m[:, None] & exists[None, :], other=0.0
+    if UNROLL == 1:
+        for step in range(s_lo, s_hi):
+            acc = _step_product(
+                acc, x_rows, mask_m, row, step, num_blocks, j, QTYPE, BYTES, QS, QH, MIN, ZERO,
+                PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED,
+            )  # fmt: skip
+    else:  # UNROLL steps an iteration, none behind a branch (a step past s_hi repeats the last, unused)
+        for first in range(s_lo, s_hi, UNROLL):
+            for u in tl.static_range(UNROLL):
+                part = _step_product(
+                    tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_rows, mask_m, row,
+                    tl.minimum(first + u, s_hi - 1), num_blocks, j, QTYPE, BYTES, QS, QH, MIN,
+                    ZERO, PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED,
                 )  # fmt: skip
-                acc = _dot(a, tl.trans(w.to(a.dtype)), acc, IEEE)
+                acc += tl.where(first + u < s_hi, part, 0.0)
     out_offs = offs_m[:, None] * stride_out + offs_n[None, :]
     if SPLIT:  # float32 partials [splits, rows, n], summed in order by _common.sum_splits
         out_offs += pid_s.to(tl.int64) * rows * n
@@ -112,14 +134,16 @@ def _gguf_gemm_rows_kernel(
 
 def gguf_gemm_rows(
     x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = BLOCK_N,
-    programs_per_sm: int | None = None, factored: bool | None = None,
+    programs_per_sm: int | None = None, factored: bool | None = None, unroll: int = 1,
+    num_warps: int = 4,
 ) -> torch.Tensor:  # fmt: skip
     """x [M <= MAX_ROWS, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
     transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
     >= 16. A grid of too few output tiles for about programs_per_sm (default PROGRAMS_PER_SM)
     programs on every SM splits K in whole steps, as the w4a16 kernel does
     (mmserve/kernels/_common.k_splits); 0 never splits. factored: Q4_K / Q5_K's form of the
-    product (default FACTORED)."""
+    product (default FACTORED). unroll (steps a loop iteration reads) and num_warps: for
+    scripts/bench_gguf.py's sweep, untimed in the engine."""
     fmt = check_blocks("blocks", blocks, qtype)
     check_float("x", x)
     if x.dim() != 2 or x.shape[1] != blocks.shape[1] * fmt.elements:
@@ -147,7 +171,7 @@ def gguf_gemm_rows(
             x.stride(0), n if splits > 1 else out.stride(0), **fmt.kernel_args(),
             PARTS=STEP_PARTS[fmt.type_id], IEEE=x.dtype == torch.float32,
             BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, SPLIT=splits > 1,
-            FACTORED=factor, num_warps=4,
+            FACTORED=factor, UNROLL=unroll, num_warps=num_warps,
         )  # fmt: skip
         if splits > 1:
             sum_splits(out, target)

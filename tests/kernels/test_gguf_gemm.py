@@ -111,6 +111,19 @@ def test_kquant_products_by_weight_and_by_sub_block_sum(
     _assert_close(out, gguf_matmul_ref(x, blocks, qtype), dtype)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("unroll", [2, 3])
+def test_unrolled_steps_do_not_change_the_product(qtype: str, unroll: int) -> None:
+    """Several steps an iteration (the bench's sweep): 5 steps, so the last iteration runs
+    past the program's slice, and a split of K (programs_per_sm 4), whose slices end early."""
+    k = 5 * 256
+    blocks = random_blocks(qtype, 40, k, seed=unroll)
+    x = torch.randn(3, k, device=DEVICE)
+    for programs in (0, 4):
+        out = gguf_gemm_rows(x, blocks, qtype, programs_per_sm=programs, unroll=unroll)
+        _assert_close(out, gguf_matmul_ref(x, blocks, qtype), torch.float32)
+
+
 def test_many_rows_in_chunks_of_the_weight() -> None:
     blocks = random_blocks("Q8_0", 70, 64)
     x = torch.randn(40, 64, device=DEVICE)
