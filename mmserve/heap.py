@@ -6,8 +6,9 @@ took 0.2 s on the CPU of the development machine. The collector runs such a pass
 objects that survived recent collections grow by a quarter, so during serving it struck
 every few hundred engine steps, stalling each for that long. freeze_heap() moves everything
 alive at the end of start-up into the collector's permanent generation: later passes walk
-only the objects made since. Those objects are never freed, which costs nothing, since they
-live as long as the process anyway. MMSERVE_GC_FREEZE=0 turns it off (to measure it).
+only the objects made since. A frozen object still dies when its last reference goes; only
+cycles among frozen objects wait, until an engine's shutdown thaws the heap (thaw_heap).
+MMSERVE_GC_FREEZE=0 turns it off (to measure it).
 """
 
 from __future__ import annotations
