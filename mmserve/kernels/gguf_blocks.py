@@ -214,7 +214,8 @@ def q45k_chunk(block, c: tl.constexpr, QTYPE: tl.constexpr):
         mn_hi = tl.load(scales + 2 * c + 5).to(tl.int32) & 63
     else:
         s = 2 * c
-        a_lo = tl.load(scales + s).to(tl.int32)  # the low pair's s - 4 + 4
+        # get_scale_min_k4's q[j], q[j + 4] and q[j - 4] for j = s, then for j = s + 1
+        a_lo = tl.load(scales + s).to(tl.int32)
         b_lo = tl.load(scales + s + 4).to(tl.int32)
         c_lo = tl.load(scales + s - 4).to(tl.int32)
         sc_lo = (b_lo & 15) | ((c_lo >> 6) << 4)
