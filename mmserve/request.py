@@ -103,7 +103,9 @@ class Request:
         tokens (sampled by the step in flight) read as PLACEHOLDER."""
         known = self.num_known_tokens
         if end > known:
-            return self.token_ids_range(start, known) + [PLACEHOLDER] * (end - max(start, known))
+            if start >= known:  # all pending (the usual decode step, async scheduling)
+                return [PLACEHOLDER] * (end - start)
+            return self.token_ids_range(start, known) + [PLACEHOLDER] * (end - known)
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
