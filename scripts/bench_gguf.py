@@ -5,7 +5,7 @@ L2 cache, and the bytes read per microsecond. Q4_K in both forms of the product 
 quants multiplied, then scaled per sub-block; or every weight dequantised first), the
 dequantise-then-matmul path at 32 and 64 rows (where the cut between the paths lies), then a
 sweep at one row of output channels per program, programs per SM, steps per loop iteration
-(unroll) and warps per program.
+(unroll) and warps per program, and of the one-row kernel without tensor cores (GEMV).
 
     python scripts/bench_gguf.py
 """
@@ -55,8 +55,9 @@ def _blocks(qtype: str, n: int, k: int, copies: int) -> list[torch.Tensor]:
 
 def _rows_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int | None = None,
                  programs: int | None = None, factored: bool | None = None, unroll: int = 1,
-                 warps: int = 4) -> torch.Tensor:  # fmt: skip
-    return gguf_gemm_rows(x, blocks, qtype, block_n or gguf_gemm.BLOCK_N, programs, factored, unroll, warps)
+                 warps: int = 4, gemv: bool = False) -> torch.Tensor:  # fmt: skip
+    return gguf_gemm_rows(x, blocks, qtype, block_n or gguf_gemm.BLOCK_N, programs, factored, unroll,
+                          warps, gemv)  # fmt: skip
 
 
 def _check(qtype: str) -> None:
@@ -64,6 +65,13 @@ def _check(qtype: str) -> None:
     blocks = _blocks(qtype, 4096, 4096, 1)[0]
     weight = gguf_dequantize(blocks, qtype, torch.float32)
     for rows, factored in itertools.product((1, 16, 64), (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)):
+        if rows == 1:
+            x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ weight.t()
+            out = _rows_kernel(x, blocks, qtype, gemv=True).float()
+            rel = ((out - ref).norm() / ref.norm()).item()
+            print(json.dumps({"check": qtype, "rows": 1, "gemv": True, "rel_err": rel}), flush=True)
+            assert rel < 1e-2, rel
         x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
         ref = x.float() @ weight.t()
         out = _rows_kernel(x, blocks, qtype, factored=factored).float()
@@ -87,6 +95,9 @@ def _shape(n: int, k: int, qtype: str) -> None:
             us = _time(lambda i, x=x, f=factored: _rows_kernel(x, blocks[i], qtype, factored=f), copies)
             key = "factored" if factored else "dequant_tiles"
             line[f"{key}_us"], line[f"{key}_gbs"] = round(us, 1), round(nbytes / us / 1e3)
+        if rows == 1:  # the one-row kernel without tensor cores (gguf_gemm.GEMV)
+            us = _time(lambda i, x=x: _rows_kernel(x, blocks[i], qtype, gemv=True), copies)
+            line["gemv_us"], line["gemv_gbs"] = round(us, 1), round(nbytes / us / 1e3)
         if rows >= 16:  # the many-rows path: the weight dequantised in chunks, then cuBLAS
             us = _time(lambda i, x=x: torch.matmul(x, gguf_dequantize(blocks[i], qtype, x.dtype).t()), copies)
             line["dequant_matmul_us"] = round(us, 1)
@@ -103,6 +114,12 @@ def _shape(n: int, k: int, qtype: str) -> None:
             print(json.dumps({"sweep": [qtype, n, k, 1], "factored": factored, "block_n": block_n,
                               "programs_per_sm": programs, "unroll": unroll, "num_warps": warps,
                               "us": round(us, 1), "gbs": round(nbytes / us / 1e3)}), flush=True)  # fmt: skip
+        for block_n, programs, warps in itertools.product((16, 32, 64), (4, 8), (4, 8)):
+            us = _time(lambda i, b=block_n, p=programs, w=warps:
+                       _rows_kernel(x, blocks[i], qtype, b, p, warps=w, gemv=True), copies)  # fmt: skip
+            print(json.dumps({"sweep": [qtype, n, k, 1], "gemv": True, "block_n": block_n,
+                              "programs_per_sm": programs, "num_warps": warps,
+                              "us": round(us, 1), "gbs": round(nbytes / us / 1e3)}), flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -117,7 +134,7 @@ def main() -> None:
             _shape(n, k, qtype)
     for qtype in ("Q8_0", "Q4_1"):  # SmolLM2's GGUF types
         _shape(4096, 4096, qtype)
-    print(json.dumps({"defaults": {"FACTORED": gguf_gemm.FACTORED, "MAX_ROWS": cut}}))
+    print(json.dumps({"defaults": {"FACTORED": gguf_gemm.FACTORED, "GEMV": gguf_gemm.GEMV, "MAX_ROWS": cut}}))
 
 
 if __name__ == "__main__":

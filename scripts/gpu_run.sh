@@ -76,6 +76,8 @@ if has gguf; then
   Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024"
   Q="$Q --batch-sizes 1,2,4,8,16,32,64"
   { $B latency,decode $Q; $B latency,decode $Q --checkpoint-format gguf:Q4_K_M
+    echo "GEMV=True"  # batch 1 by the one-row kernel without tensor cores (gguf_gemm.GEMV)
+    python3 scripts/ab_switch.py mmserve.kernels.gguf_gemm.GEMV=True -- latency $Q --checkpoint-format gguf:Q4_K_M
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gguf.txt"
 fi
 if has ggufk; then

@@ -47,6 +47,11 @@ from mmserve.kernels.gguf_blocks import (
 # the few-rows kernel at every 8B shape (e.g. Q4_K 28672 x 4096: 207 against 254 us).
 FACTORED = True  # Q4_K / Q5_K products scale sums of q x by sub-block (q45k_chunk)
 BLOCK_N = 64  # output channels per program of the few-rows kernel
+# One row by _gguf_gemv_kernel (FMAs into a register accumulator) instead of the tensor-core
+# kernel: off until scripts/bench_gguf.py has timed it on a GPU (written in session 20, after
+# its device time was spent; the tensor-core kernel's many small dots and operand layout
+# changes are the suspect in its 400-620 GB/s for Q4_K at one row)
+GEMV = False
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # the many-rows path dequantises at most this many weights at a time (64 MiB of bf16), so a
@@ -132,18 +137,48 @@ def _gguf_gemm_rows_kernel(
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _gguf_gemv_kernel(
+    out_ptr, x_ptr, w_ptr, n, num_blocks, steps_per_split, num_steps, row_bytes,
+    QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
+    MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):  # fmt: skip
+    """One row (GEMV=True): no tensor cores. Each part's weights times the activations of
+    its columns are added into a [BLOCK_N, 256 / PARTS] float32 accumulator in registers,
+    summed along K once at the end (no per-step reduction or operand layout change)."""
+    pid_s = tl.program_id(1)
+    s_lo = pid_s * steps_per_split
+    s_hi = tl.minimum(num_steps, s_lo + steps_per_split)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    row = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_bytes  # past n: row 0's bytes
+    acc = tl.zeros([BLOCK_N, 256 // PARTS], dtype=tl.float32)
+    for step in range(s_lo, s_hi):
+        for part in tl.static_range(PARTS):
+            w, cols, exists = step_part(row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N)
+            a = tl.load(x_ptr + step * 256 + cols, mask=exists, other=0.0).to(tl.float32)
+            acc += w * a[None, :]
+    total = tl.sum(acc, axis=1)
+    if SPLIT:  # float32 partials [splits, 1, n], summed in order by _common.sum_splits
+        tl.store(out_ptr + pid_s.to(tl.int64) * n + offs_n, total, mask=mask_n)
+    else:
+        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
 def gguf_gemm_rows(
     x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = BLOCK_N,
     programs_per_sm: int | None = None, factored: bool | None = None, unroll: int = 1,
-    num_warps: int = 4,
+    num_warps: int = 4, gemv: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M <= MAX_ROWS, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
     transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
     >= 16. A grid of too few output tiles for about programs_per_sm (default PROGRAMS_PER_SM)
     programs on every SM splits K in whole steps, as the w4a16 kernel does
     (mmserve/kernels/_common.k_splits); 0 never splits. factored: Q4_K / Q5_K's form of the
-    product (default FACTORED). unroll (steps a loop iteration reads) and num_warps: for
-    scripts/bench_gguf.py's sweep, untimed in the engine."""
+    product (default FACTORED). gemv: one row by the kernel without tensor cores (default
+    GEMV). unroll (steps a loop iteration reads) and num_warps: for scripts/bench_gguf.py's
+    sweep, untimed in the engine."""
     fmt = check_blocks("blocks", blocks, qtype)
     check_float("x", x)
     if x.dim() != 2 or x.shape[1] != blocks.shape[1] * fmt.elements:
@@ -166,6 +201,15 @@ def gguf_gemm_rows(
         splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs)
         target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
         factor = (FACTORED if factored is None else factored) and qtype in ("Q4_K", "Q5_K")
+        if rows == 1 and (GEMV if gemv is None else gemv):
+            _gguf_gemv_kernel[(tiles, splits)](
+                target, x, blocks, n, num_blocks, per_split, steps, num_blocks * fmt.bytes,
+                **fmt.kernel_args(), PARTS=STEP_PARTS[fmt.type_id], BLOCK_N=block_n,
+                SPLIT=splits > 1, num_warps=num_warps,
+            )  # fmt: skip
+            if splits > 1:
+                sum_splits(out, target)
+            return out
         _gguf_gemm_rows_kernel[(tiles, splits)](
             target, x, blocks, rows, n, k, num_blocks, per_split, steps, num_blocks * fmt.bytes,
             x.stride(0), n if splits > 1 else out.stride(0), **fmt.kernel_args(),

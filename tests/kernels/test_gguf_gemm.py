@@ -124,6 +124,19 @@ def test_unrolled_steps_do_not_change_the_product(qtype: str, unroll: int) -> No
         _assert_close(out, gguf_matmul_ref(x, blocks, qtype), torch.float32)
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("programs_per_sm", [0, 4])
+def test_one_row_without_tensor_cores(qtype: str, programs_per_sm: int, dtype: torch.dtype) -> None:
+    """The one-row kernel (gemv=True): every type, K unsplit and split, 41 channels (a partial
+    tile), 3 steps for the K-quants and 7 blocks (a partial step) for the others."""
+    k = 3 * 256 if qtype.endswith("_K") else _k(qtype)
+    blocks = random_blocks(qtype, 41, k, seed=programs_per_sm)
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    out = gguf_gemm_rows(x, blocks, qtype, programs_per_sm=programs_per_sm, gemv=True)
+    assert out.shape == (1, 41) and out.dtype == dtype
+    _assert_close(out, gguf_matmul_ref(x, blocks, qtype), dtype)
+
+
 def test_many_rows_in_chunks_of_the_weight() -> None:
     blocks = random_blocks("Q8_0", 70, 64)
     x = torch.randn(40, 64, device=DEVICE)
