@@ -61,22 +61,19 @@ def _rows_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int
 
 
 def _check(qtype: str) -> None:
-    """The kernel against the dequantised weight's product, bf16, one shape."""
+    """The kernels against the dequantised weight's product, bf16, one shape: the few-rows
+    kernel in each form at 1, 16 and 64 rows, and the one-row kernel (gemv)."""
     blocks = _blocks(qtype, 4096, 4096, 1)[0]
     weight = gguf_dequantize(blocks, qtype, torch.float32)
-    for rows, factored in itertools.product((1, 16, 64), (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)):
-        if rows == 1:
-            x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-            ref = x.float() @ weight.t()
-            out = _rows_kernel(x, blocks, qtype, gemv=True).float()
-            rel = ((out - ref).norm() / ref.norm()).item()
-            print(json.dumps({"check": qtype, "rows": 1, "gemv": True, "rel_err": rel}), flush=True)
-            assert rel < 1e-2, rel
+    forms = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
+    cases = [(1, None, True)] + [(r, f, False) for r, f in itertools.product((1, 16, 64), forms)]
+    for rows, factored, gemv in cases:
         x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
         ref = x.float() @ weight.t()
-        out = _rows_kernel(x, blocks, qtype, factored=factored).float()
+        out = _rows_kernel(x, blocks, qtype, factored=factored, gemv=gemv).float()
         rel = ((out - ref).norm() / ref.norm()).item()
-        print(json.dumps({"check": qtype, "rows": rows, "factored": factored, "rel_err": rel}), flush=True)
+        print(json.dumps({"check": qtype, "rows": rows, "factored": factored, "gemv": gemv,
+                          "rel_err": rel}), flush=True)  # fmt: skip
         assert rel < 1e-2, rel
 
 

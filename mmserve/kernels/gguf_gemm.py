@@ -97,22 +97,29 @@ def _step_product(
 
 
 @triton.jit
+def _program_slice(w_ptr, n, steps_per_split, num_steps, row_bytes, BLOCK_N: tl.constexpr):
+    """This program's steps of K, [s_lo, s_hi), its output channels, which of them exist, and
+    their rows' byte pointers (past n: row 0's bytes)."""
+    s_lo = tl.program_id(1) * steps_per_split
+    s_hi = tl.minimum(num_steps, s_lo + steps_per_split)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    row = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_bytes
+    return s_lo, s_hi, offs_n, mask_n, row
+
+
+@triton.jit
 def _gguf_gemm_rows_kernel(
-    out_ptr, x_ptr, w_ptr, rows, n, k, num_blocks, steps_per_split, num_steps, row_bytes,
+    out_ptr, x_ptr, w_ptr, rows, n, num_blocks, steps_per_split, num_steps, row_bytes,
     stride_x, stride_out,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FACTORED: tl.constexpr,
     UNROLL: tl.constexpr,
 ):  # fmt: skip
-    pid_s = tl.program_id(1)  # this program's steps of K: [s_lo, s_hi)
-    s_lo = pid_s * steps_per_split
-    s_hi = tl.minimum(num_steps, s_lo + steps_per_split)
+    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < rows
-    mask_n = offs_n < n
-    row = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_bytes  # past n: row 0's bytes
     x_rows = x_ptr + offs_m[:, None] * stride_x
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     j = tl.arange(0, 32)
@@ -133,7 +140,7 @@ def _gguf_gemm_rows_kernel(
                 acc += tl.where(first + u < s_hi, part, 0.0)
     out_offs = offs_m[:, None] * stride_out + offs_n[None, :]
     if SPLIT:  # float32 partials [splits, rows, n], summed in order by _common.sum_splits
-        out_offs += pid_s.to(tl.int64) * rows * n
+        out_offs += tl.program_id(1).to(tl.int64) * rows * n
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -147,12 +154,7 @@ def _gguf_gemv_kernel(
     """One row (GEMV=True): no tensor cores. Each part's weights times the activations of
     its columns are added into a [BLOCK_N, 256 / PARTS] float32 accumulator in registers,
     summed along K once at the end (no per-step reduction or operand layout change)."""
-    pid_s = tl.program_id(1)
-    s_lo = pid_s * steps_per_split
-    s_hi = tl.minimum(num_steps, s_lo + steps_per_split)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n
-    row = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_bytes  # past n: row 0's bytes
+    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     acc = tl.zeros([BLOCK_N, 256 // PARTS], dtype=tl.float32)
     for step in range(s_lo, s_hi):
         for part in tl.static_range(PARTS):
@@ -161,7 +163,7 @@ def _gguf_gemv_kernel(
             acc += w * a[None, :]
     total = tl.sum(acc, axis=1)
     if SPLIT:  # float32 partials [splits, 1, n], summed in order by _common.sum_splits
-        tl.store(out_ptr + pid_s.to(tl.int64) * n + offs_n, total, mask=mask_n)
+        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n + offs_n, total, mask=mask_n)
     else:
         tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
 
@@ -200,23 +202,21 @@ def gguf_gemm_rows(
         programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
         splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs)
         target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-        factor = (FACTORED if factored is None else factored) and qtype in ("Q4_K", "Q5_K")
         if rows == 1 and (GEMV if gemv is None else gemv):
             _gguf_gemv_kernel[(tiles, splits)](
                 target, x, blocks, n, num_blocks, per_split, steps, num_blocks * fmt.bytes,
                 **fmt.kernel_args(), PARTS=STEP_PARTS[fmt.type_id], BLOCK_N=block_n,
                 SPLIT=splits > 1, num_warps=num_warps,
             )  # fmt: skip
-            if splits > 1:
-                sum_splits(out, target)
-            return out
-        _gguf_gemm_rows_kernel[(tiles, splits)](
-            target, x, blocks, rows, n, k, num_blocks, per_split, steps, num_blocks * fmt.bytes,
-            x.stride(0), n if splits > 1 else out.stride(0), **fmt.kernel_args(),
-            PARTS=STEP_PARTS[fmt.type_id], IEEE=x.dtype == torch.float32,
-            BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, SPLIT=splits > 1,
-            FACTORED=factor, UNROLL=unroll, num_warps=num_warps,
-        )  # fmt: skip
+        else:
+            factor = (FACTORED if factored is None else factored) and qtype in ("Q4_K", "Q5_K")
+            _gguf_gemm_rows_kernel[(tiles, splits)](
+                target, x, blocks, rows, n, num_blocks, per_split, steps, num_blocks * fmt.bytes,
+                x.stride(0), n if splits > 1 else out.stride(0), **fmt.kernel_args(),
+                PARTS=STEP_PARTS[fmt.type_id], IEEE=x.dtype == torch.float32,
+                BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, SPLIT=splits > 1,
+                FACTORED=factor, UNROLL=unroll, num_warps=num_warps,
+            )  # fmt: skip
         if splits > 1:
             sum_splits(out, target)
     return out
