@@ -1,0 +1,56 @@
+"""Compiles the GGUF Triton kernels for sm_90 (the H100 / H200) on any machine, without a
+GPU: `python -m tests.kernels.sm90_compile` exits 0 when every variant compiles to a cubin.
+The interpreter that runs the kernels on the CPU accepts code that Triton's compiler
+refuses (session 20: a variable that was both a loop bound and a dot's result), so
+tests/kernels/test_sm90_compile.py runs this in a process without TRITON_INTERPRET."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mmserve.kernels import gguf_blocks, gguf_gemm
+from mmserve.kernels.gguf_blocks import FORMATS, STEP_PARTS
+
+SM90 = GPUTarget("cuda", 90, 32)
+ROWS = {"out_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*u8", "rows": "i32", "n": "i32",
+        "num_blocks": "i32", "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32",
+        "stride_x": "i32", "stride_out": "i32"}  # fmt: skip
+GEMV = {"out_ptr": "*fp32", "x_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "num_blocks": "i32",
+        "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32"}  # fmt: skip
+DEQUANT = {"out_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "k": "i32", "num_blocks": "i32",
+           "row_bytes": "i32"}  # fmt: skip
+
+
+def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> None:
+    names = fn.arg_names
+    source = ASTSource(
+        fn=fn,
+        signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+    )
+    assert "cubin" in triton.compile(source, target=SM90).asm
+
+
+def main() -> None:
+    assert not os.environ.get("TRITON_INTERPRET"), "compile with the interpreter off"
+    for qtype, fmt in FORMATS.items():
+        args = {**fmt.kernel_args(), "PARTS": STEP_PARTS[fmt.type_id]}
+        forms = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
+        for factored, unroll, split in itertools.product(forms, (1, 2), (False, True)):
+            compile_sm90(gguf_gemm._gguf_gemm_rows_kernel, ROWS, {
+                **args, "IEEE": False, "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT": split,
+                "FACTORED": factored, "UNROLL": unroll})  # fmt: skip
+        for split in (False, True):
+            compile_sm90(gguf_gemm._gguf_gemv_kernel, GEMV, {**args, "BLOCK_N": 64, "SPLIT": split})
+        compile_sm90(gguf_blocks._dequantize_kernel, DEQUANT, {**args, "BLOCK_N": 16})
+        print(qtype, "compiled for sm_90", flush=True)
+
+
+if __name__ == "__main__":
+    main()
