@@ -1,11 +1,12 @@
 """GGUF products on CUDA (issue 19) against a bf16 torch matmul, at Llama-3-8B's
 projection shapes and the LM head, 1-64 rows: one JSON line per case, times in CUDA graphs
 (do_bench_cudagraph), each product cycling through enough copies of its blocks to overflow the
-L2 cache, and the bytes read per microsecond. Q4_K in both forms of the product (FACTORED: the
-quants multiplied, then scaled per sub-block; or every weight dequantised first), the
+L2 cache, and the bytes read per microsecond. Each form of the product: every weight dequantised
+in float32 first, Q4_K / Q5_K's FACTORED (the quants multiplied, then scaled per sub-block), and
+Q4_K / Q6_K's LOWP (dequantised in bfloat16, the quants made floats by bits), the
 dequantise-then-matmul path at 32 and 64 rows (where the cut between the paths lies), then a
-sweep at one row of output channels per program, programs per SM, steps per loop iteration
-(unroll) and warps per program, and of the one-row kernel without tensor cores (GEMV).
+sweep at one row of each form over output channels per program, programs per SM and warps per
+program, and of the one-row kernel without tensor cores (GEMV).
 
     python scripts/bench_gguf.py
 """
@@ -55,9 +56,24 @@ def _blocks(qtype: str, n: int, k: int, copies: int) -> list[torch.Tensor]:
 
 def _rows_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int | None = None,
                  programs: int | None = None, factored: bool | None = None, unroll: int = 1,
-                 warps: int = 4, gemv: bool = False) -> torch.Tensor:  # fmt: skip
+                 warps: int = 4, gemv: bool = False, lowp: bool = False) -> torch.Tensor:  # fmt: skip
     return gguf_gemm_rows(x, blocks, qtype, block_n or gguf_gemm.BLOCK_N, programs, factored, unroll,
-                          warps, gemv)  # fmt: skip
+                          warps, gemv, lowp)  # fmt: skip
+
+
+def _forms(qtype: str) -> list[dict[str, bool]]:
+    """The few-rows kernel's forms of the product for qtype: dequantised in float32 (and for
+    Q4_K / Q5_K factored), and for Q4_K / Q6_K dequantised in x's dtype (lowp)."""
+    forms = [{"factored": False}]
+    if qtype in ("Q4_K", "Q5_K"):
+        forms.append({"factored": True})
+    if qtype in gguf_gemm.LOWP_TYPES:
+        forms.append({"factored": False, "lowp": True})
+    return forms
+
+
+def _form_name(form: dict[str, bool]) -> str:
+    return "lowp" if form.get("lowp") else "factored" if form["factored"] else "dequant_tiles"
 
 
 def _check(qtype: str) -> None:
@@ -65,15 +81,13 @@ def _check(qtype: str) -> None:
     kernel in each form at 1, 16 and 64 rows, and the one-row kernel (gemv)."""
     blocks = _blocks(qtype, 4096, 4096, 1)[0]
     weight = gguf_dequantize(blocks, qtype, torch.float32)
-    forms = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
-    cases = [(1, None, True)] + [(r, f, False) for r, f in itertools.product((1, 16, 64), forms)]
-    for rows, factored, gemv in cases:
+    cases = [(1, {"factored": False, "gemv": True})] + list(itertools.product((1, 16, 64), _forms(qtype)))
+    for rows, form in cases:
         x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
         ref = x.float() @ weight.t()
-        out = _rows_kernel(x, blocks, qtype, factored=factored, gemv=gemv).float()
+        out = _rows_kernel(x, blocks, qtype, **form).float()
         rel = ((out - ref).norm() / ref.norm()).item()
-        print(json.dumps({"check": qtype, "rows": rows, "factored": factored, "gemv": gemv,
-                          "rel_err": rel}), flush=True)  # fmt: skip
+        print(json.dumps({"check": qtype, "rows": rows, **form, "rel_err": rel}), flush=True)
         assert rel < 1e-2, rel
 
 
@@ -87,10 +101,9 @@ def _shape(n: int, k: int, qtype: str) -> None:
     for rows in (1, 4, 16, 32, 64):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         line: dict[str, object] = {"qtype": qtype, "n": n, "k": k, "rows": rows}
-        forms = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
-        for factored in forms:
-            us = _time(lambda i, x=x, f=factored: _rows_kernel(x, blocks[i], qtype, factored=f), copies)
-            key = "factored" if factored else "dequant_tiles"
+        for form in _forms(qtype):
+            us = _time(lambda i, x=x, f=form: _rows_kernel(x, blocks[i], qtype, **f), copies)
+            key = _form_name(form)
             line[f"{key}_us"], line[f"{key}_gbs"] = round(us, 1), round(nbytes / us / 1e3)
         if rows == 1:  # the one-row kernel without tensor cores (gguf_gemm.GEMV)
             us = _time(lambda i, x=x: _rows_kernel(x, blocks[i], qtype, gemv=True), copies)
@@ -103,20 +116,17 @@ def _shape(n: int, k: int, qtype: str) -> None:
         print(json.dumps(line), flush=True)
     if (n, k) == (4096, 14336) and qtype in ("Q4_K", "Q6_K"):
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        forms = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
-        grid = itertools.product(forms, (64, 128), (4, 8), (1, 2), (4, 8))
-        for factored, block_n, programs, unroll, warps in grid:
-            us = _time(lambda i, b=block_n, p=programs, f=factored, u=unroll, w=warps:
-                       _rows_kernel(x, blocks[i], qtype, b, p, f, u, w), copies)  # fmt: skip
-            print(json.dumps({"sweep": [qtype, n, k, 1], "factored": factored, "block_n": block_n,
-                              "programs_per_sm": programs, "unroll": unroll, "num_warps": warps,
-                              "us": round(us, 1), "gbs": round(nbytes / us / 1e3)}), flush=True)  # fmt: skip
-        for block_n, programs, warps in itertools.product((16, 32, 64), (4, 8), (4, 8)):
-            us = _time(lambda i, b=block_n, p=programs, w=warps:
-                       _rows_kernel(x, blocks[i], qtype, b, p, warps=w, gemv=True), copies)  # fmt: skip
-            print(json.dumps({"sweep": [qtype, n, k, 1], "gemv": True, "block_n": block_n,
+        for form, block_n, programs, warps in itertools.product(_forms(qtype), (32, 64, 128), (4, 8), (4, 8)):
+            us = _time(lambda i, b=block_n, p=programs, w=warps, f=form:
+                       _rows_kernel(x, blocks[i], qtype, b, p, warps=w, **f), copies)  # fmt: skip
+            print(json.dumps({"sweep": [qtype, n, k, 1], "form": _form_name(form), "block_n": block_n,
                               "programs_per_sm": programs, "num_warps": warps,
                               "us": round(us, 1), "gbs": round(nbytes / us / 1e3)}), flush=True)  # fmt: skip
+        for block_n, programs in itertools.product((16, 32, 64), (4, 8)):
+            us = _time(lambda i, b=block_n, p=programs: _rows_kernel(x, blocks[i], qtype, b, p, gemv=True), copies)
+            print(json.dumps({"sweep": [qtype, n, k, 1], "gemv": True, "block_n": block_n,
+                              "programs_per_sm": programs, "us": round(us, 1),
+                              "gbs": round(nbytes / us / 1e3)}), flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -131,7 +141,8 @@ def main() -> None:
             _shape(n, k, qtype)
     for qtype in ("Q8_0", "Q4_1"):  # SmolLM2's GGUF types
         _shape(4096, 4096, qtype)
-    print(json.dumps({"defaults": {"FACTORED": gguf_gemm.FACTORED, "GEMV": gguf_gemm.GEMV, "MAX_ROWS": cut}}))
+    print(json.dumps({"defaults": {"FACTORED": gguf_gemm.FACTORED, "GEMV": gguf_gemm.GEMV, "LOWP": gguf_gemm.LOWP,
+                                   "MAX_ROWS": cut}}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -76,14 +76,14 @@ if has gguf; then
   Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024"
   Q="$Q --batch-sizes 1,2,4,8,16,32,64"
   { $B latency,decode $Q; $B latency,decode $Q --checkpoint-format gguf:Q4_K_M
-    echo "GEMV=True"  # batch 1 by the one-row kernel without tensor cores (gguf_gemm.GEMV)
-    python3 scripts/ab_switch.py mmserve.kernels.gguf_gemm.GEMV=True -- latency $Q --checkpoint-format gguf:Q4_K_M
+    echo "LOWP=True"  # Q4_K / Q6_K dequantised in bfloat16 (gguf_gemm.LOWP)
+    python3 scripts/ab_switch.py mmserve.kernels.gguf_gemm.LOWP=True -- latency,decode $Q --checkpoint-format gguf:Q4_K_M
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gguf.txt"
 fi
 if has ggufk; then
   # the GGUF K-quant kernels (issue 19): their tests in bf16, then scripts/bench_gguf.py
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gguf.py tests/kernels/test_gguf_gemm.py \
-    -k "${GGUFK_TESTS:-gpu or matmul_is or kquant or dequantize}" 2>&1 | tail -8 | tee "$OUT/ggufk-tests.txt"
+    -k "${GGUFK_TESTS:-gpu or matmul_is or kquant or dequantize or 16_bit}" 2>&1 | tail -8 | tee "$OUT/ggufk-tests.txt"
   python3 scripts/bench_gguf.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ggufk.txt"
 fi
 if has gcab; then

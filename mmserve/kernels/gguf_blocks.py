@@ -125,18 +125,131 @@ def kquant_part(block, PART: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.cons
         if QTYPE == 13:  # bit sub of qh[j] is the fifth
             qh = tl.load(block[:, None] + 16 + j[None, :]).to(tl.int32)
             q = q | (((qh[:, None, :] >> sub[None, :, None]) & 1) << 4)
-        scales = block[:, None] + 4  # 6-bit scale and min of sub-block s: ggml's get_scale_min_k4
-        s_a = tl.load(scales + sub[None, :]).to(tl.int32)
-        s_b = tl.load(scales + 4 + sub[None, :]).to(tl.int32)
-        s_c = tl.load(scales + tl.maximum(sub - 4, 0)[None, :]).to(tl.int32)
-        low_sub = (sub < 4)[None, :]
-        sc = tl.where(low_sub, s_a & 63, (s_b & 15) | ((s_c >> 6) << 4))
-        mn = tl.where(low_sub, s_b & 63, (s_b >> 4) | ((s_a >> 6) << 4))
-        d1 = _f16_at(block)[:, None] * sc.to(tl.float32)  # [BLOCK_N, 4]
-        m1 = _f16_at(block + 2)[:, None] * mn.to(tl.float32)
+        d1, m1 = _q45k_factors(block, sub)
         w = d1[:, :, None] * q.to(tl.float32) - m1[:, :, None]
         t = tl.arange(0, 128)
         return tl.reshape(w, [BLOCK_N, 128]), 64 * (t // 32) + 32 * PART + t % 32
+
+
+@triton.jit
+def _q45k_factors(block, sub):
+    """d1 = d * scale and m1 = dmin * min (float32 [BLOCK_N, S]) of sub-blocks sub [S] of the
+    Q4_K / Q5_K super-blocks at byte pointers block [BLOCK_N]: their 6-bit scales and mins
+    unpacked as ggml's get_scale_min_k4 does."""
+    scales = block[:, None] + 4
+    s_a = tl.load(scales + sub[None, :]).to(tl.int32)
+    s_b = tl.load(scales + 4 + sub[None, :]).to(tl.int32)
+    s_c = tl.load(scales + tl.maximum(sub - 4, 0)[None, :]).to(tl.int32)
+    low_sub = (sub < 4)[None, :]
+    sc = tl.where(low_sub, s_a & 63, (s_b & 15) | ((s_c >> 6) << 4))
+    mn = tl.where(low_sub, s_b & 63, (s_b >> 4) | ((s_a >> 6) << 4))
+    return _f16_at(block)[:, None] * sc.to(tl.float32), _f16_at(block + 2)[:, None] * mn.to(tl.float32)
+
+
+# The K-quants dequantised in the product's own 16-bit dtype (LOWP; gguf_gemm.LOWP): a weight
+# is d1 q - m1 (Q4_K) or d1 (q - 32) (Q6_K) with d1 and m1 rounded to that dtype first and one
+# fused multiply-add per weight pair, where the float32 path (step_part) spends an int-to-float
+# conversion, a float32 multiply-add and a conversion down per weight. On an NVIDIA GPU in
+# bfloat16 (ASM) the quants become floats by bits: four bytes at a time, each pair of quants
+# put into the mantissas of two bfloat16 128.0s (a byte permute and a logical op), then 128
+# (Q6_K: 160) subtracted from both at once: exact, since q < 128. The interpreter (CI) runs
+# the same arithmetic with a plain conversion (it cannot run assembly). Counted in the sm_90
+# SASS of the loop (tests/kernels/sm90_compile.py): Q4_K's product went from 11.3 (FACTORED)
+# or 7.4 instructions per weight and thread to about 5.
+def _bits_asm(low_shift: int, high_shift: int | None = None) -> tl.constexpr:
+    """Inline PTX: four quants' bytes $2 (and for Q6_K the bytes $3 of their two high bits)
+    -> four bfloat16 in two registers: the nibbles at bit low_shift (or-ed with the two bits
+    at bit high_shift, Q6_K) put into the mantissas of 128.0, then 128 (Q6_K: 160, taking its
+    q - 32) subtracted."""
+    offset = 0 if high_shift is None else 32
+    code = ["{ .reg .b32 a, b, u, v, m, k; mov.b32 m, 0x43004300;",
+            f"mov.b32 k, {0x4300 + offset:#x}{0x4300 + offset:04x};",
+            "mov.b32 a, $2;" if low_shift == 0 else f"shr.b32 a, $2, {low_shift};"]  # fmt: skip
+    if high_shift is not None:  # the two bits moved to bits 4-5 of each byte
+        move = 4 - high_shift
+        code.append(f"shl.b32 b, $3, {move};" if move > 0 else f"shr.b32 b, $3, {-move};" if move else "mov.b32 b, $3;")
+    for out, pick in ((0, "0x4140"), (1, "0x4342")):  # bytes 0-1, then 2-3, as 16-bit lanes
+        code.append(f"prmt.b32 u, a, 0, {pick}; lop3.b32 u, u, 0x000F000F, m, 0xEA;")
+        if high_shift is not None:
+            code.append(f"prmt.b32 v, b, 0, {pick}; lop3.b32 u, v, 0x00300030, u, 0xEA;")
+        code.append(f"sub.rn.bf16x2 ${out}, u, k;")
+    return tl.constexpr(" ".join(code) + " }")
+
+
+_Q4K_LOW = _bits_asm(0)
+_Q4K_HIGH = _bits_asm(4)
+_Q6K_0 = _bits_asm(0, 0)
+_Q6K_1 = _bits_asm(0, 2)
+_Q6K_2 = _bits_asm(4, 4)
+_Q6K_3 = _bits_asm(4, 6)
+
+
+@triton.jit
+def _bits(asm: tl.constexpr, ql, qh):
+    return tl.inline_asm_elementwise(asm, "=r,=r,r,r", [ql, qh], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _nibbles_as(qs, HIGH: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """uint8 qs -> its low (or HIGH) nibbles in DTYPE, exactly."""
+    if ASM:
+        if HIGH:
+            return _bits(_Q4K_HIGH, qs, qs)
+        else:
+            return _bits(_Q4K_LOW, qs, qs)
+    else:
+        return ((qs.to(tl.int32) >> (4 * HIGH)) & 15).to(DTYPE)
+
+
+@triton.jit
+def _q6k_quarter_as(ql, qh, QUARTER: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """Q6_K's q - 32 in DTYPE, exactly, of quarter QUARTER from its ql and qh bytes."""
+    if ASM:
+        if QUARTER == 0:
+            return _bits(_Q6K_0, ql, qh)
+        elif QUARTER == 1:
+            return _bits(_Q6K_1, ql, qh)
+        elif QUARTER == 2:
+            return _bits(_Q6K_2, ql, qh)
+        else:
+            return _bits(_Q6K_3, ql, qh)
+    else:
+        low = (ql.to(tl.int32) >> (4 * (QUARTER // 2))) & 15
+        return ((low | (((qh.to(tl.int32) >> (2 * QUARTER)) & 3) << 4)) - 32).to(DTYPE)
+
+
+@triton.jit
+def q4k_step_lowp(block, DTYPE: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A Q4_K step at byte pointers block [BLOCK_N] in DTYPE (LOWP, above): w_lo [BLOCK_N, 128]
+    (the low nibbles of qs[32 c + j], elements 64 c + j), its columns' elements [128], then
+    w_hi (the high ones, elements 64 c + 32 + j) and its columns. The bytes are loaded once."""
+    c = tl.arange(0, 4)
+    j = tl.arange(0, 32)
+    qs = tl.load(block[:, None, None] + 16 + 32 * c[None, :, None] + j[None, None, :])
+    d1_lo, m1_lo = _q45k_factors(block, 2 * c)
+    d1_hi, m1_hi = _q45k_factors(block, 2 * c + 1)
+    w_lo = _nibbles_as(qs, False, DTYPE, ASM) * d1_lo.to(DTYPE)[:, :, None] - m1_lo.to(DTYPE)[:, :, None]
+    w_hi = _nibbles_as(qs, True, DTYPE, ASM) * d1_hi.to(DTYPE)[:, :, None] - m1_hi.to(DTYPE)[:, :, None]
+    t = tl.arange(0, 128)
+    cols = 64 * (t // 32) + t % 32
+    return tl.reshape(w_lo, [BLOCK_N, 128]), cols, tl.reshape(w_hi, [BLOCK_N, 128]), cols + 32
+
+
+@triton.jit
+def q6k_quarter_lowp(block, ql, qh, QUARTER: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr,
+                     BLOCK_N: tl.constexpr):  # fmt: skip
+    """Quarter QUARTER of the Q6_K super-blocks at byte pointers block [BLOCK_N] in DTYPE
+    (LOWP, above), from its ql bytes [BLOCK_N, 2, 32] (ql[64 h + 32 (QUARTER % 2) + l]) and
+    the qh bytes (qh[32 h + l]): [BLOCK_N, 64], elements 128 h + 32 QUARTER + l, and those
+    elements [64]."""
+    q = _q6k_quarter_as(ql, qh, QUARTER, DTYPE, ASM)  # [BLOCK_N, 2, 32]
+    h = tl.arange(0, 2)[None, :, None]
+    g = tl.arange(0, 2)[None, None, :]  # the 16-element sub-block within 32 lanes
+    sc = tl.load((block[:, None, None] + 192 + 8 * h + g + 2 * QUARTER).to(tl.pointer_type(tl.int8)))
+    d1 = (_f16_at(block + 208)[:, None, None] * sc.to(tl.float32)).to(DTYPE)  # [BLOCK_N, 2, 2]
+    w = d1[:, :, :, None] * tl.reshape(q, [BLOCK_N, 2, 2, 16])
+    t = tl.arange(0, 64)
+    return tl.reshape(w, [BLOCK_N, 64]), 128 * (t // 32) + 32 * QUARTER + t % 32
 
 
 @triton.jit

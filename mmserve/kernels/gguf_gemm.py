@@ -37,6 +37,8 @@ from mmserve.kernels.gguf_blocks import (
     STEP_PARTS,
     check_blocks,
     gguf_dequantize,
+    q4k_step_lowp,
+    q6k_quarter_lowp,
     q45k_chunk,
     step_part,
 )
@@ -52,6 +54,12 @@ BLOCK_N = 64  # output channels per program of the few-rows kernel
 # its device time was spent; the tensor-core kernel's many small dots and operand layout
 # changes are the suspect in its 400-620 GB/s for Q4_K at one row)
 GEMV = False
+# Q4_K and Q6_K dequantised in x's 16-bit dtype (gguf_blocks' LOWP: bfloat16 quants by bits on
+# CUDA): about 5 instructions a weight in the sm_90 SASS of the loop against 7.4-11.3. Off
+# until a GPU has timed it and checked its bfloat16 products (written in session 21, while no
+# GPU could be started)
+LOWP = False
+LOWP_TYPES = ("Q4_K", "Q6_K")
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # the many-rows path dequantises at most this many weights at a time (64 MiB of bf16), so a
@@ -69,14 +77,37 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _part_dot(acc, x_rows, mask_m, step, w, cols, IEEE: tl.constexpr):
+    """acc + the activations at the step's columns cols @ w [BLOCK_N, len(cols)] transposed."""
+    a = tl.load(x_rows + step * 256 + cols[None, :], mask=mask_m[:, None], other=0.0)
+    return _dot(a, tl.trans(w), acc, IEEE)
+
+
+@triton.jit
 def _step_product(
     acc, x_rows, mask_m, row, step, num_blocks, j,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FACTORED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FACTORED: tl.constexpr, LOWP: tl.constexpr,
+    ASM: tl.constexpr,
 ):  # fmt: skip
     """acc plus the product of the activations with one step (256 elements of K) of the rows."""
-    if FACTORED:  # Q4_K / Q5_K: chunk c's two sub-blocks of 32
+    if LOWP:  # Q4_K / Q6_K dequantised in x's dtype (gguf_blocks' LOWP)
+        block = row + step * BYTES
+        dtype = x_rows.dtype.element_ty
+        if QTYPE == 12:
+            w_lo, cols_lo, w_hi, cols_hi = q4k_step_lowp(block, dtype, ASM, BLOCK_N)
+            acc = _part_dot(acc, x_rows, mask_m, step, w_lo, cols_lo, IEEE)
+            acc = _part_dot(acc, x_rows, mask_m, step, w_hi, cols_hi, IEEE)
+        else:  # Q6_K: ql[64 h + 32 p + l] for quarters p and p + 2, qh[32 h + l] for all four
+            h = tl.arange(0, 2)[None, :, None]
+            qh = tl.load(block[:, None, None] + 128 + 32 * h + j[None, None, :])
+            for p in tl.static_range(2):
+                ql = tl.load(block[:, None, None] + 64 * h + 32 * p + j[None, None, :])
+                for quarter in tl.static_range(p, 4, 2):
+                    w, cols = q6k_quarter_lowp(block, ql, qh, quarter, dtype, ASM, BLOCK_N)
+                    acc = _part_dot(acc, x_rows, mask_m, step, w, cols, IEEE)
+    elif FACTORED:  # Q4_K / Q5_K: chunk c's two sub-blocks of 32
         for c in tl.static_range(4):
             q_lo, q_hi, d1_lo, m1_lo, d1_hi, m1_hi = q45k_chunk(row + step * BYTES, c, QTYPE)
             at = x_rows + step * 256 + 64 * c + j[None, :]
@@ -115,7 +146,7 @@ def _gguf_gemm_rows_kernel(
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FACTORED: tl.constexpr,
-    UNROLL: tl.constexpr,
+    UNROLL: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -127,7 +158,7 @@ def _gguf_gemm_rows_kernel(
         for step in range(s_lo, s_hi):
             acc = _step_product(
                 acc, x_rows, mask_m, row, step, num_blocks, j, QTYPE, BYTES, QS, QH, MIN, ZERO,
-                PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED,
+                PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED, LOWP, ASM,
             )  # fmt: skip
     else:  # UNROLL steps an iteration, none behind a branch (a step past s_hi repeats the last, unused)
         for first in range(s_lo, s_hi, UNROLL):
@@ -135,7 +166,7 @@ def _gguf_gemm_rows_kernel(
                 part = _step_product(
                     tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_rows, mask_m, row,
                     tl.minimum(first + u, s_hi - 1), num_blocks, j, QTYPE, BYTES, QS, QH, MIN,
-                    ZERO, PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED,
+                    ZERO, PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED, LOWP, ASM,
                 )  # fmt: skip
                 acc += tl.where(first + u < s_hi, part, 0.0)
     out_offs = offs_m[:, None] * stride_out + offs_n[None, :]
@@ -171,7 +202,7 @@ def _gguf_gemv_kernel(
 def gguf_gemm_rows(
     x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = BLOCK_N,
     programs_per_sm: int | None = None, factored: bool | None = None, unroll: int = 1,
-    num_warps: int = 4, gemv: bool | None = None,
+    num_warps: int = 4, gemv: bool | None = None, lowp: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M <= MAX_ROWS, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
     transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
@@ -179,7 +210,8 @@ def gguf_gemm_rows(
     programs on every SM splits K in whole steps, as the w4a16 kernel does
     (mmserve/kernels/_common.k_splits); 0 never splits. factored: Q4_K / Q5_K's form of the
     product (default FACTORED). gemv: one row by the kernel without tensor cores (default
-    GEMV). unroll (steps a loop iteration reads) and num_warps: for scripts/bench_gguf.py's
+    GEMV). lowp: Q4_K / Q6_K with 16-bit x dequantised in x's dtype (default LOWP). unroll
+    (steps a loop iteration reads) and num_warps: for scripts/bench_gguf.py's
     sweep, untimed in the engine."""
     fmt = check_blocks("blocks", blocks, qtype)
     check_float("x", x)
@@ -210,12 +242,15 @@ def gguf_gemm_rows(
             )  # fmt: skip
         else:
             factor = (FACTORED if factored is None else factored) and qtype in ("Q4_K", "Q5_K")
+            low = (LOWP if lowp is None else lowp) and qtype in LOWP_TYPES and x.dtype != torch.float32
             _gguf_gemm_rows_kernel[(tiles, splits)](
                 target, x, blocks, rows, n, num_blocks, per_split, steps, num_blocks * fmt.bytes,
                 x.stride(0), n if splits > 1 else out.stride(0), **fmt.kernel_args(),
                 PARTS=STEP_PARTS[fmt.type_id], IEEE=x.dtype == torch.float32,
                 BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, SPLIT=splits > 1,
-                FACTORED=factor, UNROLL=unroll, num_warps=num_warps,
+                FACTORED=factor and not low, UNROLL=unroll, LOWP=low,
+                ASM=low and x.dtype == torch.bfloat16 and not triton.knobs.runtime.interpret,
+                num_warps=num_warps,
             )  # fmt: skip
         if splits > 1:
             sum_splits(out, target)

@@ -111,6 +111,22 @@ def test_kquant_products_by_weight_and_by_sub_block_sum(
     _assert_close(out, gguf_matmul_ref(x, blocks, qtype), dtype)
 
 
+@pytest.mark.parametrize("programs_per_sm", [0, 4])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_kquants_dequantised_in_the_16_bit_dtype(
+    qtype: str, rows: int, programs_per_sm: int, dtype: torch.dtype
+) -> None:
+    """lowp=True: Q4_K / Q6_K dequantised in x's own dtype (on CUDA in bfloat16 by bits, inline
+    PTX; float32 keeps the float32 path) is x times gguf's weights; 3 super-blocks, 45
+    channels (a partial tile), K unsplit and split."""
+    blocks = random_blocks(qtype, 45, 768, seed=rows)
+    x = torch.randn(rows, 768, device=DEVICE).to(dtype)
+    out = gguf_gemm_rows(x, blocks, qtype, programs_per_sm=programs_per_sm, lowp=True)
+    assert out.shape == (rows, 45) and out.dtype == dtype
+    _assert_close(out, gguf_matmul_ref(x, blocks, qtype), dtype)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("unroll", [2, 3])
 def test_unrolled_steps_do_not_change_the_product(qtype: str, unroll: int) -> None:
