@@ -56,7 +56,9 @@ def _blocks(qtype: str, n: int, k: int, copies: int) -> list[torch.Tensor]:
 
 def _rows_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int | None = None,
                  programs: int | None = None, factored: bool | None = None, unroll: int = 1,
-                 warps: int = 4, gemv: bool = False, lowp: bool = False) -> torch.Tensor:  # fmt: skip
+                 warps: int = 4, gemv: bool = False, lowp: bool = False, words: bool = False,
+                 ) -> torch.Tensor:  # fmt: skip
+    gguf_gemm.LOWP_WORDS = words
     return gguf_gemm_rows(x, blocks, qtype, block_n or gguf_gemm.BLOCK_N, programs, factored, unroll,
                           warps, gemv, lowp)  # fmt: skip
 
@@ -69,11 +71,15 @@ def _forms(qtype: str) -> list[dict[str, bool]]:
         forms.append({"factored": True})
     if qtype in gguf_gemm.LOWP_TYPES:
         forms.append({"factored": False, "lowp": True})
+    if qtype == "Q4_K":  # its scales read as 32-bit words
+        forms.append({"factored": False, "lowp": True, "words": True})
     return forms
 
 
 def _form_name(form: dict[str, bool]) -> str:
-    return "lowp" if form.get("lowp") else "factored" if form["factored"] else "dequant_tiles"
+    if form.get("lowp"):
+        return "lowp_words" if form.get("words") else "lowp"
+    return "factored" if form["factored"] else "dequant_tiles"
 
 
 def _check(qtype: str) -> None:
@@ -131,7 +137,8 @@ def _shape(n: int, k: int, qtype: str) -> None:
 
 def main() -> None:
     torch.manual_seed(0)
-    cut, gguf_gemm.MAX_ROWS = gguf_gemm.MAX_ROWS, 64  # the few-rows kernel timed past its cut too
+    defaults = {name: getattr(gguf_gemm, name) for name in ("FACTORED", "GEMV", "LOWP", "LOWP_WORDS", "MAX_ROWS")}
+    gguf_gemm.MAX_ROWS = 64  # the few-rows kernel timed past its cut too
     for qtype in ("Q4_K", "Q6_K", "Q8_0", "Q4_1"):
         _check(qtype)
     for qtype in ("Q4_K", "Q6_K"):
@@ -141,8 +148,7 @@ def main() -> None:
             _shape(n, k, qtype)
     for qtype in ("Q8_0", "Q4_1"):  # SmolLM2's GGUF types
         _shape(4096, 4096, qtype)
-    print(json.dumps({"defaults": {"FACTORED": gguf_gemm.FACTORED, "GEMV": gguf_gemm.GEMV, "LOWP": gguf_gemm.LOWP,
-                                   "MAX_ROWS": cut}}))  # fmt: skip
+    print(json.dumps({"defaults": defaults}))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ GEMV = False
 # GPU could be started)
 LOWP = False
 LOWP_TYPES = ("Q4_K", "Q6_K")
+LOWP_WORDS = False  # Q4_K's scales read as 32-bit words (gguf_blocks._q4k_words_factors)
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # the many-rows path dequantises at most this many weights at a time (64 MiB of bf16), so a
@@ -89,14 +90,14 @@ def _step_product(
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FACTORED: tl.constexpr, LOWP: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
     """acc plus the product of the activations with one step (256 elements of K) of the rows."""
     if LOWP:  # Q4_K / Q6_K dequantised in x's dtype (gguf_blocks' LOWP)
         block = row + step * BYTES
         dtype = x_rows.dtype.element_ty
         if QTYPE == 12:
-            w_lo, cols_lo, w_hi, cols_hi = q4k_step_lowp(block, dtype, ASM, BLOCK_N)
+            w_lo, cols_lo, w_hi, cols_hi = q4k_step_lowp(block, dtype, ASM, WORDS, BLOCK_N)
             acc = _part_dot(acc, x_rows, mask_m, step, w_lo, cols_lo, IEEE)
             acc = _part_dot(acc, x_rows, mask_m, step, w_hi, cols_hi, IEEE)
         else:  # Q6_K: ql[64 h + 32 p + l] for quarters p and p + 2, qh[32 h + l] for all four
@@ -146,7 +147,7 @@ def _gguf_gemm_rows_kernel(
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FACTORED: tl.constexpr,
-    UNROLL: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr,
+    UNROLL: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
     s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -158,7 +159,7 @@ def _gguf_gemm_rows_kernel(
         for step in range(s_lo, s_hi):
             acc = _step_product(
                 acc, x_rows, mask_m, row, step, num_blocks, j, QTYPE, BYTES, QS, QH, MIN, ZERO,
-                PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED, LOWP, ASM,
+                PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED, LOWP, ASM, WORDS,
             )  # fmt: skip
     else:  # UNROLL steps an iteration, none behind a branch (a step past s_hi repeats the last, unused)
         for first in range(s_lo, s_hi, UNROLL):
@@ -166,7 +167,7 @@ def _gguf_gemm_rows_kernel(
                 part = _step_product(
                     tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_rows, mask_m, row,
                     tl.minimum(first + u, s_hi - 1), num_blocks, j, QTYPE, BYTES, QS, QH, MIN,
-                    ZERO, PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED, LOWP, ASM,
+                    ZERO, PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED, LOWP, ASM, WORDS,
                 )  # fmt: skip
                 acc += tl.where(first + u < s_hi, part, 0.0)
     out_offs = offs_m[:, None] * stride_out + offs_n[None, :]
@@ -250,7 +251,7 @@ def gguf_gemm_rows(
                 BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, SPLIT=splits > 1,
                 FACTORED=factor and not low, UNROLL=unroll, LOWP=low,
                 ASM=low and x.dtype == torch.bfloat16 and not triton.knobs.runtime.interpret,
-                num_warps=num_warps,
+                WORDS=LOWP_WORDS, num_warps=num_warps,
             )  # fmt: skip
         if splits > 1:
             sum_splits(out, target)

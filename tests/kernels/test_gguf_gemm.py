@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from mmserve.kernels import gguf_gemm
 from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize, gguf_dequantize_ref
 from mmserve.kernels.gguf_gemm import MAX_ROWS, gguf_gemm_rows, gguf_matmul, gguf_matmul_ref
 from mmserve.models.gguf_linear import GgufLinear
@@ -112,14 +113,16 @@ def test_kquant_products_by_weight_and_by_sub_block_sum(
 
 
 @pytest.mark.parametrize("programs_per_sm", [0, 4])
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize(("qtype", "words"), [("Q4_K", False), ("Q4_K", True), ("Q6_K", False)])
 @pytest.mark.parametrize("rows", [1, 7, 16])
 def test_kquants_dequantised_in_the_16_bit_dtype(
-    qtype: str, rows: int, programs_per_sm: int, dtype: torch.dtype
-) -> None:
+    qtype: str, words: bool, rows: int, programs_per_sm: int, dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """lowp=True: Q4_K / Q6_K dequantised in x's own dtype (on CUDA in bfloat16 by bits, inline
     PTX; float32 keeps the float32 path) is x times gguf's weights; 3 super-blocks, 45
-    channels (a partial tile), K unsplit and split."""
+    channels (a partial tile), K unsplit and split, Q4_K's scales read by bytes and by words."""
+    monkeypatch.setattr(gguf_gemm, "LOWP_WORDS", words)
     blocks = random_blocks(qtype, 45, 768, seed=rows)
     x = torch.randn(rows, 768, device=DEVICE).to(dtype)
     out = gguf_gemm_rows(x, blocks, qtype, programs_per_sm=programs_per_sm, lowp=True)
