@@ -27,14 +27,23 @@ DEQUANT = {"out_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "k": "i32", "num_bloc
            "row_bytes": "i32"}  # fmt: skip
 
 
-def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any]) -> None:
+def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
+                 aligned: tuple[str, ...] = (), num_warps: int = 4) -> Any:  # fmt: skip
+    """fn compiled for sm_90 (the compiled kernel: .asm["cubin"], ["ptx"], ...). aligned: the
+    integer arguments a launch would pass divisible by 16 (Triton specialises on it; pointers
+    are taken as 16-byte aligned, as torch allocates them), so that the code is the code a
+    launch compiles."""
     names = fn.arg_names
+    divisible = [k for k, t in signature.items() if t.startswith("*")] + list(aligned)
     source = ASTSource(
         fn=fn,
         signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
         constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in divisible},
     )
-    assert "cubin" in triton.compile(source, target=SM90).asm
+    kernel = triton.compile(source, target=SM90, options={"num_warps": num_warps})
+    assert "cubin" in kernel.asm
+    return kernel
 
 
 def main() -> None:

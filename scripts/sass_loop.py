@@ -1,0 +1,68 @@
+"""The GGUF few-rows kernel's main loop in sm_90 SASS, counted on any machine (no GPU): Triton
+compiles it for sm_90 (tests/kernels/sm90_compile.py), cuobjdump (shipped with Triton)
+disassembles it, and the longest loop's instructions are counted per weight and thread (a
+program's step covers BLOCK_N x 256 weights over num_warps x 32 threads), with an
+instruction-mix histogram. A proxy for the kernel's issue time, not a timing: bench_gguf.py
+times the kernels on a GPU.
+
+    env -u TRITON_INTERPRET python scripts/sass_loop.py [QTYPE ...]
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mmserve.kernels import gguf_gemm
+from mmserve.kernels.gguf_blocks import FORMATS, STEP_PARTS
+from tests.kernels.sm90_compile import ROWS, compile_sm90
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+ALIGNED = ("row_bytes", "stride_x", "n", "stride_out")
+
+
+def loop_body(cubin: bytes, tmp: Path) -> list[str]:
+    """The instructions of the longest backward-branching loop."""
+    tmp.write_bytes(cubin)
+    sass = subprocess.run([str(CUOBJDUMP), "-sass", str(tmp)], check=True, capture_output=True, text=True).stdout
+    code = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
+    loops = []
+    for addr, text in code:
+        branch = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if branch and int(branch[1], 16) < addr:
+            loops.append([t for a, t in code if int(branch[1], 16) <= a <= addr])
+    return max(loops, key=len) if loops else []
+
+
+def main(qtypes: list[str]) -> None:
+    tmp = Path("/tmp/mmserve_sass_loop.cubin")
+    for qtype in qtypes:
+        fmt = FORMATS[qtype]
+        forms = [("dequant_tiles", {})]
+        if qtype in ("Q4_K", "Q5_K"):
+            forms.append(("factored", {"FACTORED": True}))
+        if qtype in gguf_gemm.LOWP_TYPES:
+            forms.append(("lowp", {"LOWP": True, "ASM": True}))
+        if qtype == "Q4_K":
+            forms.append(("lowp_words", {"LOWP": True, "ASM": True, "WORDS": True}))
+        for (name, form), (block_n, warps) in ((f, t) for f in forms for t in ((64, 4), (128, 4))):
+            constexprs = {**fmt.kernel_args(), "PARTS": STEP_PARTS[fmt.type_id], "IEEE": False,
+                          "BLOCK_M": 16, "BLOCK_N": block_n, "SPLIT": True, "FACTORED": False,
+                          "UNROLL": 1, "LOWP": False, "ASM": False, "WORDS": False, **form}  # fmt: skip
+            kernel = compile_sm90(gguf_gemm._gguf_gemm_rows_kernel, ROWS, constexprs, ALIGNED, warps)
+            body = loop_body(kernel.asm["cubin"], tmp)
+            weights = block_n * 256 / (warps * 32)
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+            mix = " ".join(f"{op}:{count}" for op, count in ops.most_common(12))
+            print(f"{qtype} {name} block_n={block_n} warps={warps}: {len(body)} instructions a step, "
+                  f"{len(body) / weights:.2f} a weight; {mix}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["Q4_K", "Q6_K"])
