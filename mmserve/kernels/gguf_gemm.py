@@ -60,7 +60,7 @@ GEMV = False
 # GPU could be started)
 LOWP = False
 LOWP_TYPES = ("Q4_K", "Q6_K")
-LOWP_WORDS = False  # Q4_K's scales read as 32-bit words (gguf_blocks._q4k_words_factors)
+LOWP_WORDS = True  # Q4_K's scales read as 32-bit words (gguf_blocks._q4k_words_factors)
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # the many-rows path dequantises at most this many weights at a time (64 MiB of bf16), so a
@@ -79,9 +79,11 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _part_dot(acc, x_rows, mask_m, step, w, cols, IEEE: tl.constexpr):
-    """acc + the activations at the step's columns cols @ w [BLOCK_N, len(cols)] transposed."""
+    """acc [BLOCK_N, BLOCK_M] + w [BLOCK_N, len(cols)] @ the activations at the step's columns
+    cols, transposed: the weights are the product's M side, so that on Hopper a warpgroup's
+    MMA takes 64 channels by 8 rows (a few rows pad to 8, not to 16 as on the N side)."""
     a = tl.load(x_rows + step * 256 + cols[None, :], mask=mask_m[:, None], other=0.0)
-    return _dot(a, tl.trans(w), acc, IEEE)
+    return _dot(w, tl.trans(a), acc, IEEE)
 
 
 @triton.jit
@@ -153,7 +155,9 @@ def _gguf_gemm_rows_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < rows
     x_rows = x_ptr + offs_m[:, None] * stride_x
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # LOWP accumulates the product transposed, [BLOCK_N, BLOCK_M] (_part_dot)
+    shape: tl.constexpr = [BLOCK_N, BLOCK_M] if LOWP else [BLOCK_M, BLOCK_N]
+    acc = tl.zeros(shape, dtype=tl.float32)
     j = tl.arange(0, 32)
     if UNROLL == 1:
         for step in range(s_lo, s_hi):
@@ -165,11 +169,13 @@ def _gguf_gemm_rows_kernel(
         for first in range(s_lo, s_hi, UNROLL):
             for u in tl.static_range(UNROLL):
                 part = _step_product(
-                    tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_rows, mask_m, row,
+                    tl.zeros(shape, dtype=tl.float32), x_rows, mask_m, row,
                     tl.minimum(first + u, s_hi - 1), num_blocks, j, QTYPE, BYTES, QS, QH, MIN,
                     ZERO, PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED, LOWP, ASM, WORDS,
                 )  # fmt: skip
                 acc += tl.where(first + u < s_hi, part, 0.0)
+    if LOWP:
+        acc = tl.trans(acc)
     out_offs = offs_m[:, None] * stride_out + offs_n[None, :]
     if SPLIT:  # float32 partials [splits, rows, n], summed in order by _common.sum_splits
         out_offs += tl.program_id(1).to(tl.int64) * rows * n
@@ -248,7 +254,8 @@ def gguf_gemm_rows(
                 target, x, blocks, rows, n, num_blocks, per_split, steps, num_blocks * fmt.bytes,
                 x.stride(0), n if splits > 1 else out.stride(0), **fmt.kernel_args(),
                 PARTS=STEP_PARTS[fmt.type_id], IEEE=x.dtype == torch.float32,
-                BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, SPLIT=splits > 1,
+                BLOCK_M=max(8 if low else 16, triton.next_power_of_2(rows)), BLOCK_N=block_n,
+                SPLIT=splits > 1,
                 FACTORED=factor and not low, UNROLL=unroll, LOWP=low,
                 ASM=low and x.dtype == torch.bfloat16 and not triton.knobs.runtime.interpret,
                 WORDS=LOWP_WORDS, num_warps=num_warps,
