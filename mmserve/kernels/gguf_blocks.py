@@ -154,8 +154,8 @@ def _q45k_factors(block, sub):
 # put into the mantissas of two bfloat16 128.0s (a byte permute and a logical op), then 128
 # (Q6_K: 160) subtracted from both at once: exact, since q < 128. The interpreter (CI) runs
 # the same arithmetic with a plain conversion (it cannot run assembly). Counted in the sm_90
-# SASS of the loop (tests/kernels/sm90_compile.py): Q4_K's product went from 11.3 (FACTORED)
-# or 7.4 instructions per weight and thread to about 5.
+# SASS of the loop (scripts/sass_loop.py): Q4_K's product went from 11.3 (FACTORED) or 7.4
+# instructions per weight and thread to 5.0, Q6_K's from 12.0 to 7.1.
 def _bits_asm(low_shift: int, high_shift: int | None = None) -> tl.constexpr:
     """Inline PTX: four quants' bytes $2 (and for Q6_K the bytes $3 of their two high bits)
     -> four bfloat16 in two registers: the nibbles at bit low_shift (or-ed with the two bits
@@ -230,8 +230,9 @@ def _q4k_words_factors(block):
     [BLOCK_N], from their first 16 bytes read as four 32-bit words (one 16-byte load a row;
     a Q4_K row of blocks is 16-byte aligned) and unpacked four sub-blocks at a time, as
     ggml's CUDA kernels do: (d1, m1) of sub-blocks 0, 2, 4, 6, then of 1, 3, 5, 7, each
-    float32 [BLOCK_N, 4]. In the sm_90 SASS the loads join the loop's pipeline (cp.async), but
-    the loop has more instructions (5.9 a weight against 4.9 at 64 channels a program)."""
+    float32 [BLOCK_N, 4]. In the sm_90 SASS (scripts/sass_loop.py, 64 channels a program) the
+    loads join the loop's pipeline (cp.async), and the loop takes 5.0 instructions a weight
+    against 6.5 with the scales read byte by byte."""
     words = block.to(tl.pointer_type(tl.int32))
     head, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
     d, dmin = _f16_bits(head & 0xFFFF), _f16_bits(head >> 16)
