@@ -8,13 +8,14 @@ dequantise-then-matmul path at 32 and 64 rows (where the cut between the paths l
 sweep at one row of each form over output channels per program, programs per SM and warps per
 program, and of the one-row kernel without tensor cores (GEMV).
 
-    python scripts/bench_gguf.py
+    python scripts/bench_gguf.py  (BENCH_GGUF_QUICK=1: 1 and 16 rows, the sweep in fewer points)
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Callable
 
 import torch
@@ -26,6 +27,8 @@ from mmserve.kernels.gguf_gemm import gguf_gemm_rows
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 L2_OVERFLOW = 160e6  # bytes cycled through per timed call (the H200's L2: 50 MB)
+QUICK = os.environ.get("BENCH_GGUF_QUICK") == "1"
+ROWS = (1, 16) if QUICK else (1, 4, 16, 32, 64)
 
 
 def _time(product: Callable[[int], object], copies: int) -> float:
@@ -104,7 +107,7 @@ def _shape(n: int, k: int, qtype: str) -> None:
     dense_copies = max(2, int(L2_OVERFLOW // (n * k * 2)) + 1)
     blocks = _blocks(qtype, n, k, copies)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(dense_copies)]
-    for rows in (1, 4, 16, 32, 64):
+    for rows in ROWS:
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         line: dict[str, object] = {"qtype": qtype, "n": n, "k": k, "rows": rows}
         for form in _forms(qtype):
@@ -122,13 +125,16 @@ def _shape(n: int, k: int, qtype: str) -> None:
         print(json.dumps(line), flush=True)
     if (n, k) == (4096, 14336) and qtype in ("Q4_K", "Q6_K"):
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        for form, block_n, programs, warps in itertools.product(_forms(qtype), (32, 64, 128), (4, 8), (4, 8)):
+        grid = itertools.product(_forms(qtype), (32, 64, 128), (4, 8), (4, 8))
+        if QUICK:  # the LOWP forms only, at 4 warps
+            grid = ((f, b, p, 4) for f in _forms(qtype) if f.get("lowp") for b in (64, 128) for p in (4, 8))
+        for form, block_n, programs, warps in grid:
             us = _time(lambda i, b=block_n, p=programs, w=warps, f=form:
                        _rows_kernel(x, blocks[i], qtype, b, p, warps=w, **f), copies)  # fmt: skip
             print(json.dumps({"sweep": [qtype, n, k, 1], "form": _form_name(form), "block_n": block_n,
                               "programs_per_sm": programs, "num_warps": warps,
                               "us": round(us, 1), "gbs": round(nbytes / us / 1e3)}), flush=True)  # fmt: skip
-        for block_n, programs in itertools.product((16, 32, 64), (4, 8)):
+        for block_n, programs in itertools.product((16, 32, 64), (4, 8)) if not QUICK else ():
             us = _time(lambda i, b=block_n, p=programs: _rows_kernel(x, blocks[i], qtype, b, p, gemv=True), copies)
             print(json.dumps({"sweep": [qtype, n, k, 1], "gemv": True, "block_n": block_n,
                               "programs_per_sm": programs, "us": round(us, 1),

@@ -74,7 +74,7 @@ fi
 if has gguf; then
   # the GGUF Q4_K_M file at the 8B shape alone, next to bf16 from the same call (issue 19)
   Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024"
-  Q="$Q --batch-sizes 1,2,4,8,16,32,64"
+  Q="$Q --batch-sizes ${GGUF_BATCHES:-1,2,4,8,16,32,64}"
   { $B latency,decode $Q; $B latency,decode $Q --checkpoint-format gguf:Q4_K_M
     echo "LOWP=True"  # Q4_K / Q6_K dequantised in bfloat16 (gguf_gemm.LOWP)
     python3 scripts/ab_switch.py mmserve.kernels.gguf_gemm.LOWP=True -- latency,decode $Q --checkpoint-format gguf:Q4_K_M
