@@ -3,7 +3,7 @@ projection shapes and the LM head, 1-64 rows: one JSON line per case, times in C
 (do_bench_cudagraph), each product cycling through enough copies of its blocks to overflow the
 L2 cache, and the bytes read per microsecond. Each form of the product: every weight dequantised
 in float32 first, Q4_K / Q5_K's FACTORED (the quants multiplied, then scaled per sub-block), and
-Q4_K / Q6_K's LOWP (dequantised in bfloat16, the quants made floats by bits), the
+the K-quants' LOWP (dequantised in bfloat16, the quants made floats by bits), the
 dequantise-then-matmul path at 32 and 64 rows (where the cut between the paths lies), then a
 sweep at one row of each form over output channels per program, programs per SM and warps per
 program, and of the one-row kernel without tensor cores (GEMV).
@@ -68,13 +68,13 @@ def _rows_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int
 
 def _forms(qtype: str) -> list[dict[str, bool]]:
     """The few-rows kernel's forms of the product for qtype: dequantised in float32 (and for
-    Q4_K / Q5_K factored), and for Q4_K / Q6_K dequantised in x's dtype (lowp)."""
+    Q4_K / Q5_K factored), and for the K-quants dequantised in x's dtype (lowp)."""
     forms = [{"factored": False}]
     if qtype in ("Q4_K", "Q5_K"):
         forms.append({"factored": True})
     if qtype in gguf_gemm.LOWP_TYPES:
         forms.append({"factored": False, "lowp": True})
-    if qtype == "Q4_K":  # its scales read as 32-bit words
+    if qtype in ("Q4_K", "Q5_K"):  # their scales read as 32-bit words
         forms.append({"factored": False, "lowp": True, "words": True})
     return forms
 

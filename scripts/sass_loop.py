@@ -49,7 +49,7 @@ def main(qtypes: list[str]) -> None:
             forms.append(("factored", {"FACTORED": True}))
         if qtype in gguf_gemm.LOWP_TYPES:
             forms.append(("lowp", {"LOWP": True, "ASM": True}))
-        if qtype == "Q4_K":
+        if qtype in ("Q4_K", "Q5_K"):
             forms.append(("lowp_words", {"LOWP": True, "ASM": True, "WORDS": True}))
         for (name, form), (block_n, warps) in ((f, t) for f in forms for t in ((64, 4), (128, 4))):
             constexprs = {**fmt.kernel_args(), "PARTS": STEP_PARTS[fmt.type_id], "IEEE": False,

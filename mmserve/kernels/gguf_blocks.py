@@ -147,7 +147,7 @@ def _q45k_factors(block, sub):
 
 
 # The K-quants dequantised in the product's own 16-bit dtype (LOWP; gguf_gemm.LOWP): a weight
-# is d1 q - m1 (Q4_K) or d1 (q - 32) (Q6_K) with d1 and m1 rounded to that dtype first and one
+# is d1 q - m1 (Q4_K, Q5_K) or d1 (q - 32) (Q6_K) with d1 and m1 rounded to that dtype first and one
 # fused multiply-add per weight pair, where the float32 path (step_part) spends an int-to-float
 # conversion, a float32 multiply-add and a conversion down per weight. On an NVIDIA GPU in
 # bfloat16 (ASM) the quants become floats by bits: four bytes at a time, each pair of quants
@@ -155,29 +155,33 @@ def _q45k_factors(block, sub):
 # (Q6_K: 160) subtracted from both at once: exact, since q < 128. The interpreter (CI) runs
 # the same arithmetic with a plain conversion (it cannot run assembly). Counted in the sm_90
 # SASS of the loop (scripts/sass_loop.py): Q4_K's product went from 11.3 (FACTORED) or 7.4
-# instructions per weight and thread to 5.0, Q6_K's from 12.0 to 7.1.
-def _bits_asm(low_shift: int, high_shift: int | None = None) -> tl.constexpr:
-    """Inline PTX: four quants' bytes $2 (and for Q6_K the bytes $3 of their two high bits)
-    -> four bfloat16 in two registers: the nibbles at bit low_shift (or-ed with the two bits
-    at bit high_shift, Q6_K) put into the mantissas of 128.0, then 128 (Q6_K: 160, taking its
-    q - 32) subtracted."""
-    offset = 0 if high_shift is None else 32
+# instructions per weight and thread to 5.0, Q5_K's from 13.6 or 12.0 to 8.7, Q6_K's from 12.0
+# to 7.1.
+def _bits_asm(low_shift: int, high_shift: int | None = None, high_bits: int = 2) -> tl.constexpr:
+    """Inline PTX: four quants' bytes $2 (and the bytes $3 of their high bits) -> four bfloat16
+    in two registers: the nibbles at bit low_shift, or-ed with the high_bits bits at bit
+    high_shift of $3 as bits 4 and up (Q6_K: two, Q5_K: one), put into the mantissas of
+    128.0; then 128 subtracted (Q6_K: 160, taking its q - 32)."""
+    offset = 32 if high_shift is not None and high_bits == 2 else 0
     code = ["{ .reg .b32 a, b, u, v, m, k; mov.b32 m, 0x43004300;",
             f"mov.b32 k, {0x4300 + offset:#x}{0x4300 + offset:04x};",
             "mov.b32 a, $2;" if low_shift == 0 else f"shr.b32 a, $2, {low_shift};"]  # fmt: skip
-    if high_shift is not None:  # the two bits moved to bits 4-5 of each byte
+    if high_shift is not None:  # the high bits moved to bit 4 of each byte
         move = 4 - high_shift
         code.append(f"shl.b32 b, $3, {move};" if move > 0 else f"shr.b32 b, $3, {-move};" if move else "mov.b32 b, $3;")
+    mask = f"{(((1 << high_bits) - 1) << 4) * 0x10001:#010x}"
     for out, pick in ((0, "0x4140"), (1, "0x4342")):  # bytes 0-1, then 2-3, as 16-bit lanes
         code.append(f"prmt.b32 u, a, 0, {pick}; lop3.b32 u, u, 0x000F000F, m, 0xEA;")
         if high_shift is not None:
-            code.append(f"prmt.b32 v, b, 0, {pick}; lop3.b32 u, v, 0x00300030, u, 0xEA;")
+            code.append(f"prmt.b32 v, b, 0, {pick}; lop3.b32 u, v, {mask}, u, 0xEA;")
         code.append(f"sub.rn.bf16x2 ${out}, u, k;")
     return tl.constexpr(" ".join(code) + " }")
 
 
 _Q4K_LOW = _bits_asm(0)
 _Q4K_HIGH = _bits_asm(4)
+_Q5K_LOW = _bits_asm(0, 0, high_bits=1)  # qh's bytes shifted right by the chunk's 2 c first
+_Q5K_HIGH = _bits_asm(4, 1, high_bits=1)
 _Q6K_0 = _bits_asm(0, 0)
 _Q6K_1 = _bits_asm(0, 2)
 _Q6K_2 = _bits_asm(4, 4)
@@ -199,6 +203,20 @@ def _nibbles_as(qs, HIGH: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
             return _bits(_Q4K_LOW, qs, qs)
     else:
         return ((qs.to(tl.int32) >> (4 * HIGH)) & 15).to(DTYPE)
+
+
+@triton.jit
+def _q5k_as(qs, qh, HIGH: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """Q5_K's quants in DTYPE, exactly: the low (or HIGH) nibbles of qs with bit HIGH of qh (the
+    chunk's qh bytes, already shifted right by 2 c) as the fifth."""
+    if ASM:
+        if HIGH:
+            return _bits(_Q5K_HIGH, qs, qh)
+        else:
+            return _bits(_Q5K_LOW, qs, qh)
+    else:
+        fifth = ((qh.to(tl.int32) >> HIGH) & 1) << 4
+        return (((qs.to(tl.int32) >> (4 * HIGH)) & 15) | fifth).to(DTYPE)
 
 
 @triton.jit
@@ -226,13 +244,13 @@ def _f16_bits(bits):
 
 @triton.jit
 def _q4k_words_factors(block):
-    """_q45k_factors of every sub-block of the Q4_K super-blocks at byte pointers block
+    """_q45k_factors of every sub-block of the Q4_K / Q5_K super-blocks at byte pointers block
     [BLOCK_N], from their first 16 bytes read as four 32-bit words (one 16-byte load a row;
-    a Q4_K row of blocks is 16-byte aligned) and unpacked four sub-blocks at a time, as
+    their rows of blocks are 16-byte aligned: 144 and 176 bytes a block) and unpacked four sub-blocks at a time, as
     ggml's CUDA kernels do: (d1, m1) of sub-blocks 0, 2, 4, 6, then of 1, 3, 5, 7, each
     float32 [BLOCK_N, 4]. In the sm_90 SASS (scripts/sass_loop.py, 64 channels a program) the
-    loads join the loop's pipeline (cp.async), and the loop takes 5.0 instructions a weight
-    against 6.5 with the scales read byte by byte."""
+    loads join the loop's pipeline (cp.async), and Q4_K's loop takes 5.0 instructions a weight
+    against 6.5 with the scales read byte by byte (Q5_K: 8.7 against 9.1)."""
     words = block.to(tl.pointer_type(tl.int32))
     head, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
     d, dmin = _f16_bits(head & 0xFFFF), _f16_bits(head >> 16)
@@ -252,21 +270,31 @@ def _q4k_words_factors(block):
 
 
 @triton.jit
-def q4k_step_lowp(block, DTYPE: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A Q4_K step at byte pointers block [BLOCK_N] in DTYPE (LOWP, above): w_lo [BLOCK_N, 128]
-    (the low nibbles of qs[32 c + j], elements 64 c + j), its columns' elements [128], then
-    w_hi (the high ones, elements 64 c + 32 + j) and its columns. The bytes are loaded once; the
-    scales byte by byte, or (WORDS) as 32-bit words (_q4k_words_factors)."""
+def q45k_step_lowp(block, QTYPE: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+    """A Q4_K / Q5_K step at byte pointers block [BLOCK_N] in DTYPE (LOWP, above): w_lo
+    [BLOCK_N, 128] (the low nibbles of qs[32 c + j], elements 64 c + j), its columns' elements
+    [128], then w_hi (the high ones, elements 64 c + 32 + j) and its columns. The bytes are
+    loaded once; the scales byte by byte, or (WORDS) as 32-bit words (_q4k_words_factors).
+    Q5_K's fifth bits (qh[j], bit 2 c for the low nibble of chunk c, 2 c + 1 for the high)."""
     c = tl.arange(0, 4)
     j = tl.arange(0, 32)
-    qs = tl.load(block[:, None, None] + 16 + 32 * c[None, :, None] + j[None, None, :])
-    if WORDS:
+    QS: tl.constexpr = 48 if QTYPE == 13 else 16
+    qs = tl.load(block[:, None, None] + QS + 32 * c[None, :, None] + j[None, None, :])
+    if WORDS:  # Q4_K's and Q5_K's scales lie alike, 16-byte aligned
         d1_lo, m1_lo, d1_hi, m1_hi = _q4k_words_factors(block)
     else:
         d1_lo, m1_lo = _q45k_factors(block, 2 * c)
         d1_hi, m1_hi = _q45k_factors(block, 2 * c + 1)
-    w_lo = _nibbles_as(qs, False, DTYPE, ASM) * d1_lo.to(DTYPE)[:, :, None] - m1_lo.to(DTYPE)[:, :, None]
-    w_hi = _nibbles_as(qs, True, DTYPE, ASM) * d1_hi.to(DTYPE)[:, :, None] - m1_hi.to(DTYPE)[:, :, None]
+    if QTYPE == 13:
+        qh = tl.load(block[:, None, None] + 16 + j[None, None, :]) >> (2 * c)[None, :, None].to(tl.uint8)
+        q_lo = _q5k_as(qs, qh, False, DTYPE, ASM)
+        q_hi = _q5k_as(qs, qh, True, DTYPE, ASM)
+    else:
+        q_lo = _nibbles_as(qs, False, DTYPE, ASM)
+        q_hi = _nibbles_as(qs, True, DTYPE, ASM)
+    w_lo = q_lo * d1_lo.to(DTYPE)[:, :, None] - m1_lo.to(DTYPE)[:, :, None]
+    w_hi = q_hi * d1_hi.to(DTYPE)[:, :, None] - m1_hi.to(DTYPE)[:, :, None]
     t = tl.arange(0, 128)
     cols = 64 * (t // 32) + t % 32
     return tl.reshape(w_lo, [BLOCK_N, 128]), cols, tl.reshape(w_hi, [BLOCK_N, 128]), cols + 32

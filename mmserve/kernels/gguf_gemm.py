@@ -37,9 +37,9 @@ from mmserve.kernels.gguf_blocks import (
     STEP_PARTS,
     check_blocks,
     gguf_dequantize,
-    q4k_step_lowp,
     q6k_quarter_lowp,
     q45k_chunk,
+    q45k_step_lowp,
     step_part,
 )
 
@@ -54,13 +54,13 @@ BLOCK_N = 64  # output channels per program of the few-rows kernel
 # its device time was spent; the tensor-core kernel's many small dots and operand layout
 # changes are the suspect in its 400-620 GB/s for Q4_K at one row)
 GEMV = False
-# Q4_K and Q6_K dequantised in x's 16-bit dtype (gguf_blocks' LOWP: bfloat16 quants by bits on
+# The K-quants dequantised in x's 16-bit dtype (gguf_blocks' LOWP: bfloat16 quants by bits on
 # CUDA): about 5 instructions a weight in the sm_90 SASS of the loop against 7.4-11.3. Off
 # until a GPU has timed it and checked its bfloat16 products (written in session 21, while no
 # GPU could be started)
 LOWP = False
-LOWP_TYPES = ("Q4_K", "Q6_K")
-LOWP_WORDS = True  # Q4_K's scales read as 32-bit words (gguf_blocks._q4k_words_factors)
+LOWP_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+LOWP_WORDS = True  # Q4_K's / Q5_K's scales read as 32-bit words (gguf_blocks._q4k_words_factors)
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # the many-rows path dequantises at most this many weights at a time (64 MiB of bf16), so a
@@ -95,11 +95,11 @@ def _step_product(
     ASM: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
     """acc plus the product of the activations with one step (256 elements of K) of the rows."""
-    if LOWP:  # Q4_K / Q6_K dequantised in x's dtype (gguf_blocks' LOWP)
+    if LOWP:  # the K-quants dequantised in x's dtype (gguf_blocks' LOWP)
         block = row + step * BYTES
         dtype = x_rows.dtype.element_ty
-        if QTYPE == 12:
-            w_lo, cols_lo, w_hi, cols_hi = q4k_step_lowp(block, dtype, ASM, WORDS, BLOCK_N)
+        if QTYPE != 14:  # Q4_K / Q5_K
+            w_lo, cols_lo, w_hi, cols_hi = q45k_step_lowp(block, QTYPE, dtype, ASM, WORDS, BLOCK_N)
             acc = _part_dot(acc, x_rows, mask_m, step, w_lo, cols_lo, IEEE)
             acc = _part_dot(acc, x_rows, mask_m, step, w_hi, cols_hi, IEEE)
         else:  # Q6_K: ql[64 h + 32 p + l] for quarters p and p + 2, qh[32 h + l] for all four
@@ -217,7 +217,7 @@ def gguf_gemm_rows(
     programs on every SM splits K in whole steps, as the w4a16 kernel does
     (mmserve/kernels/_common.k_splits); 0 never splits. factored: Q4_K / Q5_K's form of the
     product (default FACTORED). gemv: one row by the kernel without tensor cores (default
-    GEMV). lowp: Q4_K / Q6_K with 16-bit x dequantised in x's dtype (default LOWP). unroll
+    GEMV). lowp: the K-quants with 16-bit x dequantised in x's dtype (default LOWP). unroll
     (steps a loop iteration reads) and num_warps: for scripts/bench_gguf.py's
     sweep, untimed in the engine."""
     fmt = check_blocks("blocks", blocks, qtype)

@@ -56,7 +56,7 @@ def main() -> None:
             compile_sm90(gguf_gemm._gguf_gemm_rows_kernel, ROWS, {
                 **args, "IEEE": False, "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT": split,
                 "FACTORED": factored and not low, "UNROLL": unroll, "LOWP": low, "ASM": asm,
-                "WORDS": low and qtype == "Q4_K" and split})  # fmt: skip
+                "WORDS": low and qtype != "Q6_K" and split})  # fmt: skip
         for split in (False, True):
             compile_sm90(gguf_gemm._gguf_gemv_kernel, GEMV, {**args, "BLOCK_N": 64, "SPLIT": split})
         compile_sm90(gguf_blocks._dequantize_kernel, DEQUANT, {**args, "BLOCK_N": 16})

@@ -1,4 +1,4 @@
-"""The inline PTX that turns Q4_K / Q6_K quants into bfloat16 on CUDA (gguf_blocks' LOWP),
+"""The inline PTX that turns Q4_K / Q5_K / Q6_K quants into bfloat16 on CUDA (gguf_blocks' LOWP),
 run on the CPU by an emulator of its five instructions as the PTX ISA defines them (mov, shr /
 shl, prmt, lop3, sub.rn.bf16x2), against the formats' own bit layouts (ggml's
 dequantize_row_q4_K / q6_K): every byte value, in each lane of a packed register. The GPU
@@ -101,6 +101,20 @@ def test_q6k_quarter(quarter: int) -> None:
     for ql, qh in _lanes():
         expected = [
             (((lo >> 4 * (quarter // 2)) & 15) | (((hi >> 2 * quarter) & 3) << 4)) - 32
+            for lo, hi in zip(ql, qh, strict=True)
+        ]
+        assert _run(asm, _word(ql), _word(qh)) == expected
+
+
+@pytest.mark.parametrize("high", [False, True])
+def test_q5k_quants(high: bool) -> None:
+    """Q5_K: a nibble of qs with a bit of qh as the fifth (ggml: (ql[l] & 0xF) + (qh[l] & u1 ?
+    16 : 0), u1 the chunk's bit for the low nibbles, u2 = u1 << 1 for the high ones); the kernel
+    shifts qh right by 2 c first, so the bit is 0 for the low nibbles and 1 for the high."""
+    asm = (gguf_blocks._Q5K_HIGH if high else gguf_blocks._Q5K_LOW).value
+    for ql, qh in _lanes():
+        expected = [
+            ((lo >> 4 if high else lo & 15) + (16 if hi >> int(high) & 1 else 0))
             for lo, hi in zip(ql, qh, strict=True)
         ]
         assert _run(asm, _word(ql), _word(qh)) == expected

@@ -113,15 +113,15 @@ def test_kquant_products_by_weight_and_by_sub_block_sum(
 
 
 @pytest.mark.parametrize("programs_per_sm", [0, 4])
-@pytest.mark.parametrize(("qtype", "words"), [("Q4_K", False), ("Q4_K", True), ("Q6_K", False)])
+@pytest.mark.parametrize(("qtype", "words"), [("Q4_K", False), ("Q4_K", True), ("Q5_K", False), ("Q5_K", True), ("Q6_K", False)])
 @pytest.mark.parametrize("rows", [1, 7, 16])
 def test_kquants_dequantised_in_the_16_bit_dtype(
     qtype: str, words: bool, rows: int, programs_per_sm: int, dtype: torch.dtype,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """lowp=True: Q4_K / Q6_K dequantised in x's own dtype (on CUDA in bfloat16 by bits, inline
+    """lowp=True: the K-quants dequantised in x's own dtype (on CUDA in bfloat16 by bits, inline
     PTX; float32 keeps the float32 path) is x times gguf's weights; 3 super-blocks, 45
-    channels (a partial tile), K unsplit and split, Q4_K's scales read by bytes and by words."""
+    channels (a partial tile), K unsplit and split, Q4_K's and Q5_K's scales read by bytes and by words."""
     monkeypatch.setattr(gguf_gemm, "LOWP_WORDS", words)
     blocks = random_blocks(qtype, 45, 768, seed=rows)
     x = torch.randn(rows, 768, device=DEVICE).to(dtype)
