@@ -60,10 +60,10 @@ def _blocks(qtype: str, n: int, k: int, copies: int) -> list[torch.Tensor]:
 def _rows_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int | None = None,
                  programs: int | None = None, factored: bool | None = None, unroll: int = 1,
                  warps: int = 4, gemv: bool = False, lowp: bool = False, words: bool = False,
-                 ) -> torch.Tensor:  # fmt: skip
+                 stages: int | None = None) -> torch.Tensor:  # fmt: skip
     gguf_gemm.LOWP_WORDS = words
     return gguf_gemm_rows(x, blocks, qtype, block_n or gguf_gemm.BLOCK_N, programs, factored, unroll,
-                          warps, gemv, lowp)  # fmt: skip
+                          warps, gemv, lowp, stages)  # fmt: skip
 
 
 def _forms(qtype: str) -> list[dict[str, bool]]:
@@ -125,14 +125,15 @@ def _shape(n: int, k: int, qtype: str) -> None:
         print(json.dumps(line), flush=True)
     if (n, k) == (4096, 14336) and qtype in ("Q4_K", "Q6_K"):
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        grid = itertools.product(_forms(qtype), (32, 64, 128), (4, 8), (4, 8))
-        if QUICK:  # the LOWP forms only, at 4 warps
-            grid = ((f, b, p, 4) for f in _forms(qtype) if f.get("lowp") for b in (64, 128) for p in (4, 8))
-        for form, block_n, programs, warps in grid:
-            us = _time(lambda i, b=block_n, p=programs, w=warps, f=form:
-                       _rows_kernel(x, blocks[i], qtype, b, p, warps=w, **f), copies)  # fmt: skip
+        grid = itertools.product(_forms(qtype), (32, 64, 128), (4, 8), (4, 8), (None,))
+        if QUICK:  # the LOWP forms only, at 4 warps, and the pipeline's depth
+            grid = ((f, b, p, 4, s) for f in _forms(qtype) if f.get("lowp") for b in (64, 128)
+                    for p in (4, 8) for s in (2, 3, 4))  # fmt: skip
+        for form, block_n, programs, warps, stages in grid:
+            us = _time(lambda i, b=block_n, p=programs, w=warps, f=form, s=stages:
+                       _rows_kernel(x, blocks[i], qtype, b, p, warps=w, stages=s, **f), copies)  # fmt: skip
             print(json.dumps({"sweep": [qtype, n, k, 1], "form": _form_name(form), "block_n": block_n,
-                              "programs_per_sm": programs, "num_warps": warps,
+                              "programs_per_sm": programs, "num_warps": warps, "num_stages": stages,
                               "us": round(us, 1), "gbs": round(nbytes / us / 1e3)}), flush=True)  # fmt: skip
         for block_n, programs in itertools.product((16, 32, 64), (4, 8)) if not QUICK else ():
             us = _time(lambda i, b=block_n, p=programs: _rows_kernel(x, blocks[i], qtype, b, p, gemv=True), copies)
@@ -145,13 +146,14 @@ def main() -> None:
     torch.manual_seed(0)
     defaults = {name: getattr(gguf_gemm, name) for name in ("FACTORED", "GEMV", "LOWP", "LOWP_WORDS", "MAX_ROWS")}
     gguf_gemm.MAX_ROWS = 64  # the few-rows kernel timed past its cut too
-    for qtype in ("Q4_K", "Q6_K", "Q8_0", "Q4_1"):
+    for qtype in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_1"):
         _check(qtype)
     for qtype in ("Q4_K", "Q6_K"):
         for n, k in SHAPES:
             if qtype == "Q4_K" and n == 128256:
                 continue  # Q4_K_M's LM head is Q6_K
             _shape(n, k, qtype)
+    _shape(4096, 14336, "Q5_K")  # Q5_K_M's main type
     for qtype in ("Q8_0", "Q4_1"):  # SmolLM2's GGUF types
         _shape(4096, 4096, qtype)
     print(json.dumps({"defaults": defaults}))

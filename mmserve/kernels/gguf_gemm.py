@@ -210,6 +210,7 @@ def gguf_gemm_rows(
     x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = BLOCK_N,
     programs_per_sm: int | None = None, factored: bool | None = None, unroll: int = 1,
     num_warps: int = 4, gemv: bool | None = None, lowp: bool | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M <= MAX_ROWS, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
     transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
@@ -218,8 +219,8 @@ def gguf_gemm_rows(
     (mmserve/kernels/_common.k_splits); 0 never splits. factored: Q4_K / Q5_K's form of the
     product (default FACTORED). gemv: one row by the kernel without tensor cores (default
     GEMV). lowp: the K-quants with 16-bit x dequantised in x's dtype (default LOWP). unroll
-    (steps a loop iteration reads) and num_warps: for scripts/bench_gguf.py's
-    sweep, untimed in the engine."""
+    (steps a loop iteration reads), num_warps and num_stages (the loop's software pipeline,
+    Triton's default 3): for scripts/bench_gguf.py's sweep, untimed in the engine."""
     fmt = check_blocks("blocks", blocks, qtype)
     check_float("x", x)
     if x.dim() != 2 or x.shape[1] != blocks.shape[1] * fmt.elements:
@@ -259,6 +260,7 @@ def gguf_gemm_rows(
                 FACTORED=factor and not low, UNROLL=unroll, LOWP=low,
                 ASM=low and x.dtype == torch.bfloat16 and not triton.knobs.runtime.interpret,
                 WORDS=LOWP_WORDS, num_warps=num_warps,
+                **({} if num_stages is None else {"num_stages": num_stages}),
             )  # fmt: skip
         if splits > 1:
             sum_splits(out, target)
