@@ -54,7 +54,7 @@ def main() -> None:
         lowp = ((False, False), (True, True), (True, False)) if qtype in gguf_gemm.LOWP_TYPES else ((False, False),)
         for factored, unroll, split, (low, asm) in itertools.product(forms, (1, 2), (False, True), lowp):
             compile_sm90(gguf_gemm._gguf_gemm_rows_kernel, ROWS, {
-                **args, "IEEE": False, "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT": split,
+                **args, "IEEE": False, "BLOCK_M": 8 if low else 16, "BLOCK_N": 64, "SPLIT": split,
                 "FACTORED": factored and not low, "UNROLL": unroll, "LOWP": low, "ASM": asm,
                 "WORDS": low and qtype != "Q6_K" and split})  # fmt: skip
         for split in (False, True):

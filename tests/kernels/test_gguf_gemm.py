@@ -125,9 +125,11 @@ def test_kquants_dequantised_in_the_16_bit_dtype(
     monkeypatch.setattr(gguf_gemm, "LOWP_WORDS", words)
     blocks = random_blocks(qtype, 45, 768, seed=rows)
     x = torch.randn(rows, 768, device=DEVICE).to(dtype)
-    out = gguf_gemm_rows(x, blocks, qtype, programs_per_sm=programs_per_sm, lowp=True)
-    assert out.shape == (rows, 45) and out.dtype == dtype
-    _assert_close(out, gguf_matmul_ref(x, blocks, qtype), dtype)
+    expected = gguf_matmul_ref(x, blocks, qtype)
+    for block_n in (16, 64):  # 16 channels a program: a product too small for a warpgroup MMA
+        out = gguf_gemm_rows(x, blocks, qtype, block_n, programs_per_sm=programs_per_sm, lowp=True)
+        assert out.shape == (rows, 45) and out.dtype == dtype
+        _assert_close(out, expected, dtype)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
