@@ -165,9 +165,14 @@ def test_many_rows_in_chunks_of_the_weight() -> None:
     _assert_close(chunked, gguf_matmul_ref(x, blocks, "Q8_0"), torch.float32)
 
 
-def test_gguf_linear_kernels_equal_its_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("lowp", [False, True])
+def test_gguf_linear_kernels_equal_its_reference(
+    dtype: torch.dtype, lowp: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A merged projection of mixed types (Q4_K, Q6_K, then a float part) with a bias: the
-    Triton path (few rows and many) equals the module's CPU path."""
+    Triton path (few rows and many; the K-quants in float32 or, lowp, in x's dtype) equals
+    the module's CPU path."""
+    monkeypatch.setattr(gguf_gemm, "LOWP", lowp)
     k = 256
     parts = [random_blocks("Q4_K", 24, k, 1), random_blocks("Q6_K", 8, k, 2)]
     parts.append(torch.randn(8, k, device=DEVICE))
