@@ -22,7 +22,7 @@ import torch
 import triton
 
 from mmserve.kernels import gguf_gemm
-from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize
+from mmserve.kernels.gguf_blocks import FORMATS, LOWP_TYPES, gguf_dequantize
 from mmserve.kernels.gguf_gemm import gguf_gemm_rows
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
@@ -72,7 +72,7 @@ def _forms(qtype: str) -> list[dict[str, bool]]:
     forms = [{"factored": False}]
     if qtype in ("Q4_K", "Q5_K"):
         forms.append({"factored": True})
-    if qtype in gguf_gemm.LOWP_TYPES:
+    if qtype in LOWP_TYPES:
         forms.append({"factored": False, "lowp": True})
     if qtype in ("Q4_K", "Q5_K"):  # their scales read as 32-bit words
         forms.append({"factored": False, "lowp": True, "words": True})
@@ -87,7 +87,8 @@ def _form_name(form: dict[str, bool]) -> str:
 
 def _check(qtype: str) -> None:
     """The kernels against the dequantised weight's product, bf16, one shape: the few-rows
-    kernel in each form at 1, 16 and 64 rows, and the one-row kernel (gemv)."""
+    kernel in each form at 1, 16 and 64 rows, the one-row kernel (gemv), and (K-quants) the
+    dequantiser in bf16 (lowp) against the float32 one."""
     blocks = _blocks(qtype, 4096, 4096, 1)[0]
     weight = gguf_dequantize(blocks, qtype, torch.float32)
     cases = [(1, {"factored": False, "gemv": True})] + list(itertools.product((1, 16, 64), _forms(qtype)))
@@ -97,6 +98,11 @@ def _check(qtype: str) -> None:
         out = _rows_kernel(x, blocks, qtype, **form).float()
         rel = ((out - ref).norm() / ref.norm()).item()
         print(json.dumps({"check": qtype, "rows": rows, **form, "rel_err": rel}), flush=True)
+        assert rel < 1e-2, rel
+    if qtype in LOWP_TYPES:
+        low = gguf_dequantize(blocks, qtype, torch.bfloat16, lowp=True).float()
+        rel = ((low - weight).norm() / weight.norm()).item()
+        print(json.dumps({"check": qtype, "dequantize": "lowp", "rel_err": rel}), flush=True)
         assert rel < 1e-2, rel
 
 
@@ -117,9 +123,11 @@ def _shape(n: int, k: int, qtype: str) -> None:
         if rows == 1:  # the one-row kernel without tensor cores (gguf_gemm.GEMV)
             us = _time(lambda i, x=x: _rows_kernel(x, blocks[i], qtype, gemv=True), copies)
             line["gemv_us"], line["gemv_gbs"] = round(us, 1), round(nbytes / us / 1e3)
-        if rows >= 16:  # the many-rows path: the weight dequantised in chunks, then cuBLAS
-            us = _time(lambda i, x=x: torch.matmul(x, gguf_dequantize(blocks[i], qtype, x.dtype).t()), copies)
-            line["dequant_matmul_us"] = round(us, 1)
+        if rows >= 16:  # the many-rows path: the weight dequantised, then cuBLAS (lowp: in bf16)
+            for low in (False, True) if qtype in LOWP_TYPES else (False,):
+                us = _time(lambda i, x=x, low=low: torch.matmul(
+                    x, gguf_dequantize(blocks[i], qtype, x.dtype, lowp=low).t()), copies)  # fmt: skip
+                line["dequant_matmul_lowp_us" if low else "dequant_matmul_us"] = round(us, 1)
         bf16 = _time(lambda i, x=x: torch.matmul(x, weights[i].t()), dense_copies)
         line["bf16_us"], line["bf16_gbs"] = round(bf16, 1), round(n * k * 2 / bf16 / 1e3)
         print(json.dumps(line), flush=True)

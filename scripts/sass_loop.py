@@ -20,7 +20,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mmserve.kernels import gguf_gemm
-from mmserve.kernels.gguf_blocks import FORMATS, STEP_PARTS
+from mmserve.kernels.gguf_blocks import FORMATS, LOWP_TYPES, STEP_PARTS
 from tests.kernels.sm90_compile import ROWS, compile_sm90
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -47,7 +47,7 @@ def main(qtypes: list[str]) -> None:
         forms = [("dequant_tiles", {})]
         if qtype in ("Q4_K", "Q5_K"):
             forms.append(("factored", {"FACTORED": True}))
-        if qtype in gguf_gemm.LOWP_TYPES:
+        if qtype in LOWP_TYPES:
             forms.append(("lowp", {"LOWP": True, "ASM": True}))
         if qtype in ("Q4_K", "Q5_K"):
             forms.append(("lowp_words", {"LOWP": True, "ASM": True, "WORDS": True}))

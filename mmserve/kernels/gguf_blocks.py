@@ -301,6 +301,17 @@ def q45k_step_lowp(block, QTYPE: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.cons
 
 
 @triton.jit
+def q6k_bytes(block, P: tl.constexpr):
+    """The Q6_K super-blocks' bytes at byte pointers block [BLOCK_N] that quarters P and P + 2
+    read: ql[64 h + 32 P + l] and qh[32 h + l], uint8 [BLOCK_N, 2, 32] (h < 2, l < 32)."""
+    h = tl.arange(0, 2)[None, :, None]
+    lane = tl.arange(0, 32)[None, None, :]
+    ql = tl.load(block[:, None, None] + 64 * h + 32 * P + lane)
+    qh = tl.load(block[:, None, None] + 128 + 32 * h + lane)
+    return ql, qh
+
+
+@triton.jit
 def q6k_quarter_lowp(block, ql, qh, QUARTER: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr,
                      BLOCK_N: tl.constexpr):  # fmt: skip
     """Quarter QUARTER of the Q6_K super-blocks at byte pointers block [BLOCK_N] in DTYPE
@@ -411,34 +422,71 @@ def q45k_chunk(block, c: tl.constexpr, QTYPE: tl.constexpr):
 
 
 @triton.jit
+def _store_part(out_ptr, offs_n, mask_n, k, step, w, cols, exists):
+    out = out_ptr + offs_n[:, None].to(tl.int64) * k + step * 256 + cols[None, :]
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & exists[None, :])
+
+
+@triton.jit
 def _dequantize_kernel(
     out_ptr, w_ptr, n, k, num_blocks, row_bytes,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+    LOWP: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
-    """One program: BLOCK_N rows' step program_id(1), part by part."""
+    """One program: BLOCK_N rows' step program_id(1), part by part (LOWP: a K-quant in the
+    output's 16-bit dtype, as the few-rows product dequantises it)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     row = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_bytes  # past n: row 0's bytes
     step = tl.program_id(1)
-    for part in tl.static_range(PARTS):
-        w, cols, exists = step_part(row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N)
-        out = out_ptr + offs_n[:, None].to(tl.int64) * k + step * 256 + cols[None, :]
-        tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & exists[None, :])
+    if LOWP:
+        block = row + step * BYTES
+        dtype = out_ptr.dtype.element_ty
+        every = tl.full([128], 1, tl.int1)
+        if QTYPE != 14:
+            w_lo, cols_lo, w_hi, cols_hi = q45k_step_lowp(block, QTYPE, dtype, ASM, WORDS, BLOCK_N)
+            _store_part(out_ptr, offs_n, mask_n, k, step, w_lo, cols_lo, every)
+            _store_part(out_ptr, offs_n, mask_n, k, step, w_hi, cols_hi, every)
+        else:
+            for p in tl.static_range(2):
+                ql, qh = q6k_bytes(block, p)
+                for quarter in tl.static_range(p, 4, 2):
+                    w, cols = q6k_quarter_lowp(block, ql, qh, quarter, dtype, ASM, BLOCK_N)
+                    _store_part(out_ptr, offs_n, mask_n, k, step, w, cols, cols < 256)
+    else:
+        for part in tl.static_range(PARTS):
+            w, cols, exists = step_part(row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N)
+            _store_part(out_ptr, offs_n, mask_n, k, step, w, cols, exists)
 
 
-def gguf_dequantize(blocks: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
-    """blocks uint8 [N, K // elements, bytes] of qtype -> the weight [N, K] in dtype."""
+LOWP_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # the types LOWP (above) covers
+
+
+def lowp_args(qtype: str, dtype: torch.dtype, lowp: bool, words: bool) -> dict[str, bool]:
+    """The LOWP / ASM / WORDS constexprs of a kernel reading qtype in dtype: LOWP for a
+    K-quant in a 16-bit dtype when lowp, its bits by inline PTX in bfloat16 on a GPU."""
+    low = lowp and qtype in LOWP_TYPES and dtype in (torch.float16, torch.bfloat16)
+    asm = low and dtype == torch.bfloat16 and not triton.knobs.runtime.interpret
+    return {"LOWP": low, "ASM": asm, "WORDS": low and words}
+
+
+def gguf_dequantize(
+    blocks: torch.Tensor, qtype: str, dtype: torch.dtype, lowp: bool = False, words: bool = True
+) -> torch.Tensor:
+    """blocks uint8 [N, K // elements, bytes] of qtype -> the weight [N, K] in dtype (lowp: a
+    K-quant in a 16-bit dtype dequantised in that dtype; words: its scales read as words)."""
     fmt = check_blocks("blocks", blocks, qtype)
     check_float("dtype", torch.empty(0, dtype=dtype))
     check_same_device(blocks=blocks)
     n, k = blocks.shape[0], blocks.shape[1] * fmt.elements
     out = torch.empty((n, k), dtype=dtype, device=blocks.device)
     if n and k:
-        block_n = 16
+        low = lowp_args(qtype, dtype, lowp, words)
+        block_n = 64 if low["LOWP"] else 16
         _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, STEP))](
             out, blocks, n, k, blocks.shape[1], blocks.shape[1] * fmt.bytes, **fmt.kernel_args(),
-            PARTS=STEP_PARTS[fmt.type_id], BLOCK_N=block_n,
+            PARTS=STEP_PARTS[fmt.type_id], BLOCK_N=block_n, **low,
         )  # fmt: skip
     return out
 

@@ -37,6 +37,8 @@ from mmserve.kernels.gguf_blocks import (
     STEP_PARTS,
     check_blocks,
     gguf_dequantize,
+    lowp_args,
+    q6k_bytes,
     q6k_quarter_lowp,
     q45k_chunk,
     q45k_step_lowp,
@@ -59,7 +61,6 @@ GEMV = False
 # until a GPU has timed it and checked its bfloat16 products (written in session 21, while no
 # GPU could be started)
 LOWP = False
-LOWP_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 LOWP_WORDS = True  # Q4_K's / Q5_K's scales read as 32-bit words (gguf_blocks._q4k_words_factors)
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
@@ -102,11 +103,9 @@ def _step_product(
             w_lo, cols_lo, w_hi, cols_hi = q45k_step_lowp(block, QTYPE, dtype, ASM, WORDS, BLOCK_N)
             acc = _part_dot(acc, x_rows, mask_m, step, w_lo, cols_lo, IEEE)
             acc = _part_dot(acc, x_rows, mask_m, step, w_hi, cols_hi, IEEE)
-        else:  # Q6_K: ql[64 h + 32 p + l] for quarters p and p + 2, qh[32 h + l] for all four
-            h = tl.arange(0, 2)[None, :, None]
-            qh = tl.load(block[:, None, None] + 128 + 32 * h + j[None, None, :])
+        else:  # Q6_K: quarters p and p + 2 read the same bytes
             for p in tl.static_range(2):
-                ql = tl.load(block[:, None, None] + 64 * h + 32 * p + j[None, None, :])
+                ql, qh = q6k_bytes(block, p)
                 for quarter in tl.static_range(p, 4, 2):
                     w, cols = q6k_quarter_lowp(block, ql, qh, quarter, dtype, ASM, BLOCK_N)
                     acc = _part_dot(acc, x_rows, mask_m, step, w, cols, IEEE)
@@ -250,16 +249,14 @@ def gguf_gemm_rows(
             )  # fmt: skip
         else:
             factor = (FACTORED if factored is None else factored) and qtype in ("Q4_K", "Q5_K")
-            low = (LOWP if lowp is None else lowp) and qtype in LOWP_TYPES and x.dtype != torch.float32
+            low = lowp_args(qtype, x.dtype, LOWP if lowp is None else lowp, LOWP_WORDS)
             _gguf_gemm_rows_kernel[(tiles, splits)](
                 target, x, blocks, rows, n, num_blocks, per_split, steps, num_blocks * fmt.bytes,
                 x.stride(0), n if splits > 1 else out.stride(0), **fmt.kernel_args(),
                 PARTS=STEP_PARTS[fmt.type_id], IEEE=x.dtype == torch.float32,
-                BLOCK_M=max(8 if low else 16, triton.next_power_of_2(rows)), BLOCK_N=block_n,
-                SPLIT=splits > 1,
-                FACTORED=factor and not low, UNROLL=unroll, LOWP=low,
-                ASM=low and x.dtype == torch.bfloat16 and not triton.knobs.runtime.interpret,
-                WORDS=LOWP_WORDS, num_warps=num_warps,
+                BLOCK_M=max(8 if low["LOWP"] else 16, triton.next_power_of_2(rows)), BLOCK_N=block_n,
+                SPLIT=splits > 1, FACTORED=factor and not low["LOWP"], UNROLL=unroll, **low,
+                num_warps=num_warps,
                 **({} if num_stages is None else {"num_stages": num_stages}),
             )  # fmt: skip
         if splits > 1:
@@ -281,7 +278,8 @@ def gguf_matmul(
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, K] with K = {k}, got {list(x.shape)}")
     return matmul_in_column_chunks(
-        x, blocks.shape[0], chunk_elements, lambda cols: gguf_dequantize(blocks[cols], qtype, x.dtype).t()
+        x, blocks.shape[0], chunk_elements,
+        lambda cols: gguf_dequantize(blocks[cols], qtype, x.dtype, LOWP, LOWP_WORDS).t(),
     )
 
 

@@ -51,7 +51,7 @@ def main() -> None:
     for qtype, fmt in FORMATS.items():
         args = {**fmt.kernel_args(), "PARTS": STEP_PARTS[fmt.type_id]}
         forms = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
-        lowp = ((False, False), (True, True), (True, False)) if qtype in gguf_gemm.LOWP_TYPES else ((False, False),)
+        lowp = ((False, False), (True, True), (True, False)) if qtype in gguf_blocks.LOWP_TYPES else ((False, False),)
         for factored, unroll, split, (low, asm) in itertools.product(forms, (1, 2), (False, True), lowp):
             compile_sm90(gguf_gemm._gguf_gemm_rows_kernel, ROWS, {
                 **args, "IEEE": False, "BLOCK_M": 8 if low else 16, "BLOCK_N": 64, "SPLIT": split,
@@ -59,7 +59,10 @@ def main() -> None:
                 "WORDS": low and qtype != "Q6_K" and split})  # fmt: skip
         for split in (False, True):
             compile_sm90(gguf_gemm._gguf_gemv_kernel, GEMV, {**args, "BLOCK_N": 64, "SPLIT": split})
-        compile_sm90(gguf_blocks._dequantize_kernel, DEQUANT, {**args, "BLOCK_N": 16})
+        for low, asm in lowp:
+            compile_sm90(gguf_blocks._dequantize_kernel, DEQUANT, {
+                **args, "BLOCK_N": 64 if low else 16, "LOWP": low, "ASM": asm,
+                "WORDS": low and qtype != "Q6_K"})  # fmt: skip
         print(qtype, "compiled for sm_90", flush=True)
 
 

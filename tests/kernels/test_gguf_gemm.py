@@ -112,6 +112,21 @@ def test_kquant_products_by_weight_and_by_sub_block_sum(
     _assert_close(out, gguf_matmul_ref(x, blocks, qtype), dtype)
 
 
+@pytest.mark.parametrize("words", [False, True])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_dequantize_in_the_16_bit_dtype(qtype: str, words: bool, dtype: torch.dtype) -> None:
+    """gguf_dequantize(lowp=True): a K-quant dequantised in the output's 16-bit dtype (d1 and m1
+    rounded to it first, then one multiply-add) is within two roundings of gguf's weights; float32
+    keeps the float32 path. 37 rows (a partial tile of 64), 2 super-blocks."""
+    blocks = random_blocks(qtype, 37, 512, seed=3)
+    expected = gguf_dequantize_ref(blocks, qtype)
+    out = gguf_dequantize(blocks, qtype, dtype, lowp=True, words=words)
+    assert out.shape == (37, 512) and out.dtype == dtype
+    unit = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-8}[dtype]
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.float(), expected, rtol=4 * unit, atol=4 * unit * scale)
+
+
 @pytest.mark.parametrize("programs_per_sm", [0, 4])
 @pytest.mark.parametrize(("qtype", "words"), [("Q4_K", False), ("Q4_K", True), ("Q5_K", False), ("Q5_K", True), ("Q6_K", False)])
 @pytest.mark.parametrize("rows", [1, 7, 16])
