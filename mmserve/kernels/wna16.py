@@ -56,6 +56,14 @@ PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K
 # (not per value), and on CUDA a 4-bit word's values come out two at a time (_two_values)
 RAW_PRODUCT = False
 PAIRED_UNPACK = False
+# Untried on the GPU (session 21, written while none could be started): 4-bit steps inside one
+# group dequantised in x's 16-bit dtype, (q - z) * s with one subtract and one multiply per pair
+# of values (on CUDA the values come two at a time from _two_values's PTX), the weights the
+# product's M side (the accumulator transposed) so that Hopper's warpgroup MMA takes them from
+# registers, a decode row padded to 8. (q - z) is exact and s is x's dtype, so the weights are
+# the float32 path's to the bit. A prototype's loop in sm_90 SASS (Triton 3.6): 6.7 instructions
+# a weight against 9.3 (the float32 path) and 8.8 (RAW with PAIRS).
+LOWP = False
 
 
 @triton.jit
@@ -110,12 +118,23 @@ def _raw_dot(x_rows, ks, mask_m, k_hi, q, step, sum_x, DOT_PRECISION: tl.constex
 
 
 @triton.jit
+def _lowp_dot(x_rows, ks, mask_m, k_hi, w, acc, EVEN_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] + w [WORDS, BLOCK_N] (x's dtype) transposed @ x at channels ks
+    transposed: the weights are the product's M side. EVEN_K: every step is whole (no mask
+    along K)."""
+    mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (ks < k_hi)[None, :]
+    x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+    return tl.dot(tl.trans(w), tl.trans(x), acc)
+
+
+@triton.jit
 def _wna16_kernel(
     out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr,
     rows, n, k, group_size, k_per_split, stride_x, stride_q, stride_s, stride_out,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, RAW: tl.constexpr, PAIRS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, RAW: tl.constexpr, PAIRS: tl.constexpr, LOWP: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -130,10 +149,12 @@ def _wna16_kernel(
     mask_m = offs_m < rows
     mask_n = offs_n < n
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # LOWP accumulates the product transposed, [BLOCK_N, BLOCK_M] (the weights its M side)
+    shape: tl.constexpr = [BLOCK_N, BLOCK_M] if LOWP else [BLOCK_M, BLOCK_N]
+    acc = tl.zeros(shape, dtype=tl.float32)
     for start in range(k_lo, k_hi, BLOCK_K):
         word_rows = start // PER + offs_w
-        mask_w = (word_rows < k_hi // PER)[:, None] & mask_n[None, :]
+        mask_w = mask_n[None, :] if EVEN_K else (word_rows < k_hi // PER)[:, None] & mask_n[None, :]
         words = tl.load(  # each word once: [WORDS, BLOCK_N]
             qweight_ptr + word_rows[:, None].to(tl.int64) * stride_q + offs_n[None, :],
             mask=mask_w, other=0,
@@ -144,7 +165,19 @@ def _wna16_kernel(
         elif GROUPS == 1:  # each word lies in one group: a row of scales per word
             group = ((start + offs_w * PER) // group_size)[:, None].to(tl.int64) * stride_s + offs_n[None, :]
             s, z = _group_params(scales_ptr, zeros_ptr, group, mask_w, BITS, HAS_ZEROS)
-        if RAW:  # (GROUPS 0) the dots take q itself; the group's scale and zero come after
+        if LOWP:  # (GROUPS 0, 4 bits) values p and p + 4 of each word in x's dtype, two at a time
+            dtype = x_ptr.dtype.element_ty
+            s16, z16 = s.to(dtype), z.to(dtype)  # (exact: they were x's dtype)
+            for p in tl.static_range(PER // 2):
+                if PAIRS:
+                    low, high = _two_values(words >> (p * BITS), PAIRS)
+                else:
+                    low = ((words >> (p * BITS)) & 15).to(dtype)
+                    high = ((words >> (p * BITS + 16)) & 15).to(dtype)
+                ks = start + offs_w * PER + p
+                acc = _lowp_dot(x_rows, ks, mask_m, k_hi, (low - z16) * s16, acc, EVEN_K)
+                acc = _lowp_dot(x_rows, ks + PER // 2, mask_m, k_hi, (high - z16) * s16, acc, EVEN_K)
+        elif RAW:  # (GROUPS 0) the dots take q itself; the group's scale and zero come after
             step = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             sum_x = tl.zeros([BLOCK_M], dtype=tl.float32)
             if PAIRS:  # values p and p + PER / 2 of each word unpacked together (CUDA, 4 bits)
@@ -172,6 +205,8 @@ def _wna16_kernel(
                     s, z = _group_params(scales_ptr, zeros_ptr, group, mask_w, BITS, HAS_ZEROS)
                 w = ((_value_plus_2_23(words, p, BITS) - (z + 8388608.0)) * s).to(x.dtype)  # (q - z) * s
                 acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    if LOWP:
+        acc = tl.trans(acc)
     out_offs = offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     if SPLIT:  # float32 partials [splits, rows, n], summed in order by _common.sum_splits
         out_offs += pid_s.to(tl.int64) * rows * n
@@ -210,14 +245,15 @@ class Wna16Tiling:
     splits: int  # slices of K, each its own program (then summed)
     k_per_split: int  # channels of K per slice, whole steps
     raw: bool = False  # (groups 0) the dots take q, the step's scale and zero point after them
-    pairs: int = 0  # (raw, 4 bits, CUDA) two values a word at once: 1 for bf16 x, 2 for fp16 x
+    pairs: int = 0  # (raw or lowp, 4 bits, CUDA) two values a word at once: 1 for bf16 x, 2 for fp16 x
+    lowp: bool = False  # (groups 0, 4 bits) dequantised in x's 16-bit dtype, the weights the M side
 
 
 def choose_tiling(
     rows: int, n: int, k: int, group_size: int, num_sms: int, bits: int = 4,
     block_n: int | None = None, words: int = WORDS_PER_STEP, num_stages: int | None = None,
     programs_per_sm: int | None = None, num_warps: int = 4, raw: bool | None = None,
-    pairs: int = 0,
+    pairs: int = 0, lowp: bool | None = None,
 ) -> Wna16Tiling:  # fmt: skip
     """Output tiles of 16 x 64 for a decode step (<= 16 rows: its weights are all the work,
     streamed once), wider for more rows; steps of WORDS_PER_STEP words of each column (128
@@ -225,22 +261,27 @@ def choose_tiling(
     programs on every SM splits K (each slice of whole steps, partial sums added in order),
     since one program's serial K steps are latency-bound: at one row, 4096 x 4096 took 35-63 us
     on the H200 for every tiling without a split (BENCHMARKS.md, session 11), about 10x its
-    floor. A step inside one group multiplies q itself when RAW_PRODUCT says so (raw None).
-    The keyword arguments other than the defaults are for sweeps."""
+    floor. A step inside one group multiplies q itself when RAW_PRODUCT says so (raw None),
+    or, at 4 bits, dequantises in x's 16-bit dtype when LOWP says so (lowp None; 8-row tiles
+    for up to 8 rows). The keyword arguments other than the defaults are for sweeps."""
     per = 32 // bits
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = block_n or (64 if block_m < 64 else 128)
     block_k = words * per
     groups = 0 if group_size % block_k == 0 or group_size >= k else 1 if group_size % per == 0 else 2
+    lowp = LOWP and groups == 0 and bits == 4 and not raw if lowp is None else lowp
+    block_m = 8 if lowp and rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
+    block_n = block_n or (64 if block_m < 64 else 128)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
     programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
     splits, per_split = k_splits(tiles, triton.cdiv(k, block_k), num_sms, programs)
     stages = num_stages or (3 if block_m <= 32 else 2)
-    raw = RAW_PRODUCT and groups == 0 if raw is None else raw
-    if (raw and groups) or (pairs and not (raw and bits == 4)):
+    raw = RAW_PRODUCT and groups == 0 and not lowp if raw is None else raw
+    if (raw and groups) or (pairs and not ((raw or lowp) and bits == 4)):
         raise ValueError(f"raw products need steps inside a group, pairs also 4 bits ({groups=}, {bits=})")
+    if lowp and (groups or bits != 4 or raw):
+        raise ValueError(f"lowp products need 4 bits and steps inside a group, not raw ({groups=}, {bits=})")
     return Wna16Tiling(
-        block_m, block_n, block_k, groups, num_warps, stages, splits, per_split * block_k, raw, pairs
+        block_m, block_n, block_k, groups, num_warps, stages, splits, per_split * block_k, raw, pairs,
+        lowp,
     )
 
 
@@ -299,7 +340,9 @@ def wna16_gemm(
     if rows == 0 or n == 0:
         return out
     t = tiling or choose_tiling(rows, n, k, group_size, grid_sms(x.device), bits)
-    if tiling is None and t.raw and bits == 4 and x.is_cuda and PAIRED_UNPACK:
+    if t.lowp and x.dtype == torch.float32:  # (float32 x: the float32 path, 16-row tiles)
+        t = replace(t, lowp=False, pairs=0, block_m=max(16, t.block_m))
+    if tiling is None and x.is_cuda and ((t.raw and bits == 4 and PAIRED_UNPACK) or t.lowp):
         t = replace(t, pairs={torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0))
     if t.pairs and (not x.is_cuda or x.dtype != (torch.bfloat16, torch.float16)[t.pairs - 1]):
         raise ValueError(f"pairs {t.pairs} needs CUDA and {('bf16', 'fp16')[t.pairs - 1]} x, got {x.dtype}")
@@ -313,7 +356,8 @@ def wna16_gemm(
     meta = {
         "BITS": bits, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k,
         "GROUPS": t.groups, "HAS_ZEROS": zeros is not None, "SPLIT": split,
-        "RAW": t.raw, "PAIRS": t.pairs, "num_warps": t.num_warps, "num_stages": t.num_stages,
+        "RAW": t.raw, "PAIRS": t.pairs, "LOWP": t.lowp, "EVEN_K": k % t.block_k == 0, "num_warps": t.num_warps,
+        "num_stages": t.num_stages,
     }  # fmt: skip
     grid = (triton.cdiv(rows, t.block_m), triton.cdiv(n, t.block_n), t.splits)
     _wna16_kernel[grid](*args, **meta, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")

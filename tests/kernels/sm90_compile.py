@@ -1,5 +1,5 @@
-"""Compiles the GGUF Triton kernels for sm_90 (the H100 / H200) on any machine, without a
-GPU: `python -m tests.kernels.sm90_compile` exits 0 when every variant compiles to a cubin.
+"""Compiles the GGUF Triton kernels (and w4a16's LOWP form) for sm_90 (the H100 / H200) on
+any machine, without a GPU: `python -m tests.kernels.sm90_compile` exits 0 when every variant compiles to a cubin.
 The interpreter that runs the kernels on the CPU accepts code that Triton's compiler
 refuses (session 20: a variable that was both a loop bound and a dot's result), so
 tests/kernels/test_sm90_compile.py runs this in a process without TRITON_INTERPRET."""
@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mmserve.kernels import gguf_blocks, gguf_gemm
+from mmserve.kernels import gguf_blocks, gguf_gemm, wna16
 from mmserve.kernels.gguf_blocks import FORMATS, STEP_PARTS
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -23,6 +23,9 @@ ROWS = {"out_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*u8", "rows": "i32", "n"
         "stride_x": "i32", "stride_out": "i32"}  # fmt: skip
 GEMV = {"out_ptr": "*fp32", "x_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "num_blocks": "i32",
         "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32"}  # fmt: skip
+WNA16 = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*bf16",
+         "zeros_ptr": "*bf16", "rows": "i32", "n": "i32", "k": "i32", "group_size": "i32",
+         "k_per_split": "i32", "stride_x": "i32", "stride_q": "i32", "stride_s": "i32", "stride_out": "i32"}  # fmt: skip
 DEQUANT = {"out_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "k": "i32", "num_blocks": "i32",
            "row_bytes": "i32"}  # fmt: skip
 
@@ -64,6 +67,12 @@ def main() -> None:
                 **args, "BLOCK_N": 64 if low else 16, "LOWP": low, "ASM": asm,
                 "WORDS": low and qtype != "Q6_K"})  # fmt: skip
         print(qtype, "compiled for sm_90", flush=True)
+    for (pairs, x_type), even_k, zeros in itertools.product(((1, "*bf16"), (2, "*fp16")), (False, True), (False, True)):
+        compile_sm90(wna16._wna16_kernel, {**WNA16, "x_ptr": x_type, "scales_ptr": x_type, "zeros_ptr": x_type}, {
+            "BITS": 4, "BLOCK_M": 8, "BLOCK_N": 64, "BLOCK_K": 128, "GROUPS": 0, "HAS_ZEROS": zeros,
+            "SPLIT": True, "DOT_PRECISION": "tf32", "RAW": False, "PAIRS": pairs, "LOWP": True,
+            "EVEN_K": even_k})  # fmt: skip
+    print("w4a16 (LOWP) compiled for sm_90", flush=True)
 
 
 if __name__ == "__main__":

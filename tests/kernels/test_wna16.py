@@ -198,3 +198,41 @@ def test_gpu_raw_and_paired_products(case, dtype, pairs):  # type: ignore[no-unt
     out = wna16_gemm(*args, bits, group_size, tiling).float().cpu()
     expected = x.float() @ w.t().float()
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+LOWP_CASES = [c for c in RAW_CASES if c[3] == 4]
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("case", LOWP_CASES + [(9, 64, 512, 4, 128)], ids=str)
+def test_lowp_products_match_the_dequantised_product(case, dtype, symmetric):  # type: ignore[no-untyped-def]
+    """4-bit steps inside a group dequantised in x's 16-bit dtype, the weights the product's M
+    side (on CUDA the values two at a time by PTX; float32 x takes the float32 path): the
+    weights are the float32 path's to the bit, so only the sums' order differs."""
+    rows, n, k, bits, group_size = case
+    x, q, zeros, scales, w = _operands(rows, n, k, bits, group_size, dtype)
+    qweight = pack_columns(q, bits)
+    if symmetric:
+        zeros = None
+        w = dequantize_packed(qweight, scales, None, bits, group_size)
+    tiling = choose_tiling(rows, n, k, group_size, 132, bits, lowp=True)
+    assert tiling.groups == 0 and tiling.lowp and tiling.block_m == next(m for m in (8, 16, 32, 64) if rows <= m)
+    args = [None if t is None else t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+    out = wna16_gemm(*args, bits, group_size, tiling)
+    expected = x.float() @ w.t().float()
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_lowp_needs_4_bits_inside_a_group(monkeypatch):  # type: ignore[no-untyped-def]
+    from mmserve.kernels import wna16
+
+    with pytest.raises(ValueError, match="lowp products need 4 bits"):
+        choose_tiling(1, 64, 256, 128, 132, bits=8, lowp=True)
+    with pytest.raises(ValueError, match="lowp products need 4 bits"):
+        choose_tiling(5, 40, 96, 12, 132, lowp=True)
+    monkeypatch.setattr(wna16, "LOWP", True)
+    assert choose_tiling(1, 64, 512, 128, 132).lowp
+    assert not choose_tiling(1, 64, 512, 128, 132, bits=8).lowp
+    assert not choose_tiling(5, 40, 96, 12, 132).lowp
