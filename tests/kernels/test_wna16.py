@@ -144,6 +144,21 @@ def test_decode_splits_k_into_whole_steps():  # type: ignore[no-untyped-def]
     assert choose_tiling(4096, 4096, 4096, 128, num_sms=132).splits == 1  # a prefill's tiles suffice
 
 
+def _tiled_product(case, dtype, symmetric, **tiling_options):  # type: ignore[no-untyped-def]
+    """(the chosen tiling, the kernel's product as float32 on the CPU, x @ W^T in float32) for
+    case with tiling_options; symmetric: no zero points (2^(bits - 1))."""
+    rows, n, k, bits, group_size = case
+    x, q, zeros, scales, w = _operands(rows, n, k, bits, group_size, dtype)
+    qweight = pack_columns(q, bits)
+    if symmetric:
+        zeros = None
+        w = dequantize_packed(qweight, scales, None, bits, group_size)
+    tiling = choose_tiling(rows, n, k, group_size, 132, bits, **tiling_options)
+    args = [None if t is None else t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+    out = wna16_gemm(*args, bits, group_size, tiling)
+    return tiling, out.float().cpu(), x.float() @ w.t().float()
+
+
 RAW_CASES = [c for c in CASES if c[4] % 128 == 0 or c[4] >= c[2] or (c[3] == 8 and c[4] % 64 == 0)]
 
 
@@ -154,19 +169,10 @@ def test_raw_products_match_the_dequantised_product(case, dtype, symmetric):  # 
     """Steps inside one group multiplying q itself, the scale and zero point applied once a
     step (the same product, up to float rounding); the chosen tiling takes them when
     RAW_PRODUCT is on."""
-    rows, n, k, bits, group_size = case
-    x, q, zeros, scales, w = _operands(rows, n, k, bits, group_size, dtype)
-    qweight = pack_columns(q, bits)
-    if symmetric:
-        zeros = None
-        w = dequantize_packed(qweight, scales, None, bits, group_size)
-    tiling = choose_tiling(rows, n, k, group_size, 132, bits, raw=True)
+    tiling, out, expected = _tiled_product(case, dtype, symmetric, raw=True)
     assert tiling.groups == 0 and tiling.raw
-    args = [None if t is None else t.to(DEVICE) for t in (x, qweight, scales, zeros)]
-    out = wna16_gemm(*args, bits, group_size, tiling)
-    expected = x.float() @ w.t().float()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
 def test_raw_products_need_steps_inside_a_group(monkeypatch):  # type: ignore[no-untyped-def]
@@ -210,19 +216,10 @@ def test_lowp_products_match_the_dequantised_product(case, dtype, symmetric):  #
     """4-bit steps inside a group dequantised in x's 16-bit dtype, the weights the product's M
     side (on CUDA the values two at a time by PTX; float32 x takes the float32 path): the
     weights are the float32 path's to the bit, so only the sums' order differs."""
-    rows, n, k, bits, group_size = case
-    x, q, zeros, scales, w = _operands(rows, n, k, bits, group_size, dtype)
-    qweight = pack_columns(q, bits)
-    if symmetric:
-        zeros = None
-        w = dequantize_packed(qweight, scales, None, bits, group_size)
-    tiling = choose_tiling(rows, n, k, group_size, 132, bits, lowp=True)
-    assert tiling.groups == 0 and tiling.lowp and tiling.block_m == next(m for m in (8, 16, 32, 64) if rows <= m)
-    args = [None if t is None else t.to(DEVICE) for t in (x, qweight, scales, zeros)]
-    out = wna16_gemm(*args, bits, group_size, tiling)
-    expected = x.float() @ w.t().float()
+    tiling, out, expected = _tiled_product(case, dtype, symmetric, lowp=True)
+    assert tiling.groups == 0 and tiling.lowp and tiling.block_m == next(m for m in (8, 16, 32, 64) if case[0] <= m)
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
-    torch.testing.assert_close(out.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
 def test_lowp_needs_4_bits_inside_a_group(monkeypatch):  # type: ignore[no-untyped-def]
