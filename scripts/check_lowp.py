@@ -1,0 +1,49 @@
+"""LOWP on a GPU, quickly (issue 19): w4a16's 16-bit form against its float32 form and the
+dequantised weight's product at the 8B shape's projections, bf16, 1 and 16 rows; relative
+errors and microseconds (CUDA graphs, weights cycled past the L2). The GGUF forms are
+scripts/bench_gguf.py's.
+
+    python scripts/check_lowp.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import triton
+
+from mmserve.kernels.wna16 import choose_tiling, dequantize_packed, pack_columns, wna16_gemm
+
+SHAPES = [(6144, 4096), (4096, 14336)]  # (N, K)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    for n, k in SHAPES:
+        copies = 8
+        qs = [pack_columns(torch.randint(0, 16, (k, n)), 4).cuda() for _ in range(copies)]
+        scales = (torch.rand(k // 128, n) * 0.02 + 0.001).to(torch.bfloat16).cuda()
+        zeros = torch.randint(0, 16, (k // 128, n)).to(torch.bfloat16).cuda()
+        weight = dequantize_packed(qs[0].cpu(), scales.cpu(), zeros.cpu(), 4, 128).float().cuda()
+        for rows in (1, 16):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ weight.t()
+            line: dict[str, object] = {"n": n, "k": k, "rows": rows}
+            for lowp in (False, True):
+                tiling = choose_tiling(rows, n, k, 128, torch.cuda.get_device_properties(0).multi_processor_count,
+                                       lowp=lowp)  # fmt: skip
+                out = wna16_gemm(x, qs[0], scales, zeros, 4, 128, tiling).float()
+                key = "lowp" if lowp else "float32"
+                line[f"{key}_rel_err"] = round(((out - ref).norm() / ref.norm()).item(), 6)
+
+                def run(tiling=tiling, x=x, qs=qs, scales=scales, zeros=zeros) -> None:  # type: ignore[no-untyped-def]
+                    for q in qs:
+                        wna16_gemm(x, q, scales, zeros, 4, 128, tiling)
+
+                line[f"{key}_us"] = round(1e3 * triton.testing.do_bench_cudagraph(run, rep=100) / copies, 1)
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
