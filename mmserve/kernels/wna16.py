@@ -342,7 +342,8 @@ def wna16_gemm(
     t = tiling or choose_tiling(rows, n, k, group_size, grid_sms(x.device), bits)
     if t.lowp and x.dtype == torch.float32:  # (float32 x: the float32 path, 16-row tiles)
         t = replace(t, lowp=False, pairs=0, block_m=max(16, t.block_m))
-    if tiling is None and x.is_cuda and ((t.raw and bits == 4 and PAIRED_UNPACK) or t.lowp):
+    paired = (tiling is None and t.raw and bits == 4 and PAIRED_UNPACK) or (t.lowp and not t.pairs)
+    if x.is_cuda and paired:  # (LOWP on CUDA: always the paired PTX)
         t = replace(t, pairs={torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0))
     if t.pairs and (not x.is_cuda or x.dtype != (torch.bfloat16, torch.float16)[t.pairs - 1]):
         raise ValueError(f"pairs {t.pairs} needs CUDA and {('bf16', 'fp16')[t.pairs - 1]} x, got {x.dtype}")
