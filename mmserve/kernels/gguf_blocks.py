@@ -155,20 +155,22 @@ def _q45k_factors(block, sub):
 # (Q6_K: 160) subtracted from both at once: exact, since q < 128. The interpreter (CI) runs
 # the same arithmetic with a plain conversion (it cannot run assembly). Counted in the sm_90
 # SASS of the loop (scripts/sass_loop.py): Q4_K's product went from 11.3 (FACTORED) or 7.4
-# instructions per weight and thread to 5.0, Q5_K's from 13.6 or 12.0 to 8.7, Q6_K's from 12.0
-# to 7.1.
+# instructions per weight and thread to 5.0, Q5_K's from 13.6 or 12.0 to 7.8, Q6_K's from 12.0
+# to 7.1 (Triton 3.9; the GPU image's 3.6 gives 4.0, 5.4 and 6.4).
 def _bits_asm(low_shift: int, high_shift: int | None = None, high_bits: int = 2) -> tl.constexpr:
     """Inline PTX: four quants' bytes $2 (and the bytes $3 of their high bits) -> four bfloat16
     in two registers: the nibbles at bit low_shift, or-ed with the high_bits bits at bit
     high_shift of $3 as bits 4 and up (Q6_K: two, Q5_K: one), put into the mantissas of
-    128.0; then 128 subtracted (Q6_K: 160, taking its q - 32)."""
+    128.0; then 128 subtracted (Q6_K: 160, taking its q - 32). Q5_K's $3 is first shifted
+    right by $4 (its chunk's 2 c, the same for the four quants)."""
     offset = 32 if high_shift is not None and high_bits == 2 else 0
-    code = ["{ .reg .b32 a, b, u, v, m, k; mov.b32 m, 0x43004300;",
+    code = ["{ .reg .b32 a, b, h, u, v, m, k; mov.b32 m, 0x43004300;",
             f"mov.b32 k, {0x4300 + offset:#x}{0x4300 + offset:04x};",
-            "mov.b32 a, $2;" if low_shift == 0 else f"shr.b32 a, $2, {low_shift};"]  # fmt: skip
+            "mov.b32 a, $2;" if low_shift == 0 else f"shr.b32 a, $2, {low_shift};",
+            "shr.b32 h, $3, $4;" if high_bits == 1 else "mov.b32 h, $3;"]  # fmt: skip
     if high_shift is not None:  # the high bits moved to bit 4 of each byte
         move = 4 - high_shift
-        code.append(f"shl.b32 b, $3, {move};" if move > 0 else f"shr.b32 b, $3, {-move};" if move else "mov.b32 b, $3;")
+        code.append(f"shl.b32 b, h, {move};" if move > 0 else f"shr.b32 b, h, {-move};" if move else "mov.b32 b, h;")
     mask = f"{(((1 << high_bits) - 1) << 4) * 0x10001:#010x}"
     for out, pick in ((0, "0x4140"), (1, "0x4342")):  # bytes 0-1, then 2-3, as 16-bit lanes
         code.append(f"prmt.b32 u, a, 0, {pick}; lop3.b32 u, u, 0x000F000F, m, 0xEA;")
@@ -180,7 +182,7 @@ def _bits_asm(low_shift: int, high_shift: int | None = None, high_bits: int = 2)
 
 _Q4K_LOW = _bits_asm(0)
 _Q4K_HIGH = _bits_asm(4)
-_Q5K_LOW = _bits_asm(0, 0, high_bits=1)  # qh's bytes shifted right by the chunk's 2 c first
+_Q5K_LOW = _bits_asm(0, 0, high_bits=1)  # qh's bytes shifted right by the chunk's 2 c ($4) first
 _Q5K_HIGH = _bits_asm(4, 1, high_bits=1)
 _Q6K_0 = _bits_asm(0, 0)
 _Q6K_1 = _bits_asm(0, 2)
@@ -191,6 +193,13 @@ _Q6K_3 = _bits_asm(4, 6)
 @triton.jit
 def _bits(asm: tl.constexpr, ql, qh):
     return tl.inline_asm_elementwise(asm, "=r,=r,r,r", [ql, qh], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _bits_shifted(asm: tl.constexpr, ql, qh, shift):
+    """_bits with an int32 shift of qh's bytes ($4: four registers, one a quant, all equal)."""
+    return tl.inline_asm_elementwise(asm, "=r,=r,r,r,r,r,r,r", [ql, qh, shift], dtype=tl.bfloat16,
+                                     is_pure=True, pack=4)  # fmt: skip
 
 
 @triton.jit
@@ -206,16 +215,16 @@ def _nibbles_as(qs, HIGH: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q5k_as(qs, qh, HIGH: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """Q5_K's quants in DTYPE, exactly: the low (or HIGH) nibbles of qs with bit HIGH of qh (the
-    chunk's qh bytes, already shifted right by 2 c) as the fifth."""
+def _q5k_as(qs, qh, shift, HIGH: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """Q5_K's quants in DTYPE, exactly: the low (or HIGH) nibbles of qs with bit shift + HIGH of
+    qh (shift: int32, the chunk's 2 c) as the fifth."""
     if ASM:
         if HIGH:
-            return _bits(_Q5K_HIGH, qs, qh)
+            return _bits_shifted(_Q5K_HIGH, qs, qh, shift)
         else:
-            return _bits(_Q5K_LOW, qs, qh)
+            return _bits_shifted(_Q5K_LOW, qs, qh, shift)
     else:
-        fifth = ((qh.to(tl.int32) >> HIGH) & 1) << 4
+        fifth = ((qh.to(tl.int32) >> (shift + HIGH)) & 1) << 4
         return (((qs.to(tl.int32) >> (4 * HIGH)) & 15) | fifth).to(DTYPE)
 
 
@@ -250,7 +259,7 @@ def _q4k_words_factors(block):
     ggml's CUDA kernels do: (d1, m1) of sub-blocks 0, 2, 4, 6, then of 1, 3, 5, 7, each
     float32 [BLOCK_N, 4]. In the sm_90 SASS (scripts/sass_loop.py, 64 channels a program) the
     loads join the loop's pipeline (cp.async), and Q4_K's loop takes 5.0 instructions a weight
-    against 6.5 with the scales read byte by byte (Q5_K: 8.7 against 9.1)."""
+    against 6.5 with the scales read byte by byte (Q5_K: 7.8 against 8.1)."""
     words = block.to(tl.pointer_type(tl.int32))
     head, w1, w2, w3 = tl.load(words), tl.load(words + 1), tl.load(words + 2), tl.load(words + 3)
     d, dmin = _f16_bits(head & 0xFFFF), _f16_bits(head >> 16)
@@ -287,9 +296,10 @@ def q45k_step_lowp(block, QTYPE: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.cons
         d1_lo, m1_lo = _q45k_factors(block, 2 * c)
         d1_hi, m1_hi = _q45k_factors(block, 2 * c + 1)
     if QTYPE == 13:
-        qh = tl.load(block[:, None, None] + 16 + j[None, None, :]) >> (2 * c)[None, :, None].to(tl.uint8)
-        q_lo = _q5k_as(qs, qh, False, DTYPE, ASM)
-        q_hi = _q5k_as(qs, qh, True, DTYPE, ASM)
+        qh = tl.broadcast_to(tl.load(block[:, None, None] + 16 + j[None, None, :]), qs.shape)
+        shift = tl.broadcast_to((2 * c)[None, :, None], qs.shape)
+        q_lo = _q5k_as(qs, qh, shift, False, DTYPE, ASM)
+        q_hi = _q5k_as(qs, qh, shift, True, DTYPE, ASM)
     else:
         q_lo = _nibbles_as(qs, False, DTYPE, ASM)
         q_hi = _nibbles_as(qs, True, DTYPE, ASM)

@@ -37,9 +37,9 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
     return out
 
 
-def _run(asm: str, in2: int, in3: int) -> list[float]:
-    """The four bfloat16 outputs ($0's low and high half, then $1's) of asm on $2 and $3."""
-    regs = {"$2": in2, "$3": in3}
+def _run(asm: str, in2: int, in3: int, in4: int = 0) -> list[float]:
+    """The four bfloat16 outputs ($0's low and high half, then $1's) of asm on $2, $3 and $4."""
+    regs = {"$2": in2, "$3": in3, "$4": in4}
 
     def value(token: str) -> int:
         return regs[token] if token in regs else int(token, 0)
@@ -106,15 +106,16 @@ def test_q6k_quarter(quarter: int) -> None:
         assert _run(asm, _word(ql), _word(qh)) == expected
 
 
+@pytest.mark.parametrize("chunk", range(4))
 @pytest.mark.parametrize("high", [False, True])
-def test_q5k_quants(high: bool) -> None:
+def test_q5k_quants(high: bool, chunk: int) -> None:
     """Q5_K: a nibble of qs with a bit of qh as the fifth (ggml: (ql[l] & 0xF) + (qh[l] & u1 ?
-    16 : 0), u1 the chunk's bit for the low nibbles, u2 = u1 << 1 for the high ones); the kernel
-    shifts qh right by 2 c first, so the bit is 0 for the low nibbles and 1 for the high."""
+    16 : 0), u1 = 1 << 2 c for chunk c's low nibbles, u2 = u1 << 1 for its high ones); the
+    PTX takes 2 c in $4."""
     asm = (gguf_blocks._Q5K_HIGH if high else gguf_blocks._Q5K_LOW).value
     for ql, qh in _lanes():
         expected = [
-            ((lo >> 4 if high else lo & 15) + (16 if hi >> int(high) & 1 else 0))
+            ((lo >> 4 if high else lo & 15) + (16 if hi >> (2 * chunk + int(high)) & 1 else 0))
             for lo, hi in zip(ql, qh, strict=True)
         ]
-        assert _run(asm, _word(ql), _word(qh)) == expected
+        assert _run(asm, _word(ql), _word(qh), 2 * chunk) == expected
