@@ -8,7 +8,8 @@ dequantise-then-matmul path at 32 and 64 rows (where the cut between the paths l
 sweep at one row of each form over output channels per program, programs per SM and warps per
 program, and of the one-row kernel without tensor cores (GEMV).
 
-    python scripts/bench_gguf.py  (BENCH_GGUF_QUICK=1: 1 and 16 rows, the sweep in fewer points)
+    python scripts/bench_gguf.py  (BENCH_GGUF_QUICK=1: the K-quants only, at 1 and 16 rows; the
+    sweep of the LOWP forms only, over channels, programs and pipeline stages)
 """
 
 from __future__ import annotations

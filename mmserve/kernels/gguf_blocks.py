@@ -255,8 +255,8 @@ def _f16_bits(bits):
 def _q4k_words_factors(block):
     """_q45k_factors of every sub-block of the Q4_K / Q5_K super-blocks at byte pointers block
     [BLOCK_N], from their first 16 bytes read as four 32-bit words (one 16-byte load a row;
-    their rows of blocks are 16-byte aligned: 144 and 176 bytes a block) and unpacked four sub-blocks at a time, as
-    ggml's CUDA kernels do: (d1, m1) of sub-blocks 0, 2, 4, 6, then of 1, 3, 5, 7, each
+    their rows of blocks are 16-byte aligned: 144 and 176 bytes a block) and unpacked four
+    sub-blocks at a time, as ggml's CUDA kernels do: (d1, m1) of sub-blocks 0, 2, 4, 6, then of 1, 3, 5, 7, each
     float32 [BLOCK_N, 4]. In the sm_90 SASS (scripts/sass_loop.py, 64 channels a program) the
     loads join the loop's pipeline (cp.async), and Q4_K's loop takes 5.0 instructions a weight
     against 6.5 with the scales read byte by byte (Q5_K: 7.8 against 8.1)."""
@@ -311,24 +311,24 @@ def q45k_step_lowp(block, QTYPE: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.cons
 
 
 @triton.jit
-def q6k_bytes(block, P: tl.constexpr):
-    """The Q6_K super-blocks' bytes at byte pointers block [BLOCK_N] that quarters P and P + 2
-    read: ql[64 h + 32 P + l] and qh[32 h + l], uint8 [BLOCK_N, 2, 32] (h < 2, l < 32)."""
-    h = tl.arange(0, 2)[None, :, None]
-    lane = tl.arange(0, 32)[None, None, :]
-    ql = tl.load(block[:, None, None] + 64 * h + 32 * P + lane)
-    qh = tl.load(block[:, None, None] + 128 + 32 * h + lane)
-    return ql, qh
+def q6k_bytes(block):
+    """The Q6_K super-blocks' quant bytes at byte pointers block [BLOCK_N], each loaded once:
+    ql[64 h + l] (quarters 0 and 2 read them), ql[64 h + 32 + l] (quarters 1 and 3) and qh[32 h
+    + l] (all four), uint8 [BLOCK_N, 2, 32] (h < 2, l < 32)."""
+    at = block[:, None, None] + 64 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 32)[None, None, :]
+    return tl.load(at), tl.load(at + 32), tl.load(at + 128 - 32 * tl.arange(0, 2)[None, :, None])
 
 
 @triton.jit
-def q6k_quarter_lowp(block, ql, qh, QUARTER: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr,
-                     BLOCK_N: tl.constexpr):  # fmt: skip
+def q6k_quarter_lowp(block, ql_even, ql_odd, qh, QUARTER: tl.constexpr, DTYPE: tl.constexpr,
+                     ASM: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Quarter QUARTER of the Q6_K super-blocks at byte pointers block [BLOCK_N] in DTYPE
-    (LOWP, above), from its ql bytes [BLOCK_N, 2, 32] (ql[64 h + 32 (QUARTER % 2) + l]) and
-    the qh bytes (qh[32 h + l]): [BLOCK_N, 64], elements 128 h + 32 QUARTER + l, and those
-    elements [64]."""
-    q = _q6k_quarter_as(ql, qh, QUARTER, DTYPE, ASM)  # [BLOCK_N, 2, 32]
+    (LOWP, above), from their bytes (q6k_bytes): [BLOCK_N, 64], elements 128 h + 32 QUARTER
+    + l, and those elements [64]."""
+    if QUARTER % 2 == 0:
+        q = _q6k_quarter_as(ql_even, qh, QUARTER, DTYPE, ASM)  # [BLOCK_N, 2, 32]
+    else:
+        q = _q6k_quarter_as(ql_odd, qh, QUARTER, DTYPE, ASM)
     h = tl.arange(0, 2)[None, :, None]
     g = tl.arange(0, 2)[None, None, :]  # the 16-element sub-block within 32 lanes
     sc = tl.load((block[:, None, None] + 192 + 8 * h + g + 2 * QUARTER).to(tl.pointer_type(tl.int8)))
@@ -459,11 +459,10 @@ def _dequantize_kernel(
             _store_part(out_ptr, offs_n, mask_n, k, step, w_lo, cols_lo, every)
             _store_part(out_ptr, offs_n, mask_n, k, step, w_hi, cols_hi, every)
         else:
-            for p in tl.static_range(2):
-                ql, qh = q6k_bytes(block, p)
-                for quarter in tl.static_range(p, 4, 2):
-                    w, cols = q6k_quarter_lowp(block, ql, qh, quarter, dtype, ASM, BLOCK_N)
-                    _store_part(out_ptr, offs_n, mask_n, k, step, w, cols, cols < 256)
+            ql_even, ql_odd, qh = q6k_bytes(block)
+            for quarter in tl.static_range(4):
+                w, cols = q6k_quarter_lowp(block, ql_even, ql_odd, qh, quarter, dtype, ASM, BLOCK_N)
+                _store_part(out_ptr, offs_n, mask_n, k, step, w, cols, cols < 256)
     else:
         for part in tl.static_range(PARTS):
             w, cols, exists = step_part(row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N)

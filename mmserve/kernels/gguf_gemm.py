@@ -5,7 +5,8 @@ Up to MAX_ROWS rows (decode steps): each program owns BLOCK_N output channels an
 blocks once over K, a step of 256 elements at a time (gguf_blocks.step_part: each byte loaded
 once, in runs along the blocks). Each part of a step is dequantised in registers (float32, then
 x's dtype, as a weight dequantised at load and cast to the model dtype would be) and multiplied
-on the tensor cores with the rows padded to 16, accumulating in float32. Q4_K and Q5_K
+on the tensor cores with the rows padded to 16 (LOWP: the weights are the product's M side and
+the rows pad to 8), accumulating in float32. Q4_K and Q5_K
 (FACTORED) multiply the quants themselves, a 32-element sub-block at a time, and scale the
 sums: sum (d1 q - m1) x = d1 sum q x - m1 sum x, fewer operations per weight. The bytes a step
 reads are the file's: for Q4_K about 0.28 of bf16's. K is split for grids too small for the
@@ -103,12 +104,11 @@ def _step_product(
             w_lo, cols_lo, w_hi, cols_hi = q45k_step_lowp(block, QTYPE, dtype, ASM, WORDS, BLOCK_N)
             acc = _part_dot(acc, x_rows, mask_m, step, w_lo, cols_lo, IEEE)
             acc = _part_dot(acc, x_rows, mask_m, step, w_hi, cols_hi, IEEE)
-        else:  # Q6_K: quarters p and p + 2 read the same bytes
-            for p in tl.static_range(2):
-                ql, qh = q6k_bytes(block, p)
-                for quarter in tl.static_range(p, 4, 2):
-                    w, cols = q6k_quarter_lowp(block, ql, qh, quarter, dtype, ASM, BLOCK_N)
-                    acc = _part_dot(acc, x_rows, mask_m, step, w, cols, IEEE)
+        else:  # Q6_K
+            ql_even, ql_odd, qh = q6k_bytes(block)
+            for quarter in tl.static_range(4):
+                w, cols = q6k_quarter_lowp(block, ql_even, ql_odd, qh, quarter, dtype, ASM, BLOCK_N)
+                acc = _part_dot(acc, x_rows, mask_m, step, w, cols, IEEE)
     elif FACTORED:  # Q4_K / Q5_K: chunk c's two sub-blocks of 32
         for c in tl.static_range(4):
             q_lo, q_hi, d1_lo, m1_lo, d1_hi, m1_hi = q45k_chunk(row + step * BYTES, c, QTYPE)
