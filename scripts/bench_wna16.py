@@ -3,10 +3,9 @@ projection shapes (N, K) and 1-256 rows: one JSON line per case, the times in CU
 (do_bench_cudagraph: the kernels alone, as a decode step runs them; plain do_bench also timed
 the Python launch, ~100 us), each product cycling through enough copies of its weights to
 overflow the L2 cache, and the bytes read per microsecond (packed weights and scales,
-symmetric: no zeros; bf16's weights). Then a sweep at 1 and 16 rows of the product's three
-forms (the weight dequantised per value; q multiplied and the scales applied per step, "raw";
-raw with q unpacked two values at a time, "pairs") by output channels per program and programs
-wanted per SM: it decides RAW_PRODUCT and PAIRED_UNPACK.
+symmetric: no zeros; bf16's weights). Then a sweep at 1 and 16 rows of the product's two
+forms (the weight dequantised in float32 per value; "lowp": in bf16, two values at a time) by
+output channels per program and programs wanted per SM: it decides wna16.LOWP.
 
     python scripts/bench_wna16.py
 """
@@ -58,11 +57,10 @@ def _shape(n: int, k: int) -> None:
                           "bf16_us": round(bf16, 1), "bf16_gbs": round(n * k * 2 / bf16 / 1e3)}), flush=True)  # fmt: skip
     for rows in (1, 16):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        # (raw, pairs): the dequantised product; q multiplied, scales after; and q unpacked in pairs
-        for (raw, pairs), block_n, programs in itertools.product(((False, 0), (True, 0), (True, 1)), (64, 128), (4, 16)):
-            tiling = choose_tiling(rows, n, k, 128, num_sms(x.device), 4, block_n, 16, None, programs, 4, raw, pairs)
+        for lowp, block_n, programs in itertools.product((False, True), (64, 128), (4, 16)):
+            tiling = choose_tiling(rows, n, k, 128, num_sms(x.device), 4, block_n, 16, None, programs, lowp=lowp)
             us = _time(packed(x, tiling), copies)
-            print(json.dumps({"sweep": [n, k, rows], "raw": raw, "pairs": pairs, "tiling": [block_n, programs, tiling.splits],
+            print(json.dumps({"sweep": [n, k, rows], "lowp": lowp, "tiling": [block_n, programs, tiling.splits],
                               "us": round(us, 1), "gbs": round(packed_bytes / us / 1e3)}), flush=True)  # fmt: skip
 
 

@@ -27,7 +27,11 @@ Session 13: values are dequantised by putting q into a float's mantissa (a bitca
 int-to-float conversion): the same times at one row (19.5 / 14.7 / 59.7 / ~37 us), so the
 conversions were not the limit; a second kernel without tensor cores that folds the zero point
 and scale once per word (x * (1 + q / 2^bits) summed, one fused multiply-add per value) took
-21.8 / 16.8 / 80.4 / 47.3 us at its best tiling at one row and 2-10x more at 2-4 rows: removed.)"""
+21.8 / 16.8 / 80.4 / 47.3 us at its best tiling at one row and 2-10x more at 2-4 rows: removed.
+Session 14: q multiplied as it is on the tensor cores, a step's scale and zero point applied once
+after its dots (qkv at one row 19.6-25.1 us against 19.8-24.0, o 16.6 against 14.7: no gain),
+and the same with a word's values unpacked two at a time by PTX (qkv 20.6-24.7, o 15.4:
+slower): both removed in session 22. The paired unpacking serves LOWP below.)"""
 
 from __future__ import annotations
 
@@ -51,18 +55,13 @@ WORDS_PER_STEP = 16  # packed words of each column per K step (the dots' K: 16 a
 MAX_KERNEL_ROWS = 32  # more rows: the weight dequantised (CHUNK_ELEMENTS at a time) + torch.matmul
 CHUNK_ELEMENTS = 1 << 25  # (64 MiB of bf16: a large LM head needs no float copy of itself)
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K
-# untried on the GPU yet (scripts/bench_wna16.py sweeps them): a step inside one group multiplies
-# q itself on the tensor cores and applies the group's scale and zero point once after its dots
-# (not per value), and on CUDA a 4-bit word's values come out two at a time (_two_values)
-RAW_PRODUCT = False
-PAIRED_UNPACK = False
 # Untried on the GPU (session 21, written while none could be started): 4-bit steps inside one
 # group dequantised in x's 16-bit dtype, (q - z) * s with one subtract and one multiply per pair
 # of values (on CUDA the values come two at a time from _two_values's PTX), the weights the
 # product's M side (the accumulator transposed) so that Hopper's warpgroup MMA takes them from
 # registers, a decode row padded to 8. (q - z) is exact and s is x's dtype, so the weights are
 # the float32 path's to the bit. A prototype's loop in sm_90 SASS (Triton 3.6): 6.7 instructions
-# a weight against 9.3 (the float32 path) and 8.8 (RAW with PAIRS).
+# a weight against 9.3 (the float32 path) and 8.8 (the raw products with pairs, since removed).
 LOWP = False
 
 
@@ -109,15 +108,6 @@ def _two_values(shifted, PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _raw_dot(x_rows, ks, mask_m, k_hi, q, step, sum_x, DOT_PRECISION: tl.constexpr):
-    """The step's product with unscaled values q [WORDS, BLOCK_N] at channels ks, and the
-    sum of x over those channels (for the zero point)."""
-    x = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & (ks < k_hi)[None, :], other=0.0)
-    step = tl.dot(x, q.to(x.dtype), step, input_precision=DOT_PRECISION)
-    return step, sum_x + tl.sum(x.to(tl.float32), axis=1)
-
-
-@triton.jit
 def _lowp_dot(x_rows, ks, mask_m, k_hi, w, acc, EVEN_K: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] + w [WORDS, BLOCK_N] (x's dtype) transposed @ x at channels ks
     transposed: the weights are the product's M side. EVEN_K: every step is whole (no mask
@@ -133,7 +123,7 @@ def _wna16_kernel(
     rows, n, k, group_size, k_per_split, stride_x, stride_q, stride_s, stride_out,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, RAW: tl.constexpr, PAIRS: tl.constexpr, LOWP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PAIRS: tl.constexpr, LOWP: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -177,22 +167,6 @@ def _wna16_kernel(
                 ks = start + offs_w * PER + p
                 acc = _lowp_dot(x_rows, ks, mask_m, k_hi, (low - z16) * s16, acc, EVEN_K)
                 acc = _lowp_dot(x_rows, ks + PER // 2, mask_m, k_hi, (high - z16) * s16, acc, EVEN_K)
-        elif RAW:  # (GROUPS 0) the dots take q itself; the group's scale and zero come after
-            step = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            sum_x = tl.zeros([BLOCK_M], dtype=tl.float32)
-            if PAIRS:  # values p and p + PER / 2 of each word unpacked together (CUDA, 4 bits)
-                for p in tl.static_range(PER // 2):
-                    low, high = _two_values(words >> (p * BITS), PAIRS)
-                    ks = start + offs_w * PER + p
-                    step, sum_x = _raw_dot(x_rows, ks, mask_m, k_hi, low, step, sum_x, DOT_PRECISION)
-                    ks += PER // 2
-                    step, sum_x = _raw_dot(x_rows, ks, mask_m, k_hi, high, step, sum_x, DOT_PRECISION)
-            else:
-                for p in tl.static_range(PER):
-                    ks = start + offs_w * PER + p
-                    q = (words >> (p * BITS)) & ((1 << BITS) - 1)  # (exact in any float: q < 256)
-                    step, sum_x = _raw_dot(x_rows, ks, mask_m, k_hi, q, step, sum_x, DOT_PRECISION)
-            acc += s * (step - z * sum_x[:, None])  # s * sum over the step of x * (q - z)
         else:
             # value p of every word at once: channels start + w * PER + p, a K of WORDS for the
             # dot (no reshape of the unpacked values, which would cost a trip through shared
@@ -244,16 +218,15 @@ class Wna16Tiling:
     num_stages: int
     splits: int  # slices of K, each its own program (then summed)
     k_per_split: int  # channels of K per slice, whole steps
-    raw: bool = False  # (groups 0) the dots take q, the step's scale and zero point after them
-    pairs: int = 0  # (raw or lowp, 4 bits, CUDA) two values a word at once: 1 for bf16 x, 2 for fp16 x
+    pairs: int = 0  # (lowp, CUDA) two values a word at once: 1 for bf16 x, 2 for fp16 x
     lowp: bool = False  # (groups 0, 4 bits) dequantised in x's 16-bit dtype, the weights the M side
 
 
 def choose_tiling(
     rows: int, n: int, k: int, group_size: int, num_sms: int, bits: int = 4,
     block_n: int | None = None, words: int = WORDS_PER_STEP, num_stages: int | None = None,
-    programs_per_sm: int | None = None, num_warps: int = 4, raw: bool | None = None,
-    pairs: int = 0, lowp: bool | None = None,
+    programs_per_sm: int | None = None, num_warps: int = 4, pairs: int = 0,
+    lowp: bool | None = None,
 ) -> Wna16Tiling:  # fmt: skip
     """Output tiles of 16 x 64 for a decode step (<= 16 rows: its weights are all the work,
     streamed once), wider for more rows; steps of WORDS_PER_STEP words of each column (128
@@ -261,28 +234,23 @@ def choose_tiling(
     programs on every SM splits K (each slice of whole steps, partial sums added in order),
     since one program's serial K steps are latency-bound: at one row, 4096 x 4096 took 35-63 us
     on the H200 for every tiling without a split (BENCHMARKS.md, session 11), about 10x its
-    floor. A step inside one group multiplies q itself when RAW_PRODUCT says so (raw None),
-    or, at 4 bits, dequantises in x's 16-bit dtype when LOWP says so (lowp None; 8-row tiles
-    for up to 8 rows). The keyword arguments other than the defaults are for sweeps."""
+    floor. At 4 bits a step inside one group dequantises in x's 16-bit dtype when LOWP says so
+    (lowp None; 8-row tiles for up to 8 rows). The keyword arguments other than the defaults are for sweeps."""
     per = 32 // bits
     block_k = words * per
     groups = 0 if group_size % block_k == 0 or group_size >= k else 1 if group_size % per == 0 else 2
-    lowp = LOWP and groups == 0 and bits == 4 and not raw if lowp is None else lowp
+    lowp = LOWP and groups == 0 and bits == 4 if lowp is None else lowp
     block_m = 8 if lowp and rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = block_n or (64 if block_m < 64 else 128)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
     programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
     splits, per_split = k_splits(tiles, triton.cdiv(k, block_k), num_sms, programs)
     stages = num_stages or (3 if block_m <= 32 else 2)
-    raw = RAW_PRODUCT and groups == 0 and not lowp if raw is None else raw
-    if (raw and groups) or (pairs and not ((raw or lowp) and bits == 4)):
-        raise ValueError(f"raw products need steps inside a group, pairs also 4 bits ({groups=}, {bits=})")
-    if lowp and (groups or bits != 4 or raw):
-        raise ValueError(f"lowp products need 4 bits and steps inside a group, not raw ({groups=}, {bits=})")
-    return Wna16Tiling(
-        block_m, block_n, block_k, groups, num_warps, stages, splits, per_split * block_k, raw, pairs,
-        lowp,
-    )
+    if pairs and not lowp:
+        raise ValueError("pairs unpack lowp products' values: lowp needed")
+    if lowp and (groups or bits != 4):
+        raise ValueError(f"lowp products need 4 bits and steps inside a group ({groups=}, {bits=})")
+    return Wna16Tiling(block_m, block_n, block_k, groups, num_warps, stages, splits, per_split * block_k, pairs, lowp)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -342,8 +310,7 @@ def wna16_gemm(
     t = tiling or choose_tiling(rows, n, k, group_size, grid_sms(x.device), bits)
     if t.lowp and x.dtype == torch.float32:  # (float32 x: the float32 path, 16-row tiles)
         t = replace(t, lowp=False, pairs=0, block_m=max(16, t.block_m))
-    paired = (tiling is None and t.raw and bits == 4 and PAIRED_UNPACK) or (t.lowp and not t.pairs)
-    if x.is_cuda and paired:  # (LOWP on CUDA: always the paired PTX)
+    if x.is_cuda and t.lowp and not t.pairs:  # (LOWP on CUDA: always the paired PTX)
         t = replace(t, pairs={torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0))
     if t.pairs and (not x.is_cuda or x.dtype != (torch.bfloat16, torch.float16)[t.pairs - 1]):
         raise ValueError(f"pairs {t.pairs} needs CUDA and {('bf16', 'fp16')[t.pairs - 1]} x, got {x.dtype}")
@@ -357,7 +324,7 @@ def wna16_gemm(
     meta = {
         "BITS": bits, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k,
         "GROUPS": t.groups, "HAS_ZEROS": zeros is not None, "SPLIT": split,
-        "RAW": t.raw, "PAIRS": t.pairs, "LOWP": t.lowp, "EVEN_K": k % t.block_k == 0, "num_warps": t.num_warps,
+        "PAIRS": t.pairs, "LOWP": t.lowp, "EVEN_K": k % t.block_k == 0, "num_warps": t.num_warps,
         "num_stages": t.num_stages,
     }  # fmt: skip
     grid = (triton.cdiv(rows, t.block_m), triton.cdiv(n, t.block_n), t.splits)

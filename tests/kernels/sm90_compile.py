@@ -70,7 +70,7 @@ def main() -> None:
     for (pairs, x_type), even_k, zeros in itertools.product(((1, "*bf16"), (2, "*fp16")), (False, True), (False, True)):
         compile_sm90(wna16._wna16_kernel, {**WNA16, "x_ptr": x_type, "scales_ptr": x_type, "zeros_ptr": x_type}, {
             "BITS": 4, "BLOCK_M": 8, "BLOCK_N": 64, "BLOCK_K": 128, "GROUPS": 0, "HAS_ZEROS": zeros,
-            "SPLIT": True, "DOT_PRECISION": "tf32", "RAW": False, "PAIRS": pairs, "LOWP": True,
+            "SPLIT": True, "DOT_PRECISION": "tf32", "PAIRS": pairs, "LOWP": True,
             "EVEN_K": even_k})  # fmt: skip
     print("w4a16 (LOWP) compiled for sm_90", flush=True)
 

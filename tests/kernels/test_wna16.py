@@ -159,54 +159,7 @@ def _tiled_product(case, dtype, symmetric, **tiling_options):  # type: ignore[no
     return tiling, out.float().cpu(), x.float() @ w.t().float()
 
 
-RAW_CASES = [c for c in CASES if c[4] % 128 == 0 or c[4] >= c[2] or (c[3] == 8 and c[4] % 64 == 0)]
-
-
-@pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
-@pytest.mark.parametrize("dtype", [d for d in FLOAT_DTYPES if d != torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", RAW_CASES, ids=str)
-def test_raw_products_match_the_dequantised_product(case, dtype, symmetric):  # type: ignore[no-untyped-def]
-    """Steps inside one group multiplying q itself, the scale and zero point applied once a
-    step (the same product, up to float rounding); the chosen tiling takes them when
-    RAW_PRODUCT is on."""
-    tiling, out, expected = _tiled_product(case, dtype, symmetric, raw=True)
-    assert tiling.groups == 0 and tiling.raw
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out, expected, rtol=tol, atol=tol * expected.abs().max().item())
-
-
-def test_raw_products_need_steps_inside_a_group(monkeypatch):  # type: ignore[no-untyped-def]
-    from mmserve.kernels import wna16
-
-    with pytest.raises(ValueError, match="raw products need steps inside a group"):
-        choose_tiling(5, 40, 96, 12, 132, raw=True)
-    with pytest.raises(ValueError, match="pairs also 4 bits"):
-        choose_tiling(1, 64, 256, 128, 132, bits=8, raw=True, pairs=1)
-    monkeypatch.setattr(wna16, "RAW_PRODUCT", True)
-    assert choose_tiling(1, 64, 512, 128, 132).raw
-    assert not choose_tiling(5, 40, 96, 12, 132).raw  # (groups split words: per value)
-    x, q, _, scales, _ = _operands(1, 64, 256, 4, 128, torch.float32)
-    tiling = choose_tiling(1, 64, 256, 128, 132, raw=True, pairs=1)
-    with pytest.raises(ValueError, match="needs CUDA and bf16"):
-        wna16_gemm(x.to(DEVICE), pack_columns(q, 4).to(DEVICE), scales.to(DEVICE), None, 4, 128, tiling)
-
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="the paired unpacking is PTX: CUDA only")
-@pytest.mark.parametrize("dtype,pairs", [(torch.bfloat16, 0), (torch.bfloat16, 1), (torch.float16, 2)], ids=str)
-@pytest.mark.parametrize("case", [(1, 4096, 4096, 4, 128), (16, 6144, 4096, 4, 128), (3, 200, 384, 4, 384)], ids=str)
-def test_gpu_raw_and_paired_products(case, dtype, pairs):  # type: ignore[no-untyped-def]
-    """On the GPU, in the 16-bit dtypes: raw products, with and without the paired unpacking,
-    against the product of the dequantised weight (the bf16 rounding of x only)."""
-    rows, n, k, bits, group_size = case
-    x, q, zeros, scales, w = _operands(rows, n, k, bits, group_size, dtype)
-    tiling = choose_tiling(rows, n, k, group_size, 132, bits, raw=True, pairs=pairs)
-    args = [t.to(DEVICE) for t in (x, pack_columns(q, bits), scales, zeros)]
-    out = wna16_gemm(*args, bits, group_size, tiling).float().cpu()
-    expected = x.float() @ w.t().float()
-    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
-
-
-LOWP_CASES = [c for c in RAW_CASES if c[3] == 4]
+LOWP_CASES = [c for c in CASES if c[3] == 4 and (c[4] % 128 == 0 or c[4] >= c[2])]  # steps inside a group
 
 
 @pytest.mark.parametrize("symmetric", [False, True], ids=["zeros", "symmetric"])
@@ -229,6 +182,12 @@ def test_lowp_needs_4_bits_inside_a_group(monkeypatch):  # type: ignore[no-untyp
         choose_tiling(1, 64, 256, 128, 132, bits=8, lowp=True)
     with pytest.raises(ValueError, match="lowp products need 4 bits"):
         choose_tiling(5, 40, 96, 12, 132, lowp=True)
+    with pytest.raises(ValueError, match="lowp needed"):
+        choose_tiling(1, 64, 256, 128, 132, lowp=False, pairs=1)
+    x, q, _, scales, _ = _operands(1, 64, 256, 4, 128, torch.float16)
+    tiling = choose_tiling(1, 64, 256, 128, 132, lowp=True, pairs=1)  # (bf16's PTX, on CUDA only)
+    with pytest.raises(ValueError, match="needs CUDA and bf16"):
+        wna16_gemm(x.to(DEVICE), pack_columns(q, 4).to(DEVICE), scales.to(DEVICE), None, 4, 128, tiling)
     monkeypatch.setattr(wna16, "LOWP", True)
     assert choose_tiling(1, 64, 512, 128, 132).lowp
     assert not choose_tiling(1, 64, 512, 128, 132, bits=8).lowp
