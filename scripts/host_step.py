@@ -3,10 +3,13 @@ requests of 512 prompt tokens decode OUT tokens each in one in-process engine (t
 tiny shape, its tokenizer), with the forward pass, the LM head and sampling replaced by
 constants and random tokens, so what is timed is the scheduler, the KV-cache manager, the batch
 building, the output handling and detokenising, and Python's garbage collector (its passes
-counted and timed by generation). Extra arguments go to the engine's bench flags (e.g.
---no-enable-prefix-caching); MMSERVE_GC_FREEZE=0 keeps the start-up heap in the collector.
+counted and timed by generation). --structured constrains every request by `bench
+structured`'s endless JSON schema (xgrammar): the logits are then the vocabulary's width and the
+stub draws a token the grammar allows, so the matchers' accepts and bitmask fills, and the mask's
+application, are timed too (issue 23, target 6). Extra arguments go to the engine's bench flags
+(e.g. --no-enable-prefix-caching); MMSERVE_GC_FREEZE=0 keeps the start-up heap in the collector.
 
-    python scripts/host_step.py 256 128 [--profile] [bench flags]
+    python scripts/host_step.py 256 128 [--profile] [--structured] [bench flags]
 """
 
 from __future__ import annotations
@@ -26,17 +29,19 @@ import torch
 from mmserve.bench import cli
 from mmserve.bench.checkpoints import model_path
 from mmserve.bench.engine_flags import engine_config
+from mmserve.bench.structured import ENDLESS_SCHEMA
 from mmserve.frontend.frontend import FrontEnd
 from mmserve.params import SamplingParams
 from mmserve.runner import model_runner
+from mmserve.structured_output.params import StructuredOutputParams
 
 PROMPT_LEN = 512
 
 
 def main() -> None:
     rows, out_len, flags = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-    profile = "--profile" in flags
-    flags = [f for f in flags if f != "--profile"]
+    profile, structured = "--profile" in flags, "--structured" in flags
+    flags = [f for f in flags if f not in ("--profile", "--structured")]
     parser = argparse.ArgumentParser(prog="mmserve")
     cli.add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(
@@ -49,14 +54,25 @@ def main() -> None:
     runner = engine.core.runner
     hidden = torch.zeros(16384, 256)
     runner._forward = lambda batch: hidden[: batch.input_ids.shape[0]]  # type: ignore[method-assign]
-    runner.model.compute_logits = lambda h: torch.zeros(h.shape[0], 8)  # type: ignore[method-assign]
+    width = runner.model.vocab_size if structured else 8
+    runner.model.compute_logits = lambda h: torch.zeros(h.shape[0], width)  # type: ignore[method-assign]
 
     def sample(logits: torch.Tensor, sampling: list[Any], generator: Any = None) -> Any:
-        return torch.randint(1000, 30000, (logits.shape[0],)), [None] * len(sampling)
+        if not structured:
+            return torch.randint(1000, 30000, (logits.shape[0],)), [None] * len(sampling)
+        # an allowed token (the mask left 0, not -inf): one of 256 random ids where any is
+        # allowed, else the first allowed one
+        picks = torch.randint(0, width, (logits.shape[0], 256))
+        scores = logits.clone()
+        scores.scatter_add_(1, picks, torch.rand(picks.shape))
+        return scores.argmax(-1), [None] * len(sampling)
 
     model_runner.sample_on_device = sample  # type: ignore[assignment]
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=out_len, min_tokens=out_len, temperature=0.0, ignore_eos=True)
+    constraint = StructuredOutputParams("json_schema", json.dumps(ENDLESS_SCHEMA)) if structured else None
+    params = SamplingParams(
+        max_tokens=out_len, min_tokens=out_len, temperature=0.0, ignore_eos=True, structured=constraint
+    )
     for i in range(rows):
         engine.add_request(f"r{i}", [rng.randrange(1000, 30000) for _ in range(PROMPT_LEN)], params)
     scheduler = engine.core.scheduler
@@ -89,7 +105,7 @@ def main() -> None:
     seconds = time.perf_counter() - start
     gc.callbacks.remove(on_gc)
     print(json.dumps({
-        "rows": rows, "steps": steps, "flags": flags, "host_ms_per_step": round(1e3 * seconds / steps, 3),
+        "rows": rows, "steps": steps, "flags": flags, "structured": structured, "host_ms_per_step": round(1e3 * seconds / steps, 3),
         "us_per_row": round(1e6 * seconds / steps / rows, 2), "gc_passes": passes["n"],
         "gc_seconds": [round(v, 4) for v in passes["s"]], "frozen_objects": gc.get_freeze_count(),
     }))  # fmt: skip
