@@ -2,9 +2,10 @@
 of --seq-len tokens through the pooling API, one at a time as one client makes them, and the
 milliseconds per call spent tokenising, in the engine's step parts (mmserve.bench.host_times;
 "wait" is the engine thread waiting for the device) and in all. The engine's thread and the
-front end's workers run beside the caller, so the parts can overlap.
+front end's workers run beside the caller, so the parts can overlap. --stub replaces the
+model's forward pass by a constant hidden state, leaving the host's work alone (any machine).
 
-Usage: python3 scripts/embed_host.py [--model shape:bert-base] [--device cuda] [--calls 40]"""
+Usage: python3 scripts/embed_host.py [--model shape:bert-base] [--device cuda] [--calls 40] [--stub]"""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import json
 import statistics
 import time
 from typing import Any
+
+import torch
 
 from mmserve.bench.embed import make_texts, model_folder
 from mmserve.bench.host_times import HostTimes, host_times
@@ -31,6 +34,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--stub", action="store_true", help="the forward pass a constant: the host alone")
     args = p.parse_args()
     folder = model_folder(args.model)
     engine = FrontEnd.start(
@@ -39,6 +43,12 @@ def main() -> None:
             scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=args.batch_size),
         )
     )
+    if args.stub:
+        runner = engine.core.runner
+        width = runner.model.hidden_size
+        hidden = torch.ones(args.batch_size * args.seq_len * 2, width, dtype=next(runner.model.parameters()).dtype,
+                            device=runner.device)  # fmt: skip
+        runner._forward = lambda batch: hidden[: batch.input_ids.shape[0]]  # type: ignore[method-assign]
     texts = make_texts(engine.tokenizer, args.batch_size * (args.calls + 4), args.seq_len)
     batches = [texts[i : i + args.batch_size] for i in range(0, len(texts), args.batch_size)]
     encoder = engine.input_encoder
@@ -72,6 +82,7 @@ def main() -> None:
     line = {
         "bench": "embed-host",
         "model": args.model,
+        "stub": args.stub,
         "device": engine.info.device,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
