@@ -2,7 +2,14 @@
 run on the CPU by an emulator of its five instructions as the PTX ISA defines them (mov, shr /
 shl, prmt, lop3, sub.rn.bf16x2), against the formats' own bit layouts (ggml's
 dequantize_row_q4_K / q6_K): every byte value, in each lane of a packed register. The GPU
-tests run the same code on the device (test_gguf_gemm's bfloat16 products)."""
+tests run the same code on the device (test_gguf_gemm's bfloat16 products).
+
+The lanes follow Triton's lowering of inline_asm_elementwise with pack=4 (read in its
+ElementwiseInlineAsmOpConversion, lib/Conversion/TritonGPUToLLVM/ElementwiseOpToLLVM.cpp):
+element k of a group of four uint8 operands is inserted at index k of a 4 x i8 vector, so it is
+byte k of the 32-bit register (little-endian); a bfloat16 result is a struct of two 2 x bf16
+vectors, element 0 in $0's low half, 1 in its high half, 2 and 3 in $1; a 32-bit operand takes
+one register per element ($4 to $7)."""
 
 from __future__ import annotations
 
