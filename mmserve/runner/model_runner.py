@@ -289,8 +289,10 @@ class ModelRunner:
         if any(s.draft_token_ids for s in reqs):
             self._check_guesses(step, live)
             return
-        bitmask = self._grammar_bitmask(reqs, live)  # CPU work while the GPU runs
+        # the LM head enqueued first: the grammars' bitmask fill (host work) then overlaps it
+        # as well as the forward pass, and a slow fill delays the GPU less
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, batch.sample_rows))
+        bitmask = self._grammar_bitmask(reqs, live)
         if bitmask is not None:
             _mask(logits, bitmask)
         rows = [self._sampling_row(s) for s in reqs]
@@ -321,8 +323,8 @@ class ModelRunner:
                 output = item.output_token_ids + guesses[:j] if j else item.output_token_ids
                 sampling.append(self._sampling_row(item, output))
                 drafts.append(guesses[j] if j < len(guesses) else None)
-        bitmask = self._guess_bitmask(reqs, len(rows), live)
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, rows))
+        bitmask = self._guess_bitmask(reqs, len(rows), live)  # (host work beside the LM head)
         if bitmask is not None:
             _mask(logits, bitmask)
         q = (drawn, torch.cat(probs)) if probs else None
