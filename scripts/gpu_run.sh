@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk gcab embedhost (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp gcab embedhost (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -86,6 +86,16 @@ if has ggufk; then
   python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gguf.py tests/kernels/test_gguf_gemm.py \
     -k "${GGUFK_TESTS:-gpu or matmul_is or kquant or dequantize or 16_bit}" 2>&1 | tail -8 | tee "$OUT/ggufk-tests.txt"
   python3 scripts/bench_gguf.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ggufk.txt"
+fi
+if has lowp; then
+  # the 16-bit dequantisation (gguf_gemm.LOWP, wna16.LOWP; issue 19): w4a16's products checked and
+  # timed both ways, the GGUF K-quants' forms checked and timed at 1 and 16 rows (quick mode, with
+  # its sweep), then the LOWP tests in bf16 on the device (about 8 minutes on an H100)
+  { timeout 100 python3 scripts/check_lowp.py
+    BENCH_GGUF_QUICK=1 timeout 330 python3 scripts/bench_gguf.py
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/lowp.txt"
+  timeout 130 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gguf_gemm.py tests/kernels/test_wna16.py \
+    tests/kernels/test_gguf_bits.py -k "lowp or LOWP or bits" 2>&1 | tail -30 | tee "$OUT/lowp-tests.txt"
 fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline
