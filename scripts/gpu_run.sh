@@ -90,7 +90,7 @@ fi
 if has lowp; then
   # the 16-bit dequantisation (gguf_gemm.LOWP, wna16.LOWP; issue 19): w4a16's products checked and
   # timed both ways, the GGUF K-quants' forms checked and timed at 1 and 16 rows (quick mode, with
-  # its sweep), then the LOWP tests in bf16 on the device (about 8 minutes on an H100)
+  # its sweep), then the LOWP tests in bf16 on the device (at most 9.5 minutes: the timeouts)
   { timeout 100 python3 scripts/check_lowp.py
     BENCH_GGUF_QUICK=1 timeout 330 python3 scripts/bench_gguf.py
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/lowp.txt"
