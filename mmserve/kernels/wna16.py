@@ -235,7 +235,8 @@ def choose_tiling(
     since one program's serial K steps are latency-bound: at one row, 4096 x 4096 took 35-63 us
     on the H200 for every tiling without a split (BENCHMARKS.md, session 11), about 10x its
     floor. At 4 bits a step inside one group dequantises in x's 16-bit dtype when LOWP says so
-    (lowp None; 8-row tiles for up to 8 rows). The keyword arguments other than the defaults are for sweeps."""
+    (lowp None; 8-row tiles for up to 8 rows). The keyword arguments other than the defaults
+    are for sweeps."""
     per = 32 // bits
     block_k = words * per
     groups = 0 if group_size % block_k == 0 or group_size >= k else 1 if group_size % per == 0 else 2
