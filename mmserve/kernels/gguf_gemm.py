@@ -53,15 +53,17 @@ from mmserve.kernels.gguf_blocks import (
 FACTORED = True  # Q4_K / Q5_K products scale sums of q x by sub-block (q45k_chunk)
 BLOCK_N = 64  # output channels per program of the few-rows kernel
 # One row by _gguf_gemv_kernel (FMAs into a register accumulator) instead of the tensor-core
-# kernel: off until scripts/bench_gguf.py has timed it on a GPU (written in session 20, after
-# its device time was spent; the tensor-core kernel's many small dots and operand layout
-# changes are the suspect in its 400-620 GB/s for Q4_K at one row)
+# kernel. Timed on an H100 (session 22) against LOWP at one row: faster for Q6_K's LM head
+# (261 against 281 us) and 28672 x 4096 (68 against 75), slower for every Q4_K and Q5_K shape
+# (e.g. Q4_K 28672 x 4096: 76 against 64; Q5_K down: 57 against 45): off
 GEMV = False
 # The K-quants dequantised in x's 16-bit dtype (gguf_blocks' LOWP: bfloat16 quants by bits on
-# CUDA): about 5 instructions a weight in the sm_90 SASS of the loop against 7.4-11.3. Off
-# until a GPU has timed it and checked its bfloat16 products (written in session 21, while no
-# GPU could be started)
-LOWP = False
+# CUDA): about 5 instructions a weight in the sm_90 SASS of the loop against 7.4-11.3. On an
+# H100 (session 22) its bf16 products and dequantiser are within bf16 rounding of the float32
+# ones, and at one row of the 8B shapes it took 19-64 us for Q4_K against the factored form's
+# 21-97; the Q4_K_M 8B decode step went from 7.43 to 5.74 ms at batch 1 and from 8.59 to 6.83
+# at batch 16 (bf16 in the same run: 6.06 and 7.03)
+LOWP = True
 LOWP_WORDS = True  # Q4_K's / Q5_K's scales read as 32-bit words (gguf_blocks._q4k_words_factors)
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)

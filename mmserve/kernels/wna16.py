@@ -55,14 +55,18 @@ WORDS_PER_STEP = 16  # packed words of each column per K step (the dots' K: 16 a
 MAX_KERNEL_ROWS = 32  # more rows: the weight dequantised (CHUNK_ELEMENTS at a time) + torch.matmul
 CHUNK_ELEMENTS = 1 << 25  # (64 MiB of bf16: a large LM head needs no float copy of itself)
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K
-# Untried on the GPU (session 21, written while none could be started): 4-bit steps inside one
-# group dequantised in x's 16-bit dtype, (q - z) * s with one subtract and one multiply per pair
+# 4-bit steps inside one group of a decode step of at most LOWP_MAX_ROWS rows dequantised in x's
+# 16-bit dtype (session 21), (q - z) * s with one subtract and one multiply per pair
 # of values (on CUDA the values come two at a time from _two_values's PTX), the weights the
 # product's M side (the accumulator transposed) so that Hopper's warpgroup MMA takes them from
 # registers, a decode row padded to 8. (q - z) is exact and s is x's dtype, so the weights are
 # the float32 path's to the bit. A prototype's loop in sm_90 SASS (Triton 3.6): 6.7 instructions
 # a weight against 9.3 (the float32 path) and 8.8 (the raw products with pairs, since removed).
-LOWP = False
+# On an H100 (session 22, scripts/check_lowp.py, bf16, g128, results equal to the float32
+# path's): one row of qkv 18.0 against 19.7 us and of down 32.6 against 36.1; 16 rows 35.3
+# against 28.1 and 71.9 against 56.6 (16-row tiles as the M side lose), so up to 8 rows only.
+LOWP = True
+LOWP_MAX_ROWS = 8
 
 
 @triton.jit
@@ -235,12 +239,12 @@ def choose_tiling(
     since one program's serial K steps are latency-bound: at one row, 4096 x 4096 took 35-63 us
     on the H200 for every tiling without a split (BENCHMARKS.md, session 11), about 10x its
     floor. At 4 bits a step inside one group dequantises in x's 16-bit dtype when LOWP says so
-    (lowp None; 8-row tiles for up to 8 rows). The keyword arguments other than the defaults
+    and there are at most LOWP_MAX_ROWS rows (lowp None; 8-row tiles). The keyword arguments other than the defaults
     are for sweeps."""
     per = 32 // bits
     block_k = words * per
     groups = 0 if group_size % block_k == 0 or group_size >= k else 1 if group_size % per == 0 else 2
-    lowp = LOWP and groups == 0 and bits == 4 if lowp is None else lowp
+    lowp = LOWP and groups == 0 and bits == 4 and rows <= LOWP_MAX_ROWS if lowp is None else lowp
     block_m = 8 if lowp and rows <= 8 else 16 if rows <= 16 else 32 if rows <= 32 else 64
     block_n = block_n or (64 if block_m < 64 else 128)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)

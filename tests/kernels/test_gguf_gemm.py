@@ -105,10 +105,11 @@ def test_kquant_products_by_weight_and_by_sub_block_sum(
 ) -> None:
     """Q4_K / Q5_K's two forms of the product: every weight dequantised, then multiplied
     (step_part), and the quants multiplied, then scaled a sub-block at a time (q45k_chunk).
-    Both are x times gguf's weights; 3 super-blocks, 45 channels (a partial tile)."""
+    Both are x times gguf's weights; 3 super-blocks, 45 channels (a partial tile). (16-bit x
+    takes LOWP by default: lowp=False keeps these float32 forms.)"""
     blocks = random_blocks(qtype, 45, 768, seed=rows)
     x = torch.randn(rows, 768, device=DEVICE).to(dtype)
-    out = gguf_gemm_rows(x, blocks, qtype, factored=factored)
+    out = gguf_gemm_rows(x, blocks, qtype, factored=factored, lowp=False)
     _assert_close(out, gguf_matmul_ref(x, blocks, qtype), dtype)
 
 

@@ -190,5 +190,6 @@ def test_lowp_needs_4_bits_inside_a_group(monkeypatch):  # type: ignore[no-untyp
         wna16_gemm(x.to(DEVICE), pack_columns(q, 4).to(DEVICE), scales.to(DEVICE), None, 4, 128, tiling)
     monkeypatch.setattr(wna16, "LOWP", True)
     assert choose_tiling(1, 64, 512, 128, 132).lowp
+    assert not choose_tiling(wna16.LOWP_MAX_ROWS + 1, 64, 512, 128, 132).lowp  # (slower there)
     assert not choose_tiling(1, 64, 512, 128, 132, bits=8).lowp
     assert not choose_tiling(5, 40, 96, 12, 132).lowp
