@@ -8,8 +8,9 @@ dequantise-then-matmul path at 32 and 64 rows (where the cut between the paths l
 sweep at one row of each form over output channels per program, programs per SM and warps per
 program, and of the one-row kernel without tensor cores (GEMV).
 
-    python scripts/bench_gguf.py  (BENCH_GGUF_QUICK=1: the K-quants only, at 1 and 16 rows; the
-    sweep of the LOWP forms only, over channels, programs and pipeline stages)
+    python scripts/bench_gguf.py  (BENCH_GGUF_QUICK=1: the K-quants only, at 1 and 16 rows, the
+    LOWP forms also at 2 and 4 pipeline stages; the sweep of the LOWP forms only, over channels,
+    programs and pipeline stages)
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ def _shape(n: int, k: int, qtype: str) -> None:
             us = _time(lambda i, x=x, f=form: _rows_kernel(x, blocks[i], qtype, **f), copies)
             key = _form_name(form)
             line[f"{key}_us"], line[f"{key}_gbs"] = round(us, 1), round(nbytes / us / 1e3)
+            for stages in (2, 4) if QUICK and form.get("lowp") else ():  # the pipeline's depth
+                us = _time(lambda i, x=x, f=form, s=stages: _rows_kernel(x, blocks[i], qtype, stages=s, **f), copies)
+                line[f"{key}_stages{stages}_us"] = round(us, 1)
         if rows == 1:  # the one-row kernel without tensor cores (gguf_gemm.GEMV)
             us = _time(lambda i, x=x: _rows_kernel(x, blocks[i], qtype, gemv=True), copies)
             line["gemv_us"], line["gemv_gbs"] = round(us, 1), round(nbytes / us / 1e3)

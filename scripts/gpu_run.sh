@@ -76,9 +76,10 @@ if has gguf; then
   Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024"
   Q="$Q --batch-sizes ${GGUF_BATCHES:-1,2,4,8,16,32,64}"
   { $B latency,decode $Q; $B latency,decode $Q --checkpoint-format gguf:Q4_K_M
-    ab=$(python3 -c "from mmserve.kernels import gguf_gemm; print(not gguf_gemm.LOWP)")
-    echo "LOWP=$ab"  # the K-quants dequantised in bfloat16 (gguf_gemm.LOWP), the default's opposite
-    python3 scripts/ab_switch.py mmserve.kernels.gguf_gemm.LOWP=$ab -- latency,decode $Q --checkpoint-format gguf:Q4_K_M
+    # then with GGUF_AB's switches (default: the K-quants' LOWP, gguf_gemm.LOWP, the default's opposite)
+    ab=${GGUF_AB:-mmserve.kernels.gguf_gemm.LOWP=$(python3 -c "from mmserve.kernels import gguf_gemm; print(not gguf_gemm.LOWP)")}
+    echo "$ab"
+    python3 scripts/ab_switch.py $ab -- latency,decode $Q --checkpoint-format gguf:Q4_K_M
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gguf.txt"
 fi
 if has ggufk; then

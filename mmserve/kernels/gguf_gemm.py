@@ -67,6 +67,10 @@ LOWP = True
 LOWP_WORDS = True  # Q4_K's / Q5_K's scales read as 32-bit words (gguf_blocks._q4k_words_factors)
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
+# The few-rows kernel's software pipeline (stages of its loop; None: Triton's default, 3). On an
+# H100 (session 22) the LOWP_WORDS down projection at one row took 34.8 us at 2 stages against
+# 41.6 at 3 (one sweep); not yet timed in the engine, so the default stays
+NUM_STAGES: int | None = None
 # the many-rows path dequantises at most this many weights at a time (64 MiB of bf16), so a
 # large LM head (128k x 4k) does not need a float copy of itself for one call
 CHUNK_ELEMENTS = 1 << 25
@@ -220,8 +224,8 @@ def gguf_gemm_rows(
     (mmserve/kernels/_common.k_splits); 0 never splits. factored: Q4_K / Q5_K's form of the
     product (default FACTORED). gemv: one row by the kernel without tensor cores (default
     GEMV). lowp: the K-quants with 16-bit x dequantised in x's dtype (default LOWP). unroll
-    (steps a loop iteration reads), num_warps and num_stages (the loop's software pipeline,
-    Triton's default 3): for scripts/bench_gguf.py's sweep, untimed in the engine."""
+    (steps a loop iteration reads) and num_warps: for scripts/bench_gguf.py's sweep, untimed in
+    the engine. num_stages: the loop's software pipeline (default NUM_STAGES)."""
     fmt = check_blocks("blocks", blocks, qtype)
     check_float("x", x)
     if x.dim() != 2 or x.shape[1] != blocks.shape[1] * fmt.elements:
@@ -259,11 +263,15 @@ def gguf_gemm_rows(
                 BLOCK_M=max(8 if low["LOWP"] else 16, triton.next_power_of_2(rows)), BLOCK_N=block_n,
                 SPLIT=splits > 1, FACTORED=factor and not low["LOWP"], UNROLL=unroll, **low,
                 num_warps=num_warps,
-                **({} if num_stages is None else {"num_stages": num_stages}),
+                **_stages(NUM_STAGES if num_stages is None else num_stages),
             )  # fmt: skip
         if splits > 1:
             sum_splits(out, target)
     return out
+
+
+def _stages(num_stages: int | None) -> dict[str, int]:
+    return {} if num_stages is None else {"num_stages": num_stages}
 
 
 def gguf_matmul(
