@@ -8,6 +8,9 @@ dequantise-then-matmul path at 32 and 64 rows (where the cut between the paths l
 sweep at one row of each form over output channels per program, programs per SM and warps per
 program, and of the one-row kernel without tensor cores (GEMV).
 
+The one-row product with int8 activations (DP4A) is timed for Q4_K and Q5_K at one row, over
+channels, warps and where the activations are quantised.
+
     python scripts/bench_gguf.py  (BENCH_GGUF_QUICK=1: the K-quants only, at 1 and 16 rows, the
     LOWP forms also at 2 and 4 pipeline stages; the sweep of the LOWP forms only, over channels,
     programs and pipeline stages)
@@ -33,6 +36,10 @@ QUICK = os.environ.get("BENCH_GGUF_QUICK") == "1"
 ROWS = (1, 16) if QUICK else (1, 4, 16, 32, 64)
 ROWS_CHECKED = (1, 16) if QUICK else (1, 16, 64)
 TYPES_CHECKED = ("Q4_K", "Q5_K", "Q6_K") if QUICK else ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_1")
+
+
+# the one-row int8-activation product (gguf_gemm.DP4A): channels a program, warps, quantised first
+_DP4A_FORMS = [(b, w, p) for b, w in ((64, 4), (128, 4), (128, 8), (256, 8)) for p in (False, True)]
 
 
 def _time(product: Callable[[int], object], copies: int) -> float:
@@ -103,6 +110,14 @@ def _check(qtype: str) -> None:
         rel = ((out - ref).norm() / ref.norm()).item()
         print(json.dumps({"check": qtype, "rows": rows, **form, "rel_err": rel}), flush=True)
         assert rel < 1e-2, rel
+    for pre in (False, True) if qtype in gguf_gemm.DP4A_TYPES else ():  # int8 activations, one row
+        x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+        out = gguf_gemm_rows(x, blocks, qtype, dp4a=True, prequant=pre).float()
+        rel = ((out - x.float() @ weight.t()).norm() / (x.float() @ weight.t()).norm()).item()
+        same = ((out - gguf_gemm.gguf_matmul_dp4a_ref(x, blocks, qtype)).abs().max() / out.abs().max()).item()
+        print(json.dumps({"check": qtype, "rows": 1, "dp4a": True, "prequant": pre, "rel_err": rel,
+                          "max_err_to_its_ref": same}), flush=True)  # fmt: skip
+        assert rel < 2e-2 and same < 1e-2, (rel, same)
     if qtype in LOWP_TYPES:
         low = gguf_dequantize(blocks, qtype, torch.bfloat16, lowp=True).float()
         rel = ((low - weight).norm() / weight.norm()).item()
@@ -130,6 +145,10 @@ def _shape(n: int, k: int, qtype: str) -> None:
         if rows == 1:  # the one-row kernel without tensor cores (gguf_gemm.GEMV)
             us = _time(lambda i, x=x: _rows_kernel(x, blocks[i], qtype, gemv=True), copies)
             line["gemv_us"], line["gemv_gbs"] = round(us, 1), round(nbytes / us / 1e3)
+        for block_n, warps, pre in _DP4A_FORMS if rows == 1 and qtype in gguf_gemm.DP4A_TYPES else ():
+            us = _time(lambda i, x=x, b=block_n, w=warps, p=pre: gguf_gemm_rows(
+                x, blocks[i], qtype, b, num_warps=w, dp4a=True, prequant=p), copies)  # fmt: skip
+            line[f"dp4a{'_prequant' if pre else ''}_{block_n}x{warps}_us"] = round(us, 1)
         if rows >= 16:  # the many-rows path: the weight dequantised, then cuBLAS (lowp: in bf16)
             for low in (False, True) if qtype in LOWP_TYPES else (False,):
                 us = _time(lambda i, x=x, low=low: torch.matmul(
@@ -159,7 +178,8 @@ def _shape(n: int, k: int, qtype: str) -> None:
 
 def main() -> None:
     torch.manual_seed(0)
-    defaults = {name: getattr(gguf_gemm, name) for name in ("FACTORED", "GEMV", "LOWP", "LOWP_WORDS", "MAX_ROWS")}
+    defaults = {name: getattr(gguf_gemm, name)
+                for name in ("FACTORED", "GEMV", "LOWP", "LOWP_WORDS", "MAX_ROWS", "DP4A", "NUM_STAGES")}  # fmt: skip
     gguf_gemm.MAX_ROWS = 64  # the few-rows kernel timed past its cut too
     for qtype in TYPES_CHECKED:
         _check(qtype)

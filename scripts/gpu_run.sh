@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp gcab embedhost (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a gcab embedhost (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -97,6 +97,13 @@ if has lowp; then
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/lowp.txt"
   timeout 130 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gguf_gemm.py tests/kernels/test_wna16.py \
     tests/kernels/test_gguf_bits.py -k "lowp or LOWP or bits" 2>&1 | tail -30 | tee "$OUT/lowp-tests.txt"
+fi
+if has dp4a; then
+  # the one-row product with int8 activations (gguf_gemm.DP4A; issue 19): its tests in bf16 on the
+  # device, then bench_gguf's quick mode (its checks, the forms at 1 and 16 rows, DP4A's forms)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gguf_gemm.py -k "int8 or one_row" \
+    2>&1 | tail -8 | tee "$OUT/dp4a-tests.txt"
+  BENCH_GGUF_QUICK=1 timeout 450 python3 scripts/bench_gguf.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/dp4a.txt"
 fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline

@@ -252,7 +252,7 @@ def _f16_bits(bits):
 
 
 @triton.jit
-def _q4k_words_factors(block):
+def q45k_words_factors(block):
     """_q45k_factors of every sub-block of the Q4_K / Q5_K super-blocks at byte pointers block
     [BLOCK_N], from their first 16 bytes read as four 32-bit words (one 16-byte load a row;
     their rows of blocks are 16-byte aligned: 144 and 176 bytes a block) and unpacked four
@@ -284,14 +284,14 @@ def q45k_step_lowp(block, QTYPE: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.cons
     """A Q4_K / Q5_K step at byte pointers block [BLOCK_N] in DTYPE (LOWP, above): w_lo
     [BLOCK_N, 128] (the low nibbles of qs[32 c + j], elements 64 c + j), its columns' elements
     [128], then w_hi (the high ones, elements 64 c + 32 + j) and its columns. The bytes are
-    loaded once; the scales byte by byte, or (WORDS) as 32-bit words (_q4k_words_factors).
+    loaded once; the scales byte by byte, or (WORDS) as 32-bit words (q45k_words_factors).
     Q5_K's fifth bits (qh[j], bit 2 c for the low nibble of chunk c, 2 c + 1 for the high)."""
     c = tl.arange(0, 4)
     j = tl.arange(0, 32)
     QS: tl.constexpr = 48 if QTYPE == 13 else 16
     qs = tl.load(block[:, None, None] + QS + 32 * c[None, :, None] + j[None, None, :])
     if WORDS:  # Q4_K's and Q5_K's scales lie alike, 16-byte aligned
-        d1_lo, m1_lo, d1_hi, m1_hi = _q4k_words_factors(block)
+        d1_lo, m1_lo, d1_hi, m1_hi = q45k_words_factors(block)
     else:
         d1_lo, m1_lo = _q45k_factors(block, 2 * c)
         d1_hi, m1_hi = _q45k_factors(block, 2 * c + 1)
@@ -308,6 +308,64 @@ def q45k_step_lowp(block, QTYPE: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.cons
     t = tl.arange(0, 128)
     cols = 64 * (t // 32) + t % 32
     return tl.reshape(w_lo, [BLOCK_N, 128]), cols, tl.reshape(w_hi, [BLOCK_N, 128]), cols + 32
+
+
+# One-row products with the activations in int8 (gguf_gemm.DP4A), as ggml's CUDA kernels run a
+# K-quant against a q8_1 row (vec_dot_q4_K_q8_1): a Q4_K / Q5_K step's quants stay 32-bit words
+# of four bytes (a mask and a shift a word make nibbles of eight weights) and meet the
+# activations' int8 words in dp4a (four products and their sum in one instruction). The
+# interpreter (CI) runs the same integer arithmetic byte by byte.
+_DP4A = tl.constexpr("dp4a.u32.s32 $0, $1, $2, $3;")
+
+
+@triton.jit
+def dp4a(a, b, c, ASM: tl.constexpr):
+    """c + the sum of the products of a's four unsigned bytes with b's four signed bytes
+    (int32 words; byte k with byte k)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_DP4A, "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        for k in tl.static_range(4):
+            c += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
+        return c
+
+
+@triton.jit
+def q45k_step_words(block, QTYPE: tl.constexpr):
+    """A Q4_K / Q5_K step's quants at byte pointers block [BLOCK_N] as int32 words of four
+    unsigned bytes, [BLOCK_N, 4, 8, 2]: byte k of word (c, w, h) is the quant of element
+    64 c + 32 h + 4 w + k (sub-block 2 c + h). qs[32 c + j] holds elements 64 c + j (its low
+    nibble) and 64 c + 32 + j (its high one); Q5_K's fifth bit of element 64 c + 32 h + j is
+    bit 2 c + h of qh[j]."""
+    c = tl.arange(0, 4)[None, :, None]
+    w = tl.arange(0, 8)[None, None, :]
+    words = block.to(tl.pointer_type(tl.int32))[:, None, None]
+    QS: tl.constexpr = 12 if QTYPE == 13 else 4  # words: Q5_K's qh lies between scales and qs
+    qs = tl.load(words + QS + 8 * c + w)
+    low, high = qs & 0x0F0F0F0F, (qs >> 4) & 0x0F0F0F0F
+    if QTYPE == 13:
+        qh = tl.load(words + 4 + w)  # [BLOCK_N, 1, 8]
+        low |= ((qh >> (2 * c)) & 0x01010101) << 4
+        high |= ((qh >> (2 * c + 1)) & 0x01010101) << 4
+    return tl.join(low, high)
+
+
+@triton.jit
+def q8_step(x_ptr, step):
+    """A step's 256 activations (one row at x_ptr) quantised by 32 as ggml's q8_1 does: int32
+    words [4, 8, 2] of four int8 (byte k of word (c, w, h): element 64 c + 32 h + 4 w + k, as
+    q45k_step_words), each group's scale d = max |x| / 127 and sum of x (float32 [4, 2]); the
+    quants are x 127 / max |x| rounded half away from zero."""
+    c = tl.arange(0, 4)[:, None, None, None]
+    w = tl.arange(0, 8)[None, :, None, None]
+    k = tl.arange(0, 4)[None, None, :, None]
+    h = tl.arange(0, 2)[None, None, None, :]
+    x = tl.load(x_ptr + step * 256 + 64 * c + 32 * h + 4 * w + k).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [4, 2]
+    v = x * (127.0 / tl.where(amax > 0, amax, 1.0))[:, None, None, :]  # a group of zeros stays 0
+    q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)
+    words = tl.xor_sum((q & 0xFF) << (8 * k), axis=2)  # disjoint bytes: xor is or
+    return words, amax / 127.0, tl.sum(tl.sum(x, axis=2), axis=1)
 
 
 @triton.jit

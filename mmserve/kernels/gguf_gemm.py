@@ -37,12 +37,16 @@ from mmserve.kernels.gguf_blocks import (
     STEP,
     STEP_PARTS,
     check_blocks,
+    dp4a,
     gguf_dequantize,
     lowp_args,
     q6k_bytes,
     q6k_quarter_lowp,
+    q8_step,
     q45k_chunk,
     q45k_step_lowp,
+    q45k_step_words,
+    q45k_words_factors,
     step_part,
 )
 
@@ -64,7 +68,14 @@ GEMV = False
 # 21-97; the Q4_K_M 8B decode step went from 7.43 to 5.74 ms at batch 1 and from 8.59 to 6.83
 # at batch 16 (bf16 in the same run: 6.06 and 7.03)
 LOWP = True
-LOWP_WORDS = True  # Q4_K's / Q5_K's scales read as 32-bit words (gguf_blocks._q4k_words_factors)
+LOWP_WORDS = True  # Q4_K's / Q5_K's scales read as 32-bit words (gguf_blocks.q45k_words_factors)
+# One row of Q4_K / Q5_K by _gguf_dp4a_kernel: the activations quantised to int8 by 32 inside it
+# (ggml's q8_1) and multiplied with the quants as words of four bytes by dp4a, about 0.7
+# instructions a weight against LOWP's 4-5. Adds the activations' rounding to int8 (ggml's CUDA
+# backend does the same by default). Not yet timed on a GPU: off
+DP4A = False
+DP4A_TYPES = ("Q4_K", "Q5_K")
+DP4A_PREQUANT = False  # quantised by _q8_kernel first (one launch more), not by each program
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # The few-rows kernel's software pipeline (stages of its loop; None: Triton's default, 3). On an
@@ -211,11 +222,58 @@ def _gguf_gemv_kernel(
         tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+@triton.jit
+def _q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr):
+    """One step of a row of activations quantised (q8_step) into words [K / 4] (step s's word
+    (c, w, h) at 64 s + 16 c + 8 h + w: elements 4 i to 4 i + 3 in word i), scales and sums
+    [K / 32] (group 2 c + h of step s at 8 s + 2 c + h)."""
+    step = tl.program_id(0)
+    words, d_x, sum_x = q8_step(x_ptr, step)
+    c, w, h = tl.arange(0, 4)[:, None, None], tl.arange(0, 8)[None, :, None], tl.arange(0, 2)[None, None, :]
+    tl.store(words_ptr + step * 64 + 16 * c + 8 * h + w, words)
+    groups = step * 8 + 2 * tl.arange(0, 4)[:, None] + tl.arange(0, 2)[None, :]
+    tl.store(d_ptr + groups, d_x)
+    tl.store(sum_ptr + groups, sum_x)
+
+
+@triton.jit
+def _gguf_dp4a_kernel(
+    out_ptr, x_ptr, d_ptr, sum_ptr, w_ptr, n, steps_per_split, num_steps, row_bytes,
+    QTYPE: tl.constexpr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    ASM: tl.constexpr, PREQUANT: tl.constexpr,
+):  # fmt: skip
+    """One row (DP4A=True), Q4_K / Q5_K: each step's activations quantised by 32 (q8_step; or,
+    PREQUANT, read as _q8_kernel wrote them at x_ptr, d_ptr and sum_ptr), each sub-block's
+    quants times them summed in int32 by dp4a, then scaled: d1 d_x sum(q q_x) - m1 sum(x) per
+    sub-block, into a float32 [BLOCK_N, 4, 2] accumulator summed once at the end."""
+    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, n, steps_per_split, num_steps, row_bytes, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, 4, 2], dtype=tl.float32)
+    c, w, h = tl.arange(0, 4)[:, None, None], tl.arange(0, 8)[None, :, None], tl.arange(0, 2)[None, None, :]
+    groups = 2 * tl.arange(0, 4)[:, None] + tl.arange(0, 2)[None, :]
+    for step in range(s_lo, s_hi):
+        block = row + step * BYTES
+        if PREQUANT:
+            x_words = tl.load(x_ptr + step * 64 + 16 * c + 8 * h + w)
+            d_x, sum_x = tl.load(d_ptr + step * 8 + groups), tl.load(sum_ptr + step * 8 + groups)
+        else:
+            x_words, d_x, sum_x = q8_step(x_ptr, step)
+        q = q45k_step_words(block, QTYPE)
+        dots = tl.sum(dp4a(q, tl.broadcast_to(x_words[None], q.shape), tl.zeros_like(q), ASM), axis=2)
+        d1_even, m1_even, d1_odd, m1_odd = q45k_words_factors(block)  # sub-blocks 2 c, then 2 c + 1
+        d1, m1 = tl.join(d1_even, d1_odd), tl.join(m1_even, m1_odd)  # [BLOCK_N, 4, 2]
+        acc += d1 * (d_x[None] * dots.to(tl.float32)) - m1 * sum_x[None]
+    total = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if SPLIT:  # float32 partials [splits, 1, n], summed in order by _common.sum_splits
+        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n + offs_n, total, mask=mask_n)
+    else:
+        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
 def gguf_gemm_rows(
     x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = BLOCK_N,
     programs_per_sm: int | None = None, factored: bool | None = None, unroll: int = 1,
     num_warps: int = 4, gemv: bool | None = None, lowp: bool | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, dp4a: bool | None = None, prequant: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M <= MAX_ROWS, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
     transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
@@ -225,7 +283,9 @@ def gguf_gemm_rows(
     product (default FACTORED). gemv: one row by the kernel without tensor cores (default
     GEMV). lowp: the K-quants with 16-bit x dequantised in x's dtype (default LOWP). unroll
     (steps a loop iteration reads) and num_warps: for scripts/bench_gguf.py's sweep, untimed in
-    the engine. num_stages: the loop's software pipeline (default NUM_STAGES)."""
+    the engine. num_stages: the loop's software pipeline (default NUM_STAGES). dp4a: one row of
+    Q4_K / Q5_K with the activations in int8 (default DP4A), quantised by a kernel of their own
+    first (prequant, default DP4A_PREQUANT) or inside the product."""
     fmt = check_blocks("blocks", blocks, qtype)
     check_float("x", x)
     if x.dim() != 2 or x.shape[1] != blocks.shape[1] * fmt.elements:
@@ -247,7 +307,20 @@ def gguf_gemm_rows(
         programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
         splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs)
         target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-        if rows == 1 and (GEMV if gemv is None else gemv):
+        if rows == 1 and (DP4A if dp4a is None else dp4a) and qtype in DP4A_TYPES:
+            pre = DP4A_PREQUANT if prequant is None else prequant
+            words, d_x, sum_x = x, x, x  # (unused)
+            if pre:
+                words = torch.empty(k // 4, dtype=torch.int32, device=x.device)
+                d_x, sum_x = torch.empty(2, k // 32, dtype=torch.float32, device=x.device)
+                _q8_kernel[(steps,)](words, d_x, sum_x, x)
+            _gguf_dp4a_kernel[(tiles, splits)](
+                target, words if pre else x, d_x, sum_x, blocks, n, per_split, steps, num_blocks * fmt.bytes,
+                QTYPE=fmt.type_id, BYTES=fmt.bytes, BLOCK_N=block_n, SPLIT=splits > 1,
+                ASM=not triton.knobs.runtime.interpret, PREQUANT=pre, num_warps=num_warps,
+                **_stages(NUM_STAGES if num_stages is None else num_stages),
+            )  # fmt: skip
+        elif rows == 1 and (GEMV if gemv is None else gemv):
             _gguf_gemv_kernel[(tiles, splits)](
                 target, x, blocks, n, num_blocks, per_split, steps, num_blocks * fmt.bytes,
                 **fmt.kernel_args(), PARTS=STEP_PARTS[fmt.type_id], BLOCK_N=block_n,
@@ -298,3 +371,27 @@ def gguf_matmul_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.
     from mmserve.kernels.gguf_blocks import gguf_dequantize_ref
 
     return x.float() @ gguf_dequantize_ref(blocks, qtype).t()
+
+
+def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """float32 x [M, K] (K a multiple of 32) as q8_step rounds it: by 32, q = x 127 / max |x|
+    rounded half away from zero, times max |x| / 127."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
+    amax = groups.abs().amax(dim=2, keepdim=True)
+    v = groups * (127.0 / torch.where(amax > 0, amax, 1.0))
+    q = torch.where(v >= 0, v + 0.5, v - 0.5).trunc()
+    return (q * (amax / 127.0)).reshape(x.shape)
+
+
+def gguf_matmul_dp4a_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float32 [M, N]: the DP4A product's arithmetic on gguf's dequantised weight W = d1 q - m1:
+    the activations rounded by q8_round_trip meet d1 q, their own values meet -m1 (W with every
+    quant zero)."""
+    from mmserve.kernels.gguf_blocks import gguf_dequantize_ref
+
+    if qtype not in DP4A_TYPES:
+        raise ValueError(f"DP4A takes {DP4A_TYPES}, not {qtype}")
+    zero_quants = blocks.clone()
+    zero_quants[:, :, 16:] = 0  # past d, dmin and the scales: (Q5_K's qh and) qs
+    w, w0 = gguf_dequantize_ref(blocks, qtype), gguf_dequantize_ref(zero_quants, qtype)
+    return q8_round_trip(x) @ (w - w0).t() + x.float() @ w0.t()

@@ -26,6 +26,8 @@ GEMV = {"out_ptr": "*fp32", "x_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "num_b
 WNA16 = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*bf16",
          "zeros_ptr": "*bf16", "rows": "i32", "n": "i32", "k": "i32", "group_size": "i32",
          "k_per_split": "i32", "stride_x": "i32", "stride_q": "i32", "stride_s": "i32", "stride_out": "i32"}  # fmt: skip
+DP4A = {"out_ptr": "*fp32", "x_ptr": "*bf16", "d_ptr": "*fp32", "sum_ptr": "*fp32", "w_ptr": "*u8", "n": "i32",
+        "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32"}  # fmt: skip
 DEQUANT = {"out_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "k": "i32", "num_blocks": "i32",
            "row_bytes": "i32"}  # fmt: skip
 
@@ -62,6 +64,10 @@ def main() -> None:
                 "WORDS": low and qtype != "Q6_K" and split})  # fmt: skip
         for split in (False, True):
             compile_sm90(gguf_gemm._gguf_gemv_kernel, GEMV, {**args, "BLOCK_N": 64, "SPLIT": split})
+        for split, pre in itertools.product((False, True), (False, True)) if qtype in gguf_gemm.DP4A_TYPES else ():
+            compile_sm90(gguf_gemm._gguf_dp4a_kernel, {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}, {
+                "QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": 64, "SPLIT": split, "ASM": True,
+                "PREQUANT": pre})  # fmt: skip
         for low, asm in lowp:
             compile_sm90(gguf_blocks._dequantize_kernel, DEQUANT, {
                 **args, "BLOCK_N": 64 if low else 16, "LOWP": low, "ASM": asm,
@@ -73,6 +79,8 @@ def main() -> None:
             "SPLIT": True, "DOT_PRECISION": "tf32", "PAIRS": pairs, "LOWP": True,
             "EVEN_K": even_k})  # fmt: skip
     print("w4a16 (LOWP) compiled for sm_90", flush=True)
+    compile_sm90(gguf_gemm._q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16"}, {})
+    print("q8 (DP4A's activations) compiled for sm_90", flush=True)
 
 
 if __name__ == "__main__":

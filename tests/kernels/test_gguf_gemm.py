@@ -219,3 +219,32 @@ def test_rejects_bad_operands() -> None:
         gguf_matmul(x.long(), blocks, "Q4_0")
     with pytest.raises(ValueError, match="contiguous"):
         gguf_dequantize(blocks.transpose(0, 1), "Q4_0", torch.float32)
+
+
+@pytest.mark.parametrize("qtype", gguf_gemm.DP4A_TYPES)
+@pytest.mark.parametrize("programs_per_sm", [0, 4])
+@pytest.mark.parametrize("prequant", [False, True])
+def test_one_row_in_int8_activations(qtype: str, programs_per_sm: int, prequant: bool, dtype: torch.dtype) -> None:
+    """The one-row kernel with the activations in int8 (dp4a=True), quantised inside it or by
+    a kernel first (prequant): K unsplit and split, 41 channels (a partial tile), 3 steps; the arithmetic against a torch reference of it on gguf's
+    weight, and the product against the exact one within the activations' int8 rounding. A
+    group of zeros (scale 0) and a large outlier in another."""
+    k = 3 * 256
+    blocks = random_blocks(qtype, 41, k, seed=7 + programs_per_sm)
+    x = torch.randn(1, k, device=DEVICE)
+    x[0, 32:64], x[0, 300] = 0.0, 40.0
+    x = x.to(dtype)
+    out = gguf_gemm_rows(x, blocks, qtype, programs_per_sm=programs_per_sm, dp4a=True, prequant=prequant)
+    assert out.shape == (1, 41) and out.dtype == dtype
+    _assert_close(out, gguf_gemm.gguf_matmul_dp4a_ref(x, blocks, qtype), dtype)
+    exact = gguf_matmul_ref(x, blocks, qtype)
+    assert ((out.float() - exact).norm() / exact.norm()).item() < 2e-2
+
+
+def test_int8_activations_round_as_ggml() -> None:
+    """q8_round_trip (the reference of the kernel's rounding): by 32, half away from zero, to
+    127 steps of max |x| / 127; a group of zeros stays zero."""
+    x = torch.zeros(1, 64)
+    x[0, :4] = torch.tensor([127.0, 0.5, -0.5, -1.49])
+    out = gguf_gemm.q8_round_trip(x)
+    assert out[0, :4].tolist() == [127.0, 1.0, -1.0, -1.0] and not out[0, 32:].any()
