@@ -70,9 +70,10 @@ GEMV = False
 LOWP = True
 LOWP_WORDS = True  # Q4_K's / Q5_K's scales read as 32-bit words (gguf_blocks.q45k_words_factors)
 # One row of Q4_K / Q5_K by _gguf_dp4a_kernel: the activations quantised to int8 by 32 inside it
-# (ggml's q8_1) and multiplied with the quants as words of four bytes by dp4a, about 0.7
-# instructions a weight against LOWP's 4-5. Adds the activations' rounding to int8 (ggml's CUDA
-# backend does the same by default). Not yet timed on a GPU: off
+# (ggml's q8_1) and multiplied with the quants as words of four bytes by dp4a: in the sm_90 SASS
+# of the loop (scripts/sass_loop.py, Triton 3.6, 128 channels) 2.07 instructions a weight for
+# Q4_K against LOWP words' 3.84 (Q5_K 2.54 against 5.22). Adds the activations' rounding to int8
+# (ggml's CUDA backend does the same by default). Not yet timed on a GPU: off
 DP4A = False
 DP4A_TYPES = ("Q4_K", "Q5_K")
 DP4A_PREQUANT = False  # quantised by _q8_kernel first (one launch more), not by each program
