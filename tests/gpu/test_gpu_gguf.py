@@ -102,7 +102,7 @@ def _blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_gpu_bf16_products_match_ggufs_weights(qtype: str, rows: int) -> None:
     from mmserve.kernels.gguf_blocks import gguf_dequantize, gguf_dequantize_ref
-    from mmserve.kernels.gguf_gemm import gguf_matmul, gguf_matmul_ref
+    from mmserve.kernels.gguf_gemm import gguf_matmul, gguf_product_ref
 
     k = 1024 if qtype.endswith("_K") else 1056  # 33 blocks of 32: a partial K tile
     blocks = _blocks(qtype, 300, k, seed=rows)
@@ -116,7 +116,42 @@ def test_gpu_bf16_products_match_ggufs_weights(qtype: str, rows: int) -> None:
     torch.manual_seed(rows)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     out = gguf_matmul(x, blocks, qtype)
-    expected = gguf_matmul_ref(x, blocks, qtype)
+    expected = gguf_product_ref(x, blocks, qtype)  # one row of Q4_K / Q5_K: int8 activations (DP4A)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 300)
     scale = expected.abs().max().item()
     torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2 * scale)
+
+
+def test_gpu_q4_k_m_decodes_as_the_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A tiny Llama in llama.cpp's Q4_K_M mix (Q4_K with Q6_K attn_v / ffn_down / output)
+    decoding greedily on CUDA in bfloat16, one row a step (Q4_K's product with int8
+    activations, gguf_gemm.DP4A), follows the CPU's float32 path (the file's weights without
+    rounding of the activations): under the CPU's logits for the same prefix, each token the GPU
+    picked is among the CPU's best three and within 0.1 of its best logprob, and most are its
+    best. (The random model's next-token distribution is nearly flat: a token picked at random
+    would lie near log(1 / vocabulary), about 1 below the best, and rarely in its best three.)"""
+    from mmserve.bench.checkpoints import write_checkpoint
+    from mmserve.kernels import gguf_gemm
+    from tests.utils.tiny_models import make_tiny_tokenizer, tiny_config
+
+    base = tmp_path / "base"
+    tiny_config(hidden_size=256, intermediate_size=512, head_dim=64).save_pretrained(base)
+    make_tiny_tokenizer().save_pretrained(base)
+    path = write_checkpoint(base, "gguf:Q4_K_M", tmp_path / "gguf", "tiny")
+    assert gguf_gemm.DP4A
+    gpu = LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=64)
+    assert gpu.frontend.info.quantization == "gguf:Q4_K+Q6_K"
+    prompt = gpu.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = list(gpu.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    del gpu
+    torch.cuda.empty_cache()
+    cpu = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64)
+    scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
+    ranked = cpu.generate([prompt + tokens], scored, use_tqdm=False)[0].prompt_logprobs
+    assert ranked is not None
+    picks = ranked[len(prompt) :]
+    for pick in picks:
+        assert pick is not None and pick.rank <= 3 and pick.logprob >= pick.top[0][1] - 0.1, pick
+    ranks = [p.rank for p in picks if p is not None]
+    assert sum(r == 1 for r in ranks) >= 10, ranks  # a random model's best few lie close together

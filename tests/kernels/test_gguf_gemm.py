@@ -72,7 +72,7 @@ def test_matmul_is_x_times_ggufs_weight(qtype: str, rows: int, dtype: torch.dtyp
     x = torch.randn(rows, k, device=DEVICE).to(dtype)
     out = gguf_matmul(x, blocks, qtype)
     assert out.shape == (rows, 41) and out.dtype == dtype
-    _assert_close(out, gguf_matmul_ref(x, blocks, qtype), dtype)
+    _assert_close(out, gguf_gemm.gguf_product_ref(x, blocks, qtype), dtype)  # (one 16-bit row: int8 x, DP4A)
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K"])
@@ -109,7 +109,7 @@ def test_kquant_products_by_weight_and_by_sub_block_sum(
     takes LOWP by default: lowp=False keeps these float32 forms.)"""
     blocks = random_blocks(qtype, 45, 768, seed=rows)
     x = torch.randn(rows, 768, device=DEVICE).to(dtype)
-    out = gguf_gemm_rows(x, blocks, qtype, factored=factored, lowp=False)
+    out = gguf_gemm_rows(x, blocks, qtype, factored=factored, lowp=False, dp4a=False)
     _assert_close(out, gguf_matmul_ref(x, blocks, qtype), dtype)
 
 
@@ -143,7 +143,7 @@ def test_kquants_dequantised_in_the_16_bit_dtype(
     x = torch.randn(rows, 768, device=DEVICE).to(dtype)
     expected = gguf_matmul_ref(x, blocks, qtype)
     for block_n in (16, 64):  # 16 channels a program: a product too small for a warpgroup MMA
-        out = gguf_gemm_rows(x, blocks, qtype, block_n, programs_per_sm=programs_per_sm, lowp=True)
+        out = gguf_gemm_rows(x, blocks, qtype, block_n, programs_per_sm=programs_per_sm, lowp=True, dp4a=False)
         assert out.shape == (rows, 45) and out.dtype == dtype
         _assert_close(out, expected, dtype)
 
@@ -169,7 +169,7 @@ def test_one_row_without_tensor_cores(qtype: str, programs_per_sm: int, dtype: t
     k = 3 * 256 if qtype.endswith("_K") else _k(qtype)
     blocks = random_blocks(qtype, 41, k, seed=programs_per_sm)
     x = torch.randn(1, k, device=DEVICE).to(dtype)
-    out = gguf_gemm_rows(x, blocks, qtype, programs_per_sm=programs_per_sm, gemv=True)
+    out = gguf_gemm_rows(x, blocks, qtype, programs_per_sm=programs_per_sm, gemv=True, dp4a=False)
     assert out.shape == (1, 41) and out.dtype == dtype
     _assert_close(out, gguf_matmul_ref(x, blocks, qtype), dtype)
 
