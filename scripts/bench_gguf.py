@@ -8,7 +8,7 @@ dequantise-then-matmul path at 32 and 64 rows (where the cut between the paths l
 sweep at one row of each form over output channels per program, programs per SM and warps per
 program, and of the one-row kernel without tensor cores (GEMV).
 
-The one-row product with int8 activations (DP4A) is timed for Q4_K and Q5_K at one row, over
+The one-row product with int8 activations (DP4A) is timed for Q4_K, Q5_K and Q6_K at one row, over
 channels, warps and where the activations are quantised.
 
     python scripts/bench_gguf.py  (BENCH_GGUF_QUICK=1: the K-quants only, at 1 and 16 rows, the
@@ -110,7 +110,7 @@ def _check(qtype: str) -> None:
         rel = ((out - ref).norm() / ref.norm()).item()
         print(json.dumps({"check": qtype, "rows": rows, **form, "rel_err": rel}), flush=True)
         assert rel < 1e-2, rel
-    for pre in (False, True) if qtype in gguf_gemm.DP4A_TYPES else ():  # int8 activations, one row
+    for pre in (False, True) if qtype in gguf_gemm.DP4A_KERNEL_TYPES else ():  # int8 activations, one row
         x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
         out = gguf_gemm_rows(x, blocks, qtype, dp4a=True, prequant=pre).float()
         rel = ((out - x.float() @ weight.t()).norm() / (x.float() @ weight.t()).norm()).item()
@@ -145,7 +145,8 @@ def _shape(n: int, k: int, qtype: str) -> None:
         if rows == 1:  # the one-row kernel without tensor cores (gguf_gemm.GEMV)
             us = _time(lambda i, x=x: _rows_kernel(x, blocks[i], qtype, gemv=True), copies)
             line["gemv_us"], line["gemv_gbs"] = round(us, 1), round(nbytes / us / 1e3)
-        for block_n, warps, pre in _DP4A_FORMS if rows == 1 and qtype in gguf_gemm.DP4A_TYPES else ():
+        dp4a_forms = [f for f in _DP4A_FORMS if f[2] or qtype != "Q6_K"]  # Q6_K: quantised first, always
+        for block_n, warps, pre in dp4a_forms if rows == 1 and qtype in gguf_gemm.DP4A_KERNEL_TYPES else ():
             us = _time(lambda i, x=x, b=block_n, w=warps, p=pre: gguf_gemm_rows(
                 x, blocks[i], qtype, b, num_warps=w, dp4a=True, prequant=p), copies)  # fmt: skip
             line[f"dp4a{'_prequant' if pre else ''}_{block_n}x{warps}_us"] = round(us, 1)

@@ -76,10 +76,12 @@ if has gguf; then
   Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024"
   Q="$Q --batch-sizes ${GGUF_BATCHES:-1,2,4,8,16,32,64}"
   { $B latency,decode $Q; $B latency,decode $Q --checkpoint-format gguf:Q4_K_M
-    # then with GGUF_AB's switches (default: the K-quants' LOWP, gguf_gemm.LOWP, the default's opposite)
-    ab=${GGUF_AB:-mmserve.kernels.gguf_gemm.LOWP=$(python3 -c "from mmserve.kernels import gguf_gemm; print(not gguf_gemm.LOWP)")}
-    echo "$ab"
-    python3 scripts/ab_switch.py $ab -- latency,decode $Q --checkpoint-format gguf:Q4_K_M
+    # then with GGUF_AB's switches, arms apart by ";" (default: the K-quants' LOWP, gguf_gemm.LOWP,
+    # the default's opposite)
+    arms=${GGUF_AB:-mmserve.kernels.gguf_gemm.LOWP=$(python3 -c "from mmserve.kernels import gguf_gemm; print(not gguf_gemm.LOWP)")}
+    IFS=';' read -ra arms <<< "$arms"
+    for ab in "${arms[@]}"; do echo "$ab"
+      python3 scripts/ab_switch.py $ab -- latency,decode $Q --checkpoint-format gguf:Q4_K_M; done
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/gguf.txt"
 fi
 if has ggufk; then
@@ -101,8 +103,8 @@ fi
 if has dp4a; then
   # the one-row product with int8 activations (gguf_gemm.DP4A; issue 19): its tests in bf16 on the
   # device, then bench_gguf's quick mode (its checks, the forms at 1 and 16 rows, DP4A's forms)
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gguf_gemm.py -k "int8 or one_row" \
-    2>&1 | tail -8 | tee "$OUT/dp4a-tests.txt"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gguf.py tests/kernels/test_gguf_gemm.py \
+    -k "gpu or int8 or one_row or matmul_is" 2>&1 | tail -12 | tee "$OUT/dp4a-tests.txt"
   BENCH_GGUF_QUICK=1 timeout 450 python3 scripts/bench_gguf.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/dp4a.txt"
 fi
 if has gcab; then

@@ -21,7 +21,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mmserve.kernels import gguf_gemm
 from mmserve.kernels.gguf_blocks import FORMATS, LOWP_TYPES, STEP_PARTS
-from tests.kernels.sm90_compile import DP4A, ROWS, compile_sm90
+from tests.kernels.sm90_compile import DP4A, Q6K_DP4A, ROWS, compile_sm90
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 ALIGNED = ("row_bytes", "stride_x", "n", "stride_out")
@@ -63,11 +63,17 @@ def main(qtypes: list[str]) -> None:
             print(f"{qtype} {name} block_n={block_n} warps={warps}: {len(body)} instructions a step, "
                   f"{len(body) / weights:.2f} a weight; {mix}", flush=True)  # fmt: skip
         dp4a = ((b, w, p) for b, w in ((64, 4), (128, 4), (256, 8)) for p in (False, True))
-        for block_n, warps, pre in dp4a if qtype in gguf_gemm.DP4A_TYPES else ():
-            constexprs = {"QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": block_n, "SPLIT": True, "ASM": True,
-                          "PREQUANT": pre}  # fmt: skip
-            signature = {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}
-            kernel = compile_sm90(gguf_gemm._gguf_dp4a_kernel, signature, constexprs, ("row_bytes", "n"), warps)
+        for block_n, warps, pre in dp4a if qtype in gguf_gemm.DP4A_KERNEL_TYPES else ():
+            if qtype == "Q6_K":  # its activations always quantised first
+                if not pre:
+                    continue
+                constexprs = {"BLOCK_N": block_n, "SPLIT": True, "ASM": True}
+                fn, signature = gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A
+            else:
+                constexprs = {"QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": block_n, "SPLIT": True,
+                              "ASM": True, "PREQUANT": pre}  # fmt: skip
+                fn, signature = gguf_gemm._gguf_dp4a_kernel, {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}
+            kernel = compile_sm90(fn, signature, constexprs, ("row_bytes", "n"), warps)
             body = loop_body(kernel.asm["cubin"], tmp)
             weights = block_n * 256 / (warps * 32)
             ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)

@@ -89,7 +89,7 @@ STEP_PARTS = {2: 2, 3: 2, 6: 2, 7: 2, 8: 1, 12: 2, 13: 2, 14: 4}  # type id -> p
 
 
 @triton.jit
-def _f16_at(ptr):
+def f16_at(ptr):
     """float16 at byte pointers ptr (2-byte aligned: every GGUF scale is), as float32."""
     return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
 
@@ -111,7 +111,7 @@ def kquant_part(block, PART: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.cons
         g = tl.arange(0, 2)[None, None, :]  # the 16-element sub-block within 32 lanes
         sc_ptr = block[:, None, None] + 192 + 8 * h + g + 2 * PART
         sc = tl.load(sc_ptr.to(tl.pointer_type(tl.int8))).to(tl.float32)  # [BLOCK_N, 2, 2]
-        d1 = _f16_at(block + 208)[:, None, None] * sc
+        d1 = f16_at(block + 208)[:, None, None] * sc
         w = d1[:, :, :, None] * tl.reshape(q.to(tl.float32), [BLOCK_N, 2, 2, 16])
         t = tl.arange(0, 64)
         return tl.reshape(w, [BLOCK_N, 64]), 128 * (t // 32) + 32 * PART + t % 32
@@ -143,7 +143,7 @@ def _q45k_factors(block, sub):
     low_sub = (sub < 4)[None, :]
     sc = tl.where(low_sub, s_a & 63, (s_b & 15) | ((s_c >> 6) << 4))
     mn = tl.where(low_sub, s_b & 63, (s_b >> 4) | ((s_a >> 6) << 4))
-    return _f16_at(block)[:, None] * sc.to(tl.float32), _f16_at(block + 2)[:, None] * mn.to(tl.float32)
+    return f16_at(block)[:, None] * sc.to(tl.float32), f16_at(block + 2)[:, None] * mn.to(tl.float32)
 
 
 # The K-quants dequantised in the product's own 16-bit dtype (LOWP; gguf_gemm.LOWP): a weight
@@ -351,6 +351,37 @@ def q45k_step_words(block, QTYPE: tl.constexpr):
 
 
 @triton.jit
+def _words_of_halves(pairs):
+    """int32 words from int16 [..., 2] (the low half first)."""
+    low, high = tl.split(pairs)
+    return (low.to(tl.int32) & 0xFFFF) | (high.to(tl.int32) << 16)
+
+
+@triton.jit
+def q6k_step_words(block):
+    """A Q6_K step's quants at byte pointers block [BLOCK_N] as int32 words of four unsigned
+    bytes q (0-63; the weight is d sc (q - 32)), [BLOCK_N, 2, 2, 4, 2, 2]: byte k of word (h, g,
+    v, b, a) is the quant of element 128 h + 32 p + 16 g + 4 v + k, p = 2 a + b (quarter p of
+    half h, sub-block 8 h + 2 p + g), as ggml's dequantize_row_q6_K: the nibble p // 2 of
+    ql[64 h + 32 (p % 2) + l] with bits 2 p and 2 p + 1 of qh[32 h + l] above it (l = 16 g + 4
+    v + k). Q6_K's blocks are 210 bytes, so rows are only 2-byte aligned: the words are put
+    together from 16-bit loads."""
+    halves = block.to(tl.pointer_type(tl.int16))[:, None, None, None, None]
+    h = tl.arange(0, 2)[None, :, None, None, None]
+    g = tl.arange(0, 2)[None, None, :, None, None]
+    v = tl.arange(0, 4)[None, None, None, :, None]
+    j = tl.arange(0, 2)[None, None, None, None, :]
+    at = halves + 32 * h + 8 * g + 2 * v + j  # ql[64 h + l] in 16-bit units
+    ql_even, ql_odd = _words_of_halves(tl.load(at)), _words_of_halves(tl.load(at + 16))
+    qh = _words_of_halves(tl.load(halves + 64 + 16 * h + 8 * g + 2 * v + j))
+    q0 = (ql_even & 0x0F0F0F0F) | ((qh & 0x03030303) << 4)
+    q1 = (ql_odd & 0x0F0F0F0F) | (((qh >> 2) & 0x03030303) << 4)
+    q2 = ((ql_even >> 4) & 0x0F0F0F0F) | (((qh >> 4) & 0x03030303) << 4)
+    q3 = ((ql_odd >> 4) & 0x0F0F0F0F) | (((qh >> 6) & 0x03030303) << 4)
+    return tl.join(tl.join(q0, q1), tl.join(q2, q3))
+
+
+@triton.jit
 def q8_step(x_ptr, step):
     """A step's 256 activations (one row at x_ptr) quantised by 32 as ggml's q8_1 does: int32
     words [4, 8, 2] of four int8 (byte k of word (c, w, h): element 64 c + 32 h + 4 w + k, as
@@ -390,7 +421,7 @@ def q6k_quarter_lowp(block, ql_even, ql_odd, qh, QUARTER: tl.constexpr, DTYPE: t
     h = tl.arange(0, 2)[None, :, None]
     g = tl.arange(0, 2)[None, None, :]  # the 16-element sub-block within 32 lanes
     sc = tl.load((block[:, None, None] + 192 + 8 * h + g + 2 * QUARTER).to(tl.pointer_type(tl.int8)))
-    d1 = (_f16_at(block + 208)[:, None, None] * sc.to(tl.float32)).to(DTYPE)  # [BLOCK_N, 2, 2]
+    d1 = (f16_at(block + 208)[:, None, None] * sc.to(tl.float32)).to(DTYPE)  # [BLOCK_N, 2, 2]
     w = d1[:, :, :, None] * tl.reshape(q, [BLOCK_N, 2, 2, 16])
     t = tl.arange(0, 64)
     return tl.reshape(w, [BLOCK_N, 64]), 128 * (t // 32) + 32 * QUARTER + t % 32
@@ -407,7 +438,7 @@ def legacy_part(blocks, num_left, PART: tl.constexpr, BYTES: tl.constexpr, QS: t
     b = tl.arange(0, 8)
     exists = b < num_left
     block = blocks[:, None] + tl.where(exists, b, 0)[None, :] * BYTES  # [BLOCK_N, 8]
-    d = _f16_at(block)
+    d = f16_at(block)
     if ZERO < 0:  # Q8_0: d, qs[32] int8
         i = tl.arange(0, 32)
         q = tl.load((block[:, :, None] + QS + i[None, None, :]).to(tl.pointer_type(tl.int8)))
@@ -423,7 +454,7 @@ def legacy_part(blocks, num_left, PART: tl.constexpr, BYTES: tl.constexpr, QS: t
             q = q | (((high >> (e % 8)[None, None, :]) & 1) << 4)
         w = d[:, :, None] * (q - ZERO).to(tl.float32)
         if MIN:
-            w = w + _f16_at(block + 2)[:, :, None]
+            w = w + f16_at(block + 2)[:, :, None]
         t = tl.arange(0, 128)
         return tl.reshape(w, [BLOCK_N, 128]), 32 * (t // 16) + 16 * PART + t % 16, (t // 16) < num_left
 
@@ -460,8 +491,8 @@ def q45k_chunk(block, c: tl.constexpr, QTYPE: tl.constexpr):
         qh = tl.load(block[:, None] + 16 + j[None, :]).to(tl.int32)
         q_lo = q_lo | (((qh >> (2 * c)) & 1) << 4)
         q_hi = q_hi | (((qh >> (2 * c + 1)) & 1) << 4)
-    d = _f16_at(block)
-    dmin = _f16_at(block + 2)
+    d = f16_at(block)
+    dmin = f16_at(block + 2)
     scales = block + 4
     # sub-blocks 2c and 2c + 1's 6-bit scales and mins (ggml's get_scale_min_k4)
     if c < 2:

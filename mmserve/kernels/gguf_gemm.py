@@ -38,10 +38,12 @@ from mmserve.kernels.gguf_blocks import (
     STEP_PARTS,
     check_blocks,
     dp4a,
+    f16_at,
     gguf_dequantize,
     lowp_args,
     q6k_bytes,
     q6k_quarter_lowp,
+    q6k_step_words,
     q8_step,
     q45k_chunk,
     q45k_step_lowp,
@@ -77,7 +79,8 @@ LOWP_WORDS = True  # Q4_K's / Q5_K's scales read as 32-bit words (gguf_blocks.q4
 # the exact product. On an H200 (session 23) Q4_K's 28672 x 4096 took 31 us against LOWP words'
 # 65 (bf16: 57), and the Q4_K_M 8B decode went from 5.68 to 3.68 ms a token (bf16: 4.69)
 DP4A = True
-DP4A_TYPES = ("Q4_K", "Q5_K")
+DP4A_TYPES = ("Q4_K", "Q5_K")  # by default; Q6_K's kernel (dp4a=True) is not yet timed
+DP4A_KERNEL_TYPES = (*DP4A_TYPES, "Q6_K")
 DP4A_PREQUANT = False  # quantised by _q8_kernel first (one launch more), not by each program
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
@@ -272,6 +275,44 @@ def _gguf_dp4a_kernel(
         tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+@triton.jit
+def _gguf_q6k_dp4a_kernel(
+    out_ptr, x_ptr, d_ptr, w_ptr, n, steps_per_split, num_steps, row_bytes,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """One row of Q6_K (DP4A=True), the activations quantised first (_q8_kernel: words at x_ptr,
+    scales at d_ptr): per sub-block of 16, d sc d_x (sum(q q_x) - 32 sum(q_x)), the sums by
+    dp4a, into a float32 [BLOCK_N, 2, 2, 2, 2] accumulator (q6k_step_words' sub-blocks) summed
+    once at the end."""
+    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, n, steps_per_split, num_steps, row_bytes, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, 2, 2, 2, 2], dtype=tl.float32)
+    h = tl.arange(0, 2)[:, None, None, None, None]
+    g = tl.arange(0, 2)[None, :, None, None, None]
+    v = tl.arange(0, 4)[None, None, :, None, None]
+    b = tl.arange(0, 2)[None, None, None, :, None]
+    a = tl.arange(0, 2)[None, None, None, None, :]
+    words_at = 32 * h + 16 * a + 8 * b + 4 * g + v  # element 128 h + 32 (2 a + b) + 16 g + 4 v
+    h, g = tl.arange(0, 2)[:, None, None, None], tl.arange(0, 2)[None, :, None, None]
+    b, a = tl.arange(0, 2)[None, None, :, None], tl.arange(0, 2)[None, None, None, :]
+    groups_at = 4 * h + 2 * a + b  # the words' groups of 32 (by h, b, a), [2, 1, 2, 2]
+    scales_at = 8 * h + 4 * a + 2 * b + g  # and sub-blocks of 16, [2, 2, 2, 2]
+    for step in range(s_lo, s_hi):
+        block = row + step * 210
+        x_words = tl.load(x_ptr + step * 64 + words_at)
+        x_sums = tl.sum(dp4a(tl.full(x_words.shape, 0x01010101, tl.int32), x_words, tl.zeros_like(x_words), ASM), axis=2)
+        q = q6k_step_words(block)
+        dots = tl.sum(dp4a(q, tl.broadcast_to(x_words[None], q.shape), tl.zeros_like(q), ASM), axis=3)
+        sc = tl.load((block[:, None, None, None, None] + 192 + scales_at[None]).to(tl.pointer_type(tl.int8)))
+        d_x = tl.load(d_ptr + step * 8 + groups_at)
+        d = f16_at(block + 208)[:, None, None, None, None]
+        acc += (d * sc.to(tl.float32)) * (d_x[None] * (dots - 32 * x_sums[None]).to(tl.float32))
+    total = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
+    if SPLIT:  # float32 partials [splits, 1, n], summed in order by _common.sum_splits
+        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n + offs_n, total, mask=mask_n)
+    else:
+        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
 def gguf_gemm_rows(
     x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = BLOCK_N,
     programs_per_sm: int | None = None, factored: bool | None = None, unroll: int = 1,
@@ -310,19 +351,24 @@ def gguf_gemm_rows(
         programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
         splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs)
         target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-        if (uses_dp4a(x, qtype) if dp4a is None else dp4a and rows == 1 and qtype in DP4A_TYPES):
-            pre = DP4A_PREQUANT if prequant is None else prequant
+        if (uses_dp4a(x, qtype) if dp4a is None else dp4a and rows == 1 and qtype in DP4A_KERNEL_TYPES):
+            pre = qtype == "Q6_K" or (DP4A_PREQUANT if prequant is None else prequant)  # Q6_K: always
             words, d_x, sum_x = x, x, x  # (unused)
             if pre:
                 words = torch.empty(k // 4, dtype=torch.int32, device=x.device)
                 d_x, sum_x = torch.empty(2, k // 32, dtype=torch.float32, device=x.device)
                 _q8_kernel[(steps,)](words, d_x, sum_x, x)
-            _gguf_dp4a_kernel[(tiles, splits)](
-                target, words if pre else x, d_x, sum_x, blocks, n, per_split, steps, num_blocks * fmt.bytes,
-                QTYPE=fmt.type_id, BYTES=fmt.bytes, BLOCK_N=block_n, SPLIT=splits > 1,
-                ASM=not triton.knobs.runtime.interpret, PREQUANT=pre, num_warps=num_warps,
-                **_stages(NUM_STAGES if num_stages is None else num_stages),
-            )  # fmt: skip
+            common = {"BLOCK_N": block_n, "SPLIT": splits > 1, "ASM": not triton.knobs.runtime.interpret,
+                      "num_warps": num_warps, **_stages(NUM_STAGES if num_stages is None else num_stages)}  # fmt: skip
+            if qtype == "Q6_K":
+                _gguf_q6k_dp4a_kernel[(tiles, splits)](
+                    target, words, d_x, blocks, n, per_split, steps, num_blocks * fmt.bytes, **common
+                )
+            else:
+                _gguf_dp4a_kernel[(tiles, splits)](
+                    target, words if pre else x, d_x, sum_x, blocks, n, per_split, steps, num_blocks * fmt.bytes,
+                    QTYPE=fmt.type_id, BYTES=fmt.bytes, PREQUANT=pre, **common,
+                )  # fmt: skip
         elif rows == 1 and (GEMV if gemv is None else gemv):
             _gguf_gemv_kernel[(tiles, splits)](
                 target, x, blocks, n, num_blocks, per_split, steps, num_blocks * fmt.bytes,
@@ -398,13 +444,15 @@ def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
 
 
 def gguf_matmul_dp4a_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    """float32 [M, N]: the DP4A product's arithmetic on gguf's dequantised weight W = d1 q - m1:
-    the activations rounded by q8_round_trip meet d1 q, their own values meet -m1 (W with every
-    quant zero)."""
+    """float32 [M, N]: the DP4A product's arithmetic on gguf's dequantised weight W. Q6_K: the
+    activations rounded by q8_round_trip times W. Q4_K / Q5_K (W = d1 q - m1): the rounded
+    activations meet d1 q, their own values meet -m1 (W with every quant zero)."""
     from mmserve.kernels.gguf_blocks import gguf_dequantize_ref
 
-    if qtype not in DP4A_TYPES:
-        raise ValueError(f"DP4A takes {DP4A_TYPES}, not {qtype}")
+    if qtype not in DP4A_KERNEL_TYPES:
+        raise ValueError(f"DP4A takes {DP4A_KERNEL_TYPES}, not {qtype}")
+    if qtype == "Q6_K":  # d sc (q - 32): no min
+        return q8_round_trip(x) @ gguf_dequantize_ref(blocks, qtype).t()
     zero_quants = blocks.clone()
     zero_quants[:, :, 16:] = 0  # past d, dmin and the scales: (Q5_K's qh and) qs
     w, w0 = gguf_dequantize_ref(blocks, qtype), gguf_dequantize_ref(zero_quants, qtype)

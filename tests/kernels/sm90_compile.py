@@ -28,6 +28,7 @@ WNA16 = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_pt
          "k_per_split": "i32", "stride_x": "i32", "stride_q": "i32", "stride_s": "i32", "stride_out": "i32"}  # fmt: skip
 DP4A = {"out_ptr": "*fp32", "x_ptr": "*bf16", "d_ptr": "*fp32", "sum_ptr": "*fp32", "w_ptr": "*u8", "n": "i32",
         "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32"}  # fmt: skip
+Q6K_DP4A = {k: "*i32" if k == "x_ptr" else t for k, t in DP4A.items() if k != "sum_ptr"}
 DEQUANT = {"out_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "k": "i32", "num_blocks": "i32",
            "row_bytes": "i32"}  # fmt: skip
 
@@ -64,7 +65,9 @@ def main() -> None:
                 "WORDS": low and qtype != "Q6_K" and split})  # fmt: skip
         for split in (False, True):
             compile_sm90(gguf_gemm._gguf_gemv_kernel, GEMV, {**args, "BLOCK_N": 64, "SPLIT": split})
-        for split, pre in itertools.product((False, True), (False, True)) if qtype in gguf_gemm.DP4A_TYPES else ():
+        for split in (False, True) if qtype == "Q6_K" else ():
+            compile_sm90(gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A, {"BLOCK_N": 64, "SPLIT": split, "ASM": True})
+        for split, pre in itertools.product((False, True), (False, True)) if qtype in ("Q4_K", "Q5_K") else ():
             compile_sm90(gguf_gemm._gguf_dp4a_kernel, {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}, {
                 "QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": 64, "SPLIT": split, "ASM": True,
                 "PREQUANT": pre})  # fmt: skip

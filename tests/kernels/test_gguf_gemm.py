@@ -221,7 +221,7 @@ def test_rejects_bad_operands() -> None:
         gguf_dequantize(blocks.transpose(0, 1), "Q4_0", torch.float32)
 
 
-@pytest.mark.parametrize("qtype", gguf_gemm.DP4A_TYPES)
+@pytest.mark.parametrize("qtype", gguf_gemm.DP4A_KERNEL_TYPES)
 @pytest.mark.parametrize("programs_per_sm", [0, 4])
 @pytest.mark.parametrize("prequant", [False, True])
 def test_one_row_in_int8_activations(qtype: str, programs_per_sm: int, prequant: bool, dtype: torch.dtype) -> None:
