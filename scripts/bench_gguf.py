@@ -72,9 +72,10 @@ def _rows_kernel(x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int
                  programs: int | None = None, factored: bool | None = None, unroll: int = 1,
                  warps: int = 4, gemv: bool = False, lowp: bool = False, words: bool = False,
                  stages: int | None = None) -> torch.Tensor:  # fmt: skip
+    """One form of the few-rows kernel (never the int8-activation one, DP4A, timed apart)."""
     gguf_gemm.LOWP_WORDS = words
     return gguf_gemm_rows(x, blocks, qtype, block_n or gguf_gemm.BLOCK_N, programs, factored, unroll,
-                          warps, gemv, lowp, stages)  # fmt: skip
+                          warps, gemv, lowp, stages, dp4a=False)  # fmt: skip
 
 
 def _forms(qtype: str) -> list[dict[str, bool]]:

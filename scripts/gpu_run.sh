@@ -103,7 +103,7 @@ fi
 if has dp4a; then
   # the one-row product with int8 activations (gguf_gemm.DP4A; issue 19): its tests in bf16 on the
   # device, then bench_gguf's quick mode (its checks, the forms at 1 and 16 rows, DP4A's forms)
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gguf.py tests/kernels/test_gguf_gemm.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gguf.py tests/kernels/test_gguf_gemm.py \
     -k "gpu or int8 or one_row or matmul_is" 2>&1 | tail -12 | tee "$OUT/dp4a-tests.txt"
   BENCH_GGUF_QUICK=1 timeout 450 python3 scripts/bench_gguf.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/dp4a.txt"
 fi

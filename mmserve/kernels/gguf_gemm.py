@@ -76,17 +76,24 @@ LOWP_WORDS = True  # Q4_K's / Q5_K's scales read as 32-bit words (gguf_blocks.q4
 # of the loop (scripts/sass_loop.py, Triton 3.6, 128 channels) 2.07 instructions a weight for
 # Q4_K against LOWP words' 3.84 (Q5_K 2.54 against 5.22). Adds the activations' rounding to int8
 # (ggml's CUDA backend does the same by default), so only for 16-bit activations: float32 keeps
-# the exact product. On an H200 (session 23) Q4_K's 28672 x 4096 took 31 us against LOWP words'
-# 65 (bf16: 57), and the Q4_K_M 8B decode went from 5.68 to 3.68 ms a token (bf16: 4.69)
+# the exact product. Session 23, one row, 64 channels a program: on an H200 Q4_K's 28672 x 4096
+# took 31 us against LOWP words' 65 (bf16: 57) and 4096 x 14336 21 against 42 (bf16: 32), Q5_K's
+# 23 against 45; the Q4_K_M 8B decode went from 5.68 to 3.68 ms a token (bf16: 4.69), on an H100
+# from 5.78 to 3.84 (bf16: 6.27)
 DP4A = True
-DP4A_TYPES = ("Q4_K", "Q5_K")  # by default; Q6_K's kernel (dp4a=True) is not yet timed
+# Q6_K's kernel (dp4a=True) is slower than LOWP (H100: 29 against 20 us at 6144 x 4096, 418 against
+# 281 at the LM head): its 210-byte blocks are read 16 bits at a time. Not by default
+DP4A_TYPES = ("Q4_K", "Q5_K")
 DP4A_KERNEL_TYPES = (*DP4A_TYPES, "Q6_K")
-DP4A_PREQUANT = False  # quantised by _q8_kernel first (one launch more), not by each program
+# the activations quantised by _q8_kernel first (one launch more), not by each program: no
+# faster (H200: 31.8 against 31.1 us, 21.3 against 20.8); Q6_K's kernel always takes them so
+DP4A_PREQUANT = False
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # The few-rows kernel's software pipeline (stages of its loop; None: Triton's default, 3). On an
-# H100 (session 22) the LOWP_WORDS down projection at one row took 34.8 us at 2 stages against
-# 41.6 at 3 (one sweep); not yet timed in the engine, so the default stays
+# H100 the LOWP_WORDS down projection at one row took 34.8-34.9 us at 2 stages against 41.6-41.9
+# at 3 (sessions 22, 23), and the Q4_K_M 8B decode 5.43 against 5.81 ms at batch 1 but 6.94
+# against 6.86 at batch 16 (session 23). One row is DP4A's now, so the default stays
 NUM_STAGES: int | None = None
 # the many-rows path dequantises at most this many weights at a time (64 MiB of bf16), so a
 # large LM head (128k x 4k) does not need a float copy of itself for one call
