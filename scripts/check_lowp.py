@@ -1,7 +1,8 @@
 """LOWP on a GPU, quickly (issue 19): w4a16's 16-bit form against its float32 form and the
 dequantised weight's product at the 8B shape's projections, bf16, 1 and 16 rows; relative
-errors and microseconds (CUDA graphs, weights cycled past the L2). The GGUF forms are
-scripts/bench_gguf.py's.
+errors and microseconds (CUDA graphs, weights cycled past the L2). At one row also the
+int8-activation form (wna16.DP4A), against the exact product and its own reference. The GGUF
+forms are scripts/bench_gguf.py's.
 
     python scripts/check_lowp.py
 """
@@ -13,9 +14,15 @@ import json
 import torch
 import triton
 
-from mmserve.kernels.wna16 import choose_tiling, dequantize_packed, pack_columns, wna16_gemm
+from mmserve.kernels.wna16 import (
+    choose_tiling,
+    dequantize_packed,
+    pack_columns,
+    wna16_dp4a_ref,
+    wna16_gemm,
+)
 
-SHAPES = [(6144, 4096), (4096, 14336)]  # (N, K)
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 
 
 def main() -> None:
@@ -42,6 +49,21 @@ def main() -> None:
                         wna16_gemm(x, q, scales, zeros, 4, 128, tiling)
 
                 line[f"{key}_us"] = round(1e3 * triton.testing.do_bench_cudagraph(run, rep=100) / copies, 1)
+            if rows == 1:  # int8 activations (dp4a), asymmetric and symmetric
+                for z in (zeros, None):
+                    key = "dp4a" if z is not None else "dp4a_symmetric"
+                    out = wna16_gemm(x, qs[0], scales, z, 4, 128, dp4a=True).float()
+                    exact = x.float() @ dequantize_packed(qs[0].cpu(), scales.cpu(), None if z is None else zeros.cpu(),
+                                                          4, 128).float().cuda().t()  # fmt: skip
+                    own = wna16_dp4a_ref(x, qs[0], scales, z, 4, 128)
+                    line[f"{key}_rel_err"] = round(((out - exact).norm() / exact.norm()).item(), 6)
+                    line[f"{key}_max_err_to_its_ref"] = round(((out - own).abs().max() / own.abs().max()).item(), 6)
+
+                    def run_dp4a(x=x, qs=qs, scales=scales, z=z) -> None:  # type: ignore[no-untyped-def]
+                        for q in qs:
+                            wna16_gemm(x, q, scales, z, 4, 128, dp4a=True)
+
+                    line[f"{key}_us"] = round(1e3 * triton.testing.do_bench_cudagraph(run_dp4a, rep=100) / copies, 1)
             print(json.dumps(line), flush=True)
 
 

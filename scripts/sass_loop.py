@@ -5,7 +5,7 @@ program's step covers BLOCK_N x 256 weights over num_warps x 32 threads), with a
 instruction-mix histogram. A proxy for the kernel's issue time, not a timing: bench_gguf.py
 times the kernels on a GPU.
 
-    env -u TRITON_INTERPRET python scripts/sass_loop.py [QTYPE ...]
+    env -u TRITON_INTERPRET python scripts/sass_loop.py [QTYPE ...]  (w4a16: wna16's DP4A kernel)
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mmserve.kernels import gguf_gemm
+from mmserve.kernels import gguf_gemm, wna16
 from mmserve.kernels.gguf_blocks import FORMATS, LOWP_TYPES, STEP_PARTS
-from tests.kernels.sm90_compile import DP4A, Q6K_DP4A, ROWS, compile_sm90
+from tests.kernels.sm90_compile import DP4A, Q6K_DP4A, ROWS, WNA16_DP4A, compile_sm90
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 ALIGNED = ("row_bytes", "stride_x", "n", "stride_out")
@@ -40,8 +40,21 @@ def loop_body(cubin: bytes, tmp: Path) -> list[str]:
     return max(loops, key=len) if loops else []
 
 
+def _print_loop(name: str, kernel: object, tmp: Path, weights: float) -> None:
+    body = loop_body(kernel.asm["cubin"], tmp)  # type: ignore[attr-defined]
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+    mix = " ".join(f"{op}:{count}" for op, count in ops.most_common(12))
+    print(f"{name}: {len(body)} instructions a step, {len(body) / weights:.2f} a weight; {mix}", flush=True)
+
+
 def main(qtypes: list[str]) -> None:
     tmp = Path("/tmp/mmserve_sass_loop.cubin")
+    if "w4a16" in qtypes:  # wna16's one-row int8-activation product: 128 values of K a step
+        for block_n, warps in ((64, 4), (128, 4)):
+            constexprs = {"BLOCK_N": block_n, "HAS_ZEROS": False, "SPLIT": True, "ASM": True}
+            kernel = compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, constexprs, ("n", "stride_q", "stride_s"), warps)
+            _print_loop(f"w4a16 dp4a block_n={block_n} warps={warps}", kernel, tmp, block_n * 128 / (warps * 32))
+        qtypes = [q for q in qtypes if q != "w4a16"]
     for qtype in qtypes:
         fmt = FORMATS[qtype]
         forms = [("dequant_tiles", {})]

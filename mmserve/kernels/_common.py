@@ -67,6 +67,32 @@ def to_cache(x, inv_scale, dtype: tl.constexpr, FP8: tl.constexpr):
     return x.to(dtype)
 
 
+# The int8-activation products (gguf_gemm.DP4A, wna16.DP4A): dp4a multiplies four unsigned weight
+# bytes by four signed activation bytes and adds the four products in one instruction; the
+# interpreter (CI) runs the same integer arithmetic byte by byte
+_DP4A = tl.constexpr("dp4a.u32.s32 $0, $1, $2, $3;")
+
+
+@triton.jit
+def dp4a(a, b, c, ASM: tl.constexpr):
+    """c + the sum of the products of a's four unsigned bytes with b's four signed bytes
+    (int32 words; byte k with byte k)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_DP4A, "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        for k in tl.static_range(4):
+            c += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
+        return c
+
+
+@triton.jit
+def q8_values(x, amax):
+    """float32 x as int8 values (int32) against its group's max |x| (broadcast like x), rounded as
+    q8_round_trip rounds: x 127 / max |x|, half away from zero (a group of zeros stays 0)."""
+    v = x * (127.0 / tl.where(amax > 0, amax, 1.0))
+    return tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)
+
+
 def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(t.shape) != expected:
         raise ValueError(f"{name} must have shape {list(expected)}, got {list(t.shape)}")
@@ -157,3 +183,22 @@ def sum_splits(out: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     size, block = out.numel(), 1024
     _sum_splits_kernel[(triton.cdiv(size, block),)](out, part, size, part.shape[0], BLOCK=block)
     return out
+
+
+def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """float32 x [M, K] (K a multiple of 32) as the int8-activation products round it (ggml's
+    q8_1: gguf_blocks.q8_step, wna16's DP4A): by 32, q = x 127 / max |x| rounded half away from
+    zero, times max |x| / 127."""
+    groups = x.float().reshape(x.shape[0], -1, 32)
+    amax = groups.abs().amax(dim=2, keepdim=True)
+    v = groups * (127.0 / torch.where(amax > 0, amax, 1.0))
+    q = torch.where(v >= 0, v + 0.5, v - 0.5).trunc()
+    return (q * (amax / 127.0)).reshape(x.shape)
+
+
+def int8_activations_ref(x: torch.Tensor, w: torch.Tensor, w0: torch.Tensor) -> torch.Tensor:
+    """float32 [M, N]: an int8-activation product's arithmetic on a weight w [N, K] = s q + w0,
+    w0 the part without its quants (a zero point's or a min's, constant over each group of 32
+    along K): x rounded by q8_round_trip meets s q, x itself meets w0 (the products add w0
+    times the group's sum of x)."""
+    return q8_round_trip(x) @ (w - w0).t() + x.float() @ w0.t()

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels._common import check_float, check_ndim, check_same_device
+from mmserve.kernels._common import check_float, check_ndim, check_same_device, q8_values
 
 
 @dataclass(frozen=True)
@@ -313,21 +313,7 @@ def q45k_step_lowp(block, QTYPE: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.cons
 # One-row products with the activations in int8 (gguf_gemm.DP4A), as ggml's CUDA kernels run a
 # K-quant against a q8_1 row (vec_dot_q4_K_q8_1): a Q4_K / Q5_K step's quants stay 32-bit words
 # of four bytes (a mask and a shift a word make nibbles of eight weights) and meet the
-# activations' int8 words in dp4a (four products and their sum in one instruction). The
-# interpreter (CI) runs the same integer arithmetic byte by byte.
-_DP4A = tl.constexpr("dp4a.u32.s32 $0, $1, $2, $3;")
-
-
-@triton.jit
-def dp4a(a, b, c, ASM: tl.constexpr):
-    """c + the sum of the products of a's four unsigned bytes with b's four signed bytes
-    (int32 words; byte k with byte k)."""
-    if ASM:
-        return tl.inline_asm_elementwise(_DP4A, "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        for k in tl.static_range(4):
-            c += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
-        return c
+# activations' int8 words in dp4a (mmserve.kernels._common).
 
 
 @triton.jit
@@ -393,8 +379,7 @@ def q8_step(x_ptr, step):
     h = tl.arange(0, 2)[None, None, None, :]
     x = tl.load(x_ptr + step * 256 + 64 * c + 32 * h + 4 * w + k).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [4, 2]
-    v = x * (127.0 / tl.where(amax > 0, amax, 1.0))[:, None, None, :]  # a group of zeros stays 0
-    q = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)
+    q = q8_values(x, amax[:, None, None, :])
     words = tl.xor_sum((q & 0xFF) << (8 * k), axis=2)  # disjoint bytes: xor is or
     return words, amax / 127.0, tl.sum(tl.sum(x, axis=2), axis=1)
 

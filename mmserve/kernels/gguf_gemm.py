@@ -28,7 +28,9 @@ from mmserve.kernels._common import (
     check_float,
     check_last_dim_contiguous,
     check_same_device,
+    dp4a,
     grid_sms,
+    int8_activations_ref,
     k_splits,
     matmul_in_column_chunks,
     sum_splits,
@@ -37,7 +39,6 @@ from mmserve.kernels.gguf_blocks import (
     STEP,
     STEP_PARTS,
     check_blocks,
-    dp4a,
     f16_at,
     gguf_dequantize,
     lowp_args,
@@ -440,16 +441,6 @@ def gguf_matmul_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.
     return x.float() @ gguf_dequantize_ref(blocks, qtype).t()
 
 
-def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """float32 x [M, K] (K a multiple of 32) as q8_step rounds it: by 32, q = x 127 / max |x|
-    rounded half away from zero, times max |x| / 127."""
-    groups = x.float().reshape(x.shape[0], -1, 32)
-    amax = groups.abs().amax(dim=2, keepdim=True)
-    v = groups * (127.0 / torch.where(amax > 0, amax, 1.0))
-    q = torch.where(v >= 0, v + 0.5, v - 0.5).trunc()
-    return (q * (amax / 127.0)).reshape(x.shape)
-
-
 def gguf_matmul_dp4a_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """float32 [M, N]: the DP4A product's arithmetic on gguf's dequantised weight W. Q6_K: the
     activations rounded by q8_round_trip times W. Q4_K / Q5_K (W = d1 q - m1): the rounded
@@ -458,9 +449,9 @@ def gguf_matmul_dp4a_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> t
 
     if qtype not in DP4A_KERNEL_TYPES:
         raise ValueError(f"DP4A takes {DP4A_KERNEL_TYPES}, not {qtype}")
+    w = gguf_dequantize_ref(blocks, qtype)
     if qtype == "Q6_K":  # d sc (q - 32): no min
-        return q8_round_trip(x) @ gguf_dequantize_ref(blocks, qtype).t()
+        return int8_activations_ref(x, w, torch.zeros_like(w))
     zero_quants = blocks.clone()
     zero_quants[:, :, 16:] = 0  # past d, dmin and the scales: (Q5_K's qh and) qs
-    w, w0 = gguf_dequantize_ref(blocks, qtype), gguf_dequantize_ref(zero_quants, qtype)
-    return q8_round_trip(x) @ (w - w0).t() + x.float() @ w0.t()
+    return int8_activations_ref(x, w, gguf_dequantize_ref(zero_quants, qtype))

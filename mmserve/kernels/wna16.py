@@ -45,9 +45,12 @@ from mmserve.kernels._common import (
     check_float,
     check_last_dim_contiguous,
     check_same_device,
+    dp4a,
     grid_sms,
+    int8_activations_ref,
     k_splits,
     matmul_in_column_chunks,
+    q8_values,
     sum_splits,
 )
 
@@ -67,6 +70,14 @@ PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K
 # against 28.1 and 71.9 against 56.6 (16-row tiles as the M side lose), so up to 8 rows only.
 LOWP = True
 LOWP_MAX_ROWS = 8
+# One row of 16-bit activations times a 4-bit weight by _wna16_dp4a_kernel (as gguf_gemm.DP4A): the
+# activations quantised to int8 by 32 inside it (ggml's q8_1), a word's eight values split into
+# its even and odd ones by a mask and a shift (four bytes each) and multiplied with the
+# activations' int8 words by dp4a; per group of 32, s (d_x sum(q q_x) - z sum(x)). Adds the
+# activations' rounding to int8. For group sizes that are multiples of 32 (or per channel) and K
+# a multiple of 32. Not yet timed on a GPU: off
+DP4A = False
+DP4A_BLOCK_N = 128  # (sm_90 SASS, Triton 3.6: 2.29 instructions a weight; 64 channels: 3.91)
 
 
 @triton.jit
@@ -193,6 +204,57 @@ def _wna16_kernel(
 
 
 @triton.jit
+def _wna16_dp4a_kernel(
+    out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr, n, k, group_size, k_per_split, stride_q,
+    stride_s, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """One row (DP4A), 4 bits: K in steps of 128 (four groups of 32, 16 words of each column).
+    Word (g, w) of a step holds elements k0 + 32 g + 8 w + j at bits 4 j: its even values
+    (j = 2 b) are the bytes of word & 0x0F0F0F0F, its odd ones (2 b + 1) those of (word >> 4) &
+    0x0F0F0F0F, and the activations' int8 words are built to match: [4, 4, 2] (g, w, parity),
+    byte b element k0 + 32 g + 8 w + 2 b + parity."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k, k_lo + k_per_split)
+    g = tl.arange(0, 4)[:, None, None, None]
+    w = tl.arange(0, 4)[None, :, None, None]
+    b = tl.arange(0, 4)[None, None, :, None]
+    p = tl.arange(0, 2)[None, None, None, :]
+    rows = tl.arange(0, 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # word (g, w): row 4 g + w of the step
+    acc = tl.zeros([4, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, 128):
+        at = k0 + 32 * g + 8 * w + 2 * b + p
+        x = tl.load(x_ptr + at, mask=at < k_hi, other=0.0).to(tl.float32)  # [4, 4, 4, 2]
+        amax = tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)  # [4]
+        q_x = q8_values(x, amax[:, None, None, None])
+        x_words = tl.xor_sum((q_x & 0xFF) << (8 * b), axis=2)  # [4, 4, 2]: disjoint bytes
+        sum_x = tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=1)
+        row = k0 // 8 + rows
+        words = tl.load(
+            qweight_ptr + row[:, :, None].to(tl.int64) * stride_q + offs_n[None, None, :],
+            mask=(row < k_hi // 8)[:, :, None] & mask_n[None, None, :], other=0,
+        )  # [4, 4, BLOCK_N]
+        q = tl.join(words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F)  # [4, 4, BLOCK_N, 2]
+        x_q = tl.broadcast_to(x_words[:, :, None, :], q.shape)
+        dots = tl.sum(tl.sum(dp4a(q, x_q, tl.zeros_like(q), ASM), axis=3), axis=1)  # [4, BLOCK_N]
+        groups = (k0 + 32 * tl.arange(0, 4)) // group_size
+        at_s = groups[:, None] * stride_s + offs_n[None, :]
+        mask_s = (k0 + 32 * tl.arange(0, 4) < k_hi)[:, None] & mask_n[None, :]
+        s = tl.load(scales_ptr + at_s, mask=mask_s, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + at_s, mask=mask_s, other=0.0).to(tl.float32)
+        else:
+            z = tl.full(s.shape, 8.0, tl.float32)
+        acc += s * ((amax / 127.0)[:, None] * dots.to(tl.float32) - z * sum_x[:, None])
+    total = tl.sum(acc, axis=0)
+    if SPLIT:  # float32 partials [splits, 1, n], summed in order by _common.sum_splits
+        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n + offs_n, total, mask=mask_n)
+    else:
+        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _wna16_dequantize_kernel(
     out_ptr, qweight_ptr, scales_ptr, zeros_ptr, k, n, group_size, stride_q, stride_s, stride_out,
     BITS: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr,
@@ -293,13 +355,15 @@ def wna16_gemm(
     bits: int,
     group_size: int,
     tiling: Wna16Tiling | None = None,
+    dp4a: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (float32/float16/bfloat16) times the packed weight: [M, N] in x's dtype. zeros
     None: a symmetric weight, every zero point 2^(bits - 1) (none read). Up to MAX_KERNEL_ROWS
     rows (decode steps) the product kernel; more (prefill) the weight dequantised to x's dtype,
     CHUNK_ELEMENTS at a time, and torch.matmul: the kernel re-reads and re-dequantises the weight
     for every 64-row tile (on the H200, 64 rows of the 8B shape's gate_up took 393 us against
-    bf16's 61, session 12). tiling (for sweeps) forces the kernel."""
+    bf16's 61, session 12). tiling (for sweeps) forces the kernel. dp4a: one row with int8
+    activations (_wna16_dp4a_kernel; default: uses_dp4a)."""
     _check(x, qweight, scales, zeros, bits, group_size)
     rows, k = x.shape
     n = qweight.shape[1]
@@ -312,6 +376,8 @@ def wna16_gemm(
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
+    if (uses_dp4a(x, bits, group_size) if dp4a is None else dp4a) and tiling is None:
+        return _dp4a_product(out, x, qweight, scales, zeros, group_size)
     t = tiling or choose_tiling(rows, n, k, group_size, grid_sms(x.device), bits)
     if t.lowp and x.dtype == torch.float32:  # (float32 x: the float32 path, 16-row tiles)
         t = replace(t, lowp=False, pairs=0, block_m=max(16, t.block_m))
@@ -335,6 +401,34 @@ def wna16_gemm(
     grid = (triton.cdiv(rows, t.block_m), triton.cdiv(n, t.block_n), t.splits)
     _wna16_kernel[grid](*args, **meta, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if split:
+        sum_splits(out, target)
+    return out
+
+
+def uses_dp4a(x: torch.Tensor, bits: int, group_size: int) -> bool:
+    """Whether wna16_gemm multiplies x by default with int8 activations (DP4A): one row of 16-bit
+    x, 4 bits, K and the group size multiples of 32 (or one group a column)."""
+    k = x.shape[1]
+    whole = group_size % 32 == 0 or group_size >= k
+    return DP4A and x.shape[0] == 1 and x.dtype != torch.float32 and bits == 4 and k % 32 == 0 and whole
+
+
+def _dp4a_product(
+    out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+    zeros: torch.Tensor | None, group_size: int,
+) -> torch.Tensor:  # fmt: skip
+    (rows, k), n = x.shape, qweight.shape[1]
+    if rows != 1 or k % 32 or not (group_size % 32 == 0 or group_size >= k):
+        raise ValueError(f"dp4a takes one row, K and the group size multiples of 32: {rows=}, {k=}, {group_size=}")
+    tiles, steps = triton.cdiv(n, DP4A_BLOCK_N), triton.cdiv(k, 128)
+    splits, per_split = k_splits(tiles, steps, grid_sms(x.device), PROGRAMS_PER_SM)
+    target = torch.empty(splits, 1, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    _wna16_dp4a_kernel[(tiles, splits)](
+        target, x, qweight, scales, scales if zeros is None else zeros, n, k, group_size,
+        per_split * 128, qweight.stride(0), scales.stride(0), BLOCK_N=DP4A_BLOCK_N,
+        HAS_ZEROS=zeros is not None, SPLIT=splits > 1, ASM=not triton.knobs.runtime.interpret,
+    )  # fmt: skip
+    if splits > 1:
         sum_splits(out, target)
     return out
 
@@ -378,6 +472,17 @@ def wna16_gemm_ref(
 ) -> torch.Tensor:  # fmt: skip
     """float32 [M, N]: x times the dequantised weight."""
     return x.float() @ dequantize_packed(qweight, scales, zeros, bits, group_size).t()
+
+
+def wna16_dp4a_ref(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+    bits: int, group_size: int,
+) -> torch.Tensor:  # fmt: skip
+    """float32 [M, N]: the DP4A product's arithmetic (_common.int8_activations_ref) on the
+    dequantised weight, (q - z) s, its part without the quants -z s."""
+    w = dequantize_packed(qweight, scales, zeros, bits, group_size)
+    w0 = dequantize_packed(torch.zeros_like(qweight), scales, zeros, bits, group_size)
+    return int8_activations_ref(x, w, w0)
 
 
 def pack_columns(q: torch.Tensor, bits: int) -> torch.Tensor:

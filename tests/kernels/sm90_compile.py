@@ -29,6 +29,9 @@ WNA16 = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_pt
 DP4A = {"out_ptr": "*fp32", "x_ptr": "*bf16", "d_ptr": "*fp32", "sum_ptr": "*fp32", "w_ptr": "*u8", "n": "i32",
         "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32"}  # fmt: skip
 Q6K_DP4A = {k: "*i32" if k == "x_ptr" else t for k, t in DP4A.items() if k != "sum_ptr"}
+WNA16_DP4A = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*bf16",
+              "zeros_ptr": "*bf16", "n": "i32", "k": "i32", "group_size": "i32", "k_per_split": "i32",
+              "stride_q": "i32", "stride_s": "i32"}  # fmt: skip
 DEQUANT = {"out_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "k": "i32", "num_blocks": "i32",
            "row_bytes": "i32"}  # fmt: skip
 
@@ -81,7 +84,9 @@ def main() -> None:
             "BITS": 4, "BLOCK_M": 8, "BLOCK_N": 64, "BLOCK_K": 128, "GROUPS": 0, "HAS_ZEROS": zeros,
             "SPLIT": True, "DOT_PRECISION": "tf32", "PAIRS": pairs, "LOWP": True,
             "EVEN_K": even_k})  # fmt: skip
-    print("w4a16 (LOWP) compiled for sm_90", flush=True)
+    for zeros, split in itertools.product((False, True), (False, True)):
+        compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": 64, "HAS_ZEROS": zeros, "SPLIT": split, "ASM": True})
+    print("w4a16 (LOWP, DP4A) compiled for sm_90", flush=True)
     compile_sm90(gguf_gemm._q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16"}, {})
     print("q8 (DP4A's activations) compiled for sm_90", flush=True)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mmserve.kernels import gguf_gemm
+from mmserve.kernels._common import q8_round_trip
 from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize, gguf_dequantize_ref
 from mmserve.kernels.gguf_gemm import MAX_ROWS, gguf_gemm_rows, gguf_matmul, gguf_matmul_ref
 from mmserve.models.gguf_linear import GgufLinear
@@ -246,5 +247,5 @@ def test_int8_activations_round_as_ggml() -> None:
     127 steps of max |x| / 127; a group of zeros stays zero."""
     x = torch.zeros(1, 64)
     x[0, :4] = torch.tensor([127.0, 0.5, -0.5, -1.49])
-    out = gguf_gemm.q8_round_trip(x)
+    out = q8_round_trip(x)
     assert out[0, :4].tolist() == [127.0, 1.0, -1.0, -1.0] and not out[0, 32:].any()

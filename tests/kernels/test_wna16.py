@@ -193,3 +193,34 @@ def test_lowp_needs_4_bits_inside_a_group(monkeypatch):  # type: ignore[no-untyp
     assert not choose_tiling(wna16.LOWP_MAX_ROWS + 1, 64, 512, 128, 132).lowp  # (slower there)
     assert not choose_tiling(1, 64, 512, 128, 132, bits=8).lowp
     assert not choose_tiling(5, 40, 96, 12, 132).lowp
+
+
+@pytest.mark.parametrize("dtype", [d for d in FLOAT_DTYPES if d != torch.bfloat16], ids=str)
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("case", [(72, 416, 32), (72, 416, 128), (100, 320, 320), (64, 1024, 128)], ids=str)
+def test_one_row_in_int8_activations(case, symmetric, dtype, monkeypatch):  # type: ignore[no-untyped-def]
+    """One row with the activations in int8 (dp4a=True), 4 bits: groups of 32, of 128 (K = 416:
+    a partial last step and group), per channel; N not a multiple of the tile; K split (1024) and
+    not. Against the torch reference of its arithmetic (wna16_dp4a_ref) tightly, with a group of
+    zeros and an outlier in another; on plain activations within their int8 rounding of the
+    exact product."""
+    from mmserve.kernels import wna16
+
+    n, k, group_size = case
+    x, q, zeros, scales, _ = _operands(1, n, k, 4, group_size, dtype)
+    x[0, 32:64], x[0, 100] = 0.0, 30.0
+    qweight = pack_columns(q, 4)
+    z = None if symmetric else zeros
+    args = [t.to(DEVICE) if t is not None else None for t in (x, qweight, scales, z)]
+    out = wna16_gemm(*args, 4, group_size, dp4a=True)
+    assert out.shape == (1, n) and out.dtype == dtype
+    expected = wna16.wna16_dp4a_ref(*args, 4, group_size).cpu()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    plain = torch.randn(1, k, generator=torch.Generator().manual_seed(n)).to(dtype)  # (no outlier)
+    out = wna16_gemm(plain.to(DEVICE), *args[1:], 4, group_size, dp4a=True).float().cpu()
+    exact = plain.float() @ dequantize_packed(qweight, scales, z, 4, group_size).t()
+    assert ((out - exact).norm() / exact.norm()).item() < 2e-2
+    monkeypatch.setattr(wna16, "DP4A", True)  # the default path takes it for one 16-bit row only
+    assert wna16.uses_dp4a(args[0], 4, group_size) == (dtype != torch.float32)
+    assert not wna16.uses_dp4a(args[0], 8, group_size) and not wna16.uses_dp4a(args[0], 4, 48)
