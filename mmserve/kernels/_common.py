@@ -93,6 +93,16 @@ def q8_values(x, amax):
     return tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)
 
 
+@triton.jit
+def store_one_row(out_ptr, total, offs_n, mask_n, n, SPLIT: tl.constexpr):
+    """A one-row product's [BLOCK_N] float32 result: into out (its dtype) or, SPLIT, as this K
+    slice's float32 partial in [splits, 1, n] (program_id(1) the slice), which sum_splits adds."""
+    if SPLIT:
+        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n + offs_n, total, mask=mask_n)
+    else:
+        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
 def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(t.shape) != expected:
         raise ValueError(f"{name} must have shape {list(expected)}, got {list(t.shape)}")

@@ -33,6 +33,7 @@ from mmserve.kernels._common import (
     int8_activations_ref,
     k_splits,
     matmul_in_column_chunks,
+    store_one_row,
     sum_splits,
 )
 from mmserve.kernels.gguf_blocks import (
@@ -230,10 +231,7 @@ def _gguf_gemv_kernel(
             a = tl.load(x_ptr + step * 256 + cols, mask=exists, other=0.0).to(tl.float32)
             acc += w * a[None, :]
     total = tl.sum(acc, axis=1)
-    if SPLIT:  # float32 partials [splits, 1, n], summed in order by _common.sum_splits
-        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n + offs_n, total, mask=mask_n)
-    else:
-        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+    store_one_row(out_ptr, total, offs_n, mask_n, n, SPLIT)
 
 
 @triton.jit
@@ -277,10 +275,7 @@ def _gguf_dp4a_kernel(
         d1, m1 = tl.join(d1_even, d1_odd), tl.join(m1_even, m1_odd)  # [BLOCK_N, 4, 2]
         acc += d1 * (d_x[None] * dots.to(tl.float32)) - m1 * sum_x[None]
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if SPLIT:  # float32 partials [splits, 1, n], summed in order by _common.sum_splits
-        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n + offs_n, total, mask=mask_n)
-    else:
-        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+    store_one_row(out_ptr, total, offs_n, mask_n, n, SPLIT)
 
 
 @triton.jit
@@ -315,10 +310,7 @@ def _gguf_q6k_dp4a_kernel(
         d = f16_at(block + 208)[:, None, None, None, None]
         acc += (d * sc.to(tl.float32)) * (d_x[None] * (dots - 32 * x_sums[None]).to(tl.float32))
     total = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
-    if SPLIT:  # float32 partials [splits, 1, n], summed in order by _common.sum_splits
-        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n + offs_n, total, mask=mask_n)
-    else:
-        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+    store_one_row(out_ptr, total, offs_n, mask_n, n, SPLIT)
 
 
 def gguf_gemm_rows(

@@ -51,6 +51,7 @@ from mmserve.kernels._common import (
     k_splits,
     matmul_in_column_chunks,
     q8_values,
+    store_one_row,
     sum_splits,
 )
 
@@ -248,10 +249,7 @@ def _wna16_dp4a_kernel(
             z = tl.full(s.shape, 8.0, tl.float32)
         acc += s * ((amax / 127.0)[:, None] * dots.to(tl.float32) - z * sum_x[:, None])
     total = tl.sum(acc, axis=0)
-    if SPLIT:  # float32 partials [splits, 1, n], summed in order by _common.sum_splits
-        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n + offs_n, total, mask=mask_n)
-    else:
-        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+    store_one_row(out_ptr, total, offs_n, mask_n, n, SPLIT)
 
 
 @triton.jit
