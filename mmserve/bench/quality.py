@@ -13,8 +13,11 @@ whether the argmax is the same token.
 Schemes (--schemes): float32 (the reference itself: KL 0), int8 (--quantization int8), fp8
 (--quantization fp8), fp8-kv (--kv-cache-dtype fp8, float weights), and wNa16[-gG]: the float
 weights re-quantised to a compressed-tensors pack-quantized checkpoint (bench/requantize.py),
-N = 4 or 8 bits, in groups of G input channels (none: per output channel). All run in float32,
-so only the scheme differs from the reference.
+N = 4 or 8 bits, in groups of G input channels (none: per output channel). A "+q8" suffix (on
+float32 or a wNa16 scheme) also rounds the input of every decoder projection as the one-row
+int8-activation products do on CUDA (gguf_gemm.DP4A, wna16.DP4A: ggml's q8_1, by 32; here at
+every position, as each decode step at batch 1 would be). All run in float32, so only the
+scheme differs from the reference.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Scheme:
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype
     weight_bits: int = 0  # a re-quantised weight-only checkpoint of these bits; 0: none
     group_size: int = 0  # its input channels per scale; 0: one scale per output channel
+    q8_activations: bool = False  # the decoder projections' inputs rounded as DP4A's are
 
 
 REFERENCE = Scheme("float32")
@@ -66,13 +70,20 @@ _WEIGHT_ONLY = re.compile(r"w(4|8)a16(?:-g([1-9][0-9]*))?")
 
 def parse_scheme(name: str) -> Scheme:
     """A --schemes entry; an unknown one raises ValueError listing the valid ones."""
+    base, plus, suffix = name.partition("+")
+    if plus:
+        scheme = parse_scheme(base)
+        if suffix != "q8" or scheme.quantization is not None or scheme.kv_cache_dtype != "auto":
+            raise ValueError(f"--schemes: {name!r}: only float32 and wNa16 schemes take +q8 (activations in int8)")
+        return Scheme(name, weight_bits=scheme.weight_bits, group_size=scheme.group_size, q8_activations=True)
     if name in SCHEMES:
         return SCHEMES[name]
     match = _WEIGHT_ONLY.fullmatch(name)
     if match is None:
         raise ValueError(
             f"--schemes: unknown scheme {name!r}; valid: {', '.join(SCHEMES)}, w4a16-gG, "
-            "w8a16-gG (G input channels per scale), w4a16, w8a16 (per output channel)"
+            "w8a16-gG (G input channels per scale), w4a16, w8a16 (per output channel), and "
+            "float32 or those with +q8 (activations in int8)"
         )
     return Scheme(name, weight_bits=int(match[1]), group_size=int(match[2] or 0))
 
@@ -216,6 +227,8 @@ def run(args: argparse.Namespace, emit: Any) -> None:
         with _model_for(args.model, scheme) as model:
             engine = _engine(args, model, scheme)
             try:
+                if scheme.q8_activations:
+                    round_projection_inputs(engine.core.runner.model)
                 measured = serve_windows(engine, windows)
             finally:
                 engine.shutdown()
@@ -227,6 +240,30 @@ def run(args: argparse.Namespace, emit: Any) -> None:
             reference_perplexity=math.exp(float(reference.nll.mean())),
             served_quantization=measured.quantization, kv_cache_dtype=measured.kv_cache_dtype,
         )  # fmt: skip
+
+
+def round_projection_inputs(model: Any) -> int:
+    """Forward pre-hooks on the decoder layers' projections (not the LM head): each input
+    rounded by q8_round_trip (groups of 32 along its last dimension), as the one-row
+    int8-activation products round it. Returns how many projections got one."""
+    from mmserve.kernels._common import q8_round_trip
+
+    def rounded(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = args[0]
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"+q8: a projection's input is a {type(x).__name__}, not a tensor")
+        return (q8_round_trip(x.reshape(-1, x.shape[-1])).reshape(x.shape).to(x.dtype), *args[1:])
+
+    projections = [m for m in model.model.layers.modules() if m is not model and _is_projection(m)]
+    for module in projections:
+        module.register_forward_pre_hook(rounded)
+    if not projections:
+        raise ValueError("+q8: the model's layers have no projections to round the inputs of")
+    return len(projections)
+
+
+def _is_projection(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear) or type(module).__name__.endswith("Linear")
 
 
 def _engine(args: argparse.Namespace, model: str, scheme: Scheme) -> FrontEnd:

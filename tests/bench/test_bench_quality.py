@@ -52,11 +52,11 @@ def test_bench_quality_prints_each_scheme(tmp_path: Path, capsys: pytest.Capture
     text.write_text(TEXT)
     args = bench_args(
         "quality", "--model", str(model), "--device", "cpu", "--text", str(text), "--window", "48",
-        "--schemes", "float32,w4a16-g32,int8,fp8,fp8-kv",
+        "--schemes", "float32,w4a16-g32,int8,fp8,fp8-kv,float32+q8",
     )  # fmt: skip
     cli.run(args)
     rows = {r["scheme"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert list(rows) == ["float32", "w4a16-g32", "int8", "fp8", "fp8-kv"]
+    assert list(rows) == ["float32", "w4a16-g32", "int8", "fp8", "fp8-kv", "float32+q8"]
     assert all(FIELDS <= r.keys() for r in rows.values())
     tokens = {r["tokens"] for r in rows.values()}
     assert len(tokens) == 1 and tokens.pop() > 2 * 48  # the whole text, in several windows
@@ -68,7 +68,8 @@ def test_bench_quality_prints_each_scheme(tmp_path: Path, capsys: pytest.Capture
         assert 0.0 < r["kl_mean"] < math.inf and r["top1_agreement"] < 1.0, name
     served = {name: (r["served_quantization"], r["kv_cache_dtype"]) for name, r in rows.items()}
     assert served == {"w4a16-g32": ("w4a16-g32", "float32"), "int8": ("w8a8-int8", "float32"),
-                      "fp8": ("fp8", "float32"), "fp8-kv": ("", "float8_e4m3fn")}  # fmt: skip
+                      "fp8": ("fp8", "float32"), "fp8-kv": ("", "float8_e4m3fn"),
+                      "float32+q8": ("", "float32")}  # fmt: skip
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -108,9 +109,37 @@ def test_rows_that_do_not_match_the_served_logprobs_are_refused() -> None:
         quality._check_rows(rows[:2], [0, 2, 4], served)
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_q8_rounds_every_decoder_projections_input(tmp_path: Path) -> None:
+    """+q8's hooks: each layer's four projections (not the LM head) see their input as
+    q8_round_trip leaves it."""
+    from mmserve.config import EngineConfig
+    from mmserve.frontend.frontend import FrontEnd
+    from mmserve.kernels._common import q8_round_trip
+
+    engine = FrontEnd.start(EngineConfig.from_settings(str(make_tiny_model(tmp_path)), device="cpu", dtype="float32"))
+    try:
+        model = engine.core.runner.model
+        qkv = model.model.layers[1].self_attn.qkv_proj
+        x = torch.randn(3, 64)
+        with torch.no_grad():
+            want, plain = qkv(q8_round_trip(x)), qkv(x)
+            assert quality.round_projection_inputs(model) == 4 * 2
+            got = qkv(x)
+            head = model.lm_head(x)
+        assert torch.equal(got, want) and not torch.equal(got, plain)
+        torch.testing.assert_close(head, torch.nn.functional.linear(x, model.lm_head.weight))
+    finally:
+        engine.shutdown()
+
+
 def test_schemes_and_windows() -> None:
     assert quality.parse_scheme("w8a16") == quality.Scheme("w8a16", weight_bits=8)
     assert quality.parse_scheme("w4a16-g64").group_size == 64
+    assert quality.parse_scheme("w4a16-g64+q8") == quality.Scheme("w4a16-g64+q8", weight_bits=4, group_size=64,
+                                                                  q8_activations=True)  # fmt: skip
+    with pytest.raises(ValueError, match="only float32 and wNa16 schemes take"):
+        quality.parse_scheme("int8+q8")
     with pytest.raises(ValueError, match="valid: float32, int8, fp8, fp8-kv, w4a16-gG"):
         quality.parse_scheme("w3a16")
     assert quality.text_windows(list(range(9)), 4, None) == [[0, 1, 2, 3], [4, 5, 6, 7]]
