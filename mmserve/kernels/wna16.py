@@ -75,8 +75,9 @@ LOWP_MAX_ROWS = 8
 # activations quantised to int8 by 32 inside it (ggml's q8_1), a word's eight values split into
 # its even and odd ones by a mask and a shift (four bytes each) and multiplied with the
 # activations' int8 words by dp4a; per group of 32, s (d_x sum(q q_x) - z sum(x)). Adds the
-# activations' rounding to int8. For group sizes that are multiples of 32 (or per channel) and K
-# a multiple of 32. Not yet timed on a GPU: off
+# activations' rounding to int8 (on SmolLM2's weights, bench quality: w4a16-g64's KL from float32
+# 0.3681 -> 0.3687 nats). For group sizes that are multiples of 32 (or per channel) and K a
+# multiple of 32. Not yet timed on a GPU: off
 DP4A = False
 DP4A_BLOCK_N = 128  # (sm_90 SASS, Triton 3.6: 2.29 instructions a weight; 64 channels: 3.91)
 
