@@ -8,10 +8,10 @@ dequantise-then-matmul path at 32 and 64 rows (where the cut between the paths l
 sweep at one row of each form over output channels per program, programs per SM and warps per
 program, and of the one-row kernel without tensor cores (GEMV).
 
-The one-row product with int8 activations (DP4A) is timed for Q4_K, Q5_K and Q6_K at one row, over
-channels, warps and where the activations are quantised.
+The product with int8 activations (DP4A) is timed for Q4_K, Q5_K and Q6_K at one row, over
+channels, warps and where the activations are quantised, and for Q4_K and Q5_K at more rows.
 
-    python scripts/bench_gguf.py  (BENCH_GGUF_QUICK=1: the K-quants only, at 1 and 16 rows, the
+    python scripts/bench_gguf.py  (BENCH_GGUF_QUICK=1: the K-quants only, at 1, 4 and 16 rows, the
     LOWP forms also at 2 and 4 pipeline stages; the sweep of the LOWP forms only, over channels,
     programs and pipeline stages)
 """
@@ -33,7 +33,7 @@ from mmserve.kernels.gguf_gemm import gguf_gemm_rows
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 L2_OVERFLOW = 160e6  # bytes cycled through per timed call (the H200's L2: 50 MB)
 QUICK = os.environ.get("BENCH_GGUF_QUICK") == "1"
-ROWS = (1, 16) if QUICK else (1, 4, 16, 32, 64)
+ROWS = (1, 4, 16) if QUICK else (1, 4, 16, 32, 64)
 ROWS_CHECKED = (1, 16) if QUICK else (1, 16, 64)
 TYPES_CHECKED = ("Q4_K", "Q5_K", "Q6_K") if QUICK else ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_1")
 
@@ -147,6 +147,9 @@ def _shape(n: int, k: int, qtype: str) -> None:
             us = _time(lambda i, x=x: _rows_kernel(x, blocks[i], qtype, gemv=True), copies)
             line["gemv_us"], line["gemv_gbs"] = round(us, 1), round(nbytes / us / 1e3)
         dp4a_forms = [f for f in _DP4A_FORMS if f[2] or qtype != "Q6_K"]  # Q6_K: quantised first, always
+        if rows > 1 and qtype in gguf_gemm.DP4A_TYPES:  # a program a row and tile (DP4A_MAX_ROWS)
+            us = _time(lambda i, x=x: gguf_gemm_rows(x, blocks[i], qtype, dp4a=True), copies)
+            line["dp4a_us"] = round(us, 1)
         for block_n, warps, pre in dp4a_forms if rows == 1 and qtype in gguf_gemm.DP4A_KERNEL_TYPES else ():
             us = _time(lambda i, x=x, b=block_n, w=warps, p=pre: gguf_gemm_rows(
                 x, blocks[i], qtype, b, num_warps=w, dp4a=True, prequant=p), copies)  # fmt: skip

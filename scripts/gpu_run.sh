@@ -108,7 +108,7 @@ if has dp4a; then
   timeout 120 python3 scripts/check_lowp.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/dp4a.txt"
 fi
 if has ggufquick; then
-  # bench_gguf's quick mode: its checks, the GGUF forms at 1 and 16 rows, DP4A's forms (at most 7.5 minutes)
+  # bench_gguf's quick mode: its checks, the GGUF forms at 1, 4 and 16 rows, DP4A's forms (at most 7.5 minutes)
   BENCH_GGUF_QUICK=1 timeout 450 python3 scripts/bench_gguf.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ggufquick.txt"
 fi
 if has w4a16; then

@@ -86,7 +86,8 @@ def main(qtypes: list[str]) -> None:
                 constexprs = {"QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": block_n, "SPLIT": True,
                               "ASM": True, "PREQUANT": pre}  # fmt: skip
                 fn, signature = gguf_gemm._gguf_dp4a_kernel, {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}
-            kernel = compile_sm90(fn, signature, constexprs, ("row_bytes", "n"), warps)
+            aligned = tuple(a for a in ("row_bytes", "n", "stride_x") if a in signature)
+            kernel = compile_sm90(fn, signature, constexprs, aligned, warps)
             body = loop_body(kernel.asm["cubin"], tmp)
             weights = block_n * 256 / (warps * 32)
             ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)

@@ -94,11 +94,12 @@ def q8_values(x, amax):
 
 
 @triton.jit
-def store_one_row(out_ptr, total, offs_n, mask_n, n, SPLIT: tl.constexpr):
-    """A one-row product's [BLOCK_N] float32 result: into out (its dtype) or, SPLIT, as this K
-    slice's float32 partial in [splits, 1, n] (program_id(1) the slice), which sum_splits adds."""
+def store_one_row(out_ptr, total, offs_n, mask_n, split_stride, SPLIT: tl.constexpr):
+    """A row of a product's [BLOCK_N] float32 result: into out (its dtype) or, SPLIT, as this K
+    slice's float32 partial, split_stride elements after the previous slice's (program_id(1)
+    the slice; [splits, rows, n], which sum_splits adds: rows n)."""
     if SPLIT:
-        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * n + offs_n, total, mask=mask_n)
+        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * split_stride + offs_n, total, mask=mask_n)
     else:
         tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
 

@@ -91,6 +91,9 @@ DP4A_KERNEL_TYPES = (*DP4A_TYPES, "Q6_K")
 # the activations quantised by _q8_kernel first (one launch more), not by each program: no
 # faster (H200: 31.8 against 31.1 us, 21.3 against 20.8); Q6_K's kernel always takes them so
 DP4A_PREQUANT = False
+# rows (up to MAX_ROWS) the DP4A kernel takes by default, a program a row and tile, each tile's
+# rows neighbours so that its blocks come from DRAM once. More than one is not yet timed: 1
+DP4A_MAX_ROWS = 1
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # The few-rows kernel's software pipeline (stages of its loop; None: Triton's default, 3). On an
@@ -163,12 +166,12 @@ def _step_product(
 
 
 @triton.jit
-def _program_slice(w_ptr, n, steps_per_split, num_steps, row_bytes, BLOCK_N: tl.constexpr):
-    """This program's steps of K, [s_lo, s_hi), its output channels, which of them exist, and
-    their rows' byte pointers (past n: row 0's bytes)."""
+def _program_slice(w_ptr, tile, n, steps_per_split, num_steps, row_bytes, BLOCK_N: tl.constexpr):
+    """This program's steps of K, [s_lo, s_hi), its output channels (those of tile), which of
+    them exist, and their rows' byte pointers (past n: row 0's bytes)."""
     s_lo = tl.program_id(1) * steps_per_split
     s_hi = tl.minimum(num_steps, s_lo + steps_per_split)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     row = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_bytes
     return s_lo, s_hi, offs_n, mask_n, row
@@ -183,7 +186,7 @@ def _gguf_gemm_rows_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FACTORED: tl.constexpr,
     UNROLL: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
-    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, n, steps_per_split, num_steps, row_bytes, BLOCK_N)
+    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tl.program_id(0), n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < rows
     x_rows = x_ptr + offs_m[:, None] * stride_x
@@ -224,7 +227,7 @@ def _gguf_gemv_kernel(
     """One row (GEMV=True): no tensor cores. Each part's weights times the activations of
     its columns are added into a [BLOCK_N, 256 / PARTS] float32 accumulator in registers,
     summed along K once at the end (no per-step reduction or operand layout change)."""
-    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, n, steps_per_split, num_steps, row_bytes, BLOCK_N)
+    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tl.program_id(0), n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     acc = tl.zeros([BLOCK_N, 256 // PARTS], dtype=tl.float32)
     for step in range(s_lo, s_hi):
         for part in tl.static_range(PARTS):
@@ -251,15 +254,20 @@ def _q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr):
 
 @triton.jit
 def _gguf_dp4a_kernel(
-    out_ptr, x_ptr, d_ptr, sum_ptr, w_ptr, n, steps_per_split, num_steps, row_bytes,
+    out_ptr, x_ptr, d_ptr, sum_ptr, w_ptr, n, steps_per_split, num_steps, row_bytes, rows, stride_x,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     ASM: tl.constexpr, PREQUANT: tl.constexpr,
 ):  # fmt: skip
-    """One row (DP4A=True), Q4_K / Q5_K: each step's activations quantised by 32 (q8_step; or,
-    PREQUANT, read as _q8_kernel wrote them at x_ptr, d_ptr and sum_ptr), each sub-block's
-    quants times them summed in int32 by dp4a, then scaled: d1 d_x sum(q q_x) - m1 sum(x) per
-    sub-block, into a float32 [BLOCK_N, 4, 2] accumulator summed once at the end."""
-    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, n, steps_per_split, num_steps, row_bytes, BLOCK_N)
+    """Q4_K / Q5_K with int8 activations (DP4A), a row of x a program: each step's activations
+    quantised by 32 (q8_step; or, PREQUANT and one row, read as _q8_kernel wrote them at x_ptr,
+    d_ptr and sum_ptr), each sub-block's quants times them summed in int32 by dp4a, then
+    scaled: d1 d_x sum(q q_x) - m1 sum(x) per sub-block, into a float32 [BLOCK_N, 4, 2]
+    accumulator summed once at the end. The rows of one tile of channels are neighbouring
+    programs (program_id(0) = tile x rows + row), so its blocks come from DRAM once and from
+    the L2 cache for the other rows."""
+    tile, r = tl.program_id(0) // rows, tl.program_id(0) % rows
+    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tile, n, steps_per_split, num_steps, row_bytes, BLOCK_N)
+    x_row = x_ptr + r.to(tl.int64) * stride_x
     acc = tl.zeros([BLOCK_N, 4, 2], dtype=tl.float32)
     c, w, h = tl.arange(0, 4)[:, None, None], tl.arange(0, 8)[None, :, None], tl.arange(0, 2)[None, None, :]
     groups = 2 * tl.arange(0, 4)[:, None] + tl.arange(0, 2)[None, :]
@@ -269,14 +277,15 @@ def _gguf_dp4a_kernel(
             x_words = tl.load(x_ptr + step * 64 + 16 * c + 8 * h + w)
             d_x, sum_x = tl.load(d_ptr + step * 8 + groups), tl.load(sum_ptr + step * 8 + groups)
         else:
-            x_words, d_x, sum_x = q8_step(x_ptr, step)
+            x_words, d_x, sum_x = q8_step(x_row, step)
         q = q45k_step_words(block, QTYPE)
         dots = tl.sum(dp4a(q, tl.broadcast_to(x_words[None], q.shape), tl.zeros_like(q), ASM), axis=2)
         d1_even, m1_even, d1_odd, m1_odd = q45k_words_factors(block)  # sub-blocks 2 c, then 2 c + 1
         d1, m1 = tl.join(d1_even, d1_odd), tl.join(m1_even, m1_odd)  # [BLOCK_N, 4, 2]
         acc += d1 * (d_x[None] * dots.to(tl.float32)) - m1 * sum_x[None]
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
-    store_one_row(out_ptr, total, offs_n, mask_n, n, SPLIT)
+    # out [rows, n] (contiguous), or float32 partials [splits, rows, n] when SPLIT: row r at r n
+    store_one_row(out_ptr + r.to(tl.int64) * n, total, offs_n, mask_n, rows * n, SPLIT)
 
 
 @triton.jit
@@ -288,7 +297,7 @@ def _gguf_q6k_dp4a_kernel(
     scales at d_ptr): per sub-block of 16, d sc d_x (sum(q q_x) - 32 sum(q_x)), the sums by
     dp4a, into a float32 [BLOCK_N, 2, 2, 2, 2] accumulator (q6k_step_words' sub-blocks) summed
     once at the end."""
-    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, n, steps_per_split, num_steps, row_bytes, BLOCK_N)
+    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tl.program_id(0), n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     acc = tl.zeros([BLOCK_N, 2, 2, 2, 2], dtype=tl.float32)
     h = tl.arange(0, 2)[:, None, None, None, None]
     g = tl.arange(0, 2)[None, :, None, None, None]
@@ -328,9 +337,10 @@ def gguf_gemm_rows(
     product (default FACTORED). gemv: one row by the kernel without tensor cores (default
     GEMV). lowp: the K-quants with 16-bit x dequantised in x's dtype (default LOWP). unroll
     (steps a loop iteration reads) and num_warps: for scripts/bench_gguf.py's sweep, untimed in
-    the engine. num_stages: the loop's software pipeline (default NUM_STAGES). dp4a: one row of
-    Q4_K / Q5_K with the activations in int8 (default DP4A), quantised by a kernel of their own
-    first (prequant, default DP4A_PREQUANT) or inside the product."""
+    the engine. num_stages: the loop's software pipeline (default NUM_STAGES). dp4a: the
+    activations in int8 (default uses_dp4a: DP4A, up to DP4A_MAX_ROWS rows of 16-bit x, Q4_K /
+    Q5_K): Q4_K / Q5_K up to MAX_ROWS rows, Q6_K one; one row's quantised by a kernel of their
+    own first (prequant, default DP4A_PREQUANT) or inside the product."""
     fmt = check_blocks("blocks", blocks, qtype)
     check_float("x", x)
     if x.dim() != 2 or x.shape[1] != blocks.shape[1] * fmt.elements:
@@ -352,8 +362,9 @@ def gguf_gemm_rows(
         programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
         splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs)
         target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-        if (uses_dp4a(x, qtype) if dp4a is None else dp4a and rows == 1 and qtype in DP4A_KERNEL_TYPES):
-            pre = qtype == "Q6_K" or (DP4A_PREQUANT if prequant is None else prequant)  # Q6_K: always
+        dp4a_rows = 1 if qtype == "Q6_K" or prequant else MAX_ROWS  # (what the kernels take)
+        if (uses_dp4a(x, qtype) if dp4a is None else dp4a and rows <= dp4a_rows and qtype in DP4A_KERNEL_TYPES):
+            pre = qtype == "Q6_K" or (rows == 1 and (DP4A_PREQUANT if prequant is None else prequant))
             words, d_x, sum_x = x, x, x  # (unused)
             if pre:
                 words = torch.empty(k // 4, dtype=torch.int32, device=x.device)
@@ -366,9 +377,12 @@ def gguf_gemm_rows(
                     target, words, d_x, blocks, n, per_split, steps, num_blocks * fmt.bytes, **common
                 )
             else:
-                _gguf_dp4a_kernel[(tiles, splits)](
+                splits, per_split = k_splits(tiles * rows, steps, grid_sms(x.device), programs)
+                target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+                common["SPLIT"] = splits > 1
+                _gguf_dp4a_kernel[(tiles * rows, splits)](
                     target, words if pre else x, d_x, sum_x, blocks, n, per_split, steps, num_blocks * fmt.bytes,
-                    QTYPE=fmt.type_id, BYTES=fmt.bytes, PREQUANT=pre, **common,
+                    rows, x.stride(0), QTYPE=fmt.type_id, BYTES=fmt.bytes, PREQUANT=pre, **common,
                 )  # fmt: skip
         elif rows == 1 and (GEMV if gemv is None else gemv):
             _gguf_gemv_kernel[(tiles, splits)](
@@ -395,7 +409,8 @@ def gguf_gemm_rows(
 
 def uses_dp4a(x: torch.Tensor, qtype: str) -> bool:
     """Whether gguf_gemm_rows multiplies x by a qtype weight with int8 activations by default."""
-    return DP4A and x.dim() == 2 and x.shape[0] == 1 and qtype in DP4A_TYPES and x.dtype != torch.float32
+    few = x.dim() == 2 and 1 <= x.shape[0] <= DP4A_MAX_ROWS
+    return DP4A and few and qtype in DP4A_TYPES and x.dtype != torch.float32
 
 
 def gguf_product_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:

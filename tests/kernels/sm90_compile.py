@@ -27,8 +27,8 @@ WNA16 = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_pt
          "zeros_ptr": "*bf16", "rows": "i32", "n": "i32", "k": "i32", "group_size": "i32",
          "k_per_split": "i32", "stride_x": "i32", "stride_q": "i32", "stride_s": "i32", "stride_out": "i32"}  # fmt: skip
 DP4A = {"out_ptr": "*fp32", "x_ptr": "*bf16", "d_ptr": "*fp32", "sum_ptr": "*fp32", "w_ptr": "*u8", "n": "i32",
-        "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32"}  # fmt: skip
-Q6K_DP4A = {k: "*i32" if k == "x_ptr" else t for k, t in DP4A.items() if k != "sum_ptr"}
+        "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32", "rows": "i32", "stride_x": "i32"}  # fmt: skip
+Q6K_DP4A = {k: "*i32" if k == "x_ptr" else t for k, t in DP4A.items() if k not in ("sum_ptr", "rows", "stride_x")}
 WNA16_DP4A = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*bf16",
               "zeros_ptr": "*bf16", "n": "i32", "k": "i32", "group_size": "i32", "k_per_split": "i32",
               "stride_q": "i32", "stride_s": "i32"}  # fmt: skip
