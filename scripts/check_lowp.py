@@ -20,6 +20,7 @@ from mmserve.kernels.wna16 import (
     pack_columns,
     wna16_dp4a_ref,
     wna16_gemm,
+    wna16_gemm_ref,
 )
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
@@ -53,8 +54,7 @@ def main() -> None:
                 for z in (zeros, None):
                     key = "dp4a" if z is not None else "dp4a_symmetric"
                     out = wna16_gemm(x, qs[0], scales, z, 4, 128, dp4a=True).float()
-                    exact = x.float() @ dequantize_packed(qs[0].cpu(), scales.cpu(), None if z is None else zeros.cpu(),
-                                                          4, 128).float().cuda().t()  # fmt: skip
+                    exact = wna16_gemm_ref(x, qs[0], scales, z, 4, 128)
                     own = wna16_dp4a_ref(x, qs[0], scales, z, 4, 128)
                     line[f"{key}_rel_err"] = round(((out - exact).norm() / exact.norm()).item(), 6)
                     line[f"{key}_max_err_to_its_ref"] = round(((out - own).abs().max() / own.abs().max()).item(), 6)

@@ -69,12 +69,7 @@ def main(qtypes: list[str]) -> None:
                           "BLOCK_M": 16, "BLOCK_N": block_n, "SPLIT": True, "FACTORED": False,
                           "UNROLL": 1, "LOWP": False, "ASM": False, "WORDS": False, **form}  # fmt: skip
             kernel = compile_sm90(gguf_gemm._gguf_gemm_rows_kernel, ROWS, constexprs, ALIGNED, warps)
-            body = loop_body(kernel.asm["cubin"], tmp)
-            weights = block_n * 256 / (warps * 32)
-            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-            mix = " ".join(f"{op}:{count}" for op, count in ops.most_common(12))
-            print(f"{qtype} {name} block_n={block_n} warps={warps}: {len(body)} instructions a step, "
-                  f"{len(body) / weights:.2f} a weight; {mix}", flush=True)  # fmt: skip
+            _print_loop(f"{qtype} {name} block_n={block_n} warps={warps}", kernel, tmp, block_n * 256 / (warps * 32))
         dp4a = ((b, w, p) for b, w in ((64, 4), (128, 4), (256, 8)) for p in (False, True))
         for block_n, warps, pre in dp4a if qtype in gguf_gemm.DP4A_KERNEL_TYPES else ():
             if qtype == "Q6_K":  # its activations always quantised first
@@ -88,12 +83,8 @@ def main(qtypes: list[str]) -> None:
                 fn, signature = gguf_gemm._gguf_dp4a_kernel, {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}
             aligned = tuple(a for a in ("row_bytes", "n", "stride_x") if a in signature)
             kernel = compile_sm90(fn, signature, constexprs, aligned, warps)
-            body = loop_body(kernel.asm["cubin"], tmp)
-            weights = block_n * 256 / (warps * 32)
-            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-            mix = " ".join(f"{op}:{count}" for op, count in ops.most_common(12))
-            print(f"{qtype} dp4a{'_prequant' if pre else ''} block_n={block_n} warps={warps}: {len(body)} instructions a step, "
-                  f"{len(body) / weights:.2f} a weight; {mix}", flush=True)  # fmt: skip
+            name = f"{qtype} dp4a{'_prequant' if pre else ''} block_n={block_n} warps={warps}"
+            _print_loop(name, kernel, tmp, block_n * 256 / (warps * 32))
 
 
 if __name__ == "__main__":

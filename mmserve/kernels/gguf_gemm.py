@@ -360,10 +360,12 @@ def gguf_gemm_rows(
     if rows and n:
         tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, STEP)
         programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
-        splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs)
-        target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
         dp4a_rows = 1 if qtype == "Q6_K" or prequant else MAX_ROWS  # (what the kernels take)
-        if (uses_dp4a(x, qtype) if dp4a is None else dp4a and rows <= dp4a_rows and qtype in DP4A_KERNEL_TYPES):
+        int8 = uses_dp4a(x, qtype) if dp4a is None else dp4a and rows <= dp4a_rows and qtype in DP4A_KERNEL_TYPES
+        grid_n = tiles * rows if int8 else tiles  # (the DP4A kernels: a program a row and tile)
+        splits, per_split = k_splits(grid_n, steps, grid_sms(x.device), programs)
+        target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+        if int8:
             pre = qtype == "Q6_K" or (rows == 1 and (DP4A_PREQUANT if prequant is None else prequant))
             words, d_x, sum_x = x, x, x  # (unused)
             if pre:
@@ -377,10 +379,7 @@ def gguf_gemm_rows(
                     target, words, d_x, blocks, n, per_split, steps, num_blocks * fmt.bytes, **common
                 )
             else:
-                splits, per_split = k_splits(tiles * rows, steps, grid_sms(x.device), programs)
-                target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-                common["SPLIT"] = splits > 1
-                _gguf_dp4a_kernel[(tiles * rows, splits)](
+                _gguf_dp4a_kernel[(grid_n, splits)](
                     target, words if pre else x, d_x, sum_x, blocks, n, per_split, steps, num_blocks * fmt.bytes,
                     rows, x.stride(0), QTYPE=fmt.type_id, BYTES=fmt.bytes, PREQUANT=pre, **common,
                 )  # fmt: skip
