@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick w4a16 gcab embedhost (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick w4a16 serial gcab embedhost (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -119,6 +119,18 @@ if has w4a16; then
     ab=${W4A16_AB:-mmserve.kernels.wna16.DP4A=True}; echo "$ab"
     python3 scripts/ab_switch.py $ab -- latency,decode $Q --checkpoint-format w4a16-g128
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/w4a16.txt"
+fi
+if has serial; then
+  # split products finished by their last program (_common.SERIAL_SPLITS; issues 19, 23): its tests
+  # on the device (each product 50 times, to the bit), then w4a16-g128's and the Q4_K_M file's
+  # decode at batch 1 and 4 with it off and on
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_serial_splits.py 2>&1 | tail -5 | tee "$OUT/serial-tests.txt"
+  Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024 --batch-sizes 1,4"
+  { for f in w4a16-g128 gguf:Q4_K_M; do
+      $B latency,decode $Q --checkpoint-format $f; echo "SERIAL_SPLITS=True"
+      python3 scripts/ab_switch.py mmserve.kernels._common.SERIAL_SPLITS=True -- latency,decode $Q --checkpoint-format $f
+    done
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/serial.txt"
 fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline

@@ -94,14 +94,38 @@ def q8_values(x, amax):
 
 
 @triton.jit
-def store_one_row(out_ptr, total, offs_n, mask_n, split_stride, SPLIT: tl.constexpr):
-    """A row of a product's [BLOCK_N] float32 result: into out (its dtype) or, SPLIT, as this K
-    slice's float32 partial, split_stride elements after the previous slice's (program_id(1)
-    the slice; [splits, rows, n], which sum_splits adds: rows n)."""
+def store_product(
+    out_ptr, acc, offs, mask, split, splits, slab, final_ptr, counter_ptr,
+    SPLIT: tl.constexpr, SERIAL: tl.constexpr,
+):  # fmt: skip
+    """A program's float32 result acc at offs of a contiguous [rows, n] product (mask: those that
+    exist): into out_ptr in its dtype; SPLIT, as K slice `split`'s partial, slab (rows n)
+    elements after the previous slice's ([splits, rows, n] float32, which sum_splits adds).
+    SERIAL: then the last of the tile's `splits` programs to get here (counter_ptr: the tile's
+    int32 counter, zero before and after the product, split_counters) adds the partials up in
+    order, as sum_splits does, and stores them at final_ptr: no second kernel."""
     if SPLIT:
-        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * split_stride + offs_n, total, mask=mask_n)
+        tl.store(out_ptr + split.to(tl.int64) * slab + offs, acc, mask=mask)
+        if SERIAL:
+            tl.debug_barrier()  # every thread's partial stored before the tile's count goes up
+            if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == splits - 1:
+                total = tl.load(out_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, splits):
+                    total += tl.load(out_ptr + s * slab + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(final_ptr + offs, total.to(final_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # (zero for the next product)
     else:
-        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_tile(out_ptr, acc, offs, mask, slab, final_ptr, counters_ptr, SPLIT: tl.constexpr, SERIAL: tl.constexpr):
+    """store_product for a grid of (tiles, K slices): program_id(0) the tile (its counter),
+    program_id(1) the slice."""
+    store_product(
+        out_ptr, acc, offs, mask, tl.program_id(1), tl.num_programs(1), slab, final_ptr,
+        counters_ptr + tl.program_id(0), SPLIT, SERIAL,
+    )  # fmt: skip
 
 
 def check_shape(name: str, t: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -193,6 +217,50 @@ def sum_splits(out: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     in order, in float32, cast to out's dtype."""
     size, block = out.numel(), 1024
     _sum_splits_kernel[(triton.cdiv(size, block),)](out, part, size, part.shape[0], BLOCK=block)
+    return out
+
+
+# A product whose K is split writes each slice's float32 partials. SERIAL_SPLITS: the last program
+# of each output tile to finish (an int32 counter a tile, split_counters) adds them up and stores
+# the output (store_product), in place of sum_splits' second kernel (a launch of a few
+# microseconds at every split product of a decode step: four a layer at one row of the quantised
+# formats). The result is sum_splits' to the bit. Not yet timed on a GPU: off
+SERIAL_SPLITS = False
+MAX_COUNTERS = 4096  # a split product's programs at most (k_splits splits grids of < 4 x SMs)
+_counters: dict[tuple[torch.device, object], torch.Tensor] = {}
+
+
+def split_target(out: torch.Tensor, splits: int, programs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(where a product's programs write, counters): out itself for one slice of K; else float32
+    partials [splits, *out.shape] and, SERIAL_SPLITS and at most MAX_COUNTERS programs a slice,
+    their tiles' counters (None: finish_splits sums them by sum_splits)."""
+    if splits <= 1:
+        return out, None
+    target = torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
+    return target, split_counters(out.device) if SERIAL_SPLITS and programs <= MAX_COUNTERS else None
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """MAX_COUNTERS int32 zeros for the current stream of device (kernels on one stream run one at
+    a time; each leaves its counters zero). A CUDA graph captures the buffer of its capture
+    stream, which its replays then use in the same order."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    key = (device, stream)  # (a pooled stream comes back to other users: their kernels queue in order too)
+    if key not in _counters:
+        _counters[key] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[key]
+
+
+def store_args(out: torch.Tensor, counters: torch.Tensor | None) -> dict[str, object]:
+    """The product kernels' final_ptr, counters_ptr and SERIAL for split_target's counters."""
+    return {"final_ptr": out, "counters_ptr": out if counters is None else counters, "SERIAL": counters is not None}
+
+
+def finish_splits(out: torch.Tensor, target: torch.Tensor, counters: torch.Tensor | None) -> torch.Tensor:
+    """out once the product kernel wrote target (split_target): its partials summed by sum_splits
+    unless the kernel did it (counters) or there were none."""
+    if target is not out and counters is None:
+        sum_splits(out, target)
     return out
 
 

@@ -29,12 +29,14 @@ from mmserve.kernels._common import (
     check_last_dim_contiguous,
     check_same_device,
     dp4a,
+    finish_splits,
     grid_sms,
     int8_activations_ref,
     k_splits,
     matmul_in_column_chunks,
-    store_one_row,
-    sum_splits,
+    split_target,
+    store_args,
+    store_tile,
 )
 from mmserve.kernels.gguf_blocks import (
     STEP,
@@ -182,11 +184,12 @@ def _program_slice(w_ptr, tile, n, steps_per_split, num_steps, row_bytes, BLOCK_
 @triton.jit
 def _gguf_gemm_rows_kernel(
     out_ptr, x_ptr, w_ptr, rows, n, num_blocks, steps_per_split, num_steps, row_bytes,
-    stride_x, stride_out,
+    stride_x, final_ptr, counters_ptr,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FACTORED: tl.constexpr,
     UNROLL: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
+    SERIAL: tl.constexpr,
 ):  # fmt: skip
     s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tl.program_id(0), n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -213,18 +216,16 @@ def _gguf_gemm_rows_kernel(
                 acc += tl.where(first + u < s_hi, part, 0.0)
     if LOWP:
         acc = tl.trans(acc)
-    out_offs = offs_m[:, None] * stride_out + offs_n[None, :]
-    if SPLIT:  # float32 partials [splits, rows, n], summed in order by _common.sum_splits
-        out_offs += tl.program_id(1).to(tl.int64) * rows * n
-    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    offs = offs_m[:, None] * n + offs_n[None, :]  # (out contiguous; SPLIT: float32 partials [splits, rows, n])
+    store_tile(out_ptr, acc, offs, mask_m[:, None] & mask_n[None, :], rows * n, final_ptr, counters_ptr, SPLIT, SERIAL)
 
 
 @triton.jit
 def _gguf_gemv_kernel(
-    out_ptr, x_ptr, w_ptr, n, num_blocks, steps_per_split, num_steps, row_bytes,
+    out_ptr, x_ptr, w_ptr, n, num_blocks, steps_per_split, num_steps, row_bytes, final_ptr, counters_ptr,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, SERIAL: tl.constexpr,
 ):  # fmt: skip
     """One row (GEMV=True): no tensor cores. Each part's weights times the activations of
     its columns are added into a [BLOCK_N, 256 / PARTS] float32 accumulator in registers,
@@ -236,8 +237,7 @@ def _gguf_gemv_kernel(
             w, cols, exists = step_part(row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N)
             a = tl.load(x_ptr + step * 256 + cols, mask=exists, other=0.0).to(tl.float32)
             acc += w * a[None, :]
-    total = tl.sum(acc, axis=1)
-    store_one_row(out_ptr, total, offs_n, mask_n, n, SPLIT)
+    store_tile(out_ptr, tl.sum(acc, axis=1), offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
 
 
 @triton.jit
@@ -257,8 +257,9 @@ def _q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr):
 @triton.jit
 def _gguf_dp4a_kernel(
     out_ptr, x_ptr, d_ptr, sum_ptr, w_ptr, n, steps_per_split, num_steps, row_bytes, rows, stride_x,
+    final_ptr, counters_ptr,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    ASM: tl.constexpr, PREQUANT: tl.constexpr,
+    ASM: tl.constexpr, PREQUANT: tl.constexpr, SERIAL: tl.constexpr,
 ):  # fmt: skip
     """Q4_K / Q5_K with int8 activations (DP4A), a row of x a program: each step's activations
     quantised by 32 (q8_step; or, PREQUANT and one row, read as _q8_kernel wrote them at x_ptr,
@@ -287,13 +288,13 @@ def _gguf_dp4a_kernel(
         acc += d1 * (d_x[None] * dots.to(tl.float32)) - m1 * sum_x[None]
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
     # out [rows, n] (contiguous), or float32 partials [splits, rows, n] when SPLIT: row r at r n
-    store_one_row(out_ptr + r.to(tl.int64) * n, total, offs_n, mask_n, rows * n, SPLIT)
+    store_tile(out_ptr, total, r.to(tl.int64) * n + offs_n, mask_n, rows * n, final_ptr, counters_ptr, SPLIT, SERIAL)
 
 
 @triton.jit
 def _gguf_q6k_dp4a_kernel(
-    out_ptr, x_ptr, d_ptr, w_ptr, n, steps_per_split, num_steps, row_bytes,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+    out_ptr, x_ptr, d_ptr, w_ptr, n, steps_per_split, num_steps, row_bytes, final_ptr, counters_ptr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, SERIAL: tl.constexpr,
 ):  # fmt: skip
     """One row of Q6_K (DP4A=True), the activations quantised first (_q8_kernel: words at x_ptr,
     scales at d_ptr): per sub-block of 16, d sc d_x (sum(q q_x) - 32 sum(q_x)), the sums by
@@ -322,7 +323,7 @@ def _gguf_q6k_dp4a_kernel(
         d = f16_at(block + 208)[:, None, None, None, None]
         acc += (d * sc.to(tl.float32)) * (d_x[None] * (dots - 32 * x_sums[None]).to(tl.float32))
     total = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
-    store_one_row(out_ptr, total, offs_n, mask_n, n, SPLIT)
+    store_tile(out_ptr, total, offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
 
 
 def gguf_gemm_rows(
@@ -366,7 +367,8 @@ def gguf_gemm_rows(
         int8 = uses_dp4a(x, qtype) if dp4a is None else dp4a and rows <= dp4a_rows and qtype in DP4A_KERNEL_TYPES
         grid_n = tiles * rows if int8 else tiles  # (the DP4A kernels: a program a row and tile)
         splits, per_split = k_splits(grid_n, steps, grid_sms(x.device), programs)
-        target = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+        target, counters = split_target(out, splits, grid_n)
+        ends = store_args(out, counters)
         if int8:
             pre = qtype == "Q6_K" or (rows == 1 and (DP4A_PREQUANT if prequant is None else prequant))
             words, d_x, sum_x = x, x, x  # (unused)
@@ -375,7 +377,7 @@ def gguf_gemm_rows(
                 d_x, sum_x = torch.empty(2, k // 32, dtype=torch.float32, device=x.device)
                 _q8_kernel[(steps,)](words, d_x, sum_x, x)
             common = {"BLOCK_N": block_n, "SPLIT": splits > 1, "ASM": not triton.knobs.runtime.interpret,
-                      "num_warps": num_warps, **_stages(NUM_STAGES if num_stages is None else num_stages)}  # fmt: skip
+                      "num_warps": num_warps, **_stages(NUM_STAGES if num_stages is None else num_stages), **ends}  # fmt: skip
             if qtype == "Q6_K":
                 _gguf_q6k_dp4a_kernel[(tiles, splits)](
                     target, words, d_x, blocks, n, per_split, steps, num_blocks * fmt.bytes, **common
@@ -389,22 +391,21 @@ def gguf_gemm_rows(
             _gguf_gemv_kernel[(tiles, splits)](
                 target, x, blocks, n, num_blocks, per_split, steps, num_blocks * fmt.bytes,
                 **fmt.kernel_args(), PARTS=STEP_PARTS[fmt.type_id], BLOCK_N=block_n,
-                SPLIT=splits > 1, num_warps=num_warps,
+                SPLIT=splits > 1, num_warps=num_warps, **ends,
             )  # fmt: skip
         else:
             factor = (FACTORED if factored is None else factored) and qtype in ("Q4_K", "Q5_K")
             low = lowp_args(qtype, x.dtype, LOWP if lowp is None else lowp, LOWP_WORDS)
             _gguf_gemm_rows_kernel[(tiles, splits)](
                 target, x, blocks, rows, n, num_blocks, per_split, steps, num_blocks * fmt.bytes,
-                x.stride(0), n if splits > 1 else out.stride(0), **fmt.kernel_args(),
+                x.stride(0), **ends, **fmt.kernel_args(),
                 PARTS=STEP_PARTS[fmt.type_id], IEEE=x.dtype == torch.float32,
                 BLOCK_M=max(8 if low["LOWP"] else 16, triton.next_power_of_2(rows)), BLOCK_N=block_n,
                 SPLIT=splits > 1, FACTORED=factor and not low["LOWP"], UNROLL=unroll, **low,
                 num_warps=num_warps,
                 **_stages(NUM_STAGES if num_stages is None else num_stages),
             )  # fmt: skip
-        if splits > 1:
-            sum_splits(out, target)
+        finish_splits(out, target, counters)
     return out
 
 

@@ -46,13 +46,16 @@ from mmserve.kernels._common import (
     check_last_dim_contiguous,
     check_same_device,
     dp4a,
+    finish_splits,
     grid_sms,
     int8_activations_ref,
     k_splits,
     matmul_in_column_chunks,
     q8_values,
-    store_one_row,
-    sum_splits,
+    split_target,
+    store_args,
+    store_product,
+    store_tile,
 )
 
 WORDS_PER_STEP = 16  # packed words of each column per K step (the dots' K: 16 at least)
@@ -139,11 +142,11 @@ def _lowp_dot(x_rows, ks, mask_m, k_hi, w, acc, EVEN_K: tl.constexpr):
 @triton.jit
 def _wna16_kernel(
     out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr,
-    rows, n, k, group_size, k_per_split, stride_x, stride_q, stride_s, stride_out,
+    rows, n, k, group_size, k_per_split, stride_x, stride_q, stride_s, final_ptr, counters_ptr,
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PAIRS: tl.constexpr, LOWP: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SERIAL: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -200,17 +203,18 @@ def _wna16_kernel(
                 acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
     if LOWP:
         acc = tl.trans(acc)
-    out_offs = offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :]
-    if SPLIT:  # float32 partials [splits, rows, n], summed in order by _common.sum_splits
-        out_offs += pid_s.to(tl.int64) * rows * n
-    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])  # fmt: skip
+    store_product(  # (out contiguous; SPLIT: float32 partials [splits, rows, n])
+        out_ptr, acc, offs_m[:, None].to(tl.int64) * n + offs_n[None, :], mask_m[:, None] & mask_n[None, :],
+        pid_s, tl.num_programs(2), rows * n, final_ptr, counters_ptr + pid_m * tl.num_programs(1) + pid_n,
+        SPLIT, SERIAL,
+    )  # fmt: skip
 
 
 @triton.jit
 def _wna16_dp4a_kernel(
     out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr, n, k, group_size, k_per_split, stride_q,
-    stride_s, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+    stride_s, final_ptr, counters_ptr, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
+    ASM: tl.constexpr, SERIAL: tl.constexpr,
 ):  # fmt: skip
     """One row (DP4A), 4 bits: K in steps of 128 (four groups of 32, 16 words of each column).
     Word (g, w) of a step holds elements k0 + 32 g + 8 w + j at bits 4 j: its even values
@@ -251,8 +255,7 @@ def _wna16_dp4a_kernel(
         else:
             z = tl.full(s.shape, 8.0, tl.float32)
         acc += s * ((amax / 127.0)[:, None] * dots.to(tl.float32) - z * sum_x[:, None])
-    total = tl.sum(acc, axis=0)
-    store_one_row(out_ptr, total, offs_n, mask_n, n, SPLIT)
+    store_tile(out_ptr, tl.sum(acc, axis=0), offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
 
 
 @triton.jit
@@ -386,24 +389,20 @@ def wna16_gemm(
         t = replace(t, pairs={torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0))
     if t.pairs and (not x.is_cuda or x.dtype != (torch.bfloat16, torch.float16)[t.pairs - 1]):
         raise ValueError(f"pairs {t.pairs} needs CUDA and {('bf16', 'fp16')[t.pairs - 1]} x, got {x.dtype}")
-    split = t.splits > 1
-    target = torch.empty(t.splits, rows, n, dtype=torch.float32, device=x.device) if split else out
+    grid = (triton.cdiv(rows, t.block_m), triton.cdiv(n, t.block_n), t.splits)
+    target, counters = split_target(out, t.splits, grid[0] * grid[1])
     args = (
         target, x, qweight, scales, scales if zeros is None else zeros,
-        rows, n, k, group_size, t.k_per_split,
-        x.stride(0), qweight.stride(0), scales.stride(0), n if split else out.stride(0),
+        rows, n, k, group_size, t.k_per_split, x.stride(0), qweight.stride(0), scales.stride(0),
     )  # fmt: skip
     meta = {
         "BITS": bits, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k,
-        "GROUPS": t.groups, "HAS_ZEROS": zeros is not None, "SPLIT": split,
+        "GROUPS": t.groups, "HAS_ZEROS": zeros is not None, "SPLIT": t.splits > 1,
         "PAIRS": t.pairs, "LOWP": t.lowp, "EVEN_K": k % t.block_k == 0, "num_warps": t.num_warps,
-        "num_stages": t.num_stages,
+        "num_stages": t.num_stages, **store_args(out, counters),
     }  # fmt: skip
-    grid = (triton.cdiv(rows, t.block_m), triton.cdiv(n, t.block_n), t.splits)
     _wna16_kernel[grid](*args, **meta, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    if split:
-        sum_splits(out, target)
-    return out
+    return finish_splits(out, target, counters)
 
 
 def uses_dp4a(x: torch.Tensor, bits: int, group_size: int) -> bool:
@@ -423,15 +422,14 @@ def _dp4a_product(
         raise ValueError(f"dp4a takes one row, K and the group size multiples of 32: {rows=}, {k=}, {group_size=}")
     tiles, steps = triton.cdiv(n, DP4A_BLOCK_N), triton.cdiv(k, 128)
     splits, per_split = k_splits(tiles, steps, grid_sms(x.device), PROGRAMS_PER_SM)
-    target = torch.empty(splits, 1, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    target, counters = split_target(out, splits, tiles)
     _wna16_dp4a_kernel[(tiles, splits)](
         target, x, qweight, scales, scales if zeros is None else zeros, n, k, group_size,
         per_split * 128, qweight.stride(0), scales.stride(0), BLOCK_N=DP4A_BLOCK_N,
         HAS_ZEROS=zeros is not None, SPLIT=splits > 1, ASM=not triton.knobs.runtime.interpret,
+        **store_args(out, counters),
     )  # fmt: skip
-    if splits > 1:
-        sum_splits(out, target)
-    return out
+    return finish_splits(out, target, counters)
 
 
 def wna16_dequantize(

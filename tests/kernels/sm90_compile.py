@@ -20,18 +20,22 @@ from mmserve.kernels.gguf_blocks import FORMATS, STEP_PARTS
 SM90 = GPUTarget("cuda", 90, 32)
 ROWS = {"out_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*u8", "rows": "i32", "n": "i32",
         "num_blocks": "i32", "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32",
-        "stride_x": "i32", "stride_out": "i32"}  # fmt: skip
+        "stride_x": "i32", "final_ptr": "*bf16", "counters_ptr": "*i32"}  # fmt: skip
 GEMV = {"out_ptr": "*fp32", "x_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "num_blocks": "i32",
-        "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32"}  # fmt: skip
+        "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32", "final_ptr": "*bf16",
+        "counters_ptr": "*i32"}  # fmt: skip
 WNA16 = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*bf16",
          "zeros_ptr": "*bf16", "rows": "i32", "n": "i32", "k": "i32", "group_size": "i32",
-         "k_per_split": "i32", "stride_x": "i32", "stride_q": "i32", "stride_s": "i32", "stride_out": "i32"}  # fmt: skip
+         "k_per_split": "i32", "stride_x": "i32", "stride_q": "i32", "stride_s": "i32", "final_ptr": "*bf16",
+         "counters_ptr": "*i32"}  # fmt: skip
 DP4A = {"out_ptr": "*fp32", "x_ptr": "*bf16", "d_ptr": "*fp32", "sum_ptr": "*fp32", "w_ptr": "*u8", "n": "i32",
-        "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32", "rows": "i32", "stride_x": "i32"}  # fmt: skip
+        "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32", "rows": "i32", "stride_x": "i32", "final_ptr": "*bf16", "counters_ptr": "*i32"}  # fmt: skip
 Q6K_DP4A = {k: "*i32" if k == "x_ptr" else t for k, t in DP4A.items() if k not in ("sum_ptr", "rows", "stride_x")}
 WNA16_DP4A = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*bf16",
               "zeros_ptr": "*bf16", "n": "i32", "k": "i32", "group_size": "i32", "k_per_split": "i32",
-              "stride_q": "i32", "stride_s": "i32"}  # fmt: skip
+              "stride_q": "i32", "stride_s": "i32", "final_ptr": "*bf16", "counters_ptr": "*i32"}  # fmt: skip
+# (SPLIT, SERIAL): one slice of K; slices summed by sum_splits; slices summed by the last program
+ENDS = ({"SPLIT": False, "SERIAL": False}, {"SPLIT": True, "SERIAL": False}, {"SPLIT": True, "SERIAL": True})
 DEQUANT = {"out_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "k": "i32", "num_blocks": "i32",
            "row_bytes": "i32"}  # fmt: skip
 
@@ -61,31 +65,32 @@ def main() -> None:
         args = {**fmt.kernel_args(), "PARTS": STEP_PARTS[fmt.type_id]}
         forms = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
         lowp = ((False, False), (True, True), (True, False)) if qtype in gguf_blocks.LOWP_TYPES else ((False, False),)
-        for factored, unroll, split, (low, asm) in itertools.product(forms, (1, 2), (False, True), lowp):
+        for factored, unroll, ends, (low, asm) in itertools.product(forms, (1, 2), ENDS, lowp):
             compile_sm90(gguf_gemm._gguf_gemm_rows_kernel, ROWS, {
-                **args, "IEEE": False, "BLOCK_M": 8 if low else 16, "BLOCK_N": 64, "SPLIT": split,
+                **args, "IEEE": False, "BLOCK_M": 8 if low else 16, "BLOCK_N": 64, **ends,
                 "FACTORED": factored and not low, "UNROLL": unroll, "LOWP": low, "ASM": asm,
-                "WORDS": low and qtype != "Q6_K" and split})  # fmt: skip
-        for split in (False, True):
-            compile_sm90(gguf_gemm._gguf_gemv_kernel, GEMV, {**args, "BLOCK_N": 64, "SPLIT": split})
-        for split in (False, True) if qtype == "Q6_K" else ():
-            compile_sm90(gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A, {"BLOCK_N": 64, "SPLIT": split, "ASM": True})
-        for split, pre in itertools.product((False, True), (False, True)) if qtype in ("Q4_K", "Q5_K") else ():
+                "WORDS": low and qtype != "Q6_K" and ends["SPLIT"]})  # fmt: skip
+        for ends in ENDS:
+            compile_sm90(gguf_gemm._gguf_gemv_kernel, GEMV, {**args, "BLOCK_N": 64, **ends})
+        for ends in ENDS if qtype == "Q6_K" else ():
+            compile_sm90(gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A, {"BLOCK_N": 64, **ends, "ASM": True})
+        for ends, pre in itertools.product(ENDS, (False, True)) if qtype in ("Q4_K", "Q5_K") else ():
             compile_sm90(gguf_gemm._gguf_dp4a_kernel, {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}, {
-                "QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": 64, "SPLIT": split, "ASM": True,
+                "QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": 64, **ends, "ASM": True,
                 "PREQUANT": pre})  # fmt: skip
         for low, asm in lowp:
             compile_sm90(gguf_blocks._dequantize_kernel, DEQUANT, {
                 **args, "BLOCK_N": 64 if low else 16, "LOWP": low, "ASM": asm,
                 "WORDS": low and qtype != "Q6_K"})  # fmt: skip
         print(qtype, "compiled for sm_90", flush=True)
-    for (pairs, x_type), even_k, zeros in itertools.product(((1, "*bf16"), (2, "*fp16")), (False, True), (False, True)):
-        compile_sm90(wna16._wna16_kernel, {**WNA16, "x_ptr": x_type, "scales_ptr": x_type, "zeros_ptr": x_type}, {
+    for (pairs, x_type), even_k, zeros, serial in itertools.product(((1, "*bf16"), (2, "*fp16")), (False, True), (False, True), (False, True)):
+        compile_sm90(wna16._wna16_kernel, {**WNA16, "x_ptr": x_type, "scales_ptr": x_type, "zeros_ptr": x_type,
+                                           "final_ptr": x_type}, {
             "BITS": 4, "BLOCK_M": 8, "BLOCK_N": 64, "BLOCK_K": 128, "GROUPS": 0, "HAS_ZEROS": zeros,
-            "SPLIT": True, "DOT_PRECISION": "tf32", "PAIRS": pairs, "LOWP": True,
+            "SPLIT": True, "SERIAL": serial, "DOT_PRECISION": "tf32", "PAIRS": pairs, "LOWP": True,
             "EVEN_K": even_k})  # fmt: skip
-    for zeros, split in itertools.product((False, True), (False, True)):
-        compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": 64, "HAS_ZEROS": zeros, "SPLIT": split, "ASM": True})
+    for zeros, ends in itertools.product((False, True), ENDS):
+        compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": 64, "HAS_ZEROS": zeros, **ends, "ASM": True})
     print("w4a16 (LOWP, DP4A) compiled for sm_90", flush=True)
     compile_sm90(gguf_gemm._q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16"}, {})
     print("q8 (DP4A's activations) compiled for sm_90", flush=True)

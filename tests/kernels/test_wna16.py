@@ -9,8 +9,8 @@ from mmserve.kernels.wna16 import (
     choose_tiling,
     dequantize_packed,
     pack_columns,
-    wna16_dequantize,
     uses_dp4a,
+    wna16_dequantize,
     wna16_gemm,
     wna16_product_ref,
 )

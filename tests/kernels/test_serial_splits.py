@@ -1,0 +1,71 @@
+"""Split products finished by their last program (_common.SERIAL_SPLITS): every product kernel
+whose K is split, with the partials added up by the last program of each tile, gives sum_splits'
+result to the bit, runs no second kernel, and leaves its counters zero for the next product
+(on CUDA, many times over, so that a missing fence or barrier shows as a wrong sum)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmserve.kernels import _common
+from mmserve.kernels.gguf_gemm import gguf_gemm_rows
+from mmserve.kernels.wna16 import pack_columns, wna16_gemm
+from tests.kernels.conftest import DEVICE
+from tests.kernels.test_gguf_gemm import random_blocks
+
+REPEATS = 50 if DEVICE.type == "cuda" else 1
+
+
+def _products():  # type: ignore[no-untyped-def]
+    """(name, a function computing one product whose K is split) for each kernel family."""
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    for qtype, rows, dtype, forms in [
+        ("Q4_K", 1, torch.float16, {"dp4a": True}),  # _gguf_dp4a_kernel, one row
+        ("Q5_K", 3, torch.float16, {"dp4a": True}),  # several rows: a counter a row and tile
+        ("Q6_K", 1, torch.float16, {"dp4a": True}),  # _gguf_q6k_dp4a_kernel
+        ("Q4_K", 1, torch.float32, {"gemv": True}),  # _gguf_gemv_kernel
+        ("Q4_0", 5, torch.float32, {}),  # _gguf_gemm_rows_kernel
+        ("Q6_K", 2, torch.float16, {"lowp": True}),
+    ]:
+        blocks = random_blocks(qtype, 96, 1024, seed=rows)
+        x = torch.randn(rows, 1024, generator=g).to(dtype).to(DEVICE)
+        cases.append((f"gguf-{qtype}-{rows}-{forms}", lambda x=x, b=blocks, q=qtype, f=forms: gguf_gemm_rows(x, b, q, **f)))
+    for rows, dtype, group_size, dp4a in [(1, torch.float16, 128, True), (3, torch.float32, 64, False), (2, torch.float16, 128, False)]:
+        q = torch.randint(0, 16, (1024, 80), generator=g)
+        scales = (torch.rand(1024 // group_size, 80, generator=g) * 0.02).to(dtype)
+        zeros = torch.randint(0, 16, (1024 // group_size, 80), generator=g).to(dtype)
+        x = torch.randn(rows, 1024, generator=g).to(dtype)
+        args = [t.to(DEVICE) for t in (x, pack_columns(q, 4), scales, zeros)]
+        cases.append((f"wna16-{rows}-{dtype}-{dp4a}", lambda a=args, gs=group_size, d=dp4a: wna16_gemm(*a, 4, gs, dp4a=d)))
+    return cases
+
+
+PRODUCTS = _products()
+
+
+@pytest.mark.parametrize("product", [p for _, p in PRODUCTS], ids=[name for name, _ in PRODUCTS])
+def test_last_program_sums_the_splits_as_sum_splits_does(product, monkeypatch):  # type: ignore[no-untyped-def]
+    calls = []
+    real_sum = _common.sum_splits
+    monkeypatch.setattr(_common, "sum_splits", lambda out, part: calls.append(part.shape[0]) or real_sum(out, part))
+    expected = product()
+    assert calls and calls[0] > 1  # (the case splits K)
+    monkeypatch.setattr(_common, "SERIAL_SPLITS", True)
+    calls.clear()
+    for _ in range(REPEATS):
+        assert torch.equal(product(), expected)
+    assert not calls  # no second kernel
+    assert not any(c.any() for c in _common._counters.values())  # every counter back to zero
+
+
+def test_more_programs_than_counters_fall_back_to_sum_splits(monkeypatch):  # type: ignore[no-untyped-def]
+    product = PRODUCTS[0][1]
+    expected = product()
+    monkeypatch.setattr(_common, "SERIAL_SPLITS", True)
+    monkeypatch.setattr(_common, "MAX_COUNTERS", 0)
+    calls = []
+    real_sum = _common.sum_splits
+    monkeypatch.setattr(_common, "sum_splits", lambda out, part: calls.append(1) or real_sum(out, part))
+    assert torch.equal(product(), expected) and calls
