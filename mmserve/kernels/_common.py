@@ -106,16 +106,34 @@ def store_product(
     order, as sum_splits does, and stores them at final_ptr: no second kernel."""
     if SPLIT:
         tl.store(out_ptr + split.to(tl.int64) * slab + offs, acc, mask=mask)
-        if SERIAL:
-            tl.debug_barrier()  # every thread's partial stored before the tile's count goes up
-            if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == splits - 1:
-                total = tl.load(out_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-                for s in range(1, splits):
-                    total += tl.load(out_ptr + s * slab + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if SERIAL:  # noqa: SIM102 (a constexpr: the atomic only where it is compiled in)
+            if last_of_splits(counter_ptr, splits):
+                total = sum_partials(out_ptr, offs, mask, slab, splits)
                 tl.store(final_ptr + offs, total.to(final_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # (zero for the next product)
     else:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def last_of_splits(counter_ptr, splits):
+    """After a program stored its K slice's partial: whether it is the last of its tile's
+    `splits` programs to get here (then the others' partials are visible to it, and the tile's
+    counter is set back to zero for the next product)."""
+    tl.debug_barrier()  # every thread's partial stored before the tile's count goes up
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == splits - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def sum_partials(part_ptr, offs, mask, slab, splits):
+    """The partials [splits, ...] at offs summed in order (as sum_splits adds them), read past
+    the SM's L1 (other programs wrote them)."""
+    total = tl.load(part_ptr + offs, mask=mask, other=0, cache_modifier=".cg")
+    for s in range(1, splits):
+        total += tl.load(part_ptr + s * slab + offs, mask=mask, other=0, cache_modifier=".cg")
+    return total
 
 
 @triton.jit
@@ -220,11 +238,12 @@ def sum_splits(out: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# A product whose K is split writes each slice's float32 partials. SERIAL_SPLITS: the last program
-# of each output tile to finish (an int32 counter a tile, split_counters) adds them up and stores
-# the output (store_product), in place of sum_splits' second kernel (a launch of a few
-# microseconds at every split product of a decode step: four a layer at one row of the quantised
-# formats). The result is sum_splits' to the bit. Not yet timed on a GPU: off
+# A product whose K is split writes each slice's partial sums. SERIAL_SPLITS: the last program of
+# each output tile to finish (an int32 counter a tile, split_counters) adds them up and stores the
+# output (store_product; fp8_gemm's rows kernel scales them too), in place of a second kernel
+# (sum_splits, fp8_gemm._scale: a launch of a few microseconds at every split product of a decode
+# step, four a layer at one row of GGUF and w4a16, two of FP8). The result is the second kernel's
+# to the bit. Not yet timed on a GPU (scripts/gpu_run.sh serial): off
 SERIAL_SPLITS = False
 MAX_COUNTERS = 4096  # a split product's programs at most (k_splits splits grids of < 4 x SMs)
 _counters: dict[tuple[torch.device, object], torch.Tensor] = {}
@@ -237,7 +256,13 @@ def split_target(out: torch.Tensor, splits: int, programs: int) -> tuple[torch.T
     if splits <= 1:
         return out, None
     target = torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
-    return target, split_counters(out.device) if SERIAL_SPLITS and programs <= MAX_COUNTERS else None
+    return target, serial_counters(out.device, programs)
+
+
+def serial_counters(device: torch.device, programs: int) -> torch.Tensor | None:
+    """split_counters when the last program of each tile is to sum a product's slices
+    (SERIAL_SPLITS, at most MAX_COUNTERS programs a slice), else None."""
+    return split_counters(device) if SERIAL_SPLITS and programs <= MAX_COUNTERS else None
 
 
 def split_counters(device: torch.device) -> torch.Tensor:

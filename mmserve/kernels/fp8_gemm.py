@@ -23,8 +23,11 @@ from mmserve.kernels._common import (
     check_same_device,
     check_scales,
     check_shape,
+    last_of_splits,
     scaled_operand_sizes,
+    serial_counters,
     split_steps,
+    sum_partials,
 )
 
 # rows are padded to a tile of 16, 32 or 64. A 64-row tile compiles to Hopper's wgmma, whose
@@ -46,10 +49,10 @@ SPLITS = 2
 
 @triton.jit
 def _fp8_gemm_rows_kernel(
-    out_ptr, part_ptr, xq_ptr, xs_ptr, wq_ptr, ws_ptr,
+    out_ptr, part_ptr, xq_ptr, xs_ptr, wq_ptr, ws_ptr, counters_ptr,
     rows, n, k, k_per_split, stride_x, stride_w, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8: tl.constexpr,
-    SPLIT: tl.constexpr, PROMOTE: tl.constexpr,
+    SPLIT: tl.constexpr, PROMOTE: tl.constexpr, SERIAL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)  # this program's slice of K, whole tiles: [k_lo, k_hi)
@@ -80,10 +83,21 @@ def _fp8_gemm_rows_kernel(
             acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
         else:  # (16-32 rows: the GPU-measured kernel as it was, exact)
             acc = tl.dot(a, tl.trans(b), acc)
-    if SPLIT:  # the slice's sums [splits, rows, n] (int32 or float32), scaled when summed
-        part = part_ptr + pid_s.to(tl.int64) * rows * n + offs_m[:, None] * n + offs_n[None, :]
-        tl.store(part, acc, mask=mask_m[:, None] & mask_n[None, :])
-        return
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:  # the slice's sums [splits, rows, n] (int32 or float32), scaled when summed:
+        part = offs_m[:, None] * n + offs_n[None, :]  # by _scale_product_kernel or, SERIAL, the last program
+        tl.store(part_ptr + pid_s.to(tl.int64) * rows * n + part, acc, mask=mask)
+        if SERIAL:  # noqa: SIM102 (a constexpr: the atomic only where it is compiled in)
+            if last_of_splits(counters_ptr + pid, tl.num_programs(1)):
+                acc = sum_partials(part_ptr, part, mask, rows * n, tl.num_programs(1))
+                _store_scaled(out_ptr, acc, xs_ptr, ws_ptr, offs_m, offs_n, mask_m, mask_n, stride_out)
+    else:
+        _store_scaled(out_ptr, acc, xs_ptr, ws_ptr, offs_m, offs_n, mask_m, mask_n, stride_out)
+
+
+@triton.jit
+def _store_scaled(out_ptr, acc, xs_ptr, ws_ptr, offs_m, offs_n, mask_m, mask_n, stride_out):
+    """out = the sums acc times x_scale (per row) and w_scale (per channel), in out's dtype."""
     xs = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
     ws = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     out = acc.to(tl.float32) * xs[:, None] * ws[None, :]
@@ -134,17 +148,19 @@ def fp8_gemm_rows(
             splits = SPLITS if tiles <= SPLIT_BELOW else 1
         splits, per_split = split_steps(steps, splits)
         xs, ws = x_scale.float(), w_scale.float()
-        part = out
+        part, counters = out, None
         if splits > 1:
             part = torch.empty(splits, rows, n, device=xq.device,
                                dtype=torch.int32 if xq.dtype == torch.int8 else torch.float32)  # fmt: skip
+            counters = serial_counters(xq.device, tiles)  # (or the last program sums and scales)
         _fp8_gemm_rows_kernel[(tiles, splits)](
-            out, part, xq, xs, wq, ws,
+            out, part, xq, xs, wq, ws, out if counters is None else counters,
             rows, n, k, per_split * block_k, xq.stride(0), wq.stride(0), out.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INT8=xq.dtype == torch.int8,
-            SPLIT=splits > 1, PROMOTE=min(PROMOTE_EVERY, block_k), num_warps=4, num_stages=4,
+            SPLIT=splits > 1, PROMOTE=min(PROMOTE_EVERY, block_k), SERIAL=counters is not None,
+            num_warps=4, num_stages=4,
         )  # fmt: skip
-        if splits > 1:
+        if splits > 1 and counters is None:
             _scale(out, part, xs, ws)
     return out
 

@@ -1,4 +1,4 @@
-"""Compiles the GGUF Triton kernels (and w4a16's LOWP form) for sm_90 (the H100 / H200) on
+"""Compiles the GGUF Triton kernels (and w4a16's, and FP8's rows kernel) for sm_90 (the H100 / H200) on
 any machine, without a GPU: `python -m tests.kernels.sm90_compile` exits 0 when every variant compiles to a cubin.
 The interpreter that runs the kernels on the CPU accepts code that Triton's compiler
 refuses (session 20: a variable that was both a loop bound and a dot's result), so
@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mmserve.kernels import gguf_blocks, gguf_gemm, wna16
+from mmserve.kernels import fp8_gemm, gguf_blocks, gguf_gemm, wna16
 from mmserve.kernels.gguf_blocks import FORMATS, STEP_PARTS
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -36,6 +36,9 @@ WNA16_DP4A = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scal
               "stride_q": "i32", "stride_s": "i32", "final_ptr": "*bf16", "counters_ptr": "*i32"}  # fmt: skip
 # (SPLIT, SERIAL): one slice of K; slices summed by sum_splits; slices summed by the last program
 ENDS = ({"SPLIT": False, "SERIAL": False}, {"SPLIT": True, "SERIAL": False}, {"SPLIT": True, "SERIAL": True})
+FP8 = {"out_ptr": "*bf16", "part_ptr": "*fp32", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "wq_ptr": "*fp8e4nv",
+       "ws_ptr": "*fp32", "counters_ptr": "*i32", "rows": "i32", "n": "i32", "k": "i32", "k_per_split": "i32",
+       "stride_x": "i32", "stride_w": "i32", "stride_out": "i32"}  # fmt: skip
 DEQUANT = {"out_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "k": "i32", "num_blocks": "i32",
            "row_bytes": "i32"}  # fmt: skip
 
@@ -94,6 +97,11 @@ def main() -> None:
     print("w4a16 (LOWP, DP4A) compiled for sm_90", flush=True)
     compile_sm90(gguf_gemm._q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16"}, {})
     print("q8 (DP4A's activations) compiled for sm_90", flush=True)
+    for int8, ends in itertools.product((False, True), ENDS):
+        types = {"part_ptr": "*i32", "xq_ptr": "*i8", "wq_ptr": "*i8"} if int8 else {}
+        compile_sm90(fp8_gemm._fp8_gemm_rows_kernel, {**FP8, **types}, {
+            "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "INT8": int8, "PROMOTE": 128, **ends})  # fmt: skip
+    print("the FP8 / INT8 rows kernel (its split slices) compiled for sm_90", flush=True)
 
 
 if __name__ == "__main__":

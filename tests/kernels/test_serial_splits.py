@@ -8,17 +8,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmserve.kernels import _common
+from mmserve.kernels import _common, fp8_gemm
+from mmserve.kernels.fp8_gemm import fp8_gemm_rows
 from mmserve.kernels.gguf_gemm import gguf_gemm_rows
+from mmserve.kernels.quant import per_token_quant_ref, quantize_weight_fp8
 from mmserve.kernels.wna16 import pack_columns, wna16_gemm
 from tests.kernels.conftest import DEVICE
 from tests.kernels.test_gguf_gemm import random_blocks
 
 REPEATS = 50 if DEVICE.type == "cuda" else 1
+SUM, SCALE = (_common, "sum_splits"), (fp8_gemm, "_scale")  # the second kernels' launchers
 
 
 def _products():  # type: ignore[no-untyped-def]
-    """(name, a function computing one product whose K is split) for each kernel family."""
+    """(name, a function computing one product whose K is split, the module and name of the
+    second kernel's launcher it skips) for each kernel family."""
     g = torch.Generator().manual_seed(0)
     cases = []
     for qtype, rows, dtype, forms in [
@@ -31,25 +35,40 @@ def _products():  # type: ignore[no-untyped-def]
     ]:
         blocks = random_blocks(qtype, 96, 1024, seed=rows)
         x = torch.randn(rows, 1024, generator=g).to(dtype).to(DEVICE)
-        cases.append((f"gguf-{qtype}-{rows}-{forms}", lambda x=x, b=blocks, q=qtype, f=forms: gguf_gemm_rows(x, b, q, **f)))
+        cases.append((f"gguf-{qtype}-{rows}-{forms}", lambda x=x, b=blocks, q=qtype, f=forms: gguf_gemm_rows(x, b, q, **f), SUM))
     for rows, dtype, group_size, dp4a in [(1, torch.float16, 128, True), (3, torch.float32, 64, False), (2, torch.float16, 128, False)]:
         q = torch.randint(0, 16, (1024, 80), generator=g)
         scales = (torch.rand(1024 // group_size, 80, generator=g) * 0.02).to(dtype)
         zeros = torch.randint(0, 16, (1024 // group_size, 80), generator=g).to(dtype)
         x = torch.randn(rows, 1024, generator=g).to(dtype)
         args = [t.to(DEVICE) for t in (x, pack_columns(q, 4), scales, zeros)]
-        cases.append((f"wna16-{rows}-{dtype}-{dp4a}", lambda a=args, gs=group_size, d=dp4a: wna16_gemm(*a, 4, gs, dp4a=d)))
+        cases.append((f"wna16-{rows}-{dtype}-{dp4a}", lambda a=args, gs=group_size, d=dp4a: wna16_gemm(*a, 4, gs, dp4a=d), SUM))
+    for rows, int8 in [(1, False), (5, False), (3, True)]:  # _fp8_gemm_rows_kernel: the sums scaled too
+        xq, xs = per_token_quant_ref(torch.randn(rows, 1024, generator=g).to(DEVICE))
+        wq, ws = quantize_weight_fp8(torch.randn(96, 1024, generator=g).to(DEVICE))
+        if int8:
+            xq = torch.randint(-127, 128, xq.shape, generator=g, dtype=torch.int8).to(DEVICE)
+            wq = torch.randint(-127, 128, wq.shape, generator=g, dtype=torch.int8).to(DEVICE)
+        operands = (xq, xs, wq, ws.view(1, -1))
+        cases.append((f"fp8-{rows}-{int8}", lambda o=operands: fp8_gemm_rows(*o, torch.float16, block_k=128, splits=3), SCALE))
     return cases
 
 
 PRODUCTS = _products()
 
 
-@pytest.mark.parametrize("product", [p for _, p in PRODUCTS], ids=[name for name, _ in PRODUCTS])
-def test_last_program_sums_the_splits_as_sum_splits_does(product, monkeypatch):  # type: ignore[no-untyped-def]
-    calls = []
-    real_sum = _common.sum_splits
-    monkeypatch.setattr(_common, "sum_splits", lambda out, part: calls.append(part.shape[0]) or real_sum(out, part))
+def _spy(monkeypatch, second):  # type: ignore[no-untyped-def]
+    """The calls of the second kernel's launcher (each one's partials' slices)."""
+    module, name = second
+    calls: list[int] = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda out, part, *rest: calls.append(part.shape[0]) or real(out, part, *rest))
+    return calls
+
+
+@pytest.mark.parametrize(("product", "second"), [p[1:] for p in PRODUCTS], ids=[p[0] for p in PRODUCTS])
+def test_last_program_sums_the_splits_as_the_second_kernel_does(product, second, monkeypatch):  # type: ignore[no-untyped-def]
+    calls = _spy(monkeypatch, second)
     expected = product()
     assert calls and calls[0] > 1  # (the case splits K)
     monkeypatch.setattr(_common, "SERIAL_SPLITS", True)
@@ -61,11 +80,10 @@ def test_last_program_sums_the_splits_as_sum_splits_does(product, monkeypatch): 
 
 
 def test_more_programs_than_counters_fall_back_to_sum_splits(monkeypatch):  # type: ignore[no-untyped-def]
-    product = PRODUCTS[0][1]
-    expected = product()
-    monkeypatch.setattr(_common, "SERIAL_SPLITS", True)
-    monkeypatch.setattr(_common, "MAX_COUNTERS", 0)
-    calls = []
-    real_sum = _common.sum_splits
-    monkeypatch.setattr(_common, "sum_splits", lambda out, part: calls.append(1) or real_sum(out, part))
-    assert torch.equal(product(), expected) and calls
+    for _, product, second in (PRODUCTS[0], PRODUCTS[-1]):
+        expected = product()
+        monkeypatch.setattr(_common, "SERIAL_SPLITS", True)
+        monkeypatch.setattr(_common, "MAX_COUNTERS", 0)
+        calls = _spy(monkeypatch, second)
+        assert torch.equal(product(), expected) and calls
+        monkeypatch.undo()
