@@ -148,7 +148,7 @@ def _shape(n: int, k: int, qtype: str) -> None:
             us = _time(lambda i, x=x: _rows_kernel(x, blocks[i], qtype, gemv=True), copies)
             line["gemv_us"], line["gemv_gbs"] = round(us, 1), round(nbytes / us / 1e3)
         dp4a_forms = [f for f in _DP4A_FORMS if f[2] or qtype != "Q6_K"]  # Q6_K: quantised first, always
-        if rows > 1 and qtype in gguf_gemm.DP4A_TYPES:  # a program a row and tile (DP4A_MAX_ROWS)
+        if rows > 1 and qtype in gguf_gemm.DP4A_TYPES:  # a tile's quants unpacked once for all rows (DP4A_MAX_ROWS)
             us = _time(lambda i, x=x: gguf_gemm_rows(x, blocks[i], qtype, dp4a=True), copies)
             line["dp4a_us"] = round(us, 1)
         for block_n, warps, pre in dp4a_forms if rows == 1 and qtype in gguf_gemm.DP4A_KERNEL_TYPES else ():

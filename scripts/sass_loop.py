@@ -11,6 +11,7 @@ times the kernels on a GPU.
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from mmserve.kernels.gguf_blocks import FORMATS, LOWP_TYPES, STEP_PARTS
 from tests.kernels.sm90_compile import DP4A, Q6K_DP4A, ROWS, WNA16_DP4A, compile_sm90
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-ALIGNED = ("row_bytes", "stride_x", "n", "stride_out")
+ALIGNED = ("row_bytes", "stride_x", "n")
 
 
 def loop_body(cubin: bytes, tmp: Path) -> list[str]:
@@ -51,7 +52,7 @@ def main(qtypes: list[str]) -> None:
     tmp = Path("/tmp/mmserve_sass_loop.cubin")
     if "w4a16" in qtypes:  # wna16's one-row int8-activation product: 128 values of K a step
         for block_n, warps in ((64, 4), (128, 4)):
-            constexprs = {"BLOCK_N": block_n, "HAS_ZEROS": False, "SPLIT": True, "ASM": True}
+            constexprs = {"BLOCK_N": block_n, "HAS_ZEROS": False, "SPLIT": True, "ASM": True, "SERIAL": False}
             kernel = compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, constexprs, ("n", "stride_q", "stride_s"), warps)
             _print_loop(f"w4a16 dp4a block_n={block_n} warps={warps}", kernel, tmp, block_n * 128 / (warps * 32))
         qtypes = [q for q in qtypes if q != "w4a16"]
@@ -67,7 +68,7 @@ def main(qtypes: list[str]) -> None:
         for (name, form), (block_n, warps) in ((f, t) for f in forms for t in ((64, 4), (128, 4))):
             constexprs = {**fmt.kernel_args(), "PARTS": STEP_PARTS[fmt.type_id], "IEEE": False,
                           "BLOCK_M": 16, "BLOCK_N": block_n, "SPLIT": True, "FACTORED": False,
-                          "UNROLL": 1, "LOWP": False, "ASM": False, "WORDS": False, **form}  # fmt: skip
+                          "UNROLL": 1, "LOWP": False, "ASM": False, "WORDS": False, "SERIAL": False, **form}  # fmt: skip
             kernel = compile_sm90(gguf_gemm._gguf_gemm_rows_kernel, ROWS, constexprs, ALIGNED, warps)
             _print_loop(f"{qtype} {name} block_n={block_n} warps={warps}", kernel, tmp, block_n * 256 / (warps * 32))
         dp4a = ((b, w, p) for b, w in ((64, 4), (128, 4), (256, 8)) for p in (False, True))
@@ -75,16 +76,24 @@ def main(qtypes: list[str]) -> None:
             if qtype == "Q6_K":  # its activations always quantised first
                 if not pre:
                     continue
-                constexprs = {"BLOCK_N": block_n, "SPLIT": True, "ASM": True}
+                constexprs = {"BLOCK_N": block_n, "SPLIT": True, "ASM": True, "SERIAL": False}
                 fn, signature = gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A
             else:
-                constexprs = {"QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": block_n, "SPLIT": True,
-                              "ASM": True, "PREQUANT": pre}  # fmt: skip
+                constexprs = {"QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": block_n, "ROWS": 1, "SPLIT": True,
+                              "ASM": True, "PREQUANT": pre, "SERIAL": False}  # fmt: skip
                 fn, signature = gguf_gemm._gguf_dp4a_kernel, {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}
             aligned = tuple(a for a in ("row_bytes", "n", "stride_x") if a in signature)
             kernel = compile_sm90(fn, signature, constexprs, aligned, warps)
             name = f"{qtype} dp4a{'_prequant' if pre else ''} block_n={block_n} warps={warps}"
             _print_loop(name, kernel, tmp, block_n * 256 / (warps * 32))
+        several = itertools.product((2, 4, 8), (64, 128), (False, True)) if qtype in gguf_gemm.DP4A_TYPES else ()
+        for rows, block_n, pre in several:  # a tile's quants unpacked once for all rows
+            constexprs = {"QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": block_n, "ROWS": rows, "SPLIT": True,
+                          "ASM": True, "PREQUANT": pre, "SERIAL": False}  # fmt: skip
+            signature = {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}
+            kernel = compile_sm90(gguf_gemm._gguf_dp4a_kernel, signature, constexprs, ("row_bytes", "n", "stride_x"), 4)
+            name = f"{qtype} dp4a{'_prequant' if pre else ''} rows={rows} block_n={block_n} warps=4 (a weight: all rows)"
+            _print_loop(name, kernel, tmp, block_n * 256 / 128)
 
 
 if __name__ == "__main__":

@@ -93,11 +93,15 @@ DP4A_KERNEL_TYPES = (*DP4A_TYPES, "Q6_K")
 # the activations quantised by _q8_kernel first (one launch more), not by each program: no
 # faster (H200: 31.8 against 31.1 us, 21.3 against 20.8); Q6_K's kernel always takes them so
 DP4A_PREQUANT = False
-# rows (up to MAX_ROWS) the DP4A kernel takes by default, a program a row and tile, each tile's
-# rows neighbours so that its blocks come from DRAM once. H100, Q4_K_M 8B decode step (session
-# 24): at 2 rows 5.78 against LOWP words' 5.90 ms, at 4 8.32 against 6.02, at 16 25.2 against
-# 6.85 (each row repeats the unpacking): 1
+# rows (up to MAX_ROWS) the DP4A kernel takes by default. As a program a row and tile (each row
+# repeating the unpacking) it lost past two rows (H100, Q4_K_M 8B decode step, session 24: at 2
+# rows 5.78 against LOWP words' 5.90 ms, at 4 8.32 against 6.02, at 16 25.2 against 6.85). Now a
+# program unpacks a tile's quants once for all its rows, which take their activations quantised
+# first, DP4A_ROWS_BLOCK_N channels a program: in the sm_90 SASS of the loop (scripts/sass_loop.py)
+# 2.93 instructions a weight at 2 rows, 4.95 at 4, 9.0 at 8, against LOWP words' 3.84 (64
+# channels: 3.48, 5.91). Not yet timed: 1
 DP4A_MAX_ROWS = 1
+DP4A_ROWS_BLOCK_N = 128
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # The few-rows kernel's software pipeline (stages of its loop; None: Triton's default, 3). On an
@@ -241,12 +245,16 @@ def _gguf_gemv_kernel(
 
 
 @triton.jit
-def _q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr):
-    """One step of a row of activations quantised (q8_step) into words [K / 4] (step s's word
-    (c, w, h) at 64 s + 16 c + 8 h + w: elements 4 i to 4 i + 3 in word i), scales and sums
-    [K / 32] (group 2 c + h of step s at 8 s + 2 c + h)."""
-    step = tl.program_id(0)
-    words, d_x, sum_x = q8_step(x_ptr, step)
+def _q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr, stride_x):
+    """One step (program_id(0)) of a row (program_id(1)) of activations quantised (q8_step)
+    into that row of words [rows, K / 4] (step s's word (c, w, h) at 64 s + 16 c + 8 h + w:
+    elements 4 i to 4 i + 3 in word i), scales and sums [rows, K / 32] (group 2 c + h of step s
+    at 8 s + 2 c + h)."""
+    step, r = tl.program_id(0), tl.program_id(1)
+    words_ptr += r * tl.num_programs(0) * 64
+    d_ptr += r * tl.num_programs(0) * 8
+    sum_ptr += r * tl.num_programs(0) * 8
+    words, d_x, sum_x = q8_step(x_ptr + r.to(tl.int64) * stride_x, step)
     c, w, h = tl.arange(0, 4)[:, None, None], tl.arange(0, 8)[None, :, None], tl.arange(0, 2)[None, None, :]
     tl.store(words_ptr + step * 64 + 16 * c + 8 * h + w, words)
     groups = step * 8 + 2 * tl.arange(0, 4)[:, None] + tl.arange(0, 2)[None, :]
@@ -256,39 +264,55 @@ def _q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr):
 
 @triton.jit
 def _gguf_dp4a_kernel(
-    out_ptr, x_ptr, d_ptr, sum_ptr, w_ptr, n, steps_per_split, num_steps, row_bytes, rows, stride_x,
+    out_ptr, x_ptr, d_ptr, sum_ptr, w_ptr, n, steps_per_split, num_steps, row_bytes, stride_x,
     final_ptr, counters_ptr,
-    QTYPE: tl.constexpr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    ASM: tl.constexpr, PREQUANT: tl.constexpr, SERIAL: tl.constexpr,
+    QTYPE: tl.constexpr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, PREQUANT: tl.constexpr, SERIAL: tl.constexpr,
 ):  # fmt: skip
-    """Q4_K / Q5_K with int8 activations (DP4A), a row of x a program: each step's activations
-    quantised by 32 (q8_step; or, PREQUANT and one row, read as _q8_kernel wrote them at x_ptr,
-    d_ptr and sum_ptr), each sub-block's quants times them summed in int32 by dp4a, then
-    scaled: d1 d_x sum(q q_x) - m1 sum(x) per sub-block, into a float32 [BLOCK_N, 4, 2]
-    accumulator summed once at the end. The rows of one tile of channels are neighbouring
-    programs (program_id(0) = tile x rows + row), so its blocks come from DRAM once and from
-    the L2 cache for the other rows."""
-    tile, r = tl.program_id(0) // rows, tl.program_id(0) % rows
-    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tile, n, steps_per_split, num_steps, row_bytes, BLOCK_N)
-    x_row = x_ptr + r.to(tl.int64) * stride_x
-    acc = tl.zeros([BLOCK_N, 4, 2], dtype=tl.float32)
+    """Q4_K / Q5_K times ROWS rows of x with int8 activations (DP4A): each step's activations
+    quantised by 32 (q8_step; or, PREQUANT, read as _q8_kernel wrote them at x_ptr, d_ptr and
+    sum_ptr), each sub-block's quants times them summed in int32 by dp4a, then
+    scaled: d1 d_x sum(q q_x) - m1 sum(x) per sub-block. One row: into a float32 [BLOCK_N, 4,
+    2] accumulator summed once at the end. Several: the step's quants and factors are unpacked
+    once for all rows, each row's terms summed per step into its row of a [ROWS, BLOCK_N]
+    accumulator."""
+    s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tl.program_id(0), n, steps_per_split, num_steps, row_bytes, BLOCK_N)
+    ROWS_P2: tl.constexpr = triton.next_power_of_2(ROWS)
+    rows_at = tl.arange(0, ROWS_P2)[:, None]
+    acc = tl.zeros([BLOCK_N, 4, 2] if ROWS == 1 else [ROWS_P2, BLOCK_N], dtype=tl.float32)
     c, w, h = tl.arange(0, 4)[:, None, None], tl.arange(0, 8)[None, :, None], tl.arange(0, 2)[None, None, :]
     groups = 2 * tl.arange(0, 4)[:, None] + tl.arange(0, 2)[None, :]
     for step in range(s_lo, s_hi):
         block = row + step * BYTES
-        if PREQUANT:
-            x_words = tl.load(x_ptr + step * 64 + 16 * c + 8 * h + w)
-            d_x, sum_x = tl.load(d_ptr + step * 8 + groups), tl.load(sum_ptr + step * 8 + groups)
-        else:
-            x_words, d_x, sum_x = q8_step(x_row, step)
         q = q45k_step_words(block, QTYPE)
-        dots = tl.sum(dp4a(q, tl.broadcast_to(x_words[None], q.shape), tl.zeros_like(q), ASM), axis=2)
         d1_even, m1_even, d1_odd, m1_odd = q45k_words_factors(block)  # sub-blocks 2 c, then 2 c + 1
         d1, m1 = tl.join(d1_even, d1_odd), tl.join(m1_even, m1_odd)  # [BLOCK_N, 4, 2]
-        acc += d1 * (d_x[None] * dots.to(tl.float32)) - m1 * sum_x[None]
-    total = tl.sum(tl.sum(acc, axis=2), axis=1)
-    # out [rows, n] (contiguous), or float32 partials [splits, rows, n] when SPLIT: row r at r n
-    store_tile(out_ptr, total, r.to(tl.int64) * n + offs_n, mask_n, rows * n, final_ptr, counters_ptr, SPLIT, SERIAL)
+        for r in tl.static_range(ROWS):
+            if PREQUANT:  # row r's at r K / 4 words and r K / 32 groups
+                x_words = tl.load(x_ptr + (r * num_steps + step) * 64 + 16 * c + 8 * h + w)
+                at = (r * num_steps + step) * 8 + groups
+                terms = _dp4a_terms(q, d1, m1, x_words, tl.load(d_ptr + at), tl.load(sum_ptr + at), ASM)
+            else:
+                terms = _dp4a_terms(q, d1, m1, *q8_step(x_ptr + r * stride_x, step), ASM)
+            if ROWS == 1:
+                acc += terms
+            else:
+                acc += tl.where(rows_at == r, tl.sum(tl.sum(terms, axis=2), axis=1)[None, :], 0.0)
+    # out [ROWS, n] (contiguous), or float32 partials [splits, ROWS, n] when SPLIT
+    if ROWS == 1:
+        store_tile(out_ptr, tl.sum(tl.sum(acc, axis=2), axis=1), offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
+    else:
+        offs, mask = rows_at * n + offs_n[None, :], (rows_at < ROWS) & mask_n[None, :]
+        store_tile(out_ptr, acc, offs, mask, ROWS * n, final_ptr, counters_ptr, SPLIT, SERIAL)
+
+
+@triton.jit
+def _dp4a_terms(q, d1, m1, x_words, d_x, sum_x, ASM: tl.constexpr):
+    """A Q4_K / Q5_K step's terms for one row, [BLOCK_N, 4, 2] (a sub-block each): d1 d_x
+    sum(q q_x) - m1 sum(x), the sums of the quants q times the activations' int8 words x_words
+    by dp4a."""
+    dots = tl.sum(dp4a(q, tl.broadcast_to(x_words[None], q.shape), tl.zeros_like(q), ASM), axis=2)
+    return d1 * (d_x[None] * dots.to(tl.float32)) - m1 * sum_x[None]
 
 
 @triton.jit
@@ -327,14 +351,14 @@ def _gguf_q6k_dp4a_kernel(
 
 
 def gguf_gemm_rows(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int = BLOCK_N,
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int | None = None,
     programs_per_sm: int | None = None, factored: bool | None = None, unroll: int = 1,
     num_warps: int = 4, gemv: bool | None = None, lowp: bool | None = None,
     num_stages: int | None = None, dp4a: bool | None = None, prequant: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M <= MAX_ROWS, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
     transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
-    >= 16. A grid of too few output tiles for about programs_per_sm (default PROGRAMS_PER_SM)
+    >= 16 (default BLOCK_N; DP4A_ROWS_BLOCK_N for DP4A with several rows). A grid of too few output tiles for about programs_per_sm (default PROGRAMS_PER_SM)
     programs on every SM splits K in whole steps, as the w4a16 kernel does
     (mmserve/kernels/_common.k_splits); 0 never splits. factored: Q4_K / Q5_K's form of the
     product (default FACTORED). gemv: one row by the kernel without tensor cores (default
@@ -342,8 +366,9 @@ def gguf_gemm_rows(
     (steps a loop iteration reads) and num_warps: for scripts/bench_gguf.py's sweep, untimed in
     the engine. num_stages: the loop's software pipeline (default NUM_STAGES). dp4a: the
     activations in int8 (default uses_dp4a: DP4A, up to DP4A_MAX_ROWS rows of 16-bit x, Q4_K /
-    Q5_K): Q4_K / Q5_K up to MAX_ROWS rows, Q6_K one; one row's quantised by a kernel of their
-    own first (prequant, default DP4A_PREQUANT) or inside the product."""
+    Q5_K): Q4_K / Q5_K up to MAX_ROWS rows, Q6_K one; the rows quantised by a kernel of their
+    own first (prequant; default DP4A_PREQUANT for one row, always for several and for Q6_K) or
+    inside the product."""
     fmt = check_blocks("blocks", blocks, qtype)
     check_float("x", x)
     if x.dim() != 2 or x.shape[1] != blocks.shape[1] * fmt.elements:
@@ -354,28 +379,28 @@ def gguf_gemm_rows(
     rows, k = x.shape
     if rows > MAX_ROWS:
         raise ValueError(f"x has {rows} rows; this kernel takes at most {MAX_ROWS}")
-    if block_n < 16 or block_n & (block_n - 1):
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     check_last_dim_contiguous("x", x)
     check_same_device(x=x, blocks=blocks)
     n, num_blocks = blocks.shape[0], blocks.shape[1]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows and n:
-        tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, STEP)
         programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
-        dp4a_rows = 1 if qtype == "Q6_K" or prequant else MAX_ROWS  # (what the kernels take)
+        dp4a_rows = 1 if qtype == "Q6_K" else MAX_ROWS  # (what the kernels take)
         int8 = uses_dp4a(x, qtype) if dp4a is None else dp4a and rows <= dp4a_rows and qtype in DP4A_KERNEL_TYPES
-        grid_n = tiles * rows if int8 else tiles  # (the DP4A kernels: a program a row and tile)
-        splits, per_split = k_splits(grid_n, steps, grid_sms(x.device), programs)
-        target, counters = split_target(out, splits, grid_n)
+        block_n = block_n or (DP4A_ROWS_BLOCK_N if int8 and rows > 1 else BLOCK_N)
+        tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, STEP)
+        splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs)
+        target, counters = split_target(out, splits, tiles)
         ends = store_args(out, counters)
         if int8:
-            pre = qtype == "Q6_K" or (rows == 1 and (DP4A_PREQUANT if prequant is None else prequant))
+            pre = qtype == "Q6_K" or ((rows > 1 or DP4A_PREQUANT) if prequant is None else prequant)
             words, d_x, sum_x = x, x, x  # (unused)
             if pre:
-                words = torch.empty(k // 4, dtype=torch.int32, device=x.device)
-                d_x, sum_x = torch.empty(2, k // 32, dtype=torch.float32, device=x.device)
-                _q8_kernel[(steps,)](words, d_x, sum_x, x)
+                words = torch.empty(rows, k // 4, dtype=torch.int32, device=x.device)
+                d_x, sum_x = torch.empty(2, rows, k // 32, dtype=torch.float32, device=x.device)
+                _q8_kernel[(steps, rows)](words, d_x, sum_x, x, x.stride(0))
             common = {"BLOCK_N": block_n, "SPLIT": splits > 1, "ASM": not triton.knobs.runtime.interpret,
                       "num_warps": num_warps, **_stages(NUM_STAGES if num_stages is None else num_stages), **ends}  # fmt: skip
             if qtype == "Q6_K":
@@ -383,9 +408,9 @@ def gguf_gemm_rows(
                     target, words, d_x, blocks, n, per_split, steps, num_blocks * fmt.bytes, **common
                 )
             else:
-                _gguf_dp4a_kernel[(grid_n, splits)](
+                _gguf_dp4a_kernel[(tiles, splits)](
                     target, words if pre else x, d_x, sum_x, blocks, n, per_split, steps, num_blocks * fmt.bytes,
-                    rows, x.stride(0), QTYPE=fmt.type_id, BYTES=fmt.bytes, PREQUANT=pre, **common,
+                    x.stride(0), QTYPE=fmt.type_id, BYTES=fmt.bytes, ROWS=rows, PREQUANT=pre, **common,
                 )  # fmt: skip
         elif rows == 1 and (GEMV if gemv is None else gemv):
             _gguf_gemv_kernel[(tiles, splits)](

@@ -29,8 +29,8 @@ WNA16 = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_pt
          "k_per_split": "i32", "stride_x": "i32", "stride_q": "i32", "stride_s": "i32", "final_ptr": "*bf16",
          "counters_ptr": "*i32"}  # fmt: skip
 DP4A = {"out_ptr": "*fp32", "x_ptr": "*bf16", "d_ptr": "*fp32", "sum_ptr": "*fp32", "w_ptr": "*u8", "n": "i32",
-        "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32", "rows": "i32", "stride_x": "i32", "final_ptr": "*bf16", "counters_ptr": "*i32"}  # fmt: skip
-Q6K_DP4A = {k: "*i32" if k == "x_ptr" else t for k, t in DP4A.items() if k not in ("sum_ptr", "rows", "stride_x")}
+        "steps_per_split": "i32", "num_steps": "i32", "row_bytes": "i32", "stride_x": "i32", "final_ptr": "*bf16", "counters_ptr": "*i32"}  # fmt: skip
+Q6K_DP4A = {k: "*i32" if k == "x_ptr" else t for k, t in DP4A.items() if k not in ("sum_ptr", "stride_x")}
 WNA16_DP4A = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scales_ptr": "*bf16",
               "zeros_ptr": "*bf16", "n": "i32", "k": "i32", "group_size": "i32", "k_per_split": "i32",
               "stride_q": "i32", "stride_s": "i32", "final_ptr": "*bf16", "counters_ptr": "*i32"}  # fmt: skip
@@ -77,9 +77,10 @@ def main() -> None:
             compile_sm90(gguf_gemm._gguf_gemv_kernel, GEMV, {**args, "BLOCK_N": 64, **ends})
         for ends in ENDS if qtype == "Q6_K" else ():
             compile_sm90(gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A, {"BLOCK_N": 64, **ends, "ASM": True})
-        for ends, pre in itertools.product(ENDS, (False, True)) if qtype in ("Q4_K", "Q5_K") else ():
+        dp4a_forms = ((False, 1), (True, 1), (False, 3), (True, 3))  # (PREQUANT, ROWS)
+        for ends, (pre, rows) in itertools.product(ENDS, dp4a_forms) if qtype in ("Q4_K", "Q5_K") else ():
             compile_sm90(gguf_gemm._gguf_dp4a_kernel, {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}, {
-                "QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": 64, **ends, "ASM": True,
+                "QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": 64, "ROWS": rows, **ends, "ASM": True,
                 "PREQUANT": pre})  # fmt: skip
         for low, asm in lowp:
             compile_sm90(gguf_blocks._dequantize_kernel, DEQUANT, {
@@ -95,7 +96,8 @@ def main() -> None:
     for zeros, ends in itertools.product((False, True), ENDS):
         compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": 64, "HAS_ZEROS": zeros, **ends, "ASM": True})
     print("w4a16 (LOWP, DP4A) compiled for sm_90", flush=True)
-    compile_sm90(gguf_gemm._q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16"}, {})
+    compile_sm90(gguf_gemm._q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16",
+                                        "stride_x": "i32"}, {})  # fmt: skip
     print("q8 (DP4A's activations) compiled for sm_90", flush=True)
     for int8, ends in itertools.product((False, True), ENDS):
         types = {"part_ptr": "*i32", "xq_ptr": "*i8", "wq_ptr": "*i8"} if int8 else {}

@@ -254,15 +254,17 @@ def test_int8_activations_round_as_ggml() -> None:
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K"])
 @pytest.mark.parametrize("rows", [2, 5])
 @pytest.mark.parametrize("programs_per_sm", [0, 4])
-def test_a_few_rows_in_int8_activations(qtype: str, rows: int, programs_per_sm: int, dtype: torch.dtype) -> None:
-    """dp4a=True with several rows (a program a row and tile): each row as its own one-row
-    product, K split and not, 41 channels."""
+@pytest.mark.parametrize("prequant", [None, False])
+def test_a_few_rows_in_int8_activations(qtype: str, rows: int, programs_per_sm: int, prequant: bool | None, dtype: torch.dtype) -> None:  # fmt: skip
+    """dp4a=True with several rows (a program a tile, its quants unpacked once for every row;
+    the rows quantised first by default, or inside the product): each row as its own one-row
+    product (but for the order of float32 sums), K split and not, 41 channels."""
     k = 3 * 256
     blocks = random_blocks(qtype, 41, k, seed=rows)
     x = torch.randn(rows, k, device=DEVICE).to(dtype)
-    out = gguf_gemm_rows(x, blocks, qtype, programs_per_sm=programs_per_sm, dp4a=True)
+    out = gguf_gemm_rows(x, blocks, qtype, programs_per_sm=programs_per_sm, dp4a=True, prequant=prequant)
     assert out.shape == (rows, 41) and out.dtype == dtype
     _assert_close(out, gguf_gemm.gguf_matmul_dp4a_ref(x, blocks, qtype), dtype)
     for r in range(rows):  # the same as one row at a time
         one = gguf_gemm_rows(x[r : r + 1], blocks, qtype, programs_per_sm=programs_per_sm, dp4a=True)
-        torch.testing.assert_close(out[r : r + 1], one, rtol=1e-6, atol=1e-6)
+        _assert_close(out[r : r + 1], one.float(), dtype)
