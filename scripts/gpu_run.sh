@@ -123,14 +123,15 @@ fi
 if has serial; then
   # split products finished by their last program (_common.SERIAL_SPLITS; issues 19, 23): its tests
   # on the device (each product 50 times, to the bit), then FP8's batch-1 decode (target 1) and
-  # w4a16-g128's and the Q4_K_M file's at batch 1 and 4, each with it off and on
+  # w4a16-g128's and the Q4_K_M file's at batch 1 and 4, each with it off and on (the default's
+  # kernels profiled in profile-w4a16-g128.txt and profile-gguf.txt)
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_serial_splits.py 2>&1 | tail -5 | tee "$OUT/serial-tests.txt"
   S=mmserve.kernels._common.SERIAL_SPLITS=True
   L="latency --input-len 128 --output-len 128 --max-num-seqs 1 --load-format dummy --quantization fp8"
   Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024 --batch-sizes 1,4"
   { $B $L; echo "$S"; python3 scripts/ab_switch.py $S -- $L
-    for f in w4a16-g128 gguf:Q4_K_M; do
-      $B latency,decode $Q --checkpoint-format $f; echo "$S"
+    for f in w4a16-g128 gguf:Q4_K_M; do  # (the default's decode steps profiled: where a step goes)
+      MMSERVE_BENCH_PROFILE=$OUT/profile-${f%%:*}.txt $B latency,decode $Q --checkpoint-format $f; echo "$S"
       python3 scripts/ab_switch.py $S -- latency,decode $Q --checkpoint-format $f
     done
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/serial.txt"
