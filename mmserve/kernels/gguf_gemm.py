@@ -289,11 +289,13 @@ def _gguf_dp4a_kernel(
         d1, m1 = tl.join(d1_even, d1_odd), tl.join(m1_even, m1_odd)  # [BLOCK_N, 4, 2]
         for r in tl.static_range(ROWS):
             if PREQUANT:  # row r's at r K / 4 words and r K / 32 groups
-                x_words = tl.load(x_ptr + (r * num_steps + step) * 64 + 16 * c + 8 * h + w)
-                at = (r * num_steps + step) * 8 + groups
-                terms = _dp4a_terms(q, d1, m1, x_words, tl.load(d_ptr + at), tl.load(sum_ptr + at), ASM)
+                at = step if r == 0 else r * num_steps + step  # (row 0: no address arithmetic a step)
+                x_words = tl.load(x_ptr + at * 64 + 16 * c + 8 * h + w)
+                d_x, sum_x = tl.load(d_ptr + at * 8 + groups), tl.load(sum_ptr + at * 8 + groups)
+                terms = _dp4a_terms(q, d1, m1, x_words, d_x, sum_x, ASM)
             else:
-                terms = _dp4a_terms(q, d1, m1, *q8_step(x_ptr + r * stride_x, step), ASM)
+                x_row = x_ptr if r == 0 else x_ptr + r * stride_x
+                terms = _dp4a_terms(q, d1, m1, *q8_step(x_row, step), ASM)
             if ROWS == 1:
                 acc += terms
             else:
@@ -358,8 +360,9 @@ def gguf_gemm_rows(
 ) -> torch.Tensor:  # fmt: skip
     """x [M <= MAX_ROWS, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
     transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
-    >= 16 (default BLOCK_N; DP4A_ROWS_BLOCK_N for DP4A with several rows). A grid of too few output tiles for about programs_per_sm (default PROGRAMS_PER_SM)
-    programs on every SM splits K in whole steps, as the w4a16 kernel does
+    >= 16 (default BLOCK_N; DP4A_ROWS_BLOCK_N for DP4A with several rows). A grid of too few
+    output tiles for about programs_per_sm (default PROGRAMS_PER_SM) programs on every SM
+    splits K in whole steps, as the w4a16 kernel does
     (mmserve/kernels/_common.k_splits); 0 never splits. factored: Q4_K / Q5_K's form of the
     product (default FACTORED). gemv: one row by the kernel without tensor cores (default
     GEMV). lowp: the K-quants with 16-bit x dequantised in x's dtype (default LOWP). unroll
