@@ -1,8 +1,8 @@
 """LOWP on a GPU, quickly (issue 19): w4a16's 16-bit form against its float32 form and the
 dequantised weight's product at the 8B shape's projections, bf16, 1 and 16 rows; relative
 errors and microseconds (CUDA graphs, weights cycled past the L2). At one row also the
-int8-activation form (wna16.DP4A), against the exact product and its own reference. The GGUF
-forms are scripts/bench_gguf.py's.
+int8-activation form (wna16.DP4A), against the exact product and its own reference, and timed
+at 64 and 256 channels a program too. The GGUF forms are scripts/bench_gguf.py's.
 
     python scripts/check_lowp.py
 """
@@ -14,6 +14,7 @@ import json
 import torch
 import triton
 
+from mmserve.kernels import wna16
 from mmserve.kernels.wna16 import (
     choose_tiling,
     dequantize_packed,
@@ -64,6 +65,14 @@ def main() -> None:
                             wna16_gemm(x, q, scales, z, 4, 128, dp4a=True)
 
                     line[f"{key}_us"] = round(1e3 * triton.testing.do_bench_cudagraph(run_dp4a, rep=100) / copies, 1)
+                default = wna16.DP4A_BLOCK_N
+                for block_n in (64, 256):  # output channels a program (the default: DP4A_BLOCK_N)
+                    wna16.DP4A_BLOCK_N = block_n
+                    try:
+                        us = triton.testing.do_bench_cudagraph(run_dp4a, rep=100)  # (z: the symmetric weight's)
+                    finally:
+                        wna16.DP4A_BLOCK_N = default
+                    line[f"dp4a_symmetric_{block_n}ch_us"] = round(1e3 * us / copies, 1)
             print(json.dumps(line), flush=True)
 
 
