@@ -97,9 +97,9 @@ DP4A_PREQUANT = False
 # repeating the unpacking) it lost past two rows (H100, Q4_K_M 8B decode step, session 24: at 2
 # rows 5.78 against LOWP words' 5.90 ms, at 4 8.32 against 6.02, at 16 25.2 against 6.85). Now a
 # program unpacks a tile's quants once for all its rows, which take their activations quantised
-# first, DP4A_ROWS_BLOCK_N channels a program: in the sm_90 SASS of the loop (scripts/sass_loop.py)
-# 2.93 instructions a weight at 2 rows, 4.95 at 4, 9.0 at 8, against LOWP words' 3.84 (64
-# channels: 3.48, 5.91). Not yet timed: 1
+# first, DP4A_ROWS_BLOCK_N channels a program, the dp4a sums chained: in the sm_90 SASS of the
+# loop (scripts/sass_loop.py) 2.52 instructions a weight at 2 rows, 3.85 at 4, 6.5 at 8, against
+# LOWP words' 3.84. Not yet timed: 1
 DP4A_MAX_ROWS = 1
 DP4A_ROWS_BLOCK_N = 128
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
@@ -292,10 +292,10 @@ def _gguf_dp4a_kernel(
                 at = step if r == 0 else r * num_steps + step  # (row 0: no address arithmetic a step)
                 x_words = tl.load(x_ptr + at * 64 + 16 * c + 8 * h + w)
                 d_x, sum_x = tl.load(d_ptr + at * 8 + groups), tl.load(sum_ptr + at * 8 + groups)
-                terms = _dp4a_terms(q, d1, m1, x_words, d_x, sum_x, ASM)
+                terms = _dp4a_terms(q, d1, m1, x_words, d_x, sum_x, ASM, ROWS > 1)
             else:
                 x_row = x_ptr if r == 0 else x_ptr + r * stride_x
-                terms = _dp4a_terms(q, d1, m1, *q8_step(x_row, step), ASM)
+                terms = _dp4a_terms(q, d1, m1, *q8_step(x_row, step), ASM, ROWS > 1)
             if ROWS == 1:
                 acc += terms
             else:
@@ -309,12 +309,49 @@ def _gguf_dp4a_kernel(
 
 
 @triton.jit
-def _dp4a_terms(q, d1, m1, x_words, d_x, sum_x, ASM: tl.constexpr):
+def _dp4a_terms(q, d1, m1, x_words, d_x, sum_x, ASM: tl.constexpr, CHAIN: tl.constexpr):
     """A Q4_K / Q5_K step's terms for one row, [BLOCK_N, 4, 2] (a sub-block each): d1 d_x
     sum(q q_x) - m1 sum(x), the sums of the quants q times the activations' int8 words x_words
-    by dp4a."""
-    dots = tl.sum(dp4a(q, tl.broadcast_to(x_words[None], q.shape), tl.zeros_like(q), ASM), axis=2)
+    by dp4a. CHAIN: each dp4a adds into the previous one's result (no separate adds; its
+    slicing costs shared-memory round trips: with several rows, 2.52 instructions a weight
+    against 2.93 at 2 rows, 3.85 against 4.95 at 4; one row, 64 channels: 342 against 331 a
+    step, so not there)."""
+    if CHAIN:
+        low, high = tl.split(q)  # [BLOCK_N, 4, 8] each: sub-blocks 2 c and 2 c + 1
+        x_low, x_high = tl.split(x_words)  # [4, 8]
+        dots = tl.join(_chained_dots(low, x_low, ASM), _chained_dots(high, x_high, ASM))
+    else:
+        dots = tl.sum(dp4a(q, tl.broadcast_to(x_words[None], q.shape), tl.zeros_like(q), ASM), axis=2)
     return d1 * (d_x[None] * dots.to(tl.float32)) - m1 * sum_x[None]
+
+
+@triton.jit
+def _eighths(t):
+    """t [..., 8] as its eight [...] slices (the last axis split in halves three times)."""
+    a, b = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2, 2]))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    a00, a01 = tl.split(a0)
+    a10, a11 = tl.split(a1)
+    b00, b01 = tl.split(b0)
+    b10, b11 = tl.split(b1)
+    return a00, a01, a10, a11, b00, b01, b10, b11
+
+
+@triton.jit
+def _chained_dots(q, x_words, ASM: tl.constexpr):
+    """sum over the last axis of dp4a(q [BLOCK_N, 4, 8], x_words [4, 8]), each dp4a adding into
+    the previous one's result (no separate adds)."""
+    q0, q1, q2, q3, q4, q5, q6, q7 = _eighths(q)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _eighths(x_words)
+    acc = dp4a(q0, tl.broadcast_to(x0[None], q0.shape), tl.zeros_like(q0), ASM)
+    acc = dp4a(q1, tl.broadcast_to(x1[None], q1.shape), acc, ASM)
+    acc = dp4a(q2, tl.broadcast_to(x2[None], q2.shape), acc, ASM)
+    acc = dp4a(q3, tl.broadcast_to(x3[None], q3.shape), acc, ASM)
+    acc = dp4a(q4, tl.broadcast_to(x4[None], q4.shape), acc, ASM)
+    acc = dp4a(q5, tl.broadcast_to(x5[None], q5.shape), acc, ASM)
+    acc = dp4a(q6, tl.broadcast_to(x6[None], q6.shape), acc, ASM)
+    return dp4a(q7, tl.broadcast_to(x7[None], q7.shape), acc, ASM)
 
 
 @triton.jit
