@@ -112,12 +112,15 @@ if has ggufquick; then
   BENCH_GGUF_QUICK=1 timeout 450 python3 scripts/bench_gguf.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ggufquick.txt"
 fi
 if has w4a16; then
-  # w4a16 g128 at the 8B shape, batch 1 (issue 19): bf16, w4a16 with the defaults, then with
-  # W4A16_AB's switches (default: the one-row int8-activation product, wna16.DP4A)
-  Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024 --batch-sizes 1"
+  # w4a16 g128 at the 8B shape, batch 1 (or W4A16_BATCHES; issue 19): bf16, w4a16 with the
+  # defaults, then with W4A16_AB's switches, arms apart by ";" (default: the int8-activation
+  # product up to 4 rows, wna16.DP4A_MAX_ROWS=4)
+  Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024"
+  Q="$Q --batch-sizes ${W4A16_BATCHES:-1}"
   { $B latency,decode $Q; $B latency,decode $Q --checkpoint-format w4a16-g128
-    ab=${W4A16_AB:-mmserve.kernels.wna16.DP4A=True}; echo "$ab"
-    python3 scripts/ab_switch.py $ab -- latency,decode $Q --checkpoint-format w4a16-g128
+    IFS=';' read -ra arms <<< "${W4A16_AB:-mmserve.kernels.wna16.DP4A_MAX_ROWS=4}"
+    for ab in "${arms[@]}"; do echo "$ab"
+      python3 scripts/ab_switch.py $ab -- latency,decode $Q --checkpoint-format w4a16-g128; done
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/w4a16.txt"
 fi
 if has serial; then

@@ -22,7 +22,14 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mmserve.kernels import gguf_gemm, wna16
 from mmserve.kernels.gguf_blocks import FORMATS, LOWP_TYPES, STEP_PARTS
-from tests.kernels.sm90_compile import DP4A, Q6K_DP4A, ROWS, WNA16_DP4A, compile_sm90
+from tests.kernels.sm90_compile import (
+    DP4A,
+    Q6K_DP4A,
+    ROWS,
+    WNA16_DP4A,
+    WNA16_DP4A_ROWS,
+    compile_sm90,
+)
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 ALIGNED = ("row_bytes", "stride_x", "n")
@@ -55,6 +62,10 @@ def main(qtypes: list[str]) -> None:
             constexprs = {"BLOCK_N": block_n, "HAS_ZEROS": False, "SPLIT": True, "ASM": True, "SERIAL": False}
             kernel = compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, constexprs, ("n", "stride_q", "stride_s"), warps)
             _print_loop(f"w4a16 dp4a block_n={block_n} warps={warps}", kernel, tmp, block_n * 128 / (warps * 32))
+        for rows in (2, 4, 8):  # several rows, their activations quantised first
+            constexprs = {"BLOCK_N": 128, "HAS_ZEROS": False, "SPLIT": True, "ASM": True, "SERIAL": False, "ROWS": rows}
+            kernel = compile_sm90(wna16._wna16_dp4a_rows_kernel, WNA16_DP4A_ROWS, constexprs, ("n", "stride_q", "stride_s"), 4)
+            _print_loop(f"w4a16 dp4a rows={rows} block_n=128 warps=4 (a weight: all rows)", kernel, tmp, 128 * 128 / 128)
         qtypes = [q for q in qtypes if q != "w4a16"]
     for qtype in qtypes:
         fmt = FORMATS[qtype]

@@ -85,6 +85,12 @@ LOWP_MAX_ROWS = 8
 # batch 1: 4.50 -> 3.26 ms/token (bf16 6.27, same machine)
 DP4A = True
 DP4A_BLOCK_N = 128  # (sm_90 SASS, Triton 3.6: 2.29 instructions a weight; 64 channels: 3.91)
+# rows the int8-activation product takes by default (dp4a=True: up to DP4A_ROWS). Several rows go
+# to _wna16_dp4a_rows_kernel, their activations quantised first by a kernel of their own and a
+# step's words unpacked once for all of them: in the sm_90 SASS of its loop 2.64 instructions a
+# weight at 2 rows, 3.73 at 4, 6.35 at 8, against LOWP's 6.7-6.9 (session 24). Not yet timed: 1
+DP4A_MAX_ROWS = 1
+DP4A_ROWS = 16
 
 
 @triton.jit
@@ -211,6 +217,32 @@ def _wna16_kernel(
 
 
 @triton.jit
+def _step_quants(qweight_ptr, row, k_hi, stride_q, offs_n, mask_n):
+    """A DP4A step's 4-bit words at rows `row` [4, 4] (word (g, w)) of BLOCK_N columns, as their
+    even and odd values' bytes: [4, 4, BLOCK_N, 2]."""
+    words = tl.load(
+        qweight_ptr + row[:, :, None].to(tl.int64) * stride_q + offs_n[None, None, :],
+        mask=(row < k_hi // 8)[:, :, None] & mask_n[None, None, :], other=0,
+    )  # fmt: skip
+    return tl.join(words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F)
+
+
+@triton.jit
+def _step_scales(scales_ptr, zeros_ptr, k0, k_hi, group_size, stride_s, offs_n, mask_n, HAS_ZEROS: tl.constexpr):
+    """The scales and zero points (float32 [4, BLOCK_N]) of a DP4A step's four groups of 32 (a
+    symmetric weight's zero: 8)."""
+    groups = (k0 + 32 * tl.arange(0, 4)) // group_size
+    at_s = groups[:, None] * stride_s + offs_n[None, :]
+    mask_s = (k0 + 32 * tl.arange(0, 4) < k_hi)[:, None] & mask_n[None, :]
+    s = tl.load(scales_ptr + at_s, mask=mask_s, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(zeros_ptr + at_s, mask=mask_s, other=0.0).to(tl.float32)
+    else:
+        z = tl.full(s.shape, 8.0, tl.float32)
+    return s, z
+
+
+@triton.jit
 def _wna16_dp4a_kernel(
     out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr, n, k, group_size, k_per_split, stride_q,
     stride_s, final_ptr, counters_ptr, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
@@ -238,24 +270,70 @@ def _wna16_dp4a_kernel(
         q_x = q8_values(x, amax[:, None, None, None])
         x_words = tl.xor_sum((q_x & 0xFF) << (8 * b), axis=2)  # [4, 4, 2]: disjoint bytes
         sum_x = tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=1)
-        row = k0 // 8 + rows
-        words = tl.load(
-            qweight_ptr + row[:, :, None].to(tl.int64) * stride_q + offs_n[None, None, :],
-            mask=(row < k_hi // 8)[:, :, None] & mask_n[None, None, :], other=0,
-        )  # [4, 4, BLOCK_N]
-        q = tl.join(words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F)  # [4, 4, BLOCK_N, 2]
+        q = _step_quants(qweight_ptr, k0 // 8 + rows, k_hi, stride_q, offs_n, mask_n)  # [4, 4, BLOCK_N, 2]
         x_q = tl.broadcast_to(x_words[:, :, None, :], q.shape)
         dots = tl.sum(tl.sum(dp4a(q, x_q, tl.zeros_like(q), ASM), axis=3), axis=1)  # [4, BLOCK_N]
-        groups = (k0 + 32 * tl.arange(0, 4)) // group_size
-        at_s = groups[:, None] * stride_s + offs_n[None, :]
-        mask_s = (k0 + 32 * tl.arange(0, 4) < k_hi)[:, None] & mask_n[None, :]
-        s = tl.load(scales_ptr + at_s, mask=mask_s, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            z = tl.load(zeros_ptr + at_s, mask=mask_s, other=0.0).to(tl.float32)
-        else:
-            z = tl.full(s.shape, 8.0, tl.float32)
+        s, z = _step_scales(scales_ptr, zeros_ptr, k0, k_hi, group_size, stride_s, offs_n, mask_n, HAS_ZEROS)
         acc += s * ((amax / 127.0)[:, None] * dots.to(tl.float32) - z * sum_x[:, None])
     store_tile(out_ptr, tl.sum(acc, axis=0), offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
+
+
+@triton.jit
+def _wna16_q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr, k, stride_x):
+    """Step program_id(0) (128 values of K) of row program_id(1) of the activations quantised
+    by 32 for _wna16_dp4a_rows_kernel: int8 words [rows, steps, 4, 4, 2] (g, w, parity: byte b
+    element 128 s + 32 g + 8 w + 2 b + parity, as _wna16_dp4a_kernel builds them), each group's
+    max |x| / 127 and sum [rows, steps, 4]."""
+    step, r = tl.program_id(0), tl.program_id(1)
+    g = tl.arange(0, 4)[:, None, None, None]
+    w = tl.arange(0, 4)[None, :, None, None]
+    b = tl.arange(0, 4)[None, None, :, None]
+    p = tl.arange(0, 2)[None, None, None, :]
+    at = step * 128 + 32 * g + 8 * w + 2 * b + p
+    x = tl.load(x_ptr + r.to(tl.int64) * stride_x + at, mask=at < k, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)  # [4]
+    x_words = tl.xor_sum((q8_values(x, amax[:, None, None, None]) & 0xFF) << (8 * b), axis=2)  # [4, 4, 2]
+    base = r * tl.num_programs(0) + step
+    gw = 8 * tl.arange(0, 4)[:, None, None] + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
+    tl.store(words_ptr + base * 32 + gw, x_words)
+    tl.store(d_ptr + base * 4 + tl.arange(0, 4), amax / 127.0)
+    tl.store(sum_ptr + base * 4 + tl.arange(0, 4), tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=1))
+
+
+@triton.jit
+def _wna16_dp4a_rows_kernel(
+    out_ptr, words_ptr, d_ptr, sum_ptr, qweight_ptr, scales_ptr, zeros_ptr, n, k, group_size,
+    k_per_split, stride_q, stride_s, num_steps, final_ptr, counters_ptr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+    SERIAL: tl.constexpr,
+):  # fmt: skip
+    """ROWS rows (DP4A), 4 bits, their activations quantised first (_wna16_q8_kernel): a step's
+    words, scales and zeros read and unpacked once for all rows (as _wna16_dp4a_kernel's), each
+    row's terms added into its row of a [ROWS, 4, BLOCK_N] accumulator summed over the groups
+    at the end."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k, k_lo + k_per_split)
+    rows = tl.arange(0, 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # word (g, w): row 4 g + w of the step
+    gw = 8 * tl.arange(0, 4)[:, None, None] + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
+    ROWS_P2: tl.constexpr = triton.next_power_of_2(ROWS)
+    rows_at = tl.arange(0, ROWS_P2)[:, None, None]
+    acc = tl.zeros([ROWS_P2, 4, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, 128):
+        q = _step_quants(qweight_ptr, k0 // 8 + rows, k_hi, stride_q, offs_n, mask_n)  # [4, 4, BLOCK_N, 2]
+        s, z = _step_scales(scales_ptr, zeros_ptr, k0, k_hi, group_size, stride_s, offs_n, mask_n, HAS_ZEROS)
+        for r in tl.static_range(ROWS):
+            base = k0 // 128 if r == 0 else r * num_steps + k0 // 128
+            x_words = tl.load(words_ptr + base * 32 + gw)  # [4, 4, 2]
+            d_x, sum_x = tl.load(d_ptr + base * 4 + tl.arange(0, 4)), tl.load(sum_ptr + base * 4 + tl.arange(0, 4))
+            x_q = tl.broadcast_to(x_words[:, :, None, :], q.shape)
+            dots = tl.sum(tl.sum(dp4a(q, x_q, tl.zeros_like(q), ASM), axis=3), axis=1)  # [4, BLOCK_N]
+            terms = s * (d_x[:, None] * dots.to(tl.float32) - z * sum_x[:, None])
+            acc += tl.where(rows_at == r, terms[None], 0.0)
+    rows_at = tl.arange(0, ROWS_P2)[:, None]
+    offs, mask = rows_at * n + offs_n[None, :], (rows_at < ROWS) & mask_n[None, :]
+    store_tile(out_ptr, tl.sum(acc, axis=1), offs, mask, ROWS * n, final_ptr, counters_ptr, SPLIT, SERIAL)
 
 
 @triton.jit
@@ -366,8 +444,8 @@ def wna16_gemm(
     rows (decode steps) the product kernel; more (prefill) the weight dequantised to x's dtype,
     CHUNK_ELEMENTS at a time, and torch.matmul: the kernel re-reads and re-dequantises the weight
     for every 64-row tile (on the H200, 64 rows of the 8B shape's gate_up took 393 us against
-    bf16's 61, session 12). tiling (for sweeps) forces the kernel. dp4a: one row with int8
-    activations (_wna16_dp4a_kernel; default: uses_dp4a)."""
+    bf16's 61, session 12). tiling (for sweeps) forces the kernel. dp4a: int8 activations
+    (_wna16_dp4a_kernel, several rows _wna16_dp4a_rows_kernel; default: uses_dp4a)."""
     _check(x, qweight, scales, zeros, bits, group_size)
     rows, k = x.shape
     n = qweight.shape[1]
@@ -406,11 +484,13 @@ def wna16_gemm(
 
 
 def uses_dp4a(x: torch.Tensor, bits: int, group_size: int) -> bool:
-    """Whether wna16_gemm multiplies x by default with int8 activations (DP4A): one row of 16-bit
-    x, 4 bits, K and the group size multiples of 32 (or one group a column)."""
+    """Whether wna16_gemm multiplies x by default with int8 activations (DP4A): up to
+    DP4A_MAX_ROWS rows of 16-bit x, 4 bits, K and the group size multiples of 32 (or one group a
+    column)."""
     k = x.shape[1]
     whole = group_size % 32 == 0 or group_size >= k
-    return DP4A and x.shape[0] == 1 and x.dtype != torch.float32 and bits == 4 and k % 32 == 0 and whole
+    few = 1 <= x.shape[0] <= DP4A_MAX_ROWS
+    return DP4A and few and x.dtype != torch.float32 and bits == 4 and k % 32 == 0 and whole
 
 
 def _dp4a_product(
@@ -418,17 +498,24 @@ def _dp4a_product(
     zeros: torch.Tensor | None, group_size: int,
 ) -> torch.Tensor:  # fmt: skip
     (rows, k), n = x.shape, qweight.shape[1]
-    if rows != 1 or k % 32 or not (group_size % 32 == 0 or group_size >= k):
-        raise ValueError(f"dp4a takes one row, K and the group size multiples of 32: {rows=}, {k=}, {group_size=}")
+    if rows > DP4A_ROWS or k % 32 or not (group_size % 32 == 0 or group_size >= k):
+        raise ValueError(
+            f"dp4a takes up to {DP4A_ROWS} rows, K and the group size multiples of 32: {rows=}, {k=}, {group_size=}"
+        )
     tiles, steps = triton.cdiv(n, DP4A_BLOCK_N), triton.cdiv(k, 128)
     splits, per_split = k_splits(tiles, steps, grid_sms(x.device), PROGRAMS_PER_SM)
     target, counters = split_target(out, splits, tiles)
-    _wna16_dp4a_kernel[(tiles, splits)](
-        target, x, qweight, scales, scales if zeros is None else zeros, n, k, group_size,
-        per_split * 128, qweight.stride(0), scales.stride(0), BLOCK_N=DP4A_BLOCK_N,
-        HAS_ZEROS=zeros is not None, SPLIT=splits > 1, ASM=not triton.knobs.runtime.interpret,
-        **store_args(out, counters),
-    )  # fmt: skip
+    operands = (qweight, scales, scales if zeros is None else zeros, n, k, group_size, per_split * 128,
+                qweight.stride(0), scales.stride(0))  # fmt: skip
+    meta = {"BLOCK_N": DP4A_BLOCK_N, "HAS_ZEROS": zeros is not None, "SPLIT": splits > 1,
+            "ASM": not triton.knobs.runtime.interpret, **store_args(out, counters)}  # fmt: skip
+    if rows == 1:
+        _wna16_dp4a_kernel[(tiles, splits)](target, x, *operands, **meta)
+    else:  # the rows' activations quantised first, then the words unpacked once for all of them
+        words = torch.empty(rows, steps * 32, dtype=torch.int32, device=x.device)
+        d_x, sum_x = torch.empty(2, rows, steps * 4, dtype=torch.float32, device=x.device)
+        _wna16_q8_kernel[(steps, rows)](words, d_x, sum_x, x, k, x.stride(0))
+        _wna16_dp4a_rows_kernel[(tiles, splits)](target, words, d_x, sum_x, *operands, steps, ROWS=rows, **meta)
     return finish_splits(out, target, counters)
 
 

@@ -39,6 +39,10 @@ ENDS = ({"SPLIT": False, "SERIAL": False}, {"SPLIT": True, "SERIAL": False}, {"S
 FP8 = {"out_ptr": "*bf16", "part_ptr": "*fp32", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "wq_ptr": "*fp8e4nv",
        "ws_ptr": "*fp32", "counters_ptr": "*i32", "rows": "i32", "n": "i32", "k": "i32", "k_per_split": "i32",
        "stride_x": "i32", "stride_w": "i32", "stride_out": "i32"}  # fmt: skip
+WNA16_DP4A_ROWS = {"out_ptr": "*fp32", "words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32",
+                   "qweight_ptr": "*i32", "scales_ptr": "*bf16", "zeros_ptr": "*bf16", "n": "i32", "k": "i32",
+                   "group_size": "i32", "k_per_split": "i32", "stride_q": "i32", "stride_s": "i32",
+                   "num_steps": "i32", "final_ptr": "*bf16", "counters_ptr": "*i32"}  # fmt: skip
 DEQUANT = {"out_ptr": "*bf16", "w_ptr": "*u8", "n": "i32", "k": "i32", "num_blocks": "i32",
            "row_bytes": "i32"}  # fmt: skip
 
@@ -95,6 +99,10 @@ def main() -> None:
             "EVEN_K": even_k})  # fmt: skip
     for zeros, ends in itertools.product((False, True), ENDS):
         compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": 64, "HAS_ZEROS": zeros, **ends, "ASM": True})
+        compile_sm90(wna16._wna16_dp4a_rows_kernel, WNA16_DP4A_ROWS, {"BLOCK_N": 128, "HAS_ZEROS": zeros, **ends,
+                                                                      "ASM": True, "ROWS": 3})  # fmt: skip
+    compile_sm90(wna16._wna16_q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16",
+                                          "k": "i32", "stride_x": "i32"}, {})  # fmt: skip
     print("w4a16 (LOWP, DP4A) compiled for sm_90", flush=True)
     compile_sm90(gguf_gemm._q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16",
                                         "stride_x": "i32"}, {})  # fmt: skip

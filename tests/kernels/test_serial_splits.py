@@ -36,7 +36,8 @@ def _products():  # type: ignore[no-untyped-def]
         blocks = random_blocks(qtype, 96, 1024, seed=rows)
         x = torch.randn(rows, 1024, generator=g).to(dtype).to(DEVICE)
         cases.append((f"gguf-{qtype}-{rows}-{forms}", lambda x=x, b=blocks, q=qtype, f=forms: gguf_gemm_rows(x, b, q, **f), SUM))
-    for rows, dtype, group_size, dp4a in [(1, torch.float16, 128, True), (3, torch.float32, 64, False), (2, torch.float16, 128, False)]:
+    wna16_cases = [(1, torch.float16, 128, True), (3, torch.float16, 128, True), (3, torch.float32, 64, False), (2, torch.float16, 128, False)]
+    for rows, dtype, group_size, dp4a in wna16_cases:
         q = torch.randint(0, 16, (1024, 80), generator=g)
         scales = (torch.rand(1024 // group_size, 80, generator=g) * 0.02).to(dtype)
         zeros = torch.randint(0, 16, (1024 // group_size, 80), generator=g).to(dtype)

@@ -225,6 +225,32 @@ def test_one_row_in_int8_activations(case, symmetric, dtype, monkeypatch):  # ty
     out = wna16_gemm(plain.to(DEVICE), *args[1:], 4, group_size, dp4a=True).float().cpu()
     exact = plain.float() @ dequantize_packed(qweight, scales, z, 4, group_size).t()
     assert ((out - exact).norm() / exact.norm()).item() < 2e-2
-    monkeypatch.setattr(wna16, "DP4A", True)  # the default path takes it for one 16-bit row only
+    monkeypatch.setattr(wna16, "DP4A", True)  # the default path takes it for DP4A_MAX_ROWS 16-bit rows
     assert wna16.uses_dp4a(args[0], 4, group_size) == (dtype != torch.float32)
     assert not wna16.uses_dp4a(args[0], 8, group_size) and not wna16.uses_dp4a(args[0], 4, 48)
+    assert not wna16.uses_dp4a(torch.zeros(wna16.DP4A_MAX_ROWS + 1, k, dtype=dtype), 4, group_size)
+
+
+@pytest.mark.parametrize("dtype", [d for d in FLOAT_DTYPES if d != torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [(3, 72, 416, 32, False), (2, 100, 1024, 128, True), (5, 64, 320, 320, False)], ids=str)
+def test_a_few_rows_in_int8_activations(case, dtype):  # type: ignore[no-untyped-def]
+    """dp4a=True with several rows (quantised first, a step's words unpacked once for every
+    row): the torch reference of its arithmetic, and each row as its own one-row product (but
+    for the order of float32 sums); K split (1024) and not, a partial last step, per channel,
+    symmetric."""
+    from mmserve.kernels import wna16
+
+    rows, n, k, group_size, symmetric = case
+    x, q, zeros, scales, _ = _operands(rows, n, k, 4, group_size, dtype)
+    x[-1, 40:72] = 0.0  # a group of zeros
+    args = [t.to(DEVICE) if t is not None else None for t in (x, pack_columns(q, 4), scales, None if symmetric else zeros)]
+    out = wna16_gemm(*args, 4, group_size, dp4a=True)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    expected = wna16.wna16_dp4a_ref(*args, 4, group_size).cpu()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    for r in range(rows):
+        one = wna16_gemm(args[0][r : r + 1], *args[1:], 4, group_size, dp4a=True).float().cpu()
+        torch.testing.assert_close(out[r : r + 1].float().cpu(), one, rtol=tol, atol=tol * one.abs().max().item())
+    with pytest.raises(ValueError, match="dp4a takes up to"):
+        wna16_gemm(torch.zeros(wna16.DP4A_ROWS + 1, k, dtype=dtype, device=DEVICE), *args[1:], 4, group_size, dp4a=True)
