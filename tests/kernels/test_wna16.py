@@ -231,7 +231,7 @@ def test_one_row_in_int8_activations(case, symmetric, dtype, monkeypatch):  # ty
     assert not wna16.uses_dp4a(torch.zeros(wna16.DP4A_MAX_ROWS + 1, k, dtype=dtype), 4, group_size)
 
 
-@pytest.mark.parametrize("dtype", [d for d in FLOAT_DTYPES if d != torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("case", [(3, 72, 416, 32, False), (2, 100, 1024, 128, True), (5, 64, 320, 320, False)], ids=str)
 def test_a_few_rows_in_int8_activations(case, dtype):  # type: ignore[no-untyped-def]
     """dp4a=True with several rows (quantised first, a step's words unpacked once for every
@@ -247,7 +247,7 @@ def test_a_few_rows_in_int8_activations(case, dtype):  # type: ignore[no-untyped
     out = wna16_gemm(*args, 4, group_size, dp4a=True)
     assert out.shape == (rows, n) and out.dtype == dtype
     expected = wna16.wna16_dp4a_ref(*args, 4, group_size).cpu()
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]  # (the output's rounding)
     torch.testing.assert_close(out.float().cpu(), expected, rtol=tol, atol=tol * expected.abs().max().item())
     for r in range(rows):
         one = wna16_gemm(args[0][r : r + 1], *args[1:], 4, group_size, dp4a=True).float().cpu()
