@@ -2,7 +2,8 @@
 dequantised weight's product at the 8B shape's projections, bf16, 1 and 16 rows; relative
 errors and microseconds (CUDA graphs, weights cycled past the L2). At one row also the
 int8-activation form (wna16.DP4A), against the exact product and its own reference, and timed
-at 64 and 256 channels a program too. The GGUF forms are scripts/bench_gguf.py's.
+at 64 and 256 channels a program too; at 2, 4 and 8 rows LOWP against the int8-activation rows
+kernel. The GGUF forms are scripts/bench_gguf.py's.
 
     python scripts/check_lowp.py
 """
@@ -73,6 +74,20 @@ def main() -> None:
                     finally:
                         wna16.DP4A_BLOCK_N = default
                     line[f"dp4a_symmetric_{block_n}ch_us"] = round(1e3 * us / copies, 1)
+            print(json.dumps(line), flush=True)
+        for rows in (2, 4, 8):  # several rows: LOWP (the default) against the int8-activation rows kernel
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            line = {"n": n, "k": k, "rows": rows}
+            for key, dp4a in (("lowp", False), ("dp4a", True)):
+                out = wna16_gemm(x, qs[0], scales, zeros, 4, 128, dp4a=dp4a).float()
+                exact = wna16_gemm_ref(x, qs[0], scales, zeros, 4, 128)
+                line[f"{key}_rel_err"] = round(((out - exact).norm() / exact.norm()).item(), 6)
+
+                def run_rows(x=x, qs=qs, scales=scales, zeros=zeros, dp4a=dp4a) -> None:  # type: ignore[no-untyped-def]
+                    for q in qs:
+                        wna16_gemm(x, q, scales, zeros, 4, 128, dp4a=dp4a)
+
+                line[f"{key}_us"] = round(1e3 * triton.testing.do_bench_cudagraph(run_rows, rep=100) / copies, 1)
             print(json.dumps(line), flush=True)
 
 
