@@ -105,7 +105,7 @@ if has dp4a; then
   # w4a16 tests in bf16 on the device, then check_lowp.py (w4a16's forms, its dp4a at one row)
   timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_gguf.py tests/gpu/test_gpu_quantized_decode.py tests/kernels/test_gguf_gemm.py tests/kernels/test_wna16.py \
     -k "gpu or int8 or one_row or matmul_is or dequantised_product" 2>&1 | tail -12 | tee "$OUT/dp4a-tests.txt"
-  timeout 120 python3 scripts/check_lowp.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/dp4a.txt"
+  timeout 180 python3 scripts/check_lowp.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/dp4a.txt"
 fi
 if has ggufquick; then
   # bench_gguf's quick mode: its checks, the GGUF forms at 1, 4 and 16 rows, DP4A's forms (at most 7.5 minutes)
