@@ -27,7 +27,7 @@ def _products():  # type: ignore[no-untyped-def]
     cases = []
     for qtype, rows, dtype, forms in [
         ("Q4_K", 1, torch.float16, {"dp4a": True}),  # _gguf_dp4a_kernel, one row
-        ("Q5_K", 3, torch.float16, {"dp4a": True}),  # several rows: a counter a row and tile
+        ("Q5_K", 3, torch.float16, {"dp4a": True}),  # several rows, one program (and counter) a tile
         ("Q6_K", 1, torch.float16, {"dp4a": True}),  # _gguf_q6k_dp4a_kernel
         ("Q4_K", 1, torch.float32, {"gemv": True}),  # _gguf_gemv_kernel
         ("Q4_0", 5, torch.float32, {}),  # _gguf_gemm_rows_kernel
