@@ -257,19 +257,10 @@ def _wna16_dp4a_kernel(
     mask_n = offs_n < n
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k, k_lo + k_per_split)
-    g = tl.arange(0, 4)[:, None, None, None]
-    w = tl.arange(0, 4)[None, :, None, None]
-    b = tl.arange(0, 4)[None, None, :, None]
-    p = tl.arange(0, 2)[None, None, None, :]
     rows = tl.arange(0, 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # word (g, w): row 4 g + w of the step
     acc = tl.zeros([4, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, 128):
-        at = k0 + 32 * g + 8 * w + 2 * b + p
-        x = tl.load(x_ptr + at, mask=at < k_hi, other=0.0).to(tl.float32)  # [4, 4, 4, 2]
-        amax = tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)  # [4]
-        q_x = q8_values(x, amax[:, None, None, None])
-        x_words = tl.xor_sum((q_x & 0xFF) << (8 * b), axis=2)  # [4, 4, 2]: disjoint bytes
-        sum_x = tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=1)
+        x_words, amax, sum_x = _step_activations(x_ptr, k0, k_hi)
         q = _step_quants(qweight_ptr, k0 // 8 + rows, k_hi, stride_q, offs_n, mask_n)  # [4, 4, BLOCK_N, 2]
         x_q = tl.broadcast_to(x_words[:, :, None, :], q.shape)
         dots = tl.sum(tl.sum(dp4a(q, x_q, tl.zeros_like(q), ASM), axis=3), axis=1)  # [4, BLOCK_N]
@@ -279,25 +270,33 @@ def _wna16_dp4a_kernel(
 
 
 @triton.jit
-def _wna16_q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr, k, stride_x):
-    """Step program_id(0) (128 values of K) of row program_id(1) of the activations quantised
-    by 32 for _wna16_dp4a_rows_kernel: int8 words [rows, steps, 4, 4, 2] (g, w, parity: byte b
-    element 128 s + 32 g + 8 w + 2 b + parity, as _wna16_dp4a_kernel builds them), each group's
-    max |x| / 127 and sum [rows, steps, 4]."""
-    step, r = tl.program_id(0), tl.program_id(1)
+def _step_activations(x_row, k0, k_hi):
+    """A DP4A step's 128 activations of the row at x_row (those past k_hi: 0) quantised by 32
+    (q8_values): their int8 words [4, 4, 2] (g, w, parity: byte b element k0 + 32 g + 8 w + 2 b
+    + parity, to match _step_quants), each group's max |x| and sum (float32 [4])."""
     g = tl.arange(0, 4)[:, None, None, None]
     w = tl.arange(0, 4)[None, :, None, None]
     b = tl.arange(0, 4)[None, None, :, None]
     p = tl.arange(0, 2)[None, None, None, :]
-    at = step * 128 + 32 * g + 8 * w + 2 * b + p
-    x = tl.load(x_ptr + r.to(tl.int64) * stride_x + at, mask=at < k, other=0.0).to(tl.float32)
+    at = k0 + 32 * g + 8 * w + 2 * b + p
+    x = tl.load(x_row + at, mask=at < k_hi, other=0.0).to(tl.float32)  # [4, 4, 4, 2]
     amax = tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)  # [4]
-    x_words = tl.xor_sum((q8_values(x, amax[:, None, None, None]) & 0xFF) << (8 * b), axis=2)  # [4, 4, 2]
+    x_words = tl.xor_sum((q8_values(x, amax[:, None, None, None]) & 0xFF) << (8 * b), axis=2)  # disjoint bytes
+    return x_words, amax, tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def _wna16_q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr, k, stride_x):
+    """Step program_id(0) (128 values of K) of row program_id(1) of the activations quantised
+    by 32 (_step_activations) for _wna16_dp4a_rows_kernel: int8 words [rows, steps, 4, 4, 2],
+    each group's max |x| / 127 and sum [rows, steps, 4]."""
+    step, r = tl.program_id(0), tl.program_id(1)
+    x_words, amax, sum_x = _step_activations(x_ptr + r.to(tl.int64) * stride_x, step * 128, k)
     base = r * tl.num_programs(0) + step
     gw = 8 * tl.arange(0, 4)[:, None, None] + 2 * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2)[None, None, :]
     tl.store(words_ptr + base * 32 + gw, x_words)
     tl.store(d_ptr + base * 4 + tl.arange(0, 4), amax / 127.0)
-    tl.store(sum_ptr + base * 4 + tl.arange(0, 4), tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=1))
+    tl.store(sum_ptr + base * 4 + tl.arange(0, 4), sum_x)
 
 
 @triton.jit
