@@ -120,6 +120,8 @@ class DecodeSamples:
             # the host's ms per step in each part (mmserve.bench.host_times: "wait" is the
             # time it waited for the device)
             "host_ms_per_step": self.host.per_step_ms(),
+            # the wall ms per step of the same steps (prefill's included, unlike steps_per_s)
+            "host_wall_ms_per_step": self.host.wall_ms_per_step(),
             "sample_output": self.sample_text[:400],  # what one request decoded, cut
         }
 

@@ -76,13 +76,14 @@ def test_bench_structured_on_a_tiny_model(
             # the endless schema never lets a constrained request stop early
             assert side["output_tokens_mean"] == OUTPUT_LEN and side["finished_early"] == 0
             # the host's parts of a step (bench/host_times.py): every one ran, and together
-            # they take no longer than the steps did
+            # they take no longer than the same steps did (prefill's among them; the
+            # collector's time can fall inside a part, so it is bounded on its own)
             host = side["host_ms_per_step"]
             assert set(host) == {"schedule", "launch", "wait", "sample", "update", "gc"}
             assert all(host[k] > 0 for k in ("schedule", "launch", "wait", "sample", "update"))
-            assert host["gc"] >= 0
-            total = 1e3 / side["steps_per_s"]
-            assert sum(host.values()) <= 1.5 * total
+            wall = side["host_wall_ms_per_step"]
+            assert sum(v for k, v in host.items() if k != "gc") <= wall + 0.01  # rounding
+            assert 0 <= host["gc"] <= wall + 0.01
         # a constrained request's text starts the schema's object (whitespace allowed first)
         assert line["constrained"]["sample_output"].lstrip().startswith("{")
 
