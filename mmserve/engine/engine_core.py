@@ -104,8 +104,8 @@ class EngineCore:
             )
         self.warmup_seconds = 0.0  # the start-up warm-up's time (engine/warmup.py)
         warm = config.model.warmup if config.model.warmup is not None else device.type == "cuda"
-        caps = model.capabilities  # (a model with a KV cache generates, unless a classifier)
-        if warm and num_blocks and caps.causal and not caps.classifier:
+        caps = model.capabilities  # (a decoder generates, unless a classifier or embeds_only)
+        if warm and num_blocks and caps.causal and not (caps.classifier or caps.embeds_only):
             self.warmup_seconds = timed_warm_up(
                 self.runner, config, num_blocks, self.max_model_len, model.vocab_size
             )

@@ -5,7 +5,8 @@ files and the tokenizer:
 - causal LM: generate + embed (last-token pooling unless told otherwise) + score/rerank by
   the probability of a "yes" answer (when the tokenizer has a chat template and single
   "yes"/"no" tokens);
-- encoder (BertModel, XLMRobertaModel): embed + score/rerank by cosine of embeddings;
+- encoder (BertModel, XLMRobertaModel), or a decoder without its LM head (MistralModel...):
+  embed + score/rerank by cosine of embeddings;
 - *ForSequenceClassification: classify, + score/rerank as a cross-encoder when the head has
   a single logit (ms-marco MiniLM, bge-reranker).
 """
@@ -18,6 +19,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import nn
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
 from mmserve.runner.pooler import POOLING_METHODS, ModelPooler, PoolerConfig
@@ -33,7 +37,15 @@ _ST_MODES = {
     "pooling_mode_lasttoken": "last",
 }
 _ST_UNSUPPORTED_MODES = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
-_ST_MODULES = ("Transformer", "Pooling", "Normalize")  # module types we reproduce exactly
+_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")  # module types we reproduce exactly
+# a Dense module's activation_function -> the torch module (the ones embedding models use)
+_ST_DENSE_ACTIVATIONS = {
+    "torch.nn.modules.activation.Tanh": nn.Tanh,
+    "torch.nn.modules.linear.Identity": nn.Identity,
+    "torch.nn.modules.activation.ReLU": nn.ReLU,
+    "torch.nn.modules.activation.GELU": nn.GELU,
+    "torch.nn.modules.activation.Sigmoid": nn.Sigmoid,
+}
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,7 @@ class SentenceTransformersInfo:
     method: str | None  # from 1_Pooling/config.json; None without a Pooling module
     normalize: bool  # a Normalize module follows the pooling
     max_seq_length: int | None  # sentence_bert_config.json: inputs are truncated to this
+    dense: tuple[Path, ...] = ()  # folders of the Dense modules after pooling, in order
 
 
 @dataclass(frozen=True)
@@ -81,7 +94,46 @@ def read_sentence_transformers(folder: Path) -> SentenceTransformersInfo | None:
     method = None
     if "Pooling" in kinds:
         method = _st_pooling_method(folder / kinds["Pooling"].get("path", "") / "config.json")
-    return SentenceTransformersInfo(method, "Normalize" in kinds, _st_max_seq_length(folder))
+    dense = tuple(
+        folder / m.get("path", "") for m in modules if str(m.get("type", "")).endswith("Dense")
+    )
+    return SentenceTransformersInfo(
+        method, "Normalize" in kinds, _st_max_seq_length(folder), dense
+    )
+
+
+def st_dense_head(folders: tuple[Path, ...]) -> tuple[nn.Sequential, int]:
+    """sentence-transformers' Dense modules as one [R, in] -> [R, out] module (float32), and
+    out: each is activation(linear(x)), weights in its folder's model.safetensors (older:
+    pytorch_model.bin) as linear.weight / linear.bias."""
+    layers: list[nn.Module] = []
+    out = 0
+    for folder in folders:
+        config = json.loads((folder / "config.json").read_text())
+        name = str(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
+        if name not in _ST_DENSE_ACTIVATIONS:
+            raise UnsupportedModel(
+                f"sentence-transformers Dense activation {name!r}; supported: "
+                f"{sorted(_ST_DENSE_ACTIVATIONS)}"
+            )
+        linear = nn.Linear(
+            config["in_features"], config["out_features"], bias=config.get("bias", True)
+        )
+        linear.load_state_dict(_st_dense_weights(folder))
+        layers += [linear, _ST_DENSE_ACTIVATIONS[name]()]
+        out = linear.out_features
+    return nn.Sequential(*layers).requires_grad_(False).eval(), out
+
+
+def _st_dense_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """A Dense module's {"weight", "bias"} (its checkpoint names them linear.*)."""
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(str(folder / "model.safetensors"))
+    else:
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    return {k.removeprefix("linear."): v.float() for k, v in state.items()}
 
 
 def _st_pooling_method(config_file: Path) -> str:
@@ -126,7 +178,8 @@ def pooling_setup(
     tasks: tuple[str, ...]
     score: str | None
     yes_no = None
-    if not model.capabilities.uses_kv_cache:  # an encoder: embeddings, cosine scores
+    caps = model.capabilities
+    if not caps.uses_kv_cache or caps.embeds_only:  # embeddings, cosine scores
         tasks, score = ("embed", "score", "rerank"), "cosine"
     else:
         yes_no = yes_no_token_ids(tokenizer)
@@ -134,11 +187,16 @@ def pooling_setup(
         if yes_no is not None:
             tasks, score = ("generate", "embed", "score", "rerank"), "yes-token"
     config = PoolerConfig(method, score=None if score == "cosine" else score, yes_no_ids=yes_no)
+    head, size = None, model.hidden_size
+    if st and st.dense:
+        head, size = st_dense_head(st.dense)
+        param = next(model.parameters())  # the head runs on the model's device, in its dtype
+        head.to(param.device, param.dtype)
     return PoolingSetup(
         tasks,
-        ModelPooler(model, config),
+        ModelPooler(model, config, head),
         score,
-        embedding_size=model.hidden_size,
+        embedding_size=size,
         max_input_len=st.max_seq_length if st else None,
         yes_no_ids=yes_no,
         st_normalize=bool(st and st.normalize),

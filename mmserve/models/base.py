@@ -32,6 +32,8 @@ class ModelCapabilities:
     uses_kv_cache: bool = True  # False: encoders, each input whole in one step, no KV cache
     default_pooling: str = "last"  # embedding pooling when no sentence-transformers files say
     classifier: bool = False  # sequence-classification head: ClassifierModel
+    # a decoder without its LM head (LlamaModel, MistralModel...): embeds, never generates
+    embeds_only: bool = False
     dual_encoder: bool = False  # CLIP/SigLIP: embeds texts and images (DualEncoderModel)
     reads_images: bool = False  # a VLM: images in prompts (MultiModalCausalLM)
     uses_mrope: bool = False  # forward() takes [3, T] positions; MRopeModel

@@ -60,6 +60,9 @@ _MERGED_PARTS = Counter(merged for merged, _ in _MERGED.values())  # qkv_proj: 3
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_PARALLEL = ("o_proj", "down_proj")
 _VOCAB_PARALLEL = ("embed_tokens.weight", "lm_head.weight")
+# names of a bare decoder's checkpoint (LlamaModel, Qwen3Model... saved alone, as embedding
+# models ship: e5-mistral-7b-instruct, Qwen3-Embedding), which lack the "model." prefix
+_BACKBONE_PARTS = ("embed_tokens.", "layers.", "norm.")
 
 
 @dataclass(frozen=True)
@@ -323,7 +326,7 @@ class LlamaForCausalLM(ModelBase):
         params = dict(self.named_parameters())  # a tied lm_head appears once, as the embedding
         loaded: set[str] = set()
         for name, tensor in weights:
-            loaded.add(self._load_one(params, name, tensor))
+            loaded.add(self._load_one(params, backbone_name(name), tensor))
         missing = _expected_keys(params) - loaded
         if missing:
             raise UnsupportedModel(f"checkpoint lacks weights: {sorted(missing)[:8]}")
@@ -402,6 +405,12 @@ def llama_shard(
         heads = KVHeads.of(spec.num_kv_heads, tp)
         return Shard(0, heads.first * spec.head_dim, (heads.first + heads.count) * spec.head_dim)
     return rows(tp, shape[0] // tp.size)
+
+
+def backbone_name(name: str) -> str:
+    """A checkpoint name as this model calls it: a bare decoder's "layers.0.mlp.up_proj.weight"
+    is "model.layers.0.mlp.up_proj.weight"."""
+    return f"model.{name}" if name.startswith(_BACKBONE_PARTS) else name
 
 
 def _has_module(model: nn.Module, path: str) -> bool:

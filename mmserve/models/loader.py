@@ -39,7 +39,7 @@ from mmserve.models.gguf_linear import (
 from mmserve.models.int8 import checkpoint_int8, prepare_int8_checkpoint, quantize_int8
 from mmserve.models.layers import ComputedBuffers
 from mmserve.models.parallel import TensorParallel, tensor_parallel
-from mmserve.models.registry import architecture_of, get_model_class
+from mmserve.models.registry import architecture_of, get_model_class, headless_architecture
 from mmserve.models.source import (
     ModelSource,
     iter_safetensors_weights,
@@ -47,6 +47,7 @@ from mmserve.models.source import (
     load_generation_config,
     load_hf_config,
     resolve_model_source,
+    safetensors_names,
     shard_weights,
 )
 from mmserve.models.weight_only import (
@@ -144,7 +145,7 @@ def load_model(
     checkpoint = resolve_model_source(model_config.model)
     source = materialize(checkpoint, weights=False)  # a GGUF's converted folder
     hf_config = load_hf_config(source)
-    model_class = get_model_class(architecture_of(hf_config))
+    model_class = get_model_class(_architecture(hf_config, checkpoint))
     sharded = parallel is not None and parallel.size > 1
     if sharded and not model_class.capabilities.tensor_parallel:
         raise UnsupportedModel(f"{model_class.__name__} does not support tensor parallelism")
@@ -213,6 +214,22 @@ def load_model(
     model.requires_grad_(False)
     model.eval()
     return model, hf_config, load_generation_config(source)
+
+
+def _architecture(hf_config: Any, source: ModelSource) -> str:
+    """The config's architecture, except that a causal LM with untied embeddings whose
+    safetensors hold no LM head is its bare decoder, an embedding model (Qwen3-Embedding-4B
+    and -8B name Qwen3ForCausalLM and ship no lm_head.weight)."""
+    architecture = architecture_of(hf_config)
+    bare = headless_architecture(architecture)
+    if bare is None or source.gguf_file is not None:
+        return architecture
+    if getattr(hf_config, "tie_word_embeddings", False):
+        return architecture
+    names = safetensors_names(source.folder)
+    if names is None or "lm_head.weight" in names:
+        return architecture
+    return bare
 
 
 def _load(model: ModelBase, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

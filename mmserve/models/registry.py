@@ -13,12 +13,17 @@ from mmserve.models.base import ModelBase
 
 _LLAMA_CLS = ("mmserve.models.llama_classifier", "LlamaForSequenceClassification")
 _QWEN2_VL = ("mmserve.models.qwen2_vl", "Qwen2VLForConditionalGeneration")  # 2 and 2.5
+_LLAMA_EMBEDDING = ("mmserve.models.llama_embedding", "LlamaEmbeddingModel")  # no LM head
 # architecture name (as in config.json "architectures") -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("mmserve.models.llama", "LlamaForCausalLM"),
+    "LlamaModel": _LLAMA_EMBEDDING,
+    "MistralModel": _LLAMA_EMBEDDING,
+    "Qwen2Model": _LLAMA_EMBEDDING,
+    "Qwen3Model": _LLAMA_EMBEDDING,
     "LlamaForSequenceClassification": _LLAMA_CLS,
     "MistralForSequenceClassification": _LLAMA_CLS,
     "Qwen2ForSequenceClassification": _LLAMA_CLS,
@@ -63,6 +68,13 @@ def architecture_of(hf_config: Any) -> str:
             f"supported: {supported_architectures()}"
         )
     return str(architecture)
+
+
+def headless_architecture(architecture: str) -> str | None:
+    """The bare-decoder architecture of a causal LM (Qwen3ForCausalLM -> Qwen3Model), when
+    mmserve serves one: what a checkpoint naming the causal LM but holding no LM head is."""
+    bare = architecture.removesuffix("ForCausalLM") + "Model"
+    return bare if architecture.endswith("ForCausalLM") and bare in _MODELS else None
 
 
 def get_model_class(architecture: str) -> type[ModelBase]:

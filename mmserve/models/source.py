@@ -105,6 +105,20 @@ def iter_safetensors_weights(
                 yield name, f.get_tensor(name) if part is None else part.read(lazy, shape)
 
 
+def safetensors_names(folder: Path) -> set[str] | None:
+    """The tensor names of a safetensors checkpoint (the index's, else the file's header),
+    reading no tensor; None when the folder has neither."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    if not (folder / "model.safetensors").is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt", device="cpu") as f:
+        return set(f.keys())
+
+
 def iter_weights(
     source: ModelSource,
     hf_config: Any,

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mmserve.params import PoolingParams
 
@@ -110,20 +111,24 @@ class ModelPooler:
     """The Pooler of one model. Classifier models offer compute_class_logits([N, H]) ->
     [N, labels]; yes-token scoring uses the causal LM's compute_logits([N, H]) -> [N, vocab]."""
 
-    def __init__(self, model: Any, config: PoolerConfig) -> None:
+    def __init__(self, model: Any, config: PoolerConfig, head: nn.Module | None = None) -> None:
         self.model = model
         self.config = config
+        # [R, H] pooled -> [R, D] embeddings: sentence-transformers' Dense modules, on the
+        # model's device and dtype; None = the pooled vector is the embedding
+        self.head = head
 
     def embed_batch(
         self, hidden: torch.Tensor, starts: list[int], lengths: list[int], params: PoolingParams
     ) -> torch.Tensor:
         """Embeddings [R, D] of several inputs sharing params (task "embed")."""
         pooled = pool_tokens_batch(hidden, starts, lengths, self.config.method)
-        return finish_embeddings(pooled, params)
+        return finish_embeddings(self._project(pooled), params)
 
     def __call__(self, hidden: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         if params.task == "embed":
-            return finish_embedding(pool_tokens(hidden, self.config.method), params)
+            pooled = pool_tokens(hidden, self.config.method)[None]
+            return finish_embedding(self._project(pooled)[0], params)
         if params.task == "classify":
             logits = self._class_logits(hidden)
             return activate(logits, self.config.activation, params.activation)
@@ -133,6 +138,9 @@ class ModelPooler:
         if self.config.score == "yes-token" and self.config.yes_no_ids is not None:
             return self._yes_token_score(hidden, params.activation)
         raise RuntimeError(f"task {params.task!r} reached a pooler that cannot do it")
+
+    def _project(self, pooled: torch.Tensor) -> torch.Tensor:  # [R, H] -> [R, D]
+        return pooled if self.head is None else self.head(pooled)
 
     def _class_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [labels] float32
         pooled = pool_tokens(hidden, self.config.method)

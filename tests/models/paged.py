@@ -42,6 +42,15 @@ class PagedKV:
     ) -> torch.Tensor:
         """Runs every (sequence, new token ids) pair as one flat batch; returns fp32 logits
         [total new tokens, vocab] in batch order."""
+        return model.compute_logits(self.hidden(model, batch, embeds))
+
+    def hidden(
+        self,
+        model: Any,
+        batch: list[tuple[PagedSeq, list[int]]],
+        embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """step() without the LM head: the final hidden states [total new tokens, hidden]."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -56,14 +65,14 @@ class PagedKV:
         meta = self._metadata([s for s, _ in batch], [len(n) for _, n in batch], slots)
         device = self.caches[0].device
         extra = {} if embeds is None else {"inputs_embeds": embeds}
-        hidden = model.forward(
+        hidden: torch.Tensor = model.forward(
             torch.tensor(ids, device=device),
             torch.tensor(positions, device=device),
             self.caches,
             meta,
             **extra,
         )
-        return model.compute_logits(hidden)
+        return hidden
 
     def _slot(self, seq: PagedSeq, position: int) -> int:
         return (

@@ -59,6 +59,9 @@ EXPECTED: dict[str, ModelCapabilities] = {
     "LlavaForConditionalGeneration": ModelCapabilities(
         reads_images=True, supports_fp8=True, tensor_parallel=True
     ),
+    "LlamaEmbeddingModel": ModelCapabilities(
+        embeds_only=True, supports_fp8=True, tensor_parallel=True
+    ),
     "Qwen2VLForConditionalGeneration": ModelCapabilities(
         reads_images=True, uses_mrope=True, supports_fp8=True, tensor_parallel=True
     ),
@@ -96,6 +99,10 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     "MistralForCausalLM": lambda: tiny_config("mistral"),
     "Qwen2ForCausalLM": lambda: tiny_config("qwen2"),
     "Qwen3ForCausalLM": lambda: tiny_config("qwen3"),
+    "LlamaModel": lambda: tiny_config("llama"),
+    "MistralModel": lambda: tiny_config("mistral"),
+    "Qwen2Model": lambda: tiny_config("qwen2"),
+    "Qwen3Model": lambda: tiny_config("qwen3"),
     "LlamaForSequenceClassification": _decoder_classifier("llama"),
     "MistralForSequenceClassification": _decoder_classifier("mistral"),
     "Qwen2ForSequenceClassification": _decoder_classifier("qwen2"),

@@ -12,7 +12,7 @@ from mmserve.attention.torch_ref import TorchAttentionBackend
 from mmserve.config import ModelConfig
 from mmserve.models.loader import load_model
 from tests.models.paged import PagedKV, PagedSeq
-from tests.utils.tiny_models import make_tiny_model
+from tests.utils.tiny_models import make_tiny_backbone, make_tiny_model
 
 ATOL = 1e-4
 PROMPT = [5, 17, 42, 99, 250, 7, 300, 12, 64, 128, 3, 77, 200, 31]  # 14 tokens
@@ -123,3 +123,55 @@ def test_sharded_checkpoint_loads(tmp_path: Path) -> None:
     model = load_ours(path)
     logits = PagedKV(model).step(model, [(PagedSeq(), PROMPT)])
     torch.testing.assert_close(logits, hf_logits(path, PROMPT), atol=ATOL, rtol=0)
+
+
+def hf_hidden(path: Path, ids: list[int]) -> torch.Tensor:
+    """The bare decoder's final hidden states [T, hidden] (transformers' AutoModel)."""
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).last_hidden_state[0].float()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_bare_decoder_checkpoint_embeds(arch: str, tmp_path: Path) -> None:
+    """MistralModel / Qwen3Model checkpoints (e5-mistral-7b-instruct and the like): weights
+    without "model.", no LM head; the hidden states are transformers'."""
+    path = make_tiny_backbone(tmp_path, arch, sliding_window=4 if arch == "mistral" else None)
+    model = load_ours(path)
+    assert model.capabilities.embeds_only
+    kv, seq = PagedKV(model), PagedSeq()
+    hidden = torch.cat([kv.hidden(model, [(seq, PROMPT[:6])]), kv.hidden(model, [(seq, PROMPT[6:])])])
+    torch.testing.assert_close(hidden, hf_hidden(path, PROMPT), atol=ATOL, rtol=0)
+    with pytest.raises(RuntimeError, match="cannot generate"):
+        model.compute_logits(hidden)
+
+
+@torch.no_grad()
+def test_causal_lm_with_bare_decoder_weight_names(tmp_path: Path) -> None:
+    """Qwen3-Embedding's layout: config Qwen3ForCausalLM (tied), weights of the bare decoder."""
+    import json
+
+    path = make_tiny_backbone(tmp_path, "qwen3", tie_word_embeddings=True)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    model = load_ours(path)
+    logits = PagedKV(model).step(model, [(PagedSeq(), PROMPT)])
+    torch.testing.assert_close(logits, hf_logits(path, PROMPT), atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_untied_causal_lm_without_lm_head_embeds(tmp_path: Path) -> None:
+    """Qwen3-Embedding-4B/8B's layout: config Qwen3ForCausalLM, untied, and no lm_head.weight
+    in the checkpoint: served as the bare decoder (an embedding model), not refused."""
+    import json
+
+    path = make_tiny_backbone(tmp_path, "qwen3", tie_word_embeddings=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]}))
+    model = load_ours(path)
+    assert model.capabilities.embeds_only
+    hidden = PagedKV(model).hidden(model, [(PagedSeq(), PROMPT)])
+    torch.testing.assert_close(hidden, hf_hidden(path, PROMPT), atol=ATOL, rtol=0)

@@ -20,6 +20,7 @@ from tests.pooling.tiny_pooling_models import (
     make_tiny_xlm_roberta,
     minilm_path,
 )
+from tests.utils.tiny_models import make_tiny_backbone
 
 TINY_BUILDERS: dict[str, Callable[[Path], Path]] = {
     "bert-classifier": lambda p: make_tiny_bert(p, num_labels=3),
@@ -32,6 +33,7 @@ TINY_BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama-classifier": lambda p: make_tiny_decoder_classifier(p, "llama"),
     "qwen2-classifier": lambda p: make_tiny_decoder_classifier(p, "qwen2", seed=13),
     "chat-decoder": make_tiny_chat_decoder,
+    "mistral-backbone": lambda p: make_tiny_backbone(p, "mistral", seed=16),
 }
 
 

@@ -52,6 +52,27 @@ def test_last_token_embeddings_match_transformers(
     torch.testing.assert_close(ours, F.normalize(hidden, dim=-1), atol=1e-5, rtol=1e-4)
 
 
+def test_decoder_without_lm_head_embeds_and_scores_by_cosine(
+    tiny_models: Callable[[str], Path], tiny_llms: Callable[[str], LLM]
+) -> None:
+    """A MistralModel checkpoint (e5-mistral-7b-instruct's layout): embed, cosine score and
+    rerank, no generate; last-token embeddings as transformers' bare decoder gives them."""
+    from transformers import AutoModel
+
+    llm = tiny_llms("mistral-backbone")
+    assert llm.tasks == ("embed", "score", "rerank")
+    assert llm.frontend.info.score_method == "cosine"
+    ids = [e.token_ids for e in llm.frontend.input_encoder.encode(TEXTS, "none", "inputs")]
+    model = AutoModel.from_pretrained(str(tiny_models("mistral-backbone"))).eval()
+    with torch.no_grad():
+        last = torch.stack([model(torch.tensor([row])).last_hidden_state[0, -1] for row in ids])
+    expected = F.normalize(last, dim=-1)
+    torch.testing.assert_close(torch.tensor(llm.embed(TEXTS)), expected, atol=1e-5, rtol=1e-4)
+    assert llm.score(TEXTS[0], TEXTS[1:]) == pytest.approx(
+        (expected[1:] @ expected[0]).tolist(), abs=1e-5
+    )
+
+
 def test_yes_token_scores_match_transformers(
     tiny_models: Callable[[str], Path], tiny_llms: Callable[[str], LLM]
 ) -> None:

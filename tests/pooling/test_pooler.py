@@ -91,10 +91,14 @@ def test_read_sentence_transformers(tmp_path: Path) -> None:
         True,
         128,
     )
-    with pytest.raises(UnsupportedModel, match="Dense"):
+    with pytest.raises(UnsupportedModel, match="LayerNorm"):
         read_sentence_transformers(
-            write_st_folder(tmp_path / "b", {"pooling_mode_cls_token": True}, ("Dense",))
+            write_st_folder(tmp_path / "b", {"pooling_mode_cls_token": True}, ("LayerNorm",))
         )
+    dense = read_sentence_transformers(
+        write_st_folder(tmp_path / "d", {"pooling_mode_cls_token": True}, ("Dense", "Normalize"))
+    )
+    assert dense is not None and dense.dense == (tmp_path / "d" / "Dense",) and dense.normalize
     both = {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}
     with pytest.raises(UnsupportedModel, match="only one of"):
         read_sentence_transformers(write_st_folder(tmp_path / "c", both))

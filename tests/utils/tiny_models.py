@@ -158,6 +158,22 @@ def make_tiny_model(
     return out
 
 
+def make_tiny_backbone(
+    path: str | Path, arch: str = "llama", *, seed: int = 0, **overrides: Any
+) -> Path:
+    """The decoder alone (transformers' LlamaModel, Qwen3Model...: no LM head, weights named
+    "layers.0..." without "model."), as embedding models ship it; saved like make_tiny_model,
+    under path/"tiny-{arch}-backbone"."""
+    import transformers
+
+    out = _free_folder(Path(path), f"tiny-{arch}-backbone")
+    class_name = _ARCH_CLASSES[arch][1].replace("ForCausalLM", "Model")
+    model = getattr(transformers, class_name)(tiny_config(arch, **overrides)).eval()
+    seed_weights(model, seed).save_pretrained(out)
+    make_tiny_tokenizer().save_pretrained(out)
+    return out
+
+
 def _free_folder(parent: Path, name: str) -> Path:
     out, n = parent / name, 1
     while out.exists():
