@@ -5,7 +5,8 @@ Contract (every format):
   (`</think>`), verbatim; the markers are in neither part. The answer is what follows the end
   marker, its leading whitespace dropped.
 - An output may open its thought itself (its first text, after whitespace, is the start
-  marker) or start inside one (the prompt opened it: ReasoningStream(in_thought=True)).
+  marker) or start inside one (the prompt opened it: state THOUGHT). There too a start marker
+  as its first text is dropped: a model whose template opened the thought may open it again.
 - An output that ends inside its thought (a budget, max_tokens, EOS) is all thought.
 - Streaming holds back only text that may still be a marker; the parts streamed never depend
   on how the text was chunked (tests/reasoning_parsers checks every split).
@@ -27,6 +28,8 @@ class ReasoningStream:
         self._start, self._end = parser.start, parser.end
         self._default = parser.open_default
         self.state = state  # OPEN, THOUGHT or ANSWER (gate.py)
+        if state == THOUGHT:  # inside a thought, unless the output opens it (again) itself
+            self.state, self._default = OPEN, THOUGHT
         self._buf = ""
         self._fresh_answer = False  # the answer just began after a thought: strip its start
 

@@ -53,7 +53,11 @@ class Reader:
         """(text, offset): one string holding the text from `keep` to the end, where text[i]
         is at absolute offset + i. Joins what came since the last call: O(end - keep)."""
         if self._more:
-            self._text = "".join([self._text[self.keep - self._base :], *self._more])
+            joined = "".join([self._text[self.keep - self._base :], *self._more])
+            # `keep` may lie in the chunks not joined yet (a state read past a marker with
+            # peek and moved `keep` beyond it): the text before it is not part of the window.
+            past = self.keep - self._base - len(self._text)
+            self._text = joined[past:] if past > 0 else joined
             self._base, self._more, self._loose = self.keep, [], 0
         return self._text, self._base
 
