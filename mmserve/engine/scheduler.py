@@ -246,7 +246,7 @@ class Scheduler:
         """Applies one step's results (with async scheduling, while the next step runs);
         returns news for every request that has any."""
         outputs, self._pending = self._pending, []
-        self._accept_grammar_tokens(plan, result)
+        refused = self._accept_grammar_tokens(plan, result)
         for item in plan.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status.finished:
@@ -259,17 +259,22 @@ class Scheduler:
                 outputs.append(self._append_checked(request, item, result, sampled))
             elif sampled is not None:
                 request.num_pending -= 1
-                outputs.append(self._append_token(request, sampled))
+                if item.request_id in refused:
+                    outputs.append(self._end_constrained(request))
+                else:
+                    outputs.append(self._append_token(request, sampled))
             elif item.pooling is not None:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 outputs.append(self._output(request, [], None))
                 outputs[-1].pooled = result.pooled.get(item.request_id)
         return outputs
 
-    def _accept_grammar_tokens(self, plan: SchedulerOutput, result: RunnerOutput) -> None:
+    def _accept_grammar_tokens(self, plan: SchedulerOutput, result: RunnerOutput) -> set[str]:
         """Every constrained request's new token into its matcher, in one batched call (the
-        bitmask allowed only acceptable tokens; _check_stop then reads is_terminated)."""
-        matchers, tokens = [], []
+        bitmask allowed only acceptable tokens; _check_stop then reads is_terminated). Returns
+        the requests whose matcher refused its token: their row had nothing left to draw from
+        (the grammar, complete, allowed only the stop tokens that min_tokens held back)."""
+        matchers, tokens, ids = [], [], []
         for item in plan.scheduled:
             if item.grammar is None or item.draft_token_ids:  # (those take theirs one by one)
                 continue
@@ -278,8 +283,18 @@ class Scheduler:
             if sampled is not None and request is not None and not request.status.finished:
                 matchers.append(item.grammar)
                 tokens.append(sampled.token_id)
-        if matchers:
-            accept_tokens(matchers, tokens)
+                ids.append(item.request_id)
+        if not matchers:
+            return set()
+        accepted = accept_tokens(matchers, tokens)
+        return {rid for rid, ok in zip(ids, accepted, strict=True) if not ok}
+
+    def _end_constrained(self, request: Request) -> EngineOutput:
+        """Ends a request whose grammar refused its sampled token, without that token: the
+        output so far is what the constraint allows (a token drawn from a row with nothing
+        allowed would break it), so the constraint wins over min_tokens."""
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return self._output(request, [], None)
 
     def _collect_prompt_logprobs(self, request: Request, result: RunnerOutput) -> None:
         chunk = result.prompt_logprobs.get(request.request_id)
@@ -319,8 +334,11 @@ class Scheduler:
         status: RequestStatus | None = None
         stop_reason: int | None = None
         for one in [*accepted, sampled]:
-            if request.grammar is not None:  # (allowed: its position's mask held it)
-                request.grammar.accept_token(one.token_id)
+            # (allowed: its position's mask held it, unless that mask left nothing to draw:
+            # then the request ends without it, as in _end_constrained)
+            if request.grammar is not None and not request.grammar.accept_token(one.token_id):
+                status = RequestStatus.FINISHED_STOPPED
+                break
             request.output_token_ids.append(one.token_id)
             self._tokens_in_flight += 1
             tokens.append(one.token_id)

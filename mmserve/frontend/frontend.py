@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,7 @@ from mmserve.processors.detokenizer import IncrementalDetokenizer
 from mmserve.processors.images import DecodedImage
 from mmserve.processors.reasoning_parsers import ReasoningGate
 from mmserve.processors.tokenizer import load_tokenizer
-from mmserve.structured_output.backend import CompiledGrammar
+from mmserve.structured_output.backend import CompiledGrammar, allocate_bitmask
 from mmserve.structured_output.cache import GrammarCache
 from mmserve.structured_output.manager import StructuredOutputManager
 from mmserve.structured_output.schema_tree import RelaxedKeyword
@@ -118,6 +119,8 @@ class FrontEnd:
         self._choices: dict[str, _Choice] = {}
         self._parents: dict[str, _Parent] = {}
         self._ids = itertools.count()
+        # compiled grammars whose start state allows some token (compile_grammar checked)
+        self._allows_output: weakref.WeakSet[CompiledGrammar] = weakref.WeakSet()
 
     @classmethod
     def start(
@@ -277,8 +280,21 @@ class FrontEnd:
 
     def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """params.structured compiled (cached; blocks: call it off the event loop). The
-        engine compiles it again for itself; here it refuses a bad one, naming its field."""
-        return self.structured.compile(params.structured) if params.structured is not None else None
+        engine compiles it again for itself; here it refuses a bad one, naming its field,
+        and one that allows no output at all (`root ::= root`): the engine would have no
+        token to draw."""
+        if params.structured is None:
+            return None
+        grammar = self.structured.compile(params.structured)
+        if grammar not in self._allows_output:
+            bitmask = allocate_bitmask(1, self.info.logits_width)
+            grammar.matcher().fill_bitmask(bitmask, 0)  # the start state's tokens, EOS too
+            if not bool(bitmask.any()):
+                raise InvalidArgument(
+                    params.structured.field, "allows no output at all (not even an empty one)"
+                )
+            self._allows_output.add(grammar)
+        return grammar
 
     # -- the engine side: one thread --------------------------------------------------------
 

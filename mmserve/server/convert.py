@@ -212,15 +212,31 @@ def _message(
             {
                 "id": c.id,
                 "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments_json or "{}"},
+                "function": {
+                    "name": c.name,
+                    "arguments": _arguments(f"{field}.tool_calls[{k}].arguments_json", c),
+                },
             }
-            for c in m.tool_calls
+            for k, c in enumerate(m.tool_calls)
         ]
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
     if m.name:
         out["name"] = m.name
     return out
+
+
+def _arguments(field: str, call: generate_pb2.ToolCall) -> str:
+    """A history call's arguments_json, checked here so that an error names the proto's
+    field (the template's own check would name the OpenAI dict's `function.arguments`)."""
+    text = call.arguments_json or "{}"
+    try:
+        arguments = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(field, f"invalid JSON: {e}") from e
+    if not isinstance(arguments, dict):
+        raise InvalidArgument(field, "must be a JSON object")
+    return text
 
 
 def _json_or_text(text: str) -> object:

@@ -149,6 +149,12 @@ def test_chat_messages_tools_and_kwargs() -> None:
          InvalidArgument, "chat.tool_choice.function_name"),
         (generate_pb2.Chat(tool_choice=generate_pb2.ToolChoice(mode=generate_pb2.ToolChoice.MODE_REQUIRED)),
          InvalidArgument, "chat.tool_choice.mode"),
+        (generate_pb2.Chat(messages=[generate_pb2.Message(role="assistant", tool_calls=[
+            generate_pb2.ToolCall(name="f"), generate_pb2.ToolCall(name="f", arguments_json="{x")])]),
+         InvalidArgument, "chat.messages[0].tool_calls[1].arguments_json: invalid JSON"),
+        (generate_pb2.Chat(messages=[generate_pb2.Message(role="assistant", tool_calls=[
+            generate_pb2.ToolCall(name="f", arguments_json="[1]")])]),
+         InvalidArgument, "chat.messages[0].tool_calls[0].arguments_json: must be a JSON object"),
     ],
 )  # fmt: skip
 def test_bad_chats_are_named(chat: generate_pb2.Chat, error: type, named: str) -> None:

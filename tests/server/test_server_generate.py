@@ -176,3 +176,32 @@ def test_a_port_in_use_is_an_error(tiny_server: ServerThread) -> None:
     second = MMServer(tiny_server.registry, ServerConfig(port=tiny_server.port))
     with pytest.raises(OSError, match="cannot listen"):
         tiny_server.run(second.start())
+
+
+@pytest.mark.parametrize("constraint", [{"choice": ["yes"]}, {"regex": "[0-9]{2}"}])
+def test_min_tokens_never_breaks_a_completed_constraint(
+    client: Client, constraint: dict[str, Any]
+) -> None:
+    """Once the output matches its constraint, the grammar allows only EOS, which min_tokens
+    holds back: the choice ends there (the output must match), instead of drawing tokens from
+    a row with nothing allowed (-inf logprobs, ids outside the grammar)."""
+    kw: dict[str, Any] = {"model": "tiny-a", "max_tokens": 12, "temperature": 0, **constraint}
+    free = client.generate(PROMPT, skip_special_tokens=False, **kw)
+    assert free.finish_reason == "stop" and len(free.token_ids) < 8
+    r = client.generate(PROMPT, min_tokens=8, skip_special_tokens=False, logprobs=1, **kw)
+    assert r.finish_reason == "stop" and r.text == free.text.removesuffix("<|im_end|>")
+    assert r.token_ids == free.token_ids[: len(r.token_ids)]
+    assert all(lp.logprob > float("-inf") for lp in r.logprobs)
+    assert r.usage is not None and r.usage.completion_tokens == len(r.token_ids)
+
+
+def test_a_grammar_that_allows_nothing_is_refused(client: Client) -> None:
+    """A grammar whose start state allows no token, not even EOS, has no output to give:
+    INVALID_ARGUMENT naming it (it ran to max_tokens on tokens outside it), then served."""
+    for grammar in ["root ::= root", "root ::= a\na ::= root"]:
+        with pytest.raises(MMServeError) as e:
+            client.generate(PROMPT, model="tiny-a", max_tokens=4, grammar=grammar)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.message.startswith("structured.grammar: allows no output")
+    r = client.generate(PROMPT, model="tiny-a", max_tokens=4, grammar='root ::= "a" root | ""')
+    assert r.finish_reason in ("stop", "length") and set(r.text) <= {"a"}
