@@ -50,15 +50,24 @@ class SamplingParams:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
-        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"{self.min_tokens} exceeds max_tokens ({self.max_tokens}; an unset max_tokens "
+                "is the context's room after the prompt, capped by the server)",
+            )
+        _check(
+            _finite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "must be a finite number >= 0",
+        )
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         _check(
             _finite(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty",
-            "must be > 0",
+            "must be a finite number > 0",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)

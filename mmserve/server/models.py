@@ -243,12 +243,17 @@ def handle_for(
 
 
 def _quantization(path: str, loaded: str) -> str:
-    """A GGUF's scheme as its file name says ("Q4_1"), whether its blocks are kept (EngineInfo
-    says "gguf:Q4_1+Q8_0") or dequantised at load (""); else the engine's."""
+    """A GGUF's scheme as API.md spells it, "gguf:" and the type its file name says
+    ("gguf:Q4_1", "gguf:Q4_K_M"), whether its blocks are kept (EngineInfo says
+    "gguf:Q4_1+Q8_0") or dequantised at load (""); "" for a float GGUF (F16, BF16, F32);
+    else the engine's ("fp8", "w4a16-g128", ...)."""
     if loaded and not loaded.startswith("gguf:"):
         return loaded
     quant = _GGUF_QUANT.search(Path(path).name)
-    return quant.group(1).upper() if quant else loaded.removeprefix("gguf:")
+    if quant is None:
+        return loaded
+    name = quant.group(1).upper()
+    return "" if name in ("F16", "BF16", "F32") else f"gguf:{name}"
 
 
 def _facts(spec: ModelSpec, info: EngineInfo) -> ModelFacts:

@@ -30,9 +30,9 @@ SCHEMES = {
     "w4a16-g128-asym": ("w4a16-g128", "w4a16-g128"),
     "w8a16-g128": ("w8a16-g128", "w8a16-g128"),
     "w8a8-int8": ("w8a8-int8", "w8a8-int8"),
-    "gguf:Q4_K_M": ("gguf:Q4_K+Q6_K" if _KEPT else "", "Q4_K_M"),
-    "gguf:Q8_0": ("gguf:Q8_0" if _KEPT else "", "Q8_0"),
-    "gguf:Q4_0": ("gguf:Q4_0+Q6_K" if _KEPT else "", "Q4_0"),
+    "gguf:Q4_K_M": ("gguf:Q4_K+Q6_K" if _KEPT else "", "gguf:Q4_K_M"),
+    "gguf:Q8_0": ("gguf:Q8_0" if _KEPT else "", "gguf:Q8_0"),
+    "gguf:Q4_0": ("gguf:Q4_0+Q6_K" if _KEPT else "", "gguf:Q4_0"),
 }
 
 
@@ -109,7 +109,7 @@ def test_a_gguf_kept_as_blocks_reports_its_types(base: Path, tmp_path: Path, one
     with mock.patch.object(loader, "_keeps_gguf_blocks", return_value=True):
         llm = LLM(str(path), kv_cache_memory=8 << 20)
     assert llm.frontend.info.quantization == "gguf:Q4_K+Q6_K"
-    assert _quantization(str(path), llm.frontend.info.quantization) == "Q4_K_M"
+    assert _quantization(str(path), llm.frontend.info.quantization) == "gguf:Q4_K_M"
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
     out = llm.generate(["Hello world"], params, use_tqdm=False)[0]
     assert all(math.isfinite(lp.logprob) for lp in out.prompt_logprobs[1:])  # type: ignore[index]

@@ -150,9 +150,12 @@ def _file_bytes(name: str) -> torch.Tensor:
 
 
 def test_list_models_reports_the_files_scheme() -> None:
-    assert _quantization("/m/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf:Q4_1") == "Q4_1"
-    assert _quantization("/m/SmolLM2-135M-Instruct.Q4_1.gguf", "") == "Q4_1"  # the CPU's
-    assert _quantization("/m/model.gguf", "gguf:Q4_K+Q6_K") == "Q4_K+Q6_K"
+    """API.md's spelling: "gguf:" and the file's type."""
+    assert _quantization("/m/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf:Q4_1") == "gguf:Q4_1"
+    assert _quantization("/m/SmolLM2-135M-Instruct.Q4_1.gguf", "") == "gguf:Q4_1"  # the CPU's
+    assert _quantization("/m/llama-8b-Q4_K_M.gguf", "gguf:Q4_K+Q6_K") == "gguf:Q4_K_M"
+    assert _quantization("/m/model.gguf", "gguf:Q4_K+Q6_K") == "gguf:Q4_K+Q6_K"
+    assert _quantization("/m/model.F16.gguf", "") == ""  # floats: not quantised
     assert _quantization("/m/folder", "fp8") == "fp8"
 
 

@@ -198,7 +198,7 @@ def test_responses() -> None:
 
 
 def _handle(name: str, *tasks: Task) -> ModelHandle:
-    facts = ModelFacts("LlamaForCausalLM", 128, "float32", "cpu", 100, quantization="Q4_1")
+    facts = ModelFacts("LlamaForCausalLM", 128, "float32", "cpu", 100, quantization="gguf:Q4_1")
     return ModelHandle(name, frozenset(tasks), engine=None, tokenizer=None, facts=facts)
 
 
@@ -219,7 +219,7 @@ def test_routing() -> None:
     with pytest.raises(ValueError, match="unique"):
         ModelRegistry([chat, _handle("chat")])
     info = convert.model_info(chat)
-    assert list(info.tasks) == [models_pb2.TASK_GENERATE] and info.quantization == "Q4_1"
+    assert list(info.tasks) == [models_pb2.TASK_GENERATE] and info.quantization == "gguf:Q4_1"
 
 
 def test_error_codes_and_retry_info() -> None:

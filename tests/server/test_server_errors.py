@@ -46,6 +46,8 @@ BAD_TOOL = generate_pb2.Tool(name="f", parameters_json="{not json")
 # (request, expected code, text the message must contain: the field)
 CASES = [
     (_request(**{"params.temperature": -1.0}), INVALID, "params.temperature"),
+    (_request(**{"params.temperature": float("inf")}), INVALID, "params.temperature: must be a finite"),
+    (_request(**{"params.min_tokens": 9, "params.max_tokens": 4}), INVALID, "params.min_tokens: 9 exceeds max_tokens (4"),
     (_request(**{"params.top_p": 1.5}), INVALID, "params.top_p"),
     (_request(**{"params.n": 0}), INVALID, "params.n"),
     (_request(**{"params.n": 17}), INVALID, "params.n"),

@@ -99,7 +99,7 @@ def test_model_facts_and_tokenizer(client: Client) -> None:
     assert (info.score_method, info.embedding_dimension) == ("yes_token", 576)
     assert info.vocab_size == 49152
     assert info.max_context == 4096  # the model's 8192, capped by the 256 x 16-token KV cache
-    assert info.architecture == "LlamaForCausalLM" and info.quantization == "Q4_1"
+    assert info.architecture == "LlamaForCausalLM" and info.quantization == "gguf:Q4_1"
     ids = client.tokenize("Hello world, this is a test.", model=DEFAULT_MODEL_NAME).token_ids
     assert ids == (19556, 905, 28, 451, 314, 253, 1028, 30)
     assert client.detokenize(list(ids), model=DEFAULT_MODEL_NAME) == "Hello world, this is a test."
