@@ -108,6 +108,11 @@ class EngineInfo(msgspec.Struct, frozen=True):
     labels: tuple[str, ...] = ()  # a classifier's label names, by label id
     embedding_size: int | None = None  # full embedding dimension; None when it cannot embed
     max_input_len: int | None = None  # pooling inputs' token limit (sentence-transformers)
+    normalize: bool = True  # Embed's default for normalize (False: a dot-product model)
+    # sentence-transformers' named prompts, prepended to texts that are embedded, and the
+    # one used when a request names none (None: no prompt)
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str | None = None
     pooler_tasks: frozenset[str] = frozenset()  # PoolingParams tasks the pooler computes
     reads_images: bool = False  # a VLM: images in chat prompts
     embeds_images: bool = False  # a dual encoder (CLIP, SigLIP): image inputs to Embed/Score

@@ -56,6 +56,10 @@ class SentenceTransformersInfo:
     normalize: bool  # a Normalize module follows the pooling
     max_seq_length: int | None  # sentence_bert_config.json: inputs are truncated to this
     dense: tuple[Path, ...] = ()  # folders of the Dense modules after pooling, in order
+    # config_sentence_transformers.json: named prompts (prepended to a text before it is
+    # tokenised) and the one sentence-transformers' encode() uses when told none
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,11 @@ class PoolingSetup:
     embedding_size: int | None = None  # full embedding dimension; None when it cannot embed
     max_input_len: int | None = None  # pooling inputs' token limit (sentence-transformers)
     yes_no_ids: tuple[int, int] | None = None  # yes-token scoring: the "yes" and "no" ids
-    st_normalize: bool = False  # the sentence-transformers pipeline ends in Normalize
+    # Embed's default when a request leaves normalize unset: False only where the model's
+    # sentence-transformers pipeline has no Normalize module (dot-product models)
+    normalize: bool = True
+    prompts: tuple[tuple[str, str], ...] = ()  # sentence-transformers' named prompts
+    default_prompt_name: str | None = None  # the prompt texts get when a request names none
 
     @functools.cached_property
     def pooler_tasks(self) -> frozenset[str]:
@@ -97,9 +105,29 @@ def read_sentence_transformers(folder: Path) -> SentenceTransformersInfo | None:
     dense = tuple(
         folder / m.get("path", "") for m in modules if str(m.get("type", "")).endswith("Dense")
     )
+    prompts, default_prompt = _st_prompts(folder)
     return SentenceTransformersInfo(
-        method, "Normalize" in kinds, _st_max_seq_length(folder), dense
+        method, "Normalize" in kinds, _st_max_seq_length(folder), dense, prompts, default_prompt
     )
+
+
+def _st_prompts(folder: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    """config_sentence_transformers.json's prompts and default prompt name (a name that is
+    not among the prompts is refused, as sentence-transformers refuses it)."""
+    config_file = folder / "config_sentence_transformers.json"
+    if not config_file.is_file():
+        return (), None
+    config = json.loads(config_file.read_text())
+    prompts = config.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+        raise UnsupportedModel("config_sentence_transformers.json: prompts is not a name -> text map")
+    default = config.get("default_prompt_name") or None
+    if default is not None and default not in prompts:
+        raise UnsupportedModel(
+            f"config_sentence_transformers.json: default_prompt_name {default!r} is not "
+            f"among its prompts {sorted(prompts)}"
+        )
+    return tuple((str(k), v) for k, v in prompts.items()), default
 
 
 def st_dense_head(folders: tuple[Path, ...]) -> tuple[nn.Sequential, int]:
@@ -199,7 +227,9 @@ def pooling_setup(
         embedding_size=size,
         max_input_len=st.max_seq_length if st else None,
         yes_no_ids=yes_no,
-        st_normalize=bool(st and st.normalize),
+        normalize=st.normalize if st else True,
+        prompts=st.prompts if st else (),
+        default_prompt_name=st.default_prompt_name if st else None,
     )
 
 

@@ -98,16 +98,20 @@ class LLM:
         self,
         inputs: TextOrIds | Any | Sequence[TextOrIds | Any],
         *,
-        normalize: bool = True,
+        normalize: bool | None = None,
         dimensions: int | None = None,
         truncate: str = "none",
+        prompt_name: str | None = None,
     ) -> list[list[float]]:
         """One vector per input (text, token ids, or for CLIP/SigLIP-style models an image:
         PIL image, encoded bytes or a pathlib.Path), in order. truncate: "none" (too long is
-        an error), "left" or "right"."""
+        an error), "left" or "right". As sentence-transformers' encode() by default:
+        normalize None normalises when the model's pipeline does (a Normalize module, or no
+        sentence-transformers files); prompt_name None puts the model's default prompt, if
+        any, before each text ("": none; else one of its prompts, e.g. "query")."""
         plan = pooling_api.plan_embed(
             self.frontend, _with_images(inputs, "inputs"), normalize=normalize,
-            dimensions=dimensions, truncate=truncate,
+            dimensions=dimensions, truncate=truncate, prompt_name=prompt_name,
         )
         vectors: list[list[float]] = pooling_api.run_sync(self.frontend, plan).embeddings.tolist()
         return vectors

@@ -75,17 +75,20 @@ async def embed(
     engine: AsyncFrontEnd,
     inputs: Sequence[TextOrIds],
     *,
-    normalize: bool = True,
+    normalize: bool | None = None,
     dimensions: int | None = None,
     truncate: str = "none",
+    prompt_name: str | None = None,
 ) -> EmbedResult:
-    """One vector per input (text or token ids). truncate: "none" | "left" | "right"."""
+    """One vector per input (text or token ids). truncate: "none" | "left" | "right";
+    normalize and prompt_name: as plan_embed says (None: the model's own defaults)."""
     plan = plan_embed(
         engine.frontend,
         inputs,
         normalize=normalize,
         dimensions=dimensions,
         truncate=truncate,
+        prompt_name=prompt_name,
     )
     return await run_async(engine, plan)
 

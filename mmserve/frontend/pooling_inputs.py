@@ -51,12 +51,17 @@ class InputEncoder:
         self._yes_no_parts: tuple[list[int], list[int], list[int]] | None = None
 
     def encode(
-        self, inputs: Sequence[TextOrIds], truncate: str, field: str | Sequence[str]
+        self,
+        inputs: Sequence[TextOrIds],
+        truncate: str,
+        field: str | Sequence[str],
+        prompt: str = "",
     ) -> list[EncodedInput]:
         """One encoding per input, in order. field names the inputs in errors: a request
-        field ("inputs" -> "inputs[3]"), or one name per input."""
+        field ("inputs" -> "inputs[3]"), or one name per input. prompt goes before each text
+        (not token ids), as sentence-transformers puts it: prompt + text, then stripped."""
         names = [f"{field}[{i}]" for i in range(len(inputs))] if isinstance(field, str) else field
-        texts = [(i, x.strip()) for i, x in enumerate(inputs) if isinstance(x, str)]
+        texts = [(i, (prompt + x).strip()) for i, x in enumerate(inputs) if isinstance(x, str)]
         rust = self._rust(truncate)
         by_index = dict(zip((i for i, _ in texts), _encode_batch(rust, [t for _, t in texts])))
         out = []

@@ -85,18 +85,25 @@ def plan_embed(
     engine: FrontEnd,
     inputs: Sequence[TextOrIds],
     *,
-    normalize: bool = True,
+    normalize: bool | None = None,
     dimensions: int | None = None,
     truncate: str = "none",
+    prompt_name: str | None = None,
 ) -> PoolingPlan[EmbedResult]:
+    """normalize None: as the model's sentence-transformers pipeline does (EngineInfo);
+    prompt_name: one of the model's prompts, put before each text; None: its default prompt
+    (if any); "": no prompt."""
     engine.require("embed")
     _check_count(len(inputs), "inputs")
+    if normalize is None:
+        normalize = engine.info.normalize
     params = PoolingParams("embed", normalize=normalize, dimensions=dimensions)
     params.validate(engine.embedding_size)
     names = _names("inputs", len(inputs))
+    prompt = _prompt(engine, prompt_name)
 
     def encode(start: int, end: int) -> list[EncodedInput]:
-        return _encode_with_images(engine, inputs[start:end], truncate, names[start:end])
+        return _encode_with_images(engine, inputs[start:end], truncate, names[start:end], prompt)
 
     return PoolingPlan(
         len(inputs), params, encode, lambda pooled, tokens: EmbedResult(torch.stack(pooled), tokens)
@@ -213,15 +220,30 @@ def _plan_cosine(
     inputs too where the model embeds them (CLIP, SigLIP: text-image similarity)."""
     items = [*first, *second]
     names = first_names + second_names
+    prompt = _prompt(engine, None)  # the default prompt, as sentence-transformers' encode()
 
     def encode(start: int, end: int) -> list[EncodedInput]:
-        return _encode_with_images(engine, items[start:end], truncate, names[start:end])
+        return _encode_with_images(engine, items[start:end], truncate, names[start:end], prompt)
 
     def finish(pooled: list[torch.Tensor], tokens: int) -> ScoreResult:
         a, b = torch.stack(pooled[: len(first)]), torch.stack(pooled[len(first) :])
         return ScoreResult((a * b).sum(-1).tolist(), tokens)  # one `first` row broadcasts
 
     return PoolingPlan(len(items), PoolingParams("embed", normalize=True), encode, finish)
+
+
+def _prompt(engine: FrontEnd, name: str | None) -> str:
+    """The text a prompt name stands for (sentence-transformers' prompts): None is the
+    model's default prompt, "" none; an unknown name is refused, listing the known ones."""
+    prompts = dict(engine.info.prompts)
+    if name is None:
+        name = engine.info.default_prompt_name or ""
+    if not name:
+        return ""
+    if name not in prompts:
+        known = sorted(prompts) or "none"
+        raise InvalidArgument("prompt_name", f"unknown prompt {name!r:.80}; this model has {known}")
+    return prompts[name]
 
 
 def _check_count(count: int, field: str) -> None:
@@ -242,24 +264,29 @@ def _text(item: TextOrIds, field: str) -> str:
 
 
 def _encode(
-    engine: FrontEnd, items: Sequence[TextOrIds], truncate: str, names: list[str]
+    engine: FrontEnd, items: Sequence[TextOrIds], truncate: str, names: list[str], prompt: str = ""
 ) -> list[EncodedInput]:
-    encoded = engine.input_encoder.encode(items, truncate, names)
+    encoded = engine.input_encoder.encode(items, truncate, names, prompt)
     _check_vocab(engine, encoded, names)
     return encoded
 
 
 def _encode_with_images(
-    engine: FrontEnd, items: Sequence[TextOrIds | DecodedImage], truncate: str, names: list[str]
+    engine: FrontEnd,
+    items: Sequence[TextOrIds | DecodedImage],
+    truncate: str,
+    names: list[str],
+    prompt: str = "",
 ) -> list[EncodedInput]:
-    """Texts and token ids as _encode does; each DecodedImage as one image input."""
+    """Texts (after prompt) and token ids as _encode does; each DecodedImage as one image
+    input."""
     images = {i for i, item in enumerate(items) if isinstance(item, DecodedImage)}
     if not images:
-        return _padded(engine, _encode(engine, items, truncate, names), names)  # type: ignore[arg-type]
+        return _padded(engine, _encode(engine, items, truncate, names, prompt), names)  # type: ignore[arg-type]
     if not engine.info.embeds_images or engine.images is None:
         raise InvalidArgument(f"{names[min(images)]}.image", "this model does not embed images")
     texts = [i for i in range(len(items)) if i not in images]
-    encoded = _encode(engine, [items[i] for i in texts], truncate, [names[i] for i in texts])  # type: ignore[misc]
+    encoded = _encode(engine, [items[i] for i in texts], truncate, [names[i] for i in texts], prompt)  # type: ignore[misc]
     encoded = _padded(engine, encoded, [names[i] for i in texts])
     out: list[EncodedInput] = []
     rest = iter(encoded)

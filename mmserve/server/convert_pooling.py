@@ -82,6 +82,7 @@ class EmbedOptions:
     dimensions: int | None  # keep the first `dimensions` values; None = all
     truncate: str  # "none" | "left" | "right"
     packed: str | None  # numpy dtype of the packed bytes; None = repeated float values
+    prompt_name: str | None = None  # a sentence-transformers prompt; None: the model's default
 
 
 def embed_options(request: pooling_pb2.EmbedRequest) -> EmbedOptions:
@@ -98,6 +99,7 @@ def embed_options(request: pooling_pb2.EmbedRequest) -> EmbedOptions:
         dimensions=dimensions,
         truncate=truncate_mode(request.truncate),
         packed=_PACKED[request.encoding],
+        prompt_name=request.prompt_name if request.HasField("prompt_name") else None,
     )
 
 

@@ -60,6 +60,7 @@ async def embed(
         normalize=options.normalize,
         dimensions=options.dimensions,
         truncate=options.truncate,
+        prompt_name=options.prompt_name,
     )
     result, queued = await _run(handle, plan)
     args = (result, options, request_id, handle.name, _timing(received, queued))

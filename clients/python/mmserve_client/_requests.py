@@ -216,6 +216,7 @@ def embed_request(
     encoding: EmbeddingEncoding,
     model: str,
     request_id: str,
+    prompt_name: str | None = None,
 ) -> pooling_pb2.EmbedRequest:
     """An EmbedRequest; None leaves an optional field unset (the server's default)."""
     req = pooling_pb2.EmbedRequest(
@@ -229,6 +230,8 @@ def embed_request(
         req.normalize = normalize
     if dimensions is not None:
         req.dimensions = dimensions
+    if prompt_name is not None:
+        req.prompt_name = prompt_name
     return req
 
 

@@ -140,13 +140,16 @@ class AsyncClient(ClientBase):
         model: str = "",
         request_id: str = "",
         timeout: float | None = None,
+        prompt_name: str | None = None,
     ) -> list[Any]:
         """One vector per input (text, image bytes / Image, or token ids), in input order:
         float32 numpy arrays when numpy is installed, else lists of floats. normalize
         (default true) and dimensions (Matryoshka) are applied by the server; `encoding` is
-        the wire format ("fp32" packed, "fp16" packed, "float" repeated)."""
+        the wire format ("fp32" packed, "fp16" packed, "float" repeated). prompt_name: one
+        of the model's sentence-transformers prompts (e.g. "query") before each text; None:
+        the model's default prompt, if any; "": none."""
         req = _requests.embed_request(
-            inputs, normalize, dimensions, truncate, encoding, model, request_id
+            inputs, normalize, dimensions, truncate, encoding, model, request_id, prompt_name
         )
         return _responses.vectors(await self._unary("Embed", req, timeout), req.encoding)
 

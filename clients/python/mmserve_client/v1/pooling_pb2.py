@@ -25,37 +25,37 @@ _sym_db = _symbol_database.Default()
 from mmserve_client.v1 import common_pb2 as mmserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mmserve/v1/pooling.proto\x12\nmmserve.v1\x1a\x17mmserve/v1/common.proto\"\xf2\x01\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12!\n\x06inputs\x18\x03 \x03(\x0b\x32\x11.mmserve.v1.Input\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x05 \x01(\rH\x01\x88\x01\x01\x12&\n\x08truncate\x18\x06 \x01(\x0e\x32\x14.mmserve.v1.Truncate\x12&\n\x08\x65ncoding\x18\x07 \x01(\x0e\x32\x14.mmserve.v1.EncodingB\x0c\n\n_normalizeB\r\n\x0b_dimensions\"\xa3\x01\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\nembeddings\x18\x02 \x03(\x0b\x32\x15.mmserve.v1.Embedding\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.mmserve.v1.Timing\x12\r\n\x05model\x18\x05 \x01(\t\"+\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x0e\n\x06packed\x18\x02 \x01(\x0c\"\xb4\x01\n\rRerankRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05query\x18\x03 \x01(\t\x12\x11\n\tdocuments\x18\x04 \x03(\t\x12\x12\n\x05top_n\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x06 \x01(\x08\x12&\n\x08truncate\x18\x07 \x01(\x0e\x32\x14.mmserve.v1.TruncateB\x08\n\x06_top_n\"\xa4\x01\n\x0eRerankResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x07results\x18\x02 \x03(\x0b\x32\x18.mmserve.v1.RerankResult\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.mmserve.v1.Timing\x12\r\n\x05model\x18\x05 \x01(\t\">\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x10\n\x08\x64ocument\x18\x03 \x01(\t\"\x7f\n\x0f\x43lassifyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12!\n\x06inputs\x18\x03 \x03(\x0b\x32\x11.mmserve.v1.Input\x12&\n\x08truncate\x18\x04 \x01(\x0e\x32\x14.mmserve.v1.Truncate\"\xa8\x01\n\x10\x43lassifyResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x07results\x18\x02 \x03(\x0b\x32\x1a.mmserve.v1.Classification\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.mmserve.v1.Timing\x12\r\n\x05model\x18\x05 \x01(\t\"G\n\x0e\x43lassification\x12&\n\x06scores\x18\x01 \x03(\x0b\x32\x16.mmserve.v1.LabelScore\x12\r\n\x05label\x18\x02 \x01(\t\"*\n\nLabelScore\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"\x9e\x01\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12 \n\x05\x66irst\x18\x03 \x03(\x0b\x32\x11.mmserve.v1.Input\x12!\n\x06second\x18\x04 \x03(\x0b\x32\x11.mmserve.v1.Input\x12&\n\x08truncate\x18\x05 \x01(\x0e\x32\x14.mmserve.v1.Truncate\"\x88\x01\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06scores\x18\x02 \x03(\x02\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.mmserve.v1.Timing\x12\r\n\x05model\x18\x05 \x01(\t*j\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x45NCODING_FLOAT\x10\x01\x12\x17\n\x13\x45NCODING_FP32_BYTES\x10\x02\x12\x17\n\x13\x45NCODING_FP16_BYTES\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mmserve/v1/pooling.proto\x12\nmmserve.v1\x1a\x17mmserve/v1/common.proto\"\x9c\x02\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12!\n\x06inputs\x18\x03 \x03(\x0b\x32\x11.mmserve.v1.Input\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x05 \x01(\rH\x01\x88\x01\x01\x12&\n\x08truncate\x18\x06 \x01(\x0e\x32\x14.mmserve.v1.Truncate\x12&\n\x08\x65ncoding\x18\x07 \x01(\x0e\x32\x14.mmserve.v1.Encoding\x12\x18\n\x0bprompt_name\x18\x08 \x01(\tH\x02\x88\x01\x01\x42\x0c\n\n_normalizeB\r\n\x0b_dimensionsB\x0e\n\x0c_prompt_name\"\xa3\x01\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\nembeddings\x18\x02 \x03(\x0b\x32\x15.mmserve.v1.Embedding\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.mmserve.v1.Timing\x12\r\n\x05model\x18\x05 \x01(\t\"+\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x0e\n\x06packed\x18\x02 \x01(\x0c\"\xb4\x01\n\rRerankRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05query\x18\x03 \x01(\t\x12\x11\n\tdocuments\x18\x04 \x03(\t\x12\x12\n\x05top_n\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x06 \x01(\x08\x12&\n\x08truncate\x18\x07 \x01(\x0e\x32\x14.mmserve.v1.TruncateB\x08\n\x06_top_n\"\xa4\x01\n\x0eRerankResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x07results\x18\x02 \x03(\x0b\x32\x18.mmserve.v1.RerankResult\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.mmserve.v1.Timing\x12\r\n\x05model\x18\x05 \x01(\t\">\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x10\n\x08\x64ocument\x18\x03 \x01(\t\"\x7f\n\x0f\x43lassifyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12!\n\x06inputs\x18\x03 \x03(\x0b\x32\x11.mmserve.v1.Input\x12&\n\x08truncate\x18\x04 \x01(\x0e\x32\x14.mmserve.v1.Truncate\"\xa8\x01\n\x10\x43lassifyResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x07results\x18\x02 \x03(\x0b\x32\x1a.mmserve.v1.Classification\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.mmserve.v1.Timing\x12\r\n\x05model\x18\x05 \x01(\t\"G\n\x0e\x43lassification\x12&\n\x06scores\x18\x01 \x03(\x0b\x32\x16.mmserve.v1.LabelScore\x12\r\n\x05label\x18\x02 \x01(\t\"*\n\nLabelScore\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"\x9e\x01\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12 \n\x05\x66irst\x18\x03 \x03(\x0b\x32\x11.mmserve.v1.Input\x12!\n\x06second\x18\x04 \x03(\x0b\x32\x11.mmserve.v1.Input\x12&\n\x08truncate\x18\x05 \x01(\x0e\x32\x14.mmserve.v1.Truncate\"\x88\x01\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06scores\x18\x02 \x03(\x02\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12\"\n\x06timing\x18\x04 \x01(\x0b\x32\x12.mmserve.v1.Timing\x12\r\n\x05model\x18\x05 \x01(\t*j\n\x08\x45ncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x45NCODING_FLOAT\x10\x01\x12\x17\n\x13\x45NCODING_FP32_BYTES\x10\x02\x12\x17\n\x13\x45NCODING_FP16_BYTES\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mmserve.v1.pooling_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENCODING']._serialized_start=1652
-  _globals['_ENCODING']._serialized_end=1758
+  _globals['_ENCODING']._serialized_start=1694
+  _globals['_ENCODING']._serialized_end=1800
   _globals['_EMBEDREQUEST']._serialized_start=66
-  _globals['_EMBEDREQUEST']._serialized_end=308
-  _globals['_EMBEDRESPONSE']._serialized_start=311
-  _globals['_EMBEDRESPONSE']._serialized_end=474
-  _globals['_EMBEDDING']._serialized_start=476
-  _globals['_EMBEDDING']._serialized_end=519
-  _globals['_RERANKREQUEST']._serialized_start=522
-  _globals['_RERANKREQUEST']._serialized_end=702
-  _globals['_RERANKRESPONSE']._serialized_start=705
-  _globals['_RERANKRESPONSE']._serialized_end=869
-  _globals['_RERANKRESULT']._serialized_start=871
-  _globals['_RERANKRESULT']._serialized_end=933
-  _globals['_CLASSIFYREQUEST']._serialized_start=935
-  _globals['_CLASSIFYREQUEST']._serialized_end=1062
-  _globals['_CLASSIFYRESPONSE']._serialized_start=1065
-  _globals['_CLASSIFYRESPONSE']._serialized_end=1233
-  _globals['_CLASSIFICATION']._serialized_start=1235
-  _globals['_CLASSIFICATION']._serialized_end=1306
-  _globals['_LABELSCORE']._serialized_start=1308
-  _globals['_LABELSCORE']._serialized_end=1350
-  _globals['_SCOREREQUEST']._serialized_start=1353
-  _globals['_SCOREREQUEST']._serialized_end=1511
-  _globals['_SCORERESPONSE']._serialized_start=1514
-  _globals['_SCORERESPONSE']._serialized_end=1650
+  _globals['_EMBEDREQUEST']._serialized_end=350
+  _globals['_EMBEDRESPONSE']._serialized_start=353
+  _globals['_EMBEDRESPONSE']._serialized_end=516
+  _globals['_EMBEDDING']._serialized_start=518
+  _globals['_EMBEDDING']._serialized_end=561
+  _globals['_RERANKREQUEST']._serialized_start=564
+  _globals['_RERANKREQUEST']._serialized_end=744
+  _globals['_RERANKRESPONSE']._serialized_start=747
+  _globals['_RERANKRESPONSE']._serialized_end=911
+  _globals['_RERANKRESULT']._serialized_start=913
+  _globals['_RERANKRESULT']._serialized_end=975
+  _globals['_CLASSIFYREQUEST']._serialized_start=977
+  _globals['_CLASSIFYREQUEST']._serialized_end=1104
+  _globals['_CLASSIFYRESPONSE']._serialized_start=1107
+  _globals['_CLASSIFYRESPONSE']._serialized_end=1275
+  _globals['_CLASSIFICATION']._serialized_start=1277
+  _globals['_CLASSIFICATION']._serialized_end=1348
+  _globals['_LABELSCORE']._serialized_start=1350
+  _globals['_LABELSCORE']._serialized_end=1392
+  _globals['_SCOREREQUEST']._serialized_start=1395
+  _globals['_SCOREREQUEST']._serialized_end=1553
+  _globals['_SCORERESPONSE']._serialized_start=1556
+  _globals['_SCORERESPONSE']._serialized_end=1692
 # @@protoc_insertion_point(module_scope)

@@ -20,7 +20,7 @@ ENCODING_FP32_BYTES: Encoding
 ENCODING_FP16_BYTES: Encoding
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("model", "request_id", "inputs", "normalize", "dimensions", "truncate", "encoding")
+    __slots__ = ("model", "request_id", "inputs", "normalize", "dimensions", "truncate", "encoding", "prompt_name")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class EmbedRequest(_message.Message):
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     model: str
     request_id: str
     inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Input]
@@ -35,7 +36,8 @@ class EmbedRequest(_message.Message):
     dimensions: int
     truncate: _common_pb2.Truncate
     encoding: Encoding
-    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.Input, _Mapping]]] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., truncate: _Optional[_Union[_common_pb2.Truncate, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ...) -> None: ...
+    prompt_name: str
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[_common_pb2.Input, _Mapping]]] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., truncate: _Optional[_Union[_common_pb2.Truncate, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., prompt_name: _Optional[str] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
     __slots__ = ("request_id", "embeddings", "usage", "timing", "model")
