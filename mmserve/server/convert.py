@@ -213,7 +213,7 @@ def _message(
                 "id": c.id,
                 "type": "function",
                 "function": {
-                    "name": c.name,
+                    "name": _call_name(f"{field}.tool_calls[{k}].name", c),
                     "arguments": _arguments(f"{field}.tool_calls[{k}].arguments_json", c),
                 },
             }
@@ -224,6 +224,14 @@ def _message(
     if m.name:
         out["name"] = m.name
     return out
+
+
+def _call_name(field: str, call: generate_pb2.ToolCall) -> str:
+    """A history call's function name: a template renders it into the prompt, so it is
+    never empty."""
+    if not call.name.strip():
+        raise InvalidArgument(field, "must name the function called")
+    return call.name
 
 
 def _arguments(field: str, call: generate_pb2.ToolCall) -> str:

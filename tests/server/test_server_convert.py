@@ -155,6 +155,9 @@ def test_chat_messages_tools_and_kwargs() -> None:
         (generate_pb2.Chat(messages=[generate_pb2.Message(role="assistant", tool_calls=[
             generate_pb2.ToolCall(name="f", arguments_json="[1]")])]),
          InvalidArgument, "chat.messages[0].tool_calls[0].arguments_json: must be a JSON object"),
+        (generate_pb2.Chat(messages=[generate_pb2.Message(role="assistant", tool_calls=[
+            generate_pb2.ToolCall(name="f"), generate_pb2.ToolCall(name=" ")])]),
+         InvalidArgument, "chat.messages[0].tool_calls[1].name: must name the function"),
     ],
 )  # fmt: skip
 def test_bad_chats_are_named(chat: generate_pb2.Chat, error: type, named: str) -> None:
