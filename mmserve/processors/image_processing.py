@@ -26,6 +26,13 @@ from mmserve.processors.images import DecodedImage
 # Default bound on cached preprocessing results (float32 pixel tensors).
 DEFAULT_CACHE_BYTES = 512 << 20
 
+# Most pixels a processor may scale one image to before it crops. A shortest-edge resize
+# (CLIP, LLaVA-1.5: 336 px) stretches a thin strip along its long side: a 2x4000 PNG of a few
+# hundred bytes, well inside the decoded pixel limit, becomes 336x672000 (2 GB, seconds of
+# CPU) before the centre crop keeps 336x336. Equal to images.MAX_PIXELS (aspect ratio ~220
+# at 336 px); fixed-size (SigLIP) and max_pixels-bounded (Qwen2-VL) resizes never reach it.
+MAX_RESIZED_PIXELS = 25_000_000
+
 
 def load_image_processor(folder: str | Path) -> Any:
     """The model's image processor from `folder` (preprocessor_config.json); no hub, no
@@ -36,6 +43,24 @@ def load_image_processor(folder: str | Path) -> Any:
         )
     except (OSError, ValueError) as e:
         raise UnsupportedModel(f"{folder}: cannot load an image processor: {e}") from e
+
+
+def resized_size(
+    processor: Any, kwargs: Mapping[str, Any], width: int, height: int
+) -> tuple[int, int] | None:
+    """(width, height) of the processor's resize when it is shortest-edge only (transformers'
+    get_resize_output_image_size: the short side becomes shortest_edge, the long side is
+    scaled and truncated); None when it resizes otherwise (a fixed size, a longest_edge,
+    Qwen2-VL's pixel bounds) or not at all. Call kwargs override the processor's settings."""
+    size = kwargs.get("size", getattr(processor, "size", None))
+    if not kwargs.get("do_resize", getattr(processor, "do_resize", False)) or size is None:
+        return None
+    shortest, longest = size.get("shortest_edge"), size.get("longest_edge")
+    if shortest is None or longest is not None:
+        return None
+    if width <= height:
+        return shortest, int(shortest * height / width)
+    return int(shortest * width / height), shortest
 
 
 def processor_identity(processor: Any, kwargs: Mapping[str, Any] | None = None) -> str:
@@ -104,6 +129,7 @@ class ImagePreprocessor:
         return result
 
     def _run(self, image: DecodedImage, field: str) -> PreprocessedImage:
+        self._check_resize(image, field)
         try:
             out = self.processor(images=[image.image], return_tensors="pt", **self.processor_kwargs)
         except ValueError as e:
@@ -113,3 +139,17 @@ class ImagePreprocessor:
             raise UnsupportedModel(f"{type(self.processor).__name__} returned no pixel_values")
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return PreprocessedImage(tensors=tensors, content_hash=image.content_hash, nbytes=nbytes)
+
+    def _check_resize(self, image: DecodedImage, field: str) -> None:
+        """Refuses an image the processor would scale past MAX_RESIZED_PIXELS, before any of
+        them is allocated."""
+        width, height = image.size
+        resized = resized_size(self.processor, self.processor_kwargs, width, height)
+        if resized is None or resized[0] * resized[1] <= MAX_RESIZED_PIXELS:
+            return
+        raise InvalidArgument(
+            field,
+            f"{width}x{height} is too thin for this model: its image processor would resize "
+            f"it to {resized[0]}x{resized[1]}, {resized[0] * resized[1]} pixels; "
+            f"at most {MAX_RESIZED_PIXELS}",
+        )
