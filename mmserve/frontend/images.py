@@ -89,7 +89,8 @@ class ImagePrompts:
             raise InvalidArgument(fields[0] if fields else "prompt", "this model reads no images")
         data = [self.preprocessor.preprocess(im, f).tensors for im, f in zip(images, fields)]
         lengths = [self.rule.count(d) for d in data]
-        field = fields[0].split(".content")[0] if fields else "prompt"
+        # the rendered prompt as a whole (its images may lie in several messages)
+        field = fields[0].split("[")[0] if fields else "prompt"
         ids, spans = expand_placeholders(token_ids, self.image_token_id, lengths, field)
         inputs = tuple(
             MMInput(MMPlaceholder(im.content_hash, offset, length), d)

@@ -30,7 +30,7 @@ from mmserve.processors.image_cache import ByteLRU, check_uuid
 
 MAX_ENCODED_BYTES = 20 << 20  # 20 MiB of PNG/JPEG/... per image
 MAX_PIXELS = 25_000_000  # 25 MP: 100 MB decoded (RGBX); Pillow warns at ~89 MP, raises at ~179
-MIN_SIDE = 2  # a 1x1 image is refused (processors divide by sides; it carries nothing)
+MIN_SIDE = 2  # a side of 1 pixel is refused: nothing a model could read (processors would take it)
 MAX_SIDE = 16_384  # also bounds the aspect ratio a thin strip can reach within MAX_PIXELS
 MAX_FRAMES = 1_000  # frames an APNG/WebP may declare; only the first is ever decoded
 MAX_IMAGES_PER_REQUEST = 16

@@ -172,6 +172,21 @@ def test_placeholder_checks_name_the_field() -> None:
     check_placeholders([1, IMAGE, IMAGE, IMAGE, 2], IMAGE, inputs, "prompt")
 
 
+def test_a_placeholder_mismatch_names_the_messages_not_the_first() -> None:
+    """The images of a chat may lie in any of its messages: a count mismatch in the rendered
+    prompt names chat.messages, not chat.messages[0]."""
+    from types import SimpleNamespace
+
+    from mmserve.frontend.images import ImagePrompts
+
+    info = SimpleNamespace(image_token_id=IMAGE, image_tokens=SimpleNamespace(count=lambda d: 2))
+    preprocessor = SimpleNamespace(preprocess=lambda im, f: SimpleNamespace(tensors={}))
+    prompts = ImagePrompts(info, preprocessor)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument) as e:
+        prompts.process([1, 2], [object()], ["chat.messages[3].content[1].image"])  # type: ignore[list-item]
+    assert e.value.field == "chat.messages"
+
+
 def test_images_cross_the_process_boundary() -> None:
     ids, inputs = mm_prompt([text(2, 1), text(1, 2)], [image(3, 1)])
     r = m.EngineRequest("a", ids, SamplingParams(max_tokens=4), frozenset({2}), 4, mm_inputs=inputs)
