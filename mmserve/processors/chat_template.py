@@ -10,11 +10,15 @@ the offending field; a template that runs out of time, recursion or range is the
 from __future__ import annotations
 
 import json
+import traceback
 from collections.abc import Callable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any, ParamSpec, TypeVar
 
+from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError
 from transformers import PreTrainedTokenizerFast
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
 from mmserve.processors.time_limit import TimeLimitExceeded, call_with_time_limit
@@ -140,15 +144,14 @@ def _template_args(
     if not tokenizer.chat_template:
         raise InvalidArgument("chat", "this model has no chat template; send a prompt instead")
     args: dict[str, Any] = parse_template_kwargs(template_kwargs or {})
-    args["conversation"] = validate_messages(messages, allow_images)
+    args["tools"] = validate_tools(tools) if tools else None
+    template = tokenizer.get_chat_template(None, args["tools"])
+    # A template that ignores tools would silently drop them: refuse instead.
+    if tools and "tools" not in template:
+        raise InvalidArgument("tools", "this model's chat template does not support tools")
+    args["conversation"] = validate_messages(messages, allow_images, reads_parts(template))
     args["add_generation_prompt"] = add_generation_prompt
-    if tools:
-        args["tools"] = validate_tools(tools)
-        # A template that ignores tools would silently drop them: refuse instead.
-        if "tools" not in tokenizer.get_chat_template(None, args["tools"]):
-            raise InvalidArgument("tools", "this model's chat template does not support tools")
     if continue_final_message:
-        template = tokenizer.get_chat_template(None, args.get("tools"))
         _check_continuable(args["conversation"], add_generation_prompt, template)
         args["continue_final_message"] = True
     return args
@@ -166,7 +169,7 @@ def _check_continuable(
     if last["role"] != "assistant":
         raise InvalidArgument(field, f"the last message must be the assistant's, not {last['role']}")
     content = last.get("content")
-    if content is None:
+    if content is None or (not content and "tool_calls" in last):  # (a call-only turn's "")
         raise InvalidArgument(field, "the last message has no content to continue")
     if isinstance(content, list) and not any(p["type"] == "text" for p in content):
         raise InvalidArgument(field, "the last message has no text to continue")
@@ -193,7 +196,20 @@ def _apply(tokenizer: PreTrainedTokenizerFast, args: dict[str, Any], **options: 
                 "continue_final_message",
                 "the model's chat template alters the last message, so it cannot be continued",
             ) from e
+        if _raised_by_template(e):  # e.g. content.index('</think>') on a message without one
+            raise InvalidArgument("messages", f"rejected by the model's chat template: {e}") from e
         raise
+    except (ArithmeticError, LookupError, AttributeError) as e:
+        # a template's own Python error on this conversation (a division by zero, a method's
+        # KeyError or IndexError); elsewhere it is ours and stays INTERNAL
+        if _raised_by_template(e):
+            raise InvalidArgument("messages", f"rejected by the model's chat template: {e}") from e
+        raise
+
+
+def _raised_by_template(e: BaseException) -> bool:
+    # jinja compiles templates from strings under the file name "<template>"
+    return any(f.filename == "<template>" for f in traceback.extract_tb(e.__traceback__))
 
 
 def parse_template_kwargs(kwargs: Mapping[str, object]) -> dict[str, object]:
@@ -209,15 +225,21 @@ def parse_template_kwargs(kwargs: Mapping[str, object]) -> dict[str, object]:
 
 
 def validate_messages(
-    messages: Sequence[Mapping[str, Any]], allow_images: bool = False
+    messages: Sequence[Mapping[str, Any]], allow_images: bool = False, keep_parts: bool = False
 ) -> list[dict[str, Any]]:
-    """Check roles, keys and content; return plain-dict copies ready for the template."""
+    """Check roles, keys and content; return plain-dict copies ready for the template.
+    keep_parts: text-only part lists stay lists (for templates that read them, reads_parts)."""
     if not messages:
         raise InvalidArgument("messages", "must not be empty")
-    return [_validate_message(f"messages[{i}]", m, allow_images) for i, m in enumerate(messages)]
+    return [
+        _validate_message(f"messages[{i}]", m, allow_images, keep_parts)
+        for i, m in enumerate(messages)
+    ]
 
 
-def _validate_message(field: str, message: Mapping[str, Any], allow_images: bool) -> dict[str, Any]:
+def _validate_message(
+    field: str, message: Mapping[str, Any], allow_images: bool, keep_parts: bool
+) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise InvalidArgument(field, "must be an object with role and content")
     unknown = sorted(set(message) - _MESSAGE_KEYS)
@@ -241,16 +263,25 @@ def _validate_message(field: str, message: Mapping[str, Any], allow_images: bool
         ]
     content = message.get("content")
     if content is not None:
-        out["content"] = _flatten_content(f"{field}.content", content, allow_images)
-    elif "tool_calls" not in out:
+        # tool results stay strings, as vLLM passes them: few templates read their parts
+        keep = keep_parts and role != "tool"
+        out["content"] = _flatten_content(f"{field}.content", content, allow_images, keep)
+    elif "tool_calls" in out:
+        # A call without text (OpenAI's content null) has empty content, as vLLM renders it:
+        # templates read content unguarded (Qwen3's `'</think>' in message.content`).
+        out["content"] = ""
+    else:
         raise InvalidArgument(f"{field}.content", "is required")
     return out
 
 
-def _flatten_content(field: str, content: Any, allow_images: bool) -> str | list[dict[str, str]]:
-    # Text-only part lists become one string (joined by newlines, as vLLM does): every
-    # template accepts string content, while many (SmolLM2's included) break on lists.
-    # With images the list stays, as [{"type": "text", "text"}, {"type": "image"}, ...].
+def _flatten_content(
+    field: str, content: Any, allow_images: bool, keep_parts: bool
+) -> str | list[dict[str, str]]:
+    # Text-only part lists become one string (joined by newlines, as vLLM does) unless the
+    # template reads parts: every template accepts string content, while many (SmolLM2's
+    # included) break on lists or print them as Python reprs. With images the list stays, as
+    # [{"type": "text", "text"}, {"type": "image"}, ...].
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -266,9 +297,36 @@ def _flatten_content(field: str, content: Any, allow_images: bool) -> str | list
         if kind != "text":
             raise InvalidArgument(f"{field}[{j}].type", f"must be 'text', got {kind!r}")
         parts.append({"type": "text", "text": _string(f"{field}[{j}].text", part.get("text"))})
-    if all(p["type"] == "text" for p in parts):
+    if not keep_parts and all(p["type"] == "text" for p in parts):
         return "\n".join(p["text"] for p in parts)
     return parts
+
+
+@lru_cache(maxsize=64)
+def reads_parts(template: str) -> bool:
+    """Whether the template loops over a message's content, i.e. reads a list of parts (Llama
+    4, Qwen2.5-VL, ...): then text parts reach it as sent, as transformers passes them. vLLM
+    detects its "openai" content format the same way; neither follows the content through a
+    variable or a macro's parameter (Mistral Nemo's `set tool_calls = message.content` is not
+    a list of parts)."""
+    try:
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except TemplateError:
+        return False  # rendering reports it
+    return any(_is_content(loop.iter) for loop in tree.find_all(nodes.For))
+
+
+def _is_content(node: nodes.Node | None) -> bool:
+    """`x.content` or `x['content']`, through filters, tests and slices."""
+    while isinstance(node, (nodes.Filter, nodes.Test)) or (
+        isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+    ):
+        node = node.node
+    if isinstance(node, nodes.Getattr):
+        return node.attr == "content"
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+    return False
 
 
 def _validate_tool_call(field: str, call: Any) -> dict[str, Any]:

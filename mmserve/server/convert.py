@@ -208,21 +208,25 @@ def _message(
     elif parts or not m.tool_calls:
         out["content"] = parts or ""
     if m.tool_calls:
-        out["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                "function": {
-                    "name": _call_name(f"{field}.tool_calls[{k}].name", c),
-                    "arguments": _arguments(f"{field}.tool_calls[{k}].arguments_json", c),
-                },
-            }
-            for k, c in enumerate(m.tool_calls)
-        ]
+        calls = enumerate(m.tool_calls)
+        out["tool_calls"] = [_tool_call(f"{field}.tool_calls[{k}]", c) for k, c in calls]
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
     if m.name:
         out["name"] = m.name
+    return out
+
+
+def _tool_call(field: str, call: generate_pb2.ToolCall) -> dict[str, Any]:
+    """A history call in OpenAI's shape. An empty id is left out, as a client that sent none
+    left it out: templates fall back on their own (Command A numbers the calls) where they
+    would otherwise print the empty id."""
+    out: dict[str, Any] = {"id": call.id} if call.id else {}
+    out["type"] = "function"
+    out["function"] = {
+        "name": _call_name(f"{field}.name", call),
+        "arguments": _arguments(f"{field}.arguments_json", call),
+    }
     return out
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
 from mmserve.processors.chat_template import render_and_tokenize, render_chat
+from tests.utils.chat_templates import QWEN3_APRIL_2025_TEMPLATE, QWEN25_VL_TEMPLATE
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SMOLLM2_PROMPT = (
@@ -54,6 +55,20 @@ def test_text_parts_become_one_string(smollm2_tokenizer: Any) -> None:
     ]
     text = render_chat(smollm2_tokenizer, [{"role": "user", "content": parts}])
     assert "<|im_start|>user\nWhat is the capital\nof France?<|im_end|>" in text
+
+
+def test_text_parts_reach_templates_that_read_parts(smollm2_tokenizer: Any) -> None:
+    # Qwen2.5-VL loops over the parts and joins them with nothing: as transformers renders the
+    # list, not as the newline-joined string that templates reading strings get.
+    tok = with_template(smollm2_tokenizer, QWEN25_VL_TEMPLATE)
+    parts = [{"type": "text", "text": "Describe"}, {"type": "text", "text": " this."}]
+    messages = [{"role": "user", "content": parts}]
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "user\nDescribe this.<|im_end|>" in expected
+    assert render_chat(tok, messages) == expected
+    # a tool's result stays one string, as vLLM passes it (few templates read its parts)
+    result = [*messages, {"role": "tool", "content": parts}]
+    assert "tool\nDescribe\n this.<|im_end|>" in render_chat(tok, result)
 
 
 def test_control_tokens_typed_by_users_stay_text(smollm2_tokenizer: Any) -> None:
@@ -137,6 +152,25 @@ def test_tools_and_tool_calls_reach_the_template(smollm2_tokenizer: Any) -> None
     assert "tool: sunny" in text
 
 
+def test_call_only_turns_render_with_empty_content(smollm2_tokenizer: Any) -> None:
+    # OpenAI's history turn that only calls (content null): Qwen3's template reads
+    # message.content unguarded, so the turn gets "" as vLLM gives it, instead of failing.
+    tok = with_template(smollm2_tokenizer, QWEN3_APRIL_2025_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    call = {"id": "c1", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages: list[dict[str, Any]] = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
+    parsed = {**call, "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    as_vllm = [*QUESTION, {**messages[1], "content": "", "tool_calls": [parsed]}, messages[2]]
+    expected = tok.apply_chat_template(as_vllm, tools=tools, add_generation_prompt=True,
+                                       tokenize=False)
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "weather"' in expected
+    assert render_chat(tok, messages, tools=tools) == expected
+
+
 def test_tools_refused_when_the_template_ignores_them(smollm2_tokenizer: Any) -> None:
     tools = [{"type": "function", "function": {"name": "weather"}}]
     with pytest.raises(InvalidArgument) as err:
@@ -152,6 +186,24 @@ def test_template_errors_are_the_requests_fault(smollm2_tokenizer: Any) -> None:
     tok = with_template(smollm2_tokenizer, "{{ raise_exception('roles must alternate') }}")
     with pytest.raises(InvalidArgument, match="roles must alternate") as err:
         render_chat(tok, QUESTION)
+    assert err.value.field == "messages"
+
+
+@pytest.mark.parametrize(
+    ("template", "error"),
+    [
+        # a ValueError the conversation provokes: a message without a think tag
+        ("{{ messages[0].content.index('</think>') }}", "substring not found"),
+        ("{{ 1 // (messages | length - 1) }}", "division"),  # one message: ZeroDivisionError
+    ],
+)
+def test_python_errors_raised_by_the_template_are_the_requests_fault(
+    smollm2_tokenizer: Any, template: str, error: str
+) -> None:
+    # a Python error the conversation provokes inside the template is the request's, not an
+    # internal error
+    with pytest.raises(InvalidArgument, match=error) as err:
+        render_chat(with_template(smollm2_tokenizer, template), QUESTION)
     assert err.value.field == "messages"
 
 

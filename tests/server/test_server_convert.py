@@ -137,6 +137,17 @@ def test_chat_messages_tools_and_kwargs() -> None:
     assert convert.chat_input(chat).tools is None  # the model must not call: it sees none
 
 
+def test_history_calls_without_an_id_have_none() -> None:
+    # proto3 cannot tell an unset id from "": a template then numbers the calls itself (Command
+    # A) or leaves the id out, as for a client's call without one, instead of printing ""
+    call = generate_pb2.ToolCall(name="weather", arguments_json='{"city": "Paris"}')
+    chat = generate_pb2.Chat(messages=[Msg(role="assistant", tool_calls=[call])])
+    function = {"name": "weather", "arguments": '{"city": "Paris"}'}
+    assert convert.chat_input(chat).messages[0]["tool_calls"] == [
+        {"type": "function", "function": function}
+    ]
+
+
 @pytest.mark.parametrize(
     "chat, error, named",
     [
