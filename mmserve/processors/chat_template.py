@@ -26,7 +26,9 @@ from mmserve.processors.time_limit import TimeLimitExceeded, call_with_time_limi
 P = ParamSpec("P")
 T = TypeVar("T")
 
-ROLES = ("system", "user", "assistant", "tool")
+# "developer": OpenAI's name for system instructions; rendered as "system" for a template that
+# does not name the role itself
+ROLES = ("system", "developer", "user", "assistant", "tool")
 _MESSAGE_KEYS = frozenset(
     {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"}
 )
@@ -48,11 +50,33 @@ def _parse_effort(name: str, value: object) -> str:
     raise InvalidArgument("template_kwargs", f"{name} must be low, medium or high, got {value!r}")
 
 
+_MAX_KWARG_TEXT = 64  # characters of a text template variable (a date, a tool's name)
+
+
+def _parse_text(name: str, value: object) -> str:
+    if isinstance(value, str) and 0 < len(value) <= _MAX_KWARG_TEXT and value.isprintable():
+        return value
+    raise InvalidArgument(
+        "template_kwargs", f"{name} must be printable text of 1 to {_MAX_KWARG_TEXT} characters"
+    )
+
+
+def _parse_names(name: str, value: object) -> list[str]:
+    # a JSON list arrives parsed (the proto's values are JSON text)
+    if isinstance(value, list) and len(value) <= 16:
+        return [_parse_text(name, v) for v in value]
+    raise InvalidArgument("template_kwargs", f"{name} must be a JSON list of at most 16 names")
+
+
 # Template variables a request may set, each with its parser. Anything else is refused: a
 # template sees these next to bos_token etc., which a request must not be able to override.
 TEMPLATE_KWARGS: Mapping[str, Callable[[str, object], object]] = {
     "enable_thinking": _parse_bool,  # Qwen3-style thinking switch
     "reasoning_effort": _parse_effort,  # gpt-oss-style effort level
+    "tools_in_user_message": _parse_bool,  # Llama 3.x: tools in the first user turn or system
+    "date_string": _parse_text,  # Llama 3.x: "Today Date" in the system turn
+    "builtin_tools": _parse_names,  # Llama 3.1: ["brave_search", "wolfram_alpha"]
+    "add_vision_id": _parse_bool,  # Qwen2-VL: "Picture 1:" before each image
 }
 
 
@@ -150,6 +174,10 @@ def _template_args(
     if tools and "tools" not in template:
         raise InvalidArgument("tools", "this model's chat template does not support tools")
     args["conversation"] = validate_messages(messages, allow_images, reads_parts(template))
+    if "developer" not in template:  # a template that does not know the role reads system
+        for message in args["conversation"]:
+            if message["role"] == "developer":
+                message["role"] = "system"
     args["add_generation_prompt"] = add_generation_prompt
     if continue_final_message:
         _check_continuable(args["conversation"], add_generation_prompt, template)

@@ -212,6 +212,8 @@ def _message(
         out["tool_calls"] = [_tool_call(f"{field}.tool_calls[{k}]", c) for k, c in calls]
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_text:
+        out["reasoning_content"] = m.reasoning_text
     if m.name:
         out["name"] = m.name
     return out

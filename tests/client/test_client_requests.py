@@ -84,6 +84,7 @@ def test_chat_messages_parts_tools_and_history() -> None:
             },
             {
                 "role": "assistant",
+                "reasoning_content": "f answers it",
                 "tool_calls": [
                     {
                         "id": "c1",
@@ -105,6 +106,7 @@ def test_chat_messages_parts_tools_and_history() -> None:
     assert [p.WhichOneof("part") for p in user.content] == ["text", "image", "image", "image"]
     assert user.content[1].image.data == png and user.content[2].image.path == "/media/a.png"
     calls = chat.messages[2].tool_calls
+    assert chat.messages[2].reasoning_text == "f answers it"
     assert (calls[0].name, json.loads(calls[0].arguments_json), calls[1].id) == (
         "f",
         {"a": 1},

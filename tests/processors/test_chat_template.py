@@ -90,6 +90,36 @@ def test_template_kwargs_allow_list(smollm2_tokenizer: Any) -> None:
         assert err.value.field == "template_kwargs"
 
 
+def test_llama_and_qwen_vl_template_kwargs(smollm2_tokenizer: Any) -> None:
+    template = (
+        "{{ date_string }}|{{ tools_in_user_message }}|{{ builtin_tools | join(',') }}|"
+        "{{ add_vision_id }}"
+    )
+    kwargs = {
+        "date_string": "26 Jul 2024",
+        "tools_in_user_message": "false",
+        "builtin_tools": ["brave_search", "wolfram_alpha"],
+        "add_vision_id": True,
+    }
+    rendered = render_chat(with_template(smollm2_tokenizer, template), QUESTION, template_kwargs=kwargs)
+    assert rendered == "26 Jul 2024|False|brave_search,wolfram_alpha|True"
+    for bad in ({"date_string": "x" * 65}, {"builtin_tools": "brave_search"}, {"date_string": "a\nb"}):
+        with pytest.raises(InvalidArgument) as err:
+            render_chat(smollm2_tokenizer, QUESTION, template_kwargs=bad)
+        assert err.value.field == "template_kwargs"
+
+
+def test_developer_messages_render_as_system_unless_the_template_knows_them(
+    smollm2_tokenizer: Any,
+) -> None:
+    messages = [{"role": "developer", "content": "Be brief."}, *QUESTION]
+    plain = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
+    rendered = render_chat(with_template(smollm2_tokenizer, plain), messages)
+    assert rendered.startswith("system:Be brief.;user:")
+    knows = plain + "{% if messages[0].role == 'developer' %}!{% endif %}"
+    assert render_chat(with_template(smollm2_tokenizer, knows), messages).startswith("developer:")
+
+
 def test_template_kwargs_reach_the_template(smollm2_tokenizer: Any) -> None:
     tok = with_template(smollm2_tokenizer, "{{ 'think' if enable_thinking else 'fast' }}")
     assert render_chat(tok, QUESTION, template_kwargs={"enable_thinking": "true"}) == "think"

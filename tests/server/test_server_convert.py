@@ -148,6 +148,15 @@ def test_history_calls_without_an_id_have_none() -> None:
     ]
 
 
+def test_history_thinking_reaches_the_template_as_reasoning_content() -> None:
+    msg = Msg(role="assistant", reasoning_text="The user wants weather.", tool_calls=[
+        generate_pb2.ToolCall(id="c1", name="weather", arguments_json="{}")])  # fmt: skip
+    converted = convert.chat_input(generate_pb2.Chat(messages=[msg])).messages[0]
+    assert converted["reasoning_content"] == "The user wants weather."
+    plain = convert.chat_input(generate_pb2.Chat(messages=[Msg(role="user")])).messages[0]
+    assert "reasoning_content" not in plain
+
+
 @pytest.mark.parametrize(
     "chat, error, named",
     [

@@ -52,7 +52,8 @@ def chat_request(
 ) -> generate_pb2.Chat:
     """Builds a Chat from OpenAI-style message and tool dicts.
 
-    A message: {"role", "content": str | list of parts, "tool_calls", "tool_call_id", "name"}.
+    A message: {"role", "content": str | list of parts, "tool_calls", "tool_call_id", "name",
+    "reasoning_content" (or "reasoning_text": an assistant's earlier thinking)}.
     A part: a str (text); an image: encoded bytes, an Image, a pathlib.Path (a local file,
     read here) or a PIL image (sent as lossless PNG); {"type": "text", "text"};
     {"type": "image", "image": any image or a str local file path, "uuid"?};
@@ -83,7 +84,10 @@ def _message(m: Mapping[str, Any]) -> generate_pb2.Message:
     if "role" not in m:
         raise ValueError(f"a chat message needs a 'role': {dict(m)!r}")
     msg = generate_pb2.Message(
-        role=m["role"], tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or ""
+        role=m["role"],
+        tool_call_id=m.get("tool_call_id") or "",
+        name=m.get("name") or "",
+        reasoning_text=m.get("reasoning_content") or m.get("reasoning_text") or "",
     )
     content = m.get("content")
     parts = [content] if isinstance(content, str) or is_image(content) else content or ()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mmserve_client.v1 import common_pb2 as mmserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mmserve/v1/generate.proto\x12\nmmserve.v1\x1a\x17mmserve/v1/common.proto\"\xc6\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x04 \x01(\x0b\x32\x10.mmserve.v1.ChatH\x00\x12)\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x14.mmserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x06 \x01(\x0b\x32\x1a.mmserve.v1.SamplingParams\x12\x30\n\nstructured\x18\x07 \x01(\x0b\x32\x1c.mmserve.v1.StructuredOutput\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"\xcf\x02\n\x04\x43hat\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.mmserve.v1.Message\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.mmserve.v1.Tool\x12+\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x16.mmserve.v1.ToolChoice\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12=\n\x0ftemplate_kwargs\x18\x05 \x03(\x0b\x32$.mmserve.v1.Chat.TemplateKwargsEntry\x12\x1e\n\x16\x63ontinue_final_message\x18\x06 \x01(\x08\x1a\x35\n\x13TemplateKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x18\n\x16_add_generation_prompt\"\x8f\x01\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12(\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x17.mmserve.v1.ContentPart\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.mmserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"I\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\"\n\x05image\x18\x02 \x01(\x0b\x32\x11.mmserve.v1.ImageH\x00\x42\x06\n\x04part\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xab\x01\n\nToolChoice\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.mmserve.v1.ToolChoice.ModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\"M\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_AUTO\x10\x01\x12\r\n\tMODE_NONE\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x42\x08\n\x06\x63hoice\"\xd6\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x11\n\x04seed\x18\n \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x0e\n\x01n\x18\x0e \x01(\rH\x05\x88\x01\x01\x12\x10\n\x08logprobs\x18\x0f \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x10 \x01(\r\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).mmserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12\x1d\n\x10reasoning_budget\x18\x14 \x01(\rH\x07\x88\x01\x01\x12\x1b\n\x13\x64isable_speculation\x18\x15 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB\x13\n\x11_reasoning_budget\"\xc6\x02\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.mmserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x35\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32$.mmserve.v1.StructuredOutput.Backend\x12\x0f\n\x07relaxed\x18\x07 \x01(\x08\"`\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42\x41\x43KEND_AUTO\x10\x01\x12\x14\n\x10\x42\x41\x43KEND_XGRAMMAR\x10\x02\x12\x14\n\x10\x42\x41\x43KEND_OUTLINES\x10\x03\x42\x0c\n\nconstraint\"2\n\x0eRelaxedKeyword\x12\x0f\n\x07pointer\x18\x01 \x01(\t\x12\x0f\n\x07keyword\x18\x02 \x01(\t\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xf7\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.mmserve.v1.TokenLogprob\x12-\n\ntool_calls\x18\x06 \x03(\x0b\x32\x19.mmserve.v1.ToolCallDelta\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.mmserve.v1.FinishReason\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12\"\n\x06timing\x18\t \x01(\x0b\x32\x12.mmserve.v1.Timing\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.mmserve.v1.TokenLogprob\x12\r\n\x05model\x18\x0b \x01(\t\x12\x15\n\x0bstop_string\x18\x0c \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\r \x01(\rH\x00\x12\x16\n\x0ereasoning_text\x18\x0e \x01(\t\x12\x34\n\x10relaxed_keywords\x18\x0f \x03(\x0b\x32\x1a.mmserve.v1.RelaxedKeywordB\r\n\x0bstop_reason\"Q\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x17\n\x0f\x61rguments_delta\x18\x04 \x01(\t\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.mmserve.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mmserve/v1/generate.proto\x12\nmmserve.v1\x1a\x17mmserve/v1/common.proto\"\xc6\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x04 \x01(\x0b\x32\x10.mmserve.v1.ChatH\x00\x12)\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x14.mmserve.v1.TokenIdsH\x00\x12*\n\x06params\x18\x06 \x01(\x0b\x32\x1a.mmserve.v1.SamplingParams\x12\x30\n\nstructured\x18\x07 \x01(\x0b\x32\x1c.mmserve.v1.StructuredOutput\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"\xcf\x02\n\x04\x43hat\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.mmserve.v1.Message\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.mmserve.v1.Tool\x12+\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x16.mmserve.v1.ToolChoice\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12=\n\x0ftemplate_kwargs\x18\x05 \x03(\x0b\x32$.mmserve.v1.Chat.TemplateKwargsEntry\x12\x1e\n\x16\x63ontinue_final_message\x18\x06 \x01(\x08\x1a\x35\n\x13TemplateKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x18\n\x16_add_generation_prompt\"\xa7\x01\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12(\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x17.mmserve.v1.ContentPart\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.mmserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x06 \x01(\t\"I\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\"\n\x05image\x18\x02 \x01(\x0b\x32\x11.mmserve.v1.ImageH\x00\x42\x06\n\x04part\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xab\x01\n\nToolChoice\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.mmserve.v1.ToolChoice.ModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\"M\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_AUTO\x10\x01\x12\r\n\tMODE_NONE\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x42\x08\n\x06\x63hoice\"\xd6\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x11\n\x04seed\x18\n \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x0e\n\x01n\x18\x0e \x01(\rH\x05\x88\x01\x01\x12\x10\n\x08logprobs\x18\x0f \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x10 \x01(\r\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).mmserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12\x1d\n\x10reasoning_budget\x18\x14 \x01(\rH\x07\x88\x01\x01\x12\x1b\n\x13\x64isable_speculation\x18\x15 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x16\n\x14_skip_special_tokensB\x13\n\x11_reasoning_budget\"\xc6\x02\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.mmserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x35\n\x07\x62\x61\x63kend\x18\x06 \x01(\x0e\x32$.mmserve.v1.StructuredOutput.Backend\x12\x0f\n\x07relaxed\x18\x07 \x01(\x08\"`\n\x07\x42\x61\x63kend\x12\x17\n\x13\x42\x41\x43KEND_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42\x41\x43KEND_AUTO\x10\x01\x12\x14\n\x10\x42\x41\x43KEND_XGRAMMAR\x10\x02\x12\x14\n\x10\x42\x41\x43KEND_OUTLINES\x10\x03\x42\x0c\n\nconstraint\"2\n\x0eRelaxedKeyword\x12\x0f\n\x07pointer\x18\x01 \x01(\t\x12\x0f\n\x07keyword\x18\x02 \x01(\t\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xf7\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.mmserve.v1.TokenLogprob\x12-\n\ntool_calls\x18\x06 \x03(\x0b\x32\x19.mmserve.v1.ToolCallDelta\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.mmserve.v1.FinishReason\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12\"\n\x06timing\x18\t \x01(\x0b\x32\x12.mmserve.v1.Timing\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.mmserve.v1.TokenLogprob\x12\r\n\x05model\x18\x0b \x01(\t\x12\x15\n\x0bstop_string\x18\x0c \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\r \x01(\rH\x00\x12\x16\n\x0ereasoning_text\x18\x0e \x01(\t\x12\x34\n\x10relaxed_keywords\x18\x0f \x03(\x0b\x32\x1a.mmserve.v1.RelaxedKeywordB\r\n\x0bstop_reason\"Q\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x17\n\x0f\x61rguments_delta\x18\x04 \x01(\t\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.mmserve.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t*\x98\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAT_TEMPLATEKWARGSENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3172
-  _globals['_FINISHREASON']._serialized_end=3324
+  _globals['_FINISHREASON']._serialized_start=3196
+  _globals['_FINISHREASON']._serialized_end=3348
   _globals['_GENERATEREQUEST']._serialized_start=67
   _globals['_GENERATEREQUEST']._serialized_end=393
   _globals['_CHAT']._serialized_start=396
@@ -45,35 +45,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAT_TEMPLATEKWARGSENTRY']._serialized_start=652
   _globals['_CHAT_TEMPLATEKWARGSENTRY']._serialized_end=705
   _globals['_MESSAGE']._serialized_start=734
-  _globals['_MESSAGE']._serialized_end=877
-  _globals['_CONTENTPART']._serialized_start=879
-  _globals['_CONTENTPART']._serialized_end=952
-  _globals['_TOOL']._serialized_start=954
-  _globals['_TOOL']._serialized_end=1036
-  _globals['_TOOLCALL']._serialized_start=1038
-  _globals['_TOOLCALL']._serialized_end=1098
-  _globals['_TOOLCHOICE']._serialized_start=1101
-  _globals['_TOOLCHOICE']._serialized_end=1272
-  _globals['_TOOLCHOICE_MODE']._serialized_start=1185
-  _globals['_TOOLCHOICE_MODE']._serialized_end=1262
-  _globals['_SAMPLINGPARAMS']._serialized_start=1275
-  _globals['_SAMPLINGPARAMS']._serialized_end=2001
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1829
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1877
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=2004
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=2330
-  _globals['_STRUCTUREDOUTPUT_BACKEND']._serialized_start=2220
-  _globals['_STRUCTUREDOUTPUT_BACKEND']._serialized_end=2316
-  _globals['_RELAXEDKEYWORD']._serialized_start=2332
-  _globals['_RELAXEDKEYWORD']._serialized_end=2382
-  _globals['_CHOICELIST']._serialized_start=2384
-  _globals['_CHOICELIST']._serialized_end=2413
-  _globals['_GENERATERESPONSE']._serialized_start=2416
-  _globals['_GENERATERESPONSE']._serialized_end=2919
-  _globals['_TOOLCALLDELTA']._serialized_start=2921
-  _globals['_TOOLCALLDELTA']._serialized_end=3002
-  _globals['_TOKENLOGPROB']._serialized_start=3004
-  _globals['_TOKENLOGPROB']._serialized_end=3105
-  _globals['_TOPLOGPROB']._serialized_start=3107
-  _globals['_TOPLOGPROB']._serialized_end=3169
+  _globals['_MESSAGE']._serialized_end=901
+  _globals['_CONTENTPART']._serialized_start=903
+  _globals['_CONTENTPART']._serialized_end=976
+  _globals['_TOOL']._serialized_start=978
+  _globals['_TOOL']._serialized_end=1060
+  _globals['_TOOLCALL']._serialized_start=1062
+  _globals['_TOOLCALL']._serialized_end=1122
+  _globals['_TOOLCHOICE']._serialized_start=1125
+  _globals['_TOOLCHOICE']._serialized_end=1296
+  _globals['_TOOLCHOICE_MODE']._serialized_start=1209
+  _globals['_TOOLCHOICE_MODE']._serialized_end=1286
+  _globals['_SAMPLINGPARAMS']._serialized_start=1299
+  _globals['_SAMPLINGPARAMS']._serialized_end=2025
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1853
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1901
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=2028
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=2354
+  _globals['_STRUCTUREDOUTPUT_BACKEND']._serialized_start=2244
+  _globals['_STRUCTUREDOUTPUT_BACKEND']._serialized_end=2340
+  _globals['_RELAXEDKEYWORD']._serialized_start=2356
+  _globals['_RELAXEDKEYWORD']._serialized_end=2406
+  _globals['_CHOICELIST']._serialized_start=2408
+  _globals['_CHOICELIST']._serialized_end=2437
+  _globals['_GENERATERESPONSE']._serialized_start=2440
+  _globals['_GENERATERESPONSE']._serialized_end=2943
+  _globals['_TOOLCALLDELTA']._serialized_start=2945
+  _globals['_TOOLCALLDELTA']._serialized_end=3026
+  _globals['_TOKENLOGPROB']._serialized_start=3028
+  _globals['_TOKENLOGPROB']._serialized_end=3129
+  _globals['_TOPLOGPROB']._serialized_start=3131
+  _globals['_TOPLOGPROB']._serialized_end=3193
 # @@protoc_insertion_point(module_scope)
