@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import keywords as kw
+from .finite import has_finite_value
 from .normalize import Normalizer
 from .outlines_schema import Splice, outlines_form
 from .rewrites import narrow_types, simplify
@@ -46,6 +47,11 @@ def prepare_schema(
     defs = _reachable(root, defs)
     narrow_types(walk([root, *defs.values()]))
     Checker(rules, problems, root, defs).run()
+    if not has_finite_value(root, defs):
+        raise problems.error(
+            "", "the schema accepts no finite value (a required property or item refers back "
+            "to its own schema without end)",
+        )  # fmt: skip
     if rules.recursive_refs:
         return PreparedSchema(to_json(root, defs), problems.dropped)
     schema, splices = outlines_form(root, defs, problems)

@@ -136,6 +136,47 @@ def check_json_string_pattern(pattern: str) -> None:
         i = end
 
 
+def json_special_literal(pattern: str) -> str | None:
+    """The first `"`, `\\` or control character that `pattern` (a checked one) has as a
+    literal or as a member of a class that is not negated; None if there is none.
+
+    xgrammar 0.2.9 turns a schema pattern with such a character into grammar rules over the
+    raw JSON text: `a"b` writes a bare quote, `\\\\` a bare backslash, `\\n` a raw newline
+    (invalid JSON), and `.` beside them any character at all. Conservative: some classes
+    with such a member (`[a"]`) it reads soundly, leaving the member out."""
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "[":
+            end = _class_end(pattern, i + 1)
+            found = None if pattern.startswith("[^", i) else _special(pattern[i + 1 : end - 1])
+            i = end
+        else:
+            kind, value, i = _atom(pattern, i)
+            found = value if kind == "char" else None
+        if found is not None and _json_unsafe(ord(found), ord(found)):
+            return found
+    return None
+
+
+def _special(members: str) -> str | None:
+    """The first `"`, `\\` or control character among a class's members."""
+    i = 0
+    while i < len(members):
+        kind, value, i = _atom(members, i)
+        if kind == "char" and _json_unsafe(ord(value), ord(value)):
+            return value
+    return None
+
+
+def _class_end(pattern: str, i: int) -> int:
+    """The index after the `]` that closes a class whose members start at pattern[i]."""
+    first = True
+    while i < len(pattern) and (pattern[i] != "]" or first):
+        first = False
+        i += 2 if pattern[i] == "\\" else 1
+    return i + 1
+
+
 _UNSAFE_MESSAGE = (
     'may match `"`, `\\`, a control character (which this backend would put into the JSON '
     "text unescaped) or a non-ASCII digit or letter; list the allowed characters explicitly "

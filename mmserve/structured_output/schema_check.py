@@ -18,7 +18,7 @@ from .disjoint import branches_disjoint
 from .formats import FORMAT_PATTERNS
 from .numbers import bounds_regex
 from .patterns import full_match, json_text_pattern, length_range, xgrammar_pattern
-from .regex_check import RegexProblem
+from .regex_check import RegexProblem, json_special_literal
 from .rewrites import keep_only
 from .schema_tree import FIELD, Node, Problems, Schema, SchemaError, to_json, walk
 
@@ -140,7 +140,8 @@ class Checker:
     def strings(self, node: Node) -> None:
         k = node.keywords
         fmt = k.get("format")
-        if fmt is not None and fmt not in self.rules.formats:
+        # next to a pattern the engine enforces one of the two (xgrammar: the format)
+        if fmt is not None and (fmt not in self.rules.formats or "pattern" in k):
             if fmt not in self.rules.pattern_formats or "pattern" in k:
                 self.problems.unenforced(node, "format", self.format_message(fmt))
             else:
@@ -168,6 +169,14 @@ class Checker:
             text = json_text_pattern(pattern) if self.rules.raw_json_patterns else xgrammar_pattern(body)
         except RegexProblem as e:
             raise self.problems.error(node.pointer_of("pattern"), str(e)) from None
+        special = None if self.rules.raw_json_patterns else json_special_literal(body)
+        if special is not None:
+            self.problems.unenforced(
+                node, "pattern", f"it has {special!r} as a literal or class member, which the "
+                f"{self.rules.backend} backend would write into the JSON text unescaped (invalid "
+                "JSON); the outlines backend escapes it",
+            )  # fmt: skip
+            return
         self.lengths(node, pattern, "pattern")
         node.put("pattern", text, node.at("pattern"))
 

@@ -11,7 +11,12 @@ from typing import Any
 
 import pytest
 
-from mmserve.structured_output import CompiledGrammar, StructuredOutputParams
+from mmserve.structured_output import (
+    CompiledGrammar,
+    RelaxedKeyword,
+    SchemaError,
+    StructuredOutputParams,
+)
 from mmserve.structured_output.keywords import OUTLINES_RULES, XGRAMMAR_RULES, SchemaRules
 from tests.structured_output.conftest import SMOLLM2_EOS, get_backend
 
@@ -194,3 +199,30 @@ def test_outlines_quirks_are_worked_around(
     )
     assert all(accepts(compiled, tokenizer, text) for text in good), good
     assert not any(accepts(compiled, tokenizer, text) for text in bad), bad
+
+
+@pytest.mark.parametrize("pattern", ['^a"b$', r"^a\\b$", r"^a\nb$", r"^[A-Z]:\\[a-z]+$"])
+def test_xgrammar_patterns_it_would_write_unescaped_are_refused(tokenizer: Any, pattern: str) -> None:
+    """xgrammar 0.2.9 writes a pattern's `"`, `\\` and control characters into the JSON text
+    raw (`a"b` gave `"a"b"`, `a\\\\b` the escape `\\b`): refused, or relaxed; outlines escapes them."""
+    schema = json.dumps({"type": "string", "pattern": pattern})
+    xgrammar = get_backend(tokenizer, "xgrammar")
+    with pytest.raises(SchemaError, match="at /pattern: .*unescaped"):
+        xgrammar.compile(StructuredOutputParams("json_schema", schema))
+    relaxed = xgrammar.compile(StructuredOutputParams("json_schema", schema, relaxed=True))
+    assert relaxed.relaxed == (RelaxedKeyword("", "pattern"),)
+    valid = json.dumps({'^a"b$': 'a"b', r"^a\\b$": "a\\b", r"^a\nb$": "a\nb"}.get(pattern, "C:\\ab"))
+    outlines = get_backend(tokenizer, "outlines").compile(StructuredOutputParams("json_schema", schema))
+    assert accepts(outlines, tokenizer, valid)
+
+
+def test_xgrammar_format_beside_a_pattern_is_refused(tokenizer: Any) -> None:
+    """xgrammar 0.2.9 enforces a format it knows and drops the pattern beside it."""
+    schema = json.dumps({"type": "string", "format": "email", "pattern": "^a@x[.]com$"})
+    backend = get_backend(tokenizer, "xgrammar")
+    with pytest.raises(SchemaError, match="at /format"):
+        backend.compile(StructuredOutputParams("json_schema", schema))
+    relaxed = backend.compile(StructuredOutputParams("json_schema", schema, relaxed=True))
+    assert relaxed.relaxed == (RelaxedKeyword("", "format"),)
+    assert accepts(relaxed, tokenizer, '"a@x.com"')
+    assert not accepts(relaxed, tokenizer, '"b@y.org"')
