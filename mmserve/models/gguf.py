@@ -29,6 +29,75 @@ def gguf_architecture(reader: Any) -> str:
     return str(field.contents() if hasattr(field, "contents") else field)
 
 
+def gguf_config_overrides(path: Path, hf_config: Any) -> dict[str, Any]:
+    """What the file states that transformers' GGUF config reader leaves at the config class's
+    default, as {config attribute: the file's value}: head_dim, from attention.key_length
+    (convert_hf_to_gguf.py writes the HF config's head_dim there; transformers maps it for
+    qwen3_moe but not qwen3, whose head_dim then stays Qwen3Config's 128), and sliding_window,
+    from attention.sliding_window or none (a "llama" file named "mistral" becomes a
+    MistralConfig with that class's 4096 window, which llama.cpp does not apply)."""
+    from mmserve.models.gguf_index import read_index
+
+    reader = read_index(path)
+    arch = gguf_architecture(reader)
+    overrides: dict[str, Any] = {}
+    head_dim = _scalar(reader, f"{arch}.attention.key_length")
+    if head_dim is not None and getattr(hf_config, "head_dim", None) != head_dim:
+        overrides["head_dim"] = head_dim
+    window = _scalar(reader, f"{arch}.attention.sliding_window")
+    if hasattr(hf_config, "sliding_window") and hf_config.sliding_window != window:
+        overrides["sliding_window"] = window
+    rope_freqs = next((t.data for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if rope_freqs is not None and rope.get("rope_type", "default") == "default":
+        llama3 = llama3_rope(np.asarray(rope_freqs, np.float64), float(rope["rope_theta"]))
+        if llama3 is not None:
+            overrides["rope_parameters"] = {**rope, **llama3}
+    return overrides
+
+
+def llama3_rope(factors: np.ndarray, theta: float) -> dict[str, Any] | None:
+    """The "llama3" rope_parameters that give llama.cpp's rope_freqs tensor (the divisor of each
+    rotary pair's frequency: 1 at high frequencies, `factor` at low ones, smooth between), which
+    is all a GGUF keeps of a Llama 3.1+ rope scaling; None when every divisor is 1. Between the
+    plateaus the smoothing is linear in 1 / wavelength: two pairs there fix its band (fewer
+    leave Llama 3's own band to try). Divisors of no llama3 scaling raise UnsupportedModel."""
+    if np.allclose(factors, 1.0):
+        return None
+    factor = float(factors.max())
+    inv_wavelen = theta ** (-np.arange(len(factors)) / len(factors)) / (2 * np.pi)
+    smooth = (1 / factors - 1 / factor) / (1 - 1 / factor)  # 1: unscaled, 0: divided by factor
+    band = (smooth > 1e-6) & (smooth < 1 - 1e-6)
+    old_context, low, high = 8192, 1.0, 4.0
+    if band.sum() >= 2:  # smooth = (old_context * x - low) / (high - low), x = 1 / wavelength
+        slope, intercept = np.polyfit(inv_wavelen[band], smooth[band], 1)
+        low = round(float(-intercept * old_context / slope), 4)
+        high = round(low + old_context / float(slope), 4)
+    rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": old_context}  # fmt: skip
+    if not np.allclose(_llama3_factors(rope, inv_wavelen), factors, rtol=1e-4):
+        raise UnsupportedModel(
+            f"GGUF tensor rope_freqs.weight {np.round(factors, 4).tolist()} is no llama3 rope scaling"
+        )
+    return rope
+
+
+def _llama3_factors(rope: dict[str, Any], inv_wavelen: np.ndarray) -> np.ndarray:
+    """llama.cpp's rope_freqs for rope (convert_hf_to_gguf.py, LlamaModel)."""
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    smooth = (rope["original_max_position_embeddings"] * inv_wavelen - low) / (high - low)
+    smoothed = 1 / ((1 - smooth) / rope["factor"] + smooth)
+    return np.where(smooth >= 1, 1.0, np.where(smooth <= 0, rope["factor"], smoothed))
+
+
+def _scalar(reader: Any, key: str) -> Any:
+    """A metadata value, or None (reader: a GgufIndex or a GGUFReader, as gguf_architecture)."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return field.contents() if hasattr(field, "contents") else field
+
+
 def gguf_to_hf_names(hf_config: Any, gguf_arch: str) -> dict[str, str]:
     """GGUF tensor name -> HF parameter name, for every parameter of transformers' model."""
     import gguf
@@ -86,7 +155,7 @@ def iter_gguf_blocks(
             yield hf_name, _as_torch(data.reshape(data.shape[0], -1, block_bytes))
         else:
             raise UnsupportedModel(
-                f"GGUF tensor {gguf_name} is {qtype.name}: not supported on CUDA; supported: "
+                f"GGUF tensor {gguf_name} is {qtype.name}: its blocks cannot be kept; supported: "
                 f"{', '.join([*supported, *FLOAT_TYPES])}"
             )
 

@@ -26,7 +26,7 @@ from mmserve import envs
 from mmserve.models.source import ModelSource, iter_weights, load_hf_config
 
 logger = logging.getLogger(__name__)
-FORMAT_VERSION = "1"  # bump when the conversion changes
+FORMAT_VERSION = "2"  # bump when the conversion changes (2: gguf_config_overrides)
 
 
 def cache_dir() -> Path:

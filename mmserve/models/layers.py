@@ -126,7 +126,8 @@ def rope_parameters(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]
     if rope_type not in ROPE_INIT_FUNCTIONS:
         valid = sorted(set(ROPE_INIT_FUNCTIONS) - set(_SEQ_LEN_DEPENDENT_ROPE) | {"default"})
         raise UnsupportedModel(f"rope_type {rope_type!r} is not supported; supported: {valid}")
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    with torch.device("cpu"):  # (a model built on the meta device computes these again later)
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv_freq.float(), float(scale)
 
 

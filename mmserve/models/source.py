@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
-from mmserve.models.gguf import iter_gguf_weights
+from mmserve.models.gguf import gguf_config_overrides, iter_gguf_weights
 from mmserve.models.parallel import Shard
 
 # (checkpoint name, full shape) -> the part this rank reads (None: all); a model's weight_shard
@@ -51,11 +51,12 @@ def resolve_model_source(model: str | Path) -> ModelSource:
 
 
 def load_hf_config(source: ModelSource) -> Any:
-    """The transformers config (PretrainedConfig), from config.json or from GGUF metadata."""
+    """The transformers config (PretrainedConfig), from config.json or from GGUF metadata (with
+    what transformers' reader misses of it: mmserve.models.gguf.gguf_config_overrides)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(
+        config = AutoConfig.from_pretrained(
             str(source.folder),
             gguf_file=source.gguf_file,
             trust_remote_code=False,
@@ -63,6 +64,10 @@ def load_hf_config(source: ModelSource) -> Any:
         )
     except (ValueError, KeyError) as e:  # unknown model_type, custom code, malformed file
         raise UnsupportedModel(f"cannot read the config of {source.folder}: {e}") from e
+    if source.gguf_file is not None:
+        for key, value in gguf_config_overrides(source.folder / source.gguf_file, config).items():
+            setattr(config, key, value)
+    return config
 
 
 def load_generation_config(source: ModelSource) -> Any | None:

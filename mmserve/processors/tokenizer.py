@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -52,18 +54,33 @@ def load_tokenizer(
     takes seconds for a 50k vocabulary; an HF folder loads in well under a second.
     """
     folder, gguf_name = resolve_tokenizer_source(path_or_folder, gguf_file)
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(folder),
-        gguf_file=gguf_name,
-        trust_remote_code=False,
-        local_files_only=True,
-    )
+    with _gguf_alone(folder, gguf_name) as folder:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(folder),
+            gguf_file=gguf_name,
+            trust_remote_code=False,
+            local_files_only=True,
+        )
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise UnsupportedModel(
             f"{path_or_folder}: tokenizer {type(tokenizer).__name__} has no fast (tokenizers) "
             "backend; streaming detokenisation needs one"
         )
     return tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_alone(folder: Path, gguf_name: str | None) -> Iterator[Path]:
+    """folder, or, for a GGUF beside an HF tokenizer's files, a temporary folder holding only a
+    link to the GGUF. Given gguf_file, transformers still reads the folder's tokenizer.json and
+    tokenizer_config.json, and then drops the GGUF's bos, eos and chat template;
+    convert_hf_to_gguf.py writes its GGUF into the HF folder unless told otherwise."""
+    if gguf_name is None or not any((folder / name).is_file() for name in _HF_TOKENIZER_FILES):
+        yield folder
+        return
+    with tempfile.TemporaryDirectory(prefix="mmserve-gguf-") as alone:
+        (Path(alone) / gguf_name).symlink_to((folder / gguf_name).resolve())
+        yield Path(alone)
 
 
 def eos_token_ids(

@@ -138,7 +138,7 @@ def test_unsupported_types_are_refused_by_name(tmp_path: Path) -> None:
     iq2 = np.random.default_rng(1).integers(0, 256, (64, 74), dtype=np.uint8)  # 256 per row
     path = _write_gguf(tmp_path / "iq.gguf", {"blk.0.attn_q.weight": (iq2, "IQ2_XS")})
     with pytest.raises(UnsupportedModel, match=r"GGUF tensor blk\.0\.attn_q\.weight is IQ2_XS: "
-                       r"not supported on CUDA; supported: Q4_0, Q4_1, .*Q6_K, F32"):  # fmt: skip
+                       r"its blocks cannot be kept; supported: Q4_0, Q4_1, .*Q6_K, F32"):  # fmt: skip
         list(iter_gguf_blocks(path, _tiny_llama_config(), set(), SUPPORTED_TYPES))
 
 
