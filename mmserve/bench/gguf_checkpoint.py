@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 
 # the spread of a block's weights when its bytes are random and its scales 1 (Q4_K: dmin 7.5,
 # which centres them), measured with gguf.quants.dequantize; bytes at offset -> scale field
-_SPREAD = {"Q4_0": 4.62, "Q8_0": 73.7, "Q4_K": 258.0, "Q6_K": 1368.0}
-_SCALE_FIELDS = {"Q4_0": ((0, 1.0),), "Q8_0": ((0, 1.0),), "Q4_K": ((0, 1.0), (2, 7.5)),
-                 "Q6_K": ((208, 1.0),)}  # fmt: skip
+_SPREAD = {"Q4_0": 4.62, "Q8_0": 73.7, "Q3_K": 60.0, "Q4_K": 258.0, "Q6_K": 1368.0}
+_SCALE_FIELDS = {"Q4_0": ((0, 1.0),), "Q8_0": ((0, 1.0),), "Q3_K": ((108, 1.0),),
+                 "Q4_K": ((0, 1.0), (2, 7.5)), "Q6_K": ((208, 1.0),)}  # fmt: skip
 # file type -> its base tensor type
 FILE_TYPES = {"Q4_K_M": "Q4_K", "Q8_0": "Q8_0", "Q4_0": "Q4_0"}
 _GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",

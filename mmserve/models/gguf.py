@@ -136,6 +136,30 @@ def iter_gguf_weights(path: Path, hf_config: Any) -> Iterator[tuple[str, torch.T
         yield hf_name, _as_torch(dequantize(data, qtype))  # float32, HF shape [out, in]
 
 
+def gguf_file_type(path: Path) -> str | None:
+    """The scheme general.file_type names ("Q4_K_M", "Q8_0"; "F32", "F16", "BF16" for float
+    files), or None when the file states none (or one this gguf package does not know)."""
+    import gguf
+
+    from mmserve.models.gguf_index import read_index
+
+    value = _scalar(read_index(path), "general.file_type")
+    try:
+        name = gguf.LlamaFileType(int(value)).name if value is not None else None
+    except ValueError:
+        return None
+    return None if name is None else name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+def unkept_types(path: Path, supported: Collection[str]) -> list[str]:
+    """The quantised types of the file's matrices whose blocks cannot be kept, sorted: Q3_K,
+    IQ4_XS..."""
+    from mmserve.models.gguf_index import read_index
+
+    found = {t.tensor_type.name for t in read_index(path).tensors if len(t.data.shape) == 2}
+    return sorted(found - set(supported) - set(FLOAT_TYPES))
+
+
 def iter_gguf_blocks(
     path: Path, hf_config: Any, float_names: Container[str], supported: Collection[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:

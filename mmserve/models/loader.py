@@ -28,7 +28,7 @@ from mmserve.models.fp8 import (
     prepare_fp8_checkpoint,
     quantize_fp8,
 )
-from mmserve.models.gguf import iter_gguf_blocks
+from mmserve.models.gguf import iter_gguf_blocks, unkept_types
 from mmserve.models.gguf_cache import materialize
 from mmserve.models.gguf_linear import (
     SUPPORTED_TYPES,
@@ -311,14 +311,21 @@ def _keeps_gguf_blocks(
     """A GGUF checkpoint keeps its quantised blocks (mmserve.models.gguf_linear) when its
     model's projections can be swapped (caps.supports_fp8: the Llama family), unless it is
     loaded with dummy weights or quantised (from its floats): on CUDA, and on the CPU where
-    the C kernels built; else it is dequantised once, at conversion."""
-    return (
+    the C kernels built and read every type of the file; else it is dequantised once, at
+    conversion (on CUDA a type without kernels is refused, naming it: see iter_gguf_blocks)."""
+    keeps = (
         source.gguf_file is not None
         and (device.type == "cuda" or (device.type == "cpu" and cpu_kernels_available()))
         and caps.supports_fp8
         and config.load_format != "dummy"
         and config.quantization is None
     )
+    if keeps and device.type == "cpu" and source.gguf_file is not None:
+        unkept = unkept_types(source.folder / source.gguf_file, SUPPORTED_TYPES)
+        if unkept:
+            logger.info("GGUF types %s have no CPU kernels: the file is dequantised at load", unkept)
+            return False
+    return keeps
 
 
 # an FP8 KV cache's per-tensor scales in a checkpoint (llm-compressor, vLLM's FP8 formats):

@@ -249,11 +249,23 @@ def _quantization(path: str, loaded: str) -> str:
     else the engine's ("fp8", "w4a16-g128", ...)."""
     if loaded and not loaded.startswith("gguf:"):
         return loaded
-    quant = _GGUF_QUANT.search(Path(path).name)
-    if quant is None:
-        return loaded
-    name = quant.group(1).upper()
+    name = _gguf_file_type(Path(path))
+    if name is None:
+        quant = _GGUF_QUANT.search(Path(path).name)
+        if quant is None:
+            return loaded
+        name = quant.group(1).upper()
     return "" if name in ("F16", "BF16", "F32") else f"gguf:{name}"
+
+
+def _gguf_file_type(path: Path) -> str | None:
+    """The file's general.file_type (authoritative, whatever the file is called); None for a
+    folder, or a file that states none."""
+    if not (path.suffix == ".gguf" and path.is_file()):
+        return None
+    from mmserve.models.gguf import gguf_file_type
+
+    return gguf_file_type(path)
 
 
 def _facts(spec: ModelSpec, info: EngineInfo) -> ModelFacts:

@@ -150,3 +150,29 @@ def test_a_gguf_beside_an_hf_tokenizer_keeps_its_own_special_tokens(tmp_path: Pa
     assert (beside.bos_token, beside.eos_token) == ("<|im_start|>", "<|im_end|>")
     assert beside.chat_template == expected.chat_template is not None
     assert beside.get_vocab() == expected.get_vocab()
+
+
+def test_a_type_without_cpu_kernels_is_dequantised_on_the_cpu(tmp_path: Path) -> None:
+    """Q3_K (Q3_K_M files) has no CPU kernel: the CPU dequantises the file at load, as it did
+    before it kept blocks, instead of refusing it."""
+    k_quant_shape = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    path = write_tiny_gguf(make_tiny_model(tmp_path, "llama", **k_quant_shape), "Q3_K")
+    assert loader.unkept_types(path, loader.SUPPORTED_TYPES) == ["Q3_K"]
+    model, _, _ = loader.load_model(
+        ModelConfig(model=str(path)), "cpu", "float32", TorchAttentionBackend()
+    )
+    assert gguf_quantization(model) == ""  # no blocks kept
+    ours = PagedKV(model, num_blocks=16).step(model, [(PagedSeq(), IDS)])
+    torch.testing.assert_close(ours, _transformers(path.parent, path.name), atol=1e-4, rtol=1e-4)
+
+
+def test_list_models_reads_the_scheme_from_the_file(tmp_path: Path) -> None:
+    """general.file_type names the scheme whatever the file is called (`my-q8_0-model.gguf`,
+    `model.gguf`); the file name is the fallback."""
+    from mmserve.server.models import _quantization
+
+    path = write_tiny_gguf(make_tiny_model(tmp_path, "llama"), "Q8_0")
+    renamed = path.rename(path.with_name("my-q8_0-model.gguf"))
+    assert _quantization(str(renamed), "") == "gguf:Q8_0"
+    floats = write_tiny_gguf(make_tiny_model(tmp_path / "f", "llama"), "F16")
+    assert _quantization(str(floats.rename(floats.with_name("model-Q4_0.gguf"))), "") == ""

@@ -209,6 +209,8 @@ def test_smollm2_with_its_blocks_gives_the_float_models_logits() -> None:
         ("m.gguf", "cpu", {"quantization": "int8"}, True, False),
         ("m.gguf", "cuda", {"load_format": "dummy"}, True, False),
         ("m.gguf", "cpu", {}, False, False),  # a model whose projections cannot be swapped
+        ("m.gguf", "cpu", {"unkept": ["Q3_K"]}, True, False),  # a type without CPU kernels
+        ("m.gguf", "cuda", {"unkept": ["Q3_K"]}, True, True),  # CUDA: refused by name at load
     ],
 )
 def test_which_loads_keep_the_blocks(gguf_file, device, extra, supports, keeps) -> None:  # type: ignore[no-untyped-def]
@@ -218,8 +220,12 @@ def test_which_loads_keep_the_blocks(gguf_file, device, extra, supports, keeps) 
     from mmserve.models.loader import ModelSource, _keeps_gguf_blocks
 
     built = extra.pop("cpu_kernels", True)
+    unkept = extra.pop("unkept", [])
     config = ModelConfig(model="m", **extra)
     caps = ModelCapabilities(supports_fp8=supports)
     source = ModelSource(Path("/m"), gguf_file)
-    with mock.patch.object(loader, "cpu_kernels_available", return_value=built):
+    with (
+        mock.patch.object(loader, "cpu_kernels_available", return_value=built),
+        mock.patch.object(loader, "unkept_types", return_value=unkept),
+    ):
         assert _keeps_gguf_blocks(source, config, torch.device(device), caps) is keeps

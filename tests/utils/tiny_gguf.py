@@ -27,7 +27,7 @@ import numpy as np
 
 ARCH_OF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PRE_TOKENIZER = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
-_RANDOM_TYPES = ("Q4_K", "Q6_K")  # no quantiser in the gguf package
+_RANDOM_TYPES = ("Q3_K", "Q4_K", "Q6_K")  # no quantiser in the gguf package
 
 
 def write_tiny_gguf(base: Path, qtype: str = "F32", name: str | None = None, seed: int = 0) -> Path:
@@ -120,7 +120,7 @@ def _add_hparams(writer: Any, config: dict, arch: str, qtype: str) -> None:
     if config.get("head_dim") is not None:
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
-    file_type = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "Q4_K": "MOSTLY_Q4_K_M"}.get(
+    file_type = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q4_K_M"}.get(
         qtype, f"MOSTLY_{qtype}"
     )
     writer.add_file_type(gguf.LlamaFileType[file_type])
