@@ -11,6 +11,9 @@ from mmserve.structured_output.params import StructuredOutputParams
 MAX_N = 16  # cap on choices per request
 MAX_LOGPROBS = 20  # cap on top-k logprobs per token
 MAX_STOP_STRINGS = 16
+# the scheduler looks each sampled token up in this list, every step: millions of (repeated)
+# ids made every step of the engine slow, for every request in it
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -86,6 +89,11 @@ class SamplingParams:
         )
         _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"{len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
+        )
         for tok, bias in self.logit_bias.items():
             _check(_finite(bias) and -100 <= bias <= 100, f"logit_bias[{tok}]", "must be in [-100, 100]")
 

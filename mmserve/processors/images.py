@@ -262,7 +262,10 @@ def read_media_file(path: str, media_dir: Path | None, field: str, limits: Image
     if not path or "\x00" in path:
         raise InvalidArgument(field, "empty path or NUL byte in path")
     base = media_dir.resolve(strict=True)
-    real = (base / path).resolve()  # an absolute `path` replaces base, then is checked
+    try:
+        real = (base / path).resolve()  # an absolute `path` replaces base, then is checked
+    except (OSError, RuntimeError):  # a symlink loop (RuntimeError before Python 3.13)
+        raise InvalidArgument(field, "no such file in the media directory") from None
     if not real.is_relative_to(base):
         raise InvalidArgument(field, "path is outside the media directory")
     try:

@@ -13,7 +13,13 @@ import torch
 
 from mmserve.errors import InvalidArgument
 from mmserve.frontend.pooling_inputs import TextOrIds
-from mmserve.frontend.pooling_plans import ClassifyResult, EmbedResult, RerankResult, ScoreResult
+from mmserve.frontend.pooling_plans import (
+    MAX_INPUTS_PER_CALL,
+    ClassifyResult,
+    EmbedResult,
+    RerankResult,
+    ScoreResult,
+)
 from mmserve.processors.images import ImageSource
 from mmserve.server.images import image_source
 from mmserve_client.v1 import common_pb2, pooling_pb2
@@ -57,7 +63,10 @@ def pooling_inputs(
     field: str, items: Sequence[common_pb2.Input], allow_images: bool = False
 ) -> list[TextOrIds] | list[TextOrIds | ImageSource]:
     """Inputs as texts, token-id lists or (allow_images) ImageSources; an image where
-    none is allowed is refused here, naming it (e.g. "inputs[2].image")."""
+    none is allowed is refused here, naming it (e.g. "inputs[2].image"). Too many items are
+    refused before any is converted (a 64 MiB message holds millions of empty ones)."""
+    if len(items) > MAX_INPUTS_PER_CALL:
+        raise InvalidArgument(field, f"{len(items)} items exceed the limit of {MAX_INPUTS_PER_CALL}")
     out: list[TextOrIds | ImageSource] = []
     for i, item in enumerate(items):
         kind = item.WhichOneof("kind")

@@ -45,7 +45,13 @@ async def render_chat(
     handle: ModelHandle, chat: generate_pb2.Chat, images: ImageInputs | None, namespace: str = ""
 ) -> ChatPrompt:
     """The chat's prompt (images expanded), as Generate feeds it."""
-    return await chat_prompt(handle, convert.chat_input(chat), images, namespace)
+    return await chat_prompt(handle, await chat_input(handle, chat), images, namespace)
+
+
+async def chat_input(handle: ModelHandle, chat: generate_pb2.Chat) -> convert.ProtoChat:
+    """The chat converted, off the loop when big: each message, part and tool is Python work,
+    and a 64 MiB chat of tiny ones would hold every call of the server for seconds."""
+    return await off_loop(handle, chat.ByteSize(), convert.chat_input, chat)
 
 
 async def chat_prompt(
@@ -87,7 +93,7 @@ async def prompt_ids(
             handle, len(request.prompt), encode, request.prompt, add_special_tokens=add_special
         ), ()
     if kind == "chat":
-        c = chat or convert.chat_input(request.chat)
+        c = chat or await chat_input(handle, request.chat)
         prompt = await chat_prompt(handle, c, images, request.cache_salt)
         return kind, prompt.token_ids, prompt.mm_inputs
     if kind == "token_ids":
@@ -119,7 +125,7 @@ async def prepare(
     handle.require_serving()  # a dead (or restarting) engine: UNAVAILABLE before any work
     structured = convert.structured_output(request, config.structured_output_backend)
     params = convert.sampling_params(request.params, config)
-    chat = convert.chat_input(request.chat) if request.WhichOneof("input") == "chat" else None
+    chat = await chat_input(handle, request.chat) if request.WhichOneof("input") == "chat" else None
     field_name, ids, mm_inputs = await prompt_ids(request, handle, chat, images)
     if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
         raise InvalidArgument(
@@ -131,7 +137,10 @@ async def prepare(
     reading = None
     if tool_request is not None:  # under a forced tool_choice this constrains params
         backend = convert.structured_backend(request, config.structured_output_backend)
-        reading = handle.frontend.read_tools(tool_request, ids, params, backend, config.tool_parser)
+        # off the loop: strict tools' schemas are checked (jsonschema), seconds for big ones
+        reading = await handle.engine.run(
+            handle.frontend.read_tools, tool_request, ids, params, backend, config.tool_parser
+        )
     thought = handle.frontend.read_reasoning(ids, params, config.reasoning_parser)
     # The caller's request_id is only echoed: callers may reuse ids, the engine must not.
     job = handle.frontend.validate(

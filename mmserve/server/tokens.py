@@ -34,7 +34,9 @@ async def tokenize(
             ids = await off_loop(handle, len(text), _with_special_tokens, tokenizer, text, ids)
     else:
         raise InvalidArgument("input", "set text or chat")
-    tokens = tokenizer.convert_ids_to_tokens(ids) if request.return_tokens else []
+    tokens = []  # a Python call per id: off the loop for long texts
+    if request.return_tokens:
+        tokens = await off_loop(handle, len(ids), tokenizer.convert_ids_to_tokens, ids)
     return tokenize_pb2.TokenizeResponse(
         request_id=request_id,
         token_ids=ids,

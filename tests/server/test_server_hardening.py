@@ -1,0 +1,122 @@
+"""Hostile inputs found by a security review: each is refused INVALID_ARGUMENT naming its
+field (never INTERNAL, never a server path), and none holds the event loop or the engine
+for long: JSON nested past Python's stack, media-dir paths to loops, FIFOs and devices,
+millions of stop token ids, and tool or pooling-input counts that made quadratic or
+per-item work."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from mmserve.errors import InvalidArgument
+from mmserve.frontend.tools import tool_request, tool_spec
+from mmserve.params import MAX_STOP_TOKEN_IDS, SamplingParams
+from mmserve.processors.images import ImageLimits, read_media_file
+from mmserve.server import convert, convert_pooling
+from mmserve_client.v1 import common_pb2, generate_pb2
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+DEEP = 100_000  # brackets: far past Python's recursion limit
+
+
+def _refused(stub: Any, request: generate_pb2.GenerateRequest) -> str:
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request, timeout=60))
+    assert e.value.code() == INVALID, e.value.details()
+    return str(e.value.details())
+
+
+def _chat(*messages: generate_pb2.Message, **kw: Any) -> generate_pb2.Chat:
+    first = generate_pb2.Message(role="user", content=[generate_pb2.ContentPart(text="hi")])
+    return generate_pb2.Chat(messages=[first, *messages], **kw)
+
+
+def test_json_nested_past_the_stack_is_invalid_argument(stub: Any) -> None:
+    """json.loads raises RecursionError (not JSONDecodeError) on deep nesting: it reached the
+    client as INTERNAL, with an ERROR traceback in the log."""
+    params = generate_pb2.SamplingParams(max_tokens=2)
+    kwargs = _chat(template_kwargs={"enable_thinking": "[" * DEEP})
+    message = _refused(stub, generate_pb2.GenerateRequest(model="tiny-a", chat=kwargs, params=params))
+    assert message.startswith("chat.template_kwargs: enable_thinking must be true or false")
+    call = generate_pb2.ToolCall(name="f", arguments_json='{"a": ' + "[" * DEEP)
+    turn = generate_pb2.Message(role="assistant", tool_calls=[call])
+    message = _refused(stub, generate_pb2.GenerateRequest(model="tiny-a", chat=_chat(turn), params=params))
+    assert message == "chat.messages[1].tool_calls[0].arguments_json: invalid JSON: nested too deeply"
+
+
+def test_strict_tool_schema_nested_too_deeply_is_invalid_argument() -> None:
+    level = '{"type": "object", "properties": {"a": '
+    schema = level * 300 + "{}" + "}}" * 300  # parses, but jsonschema recurses past the stack
+    request = tool_request([tool_spec("chat.tools[0]", "f", schema, strict=True)], "auto")
+    assert request is not None
+    with pytest.raises(InvalidArgument) as e:
+        request.accept()
+    assert str(e.value) == "chat.tools[0].parameters_json: nested too deeply"
+
+
+def test_many_tools_are_checked_in_linear_time_and_capped() -> None:
+    specs = [tool_spec(f"chat.tools[{i}]", f"f{i}") for i in range(50_000)]
+    start = time.monotonic()
+    assert tool_request(specs, "auto") is not None  # names.count() per tool: ~20 s
+    assert time.monotonic() - start < 2.0
+    chat = _chat(tools=[generate_pb2.Tool(name=f"f{i}") for i in range(convert.MAX_TOOLS + 1)])
+    with pytest.raises(InvalidArgument, match=rf"chat.tools: {convert.MAX_TOOLS + 1} tools; at most"):
+        convert.chat_tools(chat)
+
+
+def test_stop_token_ids_are_capped(stub: Any) -> None:
+    """The scheduler looks each sampled token up in this list every step: 5M ids cost every
+    request in the engine ~70 ms a step."""
+    with pytest.raises(InvalidArgument, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[5] * (MAX_STOP_TOKEN_IDS + 1)).validate()
+    SamplingParams(stop_token_ids=[5] * MAX_STOP_TOKEN_IDS).validate()
+    params = generate_pb2.SamplingParams(max_tokens=2, stop_token_ids=[5] * 1_000_000)
+    request = generate_pb2.GenerateRequest(model="tiny-a", prompt="hi", params=params)
+    assert _refused(stub, request).startswith("params.stop_token_ids: 1000000 ids; at most")
+
+
+def test_pooling_inputs_past_the_limit_are_refused_before_conversion() -> None:
+    items = [common_pb2.Input(text="")] * 3_000
+    with pytest.raises(InvalidArgument, match="inputs: 3000 items exceed the limit"):
+        convert_pooling.pooling_inputs("inputs", items)
+    bad = [common_pb2.Input()] * 3_000  # the count is refused first, not item 0
+    with pytest.raises(InvalidArgument, match="exceed the limit"):
+        convert_pooling.pooling_inputs("inputs", bad)
+
+
+@pytest.fixture
+def media(tmp_path: Path) -> Iterator[Path]:
+    folder = tmp_path / "media"
+    (folder / "sub").mkdir(parents=True)
+    os.mkfifo(folder / "fifo")
+    (folder / "zero").symlink_to("/dev/zero")
+    (folder / "loop1").symlink_to("loop2")
+    (folder / "loop2").symlink_to("loop1")
+    with open(folder / "huge.png", "wb") as f:  # sparse: no disk used
+        f.truncate(ImageLimits().max_encoded_bytes + 1)
+    yield folder
+
+
+@pytest.mark.parametrize(
+    "path, says",
+    [
+        ("loop1", "no such file in the media directory"),  # RuntimeError: INTERNAL before
+        ("sub/../loop2", "no such file in the media directory"),
+        ("fifo", "not a regular file"),  # opened O_NONBLOCK: never hangs
+        ("zero", "path is outside the media directory"),
+        ("sub", "not a regular file"),
+        ("huge.png", "at most 20971520 bytes per image"),
+    ],
+)
+def test_media_paths_that_are_no_image_file(media: Path, path: str, says: str) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        read_media_file(path, media, "image.path", ImageLimits())
+    assert e.value.field == "image.path" and says in e.value.message
+    assert str(media) not in str(e.value)
