@@ -19,6 +19,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -58,12 +59,24 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}" if device.startswith("cuda") else device
 
 
-def make_groups(store: Any, rank: int, size: int, device: str, timeout: float) -> Groups:
-    """Both groups over store (a rendezvous); every rank calls it, and it returns once all have."""
+def make_groups(
+    store: Any, rank: int, size: int, device: str, timeout: float, loopback: bool = False
+) -> Groups:
+    """Both groups over store (a rendezvous); every rank calls it, and it returns once all have.
+    loopback: the ranks share this host (spawned here), so gloo listens on 127.0.0.1 only (by
+    default it binds the address the host name resolves to, reachable from the network)."""
     import torch.distributed as dist
 
+    def gloo(prefix: str, limit: datetime.timedelta) -> Any:
+        if not loopback:
+            return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, limit)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = limit
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
+
     limit = datetime.timedelta(seconds=timeout)
-    plans = dist.ProcessGroupGloo(dist.PrefixStore("plans", store), rank, size, PLAN_TIMEOUT)
+    plans = gloo("plans", PLAN_TIMEOUT)
     if device.startswith("cuda"):
         # read when the NCCL group is made, in every rank's process (rank 0's too): NVLink
         # multicast off, as the GPU hosts need; a failed or timed-out collective raises in
@@ -75,7 +88,7 @@ def make_groups(store: Any, rank: int, size: int, device: str, timeout: float) -
         options._timeout = limit
         compute: Any = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size, options)
     else:
-        compute = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, limit)
+        compute = gloo("gloo", limit)
     return Groups(TensorParallel(rank, size, compute, device), plans, limit)
 
 
@@ -187,18 +200,22 @@ def start_ranks(config: EngineConfig) -> Ranks:
         store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
         device = rank_device(config.model.device, local_rank)
         return Ranks(make_groups(store, 0, size, device, timeout), [])
+    # the store listens on a socket bound to 127.0.0.1 (TCPStore's own binds every interface)
+    listener = socket.create_server(("127.0.0.1", 0))
     store = dist.TCPStore(
         "127.0.0.1",
-        0,
+        listener.getsockname()[1],
         size,
         is_master=True,
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout),
+        master_listen_fd=listener.detach(),
     )
     payload = m.encoder.encode(config)
     procs = [_spawn(rank, size, store.port, payload) for rank in range(1, size)]
     try:
-        groups = make_groups(store, 0, size, rank_device(config.model.device, 0), timeout)
+        device = rank_device(config.model.device, 0)
+        groups = make_groups(store, 0, size, device, timeout, loopback=True)
     except BaseException:
         _kill(procs)
         raise
@@ -300,7 +317,8 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share the cores
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
     groups = make_groups(
-        store, rank, size, rank_device(config.model.device, rank), timeout.total_seconds()
+        store, rank, size, rank_device(config.model.device, rank), timeout.total_seconds(),
+        loopback=True,
     )
     try:
         _run_rank(config, groups)

@@ -4,6 +4,7 @@ logprobs within 1e-5) and of transformers (greedy tokens)."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -133,3 +134,37 @@ def test_bert_embeddings_match_one_rank(tmp_path: Path) -> None:
         two = llm.embed(texts)
     for a, b in zip(one, two, strict=True):
         torch.testing.assert_close(torch.as_tensor(b), torch.as_tensor(a), atol=ATOL, rtol=0)
+
+
+def _listening(pids: list[int]) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* spell them) of the TCP sockets these
+    processes listen on."""
+    inodes: set[str] = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    found.append(fields[1].rsplit(":", 1)[0])
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc")
+def test_ranks_listen_on_loopback_only(llama: Path) -> None:
+    """The rendezvous store and the gloo groups of locally spawned ranks bind 127.0.0.1, not
+    every interface (TCPStore's own listener, and gloo's default device, do)."""
+    from tests.parallel.test_tp_failure import rank_pids
+
+    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+    with LLM(str(llama), dtype="float32", device="cpu", tensor_parallel_size=2):
+        addresses = _listening([os.getpid(), *rank_pids()])
+    assert addresses and set(addresses) <= loopback, addresses
