@@ -1,8 +1,14 @@
 """A schema's `pattern` as the engines need it.
 
-Both engines match a pattern against the whole string, so a pattern is handed over without
-its anchors: the whole-string matches of `a|b` are also matches of `^a$|^b$`, `^a|b$` or
-`a|b` as JSON Schema reads them (a search), so nothing invalid is let through.
+Both engines match a pattern against the whole string, while JSON Schema reads a pattern as
+a search. So a pattern is handed over as the whole strings it matches: without its anchors,
+and with OPEN_END (any printable ASCII but `"` and `\\`, repeated) where an alternative has
+none (`^https?://` is `https?://[ !#-\\[\\]-~]*`). That is a narrowing of the open ends to
+what both engines write soundly: xgrammar 0.2.9 lets `.` and classes reaching past ASCII
+write broken UTF-8 (a lead byte, then ASCII), and its raw-text patterns write `"` and `\\`
+unescaped. Where a pattern's length bounds (minLength/maxLength) cannot be folded into that
+form, rewrites.py narrows it to its whole-string matches (`^(?:...)$`), which are matches too:
+nothing invalid is let through.
 
 outlines-core puts the pattern into its regex for the raw JSON text between the quotes,
 ungrouped (outlines-core 0.2.14: `"normal|italic"` becomes `"normal` or `italic"`).
@@ -25,6 +31,7 @@ from .regex_check import RegexProblem, ends_with_anchor, strip_anchors
 _UNSAFE = '"\\'  # and every character below U+0020
 _SAFE_CLASS = '[^"\\\\\\x00-\\x1f]'  # a JSON string character that needs no escape
 _PRINTABLE = '[ !#-\\[\\]-~]'  # printable ASCII but `"` and `\`
+OPEN_END = f"{_PRINTABLE}*"  # what an unanchored end of a pattern may add (module doc)
 _CLASS_ESCAPES = {"d": "0-9", "w": "A-Za-z0-9_", "s": " "}
 _NEGATED_ESCAPES = {"D": "[ -/:-~&&[^\"\\\\]]", "W": "[ -/:-@\\[-^`{-~&&[^\"\\\\]]", "S": "[!-~&&[^\"\\\\]]"}
 _META = frozenset(".+*?()|[]{}^$#&-~")  # escaped in outlines-core's (Rust) syntax
@@ -33,27 +40,39 @@ _ATOM_QUANT = re.compile(r"(\[(?:\\.|[^\]\\])+\]|\\[^xu]|\\x[0-9a-fA-F]{2}|\\u[0
                          r"(\*|\+|\?|\{(\d+)(,(\d*))?\})?")  # fmt: skip
 
 
-def full_match(pattern: str) -> str:
-    """The pattern without the anchors of its top-level alternatives, also inside a group
-    that is a whole alternative (`^(a$|b)`); RegexProblem for an anchor elsewhere,
+def full_match(pattern: str, search: bool = True) -> str:
+    """The whole strings a schema pattern matches, as a regex without anchors: the anchors of
+    its top-level alternatives (also inside a group that is a whole alternative, `^(a$|b)`)
+    removed, and, with search, OPEN_END where an alternative lacks one (module doc); without
+    search, the narrowing to its whole-string matches. RegexProblem for an anchor elsewhere,
     lookaround, unknown escapes and syntax errors."""
-    return _without_anchors(pattern, 0)
+    return _without_anchors(pattern, 0, (not search, not search))
 
 
-def _without_anchors(pattern: str, offset: int) -> str:
+def whole_string(pattern: str) -> str:
+    """The pattern narrowed to its whole-string matches, anchored (`a|b` -> `^(?:a|b)$`)."""
+    body = full_match(pattern, search=False)
+    return f"^{body}$" if len(_split_alternatives(body)) == 1 else f"^(?:{body})$"
+
+
+def _without_anchors(pattern: str, offset: int, anchored: tuple[bool, bool]) -> str:
+    """anchored: whether the enclosing alternative had its `^` and its `$`."""
     out, position = [], offset
     for alternative in _split_alternatives(pattern):
         start = 1 if alternative.startswith("^") else 0
         end = len(alternative) - 1 if ends_with_anchor(alternative[start:]) else len(alternative)
         body = alternative[start:end]
+        ends = (anchored[0] or start == 1, anchored[1] or end < len(alternative))
         group = _whole_group(body)
         if group is not None:
             opening, inner = group
-            body = f"(?:{_without_anchors(inner, position + start + opening)})"
+            body = f"(?:{_without_anchors(inner, position + start + opening, ends)})"
+            ends = (True, True)  # the group's alternatives have theirs
         try:
-            out.append(strip_anchors(body))
+            body = strip_anchors(body)
         except RegexProblem as e:
             raise RegexProblem(position + start + e.position, str(e).split(": ", 1)[1]) from None
+        out.append(("" if ends[0] else OPEN_END) + body + ("" if ends[1] else OPEN_END))
         position += len(alternative) + 1
     return "|".join(out)
 
@@ -117,8 +136,9 @@ def length_range(pattern: str) -> tuple[int, int | None] | None:
 
 def with_length(pattern: str, low: int, high: int | None) -> str | None:
     """A pattern of single-character atoms of which one repeats (`^[a-z]+$`,
-    `^[A-Z][a-z0-9]*$`) with the length bounds folded into that repetition; None for any
-    other pattern, or if no length fits both."""
+    `^[A-Z][a-z0-9]*$`, `^https://` whose open end repeats) with the length bounds
+    folded into that repetition, anchored; None for any other pattern, or if no length fits
+    both."""
     try:
         body = full_match(pattern)
     except RegexProblem:
@@ -138,7 +158,7 @@ def with_length(pattern: str, low: int, high: int | None) -> str | None:
         return None
     atom = atoms[varying[0]]
     repeat = f"{atom.group(1)}{{{lo},{'' if hi is None else hi}}}"
-    return body[: atom.start()] + repeat + body[atom.end() :]
+    return f"^{body[: atom.start()]}{repeat}{body[atom.end() :]}$"  # anchored: a whole string
 
 
 def _repeats(atom: re.Match[str]) -> tuple[int, int | None]:

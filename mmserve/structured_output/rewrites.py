@@ -23,7 +23,8 @@ from typing import Any
 
 from . import keywords as kw
 from .merge import Merger, combined
-from .patterns import length_range, with_length
+from .patterns import length_range, whole_string, with_length
+from .regex_check import RegexProblem
 from .schema_tree import Node, Schema, children, map_subschemas, to_json
 
 MAX_UNIQUE_ARRAYS = 64  # arrays a uniqueItems enum may list
@@ -271,16 +272,24 @@ def _implied_lengths(node: Node) -> None:
     if not isinstance(pattern, str) or not ({"minLength", "maxLength"} & k.keys()):
         return
     low, high = k.get("minLength", 0), k.get("maxLength")
-    width = length_range(pattern)
-    if width is not None and low <= width[0] and (high is None or (width[1] is not None and width[1] <= high)):
-        node.drop("minLength")
-        node.drop("maxLength")
-        return
-    narrowed = with_length(pattern, low, high)
-    if narrowed is not None:
-        node.put("pattern", narrowed, node.at("pattern"))
-        node.drop("minLength")
-        node.drop("maxLength")
+    try:  # the pattern as JSON Schema reads it, else narrowed to its whole-string matches
+        forms = [pattern, whole_string(pattern)]
+    except RegexProblem:
+        return  # the checker names the problem
+    for form in forms:
+        width = length_range(form)
+        if width is not None and low <= width[0] and (high is None or (width[1] is not None and width[1] <= high)):
+            if form != pattern:
+                node.put("pattern", form, node.at("pattern"))
+            node.drop("minLength")
+            node.drop("maxLength")
+            return
+        narrowed = with_length(form, low, high)
+        if narrowed is not None:
+            node.put("pattern", narrowed, node.at("pattern"))
+            node.drop("minLength")
+            node.drop("maxLength")
+            return
 
 
 def _json_types(value: Any) -> frozenset[str]:

@@ -145,9 +145,10 @@ class Checker:
             if fmt not in self.rules.pattern_formats or "pattern" in k:
                 self.problems.unenforced(node, "format", self.format_message(fmt))
             else:
-                node.put("pattern", FORMAT_PATTERNS[fmt], node.at("format"))
+                whole = f"^(?:{FORMAT_PATTERNS[fmt]})$"  # the format's strings, not a search
+                node.put("pattern", whole, node.at("format"))
                 node.drop("format")
-                self.lengths(node, FORMAT_PATTERNS[fmt], "format")
+                self.lengths(node, whole, "format")
         if "pattern" in k:
             self.pattern(node)
         elif "format" in k and {"minLength", "maxLength"} & k.keys():

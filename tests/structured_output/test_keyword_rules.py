@@ -226,3 +226,25 @@ def test_xgrammar_format_beside_a_pattern_is_refused(tokenizer: Any) -> None:
     assert relaxed.relaxed == (RelaxedKeyword("", "format"),)
     assert accepts(relaxed, tokenizer, '"a@x.com"')
     assert not accepts(relaxed, tokenizer, '"b@y.org"')
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_unanchored_patterns_are_searches(name: str, tokenizer: Any) -> None:
+    """JSON Schema's pattern is a search: `^https?://` takes whole URLs (not only the
+    prefix, as a whole-string match would), `@x[.]com$` any local part; where length bounds
+    cannot follow the open end, the pattern is narrowed to its whole-string matches."""
+    backend = get_backend(tokenizer, name)
+
+    def compiled(schema: dict[str, Any]) -> CompiledGrammar:
+        return backend.compile(StructuredOutputParams("json_schema", json.dumps(schema)))
+
+    url = compiled({"type": "string", "pattern": "^https?://"})
+    assert accepts(url, tokenizer, '"https://example.com/a?b=1"')
+    assert accepts(url, tokenizer, '"http://"')
+    assert not accepts(url, tokenizer, '"ftp://example.com"')
+    mail = compiled({"type": "string", "pattern": "@x[.]com$"})
+    assert accepts(mail, tokenizer, '"jane.doe@x.com"')
+    assert not accepts(mail, tokenizer, '"jane@x.org"')
+    bounded = compiled({"type": "string", "pattern": "^ab", "maxLength": 4})
+    assert accepts(bounded, tokenizer, '"abcd"')
+    assert not accepts(bounded, tokenizer, '"abcde"')

@@ -14,7 +14,7 @@ from mmserve.structured_output import RelaxedKeyword, SchemaError
 from mmserve.structured_output.keywords import OUTLINES_RULES, XGRAMMAR_RULES
 from mmserve.structured_output.normalize import Normalizer
 from mmserve.structured_output.numbers import bounds_regex
-from mmserve.structured_output.patterns import full_match, json_text_pattern, with_length
+from mmserve.structured_output.patterns import OPEN_END, full_match, json_text_pattern, with_length
 from mmserve.structured_output.prepare import prepare_schema
 from mmserve.structured_output.rewrites import simplify
 from mmserve.structured_output.schema_tree import Problems, to_json
@@ -179,9 +179,14 @@ def test_dependencies_one_of_required_and_not_are_written_exactly() -> None:
 
 def test_patterns() -> None:
     assert full_match("^a$|^b$") == "a|b"
-    assert full_match("^(a$|b)") == "(?:a|b)"
-    assert with_length("^[a-z]+$", 2, 5) == "[a-z]{2,5}"
-    assert with_length("^[A-Z][a-z]*$", 2, 5) == "[A-Z][a-z]{1,4}"
+    # a search: an alternative without its anchor may be preceded / followed by more
+    assert full_match("^(a$|b)") == f"(?:a|b{OPEN_END})"
+    assert full_match("^https?://") == f"https?://{OPEN_END}"
+    assert full_match("a|^b$") == f"{OPEN_END}a{OPEN_END}|b"
+    assert full_match("a|^b$", search=False) == "a|b"
+    assert with_length("^[a-z]+$", 2, 5) == "^[a-z]{2,5}$"
+    assert with_length("^[A-Z][a-z]*$", 2, 5) == "^[A-Z][a-z]{1,4}$"
+    assert with_length("^ab", 0, 5) == "^ab[ !#-\\[\\]-~]{0,3}$"  # the open end bounded
     assert with_length("^[a-z]+[0-9]+$", 2, 5) is None
     text = json_text_pattern('^a"|[^x]$')
     assert text.startswith("(?:") and '\\\\"' in text  # grouped; `"` as its escape
