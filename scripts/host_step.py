@@ -4,7 +4,7 @@ tiny shape, its tokenizer), with the forward pass, the LM head and sampling repl
 constants and random tokens, so what is timed is the scheduler, the KV-cache manager, the batch
 building, the output handling and detokenising, and Python's garbage collector (its passes
 counted and timed by generation). --structured constrains every request by `bench
-structured`'s endless JSON schema (xgrammar): the logits are then the vocabulary's width and the
+structured`'s endless JSON grammar (xgrammar): the logits are then the vocabulary's width and the
 stub draws a token the grammar allows, so the matchers' accepts and bitmask fills, and the mask's
 application, are timed too (issue 23, target 6; the stubs' own time is measured and left out). Extra arguments go to the engine's bench flags
 (e.g. --no-enable-prefix-caching); MMSERVE_GC_FREEZE=0 keeps the start-up heap in the collector.
@@ -29,7 +29,7 @@ import torch
 from mmserve.bench import cli
 from mmserve.bench.checkpoints import model_path
 from mmserve.bench.engine_flags import engine_config
-from mmserve.bench.structured import ENDLESS_SCHEMA
+from mmserve.bench.structured import ENDLESS_GRAMMAR
 from mmserve.frontend.frontend import FrontEnd
 from mmserve.params import SamplingParams
 from mmserve.runner import model_runner
@@ -82,7 +82,7 @@ def main() -> None:
 
     model_runner.sample_on_device = sample  # type: ignore[assignment]
     rng = random.Random(0)
-    constraint = StructuredOutputParams("json_schema", json.dumps(ENDLESS_SCHEMA)) if structured else None
+    constraint = StructuredOutputParams("grammar", ENDLESS_GRAMMAR) if structured else None
     params = SamplingParams(
         max_tokens=out_len, min_tokens=out_len, temperature=0.0, ignore_eos=True, structured=constraint
     )

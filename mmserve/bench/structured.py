@@ -7,19 +7,20 @@ offline engine. One JSON line per figure:
   apart); its `compile` is called directly, so the grammar cache never answers (the backends
   keep no cache of their own). Schemas a backend refuses are listed with the reason.
 - structured-tpot, per backend and batch size: `batch` requests of --output-len tokens
-  (ignore_eos, min_tokens) on the same prompts, unconstrained and each under a JSON schema,
+  (ignore_eos, min_tokens) on the same prompts, unconstrained and each under a JSON grammar,
   in turns. TPOT is a request's time from its first to its last token over the tokens after
   the first; the line has its median and p99 over requests, decode steps/s (steps once every
   request has its first token), and the overhead: constrained / unconstrained - 1.
 
-The TPOT schema, ENDLESS_SCHEMA, has no finite instance ("next" is required and is the schema
-itself), so xgrammar never reaches an end where a stop token is allowed: every constrained
-request runs the full --output-len and the batch stays full, as in the unconstrained runs.
-Random weights give random tokens; the bitmask keeps them grammar-valid, and most land inside
-the free strings of "lines", a usual state for JSON output. outlines-core compiles to a regex,
-which cannot express that recursion (it unrolls a few levels), and a --tpot-schema may have an
-end: then requests can finish early, TPOT covers the tokens each produced, and the line counts
-the requests that finished early.
+The TPOT constraint, ENDLESS_GRAMMAR, is JSON objects {"lines": [strings], "next": <the same>}
+without end (an EBNF grammar: a JSON schema with no finite instance is refused), so xgrammar
+never reaches an end where a stop token is allowed: every constrained request runs the full
+--output-len and the batch stays full, as in the unconstrained runs. Random weights give
+random tokens; the bitmask keeps them grammar-valid, and most land inside the free strings of
+"lines", a usual state for JSON output. outlines-core compiles to a regex, which cannot express
+that recursion: it runs LONG_SCHEMA, and a --tpot-schema may have an end: then requests can
+finish early, TPOT covers the tokens each produced, and the line counts the requests that
+finished early.
 """
 
 from __future__ import annotations
@@ -43,15 +44,13 @@ from mmserve.params import SamplingParams
 from mmserve.structured_output import BACKEND_NAMES, StructuredOutputParams
 
 SCHEMAS_DIR = Path(__file__).with_name("schemas")
-ENDLESS_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "lines": {"type": "array", "items": {"type": "string"}},
-        "next": {"$ref": "#"},
-    },
-    "required": ["lines", "next"],
-    "additionalProperties": False,
-}
+# {"lines": [JSON strings], "next": <the same>}, for ever (xgrammar's EBNF)
+ENDLESS_GRAMMAR = r"""root ::= "{" ws "\"lines\"" ws ":" ws lines ws "," ws "\"next\"" ws ":" ws root ws "}"
+lines ::= "[" ws (string (ws "," ws string)*)? ws "]"
+string ::= "\"" char* "\""
+char ::= [^"\\\x00-\x1f] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})
+ws ::= [ \n\t]*
+"""
 # For backends that refuse recursion (outlines): one long array of free strings; it can end,
 # so requests may finish early (the figures count them)
 LONG_SCHEMA = {
@@ -115,7 +114,7 @@ class DecodeSamples:
             "tpot_ms_p99": percentile(self.tpot_ms, 0.99),
             "steps_per_s": self.decode_steps / self.decode_s if self.decode_s > 0 else None,
             "output_tokens_mean": statistics.fmean(self.output_tokens),
-            # stopped before output_len: their grammar reached an end (not with ENDLESS_SCHEMA)
+            # stopped before output_len: their grammar reached an end (not with ENDLESS_GRAMMAR)
             "finished_early": sum(n < output_len for n in self.output_tokens),
             # the host's ms per step in each part (mmserve.bench.host_times: "wait" is the
             # time it waited for the device)
@@ -257,13 +256,13 @@ def _fixed_length(n: int, structured: StructuredOutputParams | None) -> Sampling
 
 
 def tpot_constraint(backend_name: str, path: str | None) -> tuple[str, StructuredOutputParams]:
-    """The TPOT runs' schema: the file at --tpot-schema, else ENDLESS_SCHEMA (LONG_SCHEMA
-    for outlines, which refuses recursive references)."""
+    """The TPOT runs' constraint: the schema at --tpot-schema, else ENDLESS_GRAMMAR (LONG_SCHEMA
+    for outlines, which cannot express its recursion)."""
     if path:
         return Path(path).stem, StructuredOutputParams("json_schema", Path(path).read_text(), backend=backend_name)
-    name, schema = ("long", LONG_SCHEMA) if backend_name == "outlines" else ("endless", ENDLESS_SCHEMA)
-    text = json.dumps(schema)
-    return name, StructuredOutputParams("json_schema", text, backend=backend_name)
+    if backend_name == "outlines":
+        return "long", StructuredOutputParams("json_schema", json.dumps(LONG_SCHEMA), backend=backend_name)
+    return "endless", StructuredOutputParams("grammar", ENDLESS_GRAMMAR, backend=backend_name)
 
 
 def parse_backends(text: str) -> list[str]:
