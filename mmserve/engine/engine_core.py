@@ -192,8 +192,11 @@ class EngineCore:
         return failed
 
     def abort(self, request_ids: list[str]) -> None:
+        """Ends the requests; each comes back once with finish_reason "abort" (one still
+        compiling its grammar too, or its caller would wait for it forever)."""
         if self._compiling is not None:
-            self._compiling.drop(request_ids)
+            for request in self._compiling.drop(request_ids):
+                self._failed.append(EngineOutput(request.request_id, [], None, None, "abort"))
         for request_id in request_ids:
             self.scheduler.abort(request_id)
 

@@ -38,10 +38,12 @@ class PendingGrammars:
         compiled = self._pool.submit(self.manager.compile, structured, False)
         self._pending.append((compiled, request))
 
-    def drop(self, request_ids: list[str]) -> None:
-        """Aborted while compiling: they never join."""
+    def drop(self, request_ids: list[str]) -> list[EngineRequest]:
+        """Aborted while compiling: they never join. Returns those it held."""
         gone = set(request_ids)
+        dropped = [r for _, r in self._pending if r.request_id in gone]
         self._pending = [(f, r) for f, r in self._pending if r.request_id not in gone]
+        return dropped
 
     def ready(
         self, admit: Callable[[EngineRequest, CompiledGrammar], None],

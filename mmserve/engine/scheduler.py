@@ -297,10 +297,12 @@ class Scheduler:
         return self._output(request, [], None)
 
     def _collect_prompt_logprobs(self, request: Request, result: RunnerOutput) -> None:
+        """Appends a prompt chunk's logprobs past those collected: a recompute after a
+        preemption computes the positions again, in chunks whose bounds may differ."""
         chunk = result.prompt_logprobs.get(request.request_id)
         collected = self._prompt_logprobs.get(request.request_id)
-        if chunk and collected is not None and chunk[0] == len(collected):  # not a recompute
-            collected.extend(chunk[1])
+        if chunk and collected is not None and chunk[0] <= len(collected):
+            collected.extend(chunk[1][len(collected) - chunk[0] :])
 
     def _append_token(self, request: Request, sampled: SampledToken) -> EngineOutput:
         request.output_token_ids.append(sampled.token_id)
@@ -371,6 +373,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is not None:
             self._finish(request, RequestStatus.FINISHED_STOPPED)
+            self._prompt_logprobs.pop(request_id, None)  # (no output follows to carry them)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
@@ -394,7 +397,8 @@ class Scheduler:
     ) -> EngineOutput:
         finished = request.status.finished
         prompt_logprobs = None
-        if request.request_id in self._prompt_logprobs and (finished or len(request.output_token_ids) == 1):
+        # with the first tokens (several at once when the last prompt token checked guesses)
+        if request.request_id in self._prompt_logprobs and (finished or request.output_token_ids):
             prompt_logprobs = self._prompt_logprobs.pop(request.request_id)
         return EngineOutput(
             request_id=request.request_id,
