@@ -70,7 +70,7 @@ def make_groups(
     def gloo(prefix: str, limit: datetime.timedelta) -> Any:
         if not loopback:
             return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, limit)
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = limit
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)

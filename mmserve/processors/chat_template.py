@@ -18,7 +18,6 @@ from typing import Any, ParamSpec, TypeVar
 from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError
 from transformers import PreTrainedTokenizerFast
-from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
 from mmserve.processors.time_limit import TimeLimitExceeded, call_with_time_limit
@@ -338,10 +337,34 @@ def reads_parts(template: str) -> bool:
     variable or a macro's parameter (Mistral Nemo's `set tool_calls = message.content` is not
     a list of parts)."""
     try:
-        tree = _compile_jinja_template(template).environment.parse(template)
+        tree = _parse_environment().parse(template)
     except TemplateError:
         return False  # rendering reports it
     return any(_is_content(loop.iter) for loop in tree.find_all(nodes.For))
+
+
+@lru_cache(maxsize=1)
+def _parse_environment() -> Any:
+    """A jinja environment that parses what transformers renders (its `{% generation %}` tag
+    and loop controls): transformers' own where this version has it (a private function),
+    else a sandbox with those extensions."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        return _compile_jinja_template("").environment
+    except (ImportError, AttributeError, TypeError):
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        class _Generation(Extension):  # `{% generation %}...{% endgeneration %}`: its body
+            tags = {"generation"}  # noqa: RUF012 (jinja reads the class attribute)
+
+            def parse(self, parser: Any) -> Any:
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return nodes.Scope(body, lineno=lineno)
+
+        return ImmutableSandboxedEnvironment(extensions=[_Generation, loopcontrols])
 
 
 def _is_content(node: nodes.Node | None) -> bool:

@@ -255,3 +255,33 @@ def test_unsafe_templates_fail_safely(smollm2_tokenizer: Any, template: str) -> 
 def test_unsafe_attribute_renders_nothing(smollm2_tokenizer: Any) -> None:
     # The sandbox turns a single unsafe lookup into an undefined value, never the object.
     assert render_chat(with_template(smollm2_tokenizer, "[{{ ''.__class__ }}]"), QUESTION) == "[]"
+
+
+def test_reads_parts_without_transformers_private_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """reads_parts parses with transformers' environment where the (private) function exists,
+    else with its own sandbox that knows `{% generation %}` and loop controls."""
+    import builtins
+
+    from mmserve.processors import chat_template
+
+    template = (
+        "{% for m in messages %}{% generation %}{% for p in m.content %}{{ p.text }}{% endfor %}"
+        "{% endgeneration %}{% break %}{% endfor %}"
+    )
+    real_import = builtins.__import__
+
+    def no_private(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "transformers.utils.chat_template_utils":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    for cached in (chat_template._parse_environment, chat_template.reads_parts):
+        cached.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_private)
+    try:
+        assert chat_template.reads_parts(template)
+        assert not chat_template.reads_parts("{% for m in messages %}{{ m.content }}{% endfor %}")
+    finally:
+        monkeypatch.undo()
+        for cached in (chat_template._parse_environment, chat_template.reads_parts):
+            cached.cache_clear()
