@@ -10,6 +10,10 @@ from mmserve.server.images import ImageInputs
 from mmserve.server.models import ModelHandle
 from mmserve_client.v1 import tokenize_pb2
 
+# ids of one Detokenize call: decoding holds Python's lock (10M ids held every call of the
+# server ~3 s); a million is far past any context
+MAX_DETOKENIZE_IDS = 1 << 20
+
 
 async def tokenize(
     request: tokenize_pb2.TokenizeRequest,
@@ -60,6 +64,10 @@ def _with_special_tokens(tokenizer: Any, text: str, ids: list[int]) -> list[int]
 async def detokenize(
     request: tokenize_pb2.DetokenizeRequest, handle: ModelHandle, request_id: str
 ) -> tokenize_pb2.DetokenizeResponse:
+    if len(request.token_ids) > MAX_DETOKENIZE_IDS:  # the tokenizer holds the GIL: 10M ids, 3 s
+        raise InvalidArgument(
+            "token_ids", f"{len(request.token_ids)} ids; at most {MAX_DETOKENIZE_IDS}"
+        )
     ids = list(request.token_ids)
     handle.frontend.check_token_ids(ids, "token_ids")
     # ~4 characters per token: the same threshold as for text.

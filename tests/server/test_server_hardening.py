@@ -120,3 +120,17 @@ def test_media_paths_that_are_no_image_file(media: Path, path: str, says: str) -
         read_media_file(path, media, "image.path", ImageLimits())
     assert e.value.field == "image.path" and says in e.value.message
     assert str(media) not in str(e.value)
+
+
+def test_detokenize_ids_are_capped(stub: Any) -> None:
+    """Decoding holds Python's lock: past MAX_DETOKENIZE_IDS the call is refused before it."""
+    from mmserve.server.tokens import MAX_DETOKENIZE_IDS
+    from mmserve_client.v1 import tokenize_pb2
+
+    request = tokenize_pb2.DetokenizeRequest(model="tiny-a", token_ids=[5] * (MAX_DETOKENIZE_IDS + 1))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Detokenize(request, timeout=60)
+    assert e.value.code() == INVALID
+    assert str(e.value.details()).startswith(f"token_ids: {MAX_DETOKENIZE_IDS + 1} ids; at most")
+    text = stub.Detokenize(tokenize_pb2.DetokenizeRequest(model="tiny-a", token_ids=[5, 6]), timeout=60)
+    assert text.text  # under the cap it decodes
