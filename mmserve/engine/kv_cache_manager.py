@@ -119,8 +119,10 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Caches the blocks that the scheduled tokens fill. Their KV is written by this step;
         a later request can only be scheduled against them after it (steps run in order on
-        the device, so a step in flight is no exception)."""
-        if not self.pool.enable_caching:
+        the device, so a step in flight is no exception). A pooling input's blocks are never
+        cached: it never looks the cache up (looks_up), and it carries no tenant's cache_salt,
+        so a generation of another tenant could otherwise hit (and time) its text."""
+        if not self.pool.enable_caching or request.pooling:
             return
         # a block holding a pending token (its value still on the device) waits for a later step
         num_full = min(num_tokens, request.num_known_tokens) // self.block_size

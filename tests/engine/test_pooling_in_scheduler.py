@@ -72,3 +72,20 @@ def test_pooling_request_longer_than_budget_runs_alone() -> None:
     assert len(outs) == 1 and outs[0].pooled is not None
     ref = MODEL.reference_hidden(p.prompt_token_ids).mean(0)
     torch.testing.assert_close(outs[0].pooled, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pooling_input_leaves_nothing_in_the_prefix_cache() -> None:
+    """A pooling input carries no tenant's salt: its blocks are never cached, so no later
+    generation can hit (and time) another caller's text."""
+    c = core(budget=64)
+    prompt = list(range(1, 30))
+    c.add(pool_request("p", prompt))
+    while c.has_unfinished:
+        c.step()
+    assert c.kv.pool.num_cached_blocks == 0
+    gen = make_request("g", prompt, max_tokens=2)
+    c.add(gen)
+    while c.has_unfinished:
+        c.step()
+    assert gen.num_cached_tokens == 0
+    assert_all_blocks_free(c)
