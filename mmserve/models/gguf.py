@@ -23,10 +23,11 @@ _Rows = TypeVar("_Rows", torch.Tensor, np.ndarray)
 
 
 def gguf_architecture(reader: Any) -> str:
-    """The file's general.architecture, e.g. "llama", "qwen2" (reader: a GgufIndex, whose
-    fields are values, or a GGUFReader, whose fields have contents())."""
-    field = reader.fields["general.architecture"]
-    return str(field.contents() if hasattr(field, "contents") else field)
+    """The file's general.architecture, e.g. "llama", "qwen2" (reader: as _scalar's)."""
+    arch = _scalar(reader, "general.architecture")
+    if arch is None:
+        raise KeyError("general.architecture")
+    return str(arch)
 
 
 def gguf_config_overrides(path: Path, hf_config: Any) -> dict[str, Any]:
@@ -91,7 +92,8 @@ def _llama3_factors(rope: dict[str, Any], inv_wavelen: np.ndarray) -> np.ndarray
 
 
 def _scalar(reader: Any, key: str) -> Any:
-    """A metadata value, or None (reader: a GgufIndex or a GGUFReader, as gguf_architecture)."""
+    """A metadata value, or None (reader: a GgufIndex, whose fields are values, or a
+    GGUFReader, whose fields have contents())."""
     field = reader.fields.get(key)
     if field is None:
         return None
