@@ -215,20 +215,17 @@ def _apply(tokenizer: PreTrainedTokenizerFast, args: dict[str, Any], **options: 
         raise InvalidArgument("messages", f"rejected by the model's chat template: {e}") from e
     except (RecursionError, OverflowError) as e:  # jinja's sandbox caps range() (OverflowError)
         raise InvalidArgument("chat", f"the model's chat template failed: {e}") from e
-    except ValueError as e:
+    except (ValueError, ArithmeticError, LookupError, AttributeError) as e:
         # what transformers cannot check before rendering: the template must print the last
         # message as it is, for the prompt to end inside it
-        if args.get("continue_final_message") and "continue_final_message" in str(e):
+        continuing = args.get("continue_final_message") and isinstance(e, ValueError)
+        if continuing and "continue_final_message" in str(e):
             raise InvalidArgument(
                 "continue_final_message",
                 "the model's chat template alters the last message, so it cannot be continued",
             ) from e
-        if _raised_by_template(e):  # e.g. content.index('</think>') on a message without one
-            raise InvalidArgument("messages", f"rejected by the model's chat template: {e}") from e
-        raise
-    except (ArithmeticError, LookupError, AttributeError) as e:
-        # a template's own Python error on this conversation (a division by zero, a method's
-        # KeyError or IndexError); elsewhere it is ours and stays INTERNAL
+        # a template's own Python error on this conversation (content.index('</think>') on a
+        # message without one, a division by zero); elsewhere it is ours and stays INTERNAL
         if _raised_by_template(e):
             raise InvalidArgument("messages", f"rejected by the model's chat template: {e}") from e
         raise
