@@ -146,35 +146,19 @@ def json_special_literal(pattern: str) -> str | None:
     with such a member (`[a"]`) it reads soundly, leaving the member out."""
     i = 0
     while i < len(pattern):
+        found: list[int] = []
         if pattern[i] == "[":
-            end = _class_end(pattern, i + 1)
-            found = None if pattern.startswith("[^", i) else _special(pattern[i + 1 : end - 1])
+            members, end = _class_members(pattern, i)
+            if not pattern.startswith("[^", i):  # a range's ends, as written (not what is between)
+                found = [c for _, lo, hi in members if lo >= 0 for c in (lo, hi)]
             i = end
         else:
             kind, value, i = _atom(pattern, i)
-            found = value if kind == "char" else None
-        if found is not None and _json_unsafe(ord(found), ord(found)):
-            return found
+            found = [ord(value)] if kind == "char" else []
+        for c in found:
+            if _json_unsafe(c, c):
+                return chr(c)
     return None
-
-
-def _special(members: str) -> str | None:
-    """The first `"`, `\\` or control character among a class's members."""
-    i = 0
-    while i < len(members):
-        kind, value, i = _atom(members, i)
-        if kind == "char" and _json_unsafe(ord(value), ord(value)):
-            return value
-    return None
-
-
-def _class_end(pattern: str, i: int) -> int:
-    """The index after the `]` that closes a class whose members start at pattern[i]."""
-    first = True
-    while i < len(pattern) and (pattern[i] != "]" or first):
-        first = False
-        i += 2 if pattern[i] == "\\" else 1
-    return i + 1
 
 
 _UNSAFE_MESSAGE = (
@@ -188,20 +172,32 @@ def _check_class(pattern: str, start: int) -> int:
     """Check the class at pattern[start] == '['; return the index after its ']'."""
     if pattern.startswith("[^", start):
         raise RegexProblem(start, "a negated class " + _UNSAFE_MESSAGE)
-    i = start + 1
+    members, end = _class_members(pattern, start)
+    for position, lo, hi in members:
+        if lo < 0 or _json_unsafe(lo, hi):  # (a class escape: \d, \w, \s)
+            raise RegexProblem(position, _UNSAFE_MESSAGE)
+    return end
+
+
+def _class_members(pattern: str, start: int) -> tuple[list[tuple[int, int, int]], int]:
+    """The members of the class at pattern[start] == '[' (after a `^`) as (position, lowest,
+    highest code point), (position, -1, -1) for a class escape; and the index after its ']'."""
+    i = start + (2 if pattern.startswith("[^", start) else 1)
+    members = []
     while i < len(pattern) and pattern[i] != "]":
         kind, value, i_next = _atom(pattern, i)
         if kind == "class":
-            raise RegexProblem(i, _UNSAFE_MESSAGE)
+            members.append((i, -1, -1))
+            i = i_next
+            continue
         lo = hi = ord(value)
         is_range = pattern.startswith("-", i_next) and pattern[i_next + 1 : i_next + 2] not in "]"
         if is_range:  # a-z; a "-" right before "]" is a literal
             _, upper, i_next = _atom(pattern, i_next + 1)
             hi = ord(upper)
-        if _json_unsafe(lo, hi):
-            raise RegexProblem(i, _UNSAFE_MESSAGE)
+        members.append((i, lo, hi))
         i = i_next
-    return i + 1
+    return members, i + 1
 
 
 def _atom(pattern: str, i: int) -> tuple[str, str, int]:
