@@ -88,8 +88,10 @@ DP4A_BLOCK_N = 128  # (sm_90 SASS, Triton 3.6: 2.29 instructions a weight; 64 ch
 # rows the int8-activation product takes by default (dp4a=True: up to DP4A_ROWS). Several rows go
 # to _wna16_dp4a_rows_kernel, their activations quantised first by a kernel of their own and a
 # step's words unpacked once for all of them: in the sm_90 SASS of its loop 2.64 instructions a
-# weight at 2 rows, 3.73 at 4, 6.35 at 8, against LOWP's 6.7-6.9 (session 24). Not yet timed: 1
-DP4A_MAX_ROWS = 1
+# weight at 2 rows, 3.73 at 4, 6.35 at 8, against LOWP's 6.7-6.9 (session 24). Decode steps at
+# 1k context on an H100 (session 26), rows 1/2/4/8: LOWP 3.25/4.64/4.91/5.49 ms, dp4a up to 8 rows
+# 3.24/3.44/4.36/5.88: up to 4
+DP4A_MAX_ROWS = 4
 DP4A_ROWS = 16
 
 
