@@ -114,6 +114,10 @@ class SchemaRules:
     # The largest minLength / maxLength / minItems / maxItems enforced (a regex automaton
     # grows with the count: maxLength 32767 took outlines-core six minutes); None: any.
     max_count: int | None = None
+    # An enum's object and array values take the whitespace allowed between JSON tokens
+    # elsewhere. False (xgrammar): the engine writes them as fixed compact text, so they
+    # are spelled out as schemas (literals.py).
+    spaced_literals: bool = True
 
 
 _SHARED = frozenset(
@@ -149,6 +153,7 @@ XGRAMMAR_RULES = SchemaRules(
     keywords=_XGRAMMAR_KEYWORDS,
     formats=_XGRAMMAR_FORMATS,
     pattern_formats=frozenset({"date", "time", "date-time", "ipv4", "hostname"}),
+    spaced_literals=False,
 )
 
 OUTLINES_RULES = SchemaRules(

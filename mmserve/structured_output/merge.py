@@ -44,7 +44,9 @@ class Merger:
         self.problems = problems
         self.definition = definition
         self.pair = pair
-        self.done: dict[tuple[int, int], Schema] = {}  # merges made, by their inputs
+        # merges made, by their inputs' ids, with the inputs: held, so that no other node
+        # takes a freed input's id and gets its merge
+        self.done: dict[tuple[int, int], tuple[Schema, Node, Node]] = {}
         self.active: set[tuple[int, int]] = set()  # merges in progress
 
     def merge(self, a: Schema, b: Schema) -> Schema:
@@ -63,7 +65,7 @@ class Merger:
             return self.pair(ref, other)
         pair = (id(a), id(b))
         if pair in self.done:
-            return self.done[pair]
+            return self.done[pair][0]
         if pair in self.active:
             raise self.problems.error(
                 b.pointer, "recursive schemas combined (allOf, or keywords beside a $ref) "
@@ -74,7 +76,7 @@ class Merger:
             merged = self.merge_nodes(a, b)
         finally:
             self.active.discard(pair)
-        self.done[pair] = merged
+        self.done[pair] = (merged, a, b)
         return merged
 
     def merge_nodes(self, a_ref: Node, b_ref: Node) -> Schema:

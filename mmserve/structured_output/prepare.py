@@ -3,7 +3,7 @@
 parse -> normalize (normalize.py, merge.py: one spelling, siblings merged, references into
 $defs) -> exact rewrites (rewrites.py) -> narrowing of untyped nodes -> the backend's rules
 (schema_check.py: refused, or under `relaxed` dropped and reported) -> the engine's form
-(outlines: outlines_schema.py).
+(outlines: outlines_schema.py; xgrammar: enum objects and arrays as schemas, literals.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from . import keywords as kw
 from .finite import has_finite_value
+from .literals import spelled_out
 from .normalize import Normalizer
 from .outlines_schema import Splice, outlines_form
 from .rewrites import narrow_types, simplify
@@ -52,9 +53,13 @@ def prepare_schema(
             "", "the schema accepts no finite value (a required property or item refers back "
             "to its own schema without end)",
         )  # fmt: skip
+    splices: dict[str, Splice] = {}
     if rules.recursive_refs:
-        return PreparedSchema(to_json(root, defs), problems.dropped)
-    schema, splices = outlines_form(root, defs, problems)
+        schema = to_json(root, defs)
+    else:
+        schema, splices = outlines_form(root, defs, problems)
+    if not rules.spaced_literals:
+        schema = spelled_out(schema)
     return PreparedSchema(schema, problems.dropped, splices)
 
 

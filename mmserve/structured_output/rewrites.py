@@ -56,7 +56,10 @@ class _Simplifier:
         self.merger = merger
         self.defs = defs
         self.empty = empty  # definitions that match nothing
-        self.done: dict[int, Schema] = {}
+        self.done: dict[int, Schema] = {}  # node id -> its rewrite
+        # every node whose id is in `done`, held: a freed node's id goes to a new one (the
+        # merges of members() make nodes), which would pass for done
+        self.held: list[Node] = []
         self._defs_json: Any = None
 
     def visit(self, schema: Schema) -> Schema:
@@ -74,6 +77,7 @@ class _Simplifier:
             if id(node) in self.done:
                 continue
             self.done[id(node)] = node  # provisional: a node is never its own descendant
+            self.held.append(node)
             stack.append((node, True))
             stack.extend((sub, False) for _, sub in children(node)
                          if isinstance(sub, Node) and id(sub) not in self.done)  # fmt: skip
