@@ -26,7 +26,14 @@ from .backend import (
     bitmask_width,
 )
 from .keywords import OUTLINES_RULES
-from .outlines_worker import BuildTimeout, IndexBuilder, Job, SchemaJob
+from .outlines_worker import (
+    END_MARK,
+    END_MARK_TOKEN_ID,
+    BuildTimeout,
+    IndexBuilder,
+    Job,
+    SchemaJob,
+)
 from .params import StructuredOutputParams
 from .prepare import prepare_schema
 from .regex_check import RegexProblem, strip_anchors
@@ -95,6 +102,11 @@ class OutlinesBackend(StructuredOutputBackend):
         if params.kind == "regex":
             return strip_anchors(text)
         if params.kind == "choice":
+            if any(END_MARK.decode() in choice for choice in params.value):
+                raise InvalidArgument(
+                    params.field,
+                    "the outlines backend cannot write NUL (U+0000); use the xgrammar backend",
+                )
             return "|".join(_escape(choice) for choice in params.value)
         raise InvalidArgument(
             params.field,
@@ -110,10 +122,11 @@ def _escape(literal: str) -> str:
 def _vocabulary(
     tokenizer: PreTrainedTokenizerFast, vocab_size: int, eos_token_ids: Sequence[int]
 ) -> Vocabulary:
-    """Token bytes -> ids, without special tokens (stop tokens are handled by the matcher)."""
-    by_bytes: dict[bytes, list[int]] = {}
+    """Token bytes -> ids, without special tokens (stop tokens are handled by the matcher),
+    and with the end mark (outlines_worker.py) as a token of its own, held by no other."""
+    by_bytes: dict[bytes, list[int]] = {END_MARK: [END_MARK_TOKEN_ID]}
     for i, data in enumerate(token_bytes(tokenizer, vocab_size)):
-        if data and i not in eos_token_ids:
+        if data and i not in eos_token_ids and END_MARK not in data:
             by_bytes.setdefault(data, []).append(i)
     return Vocabulary(eos_token_ids[0], by_bytes)
 
@@ -136,13 +149,15 @@ class OutlinesCompiled(CompiledGrammar):
 
 
 class OutlinesMatcher(GrammarMatcher):
-    """A Guide plus what it lacks: several stop tokens, termination, and rollback of it.
+    """A Guide plus what it lacks: the end of the output, stop tokens, and rollback of them.
 
-    outlines-core's Guide allows its one eos token in a final state but refuses to advance
-    on it (outlines-core issue #227), so stop tokens are handled here, not by the Guide.
+    The Index is the regex's followed by the end mark (outlines_worker.py), so the Guide
+    never reaches one of its final states: the output may end where the end mark's token
+    leads to one. Stop tokens are allowed there, and the Guide never sees them.
     """
 
     def __init__(self, index: Index, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._index = index
         self._guide = Guide(index, max_rollback=MAX_ROLLBACK_TOKENS)
         self._width = bitmask_width(vocab_size)
         self._eos_token_ids = eos_token_ids
@@ -153,7 +168,7 @@ class OutlinesMatcher(GrammarMatcher):
         if self._terminated:
             return False
         if token_id in self._eos_token_ids:
-            if not self._guide.is_finished():
+            if not self._can_end():
                 return False
             self._terminated = True
             self._history.append(False)
@@ -173,8 +188,14 @@ class OutlinesMatcher(GrammarMatcher):
             allow_tokens(words, self._eos_token_ids)
             return
         self._guide.write_mask_into(words.data_ptr(), self._width, 4)
-        if self._guide.is_finished():  # the Guide knows one eos; allow every stop token
+        if self._can_end():
             allow_tokens(words, self._eos_token_ids)
+
+    def _can_end(self) -> bool:
+        """Whether the output so far matches the whole regex. The mark's token being allowed
+        is not enough: a regex that reads NUL itself (`a.*b`, after "a") lets it on too."""
+        marked = self._index.get_next_state(self._guide.get_state(), END_MARK_TOKEN_ID)
+        return marked is not None and self._index.is_final_state(marked)
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > len(self._history) or num_tokens > MAX_ROLLBACK_TOKENS:

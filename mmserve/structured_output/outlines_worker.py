@@ -32,6 +32,23 @@ MAX_INDEX_BYTES = 128 * 1024 * 1024
 # took outlines-core past 20 GB), not in the server.
 WORKER_MEMORY_BYTES = 4 * 1024 * 1024 * 1024
 
+# outlines-core 0.2.14 drops each token whose bytes before its last one complete a match
+# (its DFA reports a match one byte late, and src/index.rs keeps a token landing on such a
+# state only if the token ends a match too; fixed upstream after 0.2.14, unreleased):
+# `0(\.0)?` refused "." after "0", the choice ["a", "ab"] refused "ab". So every Index is
+# built for the regex followed by an end mark that no token of the vocabulary holds: a token
+# can then never end past a match, and the output so far matches the regex exactly where
+# the end mark's own token leads to a final state (outlines_backend.py). NUL: JSON text never
+# holds one, and the outlines backend never writes one. The cost: an accepting state from
+# which the regex could read a NUL (`.*` at the end) gets a twin, reached only by the mark.
+END_MARK = b"\x00"
+END_MARK_TOKEN_ID = 2**32 - 1  # outlines-core's ids are u32; past any bitmask's width
+# Whitespace between JSON tokens: any run, as pretty-printed JSON has (outlines-core's own is
+# one space at most). Unbounded, unlike xgrammar's 32 per gap: a bound is a counter, one
+# automaton state per count and gap, which made builds about nine times slower (one real
+# schema: 1.5 s -> 18.7 s), while `*` costs what one space did.
+JSON_WHITESPACE = r"[ \n\r\t]*"
+
 
 def _write(stream: IO[bytes], data: bytes) -> None:
     stream.write(_HEADER.pack(len(data)) + data)
@@ -73,13 +90,15 @@ def _payload(job: Job) -> bytes:
 
 
 def _regex(payload: Any) -> str:
-    """The regex of a job's payload (in the worker: it imports outlines-core)."""
+    """The regex of a job's payload, end mark included (in the worker: it imports
+    outlines-core)."""
     if isinstance(payload, str):
-        return payload
+        return rf"(?:{payload})\x00"
     from outlines_core.json_schema import build_regex_from_schema
 
     schema_text, splices = payload
-    return _spliced(str(build_regex_from_schema(schema_text, None)), splices)
+    regex = build_regex_from_schema(schema_text, JSON_WHITESPACE)
+    return _regex(_spliced(str(regex), splices))
 
 
 def _spliced(regex: str, splices: dict[str, Any]) -> str:
@@ -98,11 +117,11 @@ def _spliced(regex: str, splices: dict[str, Any]) -> str:
 def _splice_regex(splice: Any) -> str:
     if isinstance(splice, str):
         return splice
-    from outlines_core.json_schema import WHITESPACE, build_regex_from_schema
+    from outlines_core.json_schema import build_regex_from_schema
 
     keys, values = splice  # an object of one patternProperties pattern
-    ws = WHITESPACE
-    member = f'"{keys}"{ws}:{ws}(?:{build_regex_from_schema(json.dumps(values), None)})'
+    ws = JSON_WHITESPACE
+    member = f'"{keys}"{ws}:{ws}(?:{build_regex_from_schema(json.dumps(values), ws)})'
     return rf"\{{{ws}(?:{member}(?:{ws},{ws}{member})*)?{ws}\}}"
 
 

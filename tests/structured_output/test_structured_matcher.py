@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
+import jsonschema
 import pytest
 import torch
 
 from mmserve.structured_output import (
+    GrammarMatcher,
     StructuredOutputBackend,
     StructuredOutputParams,
     allocate_bitmask,
@@ -98,9 +103,20 @@ def test_accept_rollback_terminate_reset(backend: StructuredOutputBackend, token
     assert allowed[[ab[0], cd[0], SMOLLM2_EOS[0]]].all() and not allowed[x[0]]
 
 
-def test_backends_allow_the_same_tokens(tokenizer: Any, vocab: Vocab) -> None:
+@pytest.mark.parametrize(
+    "params",
+    [
+        StructuredOutputParams("regex", r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)"),
+        StructuredOutputParams("regex", r"0(\.0)?|[1-9][0-9]{0,3}"),
+        StructuredOutputParams("choice", ["a", "ab", "abc"]),
+        StructuredOutputParams("json_schema", json.dumps({"enum": [0, 5, 50, 500]})),
+    ],
+    ids=["email", "number", "choice", "enum"],
+)
+def test_backends_allow_the_same_tokens(
+    tokenizer: Any, vocab: Vocab, params: StructuredOutputParams
+) -> None:
     """Two engines, one vocabulary: step by step they must agree on what is allowed."""
-    params = StructuredOutputParams("regex", r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)")
     xgrammar = get_backend(tokenizer, "xgrammar").compile(params)
     outlines = get_backend(tokenizer, "outlines").compile(params)
     for seed in range(3):
@@ -112,3 +128,108 @@ def test_backends_allow_the_same_tokens(tokenizer: Any, vocab: Vocab) -> None:
                 matcher.fill_bitmask(bitmask, row)
             assert torch.equal(bitmask[0], bitmask[1])
             assert all(m.accept_token(token) for m in matchers)
+
+
+def fullmatch(pattern: str) -> Callable[[str], bool]:
+    return lambda text: re.fullmatch(pattern, text) is not None
+
+
+def validates(schema: Any) -> Callable[[str], bool]:
+    validator = jsonschema.Draft202012Validator(schema)
+
+    def check(text: str) -> bool:
+        if text != text.strip():  # json.loads takes surrounding whitespace, the grammars don't
+            return False
+        try:
+            return validator.is_valid(json.loads(text))
+        except ValueError:
+            return False
+
+    return check
+
+
+PRETTY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "integer"}},
+    },
+    "required": ["name", "tags"],
+}
+# (params, a valid output, the reference: which texts are whole outputs). Each output passes
+# a point where a shorter output is already whole (outlines-core 0.2.14 cut those: its Index
+# dropped tokens ending past a match), or has whitespace that pretty-printed JSON has.
+ENDS_CASES = [
+    pytest.param(
+        StructuredOutputParams("regex", r"0(\.0)?"), "0.0", fullmatch(r"0(\.0)?"), id="regex"
+    ),
+    pytest.param(
+        StructuredOutputParams("choice", ["a", "ab"]),
+        "ab",
+        lambda text: text in ("a", "ab"),
+        id="choice",
+    ),
+    pytest.param(
+        StructuredOutputParams("json_schema", json.dumps({"enum": [0, 5, 50]})),
+        "50",
+        validates({"enum": [0, 5, 50]}),
+        id="enum",
+    ),
+    pytest.param(
+        StructuredOutputParams("regex", "a.*"), "a café 😀", fullmatch("a.*"), id="unicode"
+    ),
+    pytest.param(
+        StructuredOutputParams("json_schema", json.dumps(PRETTY_SCHEMA)),
+        json.dumps({"name": "x y", "tags": [1, 20]}, indent=2),
+        validates(PRETTY_SCHEMA),
+        id="pretty-json",
+    ),
+]
+
+
+def assert_ends_where_valid(
+    matcher: GrammarMatcher,
+    tokens: Sequence[int],
+    table: Sequence[bytes | None],
+    is_whole: Callable[[str], bool],
+) -> None:
+    """Each token is allowed and accepted; a stop token is allowed exactly where the text so
+    far is a whole output (`is_whole` of it, as UTF-8)."""
+    bitmask = allocate_bitmask(1, PADDED_VOCAB)
+    text = b""
+    for token in [*tokens, None]:
+        matcher.fill_bitmask(bitmask, 0)
+        allowed = unpack_bitmask(bitmask, PADDED_VOCAB)[0]
+        try:
+            whole = is_whole(text.decode())
+        except UnicodeDecodeError:  # a character cut between tokens
+            whole = False
+        assert bool(allowed[SMOLLM2_EOS[0]]) == whole, text
+        if token is None:
+            break
+        assert allowed[token] and matcher.accept_token(token), (text, table[token])
+        text += cast(bytes, table[token])
+    assert matcher.accept_token(SMOLLM2_EOS[0]) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize("tokens_of", ["tokenizer", "bytes"])
+@pytest.mark.parametrize(("params", "output", "is_whole"), ENDS_CASES)
+def test_output_may_go_on_where_it_could_end(
+    backend: StructuredOutputBackend,
+    tokenizer: Any,
+    vocab: Vocab,
+    tokens_of: str,
+    params: StructuredOutputParams,
+    output: str,
+    is_whole: Callable[[str], bool],
+) -> None:
+    """Walked as the tokenizer splits it, and one byte-level token per byte (so every byte
+    boundary is a candidate end)."""
+    assert is_whole(output)
+    if tokens_of == "tokenizer":
+        tokens = tokenizer.encode(output, add_special_tokens=False)
+    else:
+        byte_token = {data[0]: i for i, data in enumerate(vocab.table) if data and len(data) == 1}
+        tokens = [byte_token[b] for b in output.encode()]
+    matcher = backend.compile(params).matcher()
+    assert_ends_where_valid(matcher, tokens, vocab.table, is_whole)

@@ -226,6 +226,15 @@ def test_ebnf_errors(tokenizer: Any) -> None:
         outlines.compile(StructuredOutputParams("grammar", 'root ::= "a"'))
 
 
+def test_outlines_refuses_a_choice_with_nul(tokenizer: Any) -> None:
+    """NUL is the outlines backend's end mark (outlines_worker.py): never written."""
+    from tests.structured_output.conftest import get_backend
+
+    outlines = get_backend(tokenizer, "outlines")
+    with pytest.raises(InvalidArgument, match="cannot write NUL"):
+        outlines.compile(StructuredOutputParams("choice", ["a", "b\x00"]))
+
+
 @pytest.mark.parametrize(
     ("params", "match"),
     [
