@@ -99,8 +99,10 @@ DP4A_PREQUANT = False
 # program unpacks a tile's quants once for all its rows, which take their activations quantised
 # first, DP4A_ROWS_BLOCK_N channels a program, the dp4a sums chained: in the sm_90 SASS of the
 # loop (scripts/sass_loop.py) 2.52 instructions a weight at 2 rows, 3.85 at 4, 6.5 at 8, against
-# LOWP words' 3.84. Not yet timed: 1
-DP4A_MAX_ROWS = 1
+# LOWP words' 3.84. Decode steps at 1k context (H100, Q4_K_M 8B, session 26), rows 1/2/4/8: LOWP
+# words above one row 3.71/5.77/5.93/6.16 ms; DP4A up to 2 rows 3.71/5.20/5.90/6.16; up to 4
+# rows 4 took 6.22: up to 2
+DP4A_MAX_ROWS = 2
 DP4A_ROWS_BLOCK_N = 128
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)

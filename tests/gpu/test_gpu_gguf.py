@@ -98,7 +98,7 @@ def _blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw)).cuda()
 
 
-@pytest.mark.parametrize("rows", [1, 16, 32, 33, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 32, 33, 300])  # (DP4A up to DP4A_MAX_ROWS)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_gpu_bf16_products_match_ggufs_weights(qtype: str, rows: int) -> None:
     from mmserve.kernels.gguf_blocks import gguf_dequantize, gguf_dequantize_ref
@@ -116,7 +116,7 @@ def test_gpu_bf16_products_match_ggufs_weights(qtype: str, rows: int) -> None:
     torch.manual_seed(rows)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     out = gguf_matmul(x, blocks, qtype)
-    expected = gguf_product_ref(x, blocks, qtype)  # one row of Q4_K / Q5_K: int8 activations (DP4A)
+    expected = gguf_product_ref(x, blocks, qtype)  # Q4_K / Q5_K up to DP4A_MAX_ROWS rows: int8 activations
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 300)
     scale = expected.abs().max().item()
     torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=1.6e-2 * scale)

@@ -1,8 +1,9 @@
 """Quantised checkpoints decoding on CUDA follow the CPU: a tiny Llama written in a format
 (mmserve.bench.checkpoints, as `mmserve bench --checkpoint-format` writes the 8B shape) decodes
-greedily on CUDA in bfloat16, one row a step (the one-row products with int8 activations:
-gguf_gemm.DP4A for Q4_K, wna16.DP4A for w4a16), against the CPU's float32 path on the same file
-(its weights dequantised, no rounding of the activations). Skipped without CUDA."""
+greedily on CUDA in bfloat16, alone (one row a step) and two at once (two rows: both take the
+products with int8 activations, gguf_gemm.DP4A for Q4_K and wna16.DP4A for w4a16, up to their
+DP4A_MAX_ROWS), against the CPU's float32 path on the same file (its weights dequantised, no
+rounding of the activations). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -40,19 +41,21 @@ def test_gpu_quantized_decodes_as_the_cpu(tmp_path, fmt: str, scheme: str, switc
     path = write_checkpoint(base, fmt, tmp_path / "checkpoint", "tiny")
     gpu = LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=64)
     assert gpu.frontend.info.quantization == scheme
-    prompt = gpu.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    prompts = [gpu.tokenizer.encode(t) for t in ("The quick brown fox jumps over the lazy dog", "Pack my box")]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    tokens = list(gpu.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    runs = [(prompts[0], gpu.generate(prompts[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids)]
+    runs += [(p, o.outputs[0].token_ids) for p, o in zip(prompts, gpu.generate(prompts, greedy, use_tqdm=False))]
     del gpu
     torch.cuda.empty_cache()
     cpu = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64)
     scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
-    ranked = cpu.generate([prompt + tokens], scored, use_tqdm=False)[0].prompt_logprobs
-    assert ranked is not None
-    picks = ranked[len(prompt) :]
-    for pick in picks:
-        assert pick is not None and pick.rank <= 3 and pick.logprob >= pick.top[0][1] - 0.1, pick
-    ranks = [p.rank for p in picks if p is not None]
-    # a random model's best few lie within hundredths of a nat: bf16 and the int8 rounding may
-    # swap them, but a broken product would rarely pick the best at all (1 in ~400)
-    assert sum(r == 1 for r in ranks) >= 8, ranks
+    for prompt, tokens in runs:
+        ranked = cpu.generate([prompt + list(tokens)], scored, use_tqdm=False)[0].prompt_logprobs
+        assert ranked is not None
+        picks = ranked[len(prompt) :]
+        for pick in picks:
+            assert pick is not None and pick.rank <= 3 and pick.logprob >= pick.top[0][1] - 0.1, pick
+        ranks = [p.rank for p in picks if p is not None]
+        # a random model's best few lie within hundredths of a nat: bf16 and the int8 rounding
+        # may swap them, but a broken product would rarely pick the best at all (1 in ~400)
+        assert sum(r == 1 for r in ranks) >= 8, ranks
