@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from functools import lru_cache
 from typing import Any, ParamSpec, TypeVar
 
-from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError
 from transformers import PreTrainedTokenizerFast
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
+from mmserve.processors.content_parts import reads_parts
 from mmserve.processors.time_limit import TimeLimitExceeded, call_with_time_limit
 
 P = ParamSpec("P")
@@ -303,9 +302,9 @@ def _flatten_content(
     field: str, content: Any, allow_images: bool, keep_parts: bool
 ) -> str | list[dict[str, str]]:
     # Text-only part lists become one string (joined by newlines, as vLLM does) unless the
-    # template reads parts: every template accepts string content, while many (SmolLM2's
-    # included) break on lists or print them as Python reprs. With images the list stays, as
-    # [{"type": "text", "text"}, {"type": "image"}, ...].
+    # template reads parts (content_parts.py): most templates expect strings, and many
+    # (SmolLM2's included) break on lists or print them as Python reprs. With images the list
+    # stays, as [{"type": "text", "text"}, {"type": "image"}, ...].
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -324,57 +323,6 @@ def _flatten_content(
     if not keep_parts and all(p["type"] == "text" for p in parts):
         return "\n".join(p["text"] for p in parts)
     return parts
-
-
-@lru_cache(maxsize=64)
-def reads_parts(template: str) -> bool:
-    """Whether the template loops over a message's content, i.e. reads a list of parts (Llama
-    4, Qwen2.5-VL, ...): then text parts reach it as sent, as transformers passes them. vLLM
-    detects its "openai" content format the same way; neither follows the content through a
-    variable or a macro's parameter (Mistral Nemo's `set tool_calls = message.content` is not
-    a list of parts)."""
-    try:
-        tree = _parse_environment().parse(template)
-    except TemplateError:
-        return False  # rendering reports it
-    return any(_is_content(loop.iter) for loop in tree.find_all(nodes.For))
-
-
-@lru_cache(maxsize=1)
-def _parse_environment() -> Any:
-    """A jinja environment that parses what transformers renders (its `{% generation %}` tag
-    and loop controls): transformers' own where this version has it (a private function),
-    else a sandbox with those extensions."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        return _compile_jinja_template("").environment
-    except (ImportError, AttributeError, TypeError):
-        from jinja2.ext import Extension, loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        class _Generation(Extension):  # `{% generation %}...{% endgeneration %}`: its body
-            tags = {"generation"}  # noqa: RUF012 (jinja reads the class attribute)
-
-            def parse(self, parser: Any) -> Any:
-                lineno = next(parser.stream).lineno
-                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-                return nodes.Scope(body, lineno=lineno)
-
-        return ImmutableSandboxedEnvironment(extensions=[_Generation, loopcontrols])
-
-
-def _is_content(node: nodes.Node | None) -> bool:
-    """`x.content` or `x['content']`, through filters, tests and slices."""
-    while isinstance(node, (nodes.Filter, nodes.Test)) or (
-        isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
-    ):
-        node = node.node
-    if isinstance(node, nodes.Getattr):
-        return node.attr == "content"
-    if isinstance(node, nodes.Getitem):
-        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
-    return False
 
 
 def _validate_tool_call(field: str, call: Any) -> dict[str, Any]:

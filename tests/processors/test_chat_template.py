@@ -262,7 +262,7 @@ def test_reads_parts_without_transformers_private_parser(monkeypatch: pytest.Mon
     else with its own sandbox that knows `{% generation %}` and loop controls."""
     import builtins
 
-    from mmserve.processors import chat_template
+    from mmserve.processors import content_parts
 
     template = (
         "{% for m in messages %}{% generation %}{% for p in m.content %}{{ p.text }}{% endfor %}"
@@ -275,13 +275,13 @@ def test_reads_parts_without_transformers_private_parser(monkeypatch: pytest.Mon
             raise ImportError(name)
         return real_import(name, *args, **kwargs)
 
-    for cached in (chat_template._parse_environment, chat_template.reads_parts):
+    for cached in (content_parts._parse_environment, content_parts.reads_parts):
         cached.cache_clear()
     monkeypatch.setattr(builtins, "__import__", no_private)
     try:
-        assert chat_template.reads_parts(template)
-        assert not chat_template.reads_parts("{% for m in messages %}{{ m.content }}{% endfor %}")
+        assert content_parts.reads_parts(template)
+        assert not content_parts.reads_parts("{% for m in messages %}{{ m.content }}{% endfor %}")
     finally:
         monkeypatch.undo()
-        for cached in (chat_template._parse_environment, chat_template.reads_parts):
+        for cached in (content_parts._parse_environment, content_parts.reads_parts):
             cached.cache_clear()
