@@ -29,14 +29,17 @@ from mmserve.runner.pooler import POOLING_METHODS, ModelPooler, PoolerConfig
 logger = logging.getLogger(__name__)
 
 TASKS = ("generate", "embed", "classify", "score", "rerank")  # the server's Task values
-# sentence-transformers' 1_Pooling/config.json switches -> our pooling method
-_ST_MODES = {
+# sentence-transformers' pooling modes (1_Pooling/config.json) -> our pooling method
+_ST_MODES = {"cls": "cls", "mean": "mean", "max": "max", "lasttoken": "last"}
+# before sentence-transformers 6 the file held one boolean switch per mode, not "pooling_mode"
+_ST_MODE_SWITCHES = {
     "pooling_mode_cls_token": "cls",
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_max_tokens": "max",
-    "pooling_mode_lasttoken": "last",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
 }
-_ST_UNSUPPORTED_MODES = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 _ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")  # module types we reproduce exactly
 # a Dense module's activation_function -> the torch module (the ones embedding models use)
 _ST_DENSE_ACTIVATIONS = {
@@ -166,9 +169,11 @@ def _st_dense_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def _st_pooling_method(config_file: Path) -> str:
     config = json.loads(config_file.read_text())
-    if config.get("pooling_mode") in POOLING_METHODS:  # newer files may name it directly
-        return str(config["pooling_mode"])
-    used = [key for key in (*_ST_MODES, *_ST_UNSUPPORTED_MODES) if config.get(key)]
+    mode = config.get("pooling_mode")  # one name, or a list of them (concatenated vectors)
+    if mode is None:
+        used = [name for key, name in _ST_MODE_SWITCHES.items() if config.get(key)]
+    else:
+        used = [mode] if isinstance(mode, str) else list(mode)
     if len(used) != 1 or used[0] not in _ST_MODES:
         raise UnsupportedModel(
             f"sentence-transformers pooling {used}: only one of {list(_ST_MODES)}"
