@@ -49,6 +49,8 @@ def test_activations() -> None:
     torch.testing.assert_close(activate(logits, "softmax", True), logits.softmax(-1))
     torch.testing.assert_close(activate(logits, "sigmoid", True), logits.sigmoid())
     torch.testing.assert_close(activate(logits, "softmax", False), logits)
+    torch.testing.assert_close(activate(logits, "tanh", True), logits.tanh())
+    torch.testing.assert_close(activate(logits, "identity", True), logits)
 
 
 class FakeClassifier:
