@@ -29,15 +29,24 @@ from mmserve.runner.pooler import POOLING_METHODS, ModelPooler, PoolerConfig
 logger = logging.getLogger(__name__)
 
 TASKS = ("generate", "embed", "classify", "score", "rerank")  # the server's Task values
-# sentence-transformers' 1_Pooling/config.json switches -> our pooling method
-_ST_MODES = {
+# sentence-transformers' pooling modes (1_Pooling/config.json) -> our pooling method
+_ST_MODES = {"cls": "cls", "mean": "mean", "max": "max", "lasttoken": "last"}
+# before sentence-transformers 6 the file held one boolean switch per mode, not "pooling_mode"
+_ST_MODE_SWITCHES = {
     "pooling_mode_cls_token": "cls",
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_max_tokens": "max",
-    "pooling_mode_lasttoken": "last",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
 }
-_ST_UNSUPPORTED_MODES = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 _ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")  # module types we reproduce exactly
+# a cross-encoder's activation as sentence-transformers' CrossEncoder config names it -> ours
+_CE_ACTIVATIONS = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "identity",  # ms-marco cross-encoders: raw logits
+    "torch.nn.modules.activation.Tanh": "tanh",
+}
 # a Dense module's activation_function -> the torch module (the ones embedding models use)
 _ST_DENSE_ACTIVATIONS = {
     "torch.nn.modules.activation.Tanh": nn.Tanh,
@@ -114,10 +123,7 @@ def read_sentence_transformers(folder: Path) -> SentenceTransformersInfo | None:
 def _st_prompts(folder: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
     """config_sentence_transformers.json's prompts and default prompt name (a name that is
     not among the prompts is refused, as sentence-transformers refuses it)."""
-    config_file = folder / "config_sentence_transformers.json"
-    if not config_file.is_file():
-        return (), None
-    config = json.loads(config_file.read_text())
+    config = _st_config(folder)
     prompts = config.get("prompts") or {}
     if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
         raise UnsupportedModel("config_sentence_transformers.json: prompts is not a name -> text map")
@@ -128,6 +134,15 @@ def _st_prompts(folder: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
             f"among its prompts {sorted(prompts)}"
         )
     return tuple((str(k), v) for k, v in prompts.items()), default
+
+
+def _st_config(folder: Path | None) -> dict[str, Any]:
+    """config_sentence_transformers.json; {} when the folder has none."""
+    config_file = None if folder is None else folder / "config_sentence_transformers.json"
+    if config_file is None or not config_file.is_file():
+        return {}
+    config = json.loads(config_file.read_text())
+    return config if isinstance(config, dict) else {}
 
 
 def st_dense_head(folders: tuple[Path, ...]) -> tuple[nn.Sequential, int]:
@@ -166,9 +181,11 @@ def _st_dense_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def _st_pooling_method(config_file: Path) -> str:
     config = json.loads(config_file.read_text())
-    if config.get("pooling_mode") in POOLING_METHODS:  # newer files may name it directly
-        return str(config["pooling_mode"])
-    used = [key for key in (*_ST_MODES, *_ST_UNSUPPORTED_MODES) if config.get(key)]
+    mode = config.get("pooling_mode")  # one name, or a list of them (concatenated vectors)
+    if mode is None:
+        used = [name for key, name in _ST_MODE_SWITCHES.items() if config.get(key)]
+    else:
+        used = [mode] if isinstance(mode, str) else list(mode)
     if len(used) != 1 or used[0] not in _ST_MODES:
         raise UnsupportedModel(
             f"sentence-transformers pooling {used}: only one of {list(_ST_MODES)}"
@@ -195,7 +212,7 @@ def pooling_setup(
     if method_flag is not None and method_flag not in POOLING_METHODS:
         raise InvalidArgument("pooling", f"{method_flag!r} is not one of {POOLING_METHODS}")
     if model.capabilities.classifier:
-        return _classifier_setup(model, hf_config)
+        return _classifier_setup(model, hf_config, folder)
     if model.capabilities.dual_encoder:  # CLIP/SigLIP: the runner pools text and images
         size = int(model.hidden_size)
         return PoolingSetup(("embed", "score"), None, "cosine", embedding_size=size)
@@ -233,15 +250,17 @@ def pooling_setup(
     )
 
 
-def _classifier_setup(model: Any, hf_config: Any) -> PoolingSetup:
+def _classifier_setup(model: Any, hf_config: Any, folder: Path | None) -> PoolingSetup:
     num_labels = int(model.num_labels)
     multi_label = getattr(hf_config, "problem_type", None) == "multi_label_classification"
     activation = "sigmoid" if num_labels == 1 or multi_label else "softmax"
     cross_encoder = num_labels == 1  # one relevance logit: the pair is scored jointly
+    score_activation = cross_encoder_activation(hf_config, folder) if cross_encoder else "sigmoid"
     config = PoolerConfig(
         method=model.capabilities.default_pooling,
         activation=activation,
         score="cross-encoder" if cross_encoder else None,
+        score_activation=score_activation,
     )
     tasks = ("classify", "score", "rerank") if cross_encoder else ("classify",)
     return PoolingSetup(
@@ -250,6 +269,30 @@ def _classifier_setup(model: Any, hf_config: Any) -> PoolingSetup:
         "cross-encoder" if cross_encoder else None,
         labels=label_names(hf_config, num_labels),
     )
+
+
+def cross_encoder_activation(hf_config: Any, folder: Path | None) -> str:
+    """What sentence-transformers' CrossEncoder.predict applies to a single-logit head by
+    default: the activation_fn of config_sentence_transformers.json (read, as CrossEncoder
+    reads it, only in a folder with modules.json), else of config.json's
+    `sentence_transformers` (else its older sbert_ce_default_activation_function), else the
+    sigmoid. A name outside torch is passed over, as CrossEncoder passes it over without
+    trust_remote_code; a torch one we do not have is refused, listing ours."""
+    saved_by_st = folder is not None and (folder / "modules.json").is_file()
+    from_st = _st_config(folder).get("activation_fn") if saved_by_st else None
+    st = getattr(hf_config, "sentence_transformers", None)
+    if isinstance(st, dict) and "activation_fn" in st:
+        from_config = st["activation_fn"]
+    else:
+        from_config = getattr(hf_config, "sbert_ce_default_activation_function", None)
+    for name in (from_st, from_config):
+        if isinstance(name, str) and name.startswith("torch."):
+            if name not in _CE_ACTIVATIONS:
+                raise UnsupportedModel(
+                    f"cross-encoder activation {name!r}; supported: {sorted(_CE_ACTIVATIONS)}"
+                )
+            return _CE_ACTIVATIONS[name]
+    return "sigmoid"
 
 
 def label_names(hf_config: Any, num_labels: int) -> tuple[str, ...]:

@@ -1,9 +1,11 @@
 """Pooling inputs -> token ids, truncated (or refused) at the edge.
 
-Texts are stripped of surrounding whitespace (as sentence-transformers does) and tokenised
-with the model's own tokenizer, special tokens included; text pairs (cross-encoders) are
-tokenised together, which yields the segment ids BERT needs. Token-id inputs are taken as
-they are (the caller chose the special tokens) and only truncated.
+Texts are tokenised as given, surrounding whitespace included (as sentence-transformers 6,
+its CrossEncoder, transformers, vLLM and TEI read them: a byte-level BPE or SentencePiece
+tokenizer spells a trailing newline as a token), with the model's own tokenizer, special
+tokens included; text pairs (cross-encoders) are tokenised together, which yields the segment
+ids BERT needs. Token-id inputs are taken as they are (the caller chose the special tokens)
+and only truncated.
 
 transformers' tokenizers change truncation settings on their shared Rust tokenizer at each
 call, which races between threads; this encoder instead owns private copies of the Rust
@@ -59,9 +61,9 @@ class InputEncoder:
     ) -> list[EncodedInput]:
         """One encoding per input, in order. field names the inputs in errors: a request
         field ("inputs" -> "inputs[3]"), or one name per input. prompt goes before each text
-        (not token ids), as sentence-transformers puts it: prompt + text, then stripped."""
+        (not token ids), as sentence-transformers puts it: prompt + text."""
         names = [f"{field}[{i}]" for i in range(len(inputs))] if isinstance(field, str) else field
-        texts = [(i, (prompt + x).strip()) for i, x in enumerate(inputs) if isinstance(x, str)]
+        texts = [(i, prompt + x) for i, x in enumerate(inputs) if isinstance(x, str)]
         rust = self._rust(truncate)
         by_index = dict(zip((i for i, _ in texts), _encode_batch(rust, [t for _, t in texts])))
         out = []
@@ -78,8 +80,7 @@ class InputEncoder:
     ) -> list[EncodedInput]:
         """Each (first, second) pair tokenised together, as a cross-encoder reads it;
         truncation takes tokens from the longer text first (transformers' longest_first)."""
-        stripped = [(a.strip(), b.strip()) for a, b in pairs]
-        encodings = _encode_batch(self._rust(truncate), stripped) if stripped else []
+        encodings = _encode_batch(self._rust(truncate), list(pairs)) if pairs else []
         return [
             self._checked(enc.ids, enc.type_ids, truncate, field)
             for enc, field in zip(encodings, fields, strict=True)

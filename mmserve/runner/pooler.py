@@ -17,7 +17,8 @@ from torch import nn
 from mmserve.params import PoolingParams
 
 POOLING_METHODS = ("cls", "mean", "max", "last")  # how token states become one vector
-ACTIVATIONS = ("softmax", "sigmoid")  # softmax across labels, or sigmoid for each label
+# softmax across labels, or one of the others on each label (identity: the raw logits)
+ACTIVATIONS = ("softmax", "sigmoid", "tanh", "identity")
 POOLER_SCORES = ("cross-encoder", "yes-token")  # score methods the pooler computes itself
 
 
@@ -90,10 +91,12 @@ def finish_embedding(vector: torch.Tensor, params: PoolingParams) -> torch.Tenso
 
 def activate(logits: torch.Tensor, kind: str, enabled: bool) -> torch.Tensor:
     """Classifier logits [L] -> probabilities (or the logits when not enabled)."""
-    if not enabled:
+    if not enabled or kind == "identity":
         return logits
     if kind == "sigmoid":
         return torch.sigmoid(logits)
+    if kind == "tanh":
+        return torch.tanh(logits)
     return torch.softmax(logits, dim=-1)
 
 
@@ -103,6 +106,8 @@ class PoolerConfig:
 
     method: str  # one of POOLING_METHODS
     activation: str = "softmax"  # classifier activation, one of ACTIVATIONS
+    # cross-encoder score activation, one of ACTIVATIONS: CrossEncoder.predict's default
+    score_activation: str = "sigmoid"
     score: str | None = None  # how task "score" is answered here; None = not by the pooler
     yes_no_ids: tuple[int, int] | None = None  # yes-token scoring: ("yes", "no") token ids
 
@@ -134,7 +139,7 @@ class ModelPooler:
             return activate(logits, self.config.activation, params.activation)
         if self.config.score == "cross-encoder":
             logits = self._class_logits(hidden)  # single-logit head: relevance
-            return activate(logits, "sigmoid", params.activation)
+            return activate(logits, self.config.score_activation, params.activation)
         if self.config.score == "yes-token" and self.config.yes_no_ids is not None:
             return self._yes_token_score(hidden, params.activation)
         raise RuntimeError(f"task {params.task!r} reached a pooler that cannot do it")

@@ -32,6 +32,9 @@ TINY_BUILDERS: dict[str, Callable[[Path], Path]] = {
     "roberta-classifier": lambda p: make_tiny_xlm_roberta(p, seed=14, family="Roberta"),
     "llama-classifier": lambda p: make_tiny_decoder_classifier(p, "llama"),
     "qwen2-classifier": lambda p: make_tiny_decoder_classifier(p, "qwen2", seed=13),
+    "qwen2-cross-encoder": lambda p: make_tiny_decoder_classifier(
+        p, "qwen2", num_labels=1, seed=17
+    ),
     "chat-decoder": make_tiny_chat_decoder,
     "mistral-backbone": lambda p: make_tiny_backbone(p, "mistral", seed=16),
 }

@@ -16,7 +16,14 @@ from mmserve.engine.pooling_setup import label_names, pooling_setup, read_senten
 from mmserve.errors import InvalidArgument, UnsupportedModel
 from mmserve.models.base import ModelCapabilities
 from mmserve.params import PoolingParams
-from mmserve.runner.pooler import ModelPooler, PoolerConfig, activate, finish_embedding, pool_tokens
+from mmserve.runner.pooler import (
+    POOLING_METHODS,
+    ModelPooler,
+    PoolerConfig,
+    activate,
+    finish_embedding,
+    pool_tokens,
+)
 
 HIDDEN = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
 
@@ -42,6 +49,8 @@ def test_activations() -> None:
     torch.testing.assert_close(activate(logits, "softmax", True), logits.softmax(-1))
     torch.testing.assert_close(activate(logits, "sigmoid", True), logits.sigmoid())
     torch.testing.assert_close(activate(logits, "softmax", False), logits)
+    torch.testing.assert_close(activate(logits, "tanh", True), logits.tanh())
+    torch.testing.assert_close(activate(logits, "identity", True), logits)
 
 
 class FakeClassifier:
@@ -102,6 +111,32 @@ def test_read_sentence_transformers(tmp_path: Path) -> None:
     both = {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}
     with pytest.raises(UnsupportedModel, match="only one of"):
         read_sentence_transformers(write_st_folder(tmp_path / "c", both))
+
+
+@pytest.mark.parametrize(
+    ("pooling", "method"),
+    [
+        ({"pooling_mode": "lasttoken", "include_prompt": True}, "last"),
+        ({"pooling_mode": "cls"}, "cls"),
+        ({"pooling_mode": ["mean"]}, "mean"),
+        ({"pooling_mode": ["cls", "mean"]}, "only one of"),
+        ({"pooling_mode": "weightedmean"}, "only one of"),
+        ({"pooling_mode": "mean", "include_prompt": False}, "include_prompt"),
+        ({"pooling_mode_weightedmean_tokens": True}, "only one of"),
+    ],
+)
+def test_sentence_transformers_6_pooling_modes(
+    pooling: dict[str, Any], method: str, tmp_path: Path
+) -> None:
+    """sentence-transformers 6 writes one "pooling_mode" (its names: "lasttoken", ...)
+    instead of the pooling_mode_* switches; what we cannot reproduce is still refused."""
+    folder = write_st_folder(tmp_path, pooling)
+    if method in POOLING_METHODS:
+        info = read_sentence_transformers(folder)
+        assert info is not None and info.method == method
+    else:
+        with pytest.raises(UnsupportedModel, match=method):
+            read_sentence_transformers(folder)
 
 
 def model(hidden_size: int = 8, **attrs: Any) -> SimpleNamespace:

@@ -4,6 +4,7 @@ one server for the module; bad input gets INVALID_ARGUMENT naming the field."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +41,17 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         MINILM: minilm,
         "clf": make_tiny_bert(root / "clf", num_labels=3),
         "ce": make_tiny_bert(root / "ce", num_labels=1, seed=10),
+        "ce-logits": _logits_cross_encoder(make_tiny_bert(root / "ce-logits", 1, seed=10)),
     }
+
+
+def _logits_cross_encoder(folder: Path) -> Path:
+    """The activation ms-marco cross-encoders name in config.json: CrossEncoder.predict (and
+    vLLM) give their raw logits."""
+    config = json.loads((folder / "config.json").read_text())
+    config["sbert_ce_default_activation_function"] = "torch.nn.modules.linear.Identity"
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +177,20 @@ def test_cross_encoder_rerank_and_score_match_transformers(
     np.testing.assert_allclose(client.score(QUERY, DOCS, model="ce"), expected, atol=1e-5)
     pairwise = client.score([QUERY, QUERY], DOCS[:2], model="ce")
     np.testing.assert_allclose(pairwise, expected[:2], atol=1e-5)
+
+
+def test_rerank_and_score_equal_cross_encoder_with_its_default_activation(
+    client: Client, folders: dict[str, Path]
+) -> None:
+    st = pytest.importorskip("sentence_transformers")
+    reference = st.CrossEncoder(str(folders["ce-logits"]), device="cpu")
+    expected = reference.predict([(QUERY, d) for d in DOCS])
+    assert (expected < 0).any()  # raw logits, not sigmoids
+    order = sorted(range(len(DOCS)), key=lambda i: -expected[i])[:3]
+    ranked = client.rerank(QUERY, DOCS, model="ce-logits", top_n=3, return_documents=True)
+    assert [(r.index, r.document) for r in ranked] == [(i, DOCS[i]) for i in order]
+    np.testing.assert_allclose([r.score for r in ranked], expected[order], atol=1e-5)
+    np.testing.assert_allclose(client.score(QUERY, DOCS, model="ce-logits"), expected, atol=1e-5)
 
 
 def test_list_models_says_what_each_model_does(client: Client) -> None:
