@@ -195,6 +195,55 @@ def test_min_tokens_counts_hidden_ids(smollm2_tokenizer: Any) -> None:
     assert detok.update(ids).text_delta == "" and detok.stopped_on == "a"
 
 
+# vLLM's tests/tokenizers_/test_detokenize.py: its TRUTH texts, with and without a prompt
+VLLM_TRUTH = [
+    "Hello here, this is a simple test",
+    "vLLM is a high-throughput and memory-efficient inference and serving engine for LLMs.",
+    "我很感谢你的热情",
+    "ပုံပြင်လေးပြောပြပါ်",  # Burmese: tokens that end inside a character
+    "URGENCY🌶️",
+    "Some text with adjacent special tokens   <|im_start|><|im_end|>other text<|endoftext|>",
+]
+TOKENIZERS = [
+    "smollm2_tokenizer", "llama3_tokenizer", "minilm_tokenizer", "byte_fallback_tokenizer"
+]
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("truth", VLLM_TRUTH)
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("with_prompt", [True, False])
+def test_vllm_decode_streaming(
+    request: pytest.FixtureRequest, name: str, truth: str, skip: bool, with_prompt: bool
+) -> None:
+    tokenizer = request.getfixturevalue(name)
+    ids = encode(tokenizer, truth)
+    ids = [t for t in (tokenizer.bos_token_id,) if t is not None] + ids
+    ids += [t for t in (tokenizer.eos_token_id,) if t is not None]
+    whole = tokenizer.decode(ids, skip_special_tokens=skip)
+    cut = len(encode(tokenizer, truth[: len(truth) // 2])) + 1 if with_prompt else 0
+    prompt_text = tokenizer.decode(ids[:cut], skip_special_tokens=skip)
+    assert whole.startswith(prompt_text)
+    for chunks in ([[i] for i in ids[cut:]], [ids[cut:]]):
+        out, _, deltas = detokenize(tokenizer, chunks, ids[:cut], skip=skip)
+        assert out == whole[len(prompt_text) :]
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_stop_string_inside_a_byte_fallback_emoji(byte_fallback_tokenizer: Any) -> None:
+    tokenizer = byte_fallback_tokenizer
+    ids = encode(tokenizer, "smile 😀 please 日本")
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    at = tokens.index("<0xF0>")
+    assert tokens[at : at + 4] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    for stop, text in [("😀", "smile "), (" 😀 p", "smile"), ("本", "smile 😀 please 日")]:
+        for chunks in ([[i] for i in ids], [ids[: at + 2], ids[at + 2 :]], [ids]):
+            for include in (False, True):
+                got = detokenize(tokenizer, chunks, stop=[stop], include=include)
+                assert got[:2] == (text + stop if include else text, stop)
+                assert not any("\ufffd" in d for d in got[2])
+
+
 def test_wordpiece_with_prompt_context(minilm_tokenizer: Any) -> None:
     # WordPiece joins tokens with spaces: the first output token needs the prompt as context.
     prompt = encode(minilm_tokenizer, "the answer is")
