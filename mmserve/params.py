@@ -21,7 +21,9 @@ class SamplingParams:
     """How to sample one request's output. Defaults follow OpenAI / vLLM."""
 
     max_tokens: int | None = 16  # None = up to the context limit
-    min_tokens: int = 0  # eos and stop_token_ids are masked until this many tokens exist
+    # eos and stop_token_ids are masked until this many tokens exist, and no stop string may
+    # end in their text
+    min_tokens: int = 0
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass, in (0, 1]
     top_k: int = 0  # 0 = off
@@ -38,6 +40,7 @@ class SamplingParams:
     prompt_logprobs: int = 0  # top-k logprobs per prompt token (0 = off)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added logit
     skip_special_tokens: bool = True  # in detokenised text
+    # keep the stop string, or the text of the eos/stop token id, that ended the output
     include_stop_str_in_output: bool = False
     structured: StructuredOutputParams | None = None  # a constraint on the output
     reasoning_budget: int | None = None  # most thinking tokens; then `</think>` is forced

@@ -62,6 +62,12 @@ class GenerationDelta:
     # on the delta that finishes the choice only
     relaxed_keywords: tuple[RelaxedKeyword, ...] = ()
 
+    @property
+    def ends_on_stop_token(self) -> bool:
+        """Whether the last of token_ids is the EOS or stop token id that ended the choice
+        (its text is not shown unless include_stop_str_in_output)."""
+        return self.finish_reason == "stop" and isinstance(self.stop_reason, int)
+
 
 @dataclass
 class PooledResult:
@@ -339,6 +345,7 @@ class FrontEnd:
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
         )
 
     def add_pooling(
@@ -390,12 +397,14 @@ class FrontEnd:
             return PooledResult(choice.parent_id, out)
         text, stop_reason, finish = "", out.stop_reason, out.finish_reason
         token_ids, logprobs = out.new_token_ids, out.new_logprobs
+        # the last token is the EOS or stop token id that ended it (its text is not shown)
+        on_token = finish == "stop" and isinstance(stop_reason, int)
         if token_ids and choice.stopped is None:
             texts = []
             # several tokens (speculative decoding): one at a time, so that the tokens after
             # the one that completes a stop string are dropped, as they would never have come
             for i, token in enumerate(token_ids):
-                d = choice.detok.update([token])
+                d = choice.detok.update([token], on_token and i == len(token_ids) - 1)
                 texts.append(d.text_delta)
                 if d.stopped_on is not None:
                     choice.stopped = d.stopped_on
@@ -405,7 +414,10 @@ class FrontEnd:
                     break
             text = "".join(texts)
         if finish is not None and finish != "abort" and choice.stopped is None:
-            text += choice.detok.finish().text_delta
+            d = choice.detok.finish()
+            text += d.text_delta
+            if d.stopped_on is not None:  # in the text of a character the output left unfinished
+                stop_reason, finish = d.stopped_on, "stop"
         if finish is not None:
             self._forget(out.request_id, choice)
         return GenerationDelta(

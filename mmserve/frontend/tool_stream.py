@@ -108,8 +108,8 @@ class ToolOutput:
     parser: ToolParser | None  # the model's format; None under a forced tool_choice
     new_id: Callable[[], str]  # call ids in the model's style (Mistral wants 9 characters)
     accept: Accept  # which parsed calls are calls (tools.ToolRequest.accept)
-    retext: Callable[[], IncrementalDetokenizer] | None  # a detokeniser keeping the markers
-    drop_ids: frozenset[int]  # token ids the second detokenisation leaves out
+    # a detokeniser keeping the markers (it shows no other special token)
+    retext: Callable[[], IncrementalDetokenizer] | None
 
     def stream(self, split: Callable[[], ReasoningStream] | None = None) -> ChoiceToolStream:
         """One choice's reading; `split`: a reasoning model's text splitter, for the second
@@ -119,7 +119,7 @@ class ToolOutput:
         else:
             parser = self.parser.stream(self.accept)
         detok = self.retext() if self.retext else None
-        return ChoiceToolStream(parser, detok, self.drop_ids, split() if detok and split else None)
+        return ChoiceToolStream(parser, detok, split() if detok and split else None)
 
 
 def tool_output(
@@ -133,7 +133,7 @@ def tool_output(
     only a forced tool_choice can do without)."""
     new_id = parser.new_id if parser is not None else random_call_id
     if request.forced:
-        return ToolOutput(request, None, new_id, request.accept(), None, frozenset())
+        return ToolOutput(request, None, new_id, request.accept(), None)
     if parser is None:
         raise InvalidArgument(
             "chat.tools",
@@ -152,8 +152,10 @@ def tool_output(
             skip_special_tokens=False,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+            hidden_ids=frozenset(special - markers),
         )
-    return ToolOutput(request, parser, new_id, request.accept(), retext, special - markers)
+    return ToolOutput(request, parser, new_id, request.accept(), retext)
 
 
 class ChoiceToolStream:
@@ -163,22 +165,21 @@ class ChoiceToolStream:
         self,
         parser: StreamingToolParser,
         detok: IncrementalDetokenizer | None,
-        drop_ids: frozenset[int],
         split: ReasoningStream | None = None,
     ) -> None:
         self._parser = parser
         self._detok = detok  # None: parse the engine's text
-        self._drop_ids = drop_ids
         self._split = split  # the second detokenisation's thought apart from its answer
         self.num_calls = 0
 
     def update(
-        self, text: str, token_ids: Sequence[int], done: bool
+        self, text: str, token_ids: Sequence[int], done: bool, on_stop_token: bool = False
     ) -> tuple[str, list[ToolCallDelta]]:
-        """A choice's news (its GenerationDelta's text and token ids; done: it finished) ->
-        (content text, tool-call deltas)."""
+        """A choice's news (its GenerationDelta's text and token ids; done: it finished;
+        on_stop_token: the last id is the EOS or stop token id that ended it) -> (content
+        text, tool-call deltas)."""
         if self._detok is not None:
-            text = self._retext(token_ids, done)
+            text = self._retext(token_ids, done, on_stop_token)
         out = self._parser.feed(text)
         if done:
             out += self._parser.finish()
@@ -186,9 +187,9 @@ class ChoiceToolStream:
         self.num_calls += len(calls)
         return "".join(d.text for d in out if isinstance(d, ContentDelta)), calls
 
-    def _retext(self, token_ids: Sequence[int], done: bool) -> str:
+    def _retext(self, token_ids: Sequence[int], done: bool, on_stop_token: bool) -> str:
         assert self._detok is not None
-        text = self._detok.update([t for t in token_ids if t not in self._drop_ids]).text_delta
+        text = self._detok.update(token_ids, on_stop_token).text_delta
         text = text + self._detok.finish().text_delta if done else text
         if self._split is None:
             return text

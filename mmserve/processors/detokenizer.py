@@ -42,6 +42,8 @@ class IncrementalDetokenizer:
     Invariant: the concatenated deltas of all `update` calls plus `finish` equal the text of
     all output ids decoded at once (after the prompt, with the same skip_special_tokens),
     cut at the first stop string; it does not depend on how the ids were chunked.
+    As in vLLM: no stop string may end in the text of the first min_tokens ids, and the EOS
+    or stop token id that ended the output shows no text unless include_stop_str_in_output.
     """
 
     def __init__(
@@ -51,11 +53,19 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+        hidden_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """hidden_ids: ids that show no text, whatever skip_special_tokens says (they still
+        count towards min_tokens)."""
         self._backend: Tokenizer = tokenizer.backend_tokenizer
         self._skip_special = skip_special_tokens
         self._stop = StopStringMatcher(stop, include_stop_str_in_output)
         self._has_stops = any(stop)  # without stop strings the matcher releases text unchanged
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._hidden = hidden_ids
+        self._num_ids = 0  # ids fed so far
         context = self._clean_context(list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]))
         self._stream = DecodeStream(context or None, skip_special_tokens=skip_special_tokens)
         # Ids of the last chunk the stream returned (left context for `finish`), and ids
@@ -77,21 +87,27 @@ class IncrementalDetokenizer:
         """The stop string that ended the output, if one did."""
         return self._stop.stopped_on
 
-    def update(self, new_token_ids: Sequence[int]) -> DetokOutput:
-        """Feed newly generated ids; return the text that became safe to show."""
+    def update(self, new_token_ids: Sequence[int], ends_on_stop_token: bool = False) -> DetokOutput:
+        """Feed newly generated ids; return the text that became safe to show.
+        ends_on_stop_token: the last id is the EOS or stop token id that ended the output."""
         if self.finished:
             return DetokOutput("", None)
-        # Step one id at a time: a partial character at the end of a batch of ids would
-        # otherwise hold back the complete characters before it too.
-        if len(new_token_ids) == 1:  # the usual step
-            return self._release(self._step(new_token_ids[0]))
-        return self._release("".join(self._step(token_id) for token_id in new_token_ids))
+        if ends_on_stop_token and not self._include_stop:
+            new_token_ids = new_token_ids[:-1]
+        # ids whose text no stop string may end in (min_tokens)
+        quiet = min(max(self._min_tokens - self._num_ids, 0), len(new_token_ids))
+        self._num_ids += len(new_token_ids)
+        if quiet:
+            early = self._release(self._text(new_token_ids[:quiet]), may_stop=False)
+            late = self._release(self._text(new_token_ids[quiet:]))
+            return DetokOutput(early.text_delta + late.text_delta, late.stopped_on)
+        return self._release(self._text(new_token_ids))
 
     def finish(self) -> DetokOutput:
         """The output has ended: release everything still held (partial bytes as U+FFFD)."""
         if self.finished:
             return DetokOutput("", None)
-        out = self._release(self._decode_pending())
+        out = self._release(self._decode_pending(), self._num_ids > self._min_tokens)
         if self.finished:  # the pending text completed a stop string
             return out
         self.finished = True
@@ -99,17 +115,26 @@ class IncrementalDetokenizer:
         self._released.append(tail)
         return DetokOutput(out.text_delta + tail, None)
 
-    def _release(self, text: str) -> DetokOutput:
+    def _text(self, token_ids: Sequence[int]) -> str:
+        # Step one id at a time: a partial character at the end of a batch of ids would
+        # otherwise hold back the complete characters before it too.
+        if len(token_ids) == 1:  # the usual step
+            return self._step(token_ids[0])
+        return "".join(self._step(token_id) for token_id in token_ids)
+
+    def _release(self, text: str, may_stop: bool = True) -> DetokOutput:
         if not self._has_stops:
             self._released.append(text)
             return DetokOutput(text, None)
-        delta, stopped_on = self._stop.push(text)
+        delta, stopped_on = self._stop.push(text, may_stop)
         self._released.append(delta)
         if stopped_on is not None:
             self.finished = True
         return DetokOutput(delta, stopped_on)
 
     def _step(self, token_id: int) -> str:
+        if token_id in self._hidden:
+            return ""
         try:
             chunk = self._stream.step(self._backend, token_id)
         except Exception as e:  # tokenizers raises a bare Exception for this

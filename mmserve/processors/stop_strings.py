@@ -2,9 +2,11 @@
 
 Contract: for any split of a text T into chunks, the concatenation of everything `push` and
 `flush` release equals `T` cut at the first stop string, where "first" means the occurrence
-that *ends* earliest (ties: the longest one). That is the point at which a model emitting T
-one character at a time would have been stopped, so the result never depends on token
-boundaries. Text that could still grow into a stop string is held back until it cannot.
+that *ends* earliest (ties: the one listed first, as vLLM). That is the point at which a model
+emitting T one character at a time would have been stopped, so the result never depends on
+token boundaries. Text that could still grow into a stop string is held back until it cannot.
+Text pushed with `may_stop=False` (min_tokens not reached) cannot end a stop string, though
+one may begin in it.
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ class StopStringMatcher:
         self._held = ""
         self.stopped_on: str | None = None  # the stop string matched, once one has
 
-    def push(self, text: str) -> tuple[str, str | None]:
+    def push(self, text: str, may_stop: bool = True) -> tuple[str, str | None]:
         """Add a chunk; return (text safe to release now, stop string matched by this chunk).
+        may_stop False: no stop string may end in this chunk (vLLM's min_tokens).
 
         After a match the output is over: later pushes release nothing.
         """
         if self.stopped_on is not None:
             return "", None
         buf = self._held + text
-        match = self._first_match(buf)
+        match = self._first_match(buf, len(self._held)) if may_stop else None
         if match is not None:
             end, stop = match
             self._held = ""
@@ -46,17 +49,18 @@ class StopStringMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_match(self, buf: str) -> tuple[int, str] | None:
-        # Held text never contains a whole stop string (it would have matched when it
-        # arrived), so every occurrence in buf is new. For one stop string the occurrence
-        # that starts first also ends first; across stop strings compare end positions.
+    def _first_match(self, buf: str, held: int) -> tuple[int, str] | None:
+        # Only occurrences ending past the held text are new: the held text was searched when
+        # it arrived, or arrived when no stop string could end in it. For one stop string the
+        # occurrence that starts first also ends first; across stop strings compare end
+        # positions (strictly: on a tie the one listed first wins).
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            start = buf.find(stop)
+            start = buf.find(stop, max(0, held - len(stop) + 1))
             if start < 0:
                 continue
             end = start + len(stop)
-            if best is None or end < best[0] or (end == best[0] and len(stop) > len(best[1])):
+            if best is None or end < best[0]:
                 best = (end, stop)
         return best
 

@@ -270,7 +270,7 @@ class _Stream:
                 reasoning.text_stream if reasoning is not None else None
             )
         done = delta.finish_reason is not None
-        out.text, calls = stream.update(out.text, delta.token_ids, done)
+        out.text, calls = stream.update(out.text, delta.token_ids, done, delta.ends_on_stop_token)
         out.tool_calls.extend(convert.call_deltas(calls))
         if delta.finish_reason == "stop" and stream.num_calls:
             out.finish_reason = generate_pb2.FINISH_REASON_TOOL_CALLS

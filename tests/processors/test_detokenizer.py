@@ -36,12 +36,15 @@ def detokenize(
     skip: bool = True,
     stop: Sequence[str] = (),
     include: bool = False,
+    min_tokens: int = 0,
+    on_stop_token: bool = False,
 ) -> tuple[str, str | None, list[str]]:
-    """Stream the chunks through a detokenizer; return (text, stopped_on, deltas)."""
-    detok = IncrementalDetokenizer(tokenizer, prompt, skip, stop, include)
+    """Stream the chunks through a detokenizer; return (text, stopped_on, deltas).
+    on_stop_token: the last id of the last chunk is the stop token that ended the output."""
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip, stop, include, min_tokens)
     deltas, stopped_on = [], None
-    for chunk in chunks:
-        out = detok.update(chunk)
+    for i, chunk in enumerate(chunks):
+        out = detok.update(chunk, on_stop_token and i == len(chunks) - 1)
         deltas.append(out.text_delta)
         stopped_on = stopped_on or out.stopped_on
     out = detok.finish()
@@ -158,6 +161,89 @@ def test_special_tokens_kept_or_skipped(smollm2_tokenizer: Any) -> None:
     assert detokenize(smollm2_tokenizer, [[i] for i in ids], skip=False)[0] == "Hi<|im_end|>"
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_stop_token_shows_text_only_when_asked(smollm2_tokenizer: Any, skip: bool) -> None:
+    # vLLM's test_stop_token_ids: the EOS or stop token id that ended the output is not text
+    ids = encode(smollm2_tokenizer, "hello world<|im_end|>")
+    for chunks in ([[i] for i in ids], [ids], [ids[:1], ids[1:]]):
+        out, _, _ = detokenize(smollm2_tokenizer, chunks, skip=skip, on_stop_token=True)
+        assert out == "hello world"
+        out, _, _ = detokenize(smollm2_tokenizer, chunks, (), skip, (), True, 0, True)
+        assert out == smollm2_tokenizer.decode(ids, skip_special_tokens=skip)
+    world = encode(smollm2_tokenizer, "hello world")  # a stop token that is not special
+    assert detokenize(smollm2_tokenizer, [world], on_stop_token=True)[0] == "hello"
+
+
+def test_min_tokens_keeps_stop_strings_out_of_the_first_tokens(smollm2_tokenizer: Any) -> None:
+    # vLLM's test_min_tokens (facebook/opt-125m there; SmolLM2 splits this text alike)
+    ids = encode(smollm2_tokenizer, "Hello, my name is Lee, and I'm a student in the college")
+    prompt, out_ids = ids[:4], ids[4:]
+    cases = [(0, (" is L", "e")), (5, (" is Lee, and I'm a stud", "e"))]
+    for min_tokens, expected in [*cases, (99, (smollm2_tokenizer.decode(out_ids), None))]:
+        for chunks in ([[i] for i in out_ids], [out_ids], [out_ids[:3], out_ids[3:]]):
+            got = detokenize(smollm2_tokenizer, chunks, prompt, stop=["e"], min_tokens=min_tokens)
+            assert got[:2] == expected
+
+
+def test_min_tokens_counts_hidden_ids(smollm2_tokenizer: Any) -> None:
+    # the tool stream's second detokenisation hides special tokens but counts them
+    ids = encode(smollm2_tokenizer, "<|im_start|>a b")  # <|im_start|> "a" " b"
+    hidden = frozenset({ids[0]})
+    detok = IncrementalDetokenizer(smollm2_tokenizer, [], False, ["a"], False, 2, hidden)
+    assert detok.update(ids).text_delta == "a b" and detok.stopped_on is None
+    detok = IncrementalDetokenizer(smollm2_tokenizer, [], False, ["a"], False, 1, hidden)
+    assert detok.update(ids).text_delta == "" and detok.stopped_on == "a"
+
+
+# vLLM's tests/tokenizers_/test_detokenize.py: its TRUTH texts, with and without a prompt
+VLLM_TRUTH = [
+    "Hello here, this is a simple test",
+    "vLLM is a high-throughput and memory-efficient inference and serving engine for LLMs.",
+    "我很感谢你的热情",
+    "ပုံပြင်လေးပြောပြပါ်",  # Burmese: tokens that end inside a character
+    "URGENCY🌶️",
+    "Some text with adjacent special tokens   <|im_start|><|im_end|>other text<|endoftext|>",
+]
+TOKENIZERS = [
+    "smollm2_tokenizer", "llama3_tokenizer", "minilm_tokenizer", "byte_fallback_tokenizer"
+]
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@pytest.mark.parametrize("truth", VLLM_TRUTH)
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("with_prompt", [True, False])
+def test_vllm_decode_streaming(
+    request: pytest.FixtureRequest, name: str, truth: str, skip: bool, with_prompt: bool
+) -> None:
+    tokenizer = request.getfixturevalue(name)
+    ids = encode(tokenizer, truth)
+    ids = [t for t in (tokenizer.bos_token_id,) if t is not None] + ids
+    ids += [t for t in (tokenizer.eos_token_id,) if t is not None]
+    whole = tokenizer.decode(ids, skip_special_tokens=skip)
+    cut = len(encode(tokenizer, truth[: len(truth) // 2])) + 1 if with_prompt else 0
+    prompt_text = tokenizer.decode(ids[:cut], skip_special_tokens=skip)
+    assert whole.startswith(prompt_text)
+    for chunks in ([[i] for i in ids[cut:]], [ids[cut:]]):
+        out, _, deltas = detokenize(tokenizer, chunks, ids[:cut], skip=skip)
+        assert out == whole[len(prompt_text) :]
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_stop_string_inside_a_byte_fallback_emoji(byte_fallback_tokenizer: Any) -> None:
+    tokenizer = byte_fallback_tokenizer
+    ids = encode(tokenizer, "smile 😀 please 日本")
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    at = tokens.index("<0xF0>")
+    assert tokens[at : at + 4] == ["<0xF0>", "<0x9F>", "<0x98>", "<0x80>"]
+    for stop, text in [("😀", "smile "), (" 😀 p", "smile"), ("本", "smile 😀 please 日")]:
+        for chunks in ([[i] for i in ids], [ids[: at + 2], ids[at + 2 :]], [ids]):
+            for include in (False, True):
+                got = detokenize(tokenizer, chunks, stop=[stop], include=include)
+                assert got[:2] == (text + stop if include else text, stop)
+                assert not any("\ufffd" in d for d in got[2])
+
+
 def test_wordpiece_with_prompt_context(minilm_tokenizer: Any) -> None:
     # WordPiece joins tokens with spaces: the first output token needs the prompt as context.
     prompt = encode(minilm_tokenizer, "the answer is")
@@ -205,6 +291,26 @@ def test_property_random_chunks(
     out, _, deltas = detokenize(smollm2_tokenizer, split(ids, cuts), skip=skip)
     assert out == smollm2_tokenizer.decode(ids, skip_special_tokens=skip)
     assert not any("\ufffd" in d for d in deltas)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(text=texts, stops=stop_lists, include=st.booleans(), data=st.data())
+def test_property_min_tokens_at_every_split(
+    smollm2_tokenizer: Any, text: str, stops: list[str], include: bool, data: st.DataObject
+) -> None:
+    ids = encode(smollm2_tokenizer, text)
+    min_tokens = data.draw(st.integers(0, len(ids)))
+    full = smollm2_tokenizer.decode(ids)
+    # the text of the first min_tokens ids, less a character they leave unfinished
+    quiet = len(smollm2_tokenizer.decode(ids[:min_tokens]).rstrip("\ufffd"))
+    matcher = StopStringMatcher(stops, include)
+    first = matcher.push(full[:quiet], may_stop=False)[0]
+    released, stopped_on = matcher.push(full[quiet:])
+    expected = (first + released + matcher.flush(), stopped_on)
+    for i in range(len(ids) + 1):
+        chunks = [ids[:i], ids[i:]]
+        got = detokenize(smollm2_tokenizer, chunks, (), True, stops, include, min_tokens)
+        assert got[:2] == expected
 
 
 @settings(max_examples=40, deadline=None, database=None)

@@ -109,6 +109,13 @@ def test_logprobs_and_stop_token(client: Client) -> None:
     )
     assert s.finish_reason == "stop" and s.stop == stop_id
     assert s.token_ids == r.token_ids[: first + 1]
+    # the stop token's text is left out unless asked for (vLLM)
+    before = client.detokenize(r.token_ids[:first], skip_special_tokens=True, model="tiny-a")
+    assert s.text == before
+    kw = {"model": "tiny-a", "max_tokens": 5, "temperature": 0, "stop_token_ids": [stop_id]}
+    with_stop = client.generate(PROMPT, include_stop_str_in_output=True, **kw)
+    upto = client.detokenize(r.token_ids[: first + 1], skip_special_tokens=True, model="tiny-a")
+    assert with_stop.text == upto and upto != before
 
 
 def test_tokenize_detokenize_and_chat(client: Client) -> None:

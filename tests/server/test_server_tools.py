@@ -330,6 +330,27 @@ def test_markers_that_are_special_tokens_reach_the_parser() -> None:
     assert stream.num_calls == 1
 
 
+def test_second_detokenisation_hides_the_stop_token_as_the_engines_text_does() -> None:
+    """The stop token id that ended the choice shows no text (vLLM) unless asked for, in
+    the text the markers are read from too."""
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.add_tokens([AddedToken(m, special=True) for m in ("<tool_call>", "</tool_call>")])
+    request = ToolRequest((ToolSpec("f", {"type": "object"}, False, "chat.tools[0]"),), "auto")
+    bang = tokenizer.convert_tokens_to_ids("!")
+    ids = tokenizer.encode('Hi <tool_call>{"name": "f", "arguments": {}}</tool_call>!')
+    assert ids.count(bang) == 1 and ids[-1] == bang
+    for include in (False, True):
+        params = SamplingParams(stop_token_ids=[bang], include_stop_str_in_output=include)
+        reading = tool_output(request, get_parser("hermes"), tokenizer, [1, 2], params)
+        stream, text, calls = reading.stream(), "", list[ToolCallDelta]()
+        for i, token in enumerate(ids):
+            last = i == len(ids) - 1
+            content, new = stream.update("?", [token], last, on_stop_token=last)
+            text, calls = text + content, calls + new
+        assert text.endswith("!") == include
+        assert [(c.name, c.arguments_delta) for c in calls] == [("f", "{}")]
+
+
 def test_server_flags_pick_the_backend_and_the_parser(tools_model: Path) -> None:
     flags = ["serve", "--structured-output-backend", "outlines", "--tool-parser", "mistral"]
     config = server_config(build_parser().parse_args(flags))
