@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,6 +39,10 @@ from mmserve.runner.distributed import Capture, Step
 
 logger = logging.getLogger(__name__)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+# ranks on this host: NCCL's bootstrap sockets (and its socket transport) on the loopback
+# interface, over IPv4 as the store and gloo; by default NCCL listens on the first network
+# interface, reachable from the network
+NCCL_LOOPBACK_ENV = {"NCCL_SOCKET_IFNAME": "=lo", "NCCL_SOCKET_FAMILY": "AF_INET"}
 PLAN_TIMEOUT = datetime.timedelta(days=365)  # followers wait for plans as long as rank 0 idles
 STOP_GRACE_S = 2.0  # a rank gets this long to exit after RankShutdown, then it is killed
 _PR_SET_PDEATHSIG = 1
@@ -59,12 +64,23 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}" if device.startswith("cuda") else device
 
 
+def nccl_env(loopback: bool, environ: Mapping[str, str]) -> dict[str, str]:
+    """The NCCL settings a rank's process needs that `environ` does not set (a value the user
+    set wins). loopback: the ranks share this host, so NCCL binds the loopback interface,
+    unless the user chose an interface (NCCL_SOCKET_IFNAME) or an address (NCCL_COMM_ID)."""
+    wanted = dict(NCCL_ENV)
+    if loopback and not {"NCCL_SOCKET_IFNAME", "NCCL_COMM_ID"} & environ.keys():
+        wanted |= NCCL_LOOPBACK_ENV
+    return {name: value for name, value in wanted.items() if name not in environ}
+
+
 def make_groups(
     store: Any, rank: int, size: int, device: str, timeout: float, loopback: bool = False
 ) -> Groups:
     """Both groups over store (a rendezvous); every rank calls it, and it returns once all have.
     loopback: the ranks share this host (spawned here), so gloo listens on 127.0.0.1 only (by
-    default it binds the address the host name resolves to, reachable from the network)."""
+    default it binds the address the host name resolves to, reachable from the network), and
+    NCCL on the loopback interface (nccl_env)."""
     import torch.distributed as dist
 
     def gloo(prefix: str, limit: datetime.timedelta) -> Any:
@@ -80,9 +96,9 @@ def make_groups(
     if device.startswith("cuda"):
         # read when the NCCL group is made, in every rank's process (rank 0's too): NVLink
         # multicast off, as the GPU hosts need; a failed or timed-out collective raises in
-        # wait() (RankLost) instead of the NCCL watchdog tearing the process down
-        for name, value in NCCL_ENV.items():
-            os.environ.setdefault(name, value)
+        # wait() (RankLost) instead of the NCCL watchdog tearing the process down; NCCL's
+        # sockets on loopback for ranks of this host (read once, at the process's first)
+        os.environ.update(nccl_env(loopback, os.environ))
         torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = limit
@@ -222,8 +238,14 @@ def start_ranks(config: EngineConfig) -> Ranks:
     return Ranks(groups, procs, store)
 
 
+def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment of a spawned rank: `environ` and the NCCL settings of ranks that share
+    this host (see make_groups; a value set in environ wins)."""
+    return {**environ, **nccl_env(True, environ)}
+
+
 def _spawn(rank: int, size: int, port: int, config: bytes) -> subprocess.Popen[bytes]:
-    env = {**NCCL_ENV, **os.environ}  # see make_groups (a value already set wins)
+    env = rank_env(os.environ)
     cmd = [sys.executable, "-m", "mmserve.engine.tp_workers", str(rank), str(size), str(port)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
     assert proc.stdin is not None

@@ -55,8 +55,10 @@ class LLM:
         """Prompts are strings or lists of token ids. One params for all, or one per prompt."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        items = [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompts]
-        encoded = [(text, ids if ids is not None else self.tokenizer.encode(text)) for text, ids in items]
+        encoded = [
+            (p, self.frontend.encode_prompt(p)) if isinstance(p, str) else (None, list(p))
+            for p in prompts
+        ]
         return self._run(encoded, params, use_tqdm, cache_salt)
 
     def chat(
@@ -84,7 +86,7 @@ class LLM:
                 continue_final_message=continue_final_message,
                 template_kwargs=template_kwargs or {}, image_fields=fields,
             )
-            prompt = self.frontend.render_chat(chat, decoded)
+            prompt = self.frontend.render_chat(chat, decoded, self.frontend.prompt_limit())
             encoded.append((prompt.text, prompt.token_ids))
             images.append(prompt.mm_inputs)
         return self._run(encoded, params, use_tqdm, cache_salt, images)

@@ -50,11 +50,13 @@ def render(
     chat: ChatInput,
     decoded: Sequence[DecodedImage] = (),
     time_limit_ms: int | None = None,
+    max_tokens: int | None = None,
 ) -> ChatPrompt:
     """The chat's prompt; `decoded`: its images, in the order of chat.image_fields (None
     images: the model reads none). Blocking (templates, tokenising, image preprocessing): call
     it off the event loop. InvalidArgument names the field; a template still rendering after
-    time_limit_ms (None: no limit) is stopped, and InvalidArgument names "chat"."""
+    time_limit_ms (None: no limit) is stopped, and InvalidArgument names "chat". max_tokens:
+    a rendered text found far past it is not tokenised (TooManyTokens; None: no limit)."""
     if len(decoded) != len(chat.image_fields):
         raise ValueError(f"{len(decoded)} images for {len(chat.image_fields)} image parts")
     if chat.image_fields and images is None:
@@ -68,6 +70,7 @@ def render(
         allow_images=bool(chat.image_fields),
         continue_final_message=chat.continue_final_message,
         time_limit_ms=time_limit_ms,
+        max_tokens=max_tokens,
     )
     if not decoded or images is None:
         return ChatPrompt(text, ids)

@@ -23,6 +23,7 @@ from mmserve.errors import InvalidArgument
 from mmserve.frontend import chat
 from mmserve.frontend.images import ImagePrompts, check_placeholders
 from mmserve.frontend.pooling_inputs import InputEncoder
+from mmserve.frontend.prompts import PromptLimit, encode_prompt
 from mmserve.frontend.reasoning import ReasoningOutput, engine_gate, reasoning_output
 from mmserve.frontend.tool_stream import ToolOutput
 from mmserve.frontend.tools import ToolRequest
@@ -31,6 +32,7 @@ from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams, SamplingParams
 from mmserve.processors.detokenizer import IncrementalDetokenizer
 from mmserve.processors.images import DecodedImage
+from mmserve.processors.long_texts import TooManyTokens
 from mmserve.processors.reasoning_parsers import ReasoningGate
 from mmserve.processors.tokenizer import load_tokenizer
 from mmserve.structured_output.backend import CompiledGrammar, allocate_bitmask
@@ -172,17 +174,46 @@ class FrontEnd:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    # -- chats: prompts and the reading of tool calls -----------------------------------
+    # -- prompts: texts and chats, and the reading of tool calls ------------------------
+
+    def prompt_limit(self, max_prompt_tokens: int | None = None) -> PromptLimit:
+        """The context's limit on a prompt, or a server's max_prompt_tokens where smaller."""
+        return PromptLimit(self.info.max_model_len, max_prompt_tokens)
+
+    def encode_prompt(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        limit: PromptLimit | None = None,
+        field: str = "prompt",
+    ) -> list[int]:
+        """The text's token ids (blocking: off the event loop for long texts). A text far
+        past `limit` (None: the context's) is refused from a head of it, InvalidArgument on
+        field, the rest never tokenised; validate() checks the exact count."""
+        limit = limit or self.prompt_limit()
+        return encode_prompt(self.tokenizer, text, add_special_tokens, limit, field)
 
     def render_chat(
-        self, conversation: chat.ChatInput, images: Sequence[DecodedImage] = ()
+        self,
+        conversation: chat.ChatInput,
+        images: Sequence[DecodedImage] = (),
+        limit: PromptLimit | None = None,
     ) -> chat.ChatPrompt:
         """The chat's prompt text, token ids and images (blocking: off the event loop); its
-        template is stopped after template_timeout_ms (InvalidArgument on "chat")."""
+        template is stopped after template_timeout_ms (InvalidArgument on "chat"). limit: a
+        rendered text far past it is refused (on "chat") before it is tokenised; None: any
+        length (Tokenize)."""
         prompts = self.images if self.info.reads_images else None
-        return chat.render(
-            self.tokenizer, prompts, conversation, images, self.template_timeout_ms
-        )
+        max_tokens = None if limit is None else limit.tokens
+        try:
+            return chat.render(
+                self.tokenizer, prompts, conversation, images, self.template_timeout_ms,
+                max_tokens,
+            )
+        except TooManyTokens as e:  # raised only under a limit
+            if limit is None:
+                raise
+            raise limit.error("chat", e.at_least, at_least=True) from None
 
     def read_tools(
         self,
@@ -239,11 +270,7 @@ class FrontEnd:
         self.check_token_ids(prompt_token_ids, field)
         limit = self.info.max_model_len
         if len(prompt_token_ids) >= limit:
-            raise InvalidArgument(
-                field,
-                f"{len(prompt_token_ids)} tokens leave no room to generate: the limit is "
-                f"{limit} tokens",
-            )
+            raise self.prompt_limit().error(field, len(prompt_token_ids))
         try:
             params.validate()
             params.validate_for_model(self.info.vocab_size, len(prompt_token_ids), limit)

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerFast
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
 from mmserve.processors.content_parts import reads_parts
+from mmserve.processors.long_texts import TooManyTokens, find_long_text
 from mmserve.processors.time_limit import TimeLimitExceeded, call_with_time_limit
 
 P = ParamSpec("P")
@@ -112,6 +113,7 @@ def render_and_tokenize(
     *,
     continue_final_message: bool = False,
     time_limit_ms: int | None = None,
+    max_tokens: int | None = None,
 ) -> tuple[str, list[int]]:
     """Render messages and tokenise the prompt; returns (prompt_text, token_ids).
 
@@ -121,21 +123,36 @@ def render_and_tokenize(
     boundaries; only the template's own control tokens are encoded as such. With
     allow_images, {"type": "image"} parts reach the template, which places the model's image
     token for each (ImagePrompts expands them). continue_final_message and time_limit_ms: as
-    for render_chat (the limit covers rendering and tokenising together).
+    for render_chat (the limit covers rendering and tokenising together). max_tokens: a
+    prompt found far past it from a head of its text is not tokenised (TooManyTokens); None:
+    any length.
     """
     args = _template_args(
         tokenizer, messages, add_generation_prompt, tools, template_kwargs, allow_images,
         continue_final_message,
     )
-    return _bounded(time_limit_ms, _render_and_encode, tokenizer, args, sanitize_control_tokens)
+    return _bounded(
+        time_limit_ms, _render_and_encode, tokenizer, args, sanitize_control_tokens, max_tokens
+    )
 
 
 def _render_and_encode(
-    tokenizer: PreTrainedTokenizerFast, args: dict[str, Any], sanitize_control_tokens: bool
+    tokenizer: PreTrainedTokenizerFast,
+    args: dict[str, Any],
+    sanitize_control_tokens: bool,
+    max_tokens: int | None,
 ) -> tuple[str, list[int]]:
     # Rendered twice when sanitising (transformers marks user strings before rendering);
     # both see the same validated inputs, so they agree (unless the template prints the time).
     text = str(_apply(tokenizer, args, tokenize=False))
+    if max_tokens is not None:
+        # plain tokens of the text: a sanitised control token is as many tokens or more
+        def encode(part: str) -> list[int]:
+            return list(tokenizer.encode(part, add_special_tokens=False))
+
+        long = find_long_text(encode, text, max_tokens)
+        if long is not None:
+            raise TooManyTokens(long.at_least)
     if sanitize_control_tokens:
         ids = _apply(tokenizer, args, tokenize=True, sanitize_control_tokens=True)
     else:

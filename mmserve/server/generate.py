@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from mmserve.errors import EngineDead, InvalidArgument
 from mmserve.frontend.chat import ChatPrompt
 from mmserve.frontend.frontend import GenerateJob, GenerationDelta
+from mmserve.frontend.prompts import PromptLimit
 from mmserve.frontend.reasoning import ChoiceReasoning, ReasoningOutput
 from mmserve.frontend.tool_stream import ChoiceToolStream, ToolOutput
 from mmserve.inputs import MMInput
@@ -55,12 +56,17 @@ async def chat_input(handle: ModelHandle, chat: generate_pb2.Chat) -> convert.Pr
 
 
 async def chat_prompt(
-    handle: ModelHandle, c: convert.ProtoChat, images: ImageInputs | None, namespace: str = ""
+    handle: ModelHandle,
+    c: convert.ProtoChat,
+    images: ImageInputs | None,
+    namespace: str = "",
+    limit: PromptLimit | None = None,
 ) -> ChatPrompt:
     """The chat's images loaded (`namespace`, the cache_salt, scopes their uuids), then
     rendered by the model's front end; templates are arbitrary jinja: always off the loop, on
     the model's own threads. The front end names fields within the chat: here they are
-    named from the request (chat.messages[0].role)."""
+    named from the request (chat.messages[0].role). limit: a prompt found far past it is
+    refused before it is tokenised (None: any length)."""
     decoded: list[DecodedImage] = []
     if c.sources:
         if images is None or not handle.frontend.info.reads_images:
@@ -70,7 +76,7 @@ async def chat_prompt(
             namespace,
         )
     try:
-        return await handle.engine.run(handle.frontend.render_chat, c, decoded)
+        return await handle.engine.run(handle.frontend.render_chat, c, decoded, limit)
     except InvalidArgument as e:
         if e.field == "chat" or e.field.startswith("chat."):
             raise
@@ -82,19 +88,22 @@ async def prompt_ids(
     handle: ModelHandle,
     chat: convert.ProtoChat | None = None,
     images: ImageInputs | None = None,
+    limit: PromptLimit | None = None,
 ) -> tuple[str, list[int], tuple[MMInput, ...]]:
     """(the input field's name, its token ids, its images as MMInputs); `chat`:
-    request.chat, converted already."""
+    request.chat, converted already. A text found far past `limit` (None: the context's)
+    from a part of it is refused without tokenising the rest."""
     kind = request.WhichOneof("input")
+    limit = limit or handle.frontend.prompt_limit()
     if kind == "prompt":
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        encode = handle.tokenizer.encode
+        encode = handle.frontend.encode_prompt
         return kind, await off_loop(
-            handle, len(request.prompt), encode, request.prompt, add_special_tokens=add_special
+            handle, len(request.prompt), encode, request.prompt, add_special, limit
         ), ()
     if kind == "chat":
         c = chat or await chat_input(handle, request.chat)
-        prompt = await chat_prompt(handle, c, images, request.cache_salt)
+        prompt = await chat_prompt(handle, c, images, request.cache_salt, limit)
         return kind, prompt.token_ids, prompt.mm_inputs
     if kind == "token_ids":
         return kind, list(request.token_ids.ids), ()
@@ -126,11 +135,10 @@ async def prepare(
     structured = convert.structured_output(request, config.structured_output_backend)
     params = convert.sampling_params(request.params, config)
     chat = await chat_input(handle, request.chat) if request.WhichOneof("input") == "chat" else None
-    field_name, ids, mm_inputs = await prompt_ids(request, handle, chat, images)
+    limit = handle.frontend.prompt_limit(config.max_prompt_tokens)
+    field_name, ids, mm_inputs = await prompt_ids(request, handle, chat, images, limit)
     if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
-        raise InvalidArgument(
-            field_name, f"{len(ids)} tokens exceed the server limit {config.max_prompt_tokens}"
-        )
+        raise limit.error(field_name, len(ids))
     convert.resolve_max_tokens(params, len(ids), handle.facts.max_context, config.max_tokens)
     params.structured = structured  # validated on its own: its errors name structured.*
     tool_request = chat.tool_request if chat is not None else None

@@ -166,5 +166,19 @@ def test_ranks_listen_on_loopback_only(llama: Path) -> None:
 
     loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
     with LLM(str(llama), dtype="float32", device="cpu", tensor_parallel_size=2):
-        addresses = _listening([os.getpid(), *rank_pids()])
+        ranks = rank_pids()
+        addresses = _listening([os.getpid(), *ranks])
+        environs = [_environ(pid) for pid in ranks]
     assert addresses and set(addresses) <= loopback, addresses
+    # NCCL's bootstrap (on CUDA) binds the loopback interface too, unless the user chose one
+    expected = {"NCCL_SOCKET_IFNAME": "=lo", "NCCL_SOCKET_FAMILY": "AF_INET", "NCCL_NVLS_ENABLE": "0"}
+    expected = {name: os.environ.get(name, value) for name, value in expected.items()}
+    if {"NCCL_SOCKET_IFNAME", "NCCL_COMM_ID"} & os.environ.keys():
+        del expected["NCCL_SOCKET_FAMILY"]
+    assert environs and all(env.items() >= expected.items() for env in environs), environs
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.partition(b"=") for item in f.read().split(b"\0") if item]
+    return {k.decode(): v.decode() for k, _, v in pairs}

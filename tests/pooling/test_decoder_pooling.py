@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from mmserve.entrypoints.llm import LLM
 from mmserve.frontend import pooling as pooling_api
+from mmserve.frontend import pooling_inputs
 from mmserve.frontend.async_frontend import AsyncFrontEnd
 from mmserve.params import SamplingParams
 from tests.pooling.conftest import load_engine
@@ -96,6 +97,22 @@ def test_yes_token_truncation_shortens_the_document_only(tiny_llms: Callable[[st
     assert len(full) == encoder.max_len
     with pytest.raises(ValueError, match=r"^d: .*limit of 256"):
         encoder.encode_yes_no("q", "word " * 300, "none", "q", "d")
+
+
+def test_yes_token_scoring_of_a_long_document_reads_a_part_of_it(
+    tiny_llms: Callable[[str], LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A document far past the limit is refused (none), or truncated (right, left), from the
+    part of it truncation keeps, with the result of tokenising all of it."""
+    encoder = tiny_llms("chat-decoder").frontend.input_encoder
+    document = " ".join(f"word{i % 977}" for i in range(20_000))
+    with pytest.raises(ValueError, match=r"^d: at least \d+ tokens exceed the limit of 256"):
+        encoder.encode_yes_no("q", document, "none", "q", "d")
+    with pytest.raises(ValueError, match=r"^q: too long: the question exceeds the limit 256"):
+        encoder.encode_yes_no(document, "d", "right", "q", "d")
+    got = [encoder.encode_yes_no("q", document, t, "q", "d") for t in ("right", "left")]
+    monkeypatch.setattr(pooling_inputs, "find_long_text", lambda *args, **kwargs: None)
+    assert got == [encoder.encode_yes_no("q", document, t, "q", "d") for t in ("right", "left")]
 
 
 def test_generate_and_embed_concurrently_equal_alone(tiny_models: Callable[[str], Path]) -> None:

@@ -7,6 +7,7 @@ per-item work."""
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,8 @@ from mmserve.frontend.tools import tool_request, tool_spec
 from mmserve.params import MAX_STOP_TOKEN_IDS, SamplingParams
 from mmserve.processors.images import ImageLimits, read_media_file
 from mmserve.server import convert, convert_pooling
-from mmserve_client.v1 import common_pb2, generate_pb2
+from mmserve_client.v1 import common_pb2, generate_pb2, pooling_pb2
+from tests.server.conftest import ServerThread
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 DEEP = 100_000  # brackets: far past Python's recursion limit
@@ -89,6 +91,39 @@ def test_pooling_inputs_past_the_limit_are_refused_before_conversion() -> None:
     bad = [common_pb2.Input()] * 3_000  # the count is refused first, not item 0
     with pytest.raises(InvalidArgument, match="exceed the limit"):
         convert_pooling.pooling_inputs("inputs", bad)
+
+
+def test_texts_far_past_the_context_are_refused_from_a_head(
+    stub: Any, tiny_server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 30 MB prompt was tokenised whole (~40 s of a front-end thread) before it was refused
+    for exceeding the context: now only a head of it is, for a prompt and a chat alike."""
+    tokenizer = tiny_server.handle("tiny-a").tokenizer
+    encode_plus, seen = tokenizer._encode_plus, []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        text = kwargs["text"] if "text" in kwargs else args[0]
+        seen.append(len(text) if isinstance(text, str) else sum(map(len, text)))
+        return encode_plus(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "_encode_plus", counting)
+    text = " ".join(f"word{i % 977}" for i in range(100_000))  # ~900 KB
+    message = _refused(stub, generate_pb2.GenerateRequest(model="tiny-a", prompt=text))
+    assert re.fullmatch(
+        r"prompt: at least \d+ tokens leave no room to generate: the limit is 1024 tokens", message
+    )
+    part = generate_pb2.ContentPart(text=text)
+    chat = generate_pb2.Chat(messages=[generate_pb2.Message(role="user", content=[part])])
+    message = _refused(stub, generate_pb2.GenerateRequest(model="tiny-a", chat=chat))
+    assert re.fullmatch(r"chat: at least \d+ tokens leave no room .* 1024 tokens", message)
+    assert seen and max(seen) < len(text) // 10
+    embed = pooling_pb2.EmbedRequest(model="tiny-a", inputs=[common_pb2.Input(text=text)])
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Embed(embed, timeout=60)
+    assert e.value.code() == INVALID
+    assert re.fullmatch(r"inputs\[0\]: at least \d+ tokens exceed the limit of 1024; .*", e.value.details())
+    embed.truncate = common_pb2.TRUNCATE_RIGHT
+    assert len(stub.Embed(embed, timeout=60).embeddings) == 1
 
 
 @pytest.fixture
