@@ -1,7 +1,8 @@
 """A fake mmserve servicer for the SDK tests: the generated servicer base, echo-like behaviour.
 
 Generate echoes its input one character per chunk (token id = ord). Special prompts: "slow"
-streams forever until the call ends; "fail:<CODE>" aborts with that status; "flaky" answers
+streams forever until the call ends; "fail:<CODE>" aborts with that status; "rich:<CODE>" too,
+with google.rpc details as mmserve sends them (a BadRequest, a RetryInfo); "flaky" answers
 UNAVAILABLE on its first attempt; "midfail" streams one chunk, then fails UNAVAILABLE. The
 pooling RPCs are deterministic functions of their inputs. A `draining` servicer refuses every
 call UNAVAILABLE, as mmserve's admission does while it drains.
@@ -17,6 +18,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from mmserve_client.v1 import (
     common_pb2,
@@ -58,6 +62,8 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         if ":fail:" in key:
             code = grpc.StatusCode[key.rsplit(":", 1)[1]]
             context.abort(code, f"fake failure {code.name}")
+        if ":rich:" in key:
+            context.abort_with_status(rich_status(grpc.StatusCode[key.rsplit(":", 1)[1]]))
 
     def Generate(self, request, context):  # generated (PascalCase) name
         text = _generate_text(request)
@@ -151,6 +157,24 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             vocab_size=256,
         )
         return models_pb2.ListModelsResponse(models=[info])
+
+
+RICH_FIELD, RICH_DELAY_S = "chat.messages[0].role", 1.5  # what rich_status's details say
+
+
+def rich_status(code: grpc.StatusCode) -> grpc.Status:
+    """A status with the details mmserve attaches: a BadRequest naming RICH_FIELD for
+    INVALID_ARGUMENT, a RetryInfo of RICH_DELAY_S for RESOURCE_EXHAUSTED."""
+    detail = any_pb2.Any()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        bad = error_details_pb2.BadRequest.FieldViolation(field=RICH_FIELD, description="bad")
+        detail.Pack(error_details_pb2.BadRequest(field_violations=[bad]))
+    else:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(RICH_DELAY_S * 1e9))
+        detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    message = f"fake rich failure {code.name}"
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
 
 
 def _generate_text(request: generate_pb2.GenerateRequest) -> str:

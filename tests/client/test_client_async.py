@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 import pytest
-from fake_inference import VECTOR, FakeInference
+from fake_inference import RICH_DELAY_S, RICH_FIELD, VECTOR, FakeInference
 
 from mmserve_client import AsyncClient, MMServeError
 
@@ -51,6 +51,13 @@ def test_async_errors_and_retries(target: str, fake: FakeInference) -> None:
             with pytest.raises(MMServeError) as e:
                 await c.generate("fail:RESOURCE_EXHAUSTED")
             assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(MMServeError) as e:
+                await c.embed("rich:INVALID_ARGUMENT")
+            assert e.value.field == RICH_FIELD
+            with pytest.raises(MMServeError) as e:
+                async for _ in c.generate_stream("rich:RESOURCE_EXHAUSTED"):
+                    pass
+            assert e.value.retry_delay == RICH_DELAY_S
             with pytest.raises(MMServeError) as e:
                 async for _ in c.generate_stream("slow", timeout=0.3):
                     pass
