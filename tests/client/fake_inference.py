@@ -81,7 +81,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
 
     def Embed(self, request, context):
         self._begin(context, request, f"Embed:{_input_text(request.inputs[0])}")
-        out = pooling_pb2.EmbedResponse(request_id=request.request_id, model="fake-embed")
+        out = pooling_pb2.EmbedResponse()
         for item in request.inputs:
             vec = (float(len(_input_text(item))), 0.5, -1.0)
             if request.encoding == pooling_pb2.ENCODING_FP32_BYTES:
@@ -90,8 +90,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
                 out.embeddings.add(packed=struct.pack("<3e", *vec))
             else:
                 out.embeddings.add(values=vec)
-        out.usage.prompt_tokens = sum(len(_input_text(i)) for i in request.inputs)
-        return out
+        return _with_details(out, request, sum(len(_input_text(i)) for i in request.inputs))
 
     def Rerank(self, request, context):
         self._begin(context, request, f"Rerank:{request.query}")
@@ -109,7 +108,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         for score, i in scored:
             doc = request.documents[i] if request.return_documents else ""
             out.results.add(index=i, score=score, document=doc)
-        return out
+        return _with_details(out, request, len(request.query) + sum(map(len, request.documents)))
 
     def Classify(self, request, context):
         self._begin(context, request, f"Classify:{_input_text(request.inputs[0])}")
@@ -119,7 +118,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             c = out.results.add(label=best)
             c.scores.add(label=best, score=0.75)
             c.scores.add(label=other, score=0.25)
-        return out
+        return _with_details(out, request, sum(len(_input_text(i)) for i in request.inputs))
 
     def Score(self, request, context):
         self._begin(context, request, f"Score:{_input_text(request.first[0])}")
@@ -127,9 +126,10 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         seconds = [_input_text(i) for i in request.second]
         if len(firsts) == 1:
             firsts = firsts * len(seconds)
-        return pooling_pb2.ScoreResponse(
+        out = pooling_pb2.ScoreResponse(
             scores=[1.0 if a == b else 0.0 for a, b in zip(firsts, seconds)]
         )
+        return _with_details(out, request, sum(map(len, firsts + seconds)))
 
     def Tokenize(self, request, context):
         text = request.text or "".join(p.text for m in request.chat.messages for p in m.content)
@@ -139,6 +139,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             token_ids=[ord(c) for c in text],
             tokens=list(text) if request.return_tokens else [],
             max_context=2048,
+            model="fake-model",
         )
 
     def Detokenize(self, request, context):
@@ -156,7 +157,19 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             score_method=models_pb2.SCORE_METHOD_YES_TOKEN,
             vocab_size=256,
         )
-        return models_pb2.ListModelsResponse(models=[info])
+        return models_pb2.ListModelsResponse(request_id=request.request_id, models=[info])
+
+
+POOLING_MODEL, POOLING_TOTAL_MS = "fake-pooler", 2.5  # what _with_details says
+
+
+def _with_details(out: Any, request: Any, prompt_tokens: int) -> Any:
+    """A pooling response with what mmserve adds: request id, model, usage and timing."""
+    out.request_id = request.request_id or "pool-1"
+    out.model = POOLING_MODEL
+    out.usage.prompt_tokens = prompt_tokens
+    out.timing.total_ms = POOLING_TOTAL_MS
+    return out
 
 
 RICH_FIELD, RICH_DELAY_S = "chat.messages[0].role", 1.5  # what rich_status's details say
