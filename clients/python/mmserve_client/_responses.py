@@ -302,4 +302,4 @@ def load_report(report: load_pb2.WatchLoadResponse) -> LoadReport:
         )
         for m in report.models
     )
-    return LoadReport(models, report.calls_in_flight, report.draining)
+    return LoadReport(models, report.calls_in_flight, report.draining, report.request_id)

@@ -238,10 +238,15 @@ class AsyncClient(ClientBase):
         return str((await self._unary("Detokenize", req, timeout)).text)
 
     async def watch_load(
-        self, *, model: str = "", interval_ms: int = 0, timeout: float | None = None
+        self,
+        *,
+        model: str = "",
+        interval_ms: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
     ) -> AsyncIterator[LoadReport]:
         """Client.watch_load as an async iterator; closing it cancels the call."""
-        call = self._start_watch_load(model, interval_ms, timeout)
+        call = self._start_watch_load(model, interval_ms, timeout, request_id)
         try:
             async for report in call:
                 yield _responses.load_report(report)

@@ -244,12 +244,17 @@ class Client(ClientBase):
         return str(self._unary("Detokenize", req, timeout).text)
 
     def watch_load(
-        self, *, model: str = "", interval_ms: int = 0, timeout: float | None = None
+        self,
+        *,
+        model: str = "",
+        interval_ms: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
     ) -> Iterator[LoadReport]:
         """The server's load per model (only `model`, if given): a report at once, then one
         every `interval_ms` (0: the server's default, 1 s) until the iterator is closed
         (which cancels the call) or `timeout` passes. For routers and load balancers."""
-        call = self._start_watch_load(model, interval_ms, timeout)
+        call = self._start_watch_load(model, interval_ms, timeout, request_id)
         try:
             for report in call:
                 yield _responses.load_report(report)

@@ -302,3 +302,4 @@ class LoadReport:
     models: tuple[ModelLoad, ...]
     calls_in_flight: int  # calls in the server, all models together
     draining: bool  # the server is shutting down: send it nothing new
+    request_id: str = ""  # the watch's (the caller's, or the server's)
