@@ -168,6 +168,8 @@ class LLM:
             (text, self.frontend.validate(
                 ids, p, cache_salt=cache_salt, mm_inputs=mm,
                 field="prompt" if text is not None else "token_ids",
+                # as the server: the budget is enforced, and refused where there is no thought
+                reasoning=self.frontend.read_reasoning(ids, p, field="reasoning_budget"),
             ))
             for (text, ids), p, mm in zip(encoded, per_prompt, images)
         ]

@@ -231,12 +231,16 @@ class FrontEnd:
         )
 
     def read_reasoning(
-        self, prompt_token_ids: list[int], params: SamplingParams, parser_name: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        parser_name: str | None = None,
+        field: str = "params.reasoning_budget",
     ) -> ReasoningOutput | None:
         """How the output's thought is read (frontend/reasoning.py); None: the model does not
-        reason (then a reasoning_budget is InvalidArgument on params.reasoning_budget).
+        reason (then a reasoning_budget is InvalidArgument on `field`).
         parser_name: the operator's --reasoning-parser, over the chat template's."""
-        return reasoning_output(self.tokenizer, prompt_token_ids, params, parser_name)
+        return reasoning_output(self.tokenizer, prompt_token_ids, params, parser_name, field)
 
     # -- validation: every check that needs the model, once ------------------------------
 

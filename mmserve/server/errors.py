@@ -107,18 +107,34 @@ def redact_paths(message: str) -> str:
     return _ABSOLUTE_PATH.sub(hide, message)
 
 
-def rich_status(code: grpc.StatusCode, message: str, retry_after_s: float | None) -> grpc.Status:
+def rich_status(
+    code: grpc.StatusCode,
+    message: str,
+    retry_after_s: float | None,
+    violation: tuple[str, str] | None = None,
+) -> grpc.Status:
     """A status whose trailing metadata carries google.rpc.Status (grpc-status-details-bin),
-    with RetryInfo when the client should come back later."""
-    details = []
+    with RetryInfo when the client should come back later, and a BadRequest naming the field
+    (`violation`: its path, as "params.temperature", and what is wrong with it) so that a
+    client reads the field without parsing the message."""
+    details: list[Message] = []
     if retry_after_s is not None:
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(retry_after_s * 1e9))
-        detail = any_pb2.Any()
-        detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
-        details.append(detail)
-    status = status_pb2.Status(code=code.value[0], message=message, details=details)
+        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+    if violation is not None:
+        field, description = violation
+        bad = error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
+        details.append(error_details_pb2.BadRequest(field_violations=[bad]))
+    packed = [_packed(d) for d in details]
+    status = status_pb2.Status(code=code.value[0], message=message, details=packed)
     return rpc_status.to_status(status)
+
+
+def _packed(detail: Message) -> any_pb2.Any:
+    out = any_pb2.Any()
+    out.Pack(detail)
+    return out
 
 
 def within_limit(response: M, limit: int) -> M:
@@ -133,20 +149,30 @@ def within_limit(response: M, limit: int) -> M:
     return response
 
 
-def bounded(message: str) -> str:
-    """The message, cut to MAX_STATUS_MESSAGE_BYTES (its start names the field)."""
+def bounded(message: str, limit: int = MAX_STATUS_MESSAGE_BYTES) -> str:
+    """The message, cut to `limit` bytes of UTF-8 (its start names the field)."""
     data = message.encode()
-    if len(data) <= MAX_STATUS_MESSAGE_BYTES:
+    if len(data) <= limit:
         return message
-    cut = data[:MAX_STATUS_MESSAGE_BYTES].decode(errors="ignore")
+    cut = data[:limit].decode(errors="ignore")
     return f"{cut}... ({len(data)} bytes in all)"
+
+
+def _violation(exc: BaseException) -> tuple[str, str] | None:
+    """(field, description) of a bad field, cut and redacted as messages are; the two share
+    the status message's byte budget, so the status still fits the clients' metadata limit."""
+    if not isinstance(exc, InvalidArgument):
+        return None
+    half = MAX_STATUS_MESSAGE_BYTES // 2
+    return redact_paths(bounded(exc.field, half)), redact_paths(bounded(exc.message, half))
 
 
 async def abort(
     context: grpc.aio.ServicerContext, exc: BaseException, retry_after_s: float
 ) -> NoReturn:
-    """Ends the call with the status of exc. Unexpected exceptions are logged with their
-    traceback and reach the client without internals."""
+    """Ends the call with the status of exc (an InvalidArgument's field also travels as a
+    google.rpc.BadRequest). Unexpected exceptions are logged with their traceback and reach
+    the client without internals."""
     code = code_of(exc)
     if isinstance(exc, MMServeError):
         message = redact_paths(bounded(str(exc)))  # bounded first: the redaction reads the disk
@@ -154,6 +180,6 @@ async def abort(
         logger.exception("unexpected error in a call", exc_info=exc)
         message = f"internal error ({type(exc).__name__}); see the server log"
     retry = retry_after_s if isinstance(exc, ResourceExhausted) else None
-    status = rich_status(code, bounded(message), retry)
+    status = rich_status(code, bounded(message), retry, _violation(exc))
     await context.abort(status.code, status.details, status.trailing_metadata)
     raise AssertionError("unreachable: context.abort raises")  # for type checkers

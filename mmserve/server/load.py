@@ -31,23 +31,30 @@ def model_load(handle: ModelHandle, admission: Admission) -> load_pb2.ModelLoad:
     )
 
 
-def load_report(handles: list[ModelHandle], admission: Admission) -> load_pb2.WatchLoadResponse:
+def load_report(
+    handles: list[ModelHandle], admission: Admission, request_id: str = ""
+) -> load_pb2.WatchLoadResponse:
     return load_pb2.WatchLoadResponse(
         models=[model_load(h, admission) for h in handles],
         calls_in_flight=admission.in_flight,
         draining=admission.draining,
+        request_id=request_id,
     )
 
 
 async def watch(
-    request: load_pb2.WatchLoadRequest, registry: ModelRegistry, admission: Admission
+    request: load_pb2.WatchLoadRequest,
+    registry: ModelRegistry,
+    admission: Admission,
+    request_id: str = "",
 ) -> AsyncGenerator[load_pb2.WatchLoadResponse, None]:
     """A report now, then one per interval until the client leaves; draining, one last
-    report says so and the stream ends. An unknown model is InvalidArgument (registry)."""
+    report says so and the stream ends. An unknown model is InvalidArgument (registry).
+    request_id: echoed on every report."""
     handles = [registry.get(request.model)] if request.model else list(registry)
     interval = max(request.interval_ms or DEFAULT_INTERVAL_MS, MIN_INTERVAL_MS) / 1000
     while True:
-        report = load_report(handles, admission)
+        report = load_report(handles, admission, request_id)
         yield report
         if report.draining:
             return

@@ -139,8 +139,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[load_pb2.WatchLoadResponse]:
         """Holds no admission slot: a router's long-lived stream never blocks a drain or
         takes a model's place; it ends by itself once the server drains."""
+        rid = calls.current().request_id = _request_id(request)
         try:
-            async with aclosing(load.watch(request, self.registry, self.admission)) as reports:
+            watch = load.watch(request, self.registry, self.admission, rid)
+            async with aclosing(watch) as reports:
                 async for report in reports:
                     yield report
         except Exception as e:  # noqa: BLE001 - the call's error boundary

@@ -1,7 +1,8 @@
 """A fake mmserve servicer for the SDK tests: the generated servicer base, echo-like behaviour.
 
 Generate echoes its input one character per chunk (token id = ord). Special prompts: "slow"
-streams forever until the call ends; "fail:<CODE>" aborts with that status; "flaky" answers
+streams forever until the call ends; "fail:<CODE>" aborts with that status; "rich:<CODE>" too,
+with google.rpc details as mmserve sends them (a BadRequest, a RetryInfo); "flaky" answers
 UNAVAILABLE on its first attempt; "midfail" streams one chunk, then fails UNAVAILABLE. The
 pooling RPCs are deterministic functions of their inputs. A `draining` servicer refuses every
 call UNAVAILABLE, as mmserve's admission does while it drains.
@@ -17,6 +18,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from mmserve_client.v1 import (
     common_pb2,
@@ -58,6 +62,8 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         if ":fail:" in key:
             code = grpc.StatusCode[key.rsplit(":", 1)[1]]
             context.abort(code, f"fake failure {code.name}")
+        if ":rich:" in key:
+            context.abort_with_status(rich_status(grpc.StatusCode[key.rsplit(":", 1)[1]]))
 
     def Generate(self, request, context):  # generated (PascalCase) name
         text = _generate_text(request)
@@ -75,7 +81,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
 
     def Embed(self, request, context):
         self._begin(context, request, f"Embed:{_input_text(request.inputs[0])}")
-        out = pooling_pb2.EmbedResponse(request_id=request.request_id, model="fake-embed")
+        out = pooling_pb2.EmbedResponse()
         for item in request.inputs:
             vec = (float(len(_input_text(item))), 0.5, -1.0)
             if request.encoding == pooling_pb2.ENCODING_FP32_BYTES:
@@ -84,8 +90,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
                 out.embeddings.add(packed=struct.pack("<3e", *vec))
             else:
                 out.embeddings.add(values=vec)
-        out.usage.prompt_tokens = sum(len(_input_text(i)) for i in request.inputs)
-        return out
+        return _with_details(out, request, sum(len(_input_text(i)) for i in request.inputs))
 
     def Rerank(self, request, context):
         self._begin(context, request, f"Rerank:{request.query}")
@@ -103,7 +108,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         for score, i in scored:
             doc = request.documents[i] if request.return_documents else ""
             out.results.add(index=i, score=score, document=doc)
-        return out
+        return _with_details(out, request, len(request.query) + sum(map(len, request.documents)))
 
     def Classify(self, request, context):
         self._begin(context, request, f"Classify:{_input_text(request.inputs[0])}")
@@ -113,7 +118,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             c = out.results.add(label=best)
             c.scores.add(label=best, score=0.75)
             c.scores.add(label=other, score=0.25)
-        return out
+        return _with_details(out, request, sum(len(_input_text(i)) for i in request.inputs))
 
     def Score(self, request, context):
         self._begin(context, request, f"Score:{_input_text(request.first[0])}")
@@ -121,9 +126,10 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
         seconds = [_input_text(i) for i in request.second]
         if len(firsts) == 1:
             firsts = firsts * len(seconds)
-        return pooling_pb2.ScoreResponse(
+        out = pooling_pb2.ScoreResponse(
             scores=[1.0 if a == b else 0.0 for a, b in zip(firsts, seconds)]
         )
+        return _with_details(out, request, sum(map(len, firsts + seconds)))
 
     def Tokenize(self, request, context):
         text = request.text or "".join(p.text for m in request.chat.messages for p in m.content)
@@ -133,6 +139,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             token_ids=[ord(c) for c in text],
             tokens=list(text) if request.return_tokens else [],
             max_context=2048,
+            model="fake-model",
         )
 
     def Detokenize(self, request, context):
@@ -150,7 +157,37 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             score_method=models_pb2.SCORE_METHOD_YES_TOKEN,
             vocab_size=256,
         )
-        return models_pb2.ListModelsResponse(models=[info])
+        return models_pb2.ListModelsResponse(request_id=request.request_id, models=[info])
+
+
+POOLING_MODEL, POOLING_TOTAL_MS = "fake-pooler", 2.5  # what _with_details says
+
+
+def _with_details(out: Any, request: Any, prompt_tokens: int) -> Any:
+    """A pooling response with what mmserve adds: request id, model, usage and timing."""
+    out.request_id = request.request_id or "pool-1"
+    out.model = POOLING_MODEL
+    out.usage.prompt_tokens = prompt_tokens
+    out.timing.total_ms = POOLING_TOTAL_MS
+    return out
+
+
+RICH_FIELD, RICH_DELAY_S = "chat.messages[0].role", 1.5  # what rich_status's details say
+
+
+def rich_status(code: grpc.StatusCode) -> grpc.Status:
+    """A status with the details mmserve attaches: a BadRequest naming RICH_FIELD for
+    INVALID_ARGUMENT, a RetryInfo of RICH_DELAY_S for RESOURCE_EXHAUSTED."""
+    detail = any_pb2.Any()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        bad = error_details_pb2.BadRequest.FieldViolation(field=RICH_FIELD, description="bad")
+        detail.Pack(error_details_pb2.BadRequest(field_violations=[bad]))
+    else:
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(RICH_DELAY_S * 1e9))
+        detail.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    message = f"fake rich failure {code.name}"
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=[detail]))
 
 
 def _generate_text(request: generate_pb2.GenerateRequest) -> str:

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 import pytest
-from fake_inference import VECTOR, FakeInference
+from fake_inference import POOLING_MODEL, RICH_DELAY_S, RICH_FIELD, VECTOR, FakeInference
 
 from mmserve_client import AsyncClient, MMServeError
 
@@ -24,7 +24,9 @@ def test_async_client_end_to_end(target: str, fake: FakeInference) -> None:
             assert list(vec) == pytest.approx(VECTOR)
             assert (await c.rerank("a", ["a", "b"]))[0].index == 0
             assert (await c.classify("tiny"))[0].label == "short"
-            assert await c.score("q", ["q"]) == [1.0]
+            scores = await c.score("q", ["q"])
+            assert scores == [1.0] and (scores.model, scores.request_id) == (POOLING_MODEL, "pool-1")
+            assert (await c.embed(["abc"])).usage is not None
             assert (await c.tokenize("hi")).token_ids == (104, 105)
             assert await c.detokenize([104]) == "h"
             assert (await c.list_models())[0].name == "fake-model"
@@ -51,6 +53,13 @@ def test_async_errors_and_retries(target: str, fake: FakeInference) -> None:
             with pytest.raises(MMServeError) as e:
                 await c.generate("fail:RESOURCE_EXHAUSTED")
             assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(MMServeError) as e:
+                await c.embed("rich:INVALID_ARGUMENT")
+            assert e.value.field == RICH_FIELD
+            with pytest.raises(MMServeError) as e:
+                async for _ in c.generate_stream("rich:RESOURCE_EXHAUSTED"):
+                    pass
+            assert e.value.retry_delay == RICH_DELAY_S
             with pytest.raises(MMServeError) as e:
                 async for _ in c.generate_stream("slow", timeout=0.3):
                     pass

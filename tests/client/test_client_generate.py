@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from fake_inference import FakeInference
+from fake_inference import RICH_DELAY_S, RICH_FIELD, FakeInference
 
 from mmserve_client import Client, GenerateChunk, MMServeError, ToolCall, Usage
 
@@ -82,6 +82,21 @@ def test_server_errors_map_to_mmserve_error(client: Client, code: str) -> None:
     assert e.value.code == grpc.StatusCode[code]
     assert e.value.message == f"fake failure {code}"
     assert str(e.value).startswith(code)
+
+
+def test_error_details_name_the_field_and_the_retry_delay(client: Client) -> None:
+    """The google.rpc details mmserve attaches reach the caller: the bad field (BadRequest)
+    and how long to wait (RetryInfo), on streams and unary calls alike."""
+    with pytest.raises(MMServeError) as e:
+        client.generate("rich:INVALID_ARGUMENT")
+    assert (e.value.field, e.value.retry_delay) == (RICH_FIELD, None)
+    with pytest.raises(MMServeError) as e:
+        client.tokenize("rich:RESOURCE_EXHAUSTED")
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (e.value.field, e.value.retry_delay) == (None, RICH_DELAY_S)
+    with pytest.raises(MMServeError) as e:  # no details: nothing invented
+        client.generate("fail:INVALID_ARGUMENT")
+    assert (e.value.field, e.value.retry_delay) == (None, None)
 
 
 def test_api_key_sent_on_every_call(target: str, fake: FakeInference) -> None:

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from fake_inference import VECTOR, FakeInference
+from fake_inference import POOLING_MODEL, POOLING_TOTAL_MS, VECTOR, FakeInference
 
-from mmserve_client import Client, Image, MMServeError, RerankResult, _responses
+from mmserve_client import (
+    Client,
+    Image,
+    MMServeError,
+    RerankResult,
+    ResultList,
+    Timing,
+    Usage,
+    _responses,
+)
 from mmserve_client.v1 import common_pb2
 
 
@@ -56,6 +65,28 @@ def test_classify_and_score(client: Client) -> None:
     assert [s.label for s in second.scores] == ["long", "short"]
     assert client.score("q", ["q", "d"]) == [1.0, 0.0]
     assert client.score(["a", "b"], ["a", "c"]) == [1.0, 0.0]  # pairwise
+
+
+def test_results_carry_usage_timing_model_and_request_id(client: Client) -> None:
+    """The response fields beside the results reach the caller: each pooling call's list
+    carries them, and still equals the plain list of results."""
+    calls = [
+        (client.embed(["abc", "de"], request_id="r-embed"), 5),
+        (client.rerank("a b", ["a", "c"], request_id="r-rerank"), 5),
+        (client.classify(["tiny"], request_id="r-classify"), 4),
+        (client.score("q", ["q", "d"], request_id="r-score"), 4),
+    ]
+    for results, prompt_tokens in calls:
+        assert isinstance(results, ResultList) and isinstance(results, list)
+        assert results.usage == Usage(prompt_tokens=prompt_tokens)
+        assert results.timing == Timing(total_ms=POOLING_TOTAL_MS)
+        assert results.model == POOLING_MODEL
+        assert results.request_id.startswith("r-")
+    assert client.score("q", ["q", "d"]) == [1.0, 0.0]
+    assert client.score("q", ["q"]).request_id == "pool-1"  # the server's, when none is sent
+    tokens = client.tokenize("hi", request_id="r-tok")
+    assert (tokens.model, tokens.request_id) == ("fake-model", "r-tok")
+    assert client.list_models(request_id="r-list").request_id == "r-list"
 
 
 def test_tokenize_detokenize_list_models(client: Client, fake: FakeInference) -> None:

@@ -9,6 +9,8 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from mmserve_client import Client, MMServeError
 from mmserve_client.v1 import common_pb2, generate_pb2, models_pb2, pooling_pb2
@@ -82,8 +84,33 @@ def test_bad_generate_input_then_next_request(
         list(stub.Generate(request_, timeout=30))
     assert e.value.code() == code
     assert field in e.value.details()
+    violation = field_violation(e.value)  # the field again, for clients not to parse messages
+    assert e.value.details() == f"{violation.field}: {violation.description}"
     ok = list(stub.Generate(_request(**{"params.max_tokens": 2}), timeout=30))
     assert ok[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+
+
+def field_violation(error: grpc.RpcError) -> error_details_pb2.BadRequest.FieldViolation:
+    """The one field violation of an INVALID_ARGUMENT's google.rpc.BadRequest detail."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None, "no google.rpc.Status in the trailers"
+    bad = error_details_pb2.BadRequest()
+    assert [d.Unpack(bad) for d in status.details] == [True]
+    (violation,) = bad.field_violations
+    return violation
+
+
+def test_the_sdk_names_the_bad_field(tiny_server: ServerThread) -> None:
+    with Client(tiny_server.target, timeout=30) as c:
+        with pytest.raises(MMServeError) as e:
+            c.generate("Hello", model="tiny-b", temperature=-1.0)
+        assert (e.value.field, e.value.retry_delay) == ("params.temperature", None)
+        with pytest.raises(MMServeError) as e:
+            c.chat([{"role": "robot", "content": "hi"}], model="tiny-b")
+        assert e.value.field == "chat.messages[0].role"
+        with pytest.raises(MMServeError) as e:
+            c.embed("x", model="tiny-b", dimensions=0)
+        assert e.value.field == "dimensions"
 
 
 @pytest.mark.parametrize("name", ["x" * 10_000, "é" * 3000])
@@ -100,6 +127,8 @@ def test_long_values_quoted_in_messages_keep_the_code(stub: Any, name: str) -> N
         details = e.value.details()
         assert details.startswith("model: unknown model") and details.endswith("bytes in all)")
         assert len(details.encode()) < 1100
+        violation = field_violation(e.value)  # cut too: with the message, within the limit
+        assert violation.field == "model" and len(violation.description.encode()) < 600
 
 
 def test_pooling_routing_on_decoders(stub: Any) -> None:

@@ -119,8 +119,9 @@ def test_logprobs_and_stop_token(client: Client) -> None:
 
 
 def test_tokenize_detokenize_and_chat(client: Client) -> None:
-    tok = client.tokenize(PROMPT, model="tiny-b", return_tokens=True)
+    tok = client.tokenize(PROMPT, model="tiny-b", return_tokens=True, request_id="t-1")
     assert len(tok.tokens) == len(tok.token_ids) and tok.max_context == 256
+    assert (tok.model, tok.request_id) == ("tiny-b", "t-1")
     assert client.detokenize(list(tok.token_ids), model="tiny-b") == PROMPT
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     chat_ids = client.tokenize(messages, model="tiny-b").token_ids
@@ -131,6 +132,15 @@ def test_tokenize_detokenize_and_chat(client: Client) -> None:
     with pytest.raises(MMServeError) as e:
         client.detokenize([100_000], model="tiny-b")
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in e.value.message
+
+
+def test_sdk_keeps_the_details_of_pooling_responses(client: Client) -> None:
+    """Usage, timing, model and request id of an Embed reach the SDK's caller."""
+    vectors = client.embed([PROMPT, "Hi"], model="tiny-a", request_id="e-1")
+    ids = [client.tokenize(t, model="tiny-a").token_ids for t in (PROMPT, "Hi")]
+    assert vectors.usage is not None and vectors.usage.prompt_tokens == sum(map(len, ids))
+    assert vectors.timing is not None and vectors.timing.total_ms > 0
+    assert (vectors.model, vectors.request_id) == ("tiny-a", "e-1")
 
 
 def test_health_per_model_and_overall(tiny_server: ServerThread) -> None:

@@ -185,10 +185,15 @@ def test_watch_load_unknown_model(server: ServerThread) -> None:
 
 def test_sdk_watch_load(server: ServerThread) -> None:
     with Client(server.target, timeout=60) as c:
-        reports = c.watch_load(interval_ms=100)
-        first = next(reports)
+        reports = c.watch_load(interval_ms=100, request_id="w-1")
+        first, second = next(reports), next(reports)
         reports.close()
+        anonymous = c.watch_load()
+        generated = next(anonymous).request_id
+        anonymous.close()
     assert first.models[0].model == "tiny-a" and first.models[0].total_blocks == 640
+    assert first.request_id == second.request_id == "w-1"  # echoed on every report
+    assert generated and generated != "w-1"
 
 
 def test_access_log_formats(caplog: pytest.LogCaptureFixture) -> None:

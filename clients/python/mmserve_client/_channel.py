@@ -189,10 +189,14 @@ class ClientBase:
             "metadata": self._metadata,
         }
 
-    def _start_watch_load(self, model: str, interval_ms: int, timeout: float | None) -> Any:
+    def _start_watch_load(
+        self, model: str, interval_ms: int, timeout: float | None, request_id: str = ""
+    ) -> Any:
         """Starts a WatchLoad call; it runs until cancelled or `timeout` (the client's own
         timeout does not apply: the stream is meant to last)."""
-        request = load_pb2.WatchLoadRequest(model=model, interval_ms=interval_ms)
+        request = load_pb2.WatchLoadRequest(
+            model=model, interval_ms=interval_ms, request_id=request_id
+        )
         return self._stub.WatchLoad(request, timeout=timeout, metadata=self._metadata)
 
     def _start_generate(self, source: Any, n: int | None, kw: GenerateKwargs) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 from mmserve_client.types import (
     Classification,
@@ -18,6 +18,7 @@ from mmserve_client.types import (
     ModelLoad,
     RelaxedKeyword,
     RerankResult,
+    ResultList,
     ScoreMethod,
     Task,
     Timing,
@@ -36,6 +37,8 @@ from mmserve_client.v1 import (
     pooling_pb2,
     tokenize_pb2,
 )
+
+T = TypeVar("T")
 
 try:
     import numpy as np
@@ -199,10 +202,25 @@ class Collector:
         )
 
 
-def vectors(resp: pooling_pb2.EmbedResponse, encoding: int) -> list[Any]:
+PoolingResponse: TypeAlias = (
+    pooling_pb2.EmbedResponse
+    | pooling_pb2.RerankResponse
+    | pooling_pb2.ClassifyResponse
+    | pooling_pb2.ScoreResponse
+)
+
+
+def _listed(items: Iterable[T], resp: PoolingResponse) -> ResultList[T]:
+    """items with the response's usage, timing, model and request id."""
+    return ResultList(
+        items, usage=usage(resp), timing=timing(resp), model=resp.model, request_id=resp.request_id
+    )
+
+
+def vectors(resp: pooling_pb2.EmbedResponse, encoding: int) -> ResultList[Any]:
     """The embeddings in input order: float32 numpy arrays when numpy is installed (fp16 is
     widened), else lists of floats. Packed bytes are little-endian per the request's encoding."""
-    return [_vector(e, encoding) for e in resp.embeddings]
+    return _listed((_vector(e, encoding) for e in resp.embeddings), resp)
 
 
 def _vector(e: pooling_pb2.Embedding, encoding: int) -> Any:
@@ -217,22 +235,37 @@ def _vector(e: pooling_pb2.Embedding, encoding: int) -> Any:
     return list(struct.unpack(f"<{len(e.packed) // width}{fmt}", e.packed))
 
 
-def rerank_results(resp: pooling_pb2.RerankResponse) -> list[RerankResult]:
+def rerank_results(resp: pooling_pb2.RerankResponse) -> ResultList[RerankResult]:
     """Ranked documents, highest score first (the server's order)."""
-    return [RerankResult(r.index, r.score, r.document or None) for r in resp.results]
+    return _listed((RerankResult(r.index, r.score, r.document or None) for r in resp.results), resp)
 
 
-def classifications(resp: pooling_pb2.ClassifyResponse) -> list[Classification]:
+def classifications(resp: pooling_pb2.ClassifyResponse) -> ResultList[Classification]:
     """One Classification per input, in input order."""
-    return [
-        Classification(c.label, tuple(LabelScore(s.label, s.score) for s in c.scores))
-        for c in resp.results
-    ]
+    return _listed(
+        (
+            Classification(c.label, tuple(LabelScore(s.label, s.score) for s in c.scores))
+            for c in resp.results
+        ),
+        resp,
+    )
+
+
+def scores(resp: pooling_pb2.ScoreResponse) -> ResultList[float]:
+    """One score per item of `second`, in order."""
+    return _listed(resp.scores, resp)
 
 
 def tokenize_result(resp: tokenize_pb2.TokenizeResponse) -> TokenizeResult:
     """Token ids (and strings, when asked for) of a TokenizeResponse."""
-    return TokenizeResult(tuple(resp.token_ids), tuple(resp.tokens), resp.max_context)
+    return TokenizeResult(
+        tuple(resp.token_ids), tuple(resp.tokens), resp.max_context, resp.model, resp.request_id
+    )
+
+
+def model_list(resp: models_pb2.ListModelsResponse) -> ResultList[ModelInfo]:
+    """The hosted models, with the response's request id."""
+    return ResultList(model_infos(resp.models), request_id=resp.request_id)
 
 
 def model_infos(models: Sequence[models_pb2.ModelInfo]) -> list[ModelInfo]:
@@ -269,4 +302,4 @@ def load_report(report: load_pb2.WatchLoadResponse) -> LoadReport:
         )
         for m in report.models
     )
-    return LoadReport(models, report.calls_in_flight, report.draining)
+    return LoadReport(models, report.calls_in_flight, report.draining, report.request_id)

@@ -24,6 +24,7 @@ from mmserve_client.types import (
     LoadReport,
     ModelInfo,
     RerankResult,
+    ResultList,
     TokenizeResult,
     Truncate,
 )
@@ -141,13 +142,14 @@ class AsyncClient(ClientBase):
         request_id: str = "",
         timeout: float | None = None,
         prompt_name: str | None = None,
-    ) -> list[Any]:
+    ) -> ResultList[Any]:
         """One vector per input (text, image bytes / Image, or token ids), in input order:
         float32 numpy arrays when numpy is installed, else lists of floats. normalize
         (default true) and dimensions (Matryoshka) are applied by the server; `encoding` is
         the wire format ("fp32" packed, "fp16" packed, "float" repeated). prompt_name: one
         of the model's sentence-transformers prompts (e.g. "query") before each text; None:
-        the model's default prompt, if any; "": none."""
+        the model's default prompt, if any; "": none. The list carries the call's usage,
+        timing, model and request_id (ResultList), as rerank, classify and score do."""
         req = _requests.embed_request(
             inputs, normalize, dimensions, truncate, encoding, model, request_id, prompt_name
         )
@@ -164,7 +166,7 @@ class AsyncClient(ClientBase):
         model: str = "",
         request_id: str = "",
         timeout: float | None = None,
-    ) -> list[RerankResult]:
+    ) -> ResultList[RerankResult]:
         """Documents ranked by relevance to `query`, highest first (the best top_n, if set)."""
         req = _requests.rerank_request(
             query, documents, top_n, return_documents, truncate, model, request_id
@@ -179,7 +181,7 @@ class AsyncClient(ClientBase):
         model: str = "",
         request_id: str = "",
         timeout: float | None = None,
-    ) -> list[Classification]:
+    ) -> ResultList[Classification]:
         """Label probabilities of each input, in input order."""
         req = _requests.classify_request(inputs, truncate, model, request_id)
         return _responses.classifications(await self._unary("Classify", req, timeout))
@@ -193,10 +195,10 @@ class AsyncClient(ClientBase):
         model: str = "",
         request_id: str = "",
         timeout: float | None = None,
-    ) -> list[float]:
+    ) -> ResultList[float]:
         """One score per item of `second`: against `first` if it is one input, else pairwise."""
         req = _requests.score_request(first, second, truncate, model, request_id)
-        return list((await self._unary("Score", req, timeout)).scores)
+        return _responses.scores(await self._unary("Score", req, timeout))
 
     async def tokenize(
         self,
@@ -236,10 +238,15 @@ class AsyncClient(ClientBase):
         return str((await self._unary("Detokenize", req, timeout)).text)
 
     async def watch_load(
-        self, *, model: str = "", interval_ms: int = 0, timeout: float | None = None
+        self,
+        *,
+        model: str = "",
+        interval_ms: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
     ) -> AsyncIterator[LoadReport]:
         """Client.watch_load as an async iterator; closing it cancels the call."""
-        call = self._start_watch_load(model, interval_ms, timeout)
+        call = self._start_watch_load(model, interval_ms, timeout, request_id)
         try:
             async for report in call:
                 yield _responses.load_report(report)
@@ -249,8 +256,8 @@ class AsyncClient(ClientBase):
             call.cancel()
 
     async def list_models(
-        self, *, model: str = "", timeout: float | None = None
-    ) -> list[ModelInfo]:
+        self, *, model: str = "", request_id: str = "", timeout: float | None = None
+    ) -> ResultList[ModelInfo]:
         """The hosted models (only `model`, if given) and what each can do."""
-        req = models_pb2.ListModelsRequest(model=model)
-        return _responses.model_infos((await self._unary("ListModels", req, timeout)).models)
+        req = models_pb2.ListModelsRequest(model=model, request_id=request_id)
+        return _responses.model_list(await self._unary("ListModels", req, timeout))

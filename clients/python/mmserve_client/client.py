@@ -22,6 +22,7 @@ from mmserve_client.types import (
     LoadReport,
     ModelInfo,
     RerankResult,
+    ResultList,
     TokenizeResult,
     Truncate,
 )
@@ -147,13 +148,14 @@ class Client(ClientBase):
         request_id: str = "",
         timeout: float | None = None,
         prompt_name: str | None = None,
-    ) -> list[Any]:
+    ) -> ResultList[Any]:
         """One vector per input (text, image bytes / Image, or token ids), in input order:
         float32 numpy arrays when numpy is installed, else lists of floats. normalize
         (default true) and dimensions (Matryoshka) are applied by the server; `encoding` is
         the wire format ("fp32" packed, "fp16" packed, "float" repeated). prompt_name: one
         of the model's sentence-transformers prompts (e.g. "query") before each text; None:
-        the model's default prompt, if any; "": none."""
+        the model's default prompt, if any; "": none. The list carries the call's usage,
+        timing, model and request_id (ResultList), as rerank, classify and score do."""
         req = _requests.embed_request(
             inputs, normalize, dimensions, truncate, encoding, model, request_id, prompt_name
         )
@@ -170,7 +172,7 @@ class Client(ClientBase):
         model: str = "",
         request_id: str = "",
         timeout: float | None = None,
-    ) -> list[RerankResult]:
+    ) -> ResultList[RerankResult]:
         """Documents ranked by relevance to `query`, highest first (the best top_n, if set)."""
         req = _requests.rerank_request(
             query, documents, top_n, return_documents, truncate, model, request_id
@@ -185,7 +187,7 @@ class Client(ClientBase):
         model: str = "",
         request_id: str = "",
         timeout: float | None = None,
-    ) -> list[Classification]:
+    ) -> ResultList[Classification]:
         """Label probabilities of each input, in input order."""
         req = _requests.classify_request(inputs, truncate, model, request_id)
         return _responses.classifications(self._unary("Classify", req, timeout))
@@ -199,10 +201,10 @@ class Client(ClientBase):
         model: str = "",
         request_id: str = "",
         timeout: float | None = None,
-    ) -> list[float]:
+    ) -> ResultList[float]:
         """One score per item of `second`: against `first` if it is one input, else pairwise."""
         req = _requests.score_request(first, second, truncate, model, request_id)
-        return list(self._unary("Score", req, timeout).scores)
+        return _responses.scores(self._unary("Score", req, timeout))
 
     def tokenize(
         self,
@@ -242,12 +244,17 @@ class Client(ClientBase):
         return str(self._unary("Detokenize", req, timeout).text)
 
     def watch_load(
-        self, *, model: str = "", interval_ms: int = 0, timeout: float | None = None
+        self,
+        *,
+        model: str = "",
+        interval_ms: int = 0,
+        request_id: str = "",
+        timeout: float | None = None,
     ) -> Iterator[LoadReport]:
         """The server's load per model (only `model`, if given): a report at once, then one
         every `interval_ms` (0: the server's default, 1 s) until the iterator is closed
         (which cancels the call) or `timeout` passes. For routers and load balancers."""
-        call = self._start_watch_load(model, interval_ms, timeout)
+        call = self._start_watch_load(model, interval_ms, timeout, request_id)
         try:
             for report in call:
                 yield _responses.load_report(report)
@@ -256,7 +263,9 @@ class Client(ClientBase):
         finally:
             call.cancel()
 
-    def list_models(self, *, model: str = "", timeout: float | None = None) -> list[ModelInfo]:
+    def list_models(
+        self, *, model: str = "", request_id: str = "", timeout: float | None = None
+    ) -> ResultList[ModelInfo]:
         """The hosted models (only `model`, if given) and what each can do."""
-        req = models_pb2.ListModelsRequest(model=model)
-        return _responses.model_infos(self._unary("ListModels", req, timeout).models)
+        req = models_pb2.ListModelsRequest(model=model, request_id=request_id)
+        return _responses.model_list(self._unary("ListModels", req, timeout))

@@ -6,9 +6,10 @@ import io
 import json
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
 if TYPE_CHECKING:  # PIL is optional: imported only by callers that pass PIL images
     import PIL.Image
@@ -101,6 +102,31 @@ class Timing:
     queue_ms: float = 0.0  # waiting for admission
     first_token_ms: float = 0.0  # until the first token (Generate) or the result (pooling)
     total_ms: float = 0.0  # until the request finished
+
+
+T = TypeVar("T")
+
+
+class ResultList(list[T]):
+    """The results of one call, in order (a plain list: indexing, len, ==, iteration), with
+    what the response said about the call: token `usage` and server `timing` (None when the
+    server sent none), the `model` that served it and its `request_id` (the caller's, or the
+    one the server made)."""
+
+    def __init__(
+        self,
+        items: Iterable[T] = (),
+        *,
+        usage: Usage | None = None,
+        timing: Timing | None = None,
+        model: str = "",
+        request_id: str = "",
+    ) -> None:
+        super().__init__(items)
+        self.usage = usage
+        self.timing = timing
+        self.model = model
+        self.request_id = request_id
 
 
 @dataclass(frozen=True)
@@ -228,6 +254,8 @@ class TokenizeResult:
     token_ids: tuple[int, ...]
     tokens: tuple[str, ...] = ()  # vocabulary strings, when return_tokens=True
     max_context: int = 0  # the model's context window
+    model: str = ""  # the model whose tokenizer was used
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -274,3 +302,4 @@ class LoadReport:
     models: tuple[ModelLoad, ...]
     calls_in_flight: int  # calls in the server, all models together
     draining: bool  # the server is shutting down: send it nothing new
+    request_id: str = ""  # the watch's (the caller's, or the server's)

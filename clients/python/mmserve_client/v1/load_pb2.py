@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15mmserve/v1/load.proto\x12\nmmserve.v1\"6\n\x10WatchLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0binterval_ms\x18\x02 \x01(\r\"\xd6\x01\n\tModelLoad\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\r\x12\x17\n\x0fprefix_hit_rate\x18\x07 \x01(\x02\x12\x18\n\x10tokens_in_flight\x18\x08 \x01(\x04\x12\x17\n\x0f\x63\x61lls_in_flight\x18\t \x01(\r\x12\x0f\n\x07serving\x18\n \x01(\x08\"e\n\x11WatchLoadResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.mmserve.v1.ModelLoad\x12\x17\n\x0f\x63\x61lls_in_flight\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15mmserve/v1/load.proto\x12\nmmserve.v1\"J\n\x10WatchLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0binterval_ms\x18\x02 \x01(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xd6\x01\n\tModelLoad\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\r\x12\x17\n\x0fprefix_hit_rate\x18\x07 \x01(\x02\x12\x18\n\x10tokens_in_flight\x18\x08 \x01(\x04\x12\x17\n\x0f\x63\x61lls_in_flight\x18\t \x01(\r\x12\x0f\n\x07serving\x18\n \x01(\x08\"y\n\x11WatchLoadResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.mmserve.v1.ModelLoad\x12\x17\n\x0f\x63\x61lls_in_flight\x18\x02 \x01(\r\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x12\n\nrequest_id\x18\x04 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mmserve.v1.load_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WATCHLOADREQUEST']._serialized_start=37
-  _globals['_WATCHLOADREQUEST']._serialized_end=91
-  _globals['_MODELLOAD']._serialized_start=94
-  _globals['_MODELLOAD']._serialized_end=308
-  _globals['_WATCHLOADRESPONSE']._serialized_start=310
-  _globals['_WATCHLOADRESPONSE']._serialized_end=411
+  _globals['_WATCHLOADREQUEST']._serialized_end=111
+  _globals['_MODELLOAD']._serialized_start=114
+  _globals['_MODELLOAD']._serialized_end=328
+  _globals['_WATCHLOADRESPONSE']._serialized_start=330
+  _globals['_WATCHLOADRESPONSE']._serialized_end=451
 # @@protoc_insertion_point(module_scope)

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WatchLoadRequest(_message.Message):
-    __slots__ = ("model", "interval_ms")
+    __slots__ = ("model", "interval_ms", "request_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     interval_ms: int
-    def __init__(self, model: _Optional[str] = ..., interval_ms: _Optional[int] = ...) -> None: ...
+    request_id: str
+    def __init__(self, model: _Optional[str] = ..., interval_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ModelLoad(_message.Message):
     __slots__ = ("model", "running", "waiting", "kv_usage", "free_blocks", "total_blocks", "prefix_hit_rate", "tokens_in_flight", "calls_in_flight", "serving")
@@ -39,11 +41,13 @@ class ModelLoad(_message.Message):
     def __init__(self, model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., tokens_in_flight: _Optional[int] = ..., calls_in_flight: _Optional[int] = ..., serving: _Optional[bool] = ...) -> None: ...
 
 class WatchLoadResponse(_message.Message):
-    __slots__ = ("models", "calls_in_flight", "draining")
+    __slots__ = ("models", "calls_in_flight", "draining", "request_id")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     CALLS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelLoad]
     calls_in_flight: int
     draining: bool
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelLoad, _Mapping]]] = ..., calls_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelLoad, _Mapping]]] = ..., calls_in_flight: _Optional[int] = ..., draining: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
