@@ -9,6 +9,8 @@ from mmserve.errors import InvalidArgument
 from mmserve.structured_output.params import StructuredOutputParams
 
 MAX_N = 16  # cap on choices per request
+# temperatures below this are greedy (as vLLM takes them): 1 / 1e-300 overflows float32 logits
+SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # cap on top-k logprobs per token
 MAX_STOP_STRINGS = 16
 # the scheduler looks each sampled token up in this list, every step: millions of (repeated)
@@ -48,7 +50,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Picks the most likely token: temperature 0 (or below SAMPLING_EPS, where dividing
+        the logits by it would overflow) or top_k 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def validate(self) -> None:
         """Checks that need no model (`structured` checks itself: its errors name

@@ -235,7 +235,7 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     top-k), and of those the tokens of at least min_p times the most likely one's
     probability (the most likely always survives)."""
     dtype, device = logits.dtype, logits.device
-    temps = _to(device, [r.params.temperature or 1.0 for r in rows], dtype)
+    temps = _to(device, [1.0 if r.params.greedy else r.params.temperature for r in rows], dtype)
     logits = logits / temps.unsqueeze(1)
     vocab = logits.shape[1]
     filtering = [i for i, r in enumerate(rows) if _filters(r.params, vocab)]

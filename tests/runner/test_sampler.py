@@ -32,6 +32,17 @@ def test_greedy_and_top_k_1() -> None:
     assert len(draw(LOGITS, temperature=1.0)) > 3  # sanity: sampling does spread
 
 
+def test_temperatures_too_small_to_divide_by_are_greedy() -> None:
+    # 1 / 1e-300 is inf in float32: the logits became nan and token 0 came out every time
+    for t in (1e-300, 5e-324, 1e-6):
+        assert set(draw(LOGITS[::-1], temperature=t)) == {len(LOGITS) - 1}, t
+    # beside sampled rows, which keep their distribution
+    g = torch.Generator().manual_seed(1)
+    rows = [row(temperature=1e-300), row(temperature=1.0)] * 200
+    tokens, _ = sample(torch.tensor([LOGITS[::-1]] * 400), rows, g)
+    assert set(tokens[::2]) == {len(LOGITS) - 1} and len(set(tokens[1::2])) > 3
+
+
 def test_temperature() -> None:
     cold = draw(LOGITS, temperature=0.05)
     hot = draw(LOGITS, temperature=5.0)
