@@ -409,7 +409,7 @@ def gguf_gemm_rows(
     num_stages: int | None = None, dp4a: bool | None = None, prequant: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M <= MAX_ROWS, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
-    transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
+    (Q6_K: or its planes, gguf_planes) transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
     >= 16 (default BLOCK_N; DP4A_ROWS_BLOCK_N for DP4A with several rows). A grid of too few
     output tiles for about programs_per_sm (default PROGRAMS_PER_SM) programs on every SM
     splits K in whole steps, as the w4a16 kernel does
