@@ -14,6 +14,8 @@ channels, warps and where the activations are quantised, and for Q4_K and Q5_K a
     python scripts/bench_gguf.py  (BENCH_GGUF_QUICK=1: the K-quants only, at 1, 4 and 16 rows, the
     LOWP forms also at 2 and 4 pipeline stages; the sweep of the LOWP forms only, over channels,
     programs and pipeline stages)
+    BENCH_GGUF_Q6K=1 python scripts/bench_gguf.py  (Q6_K alone at the Q4_K_M 8B file's Q6_K shapes,
+    1 and 2 rows: the file's blocks against planes, gguf_gemm.Q6K_ALIGNED; a minute or two)
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ import triton
 from mmserve.kernels import gguf_gemm
 from mmserve.kernels.gguf_blocks import FORMATS, LOWP_TYPES, gguf_dequantize
 from mmserve.kernels.gguf_gemm import gguf_gemm_rows
+from mmserve.kernels.gguf_planes import q6k_planes
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 L2_OVERFLOW = 160e6  # bytes cycled through per timed call (the H200's L2: 50 MB)
 QUICK = os.environ.get("BENCH_GGUF_QUICK") == "1"
+Q6K_ONLY = os.environ.get("BENCH_GGUF_Q6K") == "1"
+Q6K_SHAPES = [(1024, 4096), (4096, 14336), (128256, 4096)]  # Q4_K_M 8B's Q6_K: half the ffn_down, attn_v, the LM head
 ROWS = (1, 4, 16) if QUICK else (1, 4, 16, 32, 64)
 ROWS_CHECKED = (1, 16) if QUICK else (1, 16, 64)
 TYPES_CHECKED = ("Q4_K", "Q5_K", "Q6_K") if QUICK else ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_1")
@@ -182,8 +187,44 @@ def _shape(n: int, k: int, qtype: str) -> None:
                               "gbs": round(nbytes / us / 1e3)}), flush=True)  # fmt: skip
 
 
+def _q6k_planes_shape(n: int, k: int) -> None:
+    """Q6_K at 1 and 2 rows, the file's blocks against planes (q6k_planes): LOWP (the default), the
+    dp4a kernel over channels and warps, bf16; at one row first checked against its reference."""
+    nbytes = n * (k // 256) * 210
+    copies = max(2, int(L2_OVERFLOW // nbytes) + 1)
+    blocks = _blocks("Q6_K", n, k, copies)
+    planes = [q6k_planes(b) for b in blocks]
+    dense_copies = max(2, int(L2_OVERFLOW // (n * k * 2)) + 1)
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(dense_copies)]
+    if n * k <= 4096 * 14336:  # (the reference dequantises on the CPU: not the LM head)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        out = gguf_gemm_rows(x, planes[0], "Q6_K", dp4a=True).float()
+        ref = gguf_gemm.gguf_matmul_dp4a_ref(x, blocks[0], "Q6_K")
+        same = ((out - ref).abs().max() / ref.abs().max()).item()
+        print(json.dumps({"check": "Q6_K planes dp4a", "n": n, "k": k, "max_err_to_its_ref": same}), flush=True)
+        assert same < 1e-2, same
+    for rows in (1, 2):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        line: dict[str, object] = {"qtype": "Q6_K", "n": n, "k": k, "rows": rows}
+        for name, ws in (("blocks", blocks), ("planes", planes)):
+            us = _time(lambda i, x=x, ws=ws: gguf_gemm_rows(x, ws[i], "Q6_K", dp4a=False), copies)
+            line[f"{name}_lowp_us"], line[f"{name}_lowp_gbs"] = round(us, 1), round(nbytes / us / 1e3)
+            for block_n, warps in ((64, 4), (128, 4), (128, 8), (256, 8)) if rows == 1 else ():
+                us = _time(lambda i, x=x, ws=ws, b=block_n, w=warps: gguf_gemm_rows(
+                    x, ws[i], "Q6_K", b, num_warps=w, dp4a=True), copies)  # fmt: skip
+                line[f"{name}_dp4a_{block_n}x{warps}_us"] = round(us, 1)
+                line[f"{name}_dp4a_{block_n}x{warps}_gbs"] = round(nbytes / us / 1e3)
+        bf16 = _time(lambda i, x=x: torch.matmul(x, weights[i].t()), dense_copies)
+        line["bf16_us"] = round(bf16, 1)
+        print(json.dumps(line), flush=True)
+
+
 def main() -> None:
     torch.manual_seed(0)
+    if Q6K_ONLY:
+        for n, k in Q6K_SHAPES:
+            _q6k_planes_shape(n, k)
+        return
     defaults = {name: getattr(gguf_gemm, name)
                 for name in ("FACTORED", "GEMV", "LOWP", "LOWP_WORDS", "MAX_ROWS", "DP4A", "NUM_STAGES")}  # fmt: skip
     gguf_gemm.MAX_ROWS = 64  # the few-rows kernel timed past its cut too

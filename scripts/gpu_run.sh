@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick w4a16 serial gcab embedhost (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial gcab embedhost (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -110,6 +110,19 @@ fi
 if has ggufquick; then
   # bench_gguf's quick mode: its checks, the GGUF forms at 1, 4 and 16 rows, DP4A's forms (at most 7.5 minutes)
   BENCH_GGUF_QUICK=1 timeout 450 python3 scripts/bench_gguf.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/ggufquick.txt"
+fi
+if has q6k; then
+  # Q6_K in planes (gguf_gemm.Q6K_ALIGNED; issue 19): its tests in bf16 on the device, its products
+  # at 1 and 2 rows (bench_gguf's Q6_K mode: blocks against planes, the Q4_K_M 8B file's Q6_K
+  # shapes), then the Q4_K_M 8B decode with the switch off (the default) and on (about 8 minutes)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gguf_q6k_planes.py tests/kernels/test_gguf_gemm.py \
+    tests/gpu/test_gpu_gguf.py -k "q6k or Q6_K" 2>&1 | tail -8 | tee "$OUT/q6k-tests.txt"
+  { BENCH_GGUF_Q6K=1 timeout 120 python3 scripts/bench_gguf.py
+    Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024"
+    Q="$Q --batch-sizes 1,2 --checkpoint-format gguf:Q4_K_M"
+    $B latency,decode $Q; echo "mmserve.kernels.gguf_gemm.Q6K_ALIGNED=True"
+    python3 scripts/ab_switch.py mmserve.kernels.gguf_gemm.Q6K_ALIGNED=True -- latency,decode $Q
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/q6k.txt"
 fi
 if has w4a16; then
   # w4a16 g128 at the 8B shape, batch 1 (or W4A16_BATCHES; issue 19): bf16, w4a16 with the

@@ -76,18 +76,19 @@ def main(qtypes: list[str]) -> None:
             forms.append(("lowp", {"LOWP": True, "ASM": True}))
         if qtype in ("Q4_K", "Q5_K"):
             forms.append(("lowp_words", {"LOWP": True, "ASM": True, "WORDS": True}))
+        if qtype == "Q6_K":  # the weight in planes (gguf_planes, gguf_gemm.Q6K_ALIGNED)
+            forms.append(("lowp_planes", {"LOWP": True, "ASM": True, "PLANES": True}))
         for (name, form), (block_n, warps) in ((f, t) for f in forms for t in ((64, 4), (128, 4))):
             constexprs = {**fmt.kernel_args(), "PARTS": STEP_PARTS[fmt.type_id], "IEEE": False,
                           "BLOCK_M": 16, "BLOCK_N": block_n, "SPLIT": True, "FACTORED": False,
-                          "UNROLL": 1, "LOWP": False, "ASM": False, "WORDS": False, "SERIAL": False, **form}  # fmt: skip
+                          "UNROLL": 1, "LOWP": False, "ASM": False, "WORDS": False, "SERIAL": False,
+                          "PLANES": False, **form}  # fmt: skip
             kernel = compile_sm90(gguf_gemm._gguf_gemm_rows_kernel, ROWS, constexprs, ALIGNED, warps)
             _print_loop(f"{qtype} {name} block_n={block_n} warps={warps}", kernel, tmp, block_n * 256 / (warps * 32))
         dp4a = ((b, w, p) for b, w in ((64, 4), (128, 4), (256, 8)) for p in (False, True))
         for block_n, warps, pre in dp4a if qtype in gguf_gemm.DP4A_KERNEL_TYPES else ():
-            if qtype == "Q6_K":  # its activations always quantised first
-                if not pre:
-                    continue
-                constexprs = {"BLOCK_N": block_n, "SPLIT": True, "ASM": True, "SERIAL": False}
+            if qtype == "Q6_K":  # its activations always quantised first; pre here: the weight in planes
+                constexprs = {"BLOCK_N": block_n, "SPLIT": True, "ASM": True, "SERIAL": False, "PLANES": pre}
                 fn, signature = gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A
             else:
                 constexprs = {"QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": block_n, "ROWS": 1, "SPLIT": True,
@@ -96,6 +97,8 @@ def main(qtypes: list[str]) -> None:
             aligned = tuple(a for a in ("row_bytes", "n", "stride_x") if a in signature)
             kernel = compile_sm90(fn, signature, constexprs, aligned, warps)
             name = f"{qtype} dp4a{'_prequant' if pre else ''} block_n={block_n} warps={warps}"
+            if qtype == "Q6_K":
+                name = f"{qtype} dp4a{'_planes' if pre else ''} block_n={block_n} warps={warps}"
             _print_loop(name, kernel, tmp, block_n * 256 / (warps * 32))
         several = itertools.product((2, 4, 8), (64, 128), (False, True)) if qtype in gguf_gemm.DP4A_TYPES else ()
         for rows, block_n, pre in several:  # a tile's quants unpacked once for all rows

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels._common import check_float, check_ndim, check_same_device, q8_values
+from mmserve.kernels.gguf_planes import check_planes, is_planes, q6k_blocks, q6k_fields
 
 
 @dataclass(frozen=True)
@@ -96,39 +97,43 @@ def f16_at(ptr):
 
 @triton.jit
 def kquant_part(block, PART: tl.constexpr, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(w, cols): part PART of the super-blocks at byte pointers block [BLOCK_N], float32
-    [BLOCK_N, P] as ggml dequantises it, and cols [P], each column's element in the super-block.
-    Q6_K's part q is its quarter q: elements 128 h + 32 q + l (h < 2, l < 32), P = 64. Q4_K's
-    and Q5_K's part 0 is the low nibbles of qs[32 c + j], elements 64 c + j (c < 4, j < 32),
+    """(w, cols): part PART of the Q4_K / Q5_K super-blocks at byte pointers block [BLOCK_N],
+    float32 [BLOCK_N, P] as ggml dequantises it, and cols [P], each column's element in the
+    super-block (Q6_K: q6k_part). Part 0 is the low nibbles of qs[32 c + j], elements 64 c + j (c < 4, j < 32),
     and part 1 the high ones, elements 64 c + 32 + j; P = 128."""
-    if QTYPE == 14:  # Q6_K: ql[128], qh[64], scales[16] int8, d
-        h = tl.arange(0, 2)[None, :, None]
-        lane = tl.arange(0, 32)[None, None, :]
-        ql = tl.load(block[:, None, None] + 64 * h + 32 * (PART % 2) + lane).to(tl.int32)
-        qh = tl.load(block[:, None, None] + 128 + 32 * h + lane).to(tl.int32)
-        q = ((ql >> (4 * (PART // 2))) & 15) | (((qh >> (2 * PART)) & 3) << 4)
-        q = q - 32  # [BLOCK_N, 2, 32]
-        g = tl.arange(0, 2)[None, None, :]  # the 16-element sub-block within 32 lanes
-        sc_ptr = block[:, None, None] + 192 + 8 * h + g + 2 * PART
-        sc = tl.load(sc_ptr.to(tl.pointer_type(tl.int8))).to(tl.float32)  # [BLOCK_N, 2, 2]
-        d1 = f16_at(block + 208)[:, None, None] * sc
-        w = d1[:, :, :, None] * tl.reshape(q.to(tl.float32), [BLOCK_N, 2, 2, 16])
-        t = tl.arange(0, 64)
-        return tl.reshape(w, [BLOCK_N, 64]), 128 * (t // 32) + 32 * PART + t % 32
-    else:  # Q4_K / Q5_K: d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
-        c = tl.arange(0, 4)
-        j = tl.arange(0, 32)
-        QS: tl.constexpr = 48 if QTYPE == 13 else 16
-        qs = tl.load(block[:, None, None] + QS + 32 * c[None, :, None] + j[None, None, :])
-        q = (qs.to(tl.int32) >> (4 * PART)) & 15  # [BLOCK_N, 4, 32]
-        sub = 2 * c + PART  # each chunk's sub-block of 32
-        if QTYPE == 13:  # bit sub of qh[j] is the fifth
-            qh = tl.load(block[:, None] + 16 + j[None, :]).to(tl.int32)
-            q = q | (((qh[:, None, :] >> sub[None, :, None]) & 1) << 4)
-        d1, m1 = _q45k_factors(block, sub)
-        w = d1[:, :, None] * q.to(tl.float32) - m1[:, :, None]
-        t = tl.arange(0, 128)
-        return tl.reshape(w, [BLOCK_N, 128]), 64 * (t // 32) + 32 * PART + t % 32
+    # Q4_K / Q5_K: d, dmin, scales[12], (Q5_K: qh[32]), qs[128]
+    c = tl.arange(0, 4)
+    j = tl.arange(0, 32)
+    QS: tl.constexpr = 48 if QTYPE == 13 else 16
+    qs = tl.load(block[:, None, None] + QS + 32 * c[None, :, None] + j[None, None, :])
+    q = (qs.to(tl.int32) >> (4 * PART)) & 15  # [BLOCK_N, 4, 32]
+    sub = 2 * c + PART  # each chunk's sub-block of 32
+    if QTYPE == 13:  # bit sub of qh[j] is the fifth
+        qh = tl.load(block[:, None] + 16 + j[None, :]).to(tl.int32)
+        q = q | (((qh[:, None, :] >> sub[None, :, None]) & 1) << 4)
+    d1, m1 = _q45k_factors(block, sub)
+    w = d1[:, :, None] * q.to(tl.float32) - m1[:, :, None]
+    t = tl.arange(0, 128)
+    return tl.reshape(w, [BLOCK_N, 128]), 64 * (t // 32) + 32 * PART + t % 32
+
+
+@triton.jit
+def q6k_part(base, ql_at, qh_at, sc_at, d_at, PART: tl.constexpr, BLOCK_N: tl.constexpr):
+    """kquant_part of Q6_K (its quarter PART: elements 128 h + 32 PART + l, h < 2, l < 32, P =
+    64) from its blocks' ql[128], qh[64], scales[16] (int8) and d at those byte offsets from base
+    (gguf_planes.q6k_fields)."""
+    h = tl.arange(0, 2)[None, :, None]
+    lane = tl.arange(0, 32)[None, None, :]
+    ql = tl.load(base[:, None, None] + ql_at + 64 * h + 32 * (PART % 2) + lane).to(tl.int32)
+    qh = tl.load(base[:, None, None] + qh_at + 32 * h + lane).to(tl.int32)
+    q = ((ql >> (4 * (PART // 2))) & 15) | (((qh >> (2 * PART)) & 3) << 4)
+    q = q - 32  # [BLOCK_N, 2, 32]
+    g = tl.arange(0, 2)[None, None, :]  # the 16-element sub-block within 32 lanes
+    sc = tl.load((base[:, None, None] + sc_at + 8 * h + g + 2 * PART).to(tl.pointer_type(tl.int8))).to(tl.float32)
+    d1 = f16_at(base + d_at)[:, None, None] * sc  # [BLOCK_N, 2, 2]
+    w = d1[:, :, :, None] * tl.reshape(q.to(tl.float32), [BLOCK_N, 2, 2, 16])
+    t = tl.arange(0, 64)
+    return tl.reshape(w, [BLOCK_N, 64]), 128 * (t // 32) + 32 * PART + t % 32
 
 
 @triton.jit
@@ -344,22 +349,28 @@ def _words_of_halves(pairs):
 
 
 @triton.jit
-def q6k_step_words(block):
-    """A Q6_K step's quants at byte pointers block [BLOCK_N] as int32 words of four unsigned
-    bytes q (0-63; the weight is d sc (q - 32)), [BLOCK_N, 2, 2, 4, 2, 2]: byte k of word (h, g,
-    v, b, a) is the quant of element 128 h + 32 p + 16 g + 4 v + k, p = 2 a + b (quarter p of
-    half h, sub-block 8 h + 2 p + g), as ggml's dequantize_row_q6_K: the nibble p // 2 of
-    ql[64 h + 32 (p % 2) + l] with bits 2 p and 2 p + 1 of qh[32 h + l] above it (l = 16 g + 4
-    v + k). Q6_K's blocks are 210 bytes, so rows are only 2-byte aligned: the words are put
-    together from 16-bit loads."""
-    halves = block.to(tl.pointer_type(tl.int16))[:, None, None, None, None]
-    h = tl.arange(0, 2)[None, :, None, None, None]
-    g = tl.arange(0, 2)[None, None, :, None, None]
-    v = tl.arange(0, 4)[None, None, None, :, None]
-    j = tl.arange(0, 2)[None, None, None, None, :]
-    at = halves + 32 * h + 8 * g + 2 * v + j  # ql[64 h + l] in 16-bit units
-    ql_even, ql_odd = _words_of_halves(tl.load(at)), _words_of_halves(tl.load(at + 16))
-    qh = _words_of_halves(tl.load(halves + 64 + 16 * h + 8 * g + 2 * v + j))
+def q6k_step_words(base, ql_at, qh_at, PLANES: tl.constexpr):
+    """A Q6_K step's quants from its ql and qh at those byte offsets from base (q6k_fields) as int32
+    words of four unsigned bytes q (0-63; the weight is d sc (q - 32)), [BLOCK_N, 2, 2, 4, 2, 2]:
+    byte k of word (h, g, v, b, a) is the quant of element 128 h + 32 p + 16 g + 4 v + k, p = 2 a
+    + b (quarter p of half h, sub-block 8 h + 2 p + g), as ggml's dequantize_row_q6_K: the nibble
+    p // 2 of ql[64 h + 32 (p % 2) + l] with bits 2 p and 2 p + 1 of qh[32 h + l] above it (l = 16
+    g + 4 v + k). In the file's 210-byte blocks rows are only 2-byte aligned, so the words are put
+    together from 16-bit loads; in planes (PLANES) they are loaded as words, 16 bytes at a time."""
+    h = tl.arange(0, 2)[None, :, None, None]
+    g = tl.arange(0, 2)[None, None, :, None]
+    v = tl.arange(0, 4)[None, None, None, :]
+    if PLANES:
+        ql = (base + ql_at).to(tl.pointer_type(tl.int32))[:, None, None, None] + 16 * h + 4 * g + v
+        ql_even, ql_odd = tl.load(ql), tl.load(ql + 8)
+        qh = tl.load((base + qh_at).to(tl.pointer_type(tl.int32))[:, None, None, None] + 8 * h + 4 * g + v)
+    else:  # each word from two 16-bit halves (the last axis, j)
+        at = 32 * h + 8 * g + 2 * v  # ql[64 h + l] in 16-bit units
+        halves = tl.arange(0, 2)[None, None, None, None, :] + at[:, :, :, :, None]
+        ql = (base + ql_at).to(tl.pointer_type(tl.int16))[:, None, None, None, None] + halves
+        ql_even, ql_odd = _words_of_halves(tl.load(ql)), _words_of_halves(tl.load(ql + 16))
+        qh = (base + qh_at).to(tl.pointer_type(tl.int16))[:, None, None, None, None] + halves - 16 * h[:, :, :, :, None]
+        qh = _words_of_halves(tl.load(qh))  # (qh[32 h + l])
     q0 = (ql_even & 0x0F0F0F0F) | ((qh & 0x03030303) << 4)
     q1 = (ql_odd & 0x0F0F0F0F) | (((qh >> 2) & 0x03030303) << 4)
     q2 = ((ql_even >> 4) & 0x0F0F0F0F) | (((qh >> 4) & 0x03030303) << 4)
@@ -385,28 +396,29 @@ def q8_step(x_ptr, step):
 
 
 @triton.jit
-def q6k_bytes(block):
-    """The Q6_K super-blocks' quant bytes at byte pointers block [BLOCK_N], each loaded once:
-    ql[64 h + l] (quarters 0 and 2 read them), ql[64 h + 32 + l] (quarters 1 and 3) and qh[32 h
-    + l] (all four), uint8 [BLOCK_N, 2, 32] (h < 2, l < 32)."""
-    at = block[:, None, None] + 64 * tl.arange(0, 2)[None, :, None] + tl.arange(0, 32)[None, None, :]
-    return tl.load(at), tl.load(at + 32), tl.load(at + 128 - 32 * tl.arange(0, 2)[None, :, None])
+def q6k_bytes(base, ql_at, qh_at):
+    """The Q6_K super-blocks' quant bytes, their ql and qh at those byte offsets from base
+    (q6k_fields), each loaded once: ql[64 h + l] (quarters 0 and 2 read them), ql[64 h + 32 + l]
+    (quarters 1 and 3) and qh[32 h + l] (all four), uint8 [BLOCK_N, 2, 32] (h < 2, l < 32)."""
+    h, lane = tl.arange(0, 2)[None, :, None], tl.arange(0, 32)[None, None, :]
+    at = base[:, None, None] + ql_at + 64 * h + lane  # (qh's addresses from ql's: fewer instructions)
+    return tl.load(at), tl.load(at + 32), tl.load(at + (qh_at - ql_at) - 32 * h)
 
 
 @triton.jit
-def q6k_quarter_lowp(block, ql_even, ql_odd, qh, QUARTER: tl.constexpr, DTYPE: tl.constexpr,
+def q6k_quarter_lowp(base, sc_at, d_at, ql_even, ql_odd, qh, QUARTER: tl.constexpr, DTYPE: tl.constexpr,
                      ASM: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Quarter QUARTER of the Q6_K super-blocks at byte pointers block [BLOCK_N] in DTYPE
-    (LOWP, above), from their bytes (q6k_bytes): [BLOCK_N, 64], elements 128 h + 32 QUARTER
-    + l, and those elements [64]."""
+    """Quarter QUARTER of the Q6_K super-blocks in DTYPE (LOWP, above), from their bytes
+    (q6k_bytes) and their scales and d at those byte offsets from base (q6k_fields): [BLOCK_N, 64],
+    elements 128 h + 32 QUARTER + l, and those elements [64]."""
     if QUARTER % 2 == 0:
         q = _q6k_quarter_as(ql_even, qh, QUARTER, DTYPE, ASM)  # [BLOCK_N, 2, 32]
     else:
         q = _q6k_quarter_as(ql_odd, qh, QUARTER, DTYPE, ASM)
     h = tl.arange(0, 2)[None, :, None]
     g = tl.arange(0, 2)[None, None, :]  # the 16-element sub-block within 32 lanes
-    sc = tl.load((block[:, None, None] + 192 + 8 * h + g + 2 * QUARTER).to(tl.pointer_type(tl.int8)))
-    d1 = (f16_at(block + 208)[:, None, None] * sc.to(tl.float32)).to(DTYPE)  # [BLOCK_N, 2, 2]
+    sc = tl.load((base[:, None, None] + sc_at + 8 * h + g + 2 * QUARTER).to(tl.pointer_type(tl.int8)))
+    d1 = (f16_at(base + d_at)[:, None, None] * sc.to(tl.float32)).to(DTYPE)  # [BLOCK_N, 2, 2]
     w = d1[:, :, :, None] * tl.reshape(q, [BLOCK_N, 2, 2, 16])
     t = tl.arange(0, 64)
     return tl.reshape(w, [BLOCK_N, 64]), 128 * (t // 32) + 32 * QUARTER + t % 32
@@ -447,12 +459,16 @@ def legacy_part(blocks, num_left, PART: tl.constexpr, BYTES: tl.constexpr, QS: t
 @triton.jit
 def step_part(row, step, num_blocks, PART: tl.constexpr, QTYPE: tl.constexpr, BYTES: tl.constexpr,
               QS: tl.constexpr, QH: tl.constexpr, MIN: tl.constexpr, ZERO: tl.constexpr,
-              BLOCK_N: tl.constexpr):  # fmt: skip
+              BLOCK_N: tl.constexpr, PLANES: tl.constexpr = False):  # fmt: skip
     """(w, cols, exists): part PART of step `step` of the rows at byte pointers row [BLOCK_N]
     (num_blocks blocks a row): float32 [BLOCK_N, P] as ggml dequantises it, each column's
     element within the step [P], and whether it exists (K's last step may be partial). The
-    constexprs are a format's kernel_args()."""
-    if QTYPE >= 12:
+    constexprs are a format's kernel_args(); PLANES: Q6_K in planes (gguf_planes)."""
+    if QTYPE == 14:
+        base, ql_at, qh_at, sc_at, d_at = q6k_fields(row, step, num_blocks, PLANES)
+        w, cols = q6k_part(base, ql_at, qh_at, sc_at, d_at, PART, BLOCK_N)
+        return w, cols, cols < 256
+    elif QTYPE >= 12:
         w, cols = kquant_part(row + step * BYTES, PART, QTYPE, BLOCK_N)
         return w, cols, cols < 256
     else:
@@ -516,10 +532,10 @@ def _dequantize_kernel(
     out_ptr, w_ptr, n, k, num_blocks, row_bytes,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
-    LOWP: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
+    LOWP: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr, PLANES: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_N rows' step program_id(1), part by part (LOWP: a K-quant in the
-    output's 16-bit dtype, as the few-rows product dequantises it)."""
+    output's 16-bit dtype, as the few-rows product dequantises it; PLANES: Q6_K in planes)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     row = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_bytes  # past n: row 0's bytes
@@ -533,13 +549,14 @@ def _dequantize_kernel(
             _store_part(out_ptr, offs_n, mask_n, k, step, w_lo, cols_lo, every)
             _store_part(out_ptr, offs_n, mask_n, k, step, w_hi, cols_hi, every)
         else:
-            ql_even, ql_odd, qh = q6k_bytes(block)
+            base, ql_at, qh_at, sc_at, d_at = q6k_fields(row, step, num_blocks, PLANES)
+            ql_even, ql_odd, qh = q6k_bytes(base, ql_at, qh_at)
             for quarter in tl.static_range(4):
-                w, cols = q6k_quarter_lowp(block, ql_even, ql_odd, qh, quarter, dtype, ASM, BLOCK_N)
+                w, cols = q6k_quarter_lowp(base, sc_at, d_at, ql_even, ql_odd, qh, quarter, dtype, ASM, BLOCK_N)
                 _store_part(out_ptr, offs_n, mask_n, k, step, w, cols, cols < 256)
     else:
         for part in tl.static_range(PARTS):
-            w, cols, exists = step_part(row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N)
+            w, cols, exists = step_part(row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N, PLANES)
             _store_part(out_ptr, offs_n, mask_n, k, step, w, cols, exists)
 
 
@@ -554,33 +571,57 @@ def lowp_args(qtype: str, dtype: torch.dtype, lowp: bool, words: bool) -> dict[s
     return {"LOWP": low, "ASM": asm, "WORDS": low and words}
 
 
+@dataclass(frozen=True)
+class WeightLayout:
+    """How a quantised weight's rows lie in memory (check_weight)."""
+
+    fmt: BlockFormat
+    num_blocks: int  # blocks a row
+    row_bytes: int  # bytes from one row to the next
+    planes: bool  # Q6_K in planes (mmserve.kernels.gguf_planes), not the file's blocks
+
+
+def check_weight(name: str, blocks: torch.Tensor, qtype: str) -> WeightLayout:
+    """blocks is qtype's blocks uint8 [N, K // elements, bytes] (check_blocks) or, Q6_K, its
+    planes [N, row bytes] (gguf_planes.check_planes)."""
+    if qtype == "Q6_K" and is_planes(blocks):
+        num_blocks = check_planes(name, blocks)
+        return WeightLayout(FORMATS[qtype], num_blocks, blocks.shape[1], True)
+    fmt = check_blocks(name, blocks, qtype)
+    return WeightLayout(fmt, blocks.shape[1], blocks.shape[1] * fmt.bytes, False)
+
+
 def gguf_dequantize(
     blocks: torch.Tensor, qtype: str, dtype: torch.dtype, lowp: bool = False, words: bool = True
 ) -> torch.Tensor:
-    """blocks uint8 [N, K // elements, bytes] of qtype -> the weight [N, K] in dtype (lowp: a
-    K-quant in a 16-bit dtype dequantised in that dtype; words: its scales read as words)."""
-    fmt = check_blocks("blocks", blocks, qtype)
+    """blocks uint8 [N, K // elements, bytes] of qtype (or Q6_K's planes) -> the weight [N, K]
+    in dtype (lowp: a K-quant in a 16-bit dtype dequantised in that dtype; words: its scales
+    read as words)."""
+    layout = check_weight("blocks", blocks, qtype)
+    fmt = layout.fmt
     check_float("dtype", torch.empty(0, dtype=dtype))
     check_same_device(blocks=blocks)
-    n, k = blocks.shape[0], blocks.shape[1] * fmt.elements
+    n, k = blocks.shape[0], layout.num_blocks * fmt.elements
     out = torch.empty((n, k), dtype=dtype, device=blocks.device)
     if n and k:
         low = lowp_args(qtype, dtype, lowp, words)
         block_n = 64 if low["LOWP"] else 16
         _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, STEP))](
-            out, blocks, n, k, blocks.shape[1], blocks.shape[1] * fmt.bytes, **fmt.kernel_args(),
-            PARTS=STEP_PARTS[fmt.type_id], BLOCK_N=block_n, **low,
+            out, blocks, n, k, layout.num_blocks, layout.row_bytes, **fmt.kernel_args(),
+            PARTS=STEP_PARTS[fmt.type_id], BLOCK_N=block_n, **low, PLANES=layout.planes,
         )  # fmt: skip
     return out
 
 
 def gguf_dequantize_ref(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """float32 [N, K] by the gguf package's dequantiser (numpy, on the CPU): the ground truth
-    of the kernels, and the CPU path of mmserve.models.gguf_linear.GgufLinear."""
+    of the kernels, and the CPU path of mmserve.models.gguf_linear.GgufLinear. (Q6_K's planes:
+    of the blocks they hold.)"""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    check_blocks("blocks", blocks, qtype)
+    if check_weight("blocks", blocks, qtype).planes:
+        blocks = q6k_blocks(blocks)
     raw = blocks.detach().cpu().reshape(blocks.shape[0], -1).numpy()
     array = dequantize(raw, GGMLQuantizationType[qtype])
     return torch.from_numpy(array.copy()).to(blocks.device)

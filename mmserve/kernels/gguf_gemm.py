@@ -41,7 +41,7 @@ from mmserve.kernels._common import (
 from mmserve.kernels.gguf_blocks import (
     STEP,
     STEP_PARTS,
-    check_blocks,
+    check_weight,
     f16_at,
     gguf_dequantize,
     lowp_args,
@@ -55,6 +55,7 @@ from mmserve.kernels.gguf_blocks import (
     q45k_words_factors,
     step_part,
 )
+from mmserve.kernels.gguf_planes import is_planes, q6k_fields
 
 # Measured on an H100 (session 20, scripts/bench_gguf.py; BENCHMARKS.md): at one row of the
 # 4096 x 14336 Q4_K down projection, 64 channels a program and the factored form took 53 us,
@@ -89,6 +90,12 @@ DP4A = True
 # Q6_K's kernel (dp4a=True) is slower than LOWP (H100: 29 against 20 us at 6144 x 4096, 418 against
 # 281 at the LM head): its 210-byte blocks are read 16 bits at a time. Not by default
 DP4A_TYPES = ("Q4_K", "Q5_K")
+# Q6_K weights repacked at load on CUDA into planes (mmserve.kernels.gguf_planes: the same bytes,
+# each field 16-byte aligned; mmserve.models.gguf_linear) and their one-row products by that
+# kernel in its PLANES form (its quants loaded as words, 16 bytes at a time). Every other product
+# (LOWP at more rows, dequantise-then-matmul) reads the planes as it reads blocks. Counted on the
+# CPU (scripts/sass_loop.py), not yet timed: off until scripts/gpu_run.sh q6k times it
+Q6K_ALIGNED = False
 DP4A_KERNEL_TYPES = (*DP4A_TYPES, "Q6_K")
 # the activations quantised by _q8_kernel first (one launch more), not by each program: no
 # faster (H200: 31.8 against 31.1 us, 21.3 against 20.8); Q6_K's kernel always takes them so
@@ -140,9 +147,10 @@ def _step_product(
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FACTORED: tl.constexpr, LOWP: tl.constexpr,
-    ASM: tl.constexpr, WORDS: tl.constexpr,
+    ASM: tl.constexpr, WORDS: tl.constexpr, PLANES: tl.constexpr,
 ):  # fmt: skip
-    """acc plus the product of the activations with one step (256 elements of K) of the rows."""
+    """acc plus the product of the activations with one step (256 elements of K) of the rows
+    (PLANES: Q6_K in planes, gguf_planes)."""
     if LOWP:  # the K-quants dequantised in x's dtype (gguf_blocks' LOWP)
         block = row + step * BYTES
         dtype = x_rows.dtype.element_ty
@@ -151,9 +159,10 @@ def _step_product(
             acc = _part_dot(acc, x_rows, mask_m, step, w_lo, cols_lo, IEEE)
             acc = _part_dot(acc, x_rows, mask_m, step, w_hi, cols_hi, IEEE)
         else:  # Q6_K
-            ql_even, ql_odd, qh = q6k_bytes(block)
+            base, ql_at, qh_at, sc_at, d_at = q6k_fields(row, step, num_blocks, PLANES)
+            ql_even, ql_odd, qh = q6k_bytes(base, ql_at, qh_at)
             for quarter in tl.static_range(4):
-                w, cols = q6k_quarter_lowp(block, ql_even, ql_odd, qh, quarter, dtype, ASM, BLOCK_N)
+                w, cols = q6k_quarter_lowp(base, sc_at, d_at, ql_even, ql_odd, qh, quarter, dtype, ASM, BLOCK_N)
                 acc = _part_dot(acc, x_rows, mask_m, step, w, cols, IEEE)
     elif FACTORED:  # Q4_K / Q5_K: chunk c's two sub-blocks of 32
         for c in tl.static_range(4):
@@ -169,7 +178,7 @@ def _step_product(
             acc -= m1_hi[None, :] * tl.sum(x_hi.to(tl.float32), axis=1)[:, None]
     else:
         for part in tl.static_range(PARTS):
-            w, cols, exists = step_part(row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N)
+            w, cols, exists = step_part(row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N, PLANES)
             a = tl.load(x_rows + step * 256 + cols[None, :], mask=mask_m[:, None] & exists[None, :], other=0.0)
             acc = _dot(a, tl.trans(w.to(a.dtype)), acc, IEEE)
     return acc
@@ -195,7 +204,7 @@ def _gguf_gemm_rows_kernel(
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FACTORED: tl.constexpr,
     UNROLL: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
-    SERIAL: tl.constexpr,
+    SERIAL: tl.constexpr, PLANES: tl.constexpr,
 ):  # fmt: skip
     s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tl.program_id(0), n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -209,7 +218,7 @@ def _gguf_gemm_rows_kernel(
         for step in range(s_lo, s_hi):
             acc = _step_product(
                 acc, x_rows, mask_m, row, step, num_blocks, j, QTYPE, BYTES, QS, QH, MIN, ZERO,
-                PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED, LOWP, ASM, WORDS,
+                PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED, LOWP, ASM, WORDS, PLANES,
             )  # fmt: skip
     else:  # UNROLL steps an iteration, none behind a branch (a step past s_hi repeats the last, unused)
         for first in range(s_lo, s_hi, UNROLL):
@@ -217,7 +226,7 @@ def _gguf_gemm_rows_kernel(
                 part = _step_product(
                     tl.zeros(shape, dtype=tl.float32), x_rows, mask_m, row,
                     tl.minimum(first + u, s_hi - 1), num_blocks, j, QTYPE, BYTES, QS, QH, MIN,
-                    ZERO, PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED, LOWP, ASM, WORDS,
+                    ZERO, PARTS, IEEE, BLOCK_M, BLOCK_N, FACTORED, LOWP, ASM, WORDS, PLANES,
                 )  # fmt: skip
                 acc += tl.where(first + u < s_hi, part, 0.0)
     if LOWP:
@@ -231,7 +240,7 @@ def _gguf_gemv_kernel(
     out_ptr, x_ptr, w_ptr, n, num_blocks, steps_per_split, num_steps, row_bytes, final_ptr, counters_ptr,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, SERIAL: tl.constexpr,
+    SPLIT: tl.constexpr, SERIAL: tl.constexpr, PLANES: tl.constexpr,
 ):  # fmt: skip
     """One row (GEMV=True): no tensor cores. Each part's weights times the activations of
     its columns are added into a [BLOCK_N, 256 / PARTS] float32 accumulator in registers,
@@ -240,7 +249,7 @@ def _gguf_gemv_kernel(
     acc = tl.zeros([BLOCK_N, 256 // PARTS], dtype=tl.float32)
     for step in range(s_lo, s_hi):
         for part in tl.static_range(PARTS):
-            w, cols, exists = step_part(row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N)
+            w, cols, exists = step_part(row, step, num_blocks, part, QTYPE, BYTES, QS, QH, MIN, ZERO, BLOCK_N, PLANES)
             a = tl.load(x_ptr + step * 256 + cols, mask=exists, other=0.0).to(tl.float32)
             acc += w * a[None, :]
     store_tile(out_ptr, tl.sum(acc, axis=1), offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
@@ -360,11 +369,13 @@ def _chained_dots(q, x_words, ASM: tl.constexpr):
 def _gguf_q6k_dp4a_kernel(
     out_ptr, x_ptr, d_ptr, w_ptr, n, steps_per_split, num_steps, row_bytes, final_ptr, counters_ptr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, SERIAL: tl.constexpr,
+    PLANES: tl.constexpr,
 ):  # fmt: skip
     """One row of Q6_K (DP4A=True), the activations quantised first (_q8_kernel: words at x_ptr,
     scales at d_ptr): per sub-block of 16, d sc d_x (sum(q q_x) - 32 sum(q_x)), the sums by
     dp4a, into a float32 [BLOCK_N, 2, 2, 2, 2] accumulator (q6k_step_words' sub-blocks) summed
-    once at the end."""
+    once at the end. PLANES: the weight in planes (gguf_planes; num_steps blocks a row), its
+    quants loaded as words."""
     s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tl.program_id(0), n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     acc = tl.zeros([BLOCK_N, 2, 2, 2, 2], dtype=tl.float32)
     h = tl.arange(0, 2)[:, None, None, None, None]
@@ -378,14 +389,14 @@ def _gguf_q6k_dp4a_kernel(
     groups_at = 4 * h + 2 * a + b  # the words' groups of 32 (by h, b, a), [2, 1, 2, 2]
     scales_at = 8 * h + 4 * a + 2 * b + g  # and sub-blocks of 16, [2, 2, 2, 2]
     for step in range(s_lo, s_hi):
-        block = row + step * 210
+        base, ql_at, qh_at, sc_at, d_at = q6k_fields(row, step, num_steps, PLANES)
         x_words = tl.load(x_ptr + step * 64 + words_at)
         x_sums = tl.sum(dp4a(tl.full(x_words.shape, 0x01010101, tl.int32), x_words, tl.zeros_like(x_words), ASM), axis=2)
-        q = q6k_step_words(block)
+        q = q6k_step_words(base, ql_at, qh_at, PLANES)
         dots = tl.sum(dp4a(q, tl.broadcast_to(x_words[None], q.shape), tl.zeros_like(q), ASM), axis=3)
-        sc = tl.load((block[:, None, None, None, None] + 192 + scales_at[None]).to(tl.pointer_type(tl.int8)))
+        sc = tl.load((base[:, None, None, None, None] + sc_at + scales_at[None]).to(tl.pointer_type(tl.int8)))
         d_x = tl.load(d_ptr + step * 8 + groups_at)
-        d = f16_at(block + 208)[:, None, None, None, None]
+        d = f16_at(base + d_at)[:, None, None, None, None]
         acc += (d * sc.to(tl.float32)) * (d_x[None] * (dots - 32 * x_sums[None]).to(tl.float32))
     total = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
     store_tile(out_ptr, total, offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
@@ -398,7 +409,7 @@ def gguf_gemm_rows(
     num_stages: int | None = None, dp4a: bool | None = None, prequant: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M <= MAX_ROWS, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
-    transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
+    (Q6_K: or its planes, gguf_planes) transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
     >= 16 (default BLOCK_N; DP4A_ROWS_BLOCK_N for DP4A with several rows). A grid of too few
     output tiles for about programs_per_sm (default PROGRAMS_PER_SM) programs on every SM
     splits K in whole steps, as the w4a16 kernel does
@@ -411,11 +422,12 @@ def gguf_gemm_rows(
     Q5_K): Q4_K / Q5_K up to MAX_ROWS rows, Q6_K one; the rows quantised by a kernel of their
     own first (prequant; default DP4A_PREQUANT for one row, always for several and for Q6_K) or
     inside the product."""
-    fmt = check_blocks("blocks", blocks, qtype)
+    layout = check_weight("blocks", blocks, qtype)
+    fmt, num_blocks, row_bytes, planes = layout.fmt, layout.num_blocks, layout.row_bytes, layout.planes
     check_float("x", x)
-    if x.dim() != 2 or x.shape[1] != blocks.shape[1] * fmt.elements:
+    if x.dim() != 2 or x.shape[1] != num_blocks * fmt.elements:
         raise ValueError(
-            f"x must be [M, K] with K = {blocks.shape[1] * fmt.elements} (blocks "
+            f"x must be [M, K] with K = {num_blocks * fmt.elements} (blocks "
             f"{list(blocks.shape)} of {qtype}), got {list(x.shape)}"
         )
     rows, k = x.shape
@@ -425,12 +437,12 @@ def gguf_gemm_rows(
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     check_last_dim_contiguous("x", x)
     check_same_device(x=x, blocks=blocks)
-    n, num_blocks = blocks.shape[0], blocks.shape[1]
+    n = blocks.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows and n:
         programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
         dp4a_rows = 1 if qtype == "Q6_K" else MAX_ROWS  # (what the kernels take)
-        int8 = uses_dp4a(x, qtype) if dp4a is None else dp4a and rows <= dp4a_rows and qtype in DP4A_KERNEL_TYPES
+        int8 = uses_dp4a(x, qtype, planes) if dp4a is None else dp4a and rows <= dp4a_rows and qtype in DP4A_KERNEL_TYPES
         block_n = block_n or (DP4A_ROWS_BLOCK_N if int8 and rows > 1 else BLOCK_N)
         tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, STEP)
         splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs)
@@ -447,25 +459,25 @@ def gguf_gemm_rows(
                       "num_warps": num_warps, **_stages(NUM_STAGES if num_stages is None else num_stages), **ends}  # fmt: skip
             if qtype == "Q6_K":
                 _gguf_q6k_dp4a_kernel[(tiles, splits)](
-                    target, words, d_x, blocks, n, per_split, steps, num_blocks * fmt.bytes, **common
+                    target, words, d_x, blocks, n, per_split, steps, row_bytes, PLANES=planes, **common
                 )
             else:
                 _gguf_dp4a_kernel[(tiles, splits)](
-                    target, words if pre else x, d_x, sum_x, blocks, n, per_split, steps, num_blocks * fmt.bytes,
+                    target, words if pre else x, d_x, sum_x, blocks, n, per_split, steps, row_bytes,
                     x.stride(0), QTYPE=fmt.type_id, BYTES=fmt.bytes, ROWS=rows, PREQUANT=pre, **common,
                 )  # fmt: skip
         elif rows == 1 and (GEMV if gemv is None else gemv):
             _gguf_gemv_kernel[(tiles, splits)](
-                target, x, blocks, n, num_blocks, per_split, steps, num_blocks * fmt.bytes,
+                target, x, blocks, n, num_blocks, per_split, steps, row_bytes,
                 **fmt.kernel_args(), PARTS=STEP_PARTS[fmt.type_id], BLOCK_N=block_n,
-                SPLIT=splits > 1, num_warps=num_warps, **ends,
+                SPLIT=splits > 1, num_warps=num_warps, **ends, PLANES=planes,
             )  # fmt: skip
         else:
             factor = (FACTORED if factored is None else factored) and qtype in ("Q4_K", "Q5_K")
             low = lowp_args(qtype, x.dtype, LOWP if lowp is None else lowp, LOWP_WORDS)
             _gguf_gemm_rows_kernel[(tiles, splits)](
-                target, x, blocks, rows, n, num_blocks, per_split, steps, num_blocks * fmt.bytes,
-                x.stride(0), **ends, **fmt.kernel_args(),
+                target, x, blocks, rows, n, num_blocks, per_split, steps, row_bytes,
+                x.stride(0), **ends, **fmt.kernel_args(), PLANES=planes,
                 PARTS=STEP_PARTS[fmt.type_id], IEEE=x.dtype == torch.float32,
                 BLOCK_M=max(8 if low["LOWP"] else 16, triton.next_power_of_2(rows)), BLOCK_N=block_n,
                 SPLIT=splits > 1, FACTORED=factor and not low["LOWP"], UNROLL=unroll, **low,
@@ -476,16 +488,19 @@ def gguf_gemm_rows(
     return out
 
 
-def uses_dp4a(x: torch.Tensor, qtype: str) -> bool:
-    """Whether gguf_gemm_rows multiplies x by a qtype weight with int8 activations by default."""
-    few = x.dim() == 2 and 1 <= x.shape[0] <= DP4A_MAX_ROWS
-    return DP4A and few and qtype in DP4A_TYPES and x.dtype != torch.float32
+def uses_dp4a(x: torch.Tensor, qtype: str, planes: bool = False) -> bool:
+    """Whether gguf_gemm_rows multiplies x by a qtype weight with int8 activations by default
+    (planes: Q6_K's weight is in planes, which one row of Q6_K takes so)."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    types = (*DP4A_TYPES, "Q6_K") if planes and rows == 1 else DP4A_TYPES
+    return DP4A and 1 <= rows <= DP4A_MAX_ROWS and qtype in types and x.dtype != torch.float32
 
 
 def gguf_product_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """float32 [M, N]: the reference of gguf_matmul's arithmetic for x: gguf_matmul_dp4a_ref
     where it uses int8 activations (uses_dp4a), else gguf_matmul_ref."""
-    return (gguf_matmul_dp4a_ref if uses_dp4a(x, qtype) else gguf_matmul_ref)(x, blocks, qtype)
+    int8 = uses_dp4a(x, qtype, qtype == "Q6_K" and is_planes(blocks))
+    return (gguf_matmul_dp4a_ref if int8 else gguf_matmul_ref)(x, blocks, qtype)
 
 
 def _stages(num_stages: int | None) -> dict[str, int]:
@@ -500,9 +515,9 @@ def gguf_matmul(
     torch.matmul."""
     if x.dim() == 2 and x.shape[0] <= MAX_ROWS:
         return gguf_gemm_rows(x, blocks, qtype)
-    fmt = check_blocks("blocks", blocks, qtype)
+    layout = check_weight("blocks", blocks, qtype)
     check_float("x", x)
-    k = blocks.shape[1] * fmt.elements
+    k = layout.num_blocks * layout.fmt.elements
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, K] with K = {k}, got {list(x.shape)}")
     return matmul_in_column_chunks(

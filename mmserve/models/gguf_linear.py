@@ -7,7 +7,9 @@ The blocks are the file's bytes, unchanged: uint8 [rows, blocks per row, bytes p
 block's size in bytes names its type (every supported type has its own), so a tensor of blocks
 describes itself on its way from the file to the layer. Float tensors (F32 / F16 / BF16) and
 the token embedding (a lookup table, and a tied LM head with it) load as floats in the model
-dtype. Where the CPU library cannot be built, the CPU keeps the dequantised-at-load path
+dtype. One exception, off by default: with mmserve.kernels.gguf_gemm.Q6K_ALIGNED on CUDA, Q6_K's
+blocks are reordered at load into planes of the same bytes (mmserve/kernels/gguf_planes.py),
+2-D, for 16-byte aligned loads. Where the CPU library cannot be built, the CPU keeps the dequantised-at-load path
 (mmserve.models.gguf_cache); use_kernels=False multiplies by the gguf package's dequantisation,
 the kernels' reference.
 """
@@ -56,7 +58,7 @@ class _Part:
     start: int
     stop: int
     qtype: str | None  # a GGUF type, or None: a float weight in the model dtype
-    buffer: str  # the name of the module's buffer: blocks [rows, blocks, bytes] or [rows, K]
+    buffer: str  # the name of the module's buffer: blocks [rows, blocks, bytes] (Q6_K planes: [rows, bytes]) or [rows, K]
 
 
 class GgufLinear(nn.Module):
@@ -127,7 +129,12 @@ class GgufLinear(nn.Module):
             )
         parts = []
         for i, (start, stop, qtype, tensors) in enumerate(runs):
-            self.register_buffer(f"part{i}", torch.cat(tensors) if len(tensors) > 1 else tensors[0])
+            blocks = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+            if qtype == "Q6_K" and aligns_q6k(self.device):
+                from mmserve.kernels.gguf_planes import q6k_planes
+
+                blocks = q6k_planes(blocks)
+            self.register_buffer(f"part{i}", blocks)
             parts.append(_Part(start, stop, qtype, f"part{i}"))
         self.parts = tuple(parts)
         self._loading.clear()
@@ -244,6 +251,16 @@ class GgufEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, gguf {self.qtype or self.dtype}"
+
+
+def aligns_q6k(device: torch.device) -> bool:
+    """Whether Q6_K's blocks load onto device in planes (gguf_gemm.Q6K_ALIGNED, CUDA only: the CPU
+    library reads the file's blocks)."""
+    if device.type != "cuda":
+        return False
+    from mmserve.kernels import gguf_gemm
+
+    return gguf_gemm.Q6K_ALIGNED
 
 
 def _path(x: torch.Tensor, use_kernels: bool | None) -> str:

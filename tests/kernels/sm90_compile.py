@@ -72,24 +72,25 @@ def main() -> None:
         args = {**fmt.kernel_args(), "PARTS": STEP_PARTS[fmt.type_id]}
         forms = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
         lowp = ((False, False), (True, True), (True, False)) if qtype in gguf_blocks.LOWP_TYPES else ((False, False),)
-        for factored, unroll, ends, (low, asm) in itertools.product(forms, (1, 2), ENDS, lowp):
+        layouts = (False, True) if qtype == "Q6_K" else (False,)  # PLANES: Q6_K in planes (gguf_planes)
+        for factored, unroll, ends, (low, asm), planes in itertools.product(forms, (1, 2), ENDS, lowp, layouts):
             compile_sm90(gguf_gemm._gguf_gemm_rows_kernel, ROWS, {
                 **args, "IEEE": False, "BLOCK_M": 8 if low else 16, "BLOCK_N": 64, **ends,
                 "FACTORED": factored and not low, "UNROLL": unroll, "LOWP": low, "ASM": asm,
-                "WORDS": low and qtype != "Q6_K" and ends["SPLIT"]})  # fmt: skip
-        for ends in ENDS:
-            compile_sm90(gguf_gemm._gguf_gemv_kernel, GEMV, {**args, "BLOCK_N": 64, **ends})
-        for ends in ENDS if qtype == "Q6_K" else ():
-            compile_sm90(gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A, {"BLOCK_N": 64, **ends, "ASM": True})
+                "WORDS": low and qtype != "Q6_K" and ends["SPLIT"], "PLANES": planes})  # fmt: skip
+        for ends, planes in itertools.product(ENDS, layouts):
+            compile_sm90(gguf_gemm._gguf_gemv_kernel, GEMV, {**args, "BLOCK_N": 64, **ends, "PLANES": planes})
+        for ends, planes in itertools.product(ENDS, layouts) if qtype == "Q6_K" else ():
+            compile_sm90(gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A, {"BLOCK_N": 64, **ends, "ASM": True, "PLANES": planes})
         dp4a_forms = ((False, 1), (True, 1), (False, 3), (True, 3))  # (PREQUANT, ROWS)
         for ends, (pre, rows) in itertools.product(ENDS, dp4a_forms) if qtype in ("Q4_K", "Q5_K") else ():
             compile_sm90(gguf_gemm._gguf_dp4a_kernel, {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}, {
                 "QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": 64, "ROWS": rows, **ends, "ASM": True,
                 "PREQUANT": pre})  # fmt: skip
-        for low, asm in lowp:
+        for (low, asm), planes in itertools.product(lowp, layouts):
             compile_sm90(gguf_blocks._dequantize_kernel, DEQUANT, {
                 **args, "BLOCK_N": 64 if low else 16, "LOWP": low, "ASM": asm,
-                "WORDS": low and qtype != "Q6_K"})  # fmt: skip
+                "WORDS": low and qtype != "Q6_K", "PLANES": planes})  # fmt: skip
         print(qtype, "compiled for sm_90", flush=True)
     for (pairs, x_type), even_k, zeros, serial in itertools.product(((1, "*bf16"), (2, "*fp16")), (False, True), (False, True), (False, True)):
         compile_sm90(wna16._wna16_kernel, {**WNA16, "x_ptr": x_type, "scales_ptr": x_type, "zeros_ptr": x_type,
