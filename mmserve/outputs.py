@@ -12,7 +12,7 @@ class TokenLogprob:
 
     token_id: int
     logprob: float
-    rank: int  # 1 = most likely token
+    rank: int  # 1 = most likely token; tokens tied with it are not counted ahead of it
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
 
 
