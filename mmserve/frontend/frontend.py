@@ -284,7 +284,7 @@ class FrontEnd:
             raise InvalidArgument(params_field + e.field, str(e).removeprefix(f"{e.field}: ")) from e
         if params.structured is not None:
             params.structured.validate()
-        self._check_images(prompt_token_ids, mm_inputs)
+        self._check_images(prompt_token_ids, mm_inputs, field)
         rid = request_id or self.new_request_id()
         gate = engine_gate(reasoning, params)
         return GenerateJob(rid, list(prompt_token_ids), params, cache_salt, mm_inputs, gate)
@@ -294,13 +294,16 @@ class FrontEnd:
             can = ", ".join(self.info.tasks)
             raise InvalidArgument("model", f"this model cannot {task} (it can: {can})")
 
-    def _check_images(self, prompt_token_ids: list[int], mm_inputs: tuple[MMInput, ...]) -> None:
-        """Images only for models that read them; placeholder tokens exactly where images are."""
+    def _check_images(
+        self, prompt_token_ids: list[int], mm_inputs: tuple[MMInput, ...], field: str
+    ) -> None:
+        """Images only for models that read them; placeholder tokens exactly where images are
+        (field: the prompt's, e.g. token_ids for ids sent as they are)."""
         if self.images is None or not self.info.reads_images:
             if mm_inputs:
                 raise InvalidArgument("images", "this model does not read images")
             return
-        check_placeholders(prompt_token_ids, self.images.image_token_id, mm_inputs, "prompt")
+        check_placeholders(prompt_token_ids, self.images.image_token_id, mm_inputs, field)
 
     @functools.cached_property
     def structured(self) -> StructuredOutputManager:

@@ -244,6 +244,31 @@ def test_images_to_a_text_model_are_refused(client: Client) -> None:
     assert client.chat(messages(), model="text", max_tokens=2).finish_reason is not None
 
 
+def test_placeholder_ids_name_the_token_ids_field(client: Client) -> None:
+    message = refused(client.generate, [5, image_token_id(client), 6], model="vl", max_tokens=2)
+    assert message.startswith("token_ids: image placeholder token"), message
+
+
+def test_bad_requests_leave_a_concurrent_batch_alone(server: ServerThread, client: Client) -> None:
+    kw: dict[str, Any] = {"model": "vl", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    alone = [ask(client, png(24, 40, 60 + s), **kw).token_ids for s in range(3)]
+
+    async def run() -> list[Any]:
+        async with AsyncClient(server.target, timeout=60) as ac:
+            good = [ac.chat(messages(png(24, 40, 60 + s)), **kw) for s in range(3)]
+            bad = [
+                ac.chat(messages(b"not an image"), model="vl", max_tokens=2),
+                ac.generate([5, image_token_id(client), 6], model="vl", max_tokens=2),
+                ac.chat(messages(png(24, 40, 0)), model="text", max_tokens=2),
+                ac.chat(messages(*[png(16, 16, i) for i in range(MAX_IMAGES + 1)]), model="vl"),
+            ]
+            return await asyncio.gather(*good, *bad, return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert [r.token_ids for r in results[:3]] == alone
+    assert all(isinstance(r, MMServeError) and r.code == INVALID for r in results[3:]), results
+
+
 def test_media_dir_paths(client: Client, media: Path) -> None:
     salt = {"cache_salt": "media"}
     data = ask(client, (media / "pets" / "cat.png").read_bytes(), **salt)
