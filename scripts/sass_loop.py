@@ -88,7 +88,7 @@ def main(qtypes: list[str]) -> None:
         dp4a = ((b, w, p) for b, w in ((64, 4), (128, 4), (256, 8)) for p in (False, True))
         for block_n, warps, pre in dp4a if qtype in gguf_gemm.DP4A_KERNEL_TYPES else ():
             if qtype == "Q6_K":  # its activations always quantised first; pre here: the weight in planes
-                constexprs = {"BLOCK_N": block_n, "SPLIT": True, "ASM": True, "SERIAL": False, "PLANES": pre}
+                constexprs = {"BLOCK_N": block_n, "ROWS": 1, "SPLIT": True, "ASM": True, "SERIAL": False, "PLANES": pre}
                 fn, signature = gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A
             else:
                 constexprs = {"QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": block_n, "ROWS": 1, "SPLIT": True,
@@ -107,6 +107,12 @@ def main(qtypes: list[str]) -> None:
             signature = {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}
             kernel = compile_sm90(gguf_gemm._gguf_dp4a_kernel, signature, constexprs, ("row_bytes", "n", "stride_x"), 4)
             name = f"{qtype} dp4a{'_prequant' if pre else ''} rows={rows} block_n={block_n} warps=4 (a weight: all rows)"
+            _print_loop(name, kernel, tmp, block_n * 256 / 128)
+        several_q6k = itertools.product((2, 4), (64, 128), (False, True)) if qtype == "Q6_K" else ()
+        for rows, block_n, planes in several_q6k:  # (gguf_gemm.Q6K_ALIGNED: planes up to DP4A_MAX_ROWS rows)
+            constexprs = {"BLOCK_N": block_n, "ROWS": rows, "SPLIT": True, "ASM": True, "SERIAL": False, "PLANES": planes}
+            kernel = compile_sm90(gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A, constexprs, ("row_bytes", "n"), 4)
+            name = f"{qtype} dp4a{'_planes' if planes else ''} rows={rows} block_n={block_n} warps=4 (a weight: all rows)"
             _print_loop(name, kernel, tmp, block_n * 256 / 128)
 
 

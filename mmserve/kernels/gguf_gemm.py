@@ -91,12 +91,20 @@ DP4A = True
 # 281 at the LM head): its 210-byte blocks are read 16 bits at a time. Not by default
 DP4A_TYPES = ("Q4_K", "Q5_K")
 # Q6_K weights repacked at load on CUDA into planes (mmserve.kernels.gguf_planes: the same bytes,
-# each field 16-byte aligned; mmserve.models.gguf_linear) and their one-row products by that
-# kernel in its PLANES form (its quants loaded as words, 16 bytes at a time). Every other product
-# (LOWP at more rows, dequantise-then-matmul) reads the planes as it reads blocks. Counted on the
-# CPU (scripts/sass_loop.py), not yet timed: off until scripts/gpu_run.sh q6k times it
+# each field 16-byte aligned; mmserve.models.gguf_linear) and their products of up to
+# DP4A_MAX_ROWS rows by that kernel in its PLANES form (its quants loaded as words, 16 bytes at a
+# time). Every other product (LOWP at more rows, dequantise-then-matmul) reads the planes as it
+# reads blocks. Counted on the CPU (scripts/sass_loop.py), not yet timed: off until
+# scripts/gpu_run.sh q6k times it
 Q6K_ALIGNED = False
 DP4A_KERNEL_TYPES = (*DP4A_TYPES, "Q6_K")
+# Q6_K's kernel with several rows keeps a sum a sub-block (16 floats a channel) for each row, so
+# that each row's arithmetic is the one-row kernel's: at 128 channels and 4 warps 16 registers a
+# row; with Q6K_ALIGNED on, uses_dp4a gives it up to DP4A_MAX_ROWS rows of planes. In the sm_90
+# SASS of the loop (scripts/sass_loop.py, 128 channels, a weight counting all rows) at 2 rows
+# 3.23 instructions a weight on planes (7.39 on blocks; 4 rows: 5.27) against LOWP's 7.00 on
+# planes and 6.20 on blocks. Counted, not timed
+Q6K_DP4A_MAX_ROWS = 4
 # the activations quantised by _q8_kernel first (one launch more), not by each program: no
 # faster (H200: 31.8 against 31.1 us, 21.3 against 20.8); Q6_K's kernel always takes them so
 DP4A_PREQUANT = False
@@ -368,16 +376,21 @@ def _chained_dots(q, x_words, ASM: tl.constexpr):
 @triton.jit
 def _gguf_q6k_dp4a_kernel(
     out_ptr, x_ptr, d_ptr, w_ptr, n, steps_per_split, num_steps, row_bytes, final_ptr, counters_ptr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, SERIAL: tl.constexpr,
-    PLANES: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+    SERIAL: tl.constexpr, PLANES: tl.constexpr,
 ):  # fmt: skip
-    """One row of Q6_K (DP4A=True), the activations quantised first (_q8_kernel: words at x_ptr,
-    scales at d_ptr): per sub-block of 16, d sc d_x (sum(q q_x) - 32 sum(q_x)), the sums by
-    dp4a, into a float32 [BLOCK_N, 2, 2, 2, 2] accumulator (q6k_step_words' sub-blocks) summed
-    once at the end. PLANES: the weight in planes (gguf_planes; num_steps blocks a row), its
+    """Q6_K times ROWS rows of x (DP4A=True), the activations quantised first (_q8_kernel: words
+    at x_ptr, scales at d_ptr, row r's at r K / 4 and r K / 32): per sub-block of 16, d sc d_x
+    (sum(q q_x) - 32 sum(q_x)), the sums by dp4a, into a float32 [BLOCK_N, 2, 2, 2, 2]
+    accumulator a row (q6k_step_words' sub-blocks) summed once at the end. Several rows: the
+    step's quants and d sc are unpacked once for all of them, and each row's terms go into its
+    own slice of a [ROWS, BLOCK_N, 2, 2, 2, 2] accumulator: each row's arithmetic is one row's,
+    in the same order. PLANES: the weight in planes (gguf_planes; num_steps blocks a row), its
     quants loaded as words."""
     s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tl.program_id(0), n, steps_per_split, num_steps, row_bytes, BLOCK_N)
-    acc = tl.zeros([BLOCK_N, 2, 2, 2, 2], dtype=tl.float32)
+    ROWS_P2: tl.constexpr = triton.next_power_of_2(ROWS)
+    rows_at = tl.arange(0, ROWS_P2)[:, None, None, None, None, None]
+    acc = tl.zeros([BLOCK_N, 2, 2, 2, 2] if ROWS == 1 else [ROWS_P2, BLOCK_N, 2, 2, 2, 2], dtype=tl.float32)
     h = tl.arange(0, 2)[:, None, None, None, None]
     g = tl.arange(0, 2)[None, :, None, None, None]
     v = tl.arange(0, 4)[None, None, :, None, None]
@@ -390,16 +403,28 @@ def _gguf_q6k_dp4a_kernel(
     scales_at = 8 * h + 4 * a + 2 * b + g  # and sub-blocks of 16, [2, 2, 2, 2]
     for step in range(s_lo, s_hi):
         base, ql_at, qh_at, sc_at, d_at = q6k_fields(row, step, num_steps, PLANES)
-        x_words = tl.load(x_ptr + step * 64 + words_at)
-        x_sums = tl.sum(dp4a(tl.full(x_words.shape, 0x01010101, tl.int32), x_words, tl.zeros_like(x_words), ASM), axis=2)
         q = q6k_step_words(base, ql_at, qh_at, PLANES)
-        dots = tl.sum(dp4a(q, tl.broadcast_to(x_words[None], q.shape), tl.zeros_like(q), ASM), axis=3)
         sc = tl.load((base[:, None, None, None, None] + sc_at + scales_at[None]).to(tl.pointer_type(tl.int8)))
-        d_x = tl.load(d_ptr + step * 8 + groups_at)
-        d = f16_at(base + d_at)[:, None, None, None, None]
-        acc += (d * sc.to(tl.float32)) * (d_x[None] * (dots - 32 * x_sums[None]).to(tl.float32))
-    total = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2), axis=1)
-    store_tile(out_ptr, total, offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
+        d_sc = f16_at(base + d_at)[:, None, None, None, None] * sc.to(tl.float32)
+        for r in tl.static_range(ROWS):
+            at = step if r == 0 else r * num_steps + step  # (row 0: no address arithmetic a step)
+            x_words = tl.load(x_ptr + at * 64 + words_at)
+            x_sums = tl.sum(dp4a(tl.full(x_words.shape, 0x01010101, tl.int32), x_words, tl.zeros_like(x_words), ASM), axis=2)
+            dots = tl.sum(dp4a(q, tl.broadcast_to(x_words[None], q.shape), tl.zeros_like(q), ASM), axis=3)
+            d_x = tl.load(d_ptr + at * 8 + groups_at)
+            terms = d_sc * (d_x[None] * (dots - 32 * x_sums[None]).to(tl.float32))
+            if ROWS == 1:
+                acc += terms
+            else:  # (x + 0.0 is x: the other rows' sums are left as they are)
+                acc += tl.where(rows_at == r, terms[None], 0.0)
+    # out [ROWS, n] (contiguous), or float32 partials [splits, ROWS, n] when SPLIT
+    total = tl.sum(tl.sum(tl.sum(tl.sum(acc, axis=-1), axis=-1), axis=-1), axis=-1)
+    if ROWS == 1:
+        store_tile(out_ptr, total, offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
+    else:
+        rows_at = tl.arange(0, ROWS_P2)[:, None]
+        offs, mask = rows_at * n + offs_n[None, :], (rows_at < ROWS) & mask_n[None, :]
+        store_tile(out_ptr, total, offs, mask, ROWS * n, final_ptr, counters_ptr, SPLIT, SERIAL)
 
 
 def gguf_gemm_rows(
@@ -419,9 +444,9 @@ def gguf_gemm_rows(
     (steps a loop iteration reads) and num_warps: for scripts/bench_gguf.py's sweep, untimed in
     the engine. num_stages: the loop's software pipeline (default NUM_STAGES). dp4a: the
     activations in int8 (default uses_dp4a: DP4A, up to DP4A_MAX_ROWS rows of 16-bit x, Q4_K /
-    Q5_K): Q4_K / Q5_K up to MAX_ROWS rows, Q6_K one; the rows quantised by a kernel of their
-    own first (prequant; default DP4A_PREQUANT for one row, always for several and for Q6_K) or
-    inside the product."""
+    Q5_K; Q6_K in planes with Q6K_ALIGNED): Q4_K / Q5_K up to MAX_ROWS rows, Q6_K up to
+    Q6K_DP4A_MAX_ROWS; the rows quantised by a kernel of their own first (prequant; default
+    DP4A_PREQUANT for one row, always for several and for Q6_K) or inside the product."""
     layout = check_weight("blocks", blocks, qtype)
     fmt, num_blocks, row_bytes, planes = layout.fmt, layout.num_blocks, layout.row_bytes, layout.planes
     check_float("x", x)
@@ -441,7 +466,7 @@ def gguf_gemm_rows(
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows and n:
         programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
-        dp4a_rows = 1 if qtype == "Q6_K" else MAX_ROWS  # (what the kernels take)
+        dp4a_rows = Q6K_DP4A_MAX_ROWS if qtype == "Q6_K" else MAX_ROWS  # (what the kernels take)
         int8 = uses_dp4a(x, qtype, planes) if dp4a is None else dp4a and rows <= dp4a_rows and qtype in DP4A_KERNEL_TYPES
         block_n = block_n or (DP4A_ROWS_BLOCK_N if int8 and rows > 1 else BLOCK_N)
         tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, STEP)
@@ -459,7 +484,7 @@ def gguf_gemm_rows(
                       "num_warps": num_warps, **_stages(NUM_STAGES if num_stages is None else num_stages), **ends}  # fmt: skip
             if qtype == "Q6_K":
                 _gguf_q6k_dp4a_kernel[(tiles, splits)](
-                    target, words, d_x, blocks, n, per_split, steps, row_bytes, PLANES=planes, **common
+                    target, words, d_x, blocks, n, per_split, steps, row_bytes, ROWS=rows, PLANES=planes, **common
                 )
             else:
                 _gguf_dp4a_kernel[(tiles, splits)](
@@ -490,9 +515,10 @@ def gguf_gemm_rows(
 
 def uses_dp4a(x: torch.Tensor, qtype: str, planes: bool = False) -> bool:
     """Whether gguf_gemm_rows multiplies x by a qtype weight with int8 activations by default
-    (planes: Q6_K's weight is in planes, which one row of Q6_K takes so)."""
+    (planes: Q6_K's weight is in planes, which one row of Q6_K takes so, and up to DP4A_MAX_ROWS
+    rows with Q6K_ALIGNED on)."""
     rows = x.shape[0] if x.dim() == 2 else 0
-    types = (*DP4A_TYPES, "Q6_K") if planes and rows == 1 else DP4A_TYPES
+    types = (*DP4A_TYPES, "Q6_K") if planes and (rows == 1 or Q6K_ALIGNED) else DP4A_TYPES
     return DP4A and 1 <= rows <= DP4A_MAX_ROWS and qtype in types and x.dtype != torch.float32
 
 

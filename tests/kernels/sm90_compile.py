@@ -80,8 +80,9 @@ def main() -> None:
                 "WORDS": low and qtype != "Q6_K" and ends["SPLIT"], "PLANES": planes})  # fmt: skip
         for ends, planes in itertools.product(ENDS, layouts):
             compile_sm90(gguf_gemm._gguf_gemv_kernel, GEMV, {**args, "BLOCK_N": 64, **ends, "PLANES": planes})
-        for ends, planes in itertools.product(ENDS, layouts) if qtype == "Q6_K" else ():
-            compile_sm90(gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A, {"BLOCK_N": 64, **ends, "ASM": True, "PLANES": planes})
+        for ends, planes, rows in itertools.product(ENDS, layouts, (1, 3)) if qtype == "Q6_K" else ():
+            compile_sm90(gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A, {
+                "BLOCK_N": 64, "ROWS": rows, **ends, "ASM": True, "PLANES": planes})  # fmt: skip
         dp4a_forms = ((False, 1), (True, 1), (False, 3), (True, 3))  # (PREQUANT, ROWS)
         for ends, (pre, rows) in itertools.product(ENDS, dp4a_forms) if qtype in ("Q4_K", "Q5_K") else ():
             compile_sm90(gguf_gemm._gguf_dp4a_kernel, {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}, {

@@ -1,7 +1,8 @@
 """Q6_K in planes (mmserve/kernels/gguf_planes.py, gguf_gemm.Q6K_ALIGNED): the reordering is exact
-and reversible, the one-row int8-activation product on planes does the arithmetic of the one on
-the file's blocks, every other product and the dequantiser read planes as they read blocks, and
-GgufLinear repacks only with the switch on (on CUDA)."""
+and reversible, the int8-activation product on planes (one row, and several: each row's
+arithmetic the one row's) does the arithmetic of the one on the file's blocks, every other
+product and the dequantiser read planes as they read blocks, and GgufLinear repacks only with
+the switch on (on CUDA)."""
 
 from __future__ import annotations
 
@@ -71,18 +72,52 @@ def test_q6k_planes_one_row_in_int8_activations(
     assert ((out.float() - exact).norm() / exact.norm()).item() < 2e-2
 
 
-def test_q6k_planes_take_int8_activations_at_one_row_by_default() -> None:
-    """gguf_matmul on planes: one 16-bit row through dp4a (gguf_product_ref says so too), two
-    rows and float32 not; the file's blocks keep LOWP at one row (Q6_K is not in DP4A_TYPES)."""
+@pytest.mark.parametrize("serial", [False, True])
+@pytest.mark.parametrize("programs_per_sm", [0, 4])
+@pytest.mark.parametrize(("rows", "num_blocks"), [(2, 3), (2, 8), (3, 3), (4, 1)])
+def test_q6k_several_rows_in_int8_activations(
+    rows: int, num_blocks: int, programs_per_sm: int, serial: bool, dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Several rows in one program (the tile's quants unpacked once): gguf_matmul_dp4a_ref's
+    arithmetic (tightly), each row the one-row kernel's result to the bit, on planes and on the
+    file's blocks alike; 43 channels (a partial tile), K unsplit and split (summed by a second
+    kernel or by the last program)."""
+    monkeypatch.setattr(_common, "SERIAL_SPLITS", serial)
+    k = 256 * num_blocks
+    blocks = random_blocks("Q6_K", 43, k, seed=rows + num_blocks + programs_per_sm)
+    planes = q6k_planes(blocks)
+    x = torch.randn(rows, k, device=DEVICE)
+    x[1, 32:64], x[0, 200] = 0.0, 40.0
+    x = x.to(dtype)
+    out = gguf_gemm_rows(x, planes, "Q6_K", programs_per_sm=programs_per_sm, dp4a=True)
+    assert out.shape == (rows, 43) and out.dtype == dtype
+    _assert_close(out, gguf_matmul_dp4a_ref(x, blocks, "Q6_K"), dtype)
+    _same(out, gguf_gemm_rows(x, blocks, "Q6_K", programs_per_sm=programs_per_sm, dp4a=True))
+    for r in range(rows):
+        _same(out[r : r + 1], gguf_gemm_rows(x[r : r + 1], planes, "Q6_K", programs_per_sm=programs_per_sm, dp4a=True))
+
+
+def test_q6k_planes_take_int8_activations_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gguf_matmul on planes: one 16-bit row through dp4a (gguf_product_ref says so too); up to
+    DP4A_MAX_ROWS rows only with Q6K_ALIGNED on; float32 and more rows not; the file's blocks
+    keep LOWP (Q6_K is not in DP4A_TYPES)."""
     blocks = random_blocks("Q6_K", 41, 512, seed=1)
     planes = q6k_planes(blocks)
-    x = torch.randn(2, 512, device=DEVICE).half()
+    x = torch.randn(gguf_gemm.DP4A_MAX_ROWS + 1, 512, device=DEVICE).half()
+    two = x[: gguf_gemm.DP4A_MAX_ROWS]
     assert gguf_gemm.uses_dp4a(x[:1], "Q6_K", planes=True)
-    assert not gguf_gemm.uses_dp4a(x, "Q6_K", planes=True) and not gguf_gemm.uses_dp4a(x[:1], "Q6_K")
+    assert not gguf_gemm.uses_dp4a(two, "Q6_K", planes=True) and not gguf_gemm.uses_dp4a(x[:1], "Q6_K")
     assert not gguf_gemm.uses_dp4a(x[:1].float(), "Q6_K", planes=True)
     one = gguf_matmul(x[:1], planes, "Q6_K")
     _same(one, gguf_gemm_rows(x[:1], blocks, "Q6_K", dp4a=True))
     _assert_close(one, gguf_gemm.gguf_product_ref(x[:1], planes, "Q6_K"), torch.float16)
+    monkeypatch.setattr(gguf_gemm, "Q6K_ALIGNED", True)
+    assert gguf_gemm.uses_dp4a(two, "Q6_K", planes=True) and not gguf_gemm.uses_dp4a(two, "Q6_K")
+    assert not gguf_gemm.uses_dp4a(x, "Q6_K", planes=True) and not gguf_gemm.uses_dp4a(two.float(), "Q6_K", planes=True)
+    several = gguf_matmul(two, planes, "Q6_K")
+    _same(several, gguf_gemm_rows(two, blocks, "Q6_K", dp4a=True))
+    _assert_close(several, gguf_gemm.gguf_product_ref(two, planes, "Q6_K"), torch.float16)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 16, 20])
@@ -138,7 +173,7 @@ def _linear(dtype: torch.dtype) -> tuple[GgufLinear, list[torch.Tensor]]:
 
 def test_q6k_aligned_switch_repacks_q6k_runs_on_cuda(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Q6K_ALIGNED on a CUDA device (here: made to say so): the Q6_K run is in planes, the
-    others are as loaded, and the products (one row through dp4a, a few, many) are the file
+    others are as loaded, and the products (one and two rows through dp4a, a few, many) are the file
     layout's; on the CPU the switch repacks nothing (the C library reads blocks)."""
     monkeypatch.setattr(gguf_gemm, "Q6K_ALIGNED", True)
     assert not gguf_linear.aligns_q6k(torch.device("cpu"))
@@ -151,10 +186,10 @@ def test_q6k_aligned_switch_repacks_q6k_runs_on_cuda(dtype: torch.dtype, monkeyp
     assert torch.equal(aligned.part1, q6k_planes(torch.cat(parts[1:3]))) and aligned.part1.dim() == 2
     held = plain.held_bytes()  # 2 blocks a row: 420 bytes, padded to 432 in planes
     assert aligned.held_bytes() == {**held, "Q6_K": held["Q6_K"] + 8 * 12}
-    for rows in (1, 3, gguf_gemm.MAX_ROWS + 4):
+    for rows in (1, 2, 3, gguf_gemm.MAX_ROWS + 4):
         x = torch.randn(rows, 512, device=DEVICE).to(dtype)
         out = aligned(x, use_kernels=True)
-        if rows == 1 and dtype != torch.float32:  # Q6_K through dp4a on planes only
+        if rows <= gguf_gemm.DP4A_MAX_ROWS and dtype != torch.float32:  # Q6_K through dp4a on planes only
             q6k = gguf_gemm_rows(x, torch.cat(parts[1:3]), "Q6_K", dp4a=True)
             _same(out[:, 24:32], q6k)
             _same(out[:, :24], plain(x, use_kernels=True)[:, :24])

@@ -11,6 +11,7 @@ import torch
 from mmserve.kernels import _common, fp8_gemm
 from mmserve.kernels.fp8_gemm import fp8_gemm_rows
 from mmserve.kernels.gguf_gemm import gguf_gemm_rows
+from mmserve.kernels.gguf_planes import q6k_planes
 from mmserve.kernels.quant import per_token_quant_ref, quantize_weight_fp8
 from mmserve.kernels.wna16 import pack_columns, wna16_gemm
 from tests.kernels.conftest import DEVICE
@@ -36,6 +37,8 @@ def _products():  # type: ignore[no-untyped-def]
         blocks = random_blocks(qtype, 96, 1024, seed=rows)
         x = torch.randn(rows, 1024, generator=g).to(dtype).to(DEVICE)
         cases.append((f"gguf-{qtype}-{rows}-{forms}", lambda x=x, b=blocks, q=qtype, f=forms: gguf_gemm_rows(x, b, q, **f), SUM))
+    planes, x = q6k_planes(random_blocks("Q6_K", 96, 1024, seed=2)), torch.randn(2, 1024, generator=g).half().to(DEVICE)
+    cases.append(("gguf-Q6_K-planes-2-dp4a", lambda x=x, p=planes: gguf_gemm_rows(x, p, "Q6_K", dp4a=True), SUM))  # several rows
     wna16_cases = [(1, torch.float16, 128, True), (3, torch.float16, 128, True), (3, torch.float32, 64, False), (2, torch.float16, 128, False)]
     for rows, dtype, group_size, dp4a in wna16_cases:
         q = torch.randint(0, 16, (1024, 80), generator=g)
