@@ -78,7 +78,13 @@ class ToolRequest:
             if name not in validators:
                 return False
             validator = validators[name]
-            return validator is None or bool(validator.is_valid(json.loads(arguments)))
+            if validator is None:
+                return True
+            try:
+                value = json.loads(arguments)
+            except ValueError:  # an int past Python's digit limit: it cannot be checked
+                return False
+            return bool(validator.is_valid(value))
 
         return accept
 

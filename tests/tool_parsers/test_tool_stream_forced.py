@@ -9,6 +9,7 @@ import json
 import pytest
 
 from mmserve.frontend.tool_stream import ForcedCallStream
+from mmserve.frontend.tools import ToolRequest, ToolSpec
 from mmserve.processors.tool_parsers import ContentDelta, ToolCallDelta
 
 WEATHER = {"name": "get_weather", "arguments": {"city": 'Oslo, "NO" }{', "days": 2}}
@@ -72,3 +73,25 @@ def test_what_is_not_a_call_stays_content() -> None:
     assert merged(run([CASES["not calls"]])) == [ContentDelta(CASES["not calls"])]
     tail = merged(run([CASES["junk after"]]))
     assert isinstance(tail[0], ToolCallDelta) and tail[-1] == ContentDelta("and more")
+
+
+BIG = '{"x":236245896745012E6729,"y":[-1e999,1.5],"n":' + "9" * 5000 + ',"s":"1E400"}'
+
+
+@pytest.mark.parametrize(
+    "output", ['{"name":"f","arguments":' + BIG + "}", f'[{{"name":"f","arguments":{BIG}}}]']
+)
+def test_numbers_beyond_floats_range_are_arguments_as_written(output: str) -> None:
+    """JSON numbers have no range and a grammar for "type": "number" lets 1E400 through: the
+    call is still a call (it was content, with finish reason stop), its number kept as
+    written, not "Infinity" (not JSON)."""
+    calls = run([output])
+    assert calls == [ToolCallDelta(0, "call_0", "f", BIG)]
+    assert json.loads(BIG.replace("9" * 5000, "9"))["x"] == float("inf")  # Python's reading
+
+
+def test_strict_tools_refuse_arguments_that_cannot_be_checked() -> None:
+    tool = ToolSpec("f", {"type": "object", "properties": {"n": {"type": "integer"}}}, True, "t")
+    accept = ToolRequest((tool,), "required").accept()
+    assert accept("f", '{"n":12}') and not accept("f", '{"n":1.5}')
+    assert not accept("f", '{"n":' + "9" * 5000 + "}")  # past int's digit limit: no crash

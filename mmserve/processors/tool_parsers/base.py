@@ -8,8 +8,9 @@ Contract (every format):
   of a call, which is held until it is decided: a tail that may start a marker, a call
   being read, and (untagged calls, below) an output that starts with `{`, `[` or "```".
 - Arguments are canonical compact JSON: `json.dumps(value, separators=(",", ":"),
-  ensure_ascii=False)` of the parsed object. This is the same string whatever the chunking,
-  and the same for every format (pythonic calls have no JSON text to pass through).
+  ensure_ascii=False)` of the parsed object (a number beyond float's range kept as
+  written). This is the same string whatever the chunking, and the same for every format
+  (pythonic calls have no JSON text to pass through).
 - A malformed call stays content, verbatim; so does a call the caller's `accept(name,
   arguments)` refuses (an unknown tool, arguments that break a strict tool's schema), and
   a call that repeats a key (JSON) or a keyword argument (pythonic): it is not a call,
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import json
+import math
 import re
 import secrets
 from collections.abc import Callable, Sequence
@@ -86,7 +88,7 @@ def canonical_arguments(value: Any) -> str | None:
         text.encode("utf-8")  # a lone surrogate from a "\ud800" escape cannot be sent
     except (TypeError, ValueError, RecursionError):
         return None
-    return text
+    return _BIG_NUMBER.sub(r"\1", text) if _NONCE in text else text
 
 
 def arguments_of(call: dict[str, Any]) -> Any:
@@ -130,9 +132,49 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+@dataclass(frozen=True)
+class _BigNumber:
+    """A JSON number beyond Python's float range or int digit limit, as written: JSON numbers
+    have no range, so `1E400` is valid arguments (a grammar for `"type": "number"` lets it
+    through) and must not turn a call into content."""
+
+    text: str
+
+
+def _parse_float(text: str) -> float | _BigNumber:
+    value = float(text)
+    return value if math.isfinite(value) else _BigNumber(text)
+
+
+def _parse_int(text: str) -> int | _BigNumber:
+    try:
+        return int(text)
+    except ValueError:  # more digits than sys.get_int_max_str_digits()
+        return _BigNumber(text)
+
+
+# A _BigNumber is encoded as the string `_NONCE + text`, then unquoted (the encoder cannot
+# write raw text; its digits, sign and exponent need no escaping).
+_NONCE = secrets.token_hex(16)
+_BIG_NUMBER = re.compile(f'"{_NONCE}([^"]*)"')
+
+
+def _encode_big(value: Any) -> str:
+    if isinstance(value, _BigNumber):
+        return _NONCE + value.text
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
 # Made once: json.dumps / json.loads with options build a new coder on every call.
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_unique)
+_ENCODER = json.JSONEncoder(
+    separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_encode_big
+)
+_DECODER = json.JSONDecoder(
+    parse_constant=_reject_constant,
+    parse_float=_parse_float,
+    parse_int=_parse_int,
+    object_pairs_hook=_unique,
+)
 
 
 class StreamingToolParser(abc.ABC):
