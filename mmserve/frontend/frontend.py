@@ -68,7 +68,12 @@ class GenerationDelta:
     def ends_on_stop_token(self) -> bool:
         """Whether the last of token_ids is the EOS or stop token id that ended the choice
         (its text is not shown unless include_stop_str_in_output)."""
-        return self.finish_reason == "stop" and isinstance(self.stop_reason, int)
+        return ends_on_stop_token(self.finish_reason, self.stop_reason)
+
+
+def ends_on_stop_token(finish_reason: str | None, stop_reason: int | str | None) -> bool:
+    """Whether an output that finished so ended on an EOS or stop token id (its last)."""
+    return finish_reason == "stop" and isinstance(stop_reason, int)
 
 
 @dataclass
@@ -431,8 +436,7 @@ class FrontEnd:
             return PooledResult(choice.parent_id, out)
         text, stop_reason, finish = "", out.stop_reason, out.finish_reason
         token_ids, logprobs = out.new_token_ids, out.new_logprobs
-        # the last token is the EOS or stop token id that ended it (its text is not shown)
-        on_token = finish == "stop" and isinstance(stop_reason, int)
+        on_token = ends_on_stop_token(finish, stop_reason)  # (its text is not shown)
         if token_ids and choice.stopped is None:
             texts = []
             # several tokens (speculative decoding): one at a time, so that the tokens after
