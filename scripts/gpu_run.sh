@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial gcab embedhost (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a gcab embedhost (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -151,6 +151,11 @@ if has serial; then
       python3 scripts/ab_switch.py $S -- latency,decode $Q --checkpoint-format $f
     done
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/serial.txt"
+fi
+if has sweepdp4a; then
+  # w4a16's one-row int8-activation product over its launch knobs (issue 19): programs per SM,
+  # warps, pipeline depth, channels a program; a copy of the same bytes as the card's bandwidth
+  timeout ${SWEEP_TIMEOUT:-240} python3 scripts/sweep_dp4a.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/sweepdp4a.txt"
 fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline

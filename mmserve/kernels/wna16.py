@@ -93,6 +93,10 @@ DP4A_BLOCK_N = 128  # (sm_90 SASS, Triton 3.6: 2.29 instructions a weight; 64 ch
 # 3.24/3.44/4.36/5.88: up to 4
 DP4A_MAX_ROWS = 4
 DP4A_ROWS = 16
+# the DP4A kernels' warps a program and software-pipeline depth (None: Triton's default); swept
+# with PROGRAMS_PER_SM and DP4A_BLOCK_N by scripts/sweep_dp4a.py
+DP4A_NUM_WARPS = 4
+DP4A_NUM_STAGES: int | None = None
 
 
 @triton.jit
@@ -509,7 +513,9 @@ def _dp4a_product(
     operands = (qweight, scales, scales if zeros is None else zeros, n, k, group_size, per_split * 128,
                 qweight.stride(0), scales.stride(0))  # fmt: skip
     meta = {"BLOCK_N": DP4A_BLOCK_N, "HAS_ZEROS": zeros is not None, "SPLIT": splits > 1,
-            "ASM": not triton.knobs.runtime.interpret, **store_args(out, counters)}  # fmt: skip
+            "ASM": not triton.knobs.runtime.interpret, "num_warps": DP4A_NUM_WARPS, **store_args(out, counters)}  # fmt: skip
+    if DP4A_NUM_STAGES is not None:
+        meta["num_stages"] = DP4A_NUM_STAGES
     if rows == 1:
         _wna16_dp4a_kernel[(tiles, splits)](target, x, *operands, **meta)
     else:  # the rows' activations quantised first, then the words unpacked once for all of them

@@ -1,0 +1,88 @@
+"""w4a16's one-row int8-activation product (wna16.DP4A) over its launch knobs, on a GPU (issue 19):
+programs per SM (the K split), warps a program, pipeline depth and channels a program, at the 8B
+shape's projections (g128, symmetric as the bench's w4a16-g128), bf16. Prints, per shape, the
+default's microseconds and read bandwidth, each setting's, the best, and a same-run copy of the
+weight's bytes (device to device, counted read + write) as the bandwidth the card gives. Times
+are CUDA graphs over 8 copies of the weight (past the L2).
+
+    python scripts/sweep_dp4a.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import triton
+
+from mmserve.kernels import wna16
+from mmserve.kernels.wna16 import pack_columns, wna16_gemm, wna16_gemm_ref
+
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
+KNOBS = ("PROGRAMS_PER_SM", "DP4A_NUM_WARPS", "DP4A_NUM_STAGES", "DP4A_BLOCK_N")
+GRID = {
+    "PROGRAMS_PER_SM": (2, 4, 8, 16),
+    "DP4A_NUM_WARPS": (4, 8),
+    "DP4A_NUM_STAGES": (None, 1, 4),
+    "DP4A_BLOCK_N": (128, 256),
+}
+QUICK = {"PROGRAMS_PER_SM": (4, 8), "DP4A_NUM_WARPS": (4, 8), "DP4A_NUM_STAGES": (None,), "DP4A_BLOCK_N": (128,)}
+
+
+def timed(fn, copies: int) -> float:  # type: ignore[no-untyped-def]
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=60) / copies  # microseconds a product
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    grid = QUICK if parser.parse_args().quick else GRID
+    torch.manual_seed(0)
+    default = {name: getattr(wna16, name) for name in KNOBS}
+    copies = 8
+    for n, k in SHAPES:
+        qs = [pack_columns(torch.randint(0, 16, (k, n)), 4).cuda() for _ in range(copies)]
+        scales = (torch.rand(k // 128, n) * 0.02 + 0.001).to(torch.bfloat16).cuda()
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        exact = wna16_gemm_ref(x, qs[0], scales, None, 4, 128)
+        nbytes = qs[0].numel() * 4 + scales.numel() * 2
+        sinks = [torch.empty_like(q) for q in qs]
+
+        def copy(qs=qs, sinks=sinks) -> None:  # type: ignore[no-untyped-def]
+            for q, sink in zip(qs, sinks, strict=True):
+                sink.copy_(q)
+
+        copy_gbps = 2 * qs[0].numel() * 4 / timed(copy, copies) / 1e3
+
+        def run(x=x, qs=qs, scales=scales) -> None:  # type: ignore[no-untyped-def]
+            for q in qs:
+                wna16_gemm(x, q, scales, None, 4, 128, dp4a=True)
+
+        results = []
+        for values in itertools.product(*(grid[name] for name in KNOBS)):
+            for name, value in zip(KNOBS, values, strict=True):
+                setattr(wna16, name, value)
+            try:
+                out = wna16_gemm(x, qs[0], scales, None, 4, 128, dp4a=True).float()
+                err = ((out - exact).norm() / exact.norm()).item()
+                us = timed(run, copies)
+            except (RuntimeError, triton.runtime.errors.OutOfResources) as exc:  # (past the card's resources)
+                print(json.dumps({"n": n, "k": k, **dict(zip(KNOBS, values, strict=True)), "error": str(exc)[:120]}))
+                continue
+            finally:
+                for name, value in default.items():
+                    setattr(wna16, name, value)
+            line = {**dict(zip(KNOBS, values, strict=True)), "us": round(us, 2),
+                    "GBps": round(nbytes / us / 1e3), "rel_err": round(err, 5)}  # fmt: skip
+            results.append(line)
+            print(json.dumps({"n": n, "k": k, **line}), flush=True)
+        base = next((r for r in results if all(r[name] == default[name] for name in KNOBS)), None)
+        best = min(results, key=lambda r: r["us"]) if results else None
+        print(json.dumps({"n": n, "k": k, "MB": round(nbytes / 1e6, 1), "copy_GBps": round(copy_gbps),
+                          "default": base, "best": best}), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
