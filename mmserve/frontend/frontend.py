@@ -23,7 +23,7 @@ from mmserve.errors import InvalidArgument
 from mmserve.frontend import chat
 from mmserve.frontend.images import ImagePrompts, check_placeholders
 from mmserve.frontend.pooling_inputs import InputEncoder
-from mmserve.frontend.prompts import PromptLimit, encode_prompt
+from mmserve.frontend.prompts import PromptLimit, TokenLimit, encode_prompt
 from mmserve.frontend.reasoning import ReasoningOutput, engine_gate, reasoning_output
 from mmserve.frontend.tool_stream import ToolOutput
 from mmserve.frontend.tools import ToolRequest
@@ -202,12 +202,12 @@ class FrontEnd:
         self,
         conversation: chat.ChatInput,
         images: Sequence[DecodedImage] = (),
-        limit: PromptLimit | None = None,
+        limit: TokenLimit | None = None,
     ) -> chat.ChatPrompt:
         """The chat's prompt text, token ids and images (blocking: off the event loop); its
         template is stopped after template_timeout_ms (InvalidArgument on "chat"). limit: a
         rendered text far past it is refused (on "chat") before it is tokenised; None: any
-        length (Tokenize)."""
+        length."""
         prompts = self.images if self.info.reads_images else None
         max_tokens = None if limit is None else limit.tokens
         try:

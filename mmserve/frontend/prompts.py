@@ -4,10 +4,22 @@ tokenising all of a text far past that (processors/long_texts.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from mmserve.errors import InvalidArgument
 from mmserve.processors.long_texts import find_long_text
+
+
+class TokenLimit(Protocol):
+    """The most tokens an input may have, and the refusal of one past it."""
+
+    @property
+    def tokens(self) -> int: ...
+
+    def error(self, field: str, tokens: int, at_least: bool = False) -> InvalidArgument:
+        """The refusal of an input of `tokens` tokens (at_least: of that many or more, found
+        from a part of its text)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -34,7 +46,7 @@ class PromptLimit:
 
 
 def encode_prompt(
-    tokenizer: Any, text: str, add_special_tokens: bool, limit: PromptLimit, field: str
+    tokenizer: Any, text: str, add_special_tokens: bool, limit: TokenLimit, field: str
 ) -> list[int]:
     """tokenizer.encode(text); a text found far past the limit from a head of it is refused
     (InvalidArgument on field) without tokenising the rest."""

@@ -18,7 +18,7 @@ from jinja2.exceptions import SecurityError, TemplateError
 from transformers import PreTrainedTokenizerFast
 
 from mmserve.errors import InvalidArgument, UnsupportedModel
-from mmserve.processors.content_parts import reads_parts
+from mmserve.processors.content_parts import ContentFormat, content_format
 from mmserve.processors.long_texts import TooManyTokens, find_long_text
 from mmserve.processors.time_limit import TimeLimitExceeded, call_with_time_limit
 
@@ -188,7 +188,7 @@ def _template_args(
     # A template that ignores tools would silently drop them: refuse instead.
     if tools and "tools" not in template:
         raise InvalidArgument("tools", "this model's chat template does not support tools")
-    args["conversation"] = validate_messages(messages, allow_images, reads_parts(template))
+    args["conversation"] = validate_messages(messages, allow_images, content_format(template))
     if "developer" not in template:  # a template that does not know the role reads system
         for message in args["conversation"]:
             if message["role"] == "developer":
@@ -265,20 +265,23 @@ def parse_template_kwargs(kwargs: Mapping[str, object]) -> dict[str, object]:
 
 
 def validate_messages(
-    messages: Sequence[Mapping[str, Any]], allow_images: bool = False, keep_parts: bool = False
+    messages: Sequence[Mapping[str, Any]],
+    allow_images: bool = False,
+    content: ContentFormat = "string",
 ) -> list[dict[str, Any]]:
     """Check roles, keys and content; return plain-dict copies ready for the template.
-    keep_parts: text-only part lists stay lists (for templates that read them, reads_parts)."""
+    content: how the template reads content (content_format): text-only part lists stay
+    lists for "parts", and strings become one text part for "parts_only"."""
     if not messages:
         raise InvalidArgument("messages", "must not be empty")
     return [
-        _validate_message(f"messages[{i}]", m, allow_images, keep_parts)
+        _validate_message(f"messages[{i}]", m, allow_images, content)
         for i, m in enumerate(messages)
     ]
 
 
 def _validate_message(
-    field: str, message: Mapping[str, Any], allow_images: bool, keep_parts: bool
+    field: str, message: Mapping[str, Any], allow_images: bool, content_as: ContentFormat
 ) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise InvalidArgument(field, "must be an object with role and content")
@@ -304,8 +307,8 @@ def _validate_message(
     content = message.get("content")
     if content is not None:
         # tool results stay strings, as vLLM passes them: few templates read their parts
-        keep = keep_parts and role != "tool"
-        out["content"] = _flatten_content(f"{field}.content", content, allow_images, keep)
+        as_format: ContentFormat = "string" if role == "tool" else content_as
+        out["content"] = _flatten_content(f"{field}.content", content, allow_images, as_format)
     elif "tool_calls" in out:
         # A call without text (OpenAI's content null) has empty content, as vLLM renders it:
         # templates read content unguarded (Qwen3's `'</think>' in message.content`).
@@ -316,14 +319,15 @@ def _validate_message(
 
 
 def _flatten_content(
-    field: str, content: Any, allow_images: bool, keep_parts: bool
+    field: str, content: Any, allow_images: bool, content_as: ContentFormat
 ) -> str | list[dict[str, str]]:
     # Text-only part lists become one string (joined by newlines, as vLLM does) unless the
     # template reads parts (content_parts.py): most templates expect strings, and many
     # (SmolLM2's included) break on lists or print them as Python reprs. With images the list
-    # stays, as [{"type": "text", "text"}, {"type": "image"}, ...].
+    # stays, as [{"type": "text", "text"}, {"type": "image"}, ...]. A string stays one unless
+    # the template reads only lists, where it would render as nothing.
     if isinstance(content, str):
-        return content
+        return [{"type": "text", "text": content}] if content_as == "parts_only" else content
     if not isinstance(content, list):
         raise InvalidArgument(field, "must be a string or a list of parts")
     parts: list[dict[str, str]] = []
@@ -337,7 +341,7 @@ def _flatten_content(
         if kind != "text":
             raise InvalidArgument(f"{field}[{j}].type", f"must be 'text', got {kind!r}")
         parts.append({"type": "text", "text": _string(f"{field}[{j}].text", part.get("text"))})
-    if not keep_parts and all(p["type"] == "text" for p in parts):
+    if content_as == "string" and all(p["type"] == "text" for p in parts):
         return "\n".join(p["text"] for p in parts)
     return parts
 

@@ -12,13 +12,21 @@ reads `msg.get('content')` too (Kimi K2 Thinking's `render_content(message)`, wh
 walk misses). A loop over the content counts only if it reads its items as parts ("type",
 "text", "image", "image_url"), so that Mistral Nemo's `set tool_calls = message.content`,
 looped over as tool calls, does not make every message a list.
+
+A template whose part loops all run unguarded (SmolVLM, Idefics2/3, llava-onevision) reads
+only lists: given a string, its loop walks the characters, finds no "type", and the text
+vanishes without an error. vLLM wraps every string in a text part for any template that
+loops over parts; but a template with a string branch (Llama 3.2 Vision, Llama 4, Gemma 3)
+renders the two differently and reads a system string outside its loops (`content | trim`),
+so strings are wrapped only for templates none of whose part loops sits under an
+`is string` test of the content ("parts_only").
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 from jinja2 import nodes
 from jinja2.exceptions import TemplateError
@@ -29,18 +37,57 @@ PART_KEYS = frozenset({"type", "text", "image", "image_url"})
 _ITEM_FILTERS = frozenset({"selectattr", "rejectattr", "map", "groupby", "sort", "unique"})
 
 
-@lru_cache(maxsize=64)
+# How a message's content reaches a template:
+# "string": as one string (text parts joined); "parts": text parts as a list, a string as it
+# is (the template branches on `is string`); "parts_only": always a list (a string wrapped as
+# one text part)
+ContentFormat = Literal["string", "parts", "parts_only"]
+
+
 def reads_parts(template: str) -> bool:
     """Whether some loop over a message's content reads its items as parts (so text parts
     reach the template as a list, as transformers passes them)."""
+    return content_format(template) != "string"
+
+
+@lru_cache(maxsize=64)
+def content_format(template: str) -> ContentFormat:
+    """"string" unless some loop over a message's content reads its items as parts; then
+    "parts" if one of those loops sits under an `is string` test of the content, else
+    "parts_only" (the template cannot render a string)."""
     try:
         tree = _parse_environment().parse(template)
     except TemplateError:
-        return False  # rendering reports it
+        return "string"  # rendering reports it
     held = _content_names(tree)
+    part_loops = [
+        guarded
+        for loop, guarded in _loops(tree, held, guarded=False)
+        if _holds_content(loop.iter, held) and _reads_items_as_parts(loop)
+    ]
+    if not part_loops:
+        return "string"
+    return "parts" if any(part_loops) else "parts_only"
+
+
+def _loops(
+    node: nodes.Node, held: frozenset[str], guarded: bool
+) -> Iterator[tuple[nodes.For, bool]]:
+    """Each loop, and whether it sits in an `if` (its body, elif or else) whose test asks
+    whether the content is a string."""
+    if isinstance(node, nodes.If) and _tests_for_string(node.test, held):
+        guarded = True
+    if isinstance(node, nodes.For):
+        yield node, guarded
+    for child in node.iter_child_nodes():
+        yield from _loops(child, held, guarded)
+
+
+def _tests_for_string(test: nodes.Node, held: frozenset[str]) -> bool:
+    """`content is string` (or `is not string`, within and/or) on something holding content."""
     return any(
-        _holds_content(loop.iter, held) and _reads_items_as_parts(loop)
-        for loop in tree.find_all(nodes.For)
+        isinstance(node, nodes.Test) and node.name == "string" and _holds_content(node.node, held)
+        for node in _walk(test)
     )
 
 

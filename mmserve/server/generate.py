@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from mmserve.errors import EngineDead, InvalidArgument
 from mmserve.frontend.chat import ChatPrompt
 from mmserve.frontend.frontend import GenerateJob, GenerationDelta
-from mmserve.frontend.prompts import PromptLimit
+from mmserve.frontend.prompts import PromptLimit, TokenLimit
 from mmserve.frontend.reasoning import ChoiceReasoning, ReasoningOutput
 from mmserve.frontend.tool_stream import ChoiceToolStream, ToolOutput
 from mmserve.inputs import MMInput
@@ -43,10 +43,14 @@ async def off_loop(
 
 
 async def render_chat(
-    handle: ModelHandle, chat: generate_pb2.Chat, images: ImageInputs | None, namespace: str = ""
+    handle: ModelHandle,
+    chat: generate_pb2.Chat,
+    images: ImageInputs | None,
+    namespace: str = "",
+    limit: TokenLimit | None = None,
 ) -> ChatPrompt:
-    """The chat's prompt (images expanded), as Generate feeds it."""
-    return await chat_prompt(handle, await chat_input(handle, chat), images, namespace)
+    """The chat's prompt (images expanded), as Generate feeds it; limit: as for chat_prompt."""
+    return await chat_prompt(handle, await chat_input(handle, chat), images, namespace, limit)
 
 
 async def chat_input(handle: ModelHandle, chat: generate_pb2.Chat) -> convert.ProtoChat:
@@ -60,7 +64,7 @@ async def chat_prompt(
     c: convert.ProtoChat,
     images: ImageInputs | None,
     namespace: str = "",
-    limit: PromptLimit | None = None,
+    limit: TokenLimit | None = None,
 ) -> ChatPrompt:
     """The chat's images loaded (`namespace`, the cache_salt, scopes their uuids), then
     rendered by the model's front end; templates are arbitrary jinja: always off the loop, on

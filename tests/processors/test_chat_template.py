@@ -275,7 +275,7 @@ def test_reads_parts_without_transformers_private_parser(monkeypatch: pytest.Mon
             raise ImportError(name)
         return real_import(name, *args, **kwargs)
 
-    for cached in (content_parts._parse_environment, content_parts.reads_parts):
+    for cached in (content_parts._parse_environment, content_parts.content_format):
         cached.cache_clear()
     monkeypatch.setattr(builtins, "__import__", no_private)
     try:
@@ -283,5 +283,5 @@ def test_reads_parts_without_transformers_private_parser(monkeypatch: pytest.Mon
         assert not content_parts.reads_parts("{% for m in messages %}{{ m.content }}{% endfor %}")
     finally:
         monkeypatch.undo()
-        for cached in (content_parts._parse_environment, content_parts.reads_parts):
+        for cached in (content_parts._parse_environment, content_parts.content_format):
             cached.cache_clear()

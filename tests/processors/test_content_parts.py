@@ -11,7 +11,11 @@ The templates in chat_templates/ are real ones, byte for byte as found in:
 - llama.cpp models/templates: mistralai/Mistral-Small-3.1-24B-Instruct-2503
   (mistral_small_3_1);
 - an LM Studio preset of Qwen3-VL-*-Thinking (qwen3_vl_thinking), and transformers'
-  llava-onevision conversion script (llava_onevision).
+  llava-onevision conversion script (llava_onevision);
+- huggingface.js packages/jinja/test/e2e.test.js (commit fe42e68): meta-llama/
+  Llama-3.2-11B-Vision-Instruct (llama3_2_vision);
+- text-generation-inference's router chat-template tests: HuggingFaceM4/idefics2-8b-chatty
+  (idefics2; Idefics3's is the same with `<|begin_of_text|>` in front).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import pytest
 
 from mmserve.processors.chat_template import render_and_tokenize, render_chat
-from mmserve.processors.content_parts import reads_parts
+from mmserve.processors.content_parts import content_format, reads_parts
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 # whether the template reads text parts: what decides how they reach it
@@ -36,9 +40,13 @@ READS_PARTS = {
     "llama4": True,
     "smolvlm": True,
     "llava_onevision": True,  # `message['content'] | selectattr('type', 'equalto', ...)`
+    "idefics2": True,
+    "llama3_2_vision": True,  # an unguarded loop looks for images; the next has `is string`
     "mistral_small_3_1": True,  # reads user parts; also Nemo's loop below
     "mistral_nemo": False,  # `set tool_calls = message.content` loops over tool calls only
 }
+# templates whose part loops have no `is string` branch: a string renders as nothing there
+READS_ONLY_PARTS = {"smolvlm", "idefics2", "llava_onevision"}
 # templates that place images (the rest have no image branch)
 VISION = sorted(set(READS_PARTS) - {"mistral_nemo"})
 
@@ -53,13 +61,22 @@ def with_template(tokenizer: Any, text: str) -> Any:
     return clone
 
 
-def transformers_render(tokenizer: Any, messages: list[dict[str, Any]], as_parts: bool) -> str:
+def transformers_render(
+    tokenizer: Any, messages: list[dict[str, Any]], as_parts: bool, wrap_strings: bool = False
+) -> str:
     """transformers' rendering of the messages as an OpenAI-style server passes them: text
-    parts as the list, for templates that read parts, else joined by newlines."""
+    parts as the list, for templates that read parts, else joined by newlines; with
+    wrap_strings, each string as one text part."""
     if not as_parts:
         messages = [{**m, "content": _joined(m["content"])} for m in messages]
+    if wrap_strings:
+        messages = [{**m, "content": _wrapped(m["content"])} for m in messages]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return str(text)
+
+
+def _wrapped(content: str | list[dict[str, str]]) -> list[dict[str, str]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
 
 
 def _joined(content: str | list[dict[str, str]]) -> str | list[dict[str, str]]:
@@ -78,6 +95,46 @@ def test_reads_parts_of_real_templates(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(READS_PARTS))
+def test_content_format_of_real_templates(name: str) -> None:
+    expected = "parts_only" if name in READS_ONLY_PARTS else "parts"
+    assert content_format(template(name)) == (expected if READS_PARTS[name] else "string")
+
+
+@pytest.mark.parametrize("name", sorted(READS_PARTS))
+def test_string_content_renders_its_text(smollm2_tokenizer: Any, name: str) -> None:
+    # A template that reads only lists gets each string as one text part, rendered as
+    # transformers renders that part; every other template gets the strings as they are
+    # (Llama 3.2 Vision's `is string` branch and its `content | trim` of the first message
+    # render a wrapped string differently).
+    tok = with_template(smollm2_tokenizer, template(name))
+    messages = [
+        {"role": "user", "content": "Describe this."},
+        {"role": "assistant", "content": "A cat."},
+        {"role": "user", "content": "What colour?"},
+    ]
+    expected = transformers_render(tok, messages, True, name in READS_ONLY_PARTS)
+    assert render_chat(tok, messages) == expected
+    assert all(m["content"] in expected for m in messages)
+
+
+@pytest.mark.parametrize("name", sorted(READS_ONLY_PARTS))
+def test_string_system_and_mixed_content_on_list_only_templates(
+    smollm2_tokenizer: Any, name: str
+) -> None:
+    tok = with_template(smollm2_tokenizer, template(name))
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]},
+        {"role": "assistant", "content": "A cat."},
+        {"role": "user", "content": "What colour?"},
+    ]
+    text, _ = render_and_tokenize(tok, messages, allow_images=True)
+    for words in ("Be brief.", "A cat.", "What colour?"):
+        assert words in text
+    assert "<image>" in text
+
+
+@pytest.mark.parametrize("name", sorted(READS_PARTS))
 def test_text_parts_render_as_transformers_does(smollm2_tokenizer: Any, name: str) -> None:
     # Qwen3.5, Qwen3-VL, Kimi K2 and LFM2.5-VL read the parts in a macro: joined with
     # newlines (as they were before the walk followed macros) they render differently.
@@ -88,9 +145,10 @@ def test_text_parts_render_as_transformers_does(smollm2_tokenizer: Any, name: st
         {"role": "assistant", "content": "A cat."},
         {"role": "user", "content": parts},
     ]
-    expected = transformers_render(tok, messages, READS_PARTS[name])
+    expected = transformers_render(tok, messages, READS_PARTS[name], name in READS_ONLY_PARTS)
     assert render_chat(tok, messages) == expected
     assert ("Describe\n this." in expected) is not READS_PARTS[name]
+    assert "A cat." in expected
 
 
 @pytest.mark.parametrize("name", VISION)
@@ -152,6 +210,44 @@ NOT_PARTS = {
     ),
     "syntax error": "{% for m in messages %}{{ m.content",  # rendering reports it
 }
+
+
+# part loops under a string test of the content: strings stay strings ("parts")
+STRING_BRANCHES = {
+    "else of is string": (
+        "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}"
+        "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}{% endfor %}"
+    ),
+    # in an elif after the test, inside a macro, on a name set from the content
+    "elif in a macro": (
+        "{% macro show(c) %}{% if c is not string and c is not none %}{% for p in c %}"
+        "{{ p['text'] }}{% endfor %}{% elif c %}{{ c }}{% endif %}{% endmacro %}"
+        "{% for m in messages %}{% set body = m['content'] %}{{ show(body) }}{% endfor %}"
+    ),
+}
+# part loops under no such test: strings are wrapped ("parts_only")
+NO_STRING_BRANCH = {
+    # the test reads only the first message (its else a part); the loop reads lists only
+    "test outside the loop": (
+        "{% if messages[0].content is string %}{{ messages[0].content }}"
+        "{% else %}{{ messages[0].content[0].text }}{% endif %}"
+        "{% for m in messages[1:] %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}"
+    ),
+    "test of another value": (
+        "{% for m in messages %}{% if m.role is string %}{% for p in m.content %}{{ p.text }}"
+        "{% endfor %}{% endif %}{% endfor %}"
+    ),
+}
+
+
+@pytest.mark.parametrize("text", STRING_BRANCHES.values(), ids=STRING_BRANCHES.keys())
+def test_content_format_finds_string_branches(text: str) -> None:
+    assert content_format(text) == "parts"
+
+
+@pytest.mark.parametrize("text", NO_STRING_BRANCH.values(), ids=NO_STRING_BRANCH.keys())
+def test_content_format_without_string_branch(text: str) -> None:
+    assert content_format(text) == "parts_only"
 
 
 @pytest.mark.parametrize("text", FOLLOWED.values(), ids=FOLLOWED.keys())

@@ -158,14 +158,51 @@ def test_media_paths_that_are_no_image_file(media: Path, path: str, says: str) -
 
 
 def test_detokenize_ids_are_capped(stub: Any) -> None:
-    """Decoding holds Python's lock: past MAX_DETOKENIZE_IDS the call is refused before it."""
-    from mmserve.server.tokens import MAX_DETOKENIZE_IDS
+    """Decoding holds Python's lock: past MAX_TOKENIZE_IDS the call is refused before it."""
+    from mmserve.server.tokens import MAX_TOKENIZE_IDS
     from mmserve_client.v1 import tokenize_pb2
 
-    request = tokenize_pb2.DetokenizeRequest(model="tiny-a", token_ids=[5] * (MAX_DETOKENIZE_IDS + 1))
+    request = tokenize_pb2.DetokenizeRequest(model="tiny-a", token_ids=[5] * (MAX_TOKENIZE_IDS + 1))
     with pytest.raises(grpc.RpcError) as e:
         stub.Detokenize(request, timeout=60)
     assert e.value.code() == INVALID
-    assert str(e.value.details()).startswith(f"token_ids: {MAX_DETOKENIZE_IDS + 1} ids; at most")
+    assert str(e.value.details()).startswith(f"token_ids: {MAX_TOKENIZE_IDS + 1} ids; at most")
     text = stub.Detokenize(tokenize_pb2.DetokenizeRequest(model="tiny-a", token_ids=[5, 6]), timeout=60)
     assert text.text  # under the cap it decodes
+
+
+def test_tokenize_texts_are_capped(
+    stub: Any, tiny_server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tokenising holds Python's lock (a 30 MB text held a thread ~40 s): a text far past
+    MAX_TOKENIZE_IDS is refused from a head of it, the rest never tokenised; one just past it
+    by its exact count; a chat's rendered text alike."""
+    from mmserve.server import tokens
+    from mmserve_client.v1 import tokenize_pb2
+
+    monkeypatch.setattr(tokens, "MAX_TOKENIZE_IDS", 8)
+    tokenizer = tiny_server.handle("tiny-a").tokenizer
+    encoded: list[int] = []  # characters of each text tokenised
+
+    def encode(text: str, *args: Any, **kwargs: Any) -> Any:
+        encoded.append(len(text))
+        return type(tokenizer).encode(tokenizer, text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+
+    def refused(**input: Any) -> str:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Tokenize(tokenize_pb2.TokenizeRequest(model="tiny-a", **input), timeout=60)
+        assert e.value.code() == INVALID, e.value.details()
+        return str(e.value.details())
+
+    huge = "word " * 20_000
+    assert re.fullmatch(r"text: at least \d+ tokens; at most 8 tokens", refused(text=huge))
+    assert encoded and max(encoded) < len(huge) / 4
+    assert re.fullmatch(r"text: \d+ tokens; at most 8 tokens", refused(text="word " * 20))
+    message = generate_pb2.Message(role="user", content=[generate_pb2.ContentPart(text=huge)])
+    chat = generate_pb2.Chat(messages=[message])
+    assert re.fullmatch(r"chat: at least \d+ tokens; at most 8 tokens", refused(chat=chat))
+    assert re.fullmatch(r"chat: \d+ tokens; at most 8 tokens", refused(chat=_chat()))
+    ids = stub.Tokenize(tokenize_pb2.TokenizeRequest(model="tiny-a", text="hi"), timeout=60)
+    assert 0 < len(ids.token_ids) <= 8  # under the cap it tokenises
