@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a gcab embedhost (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -151,6 +151,21 @@ if has serial; then
       python3 scripts/ab_switch.py $S -- latency,decode $Q --checkpoint-format $f
     done
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/serial.txt"
+fi
+if has pdl; then
+  # programmatic dependent launch (_common.PDL; issues 19, 23 target 1): its chain test and the
+  # GPU tests under it (--pdl), then batch-1 decode off and on: FP8 latency, and w4a16-g128's and
+  # the Q4_K_M file's latency and decode steps at batch 1 and 2
+  timeout ${PDL_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider ${PDL_TESTS:-tests/gpu/test_gpu_pdl.py tests/gpu/test_gpu_quantized_decode.py tests/gpu/test_gpu_engine.py} --pdl 2>&1 | tail -12 | tee "$OUT/pdl-tests.txt"
+  S=mmserve.kernels._common.PDL=True
+  L="latency --input-len 128 --output-len 128 --max-num-seqs 1 --load-format dummy --quantization fp8"
+  Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024 --batch-sizes 1,2"
+  { $B $L; echo "$S"; python3 scripts/ab_switch.py $S -- $L
+    for f in ${PDL_FORMATS:-w4a16-g128 gguf:Q4_K_M}; do
+      $B latency,decode $Q --checkpoint-format $f; echo "$S"
+      python3 scripts/ab_switch.py $S -- latency,decode $Q --checkpoint-format $f
+    done
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/pdl.txt"
 fi
 if has sweepdp4a; then
   # w4a16's one-row int8-activation product over its launch knobs (issue 19): programs per SM,

@@ -24,3 +24,18 @@ if _workers > 1:
 # without shutting them down, frozen cycles that are never freed. Tests start engines with it
 # off unless they say otherwise; tests/engine/test_heap.py turns it on.
 os.environ.setdefault("MMSERVE_GC_FREEZE", "0")
+
+
+def pytest_addoption(parser):  # type: ignore[no-untyped-def]
+    parser.addoption(
+        "--pdl", action="store_true",
+        help="launch the Triton kernels with programmatic dependent launch (kernels._common.PDL; "
+        "CUDA, compute capability 9.0 or later): the GPU tests under it",
+    )  # fmt: skip
+
+
+def pytest_configure(config):  # type: ignore[no-untyped-def]
+    if config.getoption("--pdl"):  # (set before any test runs: kernels read it at each launch)
+        from mmserve.kernels import _common
+
+        _common.PDL = True

@@ -67,6 +67,42 @@ def to_cache(x, inv_scale, dtype: tl.constexpr, FP8: tl.constexpr):
     return x.to(dtype)
 
 
+# Programmatic dependent launch (Hopper and later): a kernel launched with it (launch_pdl) may
+# start while the kernel before it on the stream still runs, once each of that kernel's programs
+# has passed pdl_wait (or ended). pdl_wait blocks until the kernel before has ended and its writes
+# are visible, then lets the next kernel start. So the kernels of a decode step (norms, rotary,
+# attention, the activation, the products) each start, and a product reads its first weights,
+# while the one before finishes: the launch gap between kernels, a few microseconds each, about
+# ten a layer, overlaps. Each kernel waits before it reads or writes anything an earlier kernel
+# may write or read (weights it may read before). Kernels not launched with it (torch's, cuBLAS)
+# run after the kernel before them has ended, as always. Off until measured on a GPU.
+PDL = False
+_PDL_WAIT = tl.constexpr("griddepcontrol.wait; // $0")
+_PDL_LAUNCH = tl.constexpr("griddepcontrol.launch_dependents; // $0")
+
+
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """The launch arguments of a kernel that calls pdl_wait: PDL (its constexpr) and Triton's
+    launch_pdl, on where PDL is set and device is a CUDA device of compute capability 9.0 or
+    later (never under the interpreter, which has no grid dependencies)."""
+    on = PDL and device.type == "cuda" and not triton.knobs.runtime.interpret and _pdl_capable(device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Under PDL (pdl_launch): wait for the kernel before this one on the stream to end (its
+    writes then visible), then let the next kernel start."""
+    if PDL:
+        tl.inline_asm_elementwise(_PDL_WAIT, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(_PDL_LAUNCH, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # The int8-activation products (gguf_gemm.DP4A, wna16.DP4A): dp4a multiplies four unsigned weight
 # bytes by four signed activation bytes and adds the four products in one instruction; the
 # interpreter (CI) runs the same integer arithmetic byte by byte
@@ -220,8 +256,9 @@ def split_steps(steps: int, wanted: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _sum_splits_kernel(out_ptr, part_ptr, size, splits, BLOCK: tl.constexpr):
+def _sum_splits_kernel(out_ptr, part_ptr, size, splits, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[i] = sum over s of part[s, i], s in order (the same result every run)."""
+    pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < size
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -234,7 +271,7 @@ def sum_splits(out: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     """out (contiguous) = part [splits, *out.shape] (float32) summed over its first dimension,
     in order, in float32, cast to out's dtype."""
     size, block = out.numel(), 1024
-    _sum_splits_kernel[(triton.cdiv(size, block),)](out, part, size, part.shape[0], BLOCK=block)
+    _sum_splits_kernel[(triton.cdiv(size, block),)](out, part, size, part.shape[0], BLOCK=block, **pdl_launch(out.device))
     return out
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from mmserve.kernels._common import check_float, check_same_device
+from mmserve.kernels._common import check_float, check_same_device, pdl_launch, pdl_wait
 from mmserve.kernels.quant import (
     check_static_scale,
     per_token_quant_ref,
@@ -40,10 +40,11 @@ def _silu_mul(x_row_ptr, inter, cols, mask):
 
 
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
+    pdl_wait(PDL)
     out = _silu_mul(x_ptr + row * stride_x, inter, cols, mask)
     tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -52,9 +53,11 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, inter, BLOCK: tl.constexpr):
 def _silu_and_mul_quant_kernel(
     q_ptr, scale_ptr, x_ptr, static_scale_ptr, stride_x, inter, q_max, min_scale,
     STATIC: tl.constexpr, ROUND: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per row; the values quantised are silu(gate) * up rounded to x's dtype."""
     row = tl.program_id(0).to(tl.int64)
+    pdl_wait(PDL)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * inter
     offs = tl.arange(0, BLOCK)
@@ -101,7 +104,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] > 0 and inter > 0:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            out, x2, x2.stride(0), inter, BLOCK=block, num_warps=4 if block >= 512 else 1
+            out, x2, x2.stride(0), inter, BLOCK=block, num_warps=4 if block >= 512 else 1,
+            **pdl_launch(x.device),
         )
     return out
 
@@ -126,7 +130,7 @@ def silu_and_mul_quant(
             q, scale, x2, scale if static_scale is None else static_scale,
             x2.stride(0), inter, q_max, min_scale,
             STATIC=static_scale is not None, ROUND=round_to_integers, ONE_BLOCK=one_block,
-            BLOCK=block, num_warps=min(16, max(1, block // 512)),
+            BLOCK=block, num_warps=min(16, max(1, block // 512)), **pdl_launch(x.device),
         )  # fmt: skip
     return q, scale
 

@@ -24,6 +24,8 @@ from mmserve.kernels._common import (
     check_scales,
     check_shape,
     last_of_splits,
+    pdl_launch,
+    pdl_wait,
     scaled_operand_sizes,
     serial_counters,
     split_steps,
@@ -52,8 +54,9 @@ def _fp8_gemm_rows_kernel(
     out_ptr, part_ptr, xq_ptr, xs_ptr, wq_ptr, ws_ptr, counters_ptr,
     rows, n, k, k_per_split, stride_x, stride_w, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8: tl.constexpr,
-    SPLIT: tl.constexpr, PROMOTE: tl.constexpr, SERIAL: tl.constexpr,
+    SPLIT: tl.constexpr, PROMOTE: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)  # this program's slice of K, whole tiles: [k_lo, k_hi)
     k_lo = pid_s * k_per_split
@@ -158,7 +161,7 @@ def fp8_gemm_rows(
             rows, n, k, per_split * block_k, xq.stride(0), wq.stride(0), out.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INT8=xq.dtype == torch.int8,
             SPLIT=splits > 1, PROMOTE=min(PROMOTE_EVERY, block_k), SERIAL=counters is not None,
-            num_warps=4, num_stages=4,
+            num_warps=4, num_stages=4, **pdl_launch(xq.device),
         )  # fmt: skip
         if splits > 1 and counters is None:
             _scale(out, part, xs, ws)
@@ -168,10 +171,11 @@ def fp8_gemm_rows(
 @triton.jit
 def _scale_product_kernel(
     out_ptr, acc_ptr, xs_ptr, ws_ptr, n, splits, stride_split, stride_acc, stride_out,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out[m] = (the sum over s of acc[s, m], in order, in acc's dtype) * xs[m] * ws: a
     product's sums (one split) or the slices of a product whose K was split."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < n
@@ -190,7 +194,7 @@ def _scale(out: torch.Tensor, acc: torch.Tensor, xs: torch.Tensor, ws: torch.Ten
     block_n = min(1024, triton.next_power_of_2(n))
     _scale_product_kernel[(rows, triton.cdiv(n, block_n))](
         out, part, xs.float().contiguous(), ws.float().contiguous(), n, part.shape[0],
-        part.stride(0), part.stride(1), out.stride(0), BLOCK_N=block_n,
+        part.stride(0), part.stride(1), out.stride(0), BLOCK_N=block_n, **pdl_launch(out.device),
     )  # fmt: skip
     return out
 

@@ -34,6 +34,8 @@ from mmserve.kernels._common import (
     int8_activations_ref,
     k_splits,
     matmul_in_column_chunks,
+    pdl_launch,
+    pdl_wait,
     split_target,
     store_args,
     store_tile,
@@ -212,8 +214,9 @@ def _gguf_gemm_rows_kernel(
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, FACTORED: tl.constexpr,
     UNROLL: tl.constexpr, LOWP: tl.constexpr, ASM: tl.constexpr, WORDS: tl.constexpr,
-    SERIAL: tl.constexpr, PLANES: tl.constexpr,
+    SERIAL: tl.constexpr, PLANES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tl.program_id(0), n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < rows
@@ -248,11 +251,12 @@ def _gguf_gemv_kernel(
     out_ptr, x_ptr, w_ptr, n, num_blocks, steps_per_split, num_steps, row_bytes, final_ptr, counters_ptr,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, QS: tl.constexpr, QH: tl.constexpr,
     MIN: tl.constexpr, ZERO: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, SERIAL: tl.constexpr, PLANES: tl.constexpr,
+    SPLIT: tl.constexpr, SERIAL: tl.constexpr, PLANES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row (GEMV=True): no tensor cores. Each part's weights times the activations of
     its columns are added into a [BLOCK_N, 256 / PARTS] float32 accumulator in registers,
     summed along K once at the end (no per-step reduction or operand layout change)."""
+    pdl_wait(PDL)
     s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tl.program_id(0), n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     acc = tl.zeros([BLOCK_N, 256 // PARTS], dtype=tl.float32)
     for step in range(s_lo, s_hi):
@@ -264,11 +268,12 @@ def _gguf_gemv_kernel(
 
 
 @triton.jit
-def _q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr, stride_x):
+def _q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr, stride_x, PDL: tl.constexpr):
     """One step (program_id(0)) of a row (program_id(1)) of activations quantised (q8_step)
     into that row of words [rows, K / 4] (step s's word (c, w, h) at 64 s + 16 c + 8 h + w:
     elements 4 i to 4 i + 3 in word i), scales and sums [rows, K / 32] (group 2 c + h of step s
     at 8 s + 2 c + h)."""
+    pdl_wait(PDL)
     step, r = tl.program_id(0), tl.program_id(1)
     words_ptr += r * tl.num_programs(0) * 64
     d_ptr += r * tl.num_programs(0) * 8
@@ -287,6 +292,7 @@ def _gguf_dp4a_kernel(
     final_ptr, counters_ptr,
     QTYPE: tl.constexpr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, PREQUANT: tl.constexpr, SERIAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Q4_K / Q5_K times ROWS rows of x with int8 activations (DP4A): each step's activations
     quantised by 32 (q8_step; or, PREQUANT, read as _q8_kernel wrote them at x_ptr, d_ptr and
@@ -295,6 +301,7 @@ def _gguf_dp4a_kernel(
     2] accumulator summed once at the end. Several: the step's quants and factors are unpacked
     once for all rows, each row's terms summed per step into its row of a [ROWS, BLOCK_N]
     accumulator."""
+    pdl_wait(PDL)
     s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tl.program_id(0), n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     ROWS_P2: tl.constexpr = triton.next_power_of_2(ROWS)
     rows_at = tl.arange(0, ROWS_P2)[:, None]
@@ -377,7 +384,7 @@ def _chained_dots(q, x_words, ASM: tl.constexpr):
 def _gguf_q6k_dp4a_kernel(
     out_ptr, x_ptr, d_ptr, w_ptr, n, steps_per_split, num_steps, row_bytes, final_ptr, counters_ptr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-    SERIAL: tl.constexpr, PLANES: tl.constexpr,
+    SERIAL: tl.constexpr, PLANES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Q6_K times ROWS rows of x (DP4A=True), the activations quantised first (_q8_kernel: words
     at x_ptr, scales at d_ptr, row r's at r K / 4 and r K / 32): per sub-block of 16, d sc d_x
@@ -387,6 +394,7 @@ def _gguf_q6k_dp4a_kernel(
     own slice of a [ROWS, BLOCK_N, 2, 2, 2, 2] accumulator: each row's arithmetic is one row's,
     in the same order. PLANES: the weight in planes (gguf_planes; num_steps blocks a row), its
     quants loaded as words."""
+    pdl_wait(PDL)
     s_lo, s_hi, offs_n, mask_n, row = _program_slice(w_ptr, tl.program_id(0), n, steps_per_split, num_steps, row_bytes, BLOCK_N)
     ROWS_P2: tl.constexpr = triton.next_power_of_2(ROWS)
     rows_at = tl.arange(0, ROWS_P2)[:, None, None, None, None, None]
@@ -472,14 +480,14 @@ def gguf_gemm_rows(
         tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, STEP)
         splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs)
         target, counters = split_target(out, splits, tiles)
-        ends = store_args(out, counters)
+        ends = {**store_args(out, counters), **pdl_launch(x.device)}
         if int8:
             pre = qtype == "Q6_K" or ((rows > 1 or DP4A_PREQUANT) if prequant is None else prequant)
             words, d_x, sum_x = x, x, x  # (unused)
             if pre:
                 words = torch.empty(rows, k // 4, dtype=torch.int32, device=x.device)
                 d_x, sum_x = torch.empty(2, rows, k // 32, dtype=torch.float32, device=x.device)
-                _q8_kernel[(steps, rows)](words, d_x, sum_x, x, x.stride(0))
+                _q8_kernel[(steps, rows)](words, d_x, sum_x, x, x.stride(0), **pdl_launch(x.device))
             common = {"BLOCK_N": block_n, "SPLIT": splits > 1, "ASM": not triton.knobs.runtime.interpret,
                       "num_warps": num_warps, **_stages(NUM_STAGES if num_stages is None else num_stages), **ends}  # fmt: skip
             if qtype == "Q6_K":

@@ -27,6 +27,8 @@ from mmserve.kernels._common import (
     check_same_device,
     check_shape,
     num_sms,
+    pdl_launch,
+    pdl_wait,
 )
 from mmserve.kernels.paged_ref import FP8, NO_SCALES, attend, gather_context
 from mmserve.kernels.reshape_and_cache import check_scales
@@ -152,8 +154,9 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -253,8 +256,9 @@ def _paged_attention_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_P)
@@ -343,13 +347,13 @@ def paged_attention(
         BLOCK_M=tiling.block_m, BLOCK_Q=tiling.block_q, BLOCK_N=tiling.block_n,
         CAUSAL=causal, USE_WINDOW=sliding_window is not None, SPLIT_KV=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages, **pdl_launch(q.device),
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=triton.next_power_of_2(num_splits),
-            num_warps=4 if head_dim_p >= 128 else 2,
+            num_warps=4 if head_dim_p >= 128 else 2, **pdl_launch(q.device),
         )  # fmt: skip
     return out
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels._common import check_float, check_same_device
+from mmserve.kernels._common import check_float, check_same_device, pdl_launch, pdl_wait
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -66,8 +66,9 @@ def store_quantized_row(
 @triton.jit
 def _per_token_quant_kernel(
     q_ptr, scale_ptr, x_ptr, static_scale_ptr, stride_x, cols, q_max, min_scale,
-    STATIC: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr,
+    STATIC: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if STATIC:  # the checkpoint's calibrated scale, the same for every row
@@ -148,7 +149,7 @@ def _quantize_rows(
             q, scale, x, scale if static_scale is None else static_scale,
             x.stride(0), cols, q_max, min_scale,
             STATIC=static_scale is not None, ROUND=round_to_integers, BLOCK=block,
-            num_warps=min(8, max(1, block // 256)),
+            num_warps=min(8, max(1, block // 256)), **pdl_launch(x.device),
         )  # fmt: skip
     return q, scale
 

@@ -13,7 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels._common import check_float, check_same_device, check_shape
+from mmserve.kernels._common import (
+    check_float,
+    check_same_device,
+    check_shape,
+    pdl_launch,
+    pdl_wait,
+)
 from mmserve.kernels.quant import (
     check_static_scale,
     per_token_quant_ref,
@@ -29,13 +35,14 @@ def _rms_norm_kernel(
     out_ptr, residual_out_ptr, x_ptr, residual_ptr, weight_ptr, scale_ptr, static_scale_ptr,
     stride_x, stride_r, hidden, eps, q_max, min_scale,
     HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr, ROUND: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """QUANT: out_ptr takes the output quantised (mmserve/kernels/quant.py's scheme: q_max, min_scale,
     STATIC, ROUND) and scale_ptr its per-row scales."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
@@ -109,7 +116,7 @@ def _launch(
             x2.stride(0), r2.stride(0), hidden, eps, quant[0], quant[1],
             HAS_RESIDUAL=residual is not None, QUANT=out_dtype is not None,
             STATIC=static_scale is not None, ROUND=quant[2], BLOCK=block,
-            num_warps=min(16, max(1, block // 512)),
+            num_warps=min(16, max(1, block // 512)), **pdl_launch(x.device),
         )  # fmt: skip
     return out, x if residual is None else residual_out, scale
 

@@ -21,6 +21,8 @@ from mmserve.kernels._common import (
     check_ndim,
     check_same_device,
     check_shape,
+    pdl_launch,
+    pdl_wait,
     to_cache,
 )
 from mmserve.kernels.reshape_and_cache import cache_write_args, check_cache_write
@@ -190,13 +192,14 @@ def _rotary_cache_kernel(
     stride_cb, stride_cs, stride_ch,  # shared: key and value caches are halves of one tensor
     stride_table, second_half_col, num_q_heads, num_k_heads, q_blocks, k_inv_scale, v_inv_scale,
     HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Programs [0, q_blocks) rotate q's heads into q_out; the rest rotate k's heads into the
     key cache at the token's slot and copy v's into the value cache (slot -1: skipped)."""
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
+    pdl_wait(PDL)
     col_mask = cols < HALF
     cos1, sin1, cos2, sin2 = _cos_sin(
         positions_ptr, cos_ptr, sin_ptr, token, stride_table, second_half_col, cols, col_mask
@@ -260,7 +263,7 @@ def rotary_embedding_and_cache(
         cos.stride(0), t.second_half_col, q.shape[1], k.shape[1], t.q_blocks,
         **cache_write_args(kv_cache, kv_scales),
         HALF=t.half, BLOCK_SIZE=kv_cache.shape[2], BLOCK_H=t.block_h, BLOCK_HALF=t.block_half,
-        num_warps=t.num_warps,
+        num_warps=t.num_warps, **pdl_launch(q.device),
     )  # fmt: skip
     return q_out
 

@@ -51,6 +51,8 @@ from mmserve.kernels._common import (
     int8_activations_ref,
     k_splits,
     matmul_in_column_chunks,
+    pdl_launch,
+    pdl_wait,
     q8_values,
     split_target,
     store_args,
@@ -158,8 +160,9 @@ def _wna16_kernel(
     BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PAIRS: tl.constexpr, LOWP: tl.constexpr,
-    EVEN_K: tl.constexpr, SERIAL: tl.constexpr,
+    EVEN_K: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)  # this program's slice of K: [k_lo, k_hi), whole steps
@@ -252,27 +255,39 @@ def _step_scales(scales_ptr, zeros_ptr, k0, k_hi, group_size, stride_s, offs_n, 
 def _wna16_dp4a_kernel(
     out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr, n, k, group_size, k_per_split, stride_q,
     stride_s, final_ptr, counters_ptr, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
-    ASM: tl.constexpr, SERIAL: tl.constexpr,
+    ASM: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row (DP4A), 4 bits: K in steps of 128 (four groups of 32, 16 words of each column).
     Word (g, w) of a step holds elements k0 + 32 g + 8 w + j at bits 4 j: its even values
     (j = 2 b) are the bytes of word & 0x0F0F0F0F, its odd ones (2 b + 1) those of (word >> 4) &
     0x0F0F0F0F, and the activations' int8 words are built to match: [4, 4, 2] (g, w, parity),
-    byte b element k0 + 32 g + 8 w + 2 b + parity."""
+    byte b element k0 + 32 g + 8 w + 2 b + parity. The first step's words and scales are read
+    before pdl_wait (the weights: no kernel writes them), the step taken out of the loop."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k, k_lo + k_per_split)
     rows = tl.arange(0, 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # word (g, w): row 4 g + w of the step
-    acc = tl.zeros([4, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, 128):
-        x_words, amax, sum_x = _step_activations(x_ptr, k0, k_hi)
-        q = _step_quants(qweight_ptr, k0 // 8 + rows, k_hi, stride_q, offs_n, mask_n)  # [4, 4, BLOCK_N, 2]
-        x_q = tl.broadcast_to(x_words[:, :, None, :], q.shape)
-        dots = tl.sum(tl.sum(dp4a(q, x_q, tl.zeros_like(q), ASM), axis=3), axis=1)  # [4, BLOCK_N]
+    q = _step_quants(qweight_ptr, k_lo // 8 + rows, k_hi, stride_q, offs_n, mask_n)  # [4, 4, BLOCK_N, 2]
+    s, z = _step_scales(scales_ptr, zeros_ptr, k_lo, k_hi, group_size, stride_s, offs_n, mask_n, HAS_ZEROS)
+    pdl_wait(PDL)
+    acc = _dp4a_step_terms(x_ptr, q, s, z, k_lo, k_hi, ASM)  # [4, BLOCK_N]
+    for k0 in range(k_lo + 128, k_hi, 128):
+        q = _step_quants(qweight_ptr, k0 // 8 + rows, k_hi, stride_q, offs_n, mask_n)
         s, z = _step_scales(scales_ptr, zeros_ptr, k0, k_hi, group_size, stride_s, offs_n, mask_n, HAS_ZEROS)
-        acc += s * ((amax / 127.0)[:, None] * dots.to(tl.float32) - z * sum_x[:, None])
+        acc += _dp4a_step_terms(x_ptr, q, s, z, k0, k_hi, ASM)
     store_tile(out_ptr, tl.sum(acc, axis=0), offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
+
+
+@triton.jit
+def _dp4a_step_terms(x_row, q, s, z, k0, k_hi, ASM: tl.constexpr):
+    """A DP4A step's terms [4, BLOCK_N] of one row at x_row: its 128 activations from k0
+    quantised (_step_activations) times the step's words q (_step_quants), scales s and zeros z
+    (_step_scales): s (d_x sum(q q_x) - z sum(x)) for each group of 32."""
+    x_words, amax, sum_x = _step_activations(x_row, k0, k_hi)
+    x_q = tl.broadcast_to(x_words[:, :, None, :], q.shape)
+    dots = tl.sum(tl.sum(dp4a(q, x_q, tl.zeros_like(q), ASM), axis=3), axis=1)  # [4, BLOCK_N]
+    return s * ((amax / 127.0)[:, None] * dots.to(tl.float32) - z * sum_x[:, None])
 
 
 @triton.jit
@@ -292,10 +307,11 @@ def _step_activations(x_row, k0, k_hi):
 
 
 @triton.jit
-def _wna16_q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr, k, stride_x):
+def _wna16_q8_kernel(words_ptr, d_ptr, sum_ptr, x_ptr, k, stride_x, PDL: tl.constexpr):
     """Step program_id(0) (128 values of K) of row program_id(1) of the activations quantised
     by 32 (_step_activations) for _wna16_dp4a_rows_kernel: int8 words [rows, steps, 4, 4, 2],
     each group's max |x| / 127 and sum [rows, steps, 4]."""
+    pdl_wait(PDL)
     step, r = tl.program_id(0), tl.program_id(1)
     x_words, amax, sum_x = _step_activations(x_ptr + r.to(tl.int64) * stride_x, step * 128, k)
     base = r * tl.num_programs(0) + step
@@ -310,12 +326,13 @@ def _wna16_dp4a_rows_kernel(
     out_ptr, words_ptr, d_ptr, sum_ptr, qweight_ptr, scales_ptr, zeros_ptr, n, k, group_size,
     k_per_split, stride_q, stride_s, num_steps, final_ptr, counters_ptr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-    SERIAL: tl.constexpr,
+    SERIAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows (DP4A), 4 bits, their activations quantised first (_wna16_q8_kernel): a step's
     words, scales and zeros read and unpacked once for all rows (as _wna16_dp4a_kernel's), each
     row's terms added into its row of a [ROWS, 4, BLOCK_N] accumulator summed over the groups
     at the end."""
+    pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     k_lo = tl.program_id(1) * k_per_split
@@ -482,7 +499,7 @@ def wna16_gemm(
         "BITS": bits, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k,
         "GROUPS": t.groups, "HAS_ZEROS": zeros is not None, "SPLIT": t.splits > 1,
         "PAIRS": t.pairs, "LOWP": t.lowp, "EVEN_K": k % t.block_k == 0, "num_warps": t.num_warps,
-        "num_stages": t.num_stages, **store_args(out, counters),
+        "num_stages": t.num_stages, **store_args(out, counters), **pdl_launch(x.device),
     }  # fmt: skip
     _wna16_kernel[grid](*args, **meta, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return finish_splits(out, target, counters)
@@ -513,7 +530,8 @@ def _dp4a_product(
     operands = (qweight, scales, scales if zeros is None else zeros, n, k, group_size, per_split * 128,
                 qweight.stride(0), scales.stride(0))  # fmt: skip
     meta = {"BLOCK_N": DP4A_BLOCK_N, "HAS_ZEROS": zeros is not None, "SPLIT": splits > 1,
-            "ASM": not triton.knobs.runtime.interpret, "num_warps": DP4A_NUM_WARPS, **store_args(out, counters)}  # fmt: skip
+            "ASM": not triton.knobs.runtime.interpret, "num_warps": DP4A_NUM_WARPS, **store_args(out, counters),
+            **pdl_launch(x.device)}  # fmt: skip
     if DP4A_NUM_STAGES is not None:
         meta["num_stages"] = DP4A_NUM_STAGES
     if rows == 1:
@@ -521,7 +539,7 @@ def _dp4a_product(
     else:  # the rows' activations quantised first, then the words unpacked once for all of them
         words = torch.empty(rows, steps * 32, dtype=torch.int32, device=x.device)
         d_x, sum_x = torch.empty(2, rows, steps * 4, dtype=torch.float32, device=x.device)
-        _wna16_q8_kernel[(steps, rows)](words, d_x, sum_x, x, k, x.stride(0))
+        _wna16_q8_kernel[(steps, rows)](words, d_x, sum_x, x, k, x.stride(0), **pdl_launch(x.device))
         _wna16_dp4a_rows_kernel[(tiles, splits)](target, words, d_x, sum_x, *operands, steps, ROWS=rows, **meta)
     return finish_splits(out, target, counters)
 

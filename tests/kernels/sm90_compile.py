@@ -54,6 +54,8 @@ def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
     are taken as 16-byte aligned, as torch allocates them), so that the code is the code a
     launch compiles."""
     names = fn.arg_names
+    if "PDL" in names:  # the programmatic dependent launch's wait compiled in (pdl_launch)
+        constexprs = {"PDL": True, **constexprs}
     divisible = [k for k, t in signature.items() if t.startswith("*")] + list(aligned)
     source = ASTSource(
         fn=fn,
@@ -61,7 +63,8 @@ def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
         constexprs={(names.index(k),): v for k, v in constexprs.items()},
         attrs={(names.index(k),): [["tt.divisibility", 16]] for k in divisible},
     )
-    kernel = triton.compile(source, target=SM90, options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, "launch_pdl": bool(constexprs.get("PDL"))}
+    kernel = triton.compile(source, target=SM90, options=options)
     assert "cubin" in kernel.asm
     return kernel
 
