@@ -75,8 +75,10 @@ def to_cache(x, inv_scale, dtype: tl.constexpr, FP8: tl.constexpr):
 # while the one before finishes: the launch gap between kernels, a few microseconds each, about
 # ten a layer, overlaps. Each kernel waits before it reads or writes anything an earlier kernel
 # may write or read (weights it may read before). Kernels not launched with it (torch's, cuBLAS)
-# run after the kernel before them has ended, as always. Off until measured on a GPU.
-PDL = False
+# run after the kernel before them has ended, as always. On an H100 (session 27, batch-1 decode
+# at the 8B shape, off -> on): FP8 4.18 -> 3.93 ms/token, GGUF Q4_K_M 3.66 -> 3.52; the GPU tests
+# pass under it, and a chain of these kernels replayed from a CUDA graph equals its run without
+PDL = True
 _PDL_WAIT = tl.constexpr("griddepcontrol.wait; // $0")
 _PDL_LAUNCH = tl.constexpr("griddepcontrol.launch_dependents; // $0")
 

@@ -261,33 +261,24 @@ def _wna16_dp4a_kernel(
     Word (g, w) of a step holds elements k0 + 32 g + 8 w + j at bits 4 j: its even values
     (j = 2 b) are the bytes of word & 0x0F0F0F0F, its odd ones (2 b + 1) those of (word >> 4) &
     0x0F0F0F0F, and the activations' int8 words are built to match: [4, 4, 2] (g, w, parity),
-    byte b element k0 + 32 g + 8 w + 2 b + parity. The first step's words and scales are read
-    before pdl_wait (the weights: no kernel writes them), the step taken out of the loop."""
+    byte b element k0 + 32 g + 8 w + 2 b + parity. (Reading the first step's words before
+    pdl_wait, that step taken out of the loop, made the product slower: batch-1 decode on an H100
+    3.16 -> 4.61 ms, session 27.)"""
+    pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k, k_lo + k_per_split)
     rows = tl.arange(0, 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # word (g, w): row 4 g + w of the step
-    q = _step_quants(qweight_ptr, k_lo // 8 + rows, k_hi, stride_q, offs_n, mask_n)  # [4, 4, BLOCK_N, 2]
-    s, z = _step_scales(scales_ptr, zeros_ptr, k_lo, k_hi, group_size, stride_s, offs_n, mask_n, HAS_ZEROS)
-    pdl_wait(PDL)
-    acc = _dp4a_step_terms(x_ptr, q, s, z, k_lo, k_hi, ASM)  # [4, BLOCK_N]
-    for k0 in range(k_lo + 128, k_hi, 128):
-        q = _step_quants(qweight_ptr, k0 // 8 + rows, k_hi, stride_q, offs_n, mask_n)
+    acc = tl.zeros([4, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, 128):
+        x_words, amax, sum_x = _step_activations(x_ptr, k0, k_hi)
+        q = _step_quants(qweight_ptr, k0 // 8 + rows, k_hi, stride_q, offs_n, mask_n)  # [4, 4, BLOCK_N, 2]
+        x_q = tl.broadcast_to(x_words[:, :, None, :], q.shape)
+        dots = tl.sum(tl.sum(dp4a(q, x_q, tl.zeros_like(q), ASM), axis=3), axis=1)  # [4, BLOCK_N]
         s, z = _step_scales(scales_ptr, zeros_ptr, k0, k_hi, group_size, stride_s, offs_n, mask_n, HAS_ZEROS)
-        acc += _dp4a_step_terms(x_ptr, q, s, z, k0, k_hi, ASM)
+        acc += s * ((amax / 127.0)[:, None] * dots.to(tl.float32) - z * sum_x[:, None])
     store_tile(out_ptr, tl.sum(acc, axis=0), offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
-
-
-@triton.jit
-def _dp4a_step_terms(x_row, q, s, z, k0, k_hi, ASM: tl.constexpr):
-    """A DP4A step's terms [4, BLOCK_N] of one row at x_row: its 128 activations from k0
-    quantised (_step_activations) times the step's words q (_step_quants), scales s and zeros z
-    (_step_scales): s (d_x sum(q q_x) - z sum(x)) for each group of 32."""
-    x_words, amax, sum_x = _step_activations(x_row, k0, k_hi)
-    x_q = tl.broadcast_to(x_words[:, :, None, :], q.shape)
-    dots = tl.sum(tl.sum(dp4a(q, x_q, tl.zeros_like(q), ASM), axis=3), axis=1)  # [4, BLOCK_N]
-    return s * ((amax / 127.0)[:, None] * dots.to(tl.float32) - z * sum_x[:, None])
 
 
 @triton.jit
