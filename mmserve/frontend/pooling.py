@@ -63,10 +63,11 @@ __all__ = [
 MAX_IN_FLIGHT_PER_CALL = 256  # one call's requests in the engine at once (< AsyncFrontEnd's bound)
 # smallest batch of a call's inputs sent to the engine at once, idle engine or not: a call of
 # up to this many is tokenised in one Rust batch (parallel over the cores) and reaches the
-# engine whole, so it is scheduled in one step when its tokens fit the budget. Halves
-# pipelined (tokenising the second while the model runs the first) took two launches and a
-# third, empty step a call, and the second half's tokenising waited for the GIL behind the
-# first's launch (CPU, MiniLM, forward stubbed, 64 x 128: 3.6 steps a call)
+# engine whole, so it runs in one step when its tokens fit the budget. In halves (fa5ae6f's
+# rule for an idle engine, 10.7 against 12.3 ms a call whole on the H200 of that tree) a
+# 64 x 128 call took 3.6 steps and two launches, and its second half's tokenising contended
+# for the GIL with the first's launch (H200 at 04841c4: 7.67 ms a call, 2.92 tokenising).
+# scripts/embed_host.py --min-chunk 32 times the halves against whole calls.
 PIPELINE_MIN_CHUNK = 64
 T = TypeVar("T")
 
