@@ -4,14 +4,21 @@ milliseconds per call spent tokenising, in the engine's step parts (mmserve.benc
 "wait" is the engine thread waiting for the device) and in all. The engine's thread and the
 front end's workers run beside the caller, so the parts can overlap. --stub replaces the
 model's forward pass by a constant hidden state, leaving the host's work alone (any machine).
+encode_ms_alone is the same texts' tokenising with nothing beside it (what the host's cores
+and the Rust tokenizer's threads can do), against encode_ms_per_call inside the calls.
+--min-chunk sets pooling.PIPELINE_MIN_CHUNK for the run: 32 sends a 64-text call in halves,
+the second tokenised while the model runs the first (the rule before c003a08), to compare
+with whole calls on the same machine.
 
-Usage: python3 scripts/embed_host.py [--model shape:bert-base] [--device cuda] [--calls 40] [--stub]"""
+Usage: python3 scripts/embed_host.py [--model shape:bert-base] [--device cuda] [--calls 40] [--stub]
+                                     [--min-chunk N]"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -35,7 +42,10 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--stub", action="store_true", help="the forward pass a constant: the host alone")
+    p.add_argument("--min-chunk", type=int, default=pooling_api.PIPELINE_MIN_CHUNK,
+                   help="inputs of a call sent to the engine at once, at least (pooling.py)")
     args = p.parse_args()
+    pooling_api.PIPELINE_MIN_CHUNK = args.min_chunk
     folder = model_folder(args.model)
     engine = FrontEnd.start(
         EngineConfig(
@@ -52,6 +62,11 @@ def main() -> None:
     texts = make_texts(engine.tokenizer, args.batch_size * (args.calls + 4), args.seq_len)
     batches = [texts[i : i + args.batch_size] for i in range(0, len(texts), args.batch_size)]
     encoder = engine.input_encoder
+    alone = []
+    for batch in batches[4:]:
+        start = time.perf_counter()
+        encoder.encode(batch, "right", "inputs")
+        alone.append(time.perf_counter() - start)
     encode_s = [0.0]
     plain_encode = encoder.encode
 
@@ -90,6 +105,10 @@ def main() -> None:
         "ms_per_call_median": round(1e3 * statistics.median(seconds), 3),
         "texts_per_s": round(args.batch_size * n / sum(seconds), 1),
         "encode_ms_per_call": round(1e3 * encode_s[0] / n, 3),
+        "encode_ms_alone": round(1e3 * statistics.median(alone), 3),
+        "min_chunk": args.min_chunk,
+        "cpus": len(os.sched_getaffinity(0)),
+        "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "(unset)"),
         "engine_steps_per_call": round(parts.steps / n, 2),
         "engine_ms_per_call": {k: round(1e3 * v / n, 3) for k, v in parts.seconds.items()},
     }

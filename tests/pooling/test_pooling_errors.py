@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
 from mmserve.entrypoints.llm import LLM
 from mmserve.errors import InvalidArgument
@@ -101,28 +100,3 @@ def test_a_bad_input_in_a_later_chunk_fails_the_call_and_frees_the_engine(
         assert result.embeddings.shape == (3, 384)
 
     asyncio.run(call())
-
-
-def test_a_call_on_an_idle_engine_is_pipelined(
-    minilm_async: AsyncFrontEnd, sentence_transformer: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Finding the engine idle, a call sends its first batch as soon as it is tokenised (the
-    model runs it while the rest is tokenised): more than one batch, in input order, none over
-    chunk_size; and the vectors are sentence-transformers' whatever the split."""
-    texts = [f"text number {i}: " + "word " * (i % 7) for i in range(64)]
-    sent: list[list[int]] = []
-    real = minilm_async.pool_batch
-
-    async def spy(inputs, params):  # type: ignore[no-untyped-def]
-        sent.append([len(i.token_ids) for i in inputs])
-        return await real(inputs, params)
-
-    monkeypatch.setattr(minilm_async, "pool_batch", spy)
-    result = asyncio.run(pooling_api.embed(minilm_async, texts))
-    reference = sentence_transformer.encode(texts, convert_to_tensor=True).float()
-    cosine = torch.nn.functional.cosine_similarity(result.embeddings, reference, dim=-1)
-    assert cosine.min().item() > 0.9999
-    assert len(sent) > 1 and sum(map(len, sent)) == len(texts)
-    assert max(map(len, sent)) <= pooling_api.chunk_size(len(texts), idle=True)
-    lengths = [len(ids) for ids in minilm_async.frontend.tokenizer(texts)["input_ids"]]
-    assert [n for batch in sent for n in batch] == lengths  # in input order

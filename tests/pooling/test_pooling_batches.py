@@ -1,0 +1,116 @@
+"""How a pooling call's inputs reach the engine: a call of up to PIPELINE_MIN_CHUNK inputs is
+tokenised as one batch and runs in one engine step when it fits the token budget; larger calls
+are pipelined a chunk at a time; either way in input order, with sentence-transformers' vectors
+and every token counted."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from mmserve.engine.sched_output import SchedulerOutput
+from mmserve.frontend import pooling as pooling_api
+from mmserve.frontend.async_frontend import AsyncFrontEnd
+from tests.utils.engine_idle import is_idle
+
+
+def _spy_batches(engine: AsyncFrontEnd, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The token counts of each batch a call hands the engine, as it hands them."""
+    sent: list[list[int]] = []
+    real = engine.pool_batch
+
+    async def spy(inputs, params):  # type: ignore[no-untyped-def]
+        sent.append([len(i.token_ids) for i in inputs])
+        return await real(inputs, params)
+
+    monkeypatch.setattr(engine, "pool_batch", spy)
+    return sent
+
+
+def _spy_steps(engine: AsyncFrontEnd, monkeypatch: pytest.MonkeyPatch) -> list[SchedulerOutput]:
+    """Each engine step's plan (an empty one only lands the step before)."""
+    scheduler = engine.frontend.core.scheduler
+    steps: list[SchedulerOutput] = []
+    real = scheduler.schedule
+
+    def spy():  # type: ignore[no-untyped-def]
+        plan = real()
+        steps.append(plan)
+        return plan
+
+    monkeypatch.setattr(scheduler, "schedule", spy)
+    return steps
+
+
+def _assert_sentence_transformers(vectors: torch.Tensor, texts: list[str], st: Any) -> None:
+    reference = st.encode(texts, convert_to_tensor=True).float()
+    cosine = torch.nn.functional.cosine_similarity(vectors, reference, dim=-1)
+    assert cosine.min().item() > 0.9999
+
+
+def test_a_call_within_one_step_reaches_the_engine_whole_and_runs_in_one_step(
+    minilm_async: AsyncFrontEnd, sentence_transformer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call of PIPELINE_MIN_CHUNK texts on an idle engine is tokenised as one batch and sent
+    as one, so one engine step runs all of it (and the next only lands it), its usage counts
+    every token, and the vectors are sentence-transformers'."""
+    count = pooling_api.PIPELINE_MIN_CHUNK
+    texts = [f"text number {i}: " + "word " * (i % 7) for i in range(count)]
+    encoder = minilm_async.frontend.input_encoder
+    encoded: list[int] = []
+    real_encode = encoder.encode
+
+    def encode_spy(inputs, *args, **kwargs):  # type: ignore[no-untyped-def]
+        encoded.append(len(inputs))
+        return real_encode(inputs, *args, **kwargs)
+
+    monkeypatch.setattr(encoder, "encode", encode_spy)
+    sent = _spy_batches(minilm_async, monkeypatch)
+    steps = _spy_steps(minilm_async, monkeypatch)
+    assert is_idle(minilm_async)
+    result = asyncio.run(pooling_api.embed(minilm_async, texts))
+    _assert_sentence_transformers(result.embeddings, texts, sentence_transformer)
+    lengths = [len(ids) for ids in minilm_async.frontend.tokenizer(texts)["input_ids"]]
+    assert sum(lengths) <= minilm_async.frontend.core.config.scheduler.budget
+    assert encoded == [count] and sent == [lengths]
+    assert [len(plan.scheduled) for plan in steps if plan.scheduled] == [count]
+    assert result.prompt_tokens == sum(lengths)
+
+
+def test_a_larger_call_is_pipelined_in_input_order(
+    minilm_async: AsyncFrontEnd, sentence_transformer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call of more than PIPELINE_MIN_CHUNK inputs sends its first batch as soon as it is
+    tokenised (the model runs it while the rest is tokenised): more than one batch, in input
+    order, none over chunk_size; and the vectors are sentence-transformers' whatever the
+    split."""
+    texts = [f"text number {i}: " + "word " * (i % 7) for i in range(150)]
+    sent = _spy_batches(minilm_async, monkeypatch)
+    result = asyncio.run(pooling_api.embed(minilm_async, texts))
+    _assert_sentence_transformers(result.embeddings, texts, sentence_transformer)
+    assert len(sent) > 1 and max(map(len, sent)) <= pooling_api.chunk_size(len(texts))
+    lengths = [len(ids) for ids in minilm_async.frontend.tokenizer(texts)["input_ids"]]
+    assert [n for batch in sent for n in batch] == lengths  # in input order
+    assert result.prompt_tokens == sum(lengths)
+
+
+def test_a_whole_call_past_the_token_budget_is_scheduled_within_it(
+    minilm_async: AsyncFrontEnd, sentence_transformer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call sent whole whose tokens exceed max_num_batched_tokens runs over several steps,
+    none past the budget, and its vectors are still sentence-transformers'."""
+    budget = minilm_async.frontend.core.config.scheduler.budget
+    texts = [f"number {i} " + "word " * 40 for i in range(pooling_api.PIPELINE_MIN_CHUNK)]
+    lengths = [len(ids) for ids in minilm_async.frontend.tokenizer(texts)["input_ids"]]
+    assert sum(lengths) > budget
+    sent = _spy_batches(minilm_async, monkeypatch)
+    steps = _spy_steps(minilm_async, monkeypatch)
+    result = asyncio.run(pooling_api.embed(minilm_async, texts))
+    _assert_sentence_transformers(result.embeddings, texts, sentence_transformer)
+    assert len(sent) == 1
+    tokens = [plan.num_tokens for plan in steps]
+    assert len([n for n in tokens if n]) > 1 and max(tokens) <= budget
+    assert sum(tokens) == sum(lengths) == result.prompt_tokens
