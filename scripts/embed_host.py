@@ -6,9 +6,9 @@ front end's workers run beside the caller, so the parts can overlap. --stub repl
 model's forward pass by a constant hidden state, leaving the host's work alone (any machine).
 encode_ms_alone is the same texts' tokenising with nothing beside it (what the host's cores
 and the Rust tokenizer's threads can do), against encode_ms_per_call inside the calls.
---min-chunk sets pooling.PIPELINE_MIN_CHUNK for the run: 32 sends a 64-text call in halves,
-the second tokenised while the model runs the first (the rule before c003a08), to compare
-with whole calls on the same machine.
+--min-chunk sets pooling.IDLE_PIPELINE_MIN_CHUNK for the run (the default, 32, sends a 64-text
+call in halves, the second tokenised while the model runs the first); 64 sends it whole, to
+compare on the same machine.
 
 Usage: python3 scripts/embed_host.py [--model shape:bert-base] [--device cuda] [--calls 40] [--stub]
                                      [--min-chunk N]"""
@@ -42,10 +42,10 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--stub", action="store_true", help="the forward pass a constant: the host alone")
-    p.add_argument("--min-chunk", type=int, default=pooling_api.PIPELINE_MIN_CHUNK,
-                   help="inputs of a call sent to the engine at once, at least (pooling.py)")
+    p.add_argument("--min-chunk", type=int, default=pooling_api.IDLE_PIPELINE_MIN_CHUNK,
+                   help="inputs of a call sent to an idle engine at once, at least (pooling.py)")
     args = p.parse_args()
-    pooling_api.PIPELINE_MIN_CHUNK = args.min_chunk
+    pooling_api.IDLE_PIPELINE_MIN_CHUNK = args.min_chunk
     folder = model_folder(args.model)
     engine = FrontEnd.start(
         EngineConfig(

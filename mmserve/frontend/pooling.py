@@ -61,14 +61,17 @@ __all__ = [
 ]
 
 MAX_IN_FLIGHT_PER_CALL = 256  # one call's requests in the engine at once (< AsyncFrontEnd's bound)
-# smallest batch of a call's inputs sent to the engine at once, idle engine or not: a call of
-# up to this many is tokenised in one Rust batch (parallel over the cores) and reaches the
-# engine whole, so it runs in one step when its tokens fit the budget. In halves (fa5ae6f's
-# rule for an idle engine, 10.7 against 12.3 ms a call whole on the H200 of that tree) a
-# 64 x 128 call took 3.6 steps and two launches, and its second half's tokenising contended
-# for the GIL with the first's launch (H200 at 04841c4: 7.67 ms a call, 2.92 tokenising).
-# scripts/embed_host.py --min-chunk 32 times the halves against whole calls.
+# smallest batch of a call's inputs sent to the engine at once while other requests are in
+# it: a call of up to this many is tokenised in one Rust batch (parallel over the cores) and
+# reaches the engine whole, one step when its tokens fit the budget. A call that finds the
+# engine idle goes in chunks from IDLE_PIPELINE_MIN_CHUNK, so tokenising its second half
+# overlaps the model's work on its first (H200, bert-base with encoder CUDA graphs, 64 x 128
+# tokens: one client 10.7 ms per call in halves against 12.3 ms whole; four clients 9.0
+# against 7.4 ms). In halves a 64 x 128 call takes 3.4-4 engine steps and two launches, whole
+# two (the second only lands it; 2-core CPU, session 27): scripts/embed_host.py --min-chunk 64
+# times whole calls against the halves on a GPU, not yet measured.
 PIPELINE_MIN_CHUNK = 64
+IDLE_PIPELINE_MIN_CHUNK = 32
 T = TypeVar("T")
 
 
@@ -134,7 +137,7 @@ async def run_async(engine: AsyncFrontEnd, plan: PoolingPlan[T]) -> T:
     chunk overlaps the engine's work on this one; at most MAX_IN_FLIGHT_PER_CALL inputs are
     in the engine at once. The first failure (an input's InvalidArgument included) fails the
     call and aborts what was sent; so does cancelling it."""
-    size = chunk_size(plan.count)
+    size = chunk_size(plan.count, idle=engine.num_in_flight == 0)
     window = asyncio.Semaphore(max(MAX_IN_FLIGHT_PER_CALL // size, 1))
     tokens = 0
 
@@ -158,12 +161,13 @@ async def run_async(engine: AsyncFrontEnd, plan: PoolingPlan[T]) -> T:
     return plan.finish([pooled for t in tasks for pooled in t.result()], tokens)
 
 
-def chunk_size(count: int) -> int:
+def chunk_size(count: int, idle: bool = False) -> int:
     """Inputs per batch sent to the engine: a quarter of the call (so tokenising overlaps
-    the engine), at least PIPELINE_MIN_CHUNK (a call of up to that many goes whole), at most
-    half the call's window."""
+    the engine), at least PIPELINE_MIN_CHUNK (IDLE_PIPELINE_MIN_CHUNK when the engine has
+    nothing else to do; a call of up to that many goes whole), at most half the call's window."""
     quarter = -(-count // 4)
-    return max(1, min(max(PIPELINE_MIN_CHUNK, quarter), MAX_IN_FLIGHT_PER_CALL // 2))
+    least = IDLE_PIPELINE_MIN_CHUNK if idle else PIPELINE_MIN_CHUNK
+    return max(1, min(max(least, quarter), MAX_IN_FLIGHT_PER_CALL // 2))
 
 
 def run_sync(engine: FrontEnd, plan: PoolingPlan[T]) -> T:

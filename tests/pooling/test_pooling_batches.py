@@ -1,7 +1,7 @@
-"""How a pooling call's inputs reach the engine: a call of up to PIPELINE_MIN_CHUNK inputs is
-tokenised as one batch and runs in one engine step when it fits the token budget; larger calls
-are pipelined a chunk at a time; either way in input order, with sentence-transformers' vectors
-and every token counted."""
+"""How a pooling call's inputs reach the engine: a call of up to its least chunk
+(PIPELINE_MIN_CHUNK; IDLE_PIPELINE_MIN_CHUNK on an idle engine) is tokenised as one batch and
+runs in one engine step when it fits the token budget; larger calls are pipelined a chunk at a
+time; either way in input order, with sentence-transformers' vectors and every token counted."""
 
 from __future__ import annotations
 
@@ -56,8 +56,10 @@ def test_a_call_within_one_step_reaches_the_engine_whole_and_runs_in_one_step(
 ) -> None:
     """A call of PIPELINE_MIN_CHUNK texts on an idle engine is tokenised as one batch and sent
     as one, so one engine step runs all of it (and the next only lands it), its usage counts
-    every token, and the vectors are sentence-transformers'."""
+    every token, and the vectors are sentence-transformers'. (On an idle engine by default a
+    call of more than IDLE_PIPELINE_MIN_CHUNK is pipelined: set to PIPELINE_MIN_CHUNK here.)"""
     count = pooling_api.PIPELINE_MIN_CHUNK
+    monkeypatch.setattr(pooling_api, "IDLE_PIPELINE_MIN_CHUNK", count)
     texts = [f"text number {i}: " + "word " * (i % 7) for i in range(count)]
     encoder = minilm_async.frontend.input_encoder
     encoded: list[int] = []
@@ -102,6 +104,7 @@ def test_a_whole_call_past_the_token_budget_is_scheduled_within_it(
 ) -> None:
     """A call sent whole whose tokens exceed max_num_batched_tokens runs over several steps,
     none past the budget, and its vectors are still sentence-transformers'."""
+    monkeypatch.setattr(pooling_api, "IDLE_PIPELINE_MIN_CHUNK", pooling_api.PIPELINE_MIN_CHUNK)
     budget = minilm_async.frontend.core.config.scheduler.budget
     texts = [f"number {i} " + "word " * 40 for i in range(pooling_api.PIPELINE_MIN_CHUNK)]
     lengths = [len(ids) for ids in minilm_async.frontend.tokenizer(texts)["input_ids"]]
@@ -114,3 +117,21 @@ def test_a_whole_call_past_the_token_budget_is_scheduled_within_it(
     tokens = [plan.num_tokens for plan in steps]
     assert len([n for n in tokens if n]) > 1 and max(tokens) <= budget
     assert sum(tokens) == sum(lengths) == result.prompt_tokens
+
+
+def test_a_call_on_an_idle_engine_is_pipelined(
+    minilm_async: AsyncFrontEnd, sentence_transformer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding the engine idle, a call of PIPELINE_MIN_CHUNK sends its first batch as soon as
+    it is tokenised (the model runs it while the rest is tokenised): more than one batch, in
+    input order, none over chunk_size; and the vectors are sentence-transformers' whatever the
+    split."""
+    texts = [f"text number {i}: " + "word " * (i % 7) for i in range(pooling_api.PIPELINE_MIN_CHUNK)]
+    sent = _spy_batches(minilm_async, monkeypatch)
+    assert is_idle(minilm_async)
+    result = asyncio.run(pooling_api.embed(minilm_async, texts))
+    _assert_sentence_transformers(result.embeddings, texts, sentence_transformer)
+    assert len(sent) > 1 and max(map(len, sent)) <= pooling_api.chunk_size(len(texts), idle=True)
+    lengths = [len(ids) for ids in minilm_async.frontend.tokenizer(texts)["input_ids"]]
+    assert [n for batch in sent for n in batch] == lengths  # in input order
+    assert result.prompt_tokens == sum(lengths)
