@@ -420,14 +420,16 @@ class FrontEnd:
         batch; each gets one PooledResult. A pooling plan's encode() checked them (the one
         validation of pooling inputs: frontend/pooling_plans.py)."""
         requests = []
+        parents, choices = self._parents, self._choices
+        unused = SamplingParams(max_tokens=1)  # read by nothing, shared by the batch
         for request_id, ids, type_ids, mm_inputs in items:
-            if request_id in self._parents:
+            if request_id in parents:
                 raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
             child_id = f"{request_id}#0"
-            self._parents[request_id] = _Parent([child_id])
-            self._choices[child_id] = _Choice(request_id, 0, None)
+            parents[request_id] = _Parent([child_id])
+            choices[child_id] = _Choice(request_id, 0, None)
             requests.append(EngineRequest(
-                child_id, ids, SamplingParams(max_tokens=1), frozenset(), 0,
+                child_id, ids, unused, frozenset(), 0,
                 pooling=params, token_type_ids=type_ids, mm_inputs=mm_inputs,
             ))
         self.client.add(requests)
