@@ -24,7 +24,7 @@ from mmserve.config import DEFAULT_FRONTEND_THREADS
 from mmserve.engine.messages import EngineStats
 from mmserve.errors import EngineDead, ResourceExhausted
 from mmserve.frontend.frontend import FrontEnd, GenerateJob, GenerationDelta, PooledResult
-from mmserve.inputs import MMInput
+from mmserve.frontend.pooling_inputs import EncodedInput
 from mmserve.params import PoolingParams
 from mmserve.structured_output.schema_tree import RelaxedKeyword
 
@@ -48,20 +48,38 @@ class _Add:
 
 
 @dataclass
-class PoolInput:
-    """One input of a pooling batch."""
-
-    token_ids: list[int]
-    token_type_ids: list[int] | None = None
-    mm_inputs: tuple[MMInput, ...] = ()
-
-
-@dataclass
 class _AddPoolingBatch:
     request_ids: list[str]
-    inputs: list[PoolInput]  # validated already
+    inputs: list[EncodedInput]  # validated already; their lists are handed to the engine
     params: PoolingParams
-    sinks: list[Sink]
+    sink: _BatchSink  # every request's
+
+
+class _BatchSink:
+    """The sink of every request of one pooling batch (called on the engine thread): holds
+    their results in batch order and wakes the caller's loop once, when the last one came
+    or at the first failure."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        finish: Callable[[list[PooledResult] | BaseException], None],  # called on the loop
+        request_ids: list[str],
+    ) -> None:
+        self.loop = loop
+        self.finish = finish
+        self.index = {request_id: i for i, request_id in enumerate(request_ids)}
+        self.results: list[PooledResult | None] = [None] * len(request_ids)
+        self.remaining = len(request_ids)
+
+    def __call__(self, item: News | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.loop.call_soon_threadsafe(self.finish, item)
+            return
+        self.results[self.index[item.request_id]] = item  # type: ignore[assignment]  # pooling news
+        self.remaining -= 1
+        if not self.remaining:
+            self.loop.call_soon_threadsafe(self.finish, self.results)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -175,13 +193,13 @@ class AsyncFrontEnd:
                 yield item
 
     async def pool_batch(
-        self, inputs: list[PoolInput], params: PoolingParams
+        self, inputs: list[EncodedInput], params: PoolingParams
     ) -> list[PooledResult]:
         """Pools several inputs as one command (they reach the engine together, so they share
         its steps) with one wakeup of the caller's loop when the last one finishes; their
         final deltas, in order. The first failure fails the batch and aborts the rest; so
         does cancelling it. The inputs come from a pooling plan's encode(), which checked
-        them."""
+        them; their token lists go to the engine as they are (not to be changed after)."""
         if self.dead is not None:
             raise EngineDead(f"engine is dead: {self.dead}")
         count = len(inputs)
@@ -191,8 +209,6 @@ class AsyncFrontEnd:
             self._num_in_flight += count
         loop = asyncio.get_running_loop()
         done: asyncio.Future[list[PooledResult]] = loop.create_future()
-        results: list[PooledResult | None] = [None] * count
-        remaining = [count]  # touched on the engine thread only
 
         def finish(item: list[PooledResult] | BaseException) -> None:  # on the loop
             if done.done():
@@ -202,28 +218,16 @@ class AsyncFrontEnd:
             else:
                 done.set_result(item)
 
-        def sink_for(index: int) -> Sink:
-            def sink(item: News | BaseException) -> None:  # on the engine thread
-                if isinstance(item, BaseException):
-                    loop.call_soon_threadsafe(finish, item)
-                    return
-                results[index] = item  # type: ignore[assignment]  # a pooling request's news
-                remaining[0] -= 1
-                if not remaining[0]:
-                    loop.call_soon_threadsafe(finish, results)  # type: ignore[arg-type]
-
-            return sink
-
         ids = [self.frontend.new_request_id() for _ in inputs]
-        sinks = [sink_for(i) for i in range(count)]
-        self._commands.put(_AddPoolingBatch(ids, inputs, params, sinks))
+        sink = _BatchSink(loop, finish, ids)
+        self._commands.put(_AddPoolingBatch(ids, inputs, params, sink))
         try:
             return await done
         finally:
             with self._lock:
                 self._num_in_flight -= count
             if not done.done() or done.cancelled() or done.exception() is not None:
-                for request_id, result in zip(ids, results, strict=True):
+                for request_id, result in zip(ids, sink.results, strict=True):
                     if result is None:
                         self._commands.put(_Abort(request_id))
 
@@ -318,15 +322,15 @@ class AsyncFrontEnd:
 
     def _add_pooling(self, cmd: _AddPoolingBatch) -> None:
         items = [
-            (rid, list(i.token_ids), i.token_type_ids, i.mm_inputs)
+            (rid, i.token_ids, i.token_type_ids, i.mm_inputs)
             for rid, i in zip(cmd.request_ids, cmd.inputs, strict=True)
         ]
         try:
             self.frontend.add_pooling(items, cmd.params)
         except Exception as e:  # noqa: BLE001 - a bad batch fails alone
-            cmd.sinks[0](e)
+            cmd.sink(e)
             return
-        self._keep(dict(zip(cmd.request_ids, cmd.sinks, strict=True)))
+        self._keep(dict.fromkeys(cmd.request_ids, cmd.sink))
 
     def _dispatch(self, deltas: list[News]) -> None:
         for d in deltas:

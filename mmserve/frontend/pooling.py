@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import torch
 
-from mmserve.frontend.async_frontend import AsyncFrontEnd, PoolInput
+from mmserve.frontend.async_frontend import AsyncFrontEnd
 from mmserve.frontend.frontend import FrontEnd, PooledResult
 from mmserve.frontend.pooling_inputs import EncodedInput, TextOrIds
 from mmserve.frontend.pooling_plans import (
@@ -143,8 +143,7 @@ async def run_async(engine: AsyncFrontEnd, plan: PoolingPlan[T]) -> T:
 
     async def one(items: list[EncodedInput]) -> list[torch.Tensor]:
         try:
-            inputs = [PoolInput(i.token_ids, i.token_type_ids, i.mm_inputs) for i in items]
-            return [_pooled(d) for d in await engine.pool_batch(inputs, plan.params)]
+            return [_pooled(d) for d in await engine.pool_batch(items, plan.params)]
         finally:
             window.release()
 

@@ -14,6 +14,8 @@ tokenizer, each with fixed settings (no truncation, left, right), never changed 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -129,6 +131,17 @@ class InputEncoder:
             )
             d = d[:room] if truncate == "right" else d[len(d) - room :]
         return EncodedInput(before + q + middle + d + after, None)
+
+    @functools.cached_property
+    def max_token_id(self) -> int:
+        """The largest id this encoder's texts can hold: of the vocabulary with its added
+        tokens, and of the special tokens the post-processor puts around a text or a pair
+        (its templates are fixed, so encoding empty ones shows them all)."""
+        plain = self._rust("none")
+        ids = [*plain.get_vocab(with_added_tokens=True).values(), *plain.encode("").ids]
+        with contextlib.suppress(Exception):  # no pair template: pairs are never encoded
+            ids += plain.encode("", "").ids
+        return max(ids, default=-1)
 
     def _shorten(self, texts: dict[int, str], truncate: str) -> dict[int, int]:
         """Texts found far past the limit from a part of them: under truncation replaced in

@@ -197,7 +197,7 @@ def _plan_pairs(
             encoded = [encoder.encode_yes_no(a, b, truncate, fa, fb) for a, b, fa, fb in chunk]
         else:
             encoded = encoder.encode_pairs([(a, b) for a, b, _, _ in chunk], truncate, names)
-        _check_vocab(engine, encoded, names)
+        _check_vocab(engine, encoded, names, [True] * len(encoded))
         return encoded
 
     return PoolingPlan(
@@ -267,7 +267,7 @@ def _encode(
     engine: FrontEnd, items: Sequence[TextOrIds], truncate: str, names: list[str], prompt: str = ""
 ) -> list[EncodedInput]:
     encoded = engine.input_encoder.encode(items, truncate, names, prompt)
-    _check_vocab(engine, encoded, names)
+    _check_vocab(engine, encoded, names, [isinstance(item, str) for item in items])
     return encoded
 
 
@@ -319,9 +319,15 @@ def _padded(engine: FrontEnd, encoded: list[EncodedInput], names: list[str]) -> 
     ]
 
 
-def _check_vocab(engine: FrontEnd, encoded: list[EncodedInput], names: list[str]) -> None:
-    for item, name in zip(encoded, names, strict=True):
-        engine.check_token_ids(item.token_ids, name)
+def _check_vocab(
+    engine: FrontEnd, encoded: list[EncodedInput], names: list[str], tokenised: list[bool]
+) -> None:
+    """Every id in the vocabulary, else InvalidArgument naming the first input with one.
+    tokenised: which inputs the model's tokenizer made, whose ids need no look when it
+    emits none past the vocabulary (InputEncoder.max_token_id): the rest in one pass."""
+    trusted = engine.input_encoder.max_token_id < engine.vocab_size
+    look = [i for i, made in enumerate(tokenised) if not (made and trusted)]
+    engine.check_token_batch([encoded[i].token_ids for i in look], [names[i] for i in look])
 
 
 def _classification(labels: Sequence[str], probs: torch.Tensor) -> Classification:

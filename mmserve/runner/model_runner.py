@@ -82,6 +82,11 @@ class PooledOnDevice:
         """request id -> its result on the host (waits for the copy)."""
         if self.copied is not None:
             self.copied.synchronize()
+        if self.shapes and self.shapes.count(self.shapes[0]) == len(self.shapes):
+            # results of one shape (an embed step's): one view and one unbind (64 rows:
+            # 27 against 93 us split and viewed row by row)
+            rows = self.host.view(len(self.shapes), *self.shapes[0]).unbind(0)
+            return dict(zip(self.ids, rows, strict=True))
         sizes = [math.prod(shape) for shape in self.shapes]
         parts = torch.split(self.host, sizes)
         return {

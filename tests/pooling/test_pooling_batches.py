@@ -135,3 +135,52 @@ def test_a_call_on_an_idle_engine_is_pipelined(
     lengths = [len(ids) for ids in minilm_async.frontend.tokenizer(texts)["input_ids"]]
     assert [n for batch in sent for n in batch] == lengths  # in input order
     assert result.prompt_tokens == sum(lengths)
+
+
+def test_a_batch_answers_in_its_input_order_whatever_order_the_engine_finishes_it(
+    minilm_async: AsyncFrontEnd, sentence_transformer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One sink collects a batch's results by request id: news that come back in reverse
+    still give each input its own vector."""
+    frontend = minilm_async.frontend
+    real = frontend.step
+    monkeypatch.setattr(frontend, "step", lambda: real()[::-1])
+    texts = [f"text number {i}: " + "word " * (i % 7) for i in range(20)]
+    result = asyncio.run(pooling_api.embed(minilm_async, texts))
+    _assert_sentence_transformers(result.embeddings, texts, sentence_transformer)
+
+
+def test_a_request_failing_in_the_engine_fails_its_call(
+    minilm_async: AsyncFrontEnd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pooling request the engine fails (in the first of the batch's several steps: over
+    the token budget) fails its call with the engine's error; nothing stays in the engine,
+    and it serves the next call."""
+    from mmserve.engine.messages import EngineOutput
+    from mmserve.frontend.frontend import PooledResult
+    from tests.utils.engine_idle import wait_until_idle
+
+    monkeypatch.setattr(pooling_api, "IDLE_PIPELINE_MIN_CHUNK", pooling_api.PIPELINE_MIN_CHUNK)
+    frontend = minilm_async.frontend
+    real = frontend.step
+    failed: list[str] = []
+
+    def failing_step():  # type: ignore[no-untyped-def]
+        news = real()
+        if news and not failed:
+            failed.append(news[0].request_id)
+            news[0] = PooledResult(failed[0], EngineOutput(failed[0], [], None, None, "abort", error="boom"))
+        return news
+
+    monkeypatch.setattr(frontend, "step", failing_step)
+    texts = [f"number {i} " + "word " * 40 for i in range(pooling_api.PIPELINE_MIN_CHUNK)]
+
+    async def call() -> None:
+        with pytest.raises(RuntimeError, match=r"pooling request req-\d+ failed: boom"):
+            await pooling_api.embed(minilm_async, texts)
+        await wait_until_idle(minilm_async)
+        assert is_idle(minilm_async)
+        monkeypatch.setattr(frontend, "step", real)
+        assert (await pooling_api.embed(minilm_async, texts[:2])).embeddings.shape == (2, 384)
+
+    asyncio.run(call())

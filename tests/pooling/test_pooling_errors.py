@@ -100,3 +100,38 @@ def test_a_bad_input_in_a_later_chunk_fails_the_call_and_frees_the_engine(
         assert result.embeddings.shape == (3, 384)
 
     asyncio.run(call())
+
+
+def test_token_ids_outside_the_vocabulary_name_the_first_input_holding_one(
+    minilm_llm: LLM,
+) -> None:
+    """The vocabulary is checked over a batch in one pass: the bound itself is refused, the
+    input named is the first with a bad id, and the id named is its first bad one."""
+    vocab = minilm_llm.frontend.vocab_size
+    assert len(minilm_llm.embed([[101, vocab - 1, 102], [0]])) == 2  # both ends allowed
+    cases = [
+        ([[101, 102], "text", [101, vocab, 102]], f"inputs[2]: token id {vocab} "),
+        ([[101, -1, 102]], "inputs[0]: token id -1 "),
+        ([[1], [2, vocab + 5, -3], [vocab]], f"inputs[1]: token id {vocab + 5} "),
+        ([[1], [2, 2**70]], f"inputs[1]: token id {2**70} "),  # past int64
+    ]
+    for inputs, message in cases:
+        with pytest.raises(InvalidArgument) as info:
+            minilm_llm.embed(inputs)
+        assert str(info.value).startswith(message + f"is outside the vocabulary [0, {vocab})")
+    with pytest.raises(InvalidArgument, match=r"^first\[0\]: token id"):
+        minilm_llm.score([[101, vocab]], ["b"])
+
+
+def test_texts_are_checked_where_the_tokenizer_can_emit_ids_past_the_vocabulary(
+    minilm_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer's own ids skip the check only when none can fall outside the model's
+    vocabulary; a model with fewer embeddings than its tokenizer has ids still refuses them."""
+    import msgspec
+
+    frontend = minilm_llm.frontend
+    assert frontend.input_encoder.max_token_id == frontend.vocab_size - 1  # MiniLM's: trusted
+    monkeypatch.setattr(frontend, "info", msgspec.structs.replace(frontend.info, vocab_size=2000))
+    with pytest.raises(InvalidArgument, match=r"^inputs\[1\]: token id \d+ is outside .* 2000\)"):
+        minilm_llm.embed(["the", "hello"])  # [CLS] the [SEP] fit; "hello" is 7592

@@ -193,3 +193,18 @@ def test_two_long_texts_in_a_pair(tokenizer: Any, truncate: str, limit: int) -> 
         assert chars(seen) >= len(a) + len(b)
     else:
         assert chars(seen) < len(a) // 5
+
+
+def test_max_token_id_counts_the_post_processors_special_tokens() -> None:
+    """A template's special token may carry an id its vocabulary lacks: the bound holds it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    rust = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1, "</s>": 2}, unk_token="[UNK]"))
+    rust.pre_tokenizer = pre_tokenizers.Whitespace()
+    rust.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B:1 <sep>:1", special_tokens=[("</s>", 7), ("<sep>", 9)]
+    )
+    encoder = InputEncoder(PreTrainedTokenizerFast(tokenizer_object=rust), LIMIT, False)
+    assert encoder.max_token_id == 9
+    assert encoder.encode(["a"], "none", "inputs")[0].token_ids == [0, 7]
