@@ -88,3 +88,13 @@ def torchrun_rank(environ: Mapping[str, str] | None = None) -> tuple[int, int, i
         return None
     rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
     return rank, world, int(environ.get("LOCAL_RANK", rank))
+
+
+def torchrun_one_host(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether every rank torchrun started is on this host: its LOCAL_WORLD_SIZE is the
+    WORLD_SIZE, or the rendezvous (MASTER_ADDR) is a loopback address, which ranks of other
+    hosts could not reach."""
+    environ = os.environ if environ is None else environ
+    world, local = environ.get("WORLD_SIZE", ""), environ.get("LOCAL_WORLD_SIZE", "")
+    addr = environ.get("MASTER_ADDR", "").strip().lower()
+    return (bool(world) and world == local) or addr in ("localhost", "::1") or addr.startswith("127.")

@@ -78,7 +78,8 @@ def make_groups(
     store: Any, rank: int, size: int, device: str, timeout: float, loopback: bool = False
 ) -> Groups:
     """Both groups over store (a rendezvous); every rank calls it, and it returns once all have.
-    loopback: the ranks share this host (spawned here), so gloo listens on 127.0.0.1 only (by
+    loopback: the ranks share this host (spawned here, or torchrun's on one host:
+    envs.torchrun_one_host), so gloo listens on 127.0.0.1 only (by
     default it binds the address the host name resolves to, reachable from the network), and
     NCCL on the loopback interface (nccl_env)."""
     import torch.distributed as dist
@@ -215,7 +216,7 @@ def start_ranks(config: EngineConfig) -> Ranks:
             )
         store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
         device = rank_device(config.model.device, local_rank)
-        return Ranks(make_groups(store, 0, size, device, timeout), [])
+        return Ranks(make_groups(store, 0, size, device, timeout, loopback=envs.torchrun_one_host()), [])
     # the store listens on a socket bound to 127.0.0.1 (TCPStore's own binds every interface)
     listener = socket.create_server(("127.0.0.1", 0))
     store = dist.TCPStore(
@@ -276,7 +277,7 @@ def follow_torchrun(config: EngineConfig) -> None:
     timeout = config.parallel.distributed_timeout
     store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
     device = rank_device(config.model.device, local_rank)
-    _run_rank(config, make_groups(store, rank, world, device, timeout))
+    _run_rank(config, make_groups(store, rank, world, device, timeout, loopback=envs.torchrun_one_host()))
 
 
 def _run_rank(config: EngineConfig, groups: Groups) -> None:

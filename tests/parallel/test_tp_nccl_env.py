@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import subprocess
+import types
 from typing import Any
 
 import pytest
@@ -57,3 +58,44 @@ def test_the_spawned_process_gets_them(monkeypatch: pytest.MonkeyPatch) -> None:
     assert started["cmd"][-3:] == ["1", "2", "4321"]
     env = started["env"]
     assert {k: env[k] for k in (*NCCL_ENV, *LOOPBACK)} == {**NCCL_ENV, **LOOPBACK}
+
+
+@pytest.mark.parametrize(
+    "environ, one_host",
+    [
+        ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1"}, True),  # all ranks local
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1"}, False),  # two hosts
+        ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, True),  # a loopback rendezvous
+        ({"WORLD_SIZE": "2", "MASTER_ADDR": "localhost"}, True),
+        ({"WORLD_SIZE": "2", "MASTER_ADDR": "node7"}, False),
+        ({"WORLD_SIZE": "2"}, False),
+    ],
+)
+def test_torchrun_on_one_host_is_told_apart(environ: dict[str, str], one_host: bool) -> None:
+    from mmserve import envs
+
+    assert envs.torchrun_one_host(environ) is one_host
+
+
+def test_torchrun_ranks_of_one_host_bind_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 under a single-host torchrun (torchrun --standalone) makes its groups on loopback
+    (gloo on 127.0.0.1, NCCL on lo), as spawned ranks do; across hosts it keeps the defaults."""
+    import torch.distributed as dist
+
+    from mmserve.config import EngineConfig, ModelConfig, ParallelConfig
+
+    made: list[bool] = []
+    monkeypatch.setattr(dist, "rendezvous", lambda *a, **k: iter([(object(), 0, 2)]))
+    def make_groups(*args: Any, loopback: bool = False) -> Any:
+        made.append(loopback)
+        return types.SimpleNamespace(parallel=None, plans=None, timeout=None)
+
+    monkeypatch.setattr(tp_workers, "make_groups", make_groups)
+    config = EngineConfig(ModelConfig("unused", device="cpu"), parallel=ParallelConfig(tensor_parallel_size=2))
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    tp_workers.start_ranks(config)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    tp_workers.start_ranks(config)
+    assert made == [True, False]
