@@ -82,18 +82,21 @@ def test_a_call_within_one_step_reaches_the_engine_whole_and_runs_in_one_step(
     assert result.prompt_tokens == sum(lengths)
 
 
-def test_a_larger_call_is_pipelined_in_input_order(
-    minilm_async: AsyncFrontEnd, sentence_transformer: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("count", [150, pooling_api.PIPELINE_MIN_CHUNK], ids=["larger", "idle"])
+def test_a_call_is_pipelined_in_input_order(
+    count: int, minilm_async: AsyncFrontEnd, sentence_transformer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A call of more than PIPELINE_MIN_CHUNK inputs sends its first batch as soon as it is
+    """A call of more than PIPELINE_MIN_CHUNK inputs, or of that many finding the engine idle
+    (its least chunk IDLE_PIPELINE_MIN_CHUNK), sends its first batch as soon as it is
     tokenised (the model runs it while the rest is tokenised): more than one batch, in input
     order, none over chunk_size; and the vectors are sentence-transformers' whatever the
     split."""
-    texts = [f"text number {i}: " + "word " * (i % 7) for i in range(150)]
+    texts = [f"text number {i}: " + "word " * (i % 7) for i in range(count)]
     sent = _spy_batches(minilm_async, monkeypatch)
+    assert is_idle(minilm_async)
     result = asyncio.run(pooling_api.embed(minilm_async, texts))
     _assert_sentence_transformers(result.embeddings, texts, sentence_transformer)
-    assert len(sent) > 1 and max(map(len, sent)) <= pooling_api.chunk_size(len(texts))
+    assert len(sent) > 1 and max(map(len, sent)) <= pooling_api.chunk_size(len(texts), idle=True)
     lengths = [len(ids) for ids in minilm_async.frontend.tokenizer(texts)["input_ids"]]
     assert [n for batch in sent for n in batch] == lengths  # in input order
     assert result.prompt_tokens == sum(lengths)
@@ -117,24 +120,6 @@ def test_a_whole_call_past_the_token_budget_is_scheduled_within_it(
     tokens = [plan.num_tokens for plan in steps]
     assert len([n for n in tokens if n]) > 1 and max(tokens) <= budget
     assert sum(tokens) == sum(lengths) == result.prompt_tokens
-
-
-def test_a_call_on_an_idle_engine_is_pipelined(
-    minilm_async: AsyncFrontEnd, sentence_transformer: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Finding the engine idle, a call of PIPELINE_MIN_CHUNK sends its first batch as soon as
-    it is tokenised (the model runs it while the rest is tokenised): more than one batch, in
-    input order, none over chunk_size; and the vectors are sentence-transformers' whatever the
-    split."""
-    texts = [f"text number {i}: " + "word " * (i % 7) for i in range(pooling_api.PIPELINE_MIN_CHUNK)]
-    sent = _spy_batches(minilm_async, monkeypatch)
-    assert is_idle(minilm_async)
-    result = asyncio.run(pooling_api.embed(minilm_async, texts))
-    _assert_sentence_transformers(result.embeddings, texts, sentence_transformer)
-    assert len(sent) > 1 and max(map(len, sent)) <= pooling_api.chunk_size(len(texts), idle=True)
-    lengths = [len(ids) for ids in minilm_async.frontend.tokenizer(texts)["input_ids"]]
-    assert [n for batch in sent for n in batch] == lengths  # in input order
-    assert result.prompt_tokens == sum(lengths)
 
 
 def test_a_batch_answers_in_its_input_order_whatever_order_the_engine_finishes_it(
