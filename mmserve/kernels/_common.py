@@ -70,14 +70,15 @@ def to_cache(x, inv_scale, dtype: tl.constexpr, FP8: tl.constexpr):
 # Programmatic dependent launch (Hopper and later): a kernel launched with it (launch_pdl) may
 # start while the kernel before it on the stream still runs, once each of that kernel's programs
 # has passed pdl_wait (or ended). pdl_wait blocks until the kernel before has ended and its writes
-# are visible, then lets the next kernel start. So the kernels of a decode step (norms, rotary,
-# attention, the activation, the products) each start, and a product reads its first weights,
-# while the one before finishes: the launch gap between kernels, a few microseconds each, about
-# ten a layer, overlaps. Each kernel waits before it reads or writes anything an earlier kernel
-# may write or read (weights it may read before). Kernels not launched with it (torch's, cuBLAS)
-# run after the kernel before them has ended, as always. On an H100 (session 27, batch-1 decode
-# at the 8B shape, off -> on): FP8 4.18 -> 3.93 ms/token, GGUF Q4_K_M 3.66 -> 3.52; the GPU tests
-# pass under it, and a chain of these kernels replayed from a CUDA graph equals its run without
+# are visible, then lets the next kernel start. So each Triton kernel of a decode step (norms,
+# rotary, attention, the activation, the products) is launched and ramps up while the one before
+# finishes: the launch gap between kernels, a few microseconds each and about ten a layer,
+# overlaps. Each kernel waits first, before it reads or writes anything. (A product reading its
+# first weights before the wait, w4a16's, was slower: its loop lost its shape.) Kernels not
+# launched with it (torch's, cuBLAS) start after the kernel before them has ended, as always. On
+# an H100 (session 27, batch-1 decode at the 8B shape, off -> on): FP8 4.18 -> 3.93 ms/token,
+# GGUF Q4_K_M 3.66 -> 3.52. The GPU tests pass under it (pytest --pdl), and a chain of these
+# kernels replayed from a CUDA graph equals its run without it, to the bit.
 PDL = True
 _PDL_WAIT = tl.constexpr("griddepcontrol.wait; // $0")
 _PDL_LAUNCH = tl.constexpr("griddepcontrol.launch_dependents; // $0")
