@@ -153,11 +153,11 @@ if has serial; then
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/serial.txt"
 fi
 if has pdl; then
-  # programmatic dependent launch (_common.PDL; issues 19, 23 target 1): its chain test and the
-  # GPU tests under it (--pdl), then batch-1 decode off and on: FP8 latency, and w4a16-g128's and
-  # the Q4_K_M file's latency and decode steps at batch 1 and 2
-  timeout ${PDL_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider ${PDL_TESTS:-tests/gpu/test_gpu_pdl.py tests/gpu/test_gpu_quantized_decode.py tests/gpu/test_gpu_engine.py} --pdl 2>&1 | tail -12 | tee "$OUT/pdl-tests.txt"
-  S=mmserve.kernels._common.PDL=True
+  # programmatic dependent launch (_common.PDL, on; issues 19, 23 target 1): its chain test and
+  # the GPU tests under it, then batch-1 decode on (the default) and off: FP8 latency, and
+  # w4a16-g128's and the Q4_K_M file's latency and decode steps at batch 1 and 2
+  timeout ${PDL_TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider ${PDL_TESTS:-tests/gpu/test_gpu_pdl.py tests/gpu/test_gpu_quantized_decode.py tests/gpu/test_gpu_engine.py} 2>&1 | tail -12 | tee "$OUT/pdl-tests.txt"
+  S=mmserve.kernels._common.PDL=False
   L="latency --input-len 128 --output-len 128 --max-num-seqs 1 --load-format dummy --quantization fp8"
   Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024 --batch-sizes 1,2"
   { $B $L; echo "$S"; python3 scripts/ab_switch.py $S -- $L
