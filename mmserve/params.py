@@ -16,6 +16,12 @@ MAX_STOP_STRINGS = 16
 # the scheduler looks each sampled token up in this list, every step: millions of (repeated)
 # ids made every step of the engine slow, for every request in it
 MAX_STOP_TOKEN_IDS = 1024
+# the sampler writes a request's allowed set into its row of the logits every step: the size
+# of a large vocabulary (Qwen2's is 151,936) is room for any real allow-list
+MAX_ALLOWED_TOKEN_IDS = 1 << 17
+# each word is tokenized twice and its variants matched against the output every step
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 1024
 
 
 @dataclass
@@ -47,6 +53,12 @@ class SamplingParams:
     structured: StructuredOutputParams | None = None  # a constraint on the output
     reasoning_budget: int | None = None  # most thinking tokens; then `</think>` is forced
     disable_speculation: bool = False  # no speculative decoding for this request
+    allowed_token_ids: list[int] = field(default_factory=list)  # only these may be sampled; [] = any
+    bad_words: list[str] = field(default_factory=list)  # words never to be generated (vLLM's)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last this many tokens
+    # bad_words as token sequences (vLLM's variants, processors/bad_words.py): filled by the
+    # front end when it validates the request; the sampler reads these, never bad_words
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +115,28 @@ class SamplingParams:
         )
         for tok, bias in self.logit_bias.items():
             _check(_finite(bias) and -100 <= bias <= 100, f"logit_bias[{tok}]", "must be in [-100, 100]")
+        _check(
+            len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+            "allowed_token_ids",
+            f"{len(self.allowed_token_ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS}",
+        )
+        _check(
+            len(self.bad_words) <= MAX_BAD_WORDS,
+            "bad_words",
+            f"{len(self.bad_words)} words; at most {MAX_BAD_WORDS}",
+        )
+        for i, word in enumerate(self.bad_words):
+            _check(
+                0 < len(word) <= MAX_BAD_WORD_CHARS,
+                f"bad_words[{i}]",
+                f"{len(word)} characters; must be 1 to {MAX_BAD_WORD_CHARS}",
+            )
+            _check(bool(word.strip()), f"bad_words[{i}]", "must not be only whitespace")
+        _check(
+            self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+            "truncate_prompt_tokens",
+            "must be >= 1 (unset: no truncation)",
+        )
 
     def validate_for_model(self, vocab_size: int, prompt_len: int, max_model_len: int) -> None:
         """Checks against the model: vocabulary and context length (validate() first)."""
@@ -110,6 +144,14 @@ class SamplingParams:
             _check(0 <= tok < vocab_size, "stop_token_ids", f"token id {tok} outside [0, {vocab_size})")
         for tok in self.logit_bias:
             _check(0 <= tok < vocab_size, "logit_bias", f"token id {tok} outside [0, {vocab_size})")
+        if self.allowed_token_ids:
+            low, high = min(self.allowed_token_ids), max(self.allowed_token_ids)
+            bad = low if low < 0 else high
+            _check(
+                low >= 0 and high < vocab_size,
+                "allowed_token_ids",
+                f"token id {bad} outside [0, {vocab_size})",
+            )
         room = max_model_len - prompt_len
         if self.max_tokens is not None:
             _check(

@@ -13,6 +13,7 @@ from mmserve.frontend import pooling as pooling_api
 from mmserve.frontend.chat import ChatInput
 from mmserve.frontend.frontend import FrontEnd, GenerateJob, GenerationDelta
 from mmserve.frontend.pooling_inputs import TextOrIds
+from mmserve.frontend.prompts import PromptLimit
 from mmserve.outputs import CompletionOutput, RequestOutput
 from mmserve.params import SamplingParams
 from mmserve.processors.images import local_image
@@ -53,13 +54,15 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Prompts are strings or lists of token ids. One params for all, or one per prompt."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        encoded = [
-            (p, self.frontend.encode_prompt(p)) if isinstance(p, str) else (None, list(p))
-            for p in prompts
-        ]
-        return self._run(encoded, params, use_tqdm, cache_salt)
+        each: Sequence[str | Sequence[int]] = [prompts] if isinstance(prompts, str) else prompts
+        per_prompt = _per_prompt_params(params, len(each))
+        encoded = [self._encode(p, sp) for p, sp in zip(each, per_prompt, strict=True)]
+        return self._run(encoded, per_prompt, use_tqdm, cache_salt)
+
+    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.frontend.encode_prompt(prompt, limit=self._limit(params))
+        return None, list(prompt)
 
     def chat(
         self,
@@ -78,18 +81,23 @@ class LLM:
         read images). continue_final_message (with add_generation_prompt=False): the prompt
         ends inside the last message, the assistant's, and the model goes on with it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        per_prompt = _per_prompt_params(params, len(conversations))
         encoded, images = [], []
-        for conv in conversations:
+        for conv, sp in zip(conversations, per_prompt, strict=True):
             conv, decoded, fields = _take_images(conv)  # type: ignore[arg-type]
             chat = ChatInput(
                 conv, tools, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 template_kwargs=template_kwargs or {}, image_fields=fields,
             )
-            prompt = self.frontend.render_chat(chat, decoded, self.frontend.prompt_limit())
+            prompt = self.frontend.render_chat(chat, decoded, self._limit(sp))
             encoded.append((prompt.text, prompt.token_ids))
             images.append(prompt.mm_inputs)
-        return self._run(encoded, params, use_tqdm, cache_salt, images)
+        return self._run(encoded, per_prompt, use_tqdm, cache_salt, images)
+
+    def _limit(self, params: SamplingParams) -> PromptLimit:
+        """The limit on a prompt before it is cut (none, where truncate_prompt_tokens cuts it)."""
+        return self.frontend.prompt_limit(cut=params.truncate_prompt_tokens is not None)
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -157,22 +165,21 @@ class LLM:
     def _run(
         self,
         encoded: Sequence[tuple[str | None, list[int]]],
-        params: SamplingParams | Sequence[SamplingParams] | None,
+        per_prompt: list[SamplingParams],  # one per prompt
         use_tqdm: bool,
         cache_salt: str | None,
         images: list[tuple[Any, ...]] | None = None,
     ) -> list[RequestOutput]:
-        per_prompt = _per_prompt_params(params, len(encoded))
         images = images or [()] * len(encoded)
-        jobs: list[tuple[str | None, GenerateJob]] = [
-            (text, self.frontend.validate(
+        jobs: list[tuple[str | None, GenerateJob]] = []
+        for (text, ids), p, mm in zip(encoded, per_prompt, images, strict=True):
+            ids = self.frontend.truncate_prompt(ids, p, mm)  # before the thought is read
+            jobs.append((text, self.frontend.validate(
                 ids, p, cache_salt=cache_salt, mm_inputs=mm,
                 field="prompt" if text is not None else "token_ids",
                 # as the server: the budget is enforced, and refused where there is no thought
                 reasoning=self.frontend.read_reasoning(ids, p, field="reasoning_budget"),
-            ))
-            for (text, ids), p, mm in zip(encoded, per_prompt, images)
-        ]
+            )))
         for _, job in jobs:  # a constraint that fails to compile names its field, before any runs
             self.frontend.compile_grammar(job.params)
         results: dict[str, RequestOutput] = {}

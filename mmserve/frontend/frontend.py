@@ -8,10 +8,11 @@ The gRPC servicer and the offline LLM both call it."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from mmserve.frontend.tools import ToolRequest
 from mmserve.inputs import MMInput
 from mmserve.outputs import TokenLogprob
 from mmserve.params import PoolingParams, SamplingParams
+from mmserve.processors.bad_words import bad_words_token_ids
 from mmserve.processors.detokenizer import IncrementalDetokenizer
 from mmserve.processors.images import DecodedImage
 from mmserve.processors.long_texts import TooManyTokens
@@ -183,9 +185,11 @@ class FrontEnd:
 
     # -- prompts: texts and chats, and the reading of tool calls ------------------------
 
-    def prompt_limit(self, max_prompt_tokens: int | None = None) -> PromptLimit:
-        """The context's limit on a prompt, or a server's max_prompt_tokens where smaller."""
-        return PromptLimit(self.info.max_model_len, max_prompt_tokens)
+    def prompt_limit(self, max_prompt_tokens: int | None = None, cut: bool = False) -> PromptLimit:
+        """The context's limit on a prompt, or a server's max_prompt_tokens where smaller.
+        cut: the prompt is cut (truncate_prompt_tokens) once tokenised, so no length is
+        refused before (the cut prompt is checked)."""
+        return PromptLimit(self.info.max_model_len, max_prompt_tokens, cut)
 
     def encode_prompt(
         self,
@@ -296,27 +300,62 @@ class FrontEnd:
     ) -> GenerateJob:
         """The request checked against the model; InvalidArgument names the field (the
         prompt's as `field`, a parameter's under `params_field`, e.g. "params.").
-        reasoning: the reading of its thought (read_reasoning), for the engine's gate."""
+        reasoning: the reading of its thought (read_reasoning), for the engine's gate.
+        A prompt is cut to its last params.truncate_prompt_tokens first (truncate_prompt)."""
         self.require("generate")
         if not prompt_token_ids:
             raise InvalidArgument(field, "must not be empty")
+        with _fields_under(params_field):
+            params.validate()
+            prompt_token_ids = self.truncate_prompt(prompt_token_ids, params, mm_inputs)
         self.check_token_ids(prompt_token_ids, field)
         limit = self.info.max_model_len
         if len(prompt_token_ids) >= limit:
             raise self.prompt_limit().error(field, len(prompt_token_ids))
-        try:
-            params.validate()
+        with _fields_under(params_field):
             params.validate_for_model(self.info.vocab_size, len(prompt_token_ids), limit)
-        except InvalidArgument as e:
-            if not params_field:
-                raise
-            raise InvalidArgument(params_field + e.field, str(e).removeprefix(f"{e.field}: ")) from e
+            params.bad_words_token_ids = self._bad_words_token_ids(params)
         if params.structured is not None:
             params.structured.validate()
         self._check_images(prompt_token_ids, mm_inputs, field)
         rid = request_id or self.new_request_id()
         gate = engine_gate(reasoning, params)
         return GenerateJob(rid, list(prompt_token_ids), params, cache_salt, mm_inputs, gate)
+
+    @staticmethod
+    def truncate_prompt(
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        mm_inputs: tuple[MMInput, ...] = (),
+        field: str = "truncate_prompt_tokens",
+    ) -> list[int]:
+        """The prompt's last params.truncate_prompt_tokens tokens (vLLM's left truncation; the
+        prompt as it is when unset or already that short). Cutting cannot keep images'
+        placeholders whole: refused where it would cut a prompt with images (InvalidArgument
+        on `field`). Cutting twice cuts once; 0 cuts nothing (validate() refuses it)."""
+        keep = params.truncate_prompt_tokens
+        if keep is None or keep < 1 or len(prompt_token_ids) <= keep:
+            return prompt_token_ids
+        if mm_inputs:
+            raise InvalidArgument(field, "cannot cut a prompt with images; leave it unset")
+        return prompt_token_ids[-keep:]
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """params.bad_words as the sampler's token sequences (processors/bad_words.py); a
+        one-token word that bans every allowed_token_ids is refused (no token would be left
+        to draw)."""
+        if not params.bad_words:
+            return []
+        words = bad_words_token_ids(self.tokenizer, params.bad_words)
+        vocab = self.info.vocab_size
+        for ids in words:
+            if not all(0 <= t < vocab for t in ids):
+                raise InvalidArgument("bad_words", f"tokens {ids} outside [0, {vocab})")
+        if params.allowed_token_ids:
+            always = {ids[0] for ids in words if len(ids) == 1}
+            if always.issuperset(params.allowed_token_ids):
+                raise InvalidArgument("bad_words", "bans every one of allowed_token_ids")
+        return words
 
     def require(self, task: str) -> None:
         if task not in self.info.tasks:
@@ -510,3 +549,14 @@ class FrontEnd:
             if not parent.children:
                 del self._parents[choice.parent_id]
 
+
+
+@contextlib.contextmanager
+def _fields_under(prefix: str) -> Iterator[None]:
+    """An InvalidArgument raised inside names its field under prefix (e.g. "params.")."""
+    try:
+        yield
+    except InvalidArgument as e:
+        if not prefix:
+            raise
+        raise InvalidArgument(prefix + e.field, str(e).removeprefix(f"{e.field}: ")) from e

@@ -3,6 +3,7 @@ tokenising all of a text far past that (processors/long_texts.py)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,9 +29,14 @@ class PromptLimit:
 
     context: int  # the model's max_model_len: a prompt leaves room for one token at least
     server: int | None = None  # the server's max_prompt_tokens; None: the context's only
+    # the prompt is cut to its last truncate_prompt_tokens once tokenised: it may come in at
+    # any length (the cut prompt is checked against the limit)
+    cut: bool = False
 
     @property
     def tokens(self) -> int:
+        if self.cut:
+            return sys.maxsize
         room = self.context - 1
         return room if self.server is None else min(room, self.server)
 

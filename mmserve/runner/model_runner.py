@@ -154,6 +154,7 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         self._generators: dict[str, torch.Generator] = {}
         self._prompt_ids: dict[str, torch.Tensor] = {}  # repetition penalty: distinct prompt ids
+        self._allowed_ids: dict[str, torch.Tensor] = {}  # allowed_token_ids, on the device
         caps = model.capabilities
         self.mrope = caps.uses_mrope
         self.dual = caps.dual_encoder  # CLIP/SigLIP: Embed only
@@ -257,6 +258,7 @@ class ModelRunner:
         for request_id in plan.finished_ids:
             self._generators.pop(request_id, None)
             self._prompt_ids.pop(request_id, None)
+            self._allowed_ids.pop(request_id, None)
         for key in plan.encoder_free:
             self.encoder_outputs.pop(key, None)
         self.input_batch.forget(plan.finished_ids)
@@ -567,8 +569,15 @@ class ModelRunner:
                 prompt_ids = torch.unique(torch.tensor(item.prompt_token_ids, dtype=torch.int64))
                 prompt_ids = prompt_ids.to(self.device, non_blocking=True)
                 self._prompt_ids[item.request_id] = prompt_ids
+        allowed = None
+        if item.params.allowed_token_ids:  # (converted once, not every step)
+            allowed = self._allowed_ids.get(item.request_id)
+            if allowed is None:
+                allowed = torch.tensor(item.params.allowed_token_ids, dtype=torch.int64)
+                allowed = self._allowed_ids[item.request_id] = allowed.to(self.device, non_blocking=True)
         return SamplingRow(
-            item.params, item.prompt_token_ids, output, item.eos_token_ids, gen, seed, prompt_ids
+            item.params, item.prompt_token_ids, output, item.eos_token_ids, gen, seed, prompt_ids,
+            allowed,
         )
 
     def _prompt_logprobs(

@@ -1,5 +1,5 @@
-"""Turns logits into tokens: logit bias, min_tokens, penalties, temperature, top-k, top-p,
-min-p, per-request seeds, and logprobs. Rows are independent: a row's result never depends on
+"""Turns logits into tokens: logit bias, min_tokens, allowed_token_ids, bad_words, penalties,
+temperature, top-k, top-p, min-p, per-request seeds, and logprobs. Rows are independent: a row's result never depends on
 what else is in the batch."""
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ class SamplingRow:
     # runner keeps them per request (a long prompt is not converted again every step); None:
     # taken from prompt_token_ids
     prompt_ids: torch.Tensor | None = None
+    # params.allowed_token_ids on the logits' device, int64, kept per request by the runner
+    # like prompt_ids; None: taken from params
+    allowed_ids: torch.Tensor | None = None
 
 
 def sample(
@@ -78,12 +81,14 @@ def logprobs_of(
 
 
 def _adjusted(logits: torch.Tensor, rows: list[SamplingRow], adjusted: list[int]) -> torch.Tensor:
-    """The logits with bias, min_tokens and penalties applied to the rows listed (a copy when
-    there are any)."""
+    """The logits with bias, min_tokens' and bad_words' bans, allowed_token_ids and penalties
+    applied to the rows listed (a copy when there are any). The masks are -inf, which the
+    penalties keep -inf."""
     if not adjusted:
         return logits
     logits = logits.clone()
     _apply_bias_and_min_tokens(logits, rows, adjusted)
+    _apply_allowed(logits, rows, adjusted)
     _apply_penalties(logits, rows, adjusted)
     return logits
 
@@ -105,10 +110,12 @@ def draw(
 
 
 def _adjusts_logits(row: SamplingRow) -> bool:
-    """Whether bias, min_tokens or a penalty changes this row's logits this step."""
+    """Whether bias, min_tokens, allowed_token_ids, bad_words or a penalty changes this row's
+    logits this step."""
     params = row.params
     return bool(
         params.logit_bias
+        or params.allowed_token_ids
         or _banned(row)
         or params.repetition_penalty != 1.0
         or ((params.presence_penalty or params.frequency_penalty) and row.output_token_ids)
@@ -130,9 +137,9 @@ def top_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, ks: Sequence[int]
 
 
 def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
-    """logit_bias added, then, while fewer than min_tokens are out, the stop token ids (and
-    EOS unless ignore_eos) set to -inf, on the rows `which` of logits, in place: one indexed
-    add and one indexed write for all of them."""
+    """logit_bias added, then the tokens _banned lists (min_tokens', bad_words') set to -inf,
+    on the rows `which` of logits, in place: one indexed add and one indexed write for all of
+    them."""
     device = logits.device
     biased = [(i, t, b) for i in which for t, b in rows[i].params.logit_bias.items()]
     if biased:
@@ -148,11 +155,49 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], wh
 
 
 def _banned(row: SamplingRow) -> set[int]:
-    """The tokens min_tokens keeps out of this row now."""
+    """The tokens min_tokens and bad_words keep out of this row now."""
     params = row.params
+    banned = _bad_word_ends(row) if params.bad_words_token_ids else set()
     if len(row.output_token_ids) >= params.min_tokens:
-        return set()
-    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(row.eos_token_ids))
+        return banned
+    eos = set() if params.ignore_eos else set(row.eos_token_ids)
+    return banned | set(params.stop_token_ids) | eos
+
+
+def _bad_word_ends(row: SamplingRow) -> set[int]:
+    """The last token of each bad word whose other tokens the output ends with (vLLM's
+    NoBadWordsLogitsProcessor: a one-token word always; only the output's tokens count)."""
+    out = row.output_token_ids
+    ends = set()
+    for word in row.params.bad_words_token_ids:
+        before = len(word) - 1
+        if before == 0 or (before <= len(out) and out[-before:] == word[:-1]):
+            ends.add(word[-1])
+    return ends
+
+
+def _apply_allowed(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
+    """Every logit but those of a row's allowed_token_ids set to -inf, on the rows `which`
+    that have them, in place: the allowed logits gathered, the rows filled, the gathered
+    written back (one gather, one fill, one scatter for all of them)."""
+    limited = [i for i in which if rows[i].params.allowed_token_ids]
+    if not limited:
+        return
+    device = logits.device
+    ids = [_allowed_ids(rows[i], device) for i in limited]
+    lengths = _to(device, [len(x) for x in ids], torch.int64)
+    flat = torch.cat(ids)
+    where = _to(device, limited, torch.int64)
+    at = torch.repeat_interleave(where, lengths, output_size=len(flat))
+    kept = logits[at, flat]
+    logits.index_fill_(0, where, float("-inf"))
+    logits[at, flat] = kept
+
+
+def _allowed_ids(row: SamplingRow, device: torch.device) -> torch.Tensor:
+    if row.allowed_ids is not None:
+        return row.allowed_ids
+    return _to(device, row.params.allowed_token_ids, torch.int64)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:

@@ -93,6 +93,9 @@ def sampling_params(p: generate_pb2.SamplingParams, config: ServerConfig) -> Sam
         include_stop_str_in_output=p.include_stop_str_in_output,
         reasoning_budget=_opt(p, "reasoning_budget", None),
         disable_speculation=p.disable_speculation,
+        allowed_token_ids=list(p.allowed_token_ids),
+        bad_words=list(p.bad_words),
+        truncate_prompt_tokens=_opt(p, "truncate_prompt_tokens", None),
     )
     return params  # the model's front end validates it (once), naming params.* fields
 

@@ -139,8 +139,13 @@ async def prepare(
     structured = convert.structured_output(request, config.structured_output_backend)
     params = convert.sampling_params(request.params, config)
     chat = await chat_input(handle, request.chat) if request.WhichOneof("input") == "chat" else None
-    limit = handle.frontend.prompt_limit(config.max_prompt_tokens)
+    limit = handle.frontend.prompt_limit(
+        config.max_prompt_tokens, cut=params.truncate_prompt_tokens is not None
+    )
     field_name, ids, mm_inputs = await prompt_ids(request, handle, chat, images, limit)
+    ids = handle.frontend.truncate_prompt(
+        ids, params, mm_inputs, field="params.truncate_prompt_tokens"
+    )  # before the limits, tools and thought read it
     if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
         raise limit.error(field_name, len(ids))
     convert.resolve_max_tokens(params, len(ids), handle.facts.max_context, config.max_tokens)

@@ -352,3 +352,86 @@ def test_batched_bias_and_min_tokens_equal_one_row_at_a_time() -> None:
     adjusted = [i for i, r in enumerate(rows) if _adjusts_logits(r)]
     assert adjusted == [0, 1, 3, 4, 5, 6]  # row 2 bans nothing; row 4's min_tokens has passed
     assert torch.equal(_adjusted(logits, rows, adjusted), expected)
+
+
+def test_allowed_token_ids_restrict_greedy_and_drawn_tokens() -> None:
+    assert set(draw(LOGITS, temperature=0.0, allowed_token_ids=[3, 5])) == {3}
+    drawn = draw(LOGITS, allowed_token_ids=[2, 4])
+    assert set(drawn) == {2, 4}  # both drawn, nothing else
+    assert drawn[2] > drawn[4]  # in their own proportion (e^1 : e^0)
+
+
+def test_allowed_token_ids_leave_logprobs_raw() -> None:
+    """As logit_bias: the logprobs are the model's own distribution's."""
+    t = torch.tensor([LOGITS])
+    tokens, lp = sample(t, [row(temperature=0.0, allowed_token_ids=[4], logprobs=2)])
+    assert tokens == [4]
+    raw = torch.log_softmax(t, dim=-1)[0]
+    assert lp[0] is not None and lp[0].logprob == pytest.approx(raw[4].item())
+    assert lp[0].rank == 5 and [i for i, _ in lp[0].top] == [0, 1]
+
+
+def test_bad_words_follow_vllms_processor() -> None:
+    """A one-token word is always masked; a longer one's last token only where the output
+    ends with its other tokens (vLLM's NoBadWordsLogitsProcessor)."""
+    words = [[0], [3, 1], [2, 3, 1], [5, 4, 2]]
+
+    def greedy(output: list[int]) -> int:
+        tokens, _ = sample(
+            torch.tensor([LOGITS]),
+            [row(output=output, temperature=0.0, bad_words_token_ids=words)],
+        )
+        return tokens[0]
+
+    assert greedy([]) == 1  # 0 banned; [3, 1] needs a 3 before it
+    assert greedy([4, 3]) == 2  # now 1 is banned too
+    assert greedy([2]) == 1  # [3, 1]'s prefix is not [2]
+    assert greedy([5, 4]) == 1  # [5, 4, 2]'s 2 is banned, 1 was not: 1 stays the best
+    logits = [0.0, -1.0, 3.0, 0.0, 0.0, 0.0]
+    tokens, _ = sample(
+        torch.tensor([logits, logits]),
+        [row(output=[5, 4], temperature=0.0, bad_words_token_ids=words),
+         row(output=[4, 4], temperature=0.0, bad_words_token_ids=words)],
+    )  # fmt: skip
+    assert tokens[0] != 2 and tokens[1] == 2  # the prefix is the output's last tokens
+
+
+def test_batched_masks_equal_one_row_at_a_time() -> None:
+    """allowed_token_ids and bad_words for all rows at once: what each row alone gives, beside
+    rows with bias and penalties, with a grammar-like -inf already in the logits."""
+    from mmserve.runner.sampler import _adjusted, _adjusts_logits
+
+    gen = torch.Generator().manual_seed(5)
+    kinds = [
+        {"allowed_token_ids": [3, 7, 299]}, {"bad_words_token_ids": [[4], [3, 3, 9]]},
+        {"logit_bias": {11: 1.0}, "repetition_penalty": 1.5},
+        {"allowed_token_ids": list(range(0, 300, 2)), "bad_words_token_ids": [[2], [3, 8]],
+         "presence_penalty": 0.5},
+        {"allowed_token_ids": [1], "min_tokens": 30},
+    ]  # fmt: skip
+    rows = [row(output=[1, 2, 3, 3], eos=(0,), prompt=(7, 8), **kw) for kw in kinds]
+    logits = torch.randn(len(rows), 300, generator=gen)
+    logits[:, 150] = float("-inf")
+    expected = logits.clone()
+    for i, r in enumerate(rows):
+        params = r.params
+        for t, b in params.logit_bias.items():
+            expected[i, t] += b
+        if params.allowed_token_ids:
+            keep = torch.full((300,), float("-inf"))
+            keep[params.allowed_token_ids] = 0.0
+            expected[i] += keep
+        out = r.output_token_ids
+        for word in params.bad_words_token_ids:
+            if len(word) == 1 or out[-(len(word) - 1):] == word[:-1]:
+                expected[i, word[-1]] = float("-inf")
+        if len(out) < params.min_tokens:
+            expected[i, 0] = float("-inf")
+        penalised_one_row_at_a_time(expected[i], r)
+    adjusted = [i for i, r in enumerate(rows) if _adjusts_logits(r)]
+    assert adjusted == [0, 1, 2, 3, 4]
+    got = _adjusted(logits, rows, adjusted)
+    assert torch.equal(got, expected)
+    assert torch.isinf(got[1, 4]) and torch.isinf(got[1, 9]) and not torch.isinf(got[1, 8])
+    assert torch.isinf(got[3, 8]) and torch.isinf(got[3, 3]) and not torch.isinf(got[3, 10])
+    assert torch.isinf(got[4]).sum() == 300 - 1  # only token 1 left

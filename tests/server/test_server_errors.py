@@ -61,6 +61,12 @@ CASES = [
     (_request(**{"params.stop_token_ids": [10**6]}), INVALID, "params.stop_token_ids"),
     (_request(**{"params.seed": 2**64 - 1}), INVALID, "params.seed"),
     (_request(**{"params.min_p": 2.0}), INVALID, "params.min_p"),
+    (_request(**{"params.allowed_token_ids": [1, 10**6]}), INVALID, "params.allowed_token_ids: token id 1000000"),
+    (_request(**{"params.allowed_token_ids": [1] * (2**17 + 1)}), INVALID, "params.allowed_token_ids: 131073 ids"),
+    (_request(**{"params.bad_words": ["x"] * 129}), INVALID, "params.bad_words: 129 words"),
+    (_request(**{"params.bad_words": ["ok", " "]}), INVALID, "params.bad_words[1]"),
+    (_request(**{"params.bad_words": ["x" * 1025]}), INVALID, "params.bad_words[0]: 1025 characters"),
+    (_request(**{"params.truncate_prompt_tokens": 0}), INVALID, "params.truncate_prompt_tokens"),
     (_request(model="nope"), INVALID, "model"),
     (generate_pb2.GenerateRequest(model="tiny-b"), INVALID, "input"),
     (_request(prompt=""), INVALID, "prompt"),
@@ -86,7 +92,8 @@ def test_bad_generate_input_then_next_request(
     assert field in e.value.details()
     violation = field_violation(e.value)  # the field again, for clients not to parse messages
     assert e.value.details() == f"{violation.field}: {violation.description}"
-    ok = list(stub.Generate(_request(**{"params.max_tokens": 2}), timeout=30))
+    # (ignore_eos: the unseeded draw may end at EOS, depending on the draws before it)
+    ok = list(stub.Generate(_request(**{"params.max_tokens": 2, "params.ignore_eos": True}), timeout=30))
     assert ok[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
 
 

@@ -433,3 +433,25 @@ def test_pooling_in_the_same_steps_is_unaffected(tiny: str) -> None:
     for key, vector in want_pooled.items():
         torch.testing.assert_close(got_pooled[key], vector, rtol=1e-5, atol=1e-6)
     assert guessing.core.scheduler.stats().spec_decode_num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_allowed_token_ids_and_bad_words_unchanged_by_speculation(tiny: str, method: str) -> None:
+    """The verifier masks each guessed position as decoding one token at a time would: the
+    output is the same, and guesses are still accepted."""
+    base_llm = llm(tiny)
+    plain = generate(base_llm, PROMPTS)
+    word = base_llm.tokenizer.decode(plain[0].outputs[0].token_ids[5:7])
+    vocab = base_llm.frontend.info.vocab_size  # (the tiny random model draws padding columns too)
+    allowed = sorted({t for r in plain for t in r.outputs[0].token_ids[::2] if t < vocab})
+    cases = [
+        GREEDY.clone(allowed_token_ids=allowed),
+        GREEDY.clone(bad_words=[word.strip() or "x"]),
+        GREEDY.clone(temperature=0.3, seed=3, bad_words=["a", "blocks"], allowed_token_ids=allowed),
+    ]
+    for params in cases:
+        base = generate(base_llm, PROMPTS, params)
+        spec = generate(llm(tiny, speculative=method), PROMPTS, params)
+        assert tokens(spec) == tokens(base)
+        assert accepted(spec) > 0
+    assert tokens(generate(base_llm, PROMPTS, cases[0])) != tokens(plain)

@@ -51,6 +51,9 @@ class GenerateKwargs(TypedDict, total=False):
     include_stop_str_in_output: bool
     reasoning_budget: int  # reasoning models: most thinking tokens, then `</think>` is forced
     disable_speculation: bool  # leave this request out of speculative decoding
+    allowed_token_ids: Sequence[int]  # only these may be generated; empty: any
+    bad_words: str | Sequence[str]  # words never to be generated (vLLM's semantics)
+    truncate_prompt_tokens: int  # keep only the prompt's last this many tokens
     # StructuredOutput: at most one constraint.
     json_schema: str | Mapping[str, Any]  # a dict is sent as JSON text
     json_object: bool
@@ -66,8 +69,8 @@ class GenerateKwargs(TypedDict, total=False):
 V = TypeVar("V")
 
 _REQUEST_KEYS = ("model", "request_id", "cache_salt", "add_special_tokens")
-# The proto's single-valued SamplingParams fields, set as they are (n, stop, stop_token_ids
-# and logit_bias take a shape of their own below): a new scalar field needs no change here
+# The proto's single-valued SamplingParams fields, set as they are (n and the repeated fields
+# take a shape of their own below): a new scalar field needs no change here
 # beyond its line in GenerateKwargs.
 _SAMPLING_KEYS = tuple(
     f.name
@@ -130,6 +133,9 @@ def generate_request(
     stop = values.get("stop", ())
     params.stop.extend([stop] if isinstance(stop, str) else stop)
     params.stop_token_ids.extend(values.get("stop_token_ids", ()))
+    params.allowed_token_ids.extend(values.get("allowed_token_ids", ()))
+    bad_words = values.get("bad_words", ())
+    params.bad_words.extend([bad_words] if isinstance(bad_words, str) else bad_words)
     params.logit_bias.update({int(t): float(b) for t, b in values.get("logit_bias", {}).items()})
     _set_constraint(req, values)
     return req
