@@ -67,6 +67,7 @@ def main() -> None:
             try:
                 out = wna16_gemm(x, qs[0], scales, None, 4, 128, dp4a=True).float()
                 err = ((out - exact).norm() / exact.norm()).item()
+                bad = int((~torch.isfinite(out)).sum().item())  # (session 27 saw NaN errors)
                 us = timed(run, copies)
             except (RuntimeError, triton.runtime.errors.OutOfResources) as exc:  # (past the card's resources)
                 print(json.dumps({"n": n, "k": k, **dict(zip(KNOBS, values, strict=True)), "error": str(exc)[:120]}))
@@ -75,7 +76,8 @@ def main() -> None:
                 for name, value in default.items():
                     setattr(wna16, name, value)
             line = {**dict(zip(KNOBS, values, strict=True)), "us": round(us, 2),
-                    "GBps": round(nbytes / us / 1e3), "rel_err": round(err, 5)}  # fmt: skip
+                    "GBps": round(nbytes / us / 1e3), "rel_err": round(err, 5), "nonfinite": bad,
+                    "ref_nonfinite": int((~torch.isfinite(exact)).sum().item())}  # fmt: skip
             results.append(line)
             print(json.dumps({"n": n, "k": k, **line}), flush=True)
         base = next((r for r in results if all(r[name] == default[name] for name in KNOBS)), None)
