@@ -97,7 +97,7 @@ class LLM:
 
     def _limit(self, params: SamplingParams) -> PromptLimit:
         """The limit on a prompt before it is cut (none, where truncate_prompt_tokens cuts it)."""
-        return self.frontend.prompt_limit(cut=params.truncate_prompt_tokens is not None)
+        return self.frontend.prompt_limit(keep_last=params.truncate_prompt_tokens)
 
     @property
     def tasks(self) -> tuple[str, ...]:

@@ -185,11 +185,11 @@ class FrontEnd:
 
     # -- prompts: texts and chats, and the reading of tool calls ------------------------
 
-    def prompt_limit(self, max_prompt_tokens: int | None = None, cut: bool = False) -> PromptLimit:
+    def prompt_limit(self, max_prompt_tokens: int | None = None, keep_last: int | None = None) -> PromptLimit:
         """The context's limit on a prompt, or a server's max_prompt_tokens where smaller.
-        cut: the prompt is cut (truncate_prompt_tokens) once tokenised, so no length is
-        refused before (the cut prompt is checked)."""
-        return PromptLimit(self.info.max_model_len, max_prompt_tokens, cut)
+        keep_last: the prompt is cut to its last this many tokens (truncate_prompt_tokens)
+        once tokenised, so no length is refused before (the cut prompt is checked)."""
+        return PromptLimit(self.info.max_model_len, max_prompt_tokens, keep_last)
 
     def encode_prompt(
         self,

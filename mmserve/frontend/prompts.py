@@ -29,13 +29,14 @@ class PromptLimit:
 
     context: int  # the model's max_model_len: a prompt leaves room for one token at least
     server: int | None = None  # the server's max_prompt_tokens; None: the context's only
-    # the prompt is cut to its last truncate_prompt_tokens once tokenised: it may come in at
-    # any length (the cut prompt is checked against the limit)
-    cut: bool = False
+    # the prompt is cut to its last this many tokens (truncate_prompt_tokens) once tokenised:
+    # it may come in at any length (the cut prompt is checked against the limit); a text far
+    # past it is tokenised from a tail that holds its last tokens (encode_prompt)
+    keep_last: int | None = None
 
     @property
     def tokens(self) -> int:
-        if self.cut:
+        if self.keep_last is not None:
             return sys.maxsize
         room = self.context - 1
         return room if self.server is None else min(room, self.server)
@@ -55,11 +56,18 @@ def encode_prompt(
     tokenizer: Any, text: str, add_special_tokens: bool, limit: TokenLimit, field: str
 ) -> list[int]:
     """tokenizer.encode(text); a text found far past the limit from a head of it is refused
-    (InvalidArgument on field) without tokenising the rest."""
+    (InvalidArgument on field) without tokenising the rest. A limit that keeps a prompt's last
+    N tokens (PromptLimit.keep_last) takes a text far longer than that from a tail holding its
+    last N tokens exactly (long_texts.find_long_text, exact): ids whose last N are the whole
+    text's."""
 
     def encode(part: str) -> list[int]:
         return list(tokenizer.encode(part, add_special_tokens=add_special_tokens))
 
+    keep_last = getattr(limit, "keep_last", None)
+    if keep_last is not None:
+        tail = find_long_text(encode, text, keep_last, keep="tail", exact=True)
+        return encode(text if tail is None else tail.part)
     long = find_long_text(encode, text, limit.tokens)
     if long is not None:
         raise limit.error(field, long.at_least, at_least=True)

@@ -139,9 +139,7 @@ async def prepare(
     structured = convert.structured_output(request, config.structured_output_backend)
     params = convert.sampling_params(request.params, config)
     chat = await chat_input(handle, request.chat) if request.WhichOneof("input") == "chat" else None
-    limit = handle.frontend.prompt_limit(
-        config.max_prompt_tokens, cut=params.truncate_prompt_tokens is not None
-    )
+    limit = handle.frontend.prompt_limit(config.max_prompt_tokens, params.truncate_prompt_tokens)
     field_name, ids, mm_inputs = await prompt_ids(request, handle, chat, images, limit)
     ids = handle.frontend.truncate_prompt(
         ids, params, mm_inputs, field="params.truncate_prompt_tokens"

@@ -134,3 +134,22 @@ def test_a_prompt_far_past_its_limit_names_the_field(limit: PromptLimit, message
     short = "a few words"
     assert encode_prompt(_Words(), short, True, limit, "prompt") == [1, 1, 3, 5]
     assert limit.error("chat", 5000).message.startswith("5000 tokens")
+
+
+def test_a_prompt_kept_by_its_last_tokens_is_tokenised_from_a_tail(smollm2_tokenizer: Any) -> None:
+    """truncate_prompt_tokens (PromptLimit.keep_last): a text far longer is tokenised from a
+    tail, whose last N ids are the whole text's (a real BPE tokenizer), not in full."""
+    seen: list[int] = []
+
+    class Spy:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            seen.append(len(text))
+            return list(smollm2_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    text = TEXT[:400_000]
+    whole = smollm2_tokenizer.encode(text)
+    ids = encode_prompt(Spy(), text, True, PromptLimit(8192, None, keep_last=100), "prompt")
+    assert ids[-100:] == whole[-100:]
+    assert max(seen) < len(text) // 4
+    short = "a few words"  # shorter than the kept tokens: tokenised whole
+    assert encode_prompt(Spy(), short, True, PromptLimit(8192, None, keep_last=100), "prompt") == smollm2_tokenizer.encode(short)
