@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -27,6 +28,7 @@ from mmserve.models.source import ModelSource, iter_weights, load_hf_config
 
 logger = logging.getLogger(__name__)
 FORMAT_VERSION = "2"  # bump when the conversion changes (2: gguf_config_overrides)
+SOURCE_FILE = "source.json"  # in each converted folder: the GGUF it came from (prune_stale)
 
 
 def cache_dir() -> Path:
@@ -35,9 +37,44 @@ def cache_dir() -> Path:
 
 
 def _key(gguf_path: Path) -> str:
-    st = gguf_path.stat()
-    ident = f"{FORMAT_VERSION}|{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    src = _source(gguf_path)
+    ident = f"{FORMAT_VERSION}|{src['path']}|{src['size']}|{src['mtime_ns']}"
     return f"{gguf_path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
+def _source(gguf_path: Path) -> dict[str, Any]:
+    """The identity of a GGUF file a conversion stands for: its path, size and mtime."""
+    st = gguf_path.stat()
+    return {"path": str(gguf_path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def prune_stale(root: Path | None = None) -> list[Path]:
+    """Removes the converted folders under root (default cache_dir()) whose GGUF file is gone
+    or changed since (its SOURCE_FILE no longer matches), and leftovers of conversions that
+    never finished (.tmp-* a day old): without it every GGUF converted once, a temporary
+    file or an older version of a file, kept its copy (a float32 checkpoint) forever. Folders
+    without a SOURCE_FILE (written before it) are left alone. Returns those removed."""
+    import time
+
+    root = cache_dir() if root is None else root
+    removed = []
+    for entry in root.iterdir() if root.is_dir() else ():
+        if entry.name.startswith(".tmp-"):
+            stale = time.time() - entry.stat().st_mtime > 86400
+        else:
+            try:
+                recorded = json.loads((entry / SOURCE_FILE).read_text())
+            except (OSError, ValueError):
+                continue
+            path = Path(recorded.get("path", ""))
+            try:
+                stale = not path.is_file() or _source(path) != recorded
+            except OSError:
+                stale = True
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def materialize(source: ModelSource, weights: bool = True) -> ModelSource:
@@ -60,6 +97,8 @@ def _convert(source: ModelSource, target: Path, weights: bool) -> None:
 
     logger.info("converting %s to %s (once)", source.gguf_file, target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    for entry in prune_stale(target.parent):
+        logger.info("removed %s: its GGUF file is gone or changed", entry.name)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
         with _one_metadata_parse():
@@ -68,6 +107,8 @@ def _convert(source: ModelSource, target: Path, weights: bool) -> None:
             if weights:
                 _save_weights(source, hf_config, tmp / "model.safetensors")
             load_tokenizer(source.folder, source.gguf_file).save_pretrained(tmp)
+        assert source.gguf_file is not None
+        (tmp / SOURCE_FILE).write_text(json.dumps(_source(source.folder / source.gguf_file)))
         try:
             tmp.rename(target)  # atomic: a concurrent converter either wins or finds it done
         except OSError:

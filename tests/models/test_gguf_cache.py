@@ -78,3 +78,37 @@ def test_a_conversion_parses_the_metadata_once(tmp_path: Path, monkeypatch: pyte
     assert second == {"config": {"model_type": "llama", "layers": [1, 2]}}
     assert calls == [("m.gguf", False), ("other.gguf", False)]
     assert gguf_utils.load_gguf_checkpoint is parse
+
+
+def test_conversions_of_gone_or_changed_files_are_pruned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real conversion records its GGUF (SOURCE_FILE); the next conversion removes the
+    folders whose GGUF is deleted or changed since, and old unfinished ones, keeping the rest
+    and folders that predate the record."""
+    import json
+    import os
+    import time
+
+    from tests.utils.tiny_gguf import write_tiny_gguf
+    from tests.utils.tiny_models import make_tiny_model
+
+    monkeypatch.setenv("MMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    base = make_tiny_model(tmp_path, "llama")
+    kept, gone, changed = (write_tiny_gguf(base, name=name) for name in ("kept", "gone", "changed"))
+    folders = {
+        p: gguf_cache.materialize(ModelSource(p.parent, p.name), weights=False).folder for p in (kept, gone, changed)
+    }
+    recorded = json.loads((folders[kept] / gguf_cache.SOURCE_FILE).read_text())
+    assert recorded["path"] == str(kept.resolve())
+    legacy = gguf_cache.cache_dir() / "legacy-0123456789abcdef"  # converted before the record
+    legacy.mkdir()
+    unfinished = gguf_cache.cache_dir() / ".tmp-abandoned"
+    unfinished.mkdir()
+    os.utime(unfinished, (time.time() - 2 * 86400,) * 2)
+    gone.unlink()
+    changed.write_bytes(changed.read_bytes() + b"\0")
+    fresh = write_tiny_gguf(base, name="fresh")
+    gguf_cache.materialize(ModelSource(fresh.parent, fresh.name), weights=False)  # prunes first
+    left = {p.name for p in gguf_cache.cache_dir().iterdir()}
+    assert folders[kept].name in left and legacy.name in left
+    assert folders[gone].name not in left and folders[changed].name not in left
+    assert unfinished.name not in left and len(left) == 3
