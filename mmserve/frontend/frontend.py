@@ -347,10 +347,8 @@ class FrontEnd:
         if not params.bad_words:
             return []
         words = bad_words_token_ids(self.tokenizer, params.bad_words)
-        vocab = self.info.vocab_size
         for ids in words:
-            if not all(0 <= t < vocab for t in ids):
-                raise InvalidArgument("bad_words", f"tokens {ids} outside [0, {vocab})")
+            self.check_token_ids(ids, "bad_words")
         if params.allowed_token_ids:
             always = {ids[0] for ids in words if len(ids) == 1}
             if always.issuperset(params.allowed_token_ids):
