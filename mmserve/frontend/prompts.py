@@ -64,9 +64,8 @@ def encode_prompt(
     def encode(part: str) -> list[int]:
         return list(tokenizer.encode(part, add_special_tokens=add_special_tokens))
 
-    keep_last = getattr(limit, "keep_last", None)
-    if keep_last is not None:
-        tail = find_long_text(encode, text, keep_last, keep="tail", exact=True)
+    if isinstance(limit, PromptLimit) and limit.keep_last is not None:
+        tail = find_long_text(encode, text, limit.keep_last, keep="tail", exact=True)
         return encode(text if tail is None else tail.part)
     long = find_long_text(encode, text, limit.tokens)
     if long is not None:
