@@ -7,7 +7,7 @@ The blocks are the file's bytes, unchanged: uint8 [rows, blocks per row, bytes p
 block's size in bytes names its type (every supported type has its own), so a tensor of blocks
 describes itself on its way from the file to the layer. Float tensors (F32 / F16 / BF16) and
 the token embedding (a lookup table, and a tied LM head with it) load as floats in the model
-dtype. One exception, off by default: with mmserve.kernels.gguf_gemm.Q6K_ALIGNED on CUDA, Q6_K's
+dtype. One exception, on by default since session 28: with mmserve.kernels.gguf_gemm.Q6K_ALIGNED on CUDA, Q6_K's
 blocks are reordered at load into planes of the same bytes (mmserve/kernels/gguf_planes.py),
 2-D, for 16-byte aligned loads. Where the CPU library cannot be built, the CPU keeps the dequantised-at-load path
 (mmserve.models.gguf_cache); use_kernels=False multiplies by the gguf package's dequantisation,

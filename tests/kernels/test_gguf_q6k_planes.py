@@ -102,6 +102,7 @@ def test_q6k_planes_take_int8_activations_by_default(monkeypatch: pytest.MonkeyP
     """gguf_matmul on planes: one 16-bit row through dp4a (gguf_product_ref says so too); up to
     DP4A_MAX_ROWS rows only with Q6K_ALIGNED on; float32 and more rows not; the file's blocks
     keep LOWP (Q6_K is not in DP4A_TYPES)."""
+    monkeypatch.setattr(gguf_gemm, "Q6K_ALIGNED", False)
     blocks = random_blocks("Q6_K", 41, 512, seed=1)
     planes = q6k_planes(blocks)
     x = torch.randn(gguf_gemm.DP4A_MAX_ROWS + 1, 512, device=DEVICE).half()
@@ -198,9 +199,9 @@ def test_q6k_aligned_switch_repacks_q6k_runs_on_cuda(dtype: torch.dtype, monkeyp
         _assert_close(aligned(x, use_kernels=False), plain(x, use_kernels=False).float(), dtype)
 
 
-def test_q6k_aligned_off_keeps_the_files_blocks(dtype: torch.dtype) -> None:
-    """The default (Q6K_ALIGNED off): every run keeps the file's blocks, 3-D."""
-    assert gguf_gemm.Q6K_ALIGNED is False
+def test_q6k_aligned_off_keeps_the_files_blocks(dtype: torch.dtype, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Q6K_ALIGNED off (the default until session 28): every run keeps the file's blocks, 3-D."""
+    monkeypatch.setattr(gguf_gemm, "Q6K_ALIGNED", False)
     linear, parts = _linear(dtype)
     assert torch.equal(linear.part1, torch.cat(parts[1:3])) and linear.part1.dim() == 3
     x = torch.randn(1, 512, device=DEVICE).to(dtype)
