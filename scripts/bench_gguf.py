@@ -44,7 +44,10 @@ TYPES_CHECKED = ("Q4_K", "Q5_K", "Q6_K") if QUICK else ("Q4_K", "Q5_K", "Q6_K", 
 
 
 # the one-row int8-activation product (gguf_gemm.DP4A): channels a program, warps, quantised first
-_DP4A_FORMS = [(b, w, p) for b, w in ((64, 4), (128, 4), (128, 8), (256, 8)) for p in (False, True)]
+# (1-2 warps since session 28: w4a16's one-row product gained 10-25% at one warp, its sums then in
+# the thread, wna16.DP4A_NUM_WARPS)
+_DP4A_TILES = ((32, 1), (64, 1), (128, 1), (64, 2), (64, 4), (128, 4), (128, 8), (256, 8))
+_DP4A_FORMS = [(b, w, p) for b, w in _DP4A_TILES for p in (False, True)]
 
 
 def _time(product: Callable[[int], object], copies: int) -> float:
@@ -209,7 +212,7 @@ def _q6k_planes_shape(n: int, k: int) -> None:
         for name, ws in (("blocks", blocks), ("planes", planes)):
             us = _time(lambda i, x=x, ws=ws: gguf_gemm_rows(x, ws[i], "Q6_K", dp4a=False), copies)
             line[f"{name}_lowp_us"], line[f"{name}_lowp_gbs"] = round(us, 1), round(nbytes / us / 1e3)
-            for block_n, warps in ((64, 4), (128, 4), (128, 8), (256, 8)) if rows == 1 else ():
+            for block_n, warps in _DP4A_TILES if rows == 1 else ():
                 us = _time(lambda i, x=x, ws=ws, b=block_n, w=warps: gguf_gemm_rows(
                     x, ws[i], "Q6_K", b, num_warps=w, dp4a=True), copies)  # fmt: skip
                 line[f"{name}_dp4a_{block_n}x{warps}_us"] = round(us, 1)

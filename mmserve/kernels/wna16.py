@@ -95,9 +95,19 @@ DP4A_BLOCK_N = 128  # (sm_90 SASS, Triton 3.6: 2.29 instructions a weight; 64 ch
 # 3.24/3.44/4.36/5.88: up to 4
 DP4A_MAX_ROWS = 4
 DP4A_ROWS = 16
-# the DP4A kernels' warps a program and software-pipeline depth (None: Triton's default); swept
-# with PROGRAMS_PER_SM and DP4A_BLOCK_N by scripts/sweep_dp4a.py
-DP4A_NUM_WARPS = 4
+# the one-row DP4A kernel's warps a program, programs an SM (its K split) and software-pipeline
+# depth (None: Triton's default), swept with DP4A_BLOCK_N by scripts/sweep_dp4a.py. One warp of
+# 32 threads x 4 channels covers the 128 channels: each thread holds all 16 words of a step for
+# its channels, so a group's sums stay in the thread (sm_90 SASS of the loop: 1.90 instructions
+# a weight, no barriers, against 3.13 and 24 barriers a step with 4 warps). On an H100 (session
+# 28, the product alone in CUDA graphs, us, qkv / o / gate_up / down at the 8B shape): 4 warps
+# and 4 programs an SM 9.96 / 8.58 / 33.35 / 17.61; 1 warp and 8 programs 9.04 / 8.00 / 25.10 /
+# 15.75 (gate_up 2,410 GB/s: 84% of a copy of its bytes); 1 warp and 16 programs 10.4 / 8.0 / 25.5 /
+# 15.7; 512 channels and 4 warps 12.5 / 9.5 / 28.3 / 17.7. The several-row kernel keeps 4 warps and
+# PROGRAMS_PER_SM (not swept).
+DP4A_NUM_WARPS = 1
+DP4A_PROGRAMS_PER_SM = 8
+DP4A_ROWS_NUM_WARPS = 4
 DP4A_NUM_STAGES: int | None = None
 
 
@@ -516,13 +526,14 @@ def _dp4a_product(
             f"dp4a takes up to {DP4A_ROWS} rows, K and the group size multiples of 32: {rows=}, {k=}, {group_size=}"
         )
     tiles, steps = triton.cdiv(n, DP4A_BLOCK_N), triton.cdiv(k, 128)
-    splits, per_split = k_splits(tiles, steps, grid_sms(x.device), PROGRAMS_PER_SM)
+    programs_per_sm = DP4A_PROGRAMS_PER_SM if rows == 1 else PROGRAMS_PER_SM
+    splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs_per_sm)
     target, counters = split_target(out, splits, tiles)
     operands = (qweight, scales, scales if zeros is None else zeros, n, k, group_size, per_split * 128,
                 qweight.stride(0), scales.stride(0))  # fmt: skip
     meta = {"BLOCK_N": DP4A_BLOCK_N, "HAS_ZEROS": zeros is not None, "SPLIT": splits > 1,
-            "ASM": not triton.knobs.runtime.interpret, "num_warps": DP4A_NUM_WARPS, **store_args(out, counters),
-            **pdl_launch(x.device)}  # fmt: skip
+            "ASM": not triton.knobs.runtime.interpret, "num_warps": DP4A_NUM_WARPS if rows == 1 else DP4A_ROWS_NUM_WARPS,
+            **store_args(out, counters), **pdl_launch(x.device)}  # fmt: skip
     if DP4A_NUM_STAGES is not None:
         meta["num_stages"] = DP4A_NUM_STAGES
     if rows == 1:

@@ -104,6 +104,8 @@ def main() -> None:
             "EVEN_K": even_k})  # fmt: skip
     for zeros, ends in itertools.product((False, True), ENDS):
         compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": 64, "HAS_ZEROS": zeros, **ends, "ASM": True})
+        compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": wna16.DP4A_BLOCK_N, "HAS_ZEROS": zeros, **ends,
+                                                            "ASM": True}, num_warps=wna16.DP4A_NUM_WARPS)  # fmt: skip
         compile_sm90(wna16._wna16_dp4a_rows_kernel, WNA16_DP4A_ROWS, {"BLOCK_N": 128, "HAS_ZEROS": zeros, **ends,
                                                                       "ASM": True, "ROWS": 3})  # fmt: skip
     compile_sm90(wna16._wna16_q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16",
