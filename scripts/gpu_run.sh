@@ -169,8 +169,9 @@ if has pdl; then
 fi
 if has sweepdp4a; then
   # w4a16's one-row int8-activation product over its launch knobs (issue 19): programs per SM,
-  # warps, pipeline depth, channels a program; a copy of the same bytes as the card's bandwidth
-  timeout ${SWEEP_TIMEOUT:-240} python3 scripts/sweep_dp4a.py 2>&1 | grep --line-buffered -v Warning | tee "$OUT/sweepdp4a.txt"
+  # warps, pipeline depth, channels a program, L2 prefetch; a copy of the same bytes as the card's
+  # bandwidth. SWEEP_ARGS: the script's arguments (for instance --quick, or --config lists)
+  timeout ${SWEEP_TIMEOUT:-240} python3 scripts/sweep_dp4a.py ${SWEEP_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/sweepdp4a.txt"
 fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline

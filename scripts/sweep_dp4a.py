@@ -5,7 +5,11 @@ default's microseconds and read bandwidth, each setting's, the best, and a same-
 weight's bytes (device to device, counted read + write) as the bandwidth the card gives. Times
 are CUDA graphs over 8 copies of the weight (past the L2).
 
-    python scripts/sweep_dp4a.py [--quick] [--config KNOB=V,KNOB=V ...]
+    python scripts/sweep_dp4a.py [--quick] [--rows R] [--config KNOB=V,KNOB=V ...]
+
+--rows 2-4 times the several-row kernel instead (its knobs DP4A_ROWS_NUM_WARPS, PROGRAMS_PER_SM,
+DP4A_BLOCK_N; sm_90 SASS of its loop at 2 / 4 rows: 4.55 / 7.98 instructions a weight at 4 warps,
+2.26 / 3.72 at one, session 28, not yet timed).
 
 --config times the listed settings instead of a grid (each KNOB one of KNOBS, the rest the
 default's), for instance channels a program tied to its warps (BLOCK_N = 128 x warps: every
@@ -27,14 +31,17 @@ from mmserve.kernels import wna16
 from mmserve.kernels.wna16 import pack_columns, wna16_gemm, wna16_gemm_ref
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
-KNOBS = ("DP4A_PROGRAMS_PER_SM", "DP4A_NUM_WARPS", "DP4A_NUM_STAGES", "DP4A_BLOCK_N")
+KNOBS = ("DP4A_PROGRAMS_PER_SM", "DP4A_NUM_WARPS", "DP4A_NUM_STAGES", "DP4A_BLOCK_N", "DP4A_PREFETCH_STEPS",
+         "DP4A_ROWS_NUM_WARPS", "PROGRAMS_PER_SM")  # (the last two: the several-row kernel's, --rows)
 GRID = {
     "DP4A_PROGRAMS_PER_SM": (2, 4, 8, 16),
     "DP4A_NUM_WARPS": (1, 2, 4),
     "DP4A_NUM_STAGES": (None, 1, 4),
     "DP4A_BLOCK_N": (128, 256),
+    "DP4A_PREFETCH_STEPS": (0, 1, 2, 4),
 }
-QUICK = {"DP4A_PROGRAMS_PER_SM": (4, 8), "DP4A_NUM_WARPS": (1, 4), "DP4A_NUM_STAGES": (None,), "DP4A_BLOCK_N": (128,)}
+QUICK = {"DP4A_PROGRAMS_PER_SM": (4, 8), "DP4A_NUM_WARPS": (1, 4), "DP4A_NUM_STAGES": (None,), "DP4A_BLOCK_N": (128,),
+         "DP4A_PREFETCH_STEPS": (0, 2)}  # fmt: skip
 
 
 def _parse(config: str) -> dict[str, int | None]:
@@ -54,18 +61,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--config", action="append", default=[], help="KNOB=V,KNOB=V (repeatable)")
+    parser.add_argument("--rows", type=int, default=1, help="rows of x (2-4: the several-row kernel)")
     args = parser.parse_args()
     torch.manual_seed(0)
     default = {name: getattr(wna16, name) for name in KNOBS}
     settings = [tuple({**default, **_parse(c)}[name] for name in KNOBS) for c in args.config]
-    if not settings:
-        grid = QUICK if args.quick else GRID
+    if not settings:  # a grid over its knobs, the others the default's
+        grid = {name: (default[name],) for name in KNOBS} | (QUICK if args.quick else GRID)
         settings = list(itertools.product(*(grid[name] for name in KNOBS)))
     copies = 8
     for n, k in SHAPES:
         qs = [pack_columns(torch.randint(0, 16, (k, n)), 4).cuda() for _ in range(copies)]
         scales = (torch.rand(k // 128, n) * 0.02 + 0.001).to(torch.bfloat16).cuda()
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(args.rows, k, device="cuda", dtype=torch.bfloat16)
         # the reference on the CPU: on H100s torch's float32 reference of gate_up and down on the
         # GPU came out non-finite (26,917 of 28,672 and 4,095 of 4,096 outputs, sessions 27-28),
         # while the kernel's outputs were finite and the same reference on the CPU is too

@@ -106,6 +106,28 @@ def pdl_wait(PDL: tl.constexpr):
         tl.inline_asm_elementwise(_PDL_LAUNCH, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
+# An L2 prefetch of a line (prefetch.global.L2, sm_90 and earlier alike): it occupies no register
+# and nothing waits for it. A product issues it for its first weights before pdl_wait: they do not
+# depend on the kernel before, so under PDL their reads overlap that kernel's end, and the loop,
+# unchanged, finds them in L2
+_PREFETCH_L2 = tl.constexpr("prefetch.global.L2 [$1]; mov.u32 $0, 0;")
+
+
+@triton.jit
+def prefetch_l2(base, offsets, size, ASM: tl.constexpr):
+    """Asks L2 for the lines at base + offsets (elements; each must lie inside the tensor's
+    size elements from base: clamp, do not mask) and returns 0.0. The interpreter (ASM off, no
+    prefetch) checks the offsets instead and returns NaN if one lies outside, for the caller to
+    add to its output, so that a test sees an address past the tensor (the interpreter's
+    device_assert is off, and its loads past a tensor read whatever lies there)."""
+    if ASM:
+        tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [base + offsets], dtype=tl.int32, is_pure=False, pack=1)
+        return 0.0
+    else:
+        outside = tl.sum(((offsets < 0) | (offsets >= size)).to(tl.int32))
+        return tl.where(outside > 0, float("nan"), 0.0)
+
+
 # The int8-activation products (gguf_gemm.DP4A, wna16.DP4A): dp4a multiplies four unsigned weight
 # bytes by four signed activation bytes and adds the four products in one instruction; the
 # interpreter (CI) runs the same integer arithmetic byte by byte

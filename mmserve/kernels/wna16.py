@@ -53,6 +53,7 @@ from mmserve.kernels._common import (
     matmul_in_column_chunks,
     pdl_launch,
     pdl_wait,
+    prefetch_l2,
     q8_values,
     split_target,
     store_args,
@@ -109,6 +110,10 @@ DP4A_NUM_WARPS = 1
 DP4A_PROGRAMS_PER_SM = 8
 DP4A_ROWS_NUM_WARPS = 4
 DP4A_NUM_STAGES: int | None = None
+# the one-row kernel's first steps of weights (16 words of each of its channels a step) asked of
+# L2 before pdl_wait (_common.prefetch_l2); 0: none. Off until timed (scripts/sweep_dp4a.py
+# DP4A_PREFETCH_STEPS, and the engine by scripts/ab_switch.py)
+DP4A_PREFETCH_STEPS = 0
 
 
 @triton.jit
@@ -265,7 +270,7 @@ def _step_scales(scales_ptr, zeros_ptr, k0, k_hi, group_size, stride_s, offs_n, 
 def _wna16_dp4a_kernel(
     out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr, n, k, group_size, k_per_split, stride_q,
     stride_s, final_ptr, counters_ptr, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
-    ASM: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """One row (DP4A), 4 bits: K in steps of 128 (four groups of 32, 16 words of each column).
     Word (g, w) of a step holds elements k0 + 32 g + 8 w + j at bits 4 j: its even values
@@ -273,14 +278,21 @@ def _wna16_dp4a_kernel(
     0x0F0F0F0F, and the activations' int8 words are built to match: [4, 4, 2] (g, w, parity),
     byte b element k0 + 32 g + 8 w + 2 b + parity. (Reading the first step's words before
     pdl_wait, that step taken out of the loop, made the product slower: batch-1 decode on an H100
-    3.16 -> 4.61 ms, session 27.)"""
-    pdl_wait(PDL)
+    3.16 -> 4.61 ms, session 27.) PREFETCH steps of weights are asked of L2 before the wait
+    instead, the loop unchanged."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k, k_lo + k_per_split)
+    poison = 0.0  # (NaN where the interpreter finds a prefetched line past the weight)
+    if PREFETCH > 0:  # a line of 32 words a row: rows and channels past the slice clamped to its last
+        line_rows = tl.minimum(k_lo // 8 + tl.arange(0, 16 * PREFETCH), (k_hi - 1) // 8)
+        line_cols = tl.minimum(tl.program_id(0) * BLOCK_N + 32 * tl.arange(0, BLOCK_N // 32), n - 1)
+        lines = line_rows[:, None].to(tl.int64) * stride_q + line_cols[None, :]
+        poison = prefetch_l2(qweight_ptr, lines, (k // 8 - 1).to(tl.int64) * stride_q + n, ASM)
+    pdl_wait(PDL)
     rows = tl.arange(0, 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # word (g, w): row 4 g + w of the step
-    acc = tl.zeros([4, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([4, BLOCK_N], dtype=tl.float32) + poison
     for k0 in range(k_lo, k_hi, 128):
         x_words, amax, sum_x = _step_activations(x_ptr, k0, k_hi)
         q = _step_quants(qweight_ptr, k0 // 8 + rows, k_hi, stride_q, offs_n, mask_n)  # [4, 4, BLOCK_N, 2]
@@ -537,7 +549,9 @@ def _dp4a_product(
     if DP4A_NUM_STAGES is not None:
         meta["num_stages"] = DP4A_NUM_STAGES
     if rows == 1:
-        _wna16_dp4a_kernel[(tiles, splits)](target, x, *operands, **meta)
+        prefetch = min(DP4A_PREFETCH_STEPS, per_split)  # (a power of two: the kernel's arange)
+        prefetch = 1 << (prefetch.bit_length() - 1) if prefetch > 0 else 0
+        _wna16_dp4a_kernel[(tiles, splits)](target, x, *operands, PREFETCH=prefetch, **meta)
     else:  # the rows' activations quantised first, then the words unpacked once for all of them
         words = torch.empty(rows, steps * 32, dtype=torch.int32, device=x.device)
         d_x, sum_x = torch.empty(2, rows, steps * 4, dtype=torch.float32, device=x.device)

@@ -103,9 +103,11 @@ def main() -> None:
             "SPLIT": True, "SERIAL": serial, "DOT_PRECISION": "tf32", "PAIRS": pairs, "LOWP": True,
             "EVEN_K": even_k})  # fmt: skip
     for zeros, ends in itertools.product((False, True), ENDS):
-        compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": 64, "HAS_ZEROS": zeros, **ends, "ASM": True})
-        compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": wna16.DP4A_BLOCK_N, "HAS_ZEROS": zeros, **ends,
-                                                            "ASM": True}, num_warps=wna16.DP4A_NUM_WARPS)  # fmt: skip
+        compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": 64, "HAS_ZEROS": zeros, **ends, "ASM": True,
+                                                            "PREFETCH": 0})  # fmt: skip
+        for prefetch in (0, 2):  # (the L2 prefetch's PTX: DP4A_PREFETCH_STEPS)
+            compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": wna16.DP4A_BLOCK_N, "HAS_ZEROS": zeros,
+                         **ends, "ASM": True, "PREFETCH": prefetch}, num_warps=wna16.DP4A_NUM_WARPS)  # fmt: skip
         compile_sm90(wna16._wna16_dp4a_rows_kernel, WNA16_DP4A_ROWS, {"BLOCK_N": 128, "HAS_ZEROS": zeros, **ends,
                                                                       "ASM": True, "ROWS": 3})  # fmt: skip
     compile_sm90(wna16._wna16_q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16",

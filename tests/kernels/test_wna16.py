@@ -254,3 +254,24 @@ def test_a_few_rows_in_int8_activations(case, dtype):  # type: ignore[no-untyped
         torch.testing.assert_close(out[r : r + 1].float().cpu(), one, rtol=tol, atol=tol * one.abs().max().item())
     with pytest.raises(ValueError, match="dp4a takes up to"):
         wna16_gemm(torch.zeros(wna16.DP4A_ROWS + 1, k, dtype=dtype, device=DEVICE), *args[1:], 4, group_size, dp4a=True)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", [(72, 416), (100, 1024), (40, 96)], ids=str)
+def test_one_row_prefetch_changes_nothing(case, steps, monkeypatch):  # type: ignore[no-untyped-def]
+    """wna16.DP4A_PREFETCH_STEPS: the one-row kernel's first steps asked of L2 before its wait.
+    Under the interpreter each prefetched line is loaded, so an address past the weight (a
+    partial last step, N not a multiple of the tile, a split slice's end, more steps asked
+    than a slice has) fails here; the output equals the one without it, to the bit."""
+    from mmserve.kernels import wna16
+
+    n, k = case
+    x, q, _, scales, _ = _operands(1, n, k, 4, 32, torch.float16)
+    args = [t.to(DEVICE) for t in (x, pack_columns(q, 4), scales)]
+    plain = wna16_gemm(*args, None, 4, 32, dp4a=True)
+    monkeypatch.setattr(wna16, "DP4A_PREFETCH_STEPS", steps)
+    assert torch.equal(wna16_gemm(*args, None, 4, 32, dp4a=True), plain)
+    monkeypatch.setattr(wna16, "DP4A_PROGRAMS_PER_SM", 0)  # one slice of all of K, no split
+    whole = wna16_gemm(*args, None, 4, 32, dp4a=True)
+    monkeypatch.setattr(wna16, "DP4A_PREFETCH_STEPS", 0)
+    assert torch.equal(whole, wna16_gemm(*args, None, 4, 32, dp4a=True))
