@@ -66,6 +66,21 @@ class SamplingParams:
         the logits by it would overflow) or top_k 1."""
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
+    def banned_after(self, output_token_ids: list[int], eos_token_ids: frozenset[int]) -> set[int]:
+        """The tokens bad_words and min_tokens keep out of the token after these output tokens:
+        the last token of each bad word whose other tokens the output ends with (vLLM's
+        NoBadWordsLogitsProcessor: a one-token word always; only the output's tokens count),
+        and while fewer than min_tokens are out, the stop token ids and EOS (unless
+        ignore_eos)."""
+        out, banned = output_token_ids, set()
+        for word in self.bad_words_token_ids:
+            before = len(word) - 1
+            if before == 0 or (before <= len(out) and out[-before:] == word[:-1]):
+                banned.add(word[-1])
+        if len(out) >= self.min_tokens:
+            return banned
+        return banned | set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+
     def validate(self) -> None:
         """Checks that need no model (`structured` checks itself: its errors name
         structured.*). Raises InvalidArgument naming the field."""

@@ -75,6 +75,9 @@ class Request:
     draft_probs: Any = None
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_draft_tokens: int = 0  # of those, the ones the model agreed with
+    # params.allowed_token_ids as a set, made the first time the scheduler checks a token
+    # against them (Scheduler._forbidden)
+    allowed_token_set: frozenset[int] | None = None
 
     @property
     def mm_placeholders(self) -> tuple[MMPlaceholder, ...]:

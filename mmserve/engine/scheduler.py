@@ -259,7 +259,7 @@ class Scheduler:
                 outputs.append(self._append_checked(request, item, result, sampled))
             elif sampled is not None:
                 request.num_pending -= 1
-                if item.request_id in refused:
+                if item.request_id in refused or self._forbidden(request, sampled.token_id):
                     outputs.append(self._end_constrained(request))
                 else:
                     outputs.append(self._append_token(request, sampled))
@@ -290,11 +290,29 @@ class Scheduler:
         return {rid for rid, ok in zip(ids, accepted, strict=True) if not ok}
 
     def _end_constrained(self, request: Request) -> EngineOutput:
-        """Ends a request whose grammar refused its sampled token, without that token: the
-        output so far is what the constraint allows (a token drawn from a row with nothing
-        allowed would break it), so the constraint wins over min_tokens."""
+        """Ends a request whose grammar refused its sampled token, or whose token its other masks
+        forbid (_forbidden), without that token: the output so far is what the constraints
+        allow (a token drawn from a row with nothing allowed would break them), so the
+        constraints win over min_tokens."""
         self._finish(request, RequestStatus.FINISHED_STOPPED)
         return self._output(request, [], None)
+
+    @staticmethod
+    def _forbidden(request: Request, token: int) -> bool:
+        """Whether allowed_token_ids, bad_words or min_tokens forbid token as the next output
+        token. The sampler masks what they forbid, so such a token was drawn from a row they
+        (with a grammar) left nothing in: every logit -inf, the draw index 0 (a two-token bad
+        word that bans the last allowed token after its first, allowed_token_ids that only a
+        min_tokens-held EOS is in). vLLM returns that token; here the request ends without it."""
+        params = request.params
+        if params.allowed_token_ids:
+            if request.allowed_token_set is None:
+                request.allowed_token_set = frozenset(params.allowed_token_ids)
+            if token not in request.allowed_token_set:
+                return True
+        if not params.bad_words_token_ids and len(request.output_token_ids) >= params.min_tokens:
+            return False
+        return token in params.banned_after(request.output_token_ids, request.eos_token_ids)
 
     def _collect_prompt_logprobs(self, request: Request, result: RunnerOutput) -> None:
         """Appends a prompt chunk's logprobs past those collected: a recompute after a
@@ -338,7 +356,8 @@ class Scheduler:
         for one in [*accepted, sampled]:
             # (allowed: its position's mask held it, unless that mask left nothing to draw:
             # then the request ends without it, as in _end_constrained)
-            if request.grammar is not None and not request.grammar.accept_token(one.token_id):
+            refused = request.grammar is not None and not request.grammar.accept_token(one.token_id)
+            if refused or self._forbidden(request, one.token_id):
                 status = RequestStatus.FINISHED_STOPPED
                 break
             request.output_token_ids.append(one.token_id)

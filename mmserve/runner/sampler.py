@@ -156,24 +156,7 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], wh
 
 def _banned(row: SamplingRow) -> set[int]:
     """The tokens min_tokens and bad_words keep out of this row now."""
-    params = row.params
-    banned = _bad_word_ends(row) if params.bad_words_token_ids else set()
-    if len(row.output_token_ids) >= params.min_tokens:
-        return banned
-    eos = set() if params.ignore_eos else set(row.eos_token_ids)
-    return banned | set(params.stop_token_ids) | eos
-
-
-def _bad_word_ends(row: SamplingRow) -> set[int]:
-    """The last token of each bad word whose other tokens the output ends with (vLLM's
-    NoBadWordsLogitsProcessor: a one-token word always; only the output's tokens count)."""
-    out = row.output_token_ids
-    ends = set()
-    for word in row.params.bad_words_token_ids:
-        before = len(word) - 1
-        if before == 0 or (before <= len(out) and out[-before:] == word[:-1]):
-            ends.add(word[-1])
-    return ends
+    return row.params.banned_after(row.output_token_ids, row.eos_token_ids)
 
 
 def _apply_allowed(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:

@@ -194,3 +194,30 @@ def test_bad_words_that_ban_every_allowed_token_are_refused(llm: LLM) -> None:
     with pytest.raises(InvalidArgument) as e:
         llm.generate(["hi"], GREEDY.clone(allowed_token_ids=t, bad_words=["x"]), use_tqdm=False)
     assert e.value.field == "bad_words"
+
+
+def test_masks_that_leave_no_token_end_the_choice(llm: LLM) -> None:
+    """allowed_token_ids {a, b} with the bad words "ab" and "aa": after a, every token is masked.
+    vLLM would then emit token 0 (the draw from a row of -inf); here the choice ends there,
+    stopped, without it, as a grammar that leaves nothing ends one. Greedy and sampled; a plain
+    request beside it is untouched. And allowed_token_ids that only EOS is in, held back by
+    min_tokens: nothing to emit at all."""
+    tok = llm.tokenizer
+    hf = tok.hf if hasattr(tok, "hf") else tok
+    a, b = hf.encode("fox", add_special_tokens=False)
+    twice = hf.decode([a, a])
+    assert hf.encode(twice, add_special_tokens=False) == [a, a]  # (this tokenizer: "f", "ox")
+    prompt, plain_prompt = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[1])
+    plain = generate(llm, plain_prompt, GREEDY)
+    for params in (GREEDY.clone(max_tokens=16), SamplingParams(temperature=1.0, seed=3, max_tokens=16)):
+        masked = params.clone(allowed_token_ids=[a, b], bad_words=["fox", twice], ignore_eos=True)
+        outs = llm.generate([prompt, plain_prompt], [masked, GREEDY], use_tqdm=False)
+        out = outs[0].outputs[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) < 16, out
+        assert out.token_ids[-1] == a and set(out.token_ids[:-1]) <= {b}, out.token_ids
+        assert 0 not in out.token_ids
+        assert outs[1].outputs[0].token_ids == plain
+    eos = min(llm.frontend.info.eos_token_ids)
+    only_eos = GREEDY.clone(allowed_token_ids=[eos], min_tokens=4, ignore_eos=False)
+    out = llm.generate([prompt], only_eos, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [] and out.finish_reason == "stop", out
