@@ -26,6 +26,7 @@ from mmserve.kernels._common import (
     last_of_splits,
     pdl_launch,
     pdl_wait,
+    prefetch_l2,
     scaled_operand_sizes,
     serial_counters,
     split_steps,
@@ -47,6 +48,10 @@ PROMOTE_EVERY = 128
 # gate_up (448) were fastest unsplit at 1-16 rows
 SPLIT_BELOW = 64
 SPLITS = 2
+# each program's first steps of weights (BLOCK_K of K for each of its channels a step) asked of
+# L2 before pdl_wait (_common.prefetch_l2): under PDL their reads overlap the kernel before.
+# 0: none. Off until timed (scripts/ab_switch.py mmserve.kernels.fp8_gemm.PREFETCH_STEPS=2)
+PREFETCH_STEPS = 0
 
 
 @triton.jit
@@ -55,21 +60,29 @@ def _fp8_gemm_rows_kernel(
     rows, n, k, k_per_split, stride_x, stride_w, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8: tl.constexpr,
     SPLIT: tl.constexpr, PROMOTE: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait(PDL)
+    """PREFETCH_LINES (a power of two, or 0): lines of 128 values of K, from the slice's start,
+    of each of the program's channels asked of L2 before the wait."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)  # this program's slice of K, whole tiles: [k_lo, k_hi)
     k_lo = pid_s * k_per_split
     k_hi = tl.minimum(k, k_lo + k_per_split)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    poison = 0.0  # (NaN where the interpreter finds a prefetched line past the weight)
+    if PREFETCH_LINES > 0:  # channels and values past the slice clamped to its last
+        line_k = tl.minimum(k_lo + 128 * tl.arange(0, PREFETCH_LINES), k_hi - 1)
+        lines = tl.minimum(offs_n, n - 1)[:, None].to(tl.int64) * stride_w + line_k[None, :]
+        poison = prefetch_l2(wq_ptr, lines, (n - 1).to(tl.int64) * stride_w + k, ASM)
+    pdl_wait(PDL)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < rows
     mask_n = offs_n < n
     if INT8:  # exact integer sums
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) + poison
     for start in range(k_lo, k_hi, BLOCK_K):
         mask_k = start + offs_k < k_hi
         a = tl.load(
@@ -156,12 +169,14 @@ def fp8_gemm_rows(
             part = torch.empty(splits, rows, n, device=xq.device,
                                dtype=torch.int32 if xq.dtype == torch.int8 else torch.float32)  # fmt: skip
             counters = serial_counters(xq.device, tiles)  # (or the last program sums and scales)
+        lines = min(PREFETCH_STEPS, per_split) * block_k // 128  # (a power of two, or 0)
         _fp8_gemm_rows_kernel[(tiles, splits)](
             out, part, xq, xs, wq, ws, out if counters is None else counters,
             rows, n, k, per_split * block_k, xq.stride(0), wq.stride(0), out.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INT8=xq.dtype == torch.int8,
             SPLIT=splits > 1, PROMOTE=min(PROMOTE_EVERY, block_k), SERIAL=counters is not None,
-            num_warps=4, num_stages=4, **pdl_launch(xq.device),
+            PREFETCH_LINES=1 << (lines.bit_length() - 1) if lines > 0 else 0,
+            ASM=not triton.knobs.runtime.interpret, num_warps=4, num_stages=4, **pdl_launch(xq.device),
         )  # fmt: skip
         if splits > 1 and counters is None:
             _scale(out, part, xs, ws)

@@ -116,10 +116,11 @@ def main() -> None:
     compile_sm90(gguf_gemm._q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16",
                                         "stride_x": "i32"}, {})  # fmt: skip
     print("q8 (DP4A's activations) compiled for sm_90", flush=True)
-    for int8, ends in itertools.product((False, True), ENDS):
+    for int8, ends, lines in itertools.product((False, True), ENDS, (0, 8)):  # lines: fp8_gemm.PREFETCH_STEPS
         types = {"part_ptr": "*i32", "xq_ptr": "*i8", "wq_ptr": "*i8"} if int8 else {}
         compile_sm90(fp8_gemm._fp8_gemm_rows_kernel, {**FP8, **types}, {
-            "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "INT8": int8, "PROMOTE": 128, **ends})  # fmt: skip
+            "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "INT8": int8, "PROMOTE": 128, **ends,
+            "PREFETCH_LINES": lines, "ASM": True})  # fmt: skip
     print("the FP8 / INT8 rows kernel (its split slices) compiled for sm_90", flush=True)
 
 

@@ -86,3 +86,20 @@ def test_split_k_sums_the_slices(case, splits):  # type: ignore[no-untyped-def]
     assert torch.equal(fp8_gemm_rows(iq, xs, iw, ws, torch.float32, block_k=128, splits=splits), unsplit)
     with pytest.raises(ValueError, match="splits must be >= 1"):
         fp8_gemm_rows(xq, xs, wq, ws, splits=0)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+@pytest.mark.parametrize("case", [(1, 96, 2048), (5, 40, 1000), (3, 100, 300)], ids=str)
+def test_prefetch_changes_nothing(case, steps, monkeypatch):  # type: ignore[no-untyped-def]
+    """fp8_gemm.PREFETCH_STEPS: each program's first weight steps asked of L2 before its wait.
+    Under the interpreter each line's offset is checked (one past the weight makes the output
+    NaN): K not a multiple of the tile, N not of the channels, split slices and not, more steps
+    asked than a slice has. The output equals the one without it, to the bit."""
+    from mmserve.kernels import fp8_gemm
+
+    xq, xs, wq, ws = _operands(*case)
+    for splits in (1, 2, 3):
+        plain = fp8_gemm_rows(xq, xs, wq, ws, torch.float32, block_k=256, splits=splits)
+        monkeypatch.setattr(fp8_gemm, "PREFETCH_STEPS", steps)
+        assert torch.equal(fp8_gemm_rows(xq, xs, wq, ws, torch.float32, block_k=256, splits=splits), plain)
+        monkeypatch.setattr(fp8_gemm, "PREFETCH_STEPS", 0)
