@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -172,6 +172,29 @@ if has sweepdp4a; then
   # warps, pipeline depth, channels a program, L2 prefetch; a copy of the same bytes as the card's
   # bandwidth. SWEEP_ARGS: the script's arguments (for instance --quick, or --config lists)
   timeout ${SWEEP_TIMEOUT:-240} python3 scripts/sweep_dp4a.py ${SWEEP_ARGS:-} 2>&1 | grep --line-buffered -v Warning | tee "$OUT/sweepdp4a.txt"
+fi
+if has levers28; then
+  # session 28's untimed levers (issues 19, 23), about 8 minutes on a fresh machine: w4a16's
+  # one-row product with its first steps prefetched to L2, and the several-row kernel at one
+  # warp (the products alone); then batch-1 decode in the engine: w4a16 with the one-warp
+  # default against 4 warps, and with the prefetch; FP8 with and without its prefetch
+  S="python3 scripts/sweep_dp4a.py"
+  { timeout 100 $S --config DP4A_PREFETCH_STEPS=0 --config DP4A_PREFETCH_STEPS=1 --config DP4A_PREFETCH_STEPS=2 \
+      --config DP4A_PREFETCH_STEPS=4
+    for rows in 2 4; do
+      timeout 60 $S --rows $rows --config DP4A_ROWS_NUM_WARPS=4 --config DP4A_ROWS_NUM_WARPS=1 \
+        --config DP4A_ROWS_NUM_WARPS=1,PROGRAMS_PER_SM=8
+    done
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/levers28-kernels.txt"
+  Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024 --batch-sizes 1"
+  W="$Q --checkpoint-format w4a16-g128"
+  { $B latency,decode $W
+    python3 scripts/ab_switch.py mmserve.kernels.wna16.DP4A_NUM_WARPS=4 mmserve.kernels.wna16.DP4A_PROGRAMS_PER_SM=4 \
+      -- latency,decode $W
+    python3 scripts/ab_switch.py mmserve.kernels.wna16.DP4A_PREFETCH_STEPS=2 -- latency,decode $W
+    $B latency,decode $Q --quantization fp8
+    python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.PREFETCH_STEPS=2 -- latency,decode $Q --quantization fp8
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/levers28.txt"
 fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline
