@@ -2,12 +2,18 @@
 any machine, without a GPU: `python -m tests.kernels.sm90_compile` exits 0 when every variant compiles to a cubin.
 The interpreter that runs the kernels on the CPU accepts code that Triton's compiler
 refuses (session 20: a variable that was both a loop bound and a dot's result), so
-tests/kernels/test_sm90_compile.py runs this in a process without TRITON_INTERPRET."""
+tests/kernels/test_sm90_compile.py runs this in a process without TRITON_INTERPRET.
+
+By default each kernel compiles over a cover of its constexpr choices: one launch with the
+first value of every choice, then each other value of each choice with the rest at their first
+(about 120 compiles; on a 2 GHz 2-core machine the whole product, 254, took 10.8 minutes of
+one core with an empty Triton cache, session 28). `--all` compiles the whole product."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import sys
 from typing import Any
 
 import triton
@@ -35,7 +41,18 @@ WNA16_DP4A = {"out_ptr": "*fp32", "x_ptr": "*bf16", "qweight_ptr": "*i32", "scal
               "zeros_ptr": "*bf16", "n": "i32", "k": "i32", "group_size": "i32", "k_per_split": "i32",
               "stride_q": "i32", "stride_s": "i32", "final_ptr": "*bf16", "counters_ptr": "*i32"}  # fmt: skip
 # (SPLIT, SERIAL): one slice of K; slices summed by sum_splits; slices summed by the last program
-ENDS = ({"SPLIT": False, "SERIAL": False}, {"SPLIT": True, "SERIAL": False}, {"SPLIT": True, "SERIAL": True})
+# (the serving default first: a cover varies one choice at a time from the first values)
+ENDS = ({"SPLIT": True, "SERIAL": True}, {"SPLIT": False, "SERIAL": False}, {"SPLIT": True, "SERIAL": False})
+ALL = False  # every combination of the constexpr choices (--all), not a cover of them
+
+
+def cases(*choices: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    """The combinations of choices to compile: all of them with ALL, else a cover (the first
+    value of each; then each other value of one choice, the rest at their first)."""
+    if ALL:
+        return list(itertools.product(*choices))
+    first = tuple(c[0] for c in choices)
+    return [first] + [first[:i] + (v,) + first[i + 1 :] for i, c in enumerate(choices) for v in c[1:]]
 FP8 = {"out_ptr": "*bf16", "part_ptr": "*fp32", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "wq_ptr": "*fp8e4nv",
        "ws_ptr": "*fp32", "counters_ptr": "*i32", "rows": "i32", "n": "i32", "k": "i32", "k_per_split": "i32",
        "stride_x": "i32", "stride_w": "i32", "stride_out": "i32"}  # fmt: skip
@@ -76,38 +93,37 @@ def main() -> None:
         forms = (True, False) if qtype in ("Q4_K", "Q5_K") else (False,)
         lowp = ((False, False), (True, True), (True, False)) if qtype in gguf_blocks.LOWP_TYPES else ((False, False),)
         layouts = (False, True) if qtype == "Q6_K" else (False,)  # PLANES: Q6_K in planes (gguf_planes)
-        for factored, unroll, ends, (low, asm), planes in itertools.product(forms, (1, 2), ENDS, lowp, layouts):
+        for factored, unroll, ends, (low, asm), planes in cases(forms, (1, 2), ENDS, lowp, layouts):
             compile_sm90(gguf_gemm._gguf_gemm_rows_kernel, ROWS, {
                 **args, "IEEE": False, "BLOCK_M": 8 if low else 16, "BLOCK_N": 64, **ends,
                 "FACTORED": factored and not low, "UNROLL": unroll, "LOWP": low, "ASM": asm,
                 "WORDS": low and qtype != "Q6_K" and ends["SPLIT"], "PLANES": planes})  # fmt: skip
-        for ends, planes in itertools.product(ENDS, layouts):
+        for ends, planes in cases(ENDS, layouts):
             compile_sm90(gguf_gemm._gguf_gemv_kernel, GEMV, {**args, "BLOCK_N": 64, **ends, "PLANES": planes})
-        for ends, planes, rows in itertools.product(ENDS, layouts, (1, 3)) if qtype == "Q6_K" else ():
+        for ends, planes, rows in cases(ENDS, layouts, (1, 3)) if qtype == "Q6_K" else ():
             compile_sm90(gguf_gemm._gguf_q6k_dp4a_kernel, Q6K_DP4A, {
                 "BLOCK_N": 64, "ROWS": rows, **ends, "ASM": True, "PLANES": planes})  # fmt: skip
         dp4a_forms = ((False, 1), (True, 1), (False, 3), (True, 3))  # (PREQUANT, ROWS)
-        for ends, (pre, rows) in itertools.product(ENDS, dp4a_forms) if qtype in ("Q4_K", "Q5_K") else ():
+        for ends, (pre, rows) in cases(ENDS, dp4a_forms) if qtype in ("Q4_K", "Q5_K") else ():
             compile_sm90(gguf_gemm._gguf_dp4a_kernel, {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}, {
                 "QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": 64, "ROWS": rows, **ends, "ASM": True,
                 "PREQUANT": pre})  # fmt: skip
-        for (low, asm), planes in itertools.product(lowp, layouts):
+        for (low, asm), planes in cases(lowp, layouts):
             compile_sm90(gguf_blocks._dequantize_kernel, DEQUANT, {
                 **args, "BLOCK_N": 64 if low else 16, "LOWP": low, "ASM": asm,
                 "WORDS": low and qtype != "Q6_K", "PLANES": planes})  # fmt: skip
         print(qtype, "compiled for sm_90", flush=True)
-    for (pairs, x_type), even_k, zeros, serial in itertools.product(((1, "*bf16"), (2, "*fp16")), (False, True), (False, True), (False, True)):
+    for (pairs, x_type), even_k, zeros, serial in cases(((1, "*bf16"), (2, "*fp16")), (False, True), (False, True), (False, True)):
         compile_sm90(wna16._wna16_kernel, {**WNA16, "x_ptr": x_type, "scales_ptr": x_type, "zeros_ptr": x_type,
                                            "final_ptr": x_type}, {
             "BITS": 4, "BLOCK_M": 8, "BLOCK_N": 64, "BLOCK_K": 128, "GROUPS": 0, "HAS_ZEROS": zeros,
             "SPLIT": True, "SERIAL": serial, "DOT_PRECISION": "tf32", "PAIRS": pairs, "LOWP": True,
             "EVEN_K": even_k})  # fmt: skip
-    for zeros, ends in itertools.product((False, True), ENDS):
-        compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": 64, "HAS_ZEROS": zeros, **ends, "ASM": True,
-                                                            "PREFETCH": 0})  # fmt: skip
-        for prefetch in (0, 2):  # (the L2 prefetch's PTX: DP4A_PREFETCH_STEPS)
-            compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": wna16.DP4A_BLOCK_N, "HAS_ZEROS": zeros,
-                         **ends, "ASM": True, "PREFETCH": prefetch}, num_warps=wna16.DP4A_NUM_WARPS)  # fmt: skip
+    for zeros, ends in cases((False, True), ENDS):
+        # the default launch (its channels and warps); with the L2 prefetch (DP4A_PREFETCH_STEPS) once
+        prefetch = 2 if zeros and ends["SERIAL"] else 0
+        compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": wna16.DP4A_BLOCK_N, "HAS_ZEROS": zeros,
+                     **ends, "ASM": True, "PREFETCH": prefetch}, num_warps=wna16.DP4A_NUM_WARPS)  # fmt: skip
         compile_sm90(wna16._wna16_dp4a_rows_kernel, WNA16_DP4A_ROWS, {"BLOCK_N": 128, "HAS_ZEROS": zeros, **ends,
                                                                       "ASM": True, "ROWS": 3})  # fmt: skip
     compile_sm90(wna16._wna16_q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16",
@@ -116,8 +132,9 @@ def main() -> None:
     compile_sm90(gguf_gemm._q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16",
                                         "stride_x": "i32"}, {})  # fmt: skip
     print("q8 (DP4A's activations) compiled for sm_90", flush=True)
-    for int8, ends, lines in itertools.product((False, True), ENDS, (0, 8)):  # lines: fp8_gemm.PREFETCH_STEPS
+    for int8, ends in cases((False, True), ENDS):
         types = {"part_ptr": "*i32", "xq_ptr": "*i8", "wq_ptr": "*i8"} if int8 else {}
+        lines = 8 if ends["SERIAL"] else 0  # the L2 prefetch (fp8_gemm.PREFETCH_STEPS) where it is compiled in
         compile_sm90(fp8_gemm._fp8_gemm_rows_kernel, {**FP8, **types}, {
             "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "INT8": int8, "PROMOTE": 128, **ends,
             "PREFETCH_LINES": lines, "ASM": True})  # fmt: skip
@@ -125,4 +142,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    ALL = "--all" in sys.argv[1:]
     main()

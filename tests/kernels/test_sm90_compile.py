@@ -15,7 +15,7 @@ from mmserve.kernels.gguf_blocks import FORMATS
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # about a minute of compiling with an empty Triton cache
+@pytest.mark.slow  # a cover of the variants (sm90_compile.cases): minutes with an empty Triton cache
 def test_gguf_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
