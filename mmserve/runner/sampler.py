@@ -33,6 +33,9 @@ class SamplingRow:
     # params.allowed_token_ids on the logits' device, int64, kept per request by the runner
     # like prompt_ids; None: taken from params
     allowed_ids: torch.Tensor | None = None
+    # _banned's set, made the first time it is asked (a row is made for one step: its output
+    # does not change; the fast path's check and the mask both ask)
+    banned: set[int] | None = None
 
 
 def sample(
@@ -156,7 +159,9 @@ def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow], wh
 
 def _banned(row: SamplingRow) -> set[int]:
     """The tokens min_tokens and bad_words keep out of this row now."""
-    return row.params.banned_after(row.output_token_ids, row.eos_token_ids)
+    if row.banned is None:
+        row.banned = row.params.banned_after(row.output_token_ids, row.eos_token_ids)
+    return row.banned
 
 
 def _apply_allowed(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
