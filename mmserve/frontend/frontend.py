@@ -548,7 +548,6 @@ class FrontEnd:
                 del self._parents[choice.parent_id]
 
 
-
 @contextlib.contextmanager
 def _fields_under(prefix: str) -> Iterator[None]:
     """An InvalidArgument raised inside names its field under prefix (e.g. "params.")."""

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,6 @@ def prune_stale(root: Path | None = None) -> list[Path]:
     never finished (.tmp-* a day old): without it every GGUF converted once, a temporary
     file or an older version of a file, kept its copy (a float32 checkpoint) forever. Folders
     without a SOURCE_FILE (written before it) are left alone. Returns those removed."""
-    import time
-
     root = cache_dir() if root is None else root
     removed = []
     for entry in root.iterdir() if root.is_dir() else ():
