@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -195,6 +195,18 @@ if has levers28; then
     $B latency,decode $Q --quantization fp8
     python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.PREFETCH_STEPS=2 -- latency,decode $Q --quantization fp8
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/levers28.txt"
+fi
+if has s29; then
+  # session 29 (issue 23, targets 5 and 6), about 7 minutes: constrained decoding at batch 64
+  # with bench structured's grammar in the form xgrammar fills fast; TTFT at 8 req/s in bf16
+  # and FP8 with prefill_graph_tokens' defaults (256; 1024 with FP8/INT8), INT8 at 256 and 1024
+  S="--model shape:llama3-8b --load-format dummy --request-rate 8 --num-requests 240 --input-len 512"
+  S="$S --output-len 128 --engine-process"
+  { $B structured --model shape:llama3-8b --load-format dummy --batch-sizes 64 --input-len 128 \
+      --output-len 128 --max-num-seqs 64 --compile-repeats 1
+    $B serve $S; $B serve $S --quantization fp8
+    for g in 256 1024; do $B serve $S --quantization int8 --prefill-graph-tokens $g; done
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s29.txt"
 fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline

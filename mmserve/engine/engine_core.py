@@ -97,10 +97,11 @@ class EngineCore:
         self._failed: list[EngineOutput] = []  # requests that failed before they ran
         if not config.model.enforce_eager:
             scheduler, spec = config.scheduler, config.speculative
+            graph_tokens = config.model.prefill_graph_tokens_for(self.quantization)
             guesses = (1 + spec.num_speculative_tokens, spec.disable_batch_size)
             self.runner.capture_graphs(
                 scheduler.max_num_seqs, self.max_model_len, scheduler.budget,
-                guesses if self.speculator is not None else (0, 0), config.model.prefill_graph_tokens,
+                guesses if self.speculator is not None else (0, 0), graph_tokens,
             )
         self.warmup_seconds = 0.0  # the start-up warm-up's time (engine/warmup.py)
         warm = config.model.warmup if config.model.warmup is not None else device.type == "cuda"
@@ -138,7 +139,7 @@ class EngineCore:
             num_speculative_tokens=spec.num_speculative_tokens,
             seed=config.seed,
             cuda_graphs=not config.model.enforce_eager,
-            prefill_graph_tokens=config.model.prefill_graph_tokens,
+            prefill_graph_tokens=config.model.prefill_graph_tokens_for(""),  # (an unquantised draft)
             kv_cache_memory_bytes=config.cache.kv_cache_memory_bytes,
             load_format=config.model.load_format,
         )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.config import ModelConfig
+from mmserve.config import PREFILL_GRAPH_TOKENS
 from mmserve.engine.sched_output import (
     RunnerOutput,
     SampledToken,
@@ -179,7 +179,7 @@ class ModelRunner:
 
     def capture_graphs(
         self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int] = (0, 0),
-        prefill_tokens: int = ModelConfig.prefill_graph_tokens,
+        prefill_tokens: int = PREFILL_GRAPH_TOKENS,
     ) -> None:  # fmt: skip
         """Captures decode graphs and graphs of steps with prefill tokens (up to prefill_tokens
         and max_tokens, the step budget), or an encoder's step graphs up to max_tokens

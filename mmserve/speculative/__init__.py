@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mmserve.config import ModelConfig
+from mmserve.config import PREFILL_GRAPH_TOKENS
 from mmserve.request import Request
 
 # name -> "module:class"; a "+"-joined name chains proposers (the first ahead of the next);
@@ -51,7 +51,7 @@ class ProposerContext:
     num_speculative_tokens: int = 4
     seed: int = 0
     cuda_graphs: bool = True  # capture graphs for a draft model's steps (CUDA only)
-    prefill_graph_tokens: int = ModelConfig.prefill_graph_tokens  # (the model's setting)
+    prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS  # (the model's setting, for a bf16 draft)
     kv_cache_memory_bytes: int = 1 << 30  # the model's KV budget on the CPU
     load_format: str = "auto"  # the model's: a draft of a model with random weights has them too
 

@@ -117,3 +117,27 @@ def test_shipped_schemas_compile_on_both_backends(monkeypatch: pytest.MonkeyPatc
         name, params = tpot_constraint(backend_name, None)
         backend.compile(params)
         assert name == ("long" if backend_name == "outlines" else "endless")
+
+
+@pytest.mark.parametrize(
+    ("text", "accepted"),
+    [
+        ('{"lines": ["a", "b c"], "next": {"lines": [], "next": {"lines": ["x', True),
+        ('{ "lines" : [ "q\\"uote", "back\\\\slash", "\\u00e9\\n" ] , "next" :', True),
+        ("{" + " " * 32 + '"lines"', True),  # whitespace runs as our JSON schemas bound them
+        ("{" + " " * 33, False),
+        ('{"lines": ["raw\nnewline', False),  # control characters only escaped, as in JSON
+        ('{"lines": ["bad \\x escape', False),
+        ('{"lines": ["a" "b"', False),  # a string ends before a comma or the bracket
+        ('{"lines": ["a"], "next": ["b"]', False),
+    ],
+)
+def test_endless_grammar_is_json(text: str, accepted: bool) -> None:
+    """The TPOT constraint's grammar (written in the form xgrammar fills fast) accepts what
+    JSON does and only that: escapes, bounded whitespace, strings that end where JSON's do."""
+    xgr = pytest.importorskip("xgrammar")
+    from mmserve.bench.structured import ENDLESS_GRAMMAR
+
+    info = xgr.TokenizerInfo(["a", "b"])
+    compiled = xgr.GrammarCompiler(info, cache_enabled=False).compile_grammar(ENDLESS_GRAMMAR)
+    assert xgr.GrammarMatcher(compiled).accept_string(text) is accepted

@@ -73,7 +73,7 @@ def test_the_prefill_graph_setting_caps_the_sizes(tiny: str) -> None:
     from mmserve.config import ModelConfig
     from mmserve.runner.cuda_graphs import MIXED_TOKEN_SIZES
 
-    assert ModelConfig(model="m").prefill_graph_tokens == 256
+    assert ModelConfig(model="m").prefill_graph_tokens_for("") == 256
     with pytest.raises(ValueError, match="prefill_graph_tokens must be >= 0"):
         ModelConfig(model="m", prefill_graph_tokens=-1)
     llm = LLM(tiny, kv_cache_memory=16 << 20, prefill_graph_tokens=100)
@@ -82,3 +82,27 @@ def test_the_prefill_graph_setting_caps_the_sizes(tiny: str) -> None:
     for cap, want in ((100, [s for s in MIXED_TOKEN_SIZES if s <= 100]), (0, [])):
         graphs = MixedGraphs(runner.model, runner.kv_caches, cap, 8, 64, 256, runner.device)
         assert graphs.sizes == want
+
+
+@pytest.mark.parametrize(
+    ("quantization", "setting", "want"),
+    [(None, None, 256), ("fp8", None, 1024), ("int8", None, 1024), ("fp8", 100, 100), (None, 0, 0)],
+)
+def test_the_prefill_graph_default_follows_the_scheme(
+    tiny: str, monkeypatch: pytest.MonkeyPatch, quantization: str | None, setting: int | None, want: int
+) -> None:
+    """Unset, prefill_graph_tokens is 256, and 1024 for a model run with FP8 or INT8 weights
+    and activations (their eager prefills are bound by launches); a set value wins. The
+    engine hands the resolved value to the runner's capture."""
+    from mmserve.runner.model_runner import ModelRunner
+
+    seen: list[int] = []
+    capture = ModelRunner.capture_graphs
+
+    def record(self: ModelRunner, *args: object) -> None:
+        seen.append(args[4])  # type: ignore[arg-type]
+        capture(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ModelRunner, "capture_graphs", record)
+    LLM(tiny, kv_cache_memory=16 << 20, quantization=quantization, prefill_graph_tokens=setting)
+    assert seen == [want]
