@@ -199,12 +199,15 @@ fi
 if has s29; then
   # session 29 (issue 23, targets 5 and 6), about 7 minutes: constrained decoding at batch 64
   # with bench structured's grammar in the form xgrammar fills fast; TTFT at 8 req/s in bf16
-  # and FP8 with prefill_graph_tokens' defaults (256; 1024 with FP8/INT8), INT8 at 256 and 1024
+  # and FP8 with prefill_graph_tokens' defaults (256; 1024 with FP8/INT8); FP8's batch-1 latency
+  # with its L2 prefetch (the default) and without; INT8 at 256 and 1024
   S="--model shape:llama3-8b --load-format dummy --request-rate 8 --num-requests 240 --input-len 512"
   S="$S --output-len 128 --engine-process"
   { $B structured --model shape:llama3-8b --load-format dummy --batch-sizes 64 --input-len 128 \
       --output-len 128 --max-num-seqs 64 --compile-repeats 1
     $B serve $S; $B serve $S --quantization fp8
+    L="latency --input-len 128 --output-len 128 --max-num-seqs 1 --load-format dummy --quantization fp8"
+    $B $L; python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.PREFETCH_STEPS=0 -- $L
     for g in 256 1024; do $B serve $S --quantization int8 --prefill-graph-tokens $g; done
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s29.txt"
 fi

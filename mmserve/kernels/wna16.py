@@ -111,8 +111,9 @@ DP4A_PROGRAMS_PER_SM = 8
 DP4A_ROWS_NUM_WARPS = 4
 DP4A_NUM_STAGES: int | None = None
 # the one-row kernel's first steps of weights (16 words of each of its channels a step) asked of
-# L2 before pdl_wait (_common.prefetch_l2); 0: none. Off until timed (scripts/sweep_dp4a.py
-# DP4A_PREFETCH_STEPS, and the engine by scripts/ab_switch.py)
+# L2 before pdl_wait (_common.prefetch_l2); 0: none. Off: on an H100 (session 29) 1, 2 and 4
+# steps made each of the 8B shape's four products slower alone (gate_up 24.8 -> 26.8, 28.1,
+# 30.7 us), and 2 left the engine's batch-1 latency where it was (2.75 ms/token)
 DP4A_PREFETCH_STEPS = 0
 
 

@@ -134,7 +134,7 @@ def main() -> None:
     print("q8 (DP4A's activations) compiled for sm_90", flush=True)
     for int8, ends in cases((False, True), ENDS):
         types = {"part_ptr": "*i32", "xq_ptr": "*i8", "wq_ptr": "*i8"} if int8 else {}
-        lines = 8 if ends["SERIAL"] else 0  # the L2 prefetch (fp8_gemm.PREFETCH_STEPS) where it is compiled in
+        lines = fp8_gemm.PREFETCH_STEPS * 512 // 128  # the default launch's L2 prefetch
         compile_sm90(fp8_gemm._fp8_gemm_rows_kernel, {**FP8, **types}, {
             "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "INT8": int8, "PROMOTE": 128, **ends,
             "PREFETCH_LINES": lines, "ASM": True})  # fmt: skip

@@ -99,7 +99,7 @@ def test_prefetch_changes_nothing(case, steps, monkeypatch):  # type: ignore[no-
 
     xq, xs, wq, ws = _operands(*case)
     for splits in (1, 2, 3):
+        monkeypatch.setattr(fp8_gemm, "PREFETCH_STEPS", 0)
         plain = fp8_gemm_rows(xq, xs, wq, ws, torch.float32, block_k=256, splits=splits)
         monkeypatch.setattr(fp8_gemm, "PREFETCH_STEPS", steps)
         assert torch.equal(fp8_gemm_rows(xq, xs, wq, ws, torch.float32, block_k=256, splits=splits), plain)
-        monkeypatch.setattr(fp8_gemm, "PREFETCH_STEPS", 0)
