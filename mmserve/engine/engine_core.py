@@ -108,7 +108,7 @@ class EngineCore:
         caps = model.capabilities  # (a decoder generates, unless a classifier or embeds_only)
         if warm and num_blocks and caps.causal and not (caps.classifier or caps.embeds_only):
             self.warmup_seconds = timed_warm_up(
-                self.runner, config, num_blocks, self.max_model_len, model.vocab_size
+                self.runner, config, num_blocks, self.max_model_len, model.vocab_size, structured is not None
             )
         # what compiles from here on made a request wait (logged: what to warm up next)
         self.late_compiles = watch_late_compiles() if device.type == "cuda" else None

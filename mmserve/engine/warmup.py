@@ -7,19 +7,27 @@ graph capture compiles what decode steps use; the first prefills of a fresh serv
 the rest while clients waited (TTFT p99 500 ms in the first minute on the H200, issue 23).
 
 warm_up() runs prompts of lengths that reach each of those cases (one token; 3, 7, 16 and 31
-tokens, which span the attention tiles of a group of up to 8 query heads; 100 and 512; and one
+tokens, which span the attention tiles of a group of up to 8 query heads; 100 and 512; 1041,
+an eager step past the largest default prefill graph (1024, FP8/INT8) whose row count is no
+multiple of 16 (INT8's large-tile product compiled that variant 18 s into serving); and one
 longer than the token budget, which prefills in two chunks), first each alone (a prefill, then
 decodes at batch 1) and then all at once (mixed steps of prefill chunks and decodes at several
 batch sizes), greedy and sampled (top-k, top-p, a seed of its own). It uses a scheduler and KV
 bookkeeping of its own, without prefix caching: the engine's own scheduler, counters and
 prefix cache are untouched, and the KV blocks the dummies wrote are free again (a block is
-always written before it is read). Images, grammars and speculative guesses are not warmed.
+always written before it is read). Images and speculative guesses are not warmed. Of the
+grammars, the kernel that applies their masks to the logits is (warm_grammar_masks): its
+launches differ by row count only, which Triton specialises as one row, a multiple of 16, or
+any other (on the H100 its three variants compiled 9-12 s into a constrained benchmark, each
+while a step waited).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+
+import torch
 
 from mmserve.config import EngineConfig
 from mmserve.engine.kv_cache_manager import KVCacheManager
@@ -28,9 +36,10 @@ from mmserve.engine.scheduler import Scheduler
 from mmserve.params import SamplingParams
 from mmserve.request import Request
 from mmserve.runner.model_runner import ModelRunner
+from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask
 
 logger = logging.getLogger(__name__)
-PROMPT_LENS = (1, 3, 7, 16, 31, 100, 512)  # and one past the token budget
+PROMPT_LENS = (1, 3, 7, 16, 31, 100, 512, 1041)  # and one past the token budget
 OUTPUT_TOKENS = 4
 MAX_STEPS = 2000  # a guard: the dummies never take this many
 
@@ -69,6 +78,22 @@ def warm_up(
             scheduler.update(plan, runner.resolve(step))
     runner.launch(scheduler.schedule())  # the runner forgets the last of them
     return steps
+
+
+MASK_ROW_COUNTS = (1, 2, 16)  # how Triton specialises an integer: 1, a multiple of 16, other
+
+
+def warm_grammar_masks(device: torch.device, vocab_size: int) -> None:
+    """Applies all-allowing grammar masks (which change nothing) to float32 logits of the
+    vocabulary, on MASK_ROW_COUNTS rows: every variant of the device's mask kernel the engine's
+    steps launch (model_runner._mask)."""
+    rows = max(MASK_ROW_COUNTS)
+    logits = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
+    bitmask = allocate_bitmask(rows, vocab_size, device.type == "cuda")
+    for n in MASK_ROW_COUNTS:
+        apply_bitmask(logits, bitmask, list(range(n)))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 LOGGED_COMPILES = 20  # late compiles logged one by one; the rest only counted
@@ -140,10 +165,13 @@ def watch_late_compiles() -> LateCompiles | None:
 
 
 def timed_warm_up(runner: ModelRunner, config: EngineConfig, num_blocks: int, max_model_len: int,
-                  vocab_size: int) -> float:  # fmt: skip
-    """warm_up(), logged; the seconds it took."""
+                  vocab_size: int, grammars: bool = False) -> float:  # fmt: skip
+    """warm_up(), and warm_grammar_masks() where the engine takes grammars, logged; the
+    seconds they took."""
     start = time.perf_counter()
     steps = warm_up(runner, config, num_blocks, max_model_len, vocab_size)
+    if grammars:
+        warm_grammar_masks(runner.device, vocab_size)
     seconds = time.perf_counter() - start
     logger.info("warm-up: %d steps of dummy requests in %.1f s", steps, seconds)
     return seconds

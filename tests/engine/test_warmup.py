@@ -123,3 +123,38 @@ def test_late_compiles_are_counted_and_the_first_logged(caplog, monkeypatch) -> 
     assert "_old[num_warps=4](x: ( 'i32'))" in caplog.records[-1].getMessage()  # no data: the repr
     assert warmup.watch_late_compiles() is None  # a hook is installed: not replaced
     assert knobs.runtime.jit_post_compile_hook is watch
+
+
+def test_grammar_masks_are_warmed_at_each_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """warm_grammar_masks applies masks on 1, 2 and 16 rows (Triton's three specialisations of
+    the row count), masks that allow everything: the logits stay as they were."""
+    seen: list[tuple[int, list[int], torch.Tensor]] = []
+    original = warmup.apply_bitmask
+
+    def record(logits, bitmask, rows, *args):  # type: ignore[no-untyped-def]
+        before = logits.clone()
+        original(logits, bitmask, rows, *args)
+        seen.append((logits.shape[1], list(rows), before))
+        assert torch.equal(logits, before)
+
+    monkeypatch.setattr(warmup, "apply_bitmask", record)
+    warmup.warm_grammar_masks(torch.device("cpu"), 1000)
+    assert [(v, len(rows)) for v, rows, _ in seen] == [(1000, 1), (1000, 2), (1000, 16)]
+    assert all(rows == list(range(len(rows))) for _, rows, _ in seen)
+
+
+def test_an_engine_that_takes_grammars_warms_their_masks(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """With the warm-up on, an engine with a structured-output manager warms the mask kernel
+    for its model's vocabulary; with the warm-up off it does not."""
+    from mmserve import LLM
+    from tests.utils.tiny_models import make_tiny_model
+
+    calls: list[int] = []
+    monkeypatch.setattr(warmup, "warm_grammar_masks", lambda device, vocab: calls.append(vocab))
+    folder = str(make_tiny_model(tmp_path, arch="llama"))
+    llm = LLM(folder, kv_cache_memory=16 << 20, warmup=True)
+    assert calls == [llm.frontend.core.runner.model.vocab_size]
+    LLM(folder, kv_cache_memory=16 << 20, warmup=False)
+    assert len(calls) == 1
