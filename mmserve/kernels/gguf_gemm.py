@@ -122,6 +122,12 @@ DP4A_PREQUANT = False
 # rows 4 took 6.22: up to 2
 DP4A_MAX_ROWS = 2
 DP4A_ROWS_BLOCK_N = 128
+# One row with int8 activations: (channels a program, warps) by type, else (BLOCK_N, 4).
+# H100 (session 29, `BENCH_GGUF_QUICK=1 scripts/bench_gguf.py`): Q4_K at the 8B shapes qkv / o /
+# gate_up / down took 11.7 / 9.0 / 31.5 / 21.8 us at 32 channels and one warp, against 12.5 /
+# 9.6 / 34.0 / 23.8 at 64 and 4 (7% less); Q5_K's down 25.1 against 24.8 (kept). Not yet timed in
+# the engine.
+DP4A_ONE_ROW_TILE = {"Q4_K": (32, 1)}
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # The few-rows kernel's software pipeline (stages of its loop; None: Triton's default, 3). On an
@@ -439,19 +445,19 @@ def _gguf_q6k_dp4a_kernel(
 def gguf_gemm_rows(
     x: torch.Tensor, blocks: torch.Tensor, qtype: str, block_n: int | None = None,
     programs_per_sm: int | None = None, factored: bool | None = None, unroll: int = 1,
-    num_warps: int = 4, gemv: bool | None = None, lowp: bool | None = None,
+    num_warps: int | None = None, gemv: bool | None = None, lowp: bool | None = None,
     num_stages: int | None = None, dp4a: bool | None = None, prequant: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M <= MAX_ROWS, K] (float32/float16/bfloat16) @ the qtype weight in blocks [N, K // e, bytes]
     (Q6_K: or its planes, gguf_planes) transposed -> [M, N] in x's dtype. block_n: output channels per program, a power of two
-    >= 16 (default BLOCK_N; DP4A_ROWS_BLOCK_N for DP4A with several rows). A grid of too few
+    >= 16 (default BLOCK_N; DP4A_ROWS_BLOCK_N for DP4A with several rows; DP4A_ONE_ROW_TILE's
+    for DP4A with one row, with its warps). A grid of too few
     output tiles for about programs_per_sm (default PROGRAMS_PER_SM) programs on every SM
     splits K in whole steps, as the w4a16 kernel does
     (mmserve/kernels/_common.k_splits); 0 never splits. factored: Q4_K / Q5_K's form of the
     product (default FACTORED). gemv: one row by the kernel without tensor cores (default
     GEMV). lowp: the K-quants with 16-bit x dequantised in x's dtype (default LOWP). unroll
-    (steps a loop iteration reads) and num_warps: for scripts/bench_gguf.py's sweep, untimed in
-    the engine. num_stages: the loop's software pipeline (default NUM_STAGES). dp4a: the
+    (steps a loop iteration reads) and num_warps (default 4): for scripts/bench_gguf.py's sweep. num_stages: the loop's software pipeline (default NUM_STAGES). dp4a: the
     activations in int8 (default uses_dp4a: DP4A, up to DP4A_MAX_ROWS rows of 16-bit x, Q4_K /
     Q5_K; Q6_K in planes with Q6K_ALIGNED): Q4_K / Q5_K up to MAX_ROWS rows, Q6_K up to
     Q6K_DP4A_MAX_ROWS; the rows quantised by a kernel of their own first (prequant; default
@@ -477,7 +483,9 @@ def gguf_gemm_rows(
         programs = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
         dp4a_rows = Q6K_DP4A_MAX_ROWS if qtype == "Q6_K" else MAX_ROWS  # (what the kernels take)
         int8 = uses_dp4a(x, qtype, planes) if dp4a is None else dp4a and rows <= dp4a_rows and qtype in DP4A_KERNEL_TYPES
-        block_n = block_n or (DP4A_ROWS_BLOCK_N if int8 and rows > 1 else BLOCK_N)
+        tile = DP4A_ONE_ROW_TILE.get(qtype, (BLOCK_N, 4)) if int8 and rows == 1 else (BLOCK_N, 4)
+        block_n = block_n or (DP4A_ROWS_BLOCK_N if int8 and rows > 1 else tile[0])
+        num_warps = num_warps or tile[1]
         tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, STEP)
         splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs)
         target, counters = split_target(out, splits, tiles)

@@ -105,9 +105,11 @@ def main() -> None:
                 "BLOCK_N": 64, "ROWS": rows, **ends, "ASM": True, "PLANES": planes})  # fmt: skip
         dp4a_forms = ((False, 1), (True, 1), (False, 3), (True, 3))  # (PREQUANT, ROWS)
         for ends, (pre, rows) in cases(ENDS, dp4a_forms) if qtype in ("Q4_K", "Q5_K") else ():
+            # (one row at the type's default tile, DP4A_ONE_ROW_TILE)
+            block_n, warps = gguf_gemm.DP4A_ONE_ROW_TILE.get(qtype, (64, 4)) if rows == 1 else (64, 4)
             compile_sm90(gguf_gemm._gguf_dp4a_kernel, {**DP4A, "x_ptr": "*i32" if pre else "*bf16"}, {
-                "QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": 64, "ROWS": rows, **ends, "ASM": True,
-                "PREQUANT": pre})  # fmt: skip
+                "QTYPE": fmt.type_id, "BYTES": fmt.bytes, "BLOCK_N": block_n, "ROWS": rows, **ends, "ASM": True,
+                "PREQUANT": pre}, num_warps=warps)  # fmt: skip
         for (low, asm), planes in cases(lowp, layouts):
             compile_sm90(gguf_blocks._dequantize_kernel, DEQUANT, {
                 **args, "BLOCK_N": 64 if low else 16, "LOWP": low, "ASM": asm,
