@@ -11,7 +11,10 @@ tokens, which span the attention tiles of a group of up to 8 query heads; 100 an
 an eager step past the largest default prefill graph (1024, FP8/INT8) whose row count is no
 multiple of 16 (INT8's large-tile product compiled that variant 18 s into serving); and one
 longer than the token budget, which prefills in two chunks), first each alone (a prefill, then
-decodes at batch 1) and then all at once (mixed steps of prefill chunks and decodes at several
+decodes at batch 1), then 2, 3 and 4 prompts of ROWS_PROMPT_LEN at once (an eager prefill that
+samples that many rows: kernels of few rows, GGUF's and w4a16's int8-activation products among
+them, compile one variant per row count; the LM head of a GGUF file compiled its two-row
+variant 2.7 s into a batch-2 benchmark) and then all at once (mixed steps of prefill chunks and decodes at several
 batch sizes), greedy and sampled (top-k, top-p, a seed of its own). It uses a scheduler and KV
 bookkeeping of its own, without prefix caching: the engine's own scheduler, counters and
 prefix cache are untouched, and the KV blocks the dummies wrote are free again (a block is
@@ -42,6 +45,10 @@ logger = logging.getLogger(__name__)
 PROMPT_LENS = (1, 3, 7, 16, 31, 100, 512, 1041)  # and one past the token budget
 OUTPUT_TOKENS = 4
 MAX_STEPS = 2000  # a guard: the dummies never take this many
+# prompts of this length (past every default prefill graph together, no multiple of 16) come
+# ROWS_WAVES at a time
+ROWS_PROMPT_LEN = 517
+ROWS_WAVES = (2, 3, 4)
 
 
 def warm_up(
@@ -54,13 +61,17 @@ def warm_up(
     # several always makes progress, by preempting if it must)
     room = min(max_model_len, num_blocks * block_size // 2) - OUTPUT_TOKENS
     lens = [n for n in (*PROMPT_LENS, budget + 17) if n <= room]
+    rows_waves = [
+        [ROWS_PROMPT_LEN] * k for k in ROWS_WAVES
+        if ROWS_PROMPT_LEN <= room and k * (ROWS_PROMPT_LEN + OUTPUT_TOKENS) <= num_blocks * block_size // 2
+    ]  # fmt: skip
     greedy = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(
         max_tokens=OUTPUT_TOKENS, temperature=0.8, top_k=50, top_p=0.9, seed=0, ignore_eos=True
     )
     scheduler = Scheduler(config.scheduler, KVCacheManager(num_blocks, block_size, False), max_model_len)
     steps = 0
-    for wave, prompt_lens in enumerate([*([n] for n in lens), lens]):
+    for wave, prompt_lens in enumerate([*([n] for n in lens), *rows_waves, lens]):
         for i, n in enumerate(prompt_lens):
             prompt = [(7 * j + 1) % vocab_size for j in range(n)]
             params = sampled if i % 2 else greedy

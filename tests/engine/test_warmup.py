@@ -158,3 +158,25 @@ def test_an_engine_that_takes_grammars_warms_their_masks(
     assert calls == [llm.frontend.core.runner.model.vocab_size]
     LLM(folder, kv_cache_memory=16 << 20, warmup=False)
     assert len(calls) == 1
+
+
+def test_few_row_waves_come_where_they_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for them, 2, 3 and 4 prompts of ROWS_PROMPT_LEN come at once (a step that
+    samples that many rows), between the single prompts and the wave of all; the engine is
+    fresh afterwards."""
+    waves: dict[str, list[int]] = {}
+    original = warmup.Request
+
+    def record(request_id, prompt, *args, **kwargs):  # type: ignore[no-untyped-def]
+        waves.setdefault(request_id.rsplit("-", 1)[0], []).append(len(prompt))
+        return original(request_id, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(warmup, "Request", record)
+    core = _core(True, num_blocks=1200, budget=4096, max_len=2048)  # 4,800 cache tokens
+    n = warmup.ROWS_PROMPT_LEN
+    order = list(waves.values())
+    assert [lens for lens in order if set(lens) == {n}] == [[n] * 2, [n] * 3, [n] * 4]
+    assert all(len(lens) == 1 for lens in order[: order.index([n] * 2)])  # the single prompts first
+    assert order[-1] == [1, 3, 7, 16, 31, 100, 512, 1041]  # then all at once (4096 + 17 is too long)
+    assert_all_blocks_free(core)
+    assert not core.scheduler.requests
