@@ -22,7 +22,8 @@ schema converter writes one: whitespace runs bounded as our schemas bound them
 (JSON_MAX_WHITESPACE), and a string's body right-recursive with a lookahead. Written as
 `"\"" char* "\""` with an escape alternative in `char` (llama.cpp's json.gbnf), xgrammar 0.2.9
 takes about 130 ms for one row's mask inside a string, against 0.3 (2 GHz EPYC, the Llama 3
-vocabulary), and the bench would time that instead of the engine. outlines-core compiles to a regex, which cannot express
+vocabulary), and the bench timed that instead of the engine (the engine now folds that form
+into this one itself: structured_output/star_fold.py). outlines-core compiles to a regex, which cannot express
 that recursion: it runs LONG_SCHEMA, and a --tpot-schema may have an end: then requests can
 finish early, TPOT covers the tokens each produced, and the line counts the requests that
 finished early.

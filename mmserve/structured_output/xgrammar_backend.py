@@ -28,6 +28,7 @@ from .prepare import prepare_schema
 from .regex_check import RegexProblem, strip_anchors
 from .schema_check import parse_schema
 from .schema_tree import RelaxedKeyword
+from .star_fold import fold_star_terminals
 from .vocab import special_token_ids
 
 # Whitespace the grammar allows between JSON tokens, per gap: enough for pretty-printed
@@ -107,7 +108,10 @@ class XGrammarBackend(StructuredOutputBackend):
         return self._compiler.compile_grammar(f"root ::= {alternatives}")
 
     def _grammar(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
-        return self._compiler.compile_grammar(cast(str, params.value), root_rule_name="root")
+        # (normalised, then each repetition a terminal follows folded into it: star_fold.py,
+        # the same language with masks hundreds of times cheaper to fill inside it)
+        grammar = xgr.Grammar.from_ebnf(cast(str, params.value), root_rule_name="root")
+        return self._compiler.compile_grammar(fold_star_terminals(str(grammar)))
 
 
 class XGrammarCompiled(CompiledGrammar):
