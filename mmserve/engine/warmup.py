@@ -6,16 +6,18 @@ the products' tiles by their rows) and integer arguments that are 1 or divisible
 graph capture compiles what decode steps use; the first prefills of a fresh server compiled
 the rest while clients waited (TTFT p99 500 ms in the first minute on the H200, issue 23).
 
-warm_up() runs prompts of lengths that reach each of those cases (one token; 3, 7, 16 and 31
-tokens, which span the attention tiles of a group of up to 8 query heads; 100 and 512; 1041,
-an eager step past the largest default prefill graph (1024, FP8/INT8) whose row count is no
-multiple of 16 (INT8's large-tile product compiled that variant 18 s into serving); and one
-longer than the token budget, which prefills in two chunks), first each alone (a prefill, then
-decodes at batch 1), then 2, 3 and 4 prompts of ROWS_PROMPT_LEN at once (an eager prefill that
-samples that many rows: kernels of few rows, GGUF's and w4a16's int8-activation products among
-them, compile one variant per row count; the LM head of a GGUF file compiled its two-row
-variant 2.7 s into a batch-2 benchmark) and then all at once (mixed steps of prefill chunks and decodes at several
-batch sizes), greedy and sampled (top-k, top-p, a seed of its own). It uses a scheduler and KV
+warm_up() runs prompts of lengths that reach each of those cases:
+- one token; 3, 7, 16 and 31 tokens, which span the attention tiles of a group of up to 8 query
+  heads; 100 and 512;
+- 1041, an eager step past the largest default prefill graph (1024, FP8/INT8) whose row count
+  is no multiple of 16 (INT8's large-tile product compiled that variant 18 s into serving);
+- one longer than the token budget, which prefills in two chunks.
+They run first each alone (a prefill, then decodes at batch 1), then 2, 3 and 4 prompts of
+ROWS_PROMPT_LEN at once (an eager prefill that samples that many rows: few-row kernels, GGUF's
+and w4a16's int8-activation products among them, compile a variant per row count; a GGUF
+file's LM head compiled its two-row variant 2.7 s into a batch-2 benchmark), then all at once
+(mixed steps of prefill chunks and decodes at several batch sizes), greedy and sampled (top-k,
+top-p, a seed of its own). It uses a scheduler and KV
 bookkeeping of its own, without prefix caching: the engine's own scheduler, counters and
 prefix cache are untouched, and the KV blocks the dummies wrote are free again (a block is
 always written before it is read). Images and speculative guesses are not warmed. Of the

@@ -457,7 +457,9 @@ def gguf_gemm_rows(
     (mmserve/kernels/_common.k_splits); 0 never splits. factored: Q4_K / Q5_K's form of the
     product (default FACTORED). gemv: one row by the kernel without tensor cores (default
     GEMV). lowp: the K-quants with 16-bit x dequantised in x's dtype (default LOWP). unroll
-    (steps a loop iteration reads) and num_warps (default 4): for scripts/bench_gguf.py's sweep. num_stages: the loop's software pipeline (default NUM_STAGES). dp4a: the
+    (steps a loop iteration reads) and num_warps (default 4, or DP4A_ONE_ROW_TILE's): for
+    scripts/bench_gguf.py's sweep. num_stages: the loop's software pipeline (default
+    NUM_STAGES). dp4a: the
     activations in int8 (default uses_dp4a: DP4A, up to DP4A_MAX_ROWS rows of 16-bit x, Q4_K /
     Q5_K; Q6_K in planes with Q6K_ALIGNED): Q4_K / Q5_K up to MAX_ROWS rows, Q6_K up to
     Q6K_DP4A_MAX_ROWS; the rows quantised by a kernel of their own first (prequant; default

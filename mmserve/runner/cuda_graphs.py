@@ -222,8 +222,8 @@ class DecodeGraphs:
 # token counts of the captured encoder steps: those below the step budget, and the budget itself
 ENCODER_TOKEN_SIZES = (64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 # token counts of the captured decoder steps with prefill tokens (small prefills, prefix hits,
-# mixed steps), up to the prefill_graph_tokens setting (ModelConfig.prefill_graph_tokens_for; steps
-# 12.5% apart at most above 256)
+# mixed steps), up to the prefill_graph_tokens setting (ModelConfig.prefill_graph_tokens_for);
+# steps 12.5% apart at most above 256
 MIXED_TOKEN_SIZES = (16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, 576, 640, 768, 896, 1024,
                      1280, 1536, 1792, 2048)  # fmt: skip
 
@@ -370,8 +370,9 @@ class EncoderGraphs(_TokenGraphs):
 
 class MixedGraphs(_TokenGraphs):
     """CUDA graphs for decoder steps with prefill tokens of at most prefill_graph_tokens
-    (a setting, ModelConfig.prefill_graph_tokens_for; MIXED_TOKEN_SIZES up to 2048) tokens in all: a prompt mostly found in the prefix cache, a short prompt, a prefill chunk
-    with decodes beside it. Eager, such a step is bound by its hundreds of kernel launches
+    (a setting, ModelConfig.prefill_graph_tokens_for; MIXED_TOKEN_SIZES up to 2048) tokens in
+    all: a prompt mostly found in the prefix cache, a short prompt, a prefill chunk with decodes
+    beside it. Eager, such a step is bound by its hundreds of kernel launches
     (issue 23: a full prefix hit took 21.3 ms on the 8B shape against 103.6 ms cold). Padded
     as _TokenGraphs says: the pad tokens write no cache (slot -1); the empty requests have
     seq_len 0. max_query_len is frozen at the size, max_seq_len at the graphs' largest: they

@@ -1,17 +1,19 @@
 """Folding a repetition into the terminal after it, in xgrammar's normalised EBNF.
 
 xgrammar normalises `X*` into a rule of its own, `R ::= ("" | (X R))`, and leaves the terminal
-that follows it in the referring sequence: `"\\"" char* "\\""` becomes `"\\"" R "\\""`. Inside R
-every token could end the repetition, so xgrammar's token-mask cache marks nearly the whole
-vocabulary uncertain there and checks each token at run time: with xgrammar 0.2.9 and Llama
-3's 128,256 tokens one row's mask inside such a string (llama.cpp's json.gbnf) took about 120
-ms, which a whole batch waits for at every step. Written right-recursively with the terminal
-inside, as xgrammar's own JSON-schema converter writes strings, the same mask took 0.4 ms.
+that follows it in the referring sequence: `"\\"" char* "\\""` becomes `"\\"" R "\\""`. With
+xgrammar 0.2.9 and Llama 3's 128,256 tokens, one row's mask inside such a string took about
+120 ms when `char` has a multi-character escape (llama.cpp's json.gbnf: `"\\" (... | "u"
+[0-9a-fA-F]{4})`; with one-character escapes only, 0.04 ms), and the whole batch waits for it
+at every step. Written right-recursively with the terminal inside, as xgrammar's own
+JSON-schema converter writes strings, the same mask took 0.2-0.4 ms. Why xgrammar is slow on
+the first form was not looked into. `X+ T` (90-127 ms, folded or not) and `X{0,N} T` (724 ms at
+N = 200) stay slow.
 
 `fold_star_terminals` makes that rewrite: a sequence `... R T ...`, with R such a repetition
 referenced nowhere else and T a string literal or a character class, becomes `... R' ...` with
 `R' ::= ((T) | (X R'))`. Both derive exactly X* T, so the language is unchanged. Anything else
-(a repetition used twice, followed by a rule or by nothing, rules with lookaheads) is left as
+(a repetition used twice, followed by a rule or by nothing, or with a lookahead) is left as
 it is.
 """
 
