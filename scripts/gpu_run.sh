@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -210,6 +210,27 @@ if has s29; then
     $B $L; python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.PREFETCH_STEPS=0 -- $L
     for g in 256 1024; do $B serve $S --quantization int8 --prefill-graph-tokens $g; done
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s29.txt"
+fi
+if has s30; then
+  # session 29's untimed changes (issues 19, 23): constrained decoding at batch 1 and 64 with the
+  # grammar-mask warm-up (target 6; any "compiled while serving" line is a miss), TTFT at 8 req/s
+  # in bf16 and FP8 with their default prefill graphs (target 5), about 6 minutes
+  S="--model shape:llama3-8b --load-format dummy --request-rate 8 --num-requests 240 --input-len 512"
+  S="$S --output-len 128 --engine-process"
+  { $B structured --model shape:llama3-8b --load-format dummy --batch-sizes 1,64 --input-len 128 \
+      --output-len 128 --max-num-seqs 64 --compile-repeats 1
+    $B serve $S; $B serve $S --quantization fp8
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s30.txt"
+fi
+if has s30gguf; then
+  # Q4_K's one-row DP4A tile (gguf_gemm.DP4A_ONE_ROW_TILE, c387a21) in the engine: the Q4_K_M
+  # file at batch 1 and 2 with it and without; the warm-up's few-row waves (25fdc12): any
+  # "compiled while serving" line is one they missed
+  Q="--model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024"
+  Q="$Q --batch-sizes 1,2 --checkpoint-format gguf:Q4_K_M"
+  { $B latency,decode $Q; echo "mmserve.kernels.gguf_gemm.DP4A_ONE_ROW_TILE={}"
+    python3 scripts/ab_switch.py "mmserve.kernels.gguf_gemm.DP4A_ONE_ROW_TILE={}" -- latency,decode $Q
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s30gguf.txt"
 fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline
