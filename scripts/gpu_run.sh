@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
 # Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf (all =
-# tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages.
+# tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
+# and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
+# older than the tree it runs (session 29's named the session's first commit all along).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
