@@ -37,20 +37,38 @@ def _masked(body: str) -> str:
     return re.sub(_TERMINAL, lambda m: m.group()[0] + "#" * (len(m.group()) - 2) + m.group()[-1], body)
 
 
+def _star(head: str, body: str) -> re.Match[str] | None:
+    """Whether body is the repetition rule head's, `("" | (X head))`: X as group 1."""
+    return re.fullmatch(r'\(""\s\|\s\((.+) ' + re.escape(head) + r"\)\)", body)
+
+
+def _references(name: str, bodies: list[str]) -> int:
+    return sum(len(re.findall(_name(name), _masked(b))) for b in bodies)
+
+
 def fold_star_terminals(ebnf: str) -> str:
     """ebnf (str() of an xgrammar Grammar: one `name ::= body` a line) with each repetition
-    that a terminal follows folded into it (module docstring); unchanged where none is."""
+    that a terminal follows folded into it (module docstring); unchanged where none is. A rule
+    that is only a repetition (`chars ::= char*`, normalised `chars ::= ((chars_1))`) counts as
+    that repetition."""
     lines = ebnf.rstrip("\n").split("\n")
     parsed = [_RULE.fullmatch(line) for line in lines]
     if not all(parsed):
         return ebnf  # (not the normalised form this expects)
     heads = [m.group(1) for m in parsed if m]
     bodies = [m.group(2) for m in parsed if m]
+    index = {head: k for k, head in enumerate(heads)}
+    for k, head in enumerate(heads):  # an alias of a repetition used only there becomes it
+        alias = re.fullmatch(r"\(\(([A-Za-z_][A-Za-z0-9_]*)\)\)", bodies[k])
+        inner = alias.group(1) if alias else ""
+        star = _star(inner, bodies[index[inner]]) if inner in index and inner != head else None
+        if star is not None and _references(inner, bodies) == 2:
+            bodies[k] = f'("" | ({star.group(1)} {head}))'
     names, added = set(heads), []
     for k, head in enumerate(heads):
-        star = re.fullmatch(r'\(""\s\|\s\((.+) ' + re.escape(head) + r"\)\)", bodies[k])
+        star = _star(head, bodies[k])
         masked = [_masked(b) for b in bodies]
-        if star is None or sum(len(re.findall(_name(head), b)) for b in masked) != 2:
+        if star is None or _references(head, bodies) != 2:
             continue  # not a repetition, or one referenced other than once besides itself
         use = re.compile(_name(head) + r" (" + _TERMINAL + r")(?=[ )])")
         found = [(i, m) for i, b in enumerate(masked) if i != k for m in use.finditer(b)]
@@ -65,5 +83,5 @@ def fold_star_terminals(ebnf: str) -> str:
         bodies[i] = bodies[i][: m.start()] + folded + bodies[i][m.end() :]
         added.append(f"{folded} ::= (({terminal}) | ({star.group(1)} {folded}))")
     if not added:
-        return ebnf
+        return ebnf  # (aliases too stay as they were: nothing gained)
     return "\n".join([f"{h} ::= {b}" for h, b in zip(heads, bodies)] + added) + "\n"

@@ -24,6 +24,15 @@ string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) 
 number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
 ws ::= "" | " " | "\n" [ \t]{0,20}
 """
+# a string through a rule that is only a repetition
+ALIAS = r"""root ::= "[" string ("," string)* "]"
+string ::= "\"" chars "\""
+chars ::= char*
+char ::= [^"\\] | "\\" (["\\n] | "u" [0-9a-c]{2})
+"""
+ALIAS_TWICE = r"""root ::= "<" chars ">" chars "!"
+chars ::= ("a" | "bc")*
+"""
 GRAMMARS = {
     "json.gbnf": JSON_GBNF,
     "class after": r'root ::= "<" [a-c]* [>] | "(" ("x" | "yz")* ")" "!"',
@@ -32,6 +41,8 @@ GRAMMARS = {
     "at the end": r'root ::= "q" inner' + "\n" + r'inner ::= "a" "b"*',
     "shared": r'root ::= "x" rep "!" | "y" rep "?"' + "\n" + r'rep ::= "" | "ab" rep',
     "names in literals": r'root ::= "[" "a"* "]" "root_1 \"]\" x"',
+    "alias": ALIAS,
+    "alias used twice": ALIAS_TWICE,
 }
 ALPHABET = list('{}[]"\\,: \n\ta-bcxyz0129.eE+!?<>()/u')
 
@@ -59,6 +70,16 @@ def test_it_is_left_out_where_it_does_not_apply(name: str) -> None:
     """A repetition followed by a rule, ending its sequence, or referenced twice: unchanged."""
     text = _normalised(GRAMMARS[name])
     assert fold_star_terminals(text) == text
+
+
+def test_a_rule_that_is_only_a_repetition_is_folded_as_one() -> None:
+    """`chars ::= char*` used once before a terminal: chars becomes the repetition, folded."""
+    text = _normalised(GRAMMARS["alias"])
+    assert "chars ::= ((chars_1))" in text
+    folded = fold_star_terminals(text)
+    assert 'string ::= (("\\"" chars_then))' in folded
+    assert 'chars_then ::= (("\\"") | (char chars_then))' in folded
+    assert fold_star_terminals(_normalised(GRAMMARS["alias used twice"])) == _normalised(GRAMMARS["alias used twice"])
 
 
 def test_rule_names_inside_literals_are_not_references() -> None:
