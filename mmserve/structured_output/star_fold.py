@@ -24,11 +24,9 @@ import re
 _RULE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*) ::= (.*)")
 # a string literal (with escapes) or a character class, as xgrammar prints them
 _TERMINAL = r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]'
-
-
-def _name(name: str) -> str:
-    """A pattern of the rule name as a whole word."""
-    return r"(?<![A-Za-z0-9_])" + re.escape(name) + r"(?![A-Za-z0-9_])"
+_WORD = re.compile(r"(?<![A-Za-z0-9_])[A-Za-z_][A-Za-z0-9_]*")
+# a rule reference followed by a terminal in the same sequence (searched in a masked body)
+_USE = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*) (" + _TERMINAL + r")(?=[ )])")
 
 
 def _masked(body: str) -> str:
@@ -37,20 +35,41 @@ def _masked(body: str) -> str:
     return re.sub(_TERMINAL, lambda m: m.group()[0] + "#" * (len(m.group()) - 2) + m.group()[-1], body)
 
 
-def _star(head: str, body: str) -> re.Match[str] | None:
-    """Whether body is the repetition rule head's, `("" | (X head))`: X as group 1."""
-    return re.fullmatch(r'\(""\s\|\s\((.+) ' + re.escape(head) + r"\)\)", body)
+def _sequence(text: str) -> bool:
+    """Whether text (a masked body's part) is one sequence: no `|` and no parenthesis closed
+    outside it (`a) | (b` is two alternatives' ends, not a sequence)."""
+    depth = 0
+    for char in text:
+        depth += (char == "(") - (char == ")")
+        if depth < 0 or (depth == 0 and char == "|"):
+            return False
+    return depth == 0
 
 
-def _references(name: str, bodies: list[str]) -> int:
-    return sum(len(re.findall(_name(name), _masked(b))) for b in bodies)
+def _star(head: str, body: str) -> str | None:
+    """X when body is the repetition rule head's, `("" | (X head))` with X one sequence; else
+    None."""
+    start, end = '("" | (', f" {head}))"
+    if body.startswith(start) and body.endswith(end) and len(body) > len(start) + len(end):
+        x = body[len(start) : -len(end)]
+        return x if _sequence(_masked(x)) else None
+    return None
+
+
+def _references(bodies: list[str]) -> dict[str, int]:
+    """How often each word outside literals occurs in bodies: rule references."""
+    counts: dict[str, int] = {}
+    for body in bodies:
+        for word in _WORD.findall(_masked(body)):
+            counts[word] = counts.get(word, 0) + 1
+    return counts
 
 
 def fold_star_terminals(ebnf: str) -> str:
     """ebnf (str() of an xgrammar Grammar: one `name ::= body` a line) with each repetition
     that a terminal follows folded into it (module docstring); unchanged where none is. A rule
     that is only a repetition (`chars ::= char*`, normalised `chars ::= ((chars_1))`) counts as
-    that repetition."""
+    that repetition. Linear in the grammar's length (a request's grammar is up to 128 KiB)."""
     lines = ebnf.rstrip("\n").split("\n")
     parsed = [_RULE.fullmatch(line) for line in lines]
     if not all(parsed):
@@ -58,30 +77,36 @@ def fold_star_terminals(ebnf: str) -> str:
     heads = [m.group(1) for m in parsed if m]
     bodies = [m.group(2) for m in parsed if m]
     index = {head: k for k, head in enumerate(heads)}
+    refs = _references(bodies)
     for k, head in enumerate(heads):  # an alias of a repetition used only there becomes it
         alias = re.fullmatch(r"\(\(([A-Za-z_][A-Za-z0-9_]*)\)\)", bodies[k])
         inner = alias.group(1) if alias else ""
         star = _star(inner, bodies[index[inner]]) if inner in index and inner != head else None
-        if star is not None and _references(inner, bodies) == 2:
-            bodies[k] = f'("" | ({star.group(1)} {head}))'
+        if star is not None and refs.get(inner) == 2:
+            bodies[k] = f'("" | ({star} {head}))'
+    refs = _references(bodies)
+    uses: dict[str, list[tuple[int, re.Match[str]]]] = {}
+    for i, body in enumerate(bodies):
+        for m in _USE.finditer(_masked(body)):
+            uses.setdefault(m.group(1), []).append((i, m))
     names, added = set(heads), []
+    edits: dict[int, list[tuple[int, int, str]]] = {}
     for k, head in enumerate(heads):
         star = _star(head, bodies[k])
-        masked = [_masked(b) for b in bodies]
-        if star is None or _references(head, bodies) != 2:
-            continue  # not a repetition, or one referenced other than once besides itself
-        use = re.compile(_name(head) + r" (" + _TERMINAL + r")(?=[ )])")
-        found = [(i, m) for i, b in enumerate(masked) if i != k for m in use.finditer(b)]
-        if len(found) != 1:
-            continue
+        found = [(i, m) for i, m in uses.get(head, []) if i != k]
+        if star is None or refs.get(head) != 2 or len(found) != 1:
+            continue  # not a repetition, one referenced other than once, or no terminal after it
         i, m = found[0]
-        terminal = bodies[i][m.start(1) : m.end(1)]  # (unmasked)
+        terminal = bodies[i][m.start(2) : m.end(2)]  # (unmasked)
         folded = head + "_then"
         while folded in names:
             folded += "_"
         names.add(folded)
-        bodies[i] = bodies[i][: m.start()] + folded + bodies[i][m.end() :]
-        added.append(f"{folded} ::= (({terminal}) | ({star.group(1)} {folded}))")
+        edits.setdefault(i, []).append((m.start(), m.end(), folded))
+        added.append(f"{folded} ::= (({terminal}) | ({star} {folded}))")
     if not added:
         return ebnf  # (aliases too stay as they were: nothing gained)
+    for i, spans in edits.items():  # (from the end, so that earlier offsets hold)
+        for start, end, folded in sorted(spans, reverse=True):
+            bodies[i] = bodies[i][:start] + folded + bodies[i][end:]
     return "\n".join([f"{h} ::= {b}" for h, b in zip(heads, bodies)] + added) + "\n"

@@ -41,6 +41,8 @@ GRAMMARS = {
     "at the end": r'root ::= "q" inner' + "\n" + r'inner ::= "a" "b"*',
     "shared": r'root ::= "x" rep "!" | "y" rep "?"' + "\n" + r'rep ::= "" | "ab" rep',
     "names in literals": r'root ::= "[" "a"* "]" "root_1 \"]\" x"',
+    "star in star": r'root ::= "[" ("(" ("a" | "bc")* ")")* "]"',
+    "three ways": r'root ::= "<" rep ">"' + "\n" + r'rep ::= "" | "a" | "b" rep',
     "alias": ALIAS,
     "alias used twice": ALIAS_TWICE,
 }
