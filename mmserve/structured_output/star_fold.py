@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import re
 
-_RULE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*) ::= (.*)")
+_NAME = r"(?<![A-Za-z0-9_.\-])[A-Za-z_][A-Za-z0-9_.\-]*"  # a rule's name (GBNF's item-name too)
+_RULE = re.compile(f"({_NAME}) ::= (.*)")
 # a string literal (with escapes) or a character class, as xgrammar prints them
 _TERMINAL = r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]'
-_WORD = re.compile(r"(?<![A-Za-z0-9_])[A-Za-z_][A-Za-z0-9_]*")
+_WORD = re.compile(_NAME)
 # a rule reference followed by a terminal in the same sequence (searched in a masked body)
-_USE = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*) (" + _TERMINAL + r")(?=[ )])")
+_USE = re.compile(f"({_NAME}) ({_TERMINAL})(?=[ )])")
+_ALIAS = re.compile(f"\\(\\(({_NAME})\\)\\)")  # a body that is one reference
 
 
 def _masked(body: str) -> str:
@@ -79,7 +81,7 @@ def fold_star_terminals(ebnf: str) -> str:
     index = {head: k for k, head in enumerate(heads)}
     refs = _references(bodies)
     for k, head in enumerate(heads):  # an alias of a repetition used only there becomes it
-        alias = re.fullmatch(r"\(\(([A-Za-z_][A-Za-z0-9_]*)\)\)", bodies[k])
+        alias = _ALIAS.fullmatch(bodies[k])
         inner = alias.group(1) if alias else ""
         star = _star(inner, bodies[index[inner]]) if inner in index and inner != head else None
         if star is not None and refs.get(inner) == 2:

@@ -43,6 +43,8 @@ GRAMMARS = {
     "names in literals": r'root ::= "[" "a"* "]" "root_1 \"]\" x"',
     "star in star": r'root ::= "[" ("(" ("a" | "bc")* ")")* "]"',
     "three ways": r'root ::= "<" rep ">"' + "\n" + r'rep ::= "" | "a" | "b" rep',
+    "hyphens": r'root ::= "[" item-name ("," item-name)* "]"' + "\n"
+    + r'item-name ::= "\"" ( [^"\\] | "\\" "u" [0-9]{2} )* "\""',
     "alias": ALIAS,
     "alias used twice": ALIAS_TWICE,
 }
