@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ from .schema_check import parse_schema
 from .schema_tree import RelaxedKeyword
 from .star_fold import fold_star_terminals
 from .vocab import special_token_ids
+
+logger = logging.getLogger(__name__)
 
 # Whitespace the grammar allows between JSON tokens, per gap: enough for pretty-printed
 # output, while a model that loops on newlines cannot run on forever inside a schema.
@@ -111,7 +114,14 @@ class XGrammarBackend(StructuredOutputBackend):
         # (normalised, then each repetition a terminal follows folded into it: star_fold.py,
         # the same language with masks hundreds of times cheaper to fill inside it)
         grammar = xgr.Grammar.from_ebnf(cast(str, params.value), root_rule_name="root")
-        return self._compiler.compile_grammar(fold_star_terminals(str(grammar)))
+        text = str(grammar)
+        folded = fold_star_terminals(text)
+        if folded != text:
+            try:
+                return self._compiler.compile_grammar(folded)
+            except (RuntimeError, ValueError):  # (never seen: a fold that xgrammar refused)
+                logger.warning("a folded EBNF grammar did not compile; compiling it unfolded")
+        return self._compiler.compile_grammar(grammar)
 
 
 class XGrammarCompiled(CompiledGrammar):

@@ -150,3 +150,15 @@ def test_the_backend_compiles_a_grammar_folded(tokenizer) -> None:  # type: igno
     for token in tokenizer.encode('{"k": ["a\\"b", 1.5]}', add_special_tokens=False):
         assert matcher.accept_token(token)
     assert matcher.accept_token(2)
+
+
+def test_a_fold_xgrammar_refuses_falls_back_to_the_grammar(tokenizer, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Should a fold ever not compile, the grammar compiles as the user wrote it."""
+    from mmserve.structured_output import StructuredOutputParams, xgrammar_backend
+    from tests.structured_output.conftest import get_backend
+
+    monkeypatch.setattr(xgrammar_backend, "fold_star_terminals", lambda text: text + "broken ::=\n")
+    compiled = get_backend(tokenizer, "xgrammar").compile(StructuredOutputParams("grammar", JSON_GBNF))
+    assert "_then ::= " not in str(compiled._compiled.grammar)  # type: ignore[attr-defined]
+    matcher = compiled.matcher()
+    assert all(matcher.accept_token(t) for t in tokenizer.encode('{"k": 1}', add_special_tokens=False))
