@@ -114,14 +114,28 @@ class XGrammarBackend(StructuredOutputBackend):
         # (normalised, then each repetition a terminal follows folded into it: star_fold.py,
         # the same language with masks hundreds of times cheaper to fill inside it)
         grammar = xgr.Grammar.from_ebnf(cast(str, params.value), root_rule_name="root")
-        text = str(grammar)
-        folded = fold_star_terminals(text)
-        if folded != text:
+        folded = _folded(grammar)
+        if folded is not None:
             try:
                 return self._compiler.compile_grammar(folded)
             except (RuntimeError, ValueError):  # (never seen: a fold that xgrammar refused)
                 logger.warning("a folded EBNF grammar did not compile; compiling it unfolded")
         return self._compiler.compile_grammar(grammar)
+
+
+def _folded(grammar: xgr.Grammar) -> str | None:
+    """grammar's normalised text with its repetitions folded (star_fold), or None: nothing to
+    fold, or a text that does not parse back to itself (the fold rests on the text being the
+    grammar; every grammar tried did)."""
+    text = str(grammar)
+    folded = fold_star_terminals(text)
+    if folded == text:
+        return None
+    try:
+        same = str(xgr.Grammar.from_ebnf(text, root_rule_name="root")) == text
+    except (RuntimeError, ValueError):
+        same = False
+    return folded if same else None
 
 
 class XGrammarCompiled(CompiledGrammar):

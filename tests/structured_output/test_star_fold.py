@@ -162,3 +162,22 @@ def test_a_fold_xgrammar_refuses_falls_back_to_the_grammar(tokenizer, monkeypatc
     assert "_then ::= " not in str(compiled._compiled.grammar)  # type: ignore[attr-defined]
     matcher = compiled.matcher()
     assert all(matcher.accept_token(t) for t in tokenizer.encode('{"k": 1}', add_special_tokens=False))
+
+
+def test_a_text_that_does_not_parse_back_is_not_folded(tokenizer, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The fold works on the grammar's printed text; where that text would not parse back to
+    the same grammar, the grammar compiles as it is."""
+    from mmserve.structured_output import StructuredOutputParams, xgrammar_backend
+    from tests.structured_output.conftest import get_backend
+
+    parse = xgr.Grammar.from_ebnf
+    calls: list[str] = []
+
+    def reparsed_differently(text: str, root_rule_name: str = "root") -> object:
+        calls.append(text)
+        return parse(text + ("\nextra ::= \"x\"" if len(calls) == 2 else ""), root_rule_name=root_rule_name)
+
+    monkeypatch.setattr(xgrammar_backend.xgr.Grammar, "from_ebnf", staticmethod(reparsed_differently))
+    compiled = get_backend(tokenizer, "xgrammar").compile(StructuredOutputParams("grammar", JSON_GBNF))
+    assert len(calls) == 2  # the request's grammar, then its printed text
+    assert "_then ::= " not in str(compiled._compiled.grammar)  # type: ignore[attr-defined]
