@@ -113,6 +113,12 @@ def pdl_wait(PDL: tl.constexpr):
 _PREFETCH_L2 = tl.constexpr("prefetch.global.L2 [$1]; mov.u32 $0, 0;")
 
 
+def prefetch_count(lines: int) -> int:
+    """The prefetch size a kernel takes (an arange's length): lines rounded down to a power of
+    two, or 0."""
+    return 1 << (lines.bit_length() - 1) if lines > 0 else 0
+
+
 @triton.jit
 def prefetch_l2(base, offsets, size, ASM: tl.constexpr):
     """Asks L2 for the lines at base + offsets (elements; each must lie inside the tensor's

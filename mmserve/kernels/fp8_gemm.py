@@ -26,6 +26,7 @@ from mmserve.kernels._common import (
     last_of_splits,
     pdl_launch,
     pdl_wait,
+    prefetch_count,
     prefetch_l2,
     scaled_operand_sizes,
     serial_counters,
@@ -170,13 +171,12 @@ def fp8_gemm_rows(
             part = torch.empty(splits, rows, n, device=xq.device,
                                dtype=torch.int32 if xq.dtype == torch.int8 else torch.float32)  # fmt: skip
             counters = serial_counters(xq.device, tiles)  # (or the last program sums and scales)
-        lines = min(PREFETCH_STEPS, per_split) * block_k // 128  # (a power of two, or 0)
         _fp8_gemm_rows_kernel[(tiles, splits)](
             out, part, xq, xs, wq, ws, out if counters is None else counters,
             rows, n, k, per_split * block_k, xq.stride(0), wq.stride(0), out.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, INT8=xq.dtype == torch.int8,
             SPLIT=splits > 1, PROMOTE=min(PROMOTE_EVERY, block_k), SERIAL=counters is not None,
-            PREFETCH_LINES=1 << (lines.bit_length() - 1) if lines > 0 else 0,
+            PREFETCH_LINES=prefetch_count(min(PREFETCH_STEPS, per_split) * block_k // 128),
             ASM=not triton.knobs.runtime.interpret, num_warps=4, num_stages=4, **pdl_launch(xq.device),
         )  # fmt: skip
         if splits > 1 and counters is None:

@@ -53,6 +53,7 @@ from mmserve.kernels._common import (
     matmul_in_column_chunks,
     pdl_launch,
     pdl_wait,
+    prefetch_count,
     prefetch_l2,
     q8_values,
     split_target,
@@ -550,8 +551,7 @@ def _dp4a_product(
     if DP4A_NUM_STAGES is not None:
         meta["num_stages"] = DP4A_NUM_STAGES
     if rows == 1:
-        prefetch = min(DP4A_PREFETCH_STEPS, per_split)  # (a power of two: the kernel's arange)
-        prefetch = 1 << (prefetch.bit_length() - 1) if prefetch > 0 else 0
+        prefetch = prefetch_count(min(DP4A_PREFETCH_STEPS, per_split))
         _wna16_dp4a_kernel[(tiles, splits)](target, x, *operands, PREFETCH=prefetch, **meta)
     else:  # the rows' activations quantised first, then the words unpacked once for all of them
         words = torch.empty(rows, steps * 32, dtype=torch.int32, device=x.device)

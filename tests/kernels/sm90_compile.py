@@ -21,6 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mmserve.kernels import fp8_gemm, gguf_blocks, gguf_gemm, wna16
+from mmserve.kernels._common import prefetch_count
 from mmserve.kernels.gguf_blocks import FORMATS, STEP_PARTS
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -136,7 +137,7 @@ def main() -> None:
     print("q8 (DP4A's activations) compiled for sm_90", flush=True)
     for int8, ends in cases((False, True), ENDS):
         types = {"part_ptr": "*i32", "xq_ptr": "*i8", "wq_ptr": "*i8"} if int8 else {}
-        lines = fp8_gemm.PREFETCH_STEPS * 512 // 128  # the default launch's L2 prefetch
+        lines = prefetch_count(fp8_gemm.PREFETCH_STEPS * 512 // 128)  # the default launch's L2 prefetch
         compile_sm90(fp8_gemm._fp8_gemm_rows_kernel, {**FP8, **types}, {
             "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "INT8": int8, "PROMOTE": 128, **ends,
             "PREFETCH_LINES": lines, "ASM": True})  # fmt: skip
