@@ -61,11 +61,12 @@ def warm_up(
     budget = config.scheduler.budget
     # each prompt and its output fits the context, and half of the KV cache (so that a wave of
     # several always makes progress, by preempting if it must)
-    room = min(max_model_len, num_blocks * block_size // 2) - OUTPUT_TOKENS
+    half = num_blocks * block_size // 2
+    room = min(max_model_len, half) - OUTPUT_TOKENS
     lens = [n for n in (*PROMPT_LENS, budget + 17) if n <= room]
     rows_waves = [
         [ROWS_PROMPT_LEN] * k for k in ROWS_WAVES
-        if ROWS_PROMPT_LEN <= room and k * (ROWS_PROMPT_LEN + OUTPUT_TOKENS) <= num_blocks * block_size // 2
+        if ROWS_PROMPT_LEN <= room and k * (ROWS_PROMPT_LEN + OUTPUT_TOKENS) <= half
     ]  # fmt: skip
     greedy = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(

@@ -58,11 +58,11 @@ def _star(head: str, body: str) -> str | None:
     return None
 
 
-def _references(bodies: list[str]) -> dict[str, int]:
-    """How often each word outside literals occurs in bodies: rule references."""
+def _references(masked: list[str]) -> dict[str, int]:
+    """How often each word occurs in the masked bodies: rule references."""
     counts: dict[str, int] = {}
-    for body in bodies:
-        for word in _WORD.findall(_masked(body)):
+    for body in masked:
+        for word in _WORD.findall(body):
             counts[word] = counts.get(word, 0) + 1
     return counts
 
@@ -79,17 +79,18 @@ def fold_star_terminals(ebnf: str) -> str:
     heads = [m.group(1) for m in parsed if m]
     bodies = [m.group(2) for m in parsed if m]
     index = {head: k for k, head in enumerate(heads)}
-    refs = _references(bodies)
+    refs = _references([_masked(b) for b in bodies])
     for k, head in enumerate(heads):  # an alias of a repetition used only there becomes it
         alias = _ALIAS.fullmatch(bodies[k])
         inner = alias.group(1) if alias else ""
         star = _star(inner, bodies[index[inner]]) if inner in index and inner != head else None
         if star is not None and refs.get(inner) == 2:
             bodies[k] = f'("" | ({star} {head}))'
-    refs = _references(bodies)
+    masked = [_masked(b) for b in bodies]
+    refs = _references(masked)
     uses: dict[str, list[tuple[int, re.Match[str]]]] = {}
-    for i, body in enumerate(bodies):
-        for m in _USE.finditer(_masked(body)):
+    for i, body in enumerate(masked):
+        for m in _USE.finditer(body):
             uses.setdefault(m.group(1), []).append((i, m))
     names, added = set(heads), []
     edits: dict[int, list[tuple[int, int, str]]] = {}
