@@ -125,9 +125,10 @@ DP4A_ROWS_BLOCK_N = 128
 # One row with int8 activations: (channels a program, warps) by type, else (BLOCK_N, 4).
 # H100 (session 29, `BENCH_GGUF_QUICK=1 scripts/bench_gguf.py`): Q4_K at the 8B shapes qkv / o /
 # gate_up / down took 11.7 / 9.0 / 31.5 / 21.8 us at 32 channels and one warp, against 12.5 /
-# 9.6 / 34.0 / 23.8 at 64 and 4 (7% less); Q5_K's down 25.1 against 24.8 (kept). Not yet timed in
-# the engine.
-DP4A_ONE_ROW_TILE = {"Q4_K": (32, 1)}
+# 9.6 / 34.0 / 23.8 at 64 and 4 (7% less); Q5_K's down 25.1 against 24.8 (kept). In the engine
+# (session 30, H100, Q4_K_M at batch 1) it was slower: latency 3.479 against 3.393 ms/token, the
+# decode step 3.554 against 3.464. No type overrides the default.
+DP4A_ONE_ROW_TILE: dict[str, tuple[int, int]] = {}
 MAX_ROWS = 16  # the rows of the few-rows kernel; more go to gguf_dequantize + matmul
 PROGRAMS_PER_SM = 4  # a grid smaller than this many programs per SM splits K (w4a16's measured rule)
 # The few-rows kernel's software pipeline (stages of its loop; None: Triton's default, 3). On an
