@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -233,6 +233,17 @@ if has s30gguf; then
   { $B latency,decode $Q; echo "mmserve.kernels.gguf_gemm.DP4A_ONE_ROW_TILE={}"
     python3 scripts/ab_switch.py "mmserve.kernels.gguf_gemm.DP4A_ONE_ROW_TILE={}" -- latency,decode $Q
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s30gguf.txt"
+fi
+if has s30b; then
+  # the grammar masks' copy on its own stream (model_runner.MASK_COPY_STREAM, session 30): the
+  # GPU test of constrained outputs, then constrained decoding at batch 1 and 64 with the copy
+  # stream and without (target 6), about 5 minutes
+  python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_structured.py 2>&1 | tail -5
+  T="structured --model shape:llama3-8b --load-format dummy --batch-sizes 1,64 --input-len 128"
+  T="$T --output-len 128 --max-num-seqs 64 --compile-repeats 1"
+  { $B $T; echo "mmserve.runner.model_runner.MASK_COPY_STREAM=False"
+    python3 scripts/ab_switch.py mmserve.runner.model_runner.MASK_COPY_STREAM=False -- $T
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s30b.txt"
 fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline

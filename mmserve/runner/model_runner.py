@@ -49,11 +49,62 @@ logger = logging.getLogger(__name__)
 PROMPT_LOGPROB_ROWS = 256
 
 
-def _mask(logits: torch.Tensor, bitmask: tuple[torch.Tensor, list[int]]) -> None:
+# Grammar masks reach CUDA logits through _MaskCopies (False: copied on the compute stream, as
+# before session 30; for scripts/ab_switch.py)
+MASK_COPY_STREAM = True
+
+
+class _MaskCopies:
+    """A filled grammar mask's copy to the GPU on a stream of its own, into one of two device
+    buffers taken in turn (as the host's, _bitmask_buffer). On the compute stream the copy
+    (1 MB at 64 rows of Llama 3's vocabulary, from pinned memory) waited for the forward pass
+    and then held the LM head's logits back from sampling; on its own stream the copy engine
+    moves it while the pass computes, and the compute stream waits only for its end. Each
+    buffer's next copy waits for the mask applied from it before."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.buffers = [torch.empty(0, 0, dtype=torch.int32, device=device)] * 2
+        self.applied: list[torch.cuda.Event | None] = [None, None]
+
+    def to_device(self, mask: torch.Tensor) -> torch.Tensor:
+        """mask (pinned, on the host) on the device, its copy started; the current stream
+        will wait for it."""
+        compute = torch.cuda.current_stream(self.stream.device)
+        self.buffers.reverse()
+        self.applied.reverse()
+        with torch.cuda.stream(self.stream):
+            if self.buffers[0].shape[0] < mask.shape[0] or self.buffers[0].shape[1] != mask.shape[1]:
+                # from the copy stream's pool; freed only after the compute stream's last use
+                self.buffers[0] = torch.empty(mask.shape, dtype=mask.dtype, device=self.stream.device)
+                self.buffers[0].record_stream(compute)
+            elif self.applied[0] is not None:
+                self.stream.wait_event(self.applied[0])
+            out = self.buffers[0][: mask.shape[0]]
+            out.copy_(mask, non_blocking=True)
+        compute.wait_stream(self.stream)
+        return out
+
+    def done(self) -> None:
+        """The mask copied last is applied (call after enqueueing its use)."""
+        event = torch.cuda.Event()
+        event.record()
+        self.applied[0] = event
+
+
+def _mask(
+    logits: torch.Tensor, bitmask: tuple[torch.Tensor, list[int]], copies: _MaskCopies | None
+) -> None:
     """A step's grammar masks on its logits: float32 CPU logits by the C library's kernel
-    (mmserve.kernels.cpu_layers), the others by the device's (apply_bitmask)."""
+    (mmserve.kernels.cpu_layers), the others by the device's (apply_bitmask); copies: how a
+    mask reaches CUDA logits."""
+    mask, rows = bitmask
+    if copies is not None and logits.device.type == "cuda" and mask.is_pinned():
+        apply_bitmask(logits, copies.to_device(mask), rows)
+        copies.done()
+        return
     kernel = cpu_layers.apply_bitmask_cpu if cpu_layers.supports(logits) else None
-    apply_bitmask(logits, bitmask[0], bitmask[1], kernel)
+    apply_bitmask(logits, mask, rows, kernel)
 
 
 def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -176,6 +227,7 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self._previous: SampledOnDevice | None = None  # the tokens the latest step sampled
         self._bitmasks = [torch.empty(0, 0, dtype=torch.int32)] * 2  # see _bitmask_buffer
+        self._mask_copies = _MaskCopies(device) if device.type == "cuda" and MASK_COPY_STREAM else None
 
     def capture_graphs(
         self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int] = (0, 0),
@@ -301,7 +353,7 @@ class ModelRunner:
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, batch.sample_rows))
         bitmask = self._grammar_bitmask(reqs, live)
         if bitmask is not None:
-            _mask(logits, bitmask)
+            _mask(logits, bitmask, self._mask_copies)
         rows = [self._sampling_row(s) for s in reqs]
         tokens, step.logprobs = sample_on_device(logits, rows, self.generator)
         if self.parallel is not None:
@@ -333,7 +385,7 @@ class ModelRunner:
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, rows))
         bitmask = self._guess_bitmask(reqs, len(rows), live)  # (host work beside the LM head)
         if bitmask is not None:
-            _mask(logits, bitmask)
+            _mask(logits, bitmask, self._mask_copies)
         q = (drawn, torch.cat(probs)) if probs else None
         tokens, accepted, step.logprobs = verify_on_device(
             logits, sampling, drafts, self.generator, q

@@ -190,7 +190,7 @@ def test_the_runner_masks_float32_cpu_logits_with_the_library(monkeypatch) -> No
     monkeypatch.setattr(cpu_layers, "apply_bitmask_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
     logits, bitmask, rows = bitmask_case(1000)
     expected = masked_by_bits(logits, bitmask, rows)
-    model_runner._mask(logits, (bitmask, rows))
+    model_runner._mask(logits, (bitmask, rows), None)
     assert calls == [1] and torch.equal(logits, expected)
 
 
