@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -244,6 +244,13 @@ if has s30b; then
   { $B $T; echo "mmserve.runner.model_runner.MASK_COPY_STREAM=False"
     python3 scripts/ab_switch.py mmserve.runner.model_runner.MASK_COPY_STREAM=False -- $T
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s30b.txt"
+fi
+if has embedspy; then
+  # one gRPC client's Embed calls sampled with py-spy (issue 23 target 4; carry its wheel in .whl),
+  # the server with its engine process and the client, then bench embed for the same call's ratios
+  PATH=/tmp/site/bin:$PATH python3 scripts/embed_grpc_profile.py --model shape:bert-base --device cuda \
+    --out "$OUT" > /dev/null 2>&1; head -c 20000 "$OUT/embed_grpc_profile.txt"
+  $B embed --model shape:bert-base --device cuda --batch-size 64 --seq-len 128 2>&1 | grep --line-buffered -v Warning | tee "$OUT/embed.txt"
 fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline
