@@ -89,6 +89,30 @@ def test_gpu_encoder_embeddings_equal_cpu(tmp_path, family: str) -> None:  # typ
     assert torch.nn.functional.cosine_similarity(bf16, ref).min() > 0.999
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_gpu_embeddings_match_sentence_transformers(tmp_path, monkeypatch, fused: bool) -> None:  # type: ignore[no-untyped-def]
+    """Mean-pooled, normalised embeddings on the GPU (the fused pooling kernel,
+    mmserve.kernels.mean_pool, and the torch operations) against sentence-transformers on the
+    same weights, in steps of several inputs of mixed lengths; a Matryoshka cut is normalised
+    after the cut. fp32 within float tolerance, bf16 by cosine."""
+    from sentence_transformers import SentenceTransformer
+
+    from mmserve.runner import pooler
+
+    monkeypatch.setattr(pooler, "FUSED_MEAN_POOL", fused)
+    path = str(_tiny_bert(tmp_path))
+    texts = [(PROMPTS[i % 4] + " ") * (1 + i % 5) for i in range(37)]
+    st = SentenceTransformer(path, device="cuda")
+    want = torch.tensor(st.encode(texts, batch_size=8)).cuda()
+    llm = LLM(path, device="cuda", dtype="float32", max_num_batched_tokens=512)
+    got = torch.tensor(llm.embed(texts, truncate="right")).cuda()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    cut = torch.tensor(llm.embed(texts, dimensions=24, truncate="right")).cuda()
+    torch.testing.assert_close(cut, torch.nn.functional.normalize(want[:, :24]), atol=1e-4, rtol=1e-4)
+    bf16 = torch.tensor(LLM(path, device="cuda", dtype="bfloat16").embed(texts, truncate="right")).cuda()
+    assert torch.nn.functional.cosine_similarity(bf16, want).min() > 0.999
+
+
 @pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
 def test_gpu_encoder_graphs_equal_eager(tmp_path, family: str) -> None:  # type: ignore[no-untyped-def]
     """Encoder steps replayed from CUDA graphs (padded up to a captured size) equal eager
