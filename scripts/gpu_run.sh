@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy embedpool (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -251,17 +251,6 @@ if has embedspy; then
   PATH=/tmp/site/bin:$PATH python3 scripts/embed_grpc_profile.py --model shape:bert-base --device cuda \
     --out "$OUT" > /dev/null 2>&1; head -c 20000 "$OUT/embed_grpc_profile.txt"
   $B embed --model shape:bert-base --device cuda --batch-size 64 --seq-len 128 2>&1 | grep --line-buffered -v Warning | tee "$OUT/embed.txt"
-fi
-if has embedpool; then
-  # an embed step's mean pooling in one kernel (mmserve.kernels.mean_pool, pooler.FUSED_MEAN_POOL,
-  # issue 23 target 4): its tests on the GPU, then bench embed with it and with the torch
-  # operations on the offline side (the gRPC side's engine process keeps the default)
-  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mean_pool.py tests/gpu/test_gpu_engine.py \
-    -k "mean_pool or embed" 2>&1 | tail -5
-  E="embed --model shape:bert-base --device cuda --batch-size 64 --seq-len 128"
-  { $B $E; echo "mmserve.runner.pooler.FUSED_MEAN_POOL=False (offline side)"
-    python3 scripts/ab_switch.py mmserve.runner.pooler.FUSED_MEAN_POOL=False -- $E
-  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/embedpool.txt"
 fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline

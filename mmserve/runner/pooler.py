@@ -17,9 +17,6 @@ from torch import nn
 from mmserve.params import PoolingParams
 
 POOLING_METHODS = ("cls", "mean", "max", "last")  # how token states become one vector
-# CUDA: a batch of mean-pooled embeddings without a Dense head by one kernel
-# (mmserve.kernels.mean_pool; False: the torch operations below, for scripts/ab_switch.py)
-FUSED_MEAN_POOL = True
 # softmax across labels, or one of the others on each label (identity: the raw logits)
 ACTIVATIONS = ("softmax", "sigmoid", "tanh", "identity")
 POOLER_SCORES = ("cross-encoder", "yes-token")  # score methods the pooler computes itself
@@ -130,13 +127,6 @@ class ModelPooler:
         self, hidden: torch.Tensor, starts: list[int], lengths: list[int], params: PoolingParams
     ) -> torch.Tensor:
         """Embeddings [R, D] of several inputs sharing params (task "embed")."""
-        if FUSED_MEAN_POOL and hidden.is_cuda and self.config.method == "mean" and self.head is None:
-            from mmserve.kernels.mean_pool import mean_pool
-
-            index = torch.tensor([*starts, *lengths], dtype=torch.int32).pin_memory()
-            index = index.to(hidden.device, non_blocking=True)  # (no wait for the step)
-            n = len(starts)
-            return mean_pool(hidden, index[:n], index[n:], params.normalize, params.dimensions)
         pooled = pool_tokens_batch(hidden, starts, lengths, self.config.method)
         return finish_embeddings(self._project(pooled), params)
 
