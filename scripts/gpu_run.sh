@@ -254,12 +254,12 @@ if has embedspy; then
 fi
 if has s30attn; then
   # split-KV merged by the last split program (paged_attention.SERIAL_MERGE, session 30): the
-  # attention tests on the GPU, then batch-1 and batch-4 decode in bf16 and w4a16 with it and
-  # with the merge kernel, about 7 minutes
-  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py tests/gpu/test_gpu_engine.py 2>&1 | tail -3
+  # attention tests on the GPU, then batch-1 and batch-4 decode in bf16 and FP8 with it and
+  # with the merge kernel, about 6 minutes
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py 2>&1 | tail -3
   L="latency,decode --model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024"
   L="$L --batch-sizes 1,4"
-  { for fmt in "--load-format dummy" "--checkpoint-format w4a16-g128"; do
+  { for fmt in "--load-format dummy" "--load-format dummy --quantization fp8"; do
       $B $L $fmt; echo "mmserve.kernels.paged_attention.SERIAL_MERGE=False"
       python3 scripts/ab_switch.py mmserve.kernels.paged_attention.SERIAL_MERGE=False -- $L $fmt
     done
