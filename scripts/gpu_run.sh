@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s30attn (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -251,19 +251,6 @@ if has embedspy; then
   PATH=/tmp/site/bin:$PATH python3 scripts/embed_grpc_profile.py --model shape:bert-base --device cuda \
     --out "$OUT" > /dev/null 2>&1; head -c 20000 "$OUT/embed_grpc_profile.txt"
   $B embed --model shape:bert-base --device cuda --batch-size 64 --seq-len 128 2>&1 | grep --line-buffered -v Warning | tee "$OUT/embed.txt"
-fi
-if has s30attn; then
-  # split-KV merged by the last split program (paged_attention.SERIAL_MERGE, session 30): the
-  # attention tests on the GPU, then batch-1 and batch-4 decode in bf16 and FP8 with it and
-  # with the merge kernel, about 6 minutes
-  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py 2>&1 | tail -3
-  L="latency,decode --model shape:llama3-8b --device cuda --input-len 512 --output-len 128 --decode-context 1024"
-  L="$L --batch-sizes 1,4"
-  { for fmt in "--load-format dummy" "--load-format dummy --quantization fp8"; do
-      $B $L $fmt; echo "mmserve.kernels.paged_attention.SERIAL_MERGE=False"
-      python3 scripts/ab_switch.py mmserve.kernels.paged_attention.SERIAL_MERGE=False -- $L $fmt
-    done
-  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s30attn.txt"
 fi
 if has gcab; then
   # the start-up heap frozen out of the garbage collector (mmserve.heap) and not: offline

@@ -26,11 +26,9 @@ from mmserve.kernels._common import (
     check_ndim,
     check_same_device,
     check_shape,
-    last_of_splits,
     num_sms,
     pdl_launch,
     pdl_wait,
-    serial_counters,
 )
 from mmserve.kernels.paged_ref import FP8, NO_SCALES, attend, gather_context
 from mmserve.kernels.reshape_and_cache import check_scales
@@ -49,10 +47,6 @@ _PREFILL_TILES = {64: (64, 128, 4, 3), 128: (64, 32, 4, 2), 256: (64, 32, 8, 2)}
 # 114-190 (runs vary; this one was ahead in every case of both). Other head sizes: bf16's.
 _FP8_DECODE_TILES = {**_DECODE_TILES, 128: (16, 128, 4, 3)}
 _MAX_SPLITS = 32
-# Split-KV's partials merged by the last split program of each (query tile, KV head) to finish
-# (_common.SERIAL_SPLITS' counters and switch too), in place of _merge_splits_kernel: one launch
-# less a layer at every split step (decodes at small batches). False: the second kernel.
-SERIAL_MERGE = True
 _PROGRAMS_PER_SM = 4  # a decode program is latency-bound; several per SM hide it
 # A finite "minus infinity": fully masked rows then never compute inf - inf = NaN.
 _NO_SCORE = tl.constexpr(-1.0e30)
@@ -154,13 +148,12 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,  # partials: [T, H, splits, (HEAD_DIM_P)]
-    counters_ptr,  # SERIAL: an int32 counter a (query tile, KV head), zero before and after
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2, v_scale, num_reqs, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr, SERIAL: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
@@ -250,13 +243,6 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         acc_offs = part[:, None] * HEAD_DIM_P + dims[None, :]
         tl.store(part_acc_ptr + acc_offs, acc, mask=row_valid[:, None])
-        if SERIAL:  # noqa: SIM102 (a constexpr: the atomic only where it is compiled in)
-            # the last of this tile's splits merges them all: no second kernel
-            if last_of_splits(counters_ptr + tile * tl.num_programs(1) + kv_head, num_splits):
-                _merge_rows(
-                    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, part - split, num_splits,
-                    token, head, row_valid, dims, dim_valid, stride_ot, stride_oh, HEAD_DIM_P,
-                )  # fmt: skip
     else:
         out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
         out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
@@ -265,35 +251,6 @@ def _paged_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None] & dim_valid[None, :],
         )
-
-
-@triton.jit
-def _merge_rows(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, first, num_splits,
-    token, head, row_valid, dims, dim_valid, stride_ot, stride_oh, HEAD_DIM_P: tl.constexpr,
-):  # fmt: skip
-    """The rows' partials of every split (first: each row's split 0) merged by log-sum-exp, one
-    split at a time, and stored: _merge_splits_kernel's result for a program's rows, read past
-    the SM's L1 (other programs wrote them)."""
-    m = tl.load(part_m_ptr + first, mask=row_valid, other=_NO_SCORE, cache_modifier=".cg")
-    l = tl.load(part_l_ptr + first, mask=row_valid, other=0.0, cache_modifier=".cg")
-    acc_mask = row_valid[:, None]
-    acc = tl.load(part_acc_ptr + first[:, None] * HEAD_DIM_P + dims[None, :], mask=acc_mask, other=0.0,
-                  cache_modifier=".cg")  # fmt: skip
-    for s in range(1, num_splits):
-        m_s = tl.load(part_m_ptr + first + s, mask=row_valid, other=_NO_SCORE, cache_modifier=".cg")
-        l_s = tl.load(part_l_ptr + first + s, mask=row_valid, other=0.0, cache_modifier=".cg")
-        acc_s = tl.load(part_acc_ptr + (first + s)[:, None] * HEAD_DIM_P + dims[None, :], mask=acc_mask,
-                        other=0.0, cache_modifier=".cg")  # fmt: skip
-        m_new = tl.maximum(m, m_s)  # an empty split has l = 0 and weighs nothing
-        a = tl.exp2(m - m_new)
-        b = tl.exp2(m_s - m_new)
-        l = l * a + l_s * b
-        acc = acc * a[:, None] + acc_s * b[:, None]
-        m = m_new
-    out = acc / tl.where(row_valid, l, 1.0)[:, None]
-    out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -374,15 +331,13 @@ def paged_attention(
         num_splits = auto_num_splits(num_tokens, reqs, num_kv_heads, max_query_len, max_seq_len, tiling, sms)
     head_dim_p = max(16, triton.next_power_of_2(head_dim))
     part_acc = part_m = part_l = out  # placeholders, unused unless split
-    grid = (num_tokens // tiling.block_q + seq_lens.shape[0], num_kv_heads, num_splits)
-    counters = None
     if num_splits > 1:
         part_acc = q.new_empty(num_tokens, num_heads, num_splits, head_dim_p, dtype=torch.float32)
         part_m = q.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
         part_l = torch.empty_like(part_m)
-        counters = serial_counters(q.device, grid[0] * grid[1]) if SERIAL_MERGE else None
+    grid = (num_tokens // tiling.block_q + seq_lens.shape[0], num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        out, part_acc, part_m, part_l, out if counters is None else counters,
+        out, part_acc, part_m, part_l,
         q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         scale * kv_scales[0] * math.log2(math.e), kv_scales[1], seq_lens.shape[0],
         sliding_window or 0,
@@ -391,10 +346,10 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=key_cache.shape[1],
         BLOCK_M=tiling.block_m, BLOCK_Q=tiling.block_q, BLOCK_N=tiling.block_n,
         CAUSAL=causal, USE_WINDOW=sliding_window is not None, SPLIT_KV=num_splits > 1,
-        SERIAL=counters is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, **pdl_launch(q.device),
     )  # fmt: skip
-    if num_splits > 1 and counters is None:
+    if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=triton.next_power_of_2(num_splits),

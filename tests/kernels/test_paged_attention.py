@@ -212,25 +212,3 @@ def test_the_number_of_requests_compiles_no_variant(monkeypatch):  # type: ignor
         if i == 0:
             first = len(compiles)
     assert len(compiles) == first
-
-
-@pytest.mark.parametrize("serial", [True, False])
-def test_split_kv_merged_by_the_last_split_or_a_second_kernel(serial, monkeypatch, device, tol_f32):
-    """SERIAL_MERGE: the last split program of each (query tile, KV head) merges the partials
-    and no merge kernel runs; off, _merge_splits_kernel does. Both give the single pass's
-    result, and the shared counters are left at zero for the products after."""
-    from mmserve.kernels import _common, paged_attention
-
-    monkeypatch.setattr(paged_attention, "SERIAL_MERGE", serial)
-    launched: list[int] = []
-    kernel = paged_attention._merge_splits_kernel
-
-    class Counted:
-        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-            launched.append(1)
-            return kernel[grid]
-
-    monkeypatch.setattr(paged_attention, "_merge_splits_kernel", Counted())
-    split_matches_single_pass([(1, 700), (9, 30), (1, 7), (3, 300)], None, torch.float32, device, tol_f32)
-    assert bool(launched) is not serial
-    assert not _common.split_counters(device).any()
