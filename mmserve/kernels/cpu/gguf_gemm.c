@@ -18,9 +18,12 @@
 #include <stdlib.h>
 
 /* AVX-512: 4 x 4 measured as fast as 8 x 3, 6 x 3 or 6 x 4 at 1-16 rows (SmolLM2's layers, 2
- * cores); AVX2's 16 registers hold 2 x 4 sums with the 4 weights and x */
+ * cores). AVX2 (Zen 2, 2 cores, SmolLM2's Q4_1 layers, session 30): 3 x 4 (12 sums and the 4
+ * weights in its 16 registers, x an FMA's memory operand) took 16 rows in 4.17-4.32 ms against
+ * 4.93-5.00 at 2 x 4 (4 x 3 about as 3 x 4; 3 x 3 and 4 x 2 slower), 8 rows 11-15% less; 16
+ * streams' decode step 119-120 ms against 136-138, `bench throughput`. */
 #define CHANNELS 4  /* output channels a thread dequantises at a time */
-#define ROWS (LANES == 16 ? 4 : 2)  /* rows of x in one register tile */
+#define ROWS (LANES == 16 ? 4 : 3)  /* rows of x in one register tile */
 
 /* rows (1..ROWS) of x against channels (1..CHANNELS) dequantised rows of w, k a multiple of
  * LANES; unused rows / channels repeat the first, computed and not stored. */
@@ -55,6 +58,8 @@ static void tiles(int64_t m, int channels, const float *x, int64_t ldx, const fl
     case 1: tile(1, channels, x, ldx, w, k, out, ldo); break;
 #if ROWS > 2
     case 2: tile(2, channels, x, ldx, w, k, out, ldo); break;
+#endif
+#if ROWS > 3
     case 3: tile(3, channels, x, ldx, w, k, out, ldo); break;
 #endif
     }
