@@ -45,6 +45,12 @@ JSON_MAX_WHITESPACE = 32
 _LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
 _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
+# A UTF-16 surrogate's UTF-8 form (U+D800-U+DFFF: ED A0-BF xx), which is not UTF-8 at all:
+# xgrammar 0.2.9 lets it into JSON strings and character classes (it refuses overlong forms),
+# and a client's decoder reads it as U+FFFD, so a string's maxLength or pattern no longer
+# holds for the text received. _Utf8Guard keeps it out.
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
 # xgrammar prefixes its errors with "[time] /path/file.cc:line: ".
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
@@ -58,6 +64,7 @@ class XGrammarBackend(StructuredOutputBackend):
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         info = _tokenizer_info(tokenizer, vocab_size, list(eos_token_ids))
+        self._utf8 = _Utf8Guard(info.decoded_vocab, vocab_size)
         # Our GrammarCache bounds memory; xgrammar's own cache would keep a second copy.
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compile_kind: dict[str, Callable[[StructuredOutputParams], xgr.CompiledGrammar]] = {
@@ -81,7 +88,7 @@ class XGrammarBackend(StructuredOutputBackend):
             raise
         except (RuntimeError, ValueError) as e:  # the compiler's own message, cleaned up
             raise InvalidArgument(params.field, _clean(str(e))) from None
-        return XGrammarCompiled(compiled, self.vocab_size, self.eos_token_ids, relaxed)
+        return XGrammarCompiled(compiled, self.vocab_size, self.eos_token_ids, relaxed, self._utf8)
 
     def _json_schema(self, text: str) -> xgr.CompiledGrammar:
         """`text`: a schema as prepare_schema leaves it (everything in it is enforced)."""
@@ -138,21 +145,61 @@ def _folded(grammar: xgr.Grammar) -> str | None:
     return folded if same else None
 
 
+class _Utf8Guard:
+    """The tokens that would write a surrogate's bytes (_SURROGATE), from xgrammar's own view
+    of each token's bytes: those holding the whole pair (never allowed), and those starting
+    with A0-BF (not allowed after a token that ends with the lead ED). Byte-level vocabularies
+    learnt from UTF-8 text have none of the first kind; every one has the second (its byte
+    tokens)."""
+
+    def __init__(self, decoded: Sequence[bytes], vocab_size: int) -> None:
+        width = bitmask_width(vocab_size)
+        self.never = frozenset(i for i, b in enumerate(decoded) if _SURROGATE.search(b))
+        self.after_lead = self.never | {i for i, b in enumerate(decoded) if b and 0xA0 <= b[0] <= 0xBF}
+        self.ends_lead = frozenset(i for i, b in enumerate(decoded) if b.endswith(b"\xed"))
+        # bitmask words to AND a row with: every token allowed but those named
+        self.keep = _keep_words(self.never, width)
+        self.keep_after_lead = _keep_words(self.after_lead, width)
+
+    def forbids(self, token_id: int, after_lead: bool) -> bool:
+        return token_id in (self.after_lead if after_lead else self.never)
+
+    def narrow(self, bitmask: torch.Tensor, rows: Sequence[int], after_lead: Sequence[bool]) -> None:
+        """Takes the forbidden tokens out of the filled rows (after_lead[i]: rows[i]'s output
+        ends with a lone ED)."""
+        lead_rows = [r for r, lead in zip(rows, after_lead, strict=True) if lead]
+        other_rows = [r for r, lead in zip(rows, after_lead, strict=True) if not lead]
+        if lead_rows:
+            bitmask[lead_rows] &= self.keep_after_lead
+        if other_rows and self.never:
+            bitmask[other_rows] &= self.keep
+
+
+def _keep_words(token_ids: frozenset[int], width: int) -> torch.Tensor:
+    words = torch.full((width,), -1, dtype=torch.int64)
+    for token_id in token_ids:
+        if token_id < 32 * width:
+            words[token_id // 32] &= ~(1 << (token_id % 32))
+    return words.to(torch.int32)  # (wraps to the int32 bit pattern)
+
+
 class XGrammarCompiled(CompiledGrammar):
     def __init__(
         self,
         compiled: xgr.CompiledGrammar,
         vocab_size: int,
         stop_token_ids: Sequence[int],
-        relaxed: tuple[RelaxedKeyword, ...] = (),
+        relaxed: tuple[RelaxedKeyword, ...],
+        utf8: _Utf8Guard,
     ) -> None:
         self.relaxed = relaxed
         self._compiled = compiled
         self._vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
+        self._utf8 = utf8
 
     def matcher(self) -> GrammarMatcher:
-        return XGrammarMatcher(self._compiled, self._vocab_size, self._stop_token_ids)
+        return XGrammarMatcher(self._compiled, self._vocab_size, self._stop_token_ids, self._utf8)
 
 
 @functools.lru_cache(maxsize=8)
@@ -163,22 +210,31 @@ def _batch_matcher(threads: int) -> xgr.BatchGrammarMatcher:
 
 class XGrammarMatcher(GrammarMatcher):
     def __init__(
-        self, compiled: xgr.CompiledGrammar, vocab_size: int, stop_token_ids: Sequence[int]
+        self, compiled: xgr.CompiledGrammar, vocab_size: int, stop_token_ids: Sequence[int], utf8: _Utf8Guard
     ) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)  # keeps unlimited rollback history
         self._width = bitmask_width(vocab_size)
         self._stop_token_ids = stop_token_ids
-        self._accepted = 0  # tokens accepted since the start: the most rollback can undo
+        self._utf8 = utf8
+        # per accepted token: whether it ended with a lone lead ED (its length: the most
+        # rollback can undo)
+        self._leads: list[bool] = []
+
+    @property
+    def _after_lead(self) -> bool:
+        return bool(self._leads) and self._leads[-1]
 
     def accept_token(self, token_id: int) -> bool:
-        accepted = bool(self._matcher.accept_token(token_id))
-        self._accepted += accepted
-        return accepted
+        if self._utf8.forbids(token_id, self._after_lead) or not self._matcher.accept_token(token_id):
+            return False
+        self._leads.append(token_id in self._utf8.ends_lead)
+        return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self._filled_as_terminated(bitmask, row):
             return
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._utf8.narrow(bitmask, [row], [self._after_lead])
 
     @classmethod
     def fill_bitmasks(
@@ -192,14 +248,21 @@ class XGrammarMatcher(GrammarMatcher):
             _batch_matcher(threads).batch_fill_next_token_bitmask(
                 [m._matcher for m, _ in live], bitmask, [r for _, r in live]
             )
+            live[0][0]._utf8.narrow(bitmask, [r for _, r in live], [m._after_lead for m, _ in live])
 
     @classmethod
     def accept_tokens(cls, matchers: Sequence[Self], tokens: Sequence[int]) -> list[bool]:
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token(
-            [m._matcher for m in matchers], list(tokens)
-        )
-        for matcher, ok in zip(matchers, accepted, strict=True):
-            matcher._accepted += ok
+        allowed = [i for i, (m, t) in enumerate(zip(matchers, tokens, strict=True))
+                   if not m._utf8.forbids(t, m._after_lead)]  # fmt: skip
+        accepted = [False] * len(matchers)
+        if allowed:
+            results = xgr.BatchGrammarMatcher.batch_accept_token(
+                [matchers[i]._matcher for i in allowed], [tokens[i] for i in allowed]
+            )
+            for i, ok in zip(allowed, results, strict=True):
+                if ok:
+                    matchers[i]._leads.append(tokens[i] in matchers[i]._utf8.ends_lead)
+                accepted[i] = bool(ok)
         return accepted
 
     def _filled_as_terminated(self, bitmask: torch.Tensor, row: int) -> bool:
@@ -214,10 +277,10 @@ class XGrammarMatcher(GrammarMatcher):
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self._accepted:
-            raise ValueError(f"cannot roll back {num_tokens} of {self._accepted} tokens")
+        if not 0 <= num_tokens <= len(self._leads):
+            raise ValueError(f"cannot roll back {num_tokens} of {len(self._leads)} tokens")
         self._matcher.rollback(num_tokens)
-        self._accepted -= num_tokens
+        del self._leads[len(self._leads) - num_tokens :]
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
@@ -229,7 +292,7 @@ class XGrammarMatcher(GrammarMatcher):
 
     def reset(self) -> None:
         self._matcher.reset()
-        self._accepted = 0
+        self._leads.clear()
 
 
 def _tokenizer_info(
