@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -333,4 +333,17 @@ if has fp8gemm; then
 fi
 if has vlm; then
   $B vlm --model shape:qwen2-vl-7b --load-format dummy --baseline 2>&1 | grep --line-buffered -v Warning | tee "$OUT/vlm.txt"
+fi
+if has s31; then
+  # FP8's few-rows product at 33-64 rows (models/fp8.py FEW_ROWS, 32: kernels/fp8_gemm.py's
+  # 64-row tile with its float32 promotion was tested, never timed): its tests in bf16, the
+  # products alone, then FP8 throughput 1000 x 512/128 and the batch-64 decode step with FEW_ROWS
+  # 32 (the default) and 64, alternated
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py 2>&1 | tail -3 | tee "$OUT/s31-tests.txt"
+  T="throughput --model shape:llama3-8b --load-format dummy --input-len 512 --output-len 128 --num-requests 1000 --quantization fp8"
+  D="decode --model shape:llama3-8b --load-format dummy --batch-size 64 --input-len 1024 --max-num-seqs 64 --quantization fp8"
+  { python3 scripts/fp8_kernels.py --rows 32,48,64
+    for few in 32 64; do echo "FEW_ROWS=$few"; python3 scripts/ab_switch.py mmserve.models.fp8.FEW_ROWS=$few -- $T; done
+    for few in 32 64; do echo "FEW_ROWS=$few"; python3 scripts/ab_switch.py mmserve.models.fp8.FEW_ROWS=$few -- $D; done
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s31.txt"
 fi
