@@ -68,8 +68,8 @@ MAX_IN_FLIGHT_PER_CALL = 256  # one call's requests in the engine at once (< Asy
 # overlaps the model's work on its first (H200, bert-base with encoder CUDA graphs, 64 x 128
 # tokens: one client 10.7 ms per call in halves against 12.3 ms whole; four clients 9.0
 # against 7.4 ms). In halves a 64 x 128 call takes 3.4-4 engine steps and two launches, whole
-# two (the second only lands it; 2-core CPU, session 27): scripts/embed_host.py --min-chunk 64
-# times whole calls against the halves on a GPU, not yet measured.
+# two (the second only lands it; 2-core CPU, session 27). On the H200 again (session 28,
+# scripts/embed_host.py --min-chunk 64): halves 9.18 ms a call, whole calls 9.70.
 PIPELINE_MIN_CHUNK = 64
 IDLE_PIPELINE_MIN_CHUNK = 32
 T = TypeVar("T")
