@@ -248,7 +248,9 @@ class XGrammarMatcher(GrammarMatcher):
             _batch_matcher(threads).batch_fill_next_token_bitmask(
                 [m._matcher for m, _ in live], bitmask, [r for _, r in live]
             )
-            live[0][0]._utf8.narrow(bitmask, [r for _, r in live], [m._after_lead for m, _ in live])
+            for guard in {id(m._utf8): m._utf8 for m, _ in live}.values():  # (one per backend)
+                mine = [(m, r) for m, r in live if m._utf8 is guard]
+                guard.narrow(bitmask, [r for _, r in mine], [m._after_lead for m, _ in mine])
 
     @classmethod
     def accept_tokens(cls, matchers: Sequence[Self], tokens: Sequence[int]) -> list[bool]:
