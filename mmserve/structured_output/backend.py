@@ -134,15 +134,17 @@ def allocate_bitmask(batch_size: int, vocab_size: int, pin_memory: bool = False)
     return torch.full(shape, -1, dtype=torch.int32, pin_memory=pin_memory)
 
 
-# the most threads one step's bitmask fill takes (default_fill_threads)
-MAX_FILL_THREADS = 8
+# threads for one step's bitmask fill (a switch for A/B runs); None: default_fill_threads' rule
+FILL_THREADS: int | None = None
 
 
 def default_fill_threads() -> int:
-    """Threads for one step's bitmask fill: half the CPUs this process may use, at most
-    MAX_FILL_THREADS (the rest are for the scheduler, detokenising and the server)."""
+    """Threads for one step's bitmask fill: FILL_THREADS, else half the CPUs this process may
+    use, at most 8 (the rest are for the scheduler, detokenising and the server)."""
+    if FILL_THREADS:
+        return FILL_THREADS
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min(MAX_FILL_THREADS, (cpus or 1) // 2) or 1
+    return min(8, (cpus or 1) // 2) or 1
 
 
 def fill_bitmasks(
