@@ -19,7 +19,7 @@ from torch import nn
 from mmserve.errors import UnsupportedModel
 from mmserve.kernels.quant import per_token_quant_ref
 from mmserve.models.base import ModelBase
-from mmserve.models.fp8 import FEW_ROWS, check_kv_cache_scheme, config_group, replace_projections
+from mmserve.models.fp8 import check_kv_cache_scheme, config_group, replace_projections
 from mmserve.models.quantized_input import InputQuant, QuantizedActivation, W8A8Linear
 
 _ALIGN = 8  # ... and both matrix dimensions in multiples of 8
@@ -47,7 +47,10 @@ def int8_product_ref(
     return (acc * scale.double() * weight_scale.double().view(1, -1)).float()
 
 
-# the product of more than 32 rows on CUDA: "int_mm" (torch._int_mm, then one pass that scales its
+# products of up to this many rows run on mmserve/kernels/fp8_gemm.py's rows kernel on int8
+# operands (FP8's models/fp8.py FEW_ROWS is 64 since session 31; int8 at 33-64 rows is not timed)
+FEW_ROWS = 32
+# the product of more than FEW_ROWS rows on CUDA: "int_mm" (torch._int_mm, then one pass that scales its
 # int32 sums) or "triton" (mmserve/kernels/int8_gemm.py, the scales in its epilogue). On the H200 the
 # Triton kernel measured faster at every prefill size of the 8B shape but one (256 rows of
 # o_proj: 438 against 502 TOP/s), and 866-957 TOP/s against 733-875 at 4096 rows (session 13,

@@ -156,7 +156,7 @@ def _tiny_bert(folder, num_labels=None):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("pad_rows", [128, 0])
-@pytest.mark.parametrize("rows", [1, 7, 16, 24, 32, 33, 64, 256, 300, 518])  # FEW_ROWS, PAD_ABOVE
+@pytest.mark.parametrize("rows", [1, 7, 16, 24, 32, 33, 48, 64, 65, 256, 300, 518])  # FEW_ROWS, PAD_ABOVE
 def test_gpu_fp8_linear_equals_the_reference(rows: int, pad_rows: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The FP8 tensor cores' products (the rows kernel; torch._scaled_mm past FEW_ROWS, on rows
     padded to a multiple of PAD_ROWS past PAD_ABOVE or not; Triton per-token quantisation)
