@@ -154,9 +154,10 @@ class _Utf8Guard:
 
     def __init__(self, decoded: Sequence[bytes], vocab_size: int) -> None:
         width = bitmask_width(vocab_size)
-        self.never = frozenset(i for i, b in enumerate(decoded) if _SURROGATE.search(b))
-        self.after_lead = self.never | {i for i, b in enumerate(decoded) if b and 0xA0 <= b[0] <= 0xBF}
-        self.ends_lead = frozenset(i for i, b in enumerate(decoded) if b.endswith(b"\xed"))
+        leads = [(i, b) for i, b in enumerate(decoded) if b"\xed" in b]  # (a few hundred of 128k)
+        self.never = frozenset(i for i, b in leads if _SURROGATE.search(b))
+        self.after_lead = self.never | {i for i, b in enumerate(decoded) if b"\xa0" <= b[:1] <= b"\xbf"}
+        self.ends_lead = frozenset(i for i, b in leads if b.endswith(b"\xed"))
         # bitmask words to AND a row with: every token allowed but those named
         self.keep = _keep_words(self.never, width)
         self.keep_after_lead = _keep_words(self.after_lead, width)
@@ -216,18 +217,22 @@ class XGrammarMatcher(GrammarMatcher):
         self._width = bitmask_width(vocab_size)
         self._stop_token_ids = stop_token_ids
         self._utf8 = utf8
-        # per accepted token: whether it ended with a lone lead ED (its length: the most
-        # rollback can undo)
-        self._leads: list[bool] = []
+        self._accepted = 0  # tokens accepted since the start: the most rollback can undo
+        self._leads: set[int] = set()  # the counts at which an accepted token ended with ED
 
     @property
     def _after_lead(self) -> bool:
-        return bool(self._leads) and self._leads[-1]
+        return self._accepted in self._leads
+
+    def _accepted_one(self, token_id: int) -> None:
+        self._accepted += 1
+        if token_id in self._utf8.ends_lead:
+            self._leads.add(self._accepted)
 
     def accept_token(self, token_id: int) -> bool:
         if self._utf8.forbids(token_id, self._after_lead) or not self._matcher.accept_token(token_id):
             return False
-        self._leads.append(token_id in self._utf8.ends_lead)
+        self._accepted_one(token_id)
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -250,20 +255,27 @@ class XGrammarMatcher(GrammarMatcher):
             )
             for guard in {id(m._utf8): m._utf8 for m, _ in live}.values():  # (one per backend)
                 mine = [(m, r) for m, r in live if m._utf8 is guard]
-                guard.narrow(bitmask, [r for _, r in mine], [m._after_lead for m, _ in mine])
+                if guard.never or any(m._leads for m, _ in mine):  # (else nothing to take out)
+                    guard.narrow(bitmask, [r for _, r in mine], [m._after_lead for m, _ in mine])
 
     @classmethod
     def accept_tokens(cls, matchers: Sequence[Self], tokens: Sequence[int]) -> list[bool]:
-        allowed = [i for i, (m, t) in enumerate(zip(matchers, tokens, strict=True))
-                   if not m._utf8.forbids(t, m._after_lead)]  # fmt: skip
+        if any(m._leads or m._utf8.never for m in matchers):  # (rare: else nothing is forbidden)
+            allowed = [i for i, (m, t) in enumerate(zip(matchers, tokens, strict=True))
+                       if not m._utf8.forbids(t, m._after_lead)]  # fmt: skip
+        else:
+            allowed = list(range(len(matchers)))
         accepted = [False] * len(matchers)
         if allowed:
             results = xgr.BatchGrammarMatcher.batch_accept_token(
                 [matchers[i]._matcher for i in allowed], [tokens[i] for i in allowed]
             )
             for i, ok in zip(allowed, results, strict=True):
-                if ok:
-                    matchers[i]._leads.append(tokens[i] in matchers[i]._utf8.ends_lead)
+                if ok:  # (_accepted_one, inline: 64 calls a step)
+                    m = matchers[i]
+                    m._accepted += 1
+                    if tokens[i] in m._utf8.ends_lead:
+                        m._leads.add(m._accepted)
                 accepted[i] = bool(ok)
         return accepted
 
@@ -279,10 +291,12 @@ class XGrammarMatcher(GrammarMatcher):
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= len(self._leads):
-            raise ValueError(f"cannot roll back {num_tokens} of {len(self._leads)} tokens")
+        if not 0 <= num_tokens <= self._accepted:
+            raise ValueError(f"cannot roll back {num_tokens} of {self._accepted} tokens")
         self._matcher.rollback(num_tokens)
-        del self._leads[len(self._leads) - num_tokens :]
+        self._accepted -= num_tokens
+        if self._leads:
+            self._leads = {n for n in self._leads if n <= self._accepted}
 
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
@@ -294,6 +308,7 @@ class XGrammarMatcher(GrammarMatcher):
 
     def reset(self) -> None:
         self._matcher.reset()
+        self._accepted = 0
         self._leads.clear()
 
 
