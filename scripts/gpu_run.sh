@@ -352,7 +352,7 @@ if has s31b; then
   # fill 3.3 ms a step): the fill on 8 threads (the default: half of 16 CPUs) against 14
   Z="structured --model shape:llama3-8b --load-format dummy --batch-sizes 64 --input-len 128 --output-len 128"
   Z="$Z --max-num-seqs 64 --compile-repeats 1"
-  for t in None 14; do echo "FILL_THREADS=$t"
+  for t in 14 None; do echo "FILL_THREADS=$t"
     python3 scripts/ab_switch.py mmserve.structured_output.backend.FILL_THREADS=$t -- $Z; done 2>&1 \
     | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s31b.txt"
 fi
