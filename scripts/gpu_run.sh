@@ -335,10 +335,10 @@ if has vlm; then
   $B vlm --model shape:qwen2-vl-7b --load-format dummy --baseline 2>&1 | grep --line-buffered -v Warning | tee "$OUT/vlm.txt"
 fi
 if has s31; then
-  # FP8's few-rows product at 33-64 rows (models/fp8.py FEW_ROWS, 32: kernels/fp8_gemm.py's
-  # 64-row tile with its float32 promotion was tested, never timed): its tests in bf16, the
-  # products alone, then FP8 throughput 1000 x 512/128 and the batch-64 decode step with FEW_ROWS
-  # 32 (the default) and 64, alternated
+  # FP8's few-rows product at 33-64 rows (models/fp8.py FEW_ROWS was 32: kernels/fp8_gemm.py's
+  # 64-row tile with its float32 promotion was tested, never timed; 64 since session 31): its
+  # tests in bf16, the products alone, then FP8 throughput 1000 x 512/128 and the batch-64 decode
+  # step with FEW_ROWS 32 and 64, alternated
   python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py 2>&1 | tail -3 | tee "$OUT/s31-tests.txt"
   T="throughput --model shape:llama3-8b --load-format dummy --input-len 512 --output-len 128 --num-requests 1000 --quantization fp8"
   D="decode --model shape:llama3-8b --load-format dummy --batch-size 64 --input-len 1024 --max-num-seqs 64 --quantization fp8"
