@@ -159,8 +159,8 @@ class _Utf8Guard:
         self.after_lead = self.never | {i for i, b in enumerate(decoded) if b"\xa0" <= b[:1] <= b"\xbf"}
         self.ends_lead = frozenset(i for i, b in leads if b.endswith(b"\xed"))
         # bitmask words to AND a row with: every token allowed but those named
-        self.keep = _keep_words(self.never, width)
-        self.keep_after_lead = _keep_words(self.after_lead, width)
+        self.keep = _all_but(self.never, width)
+        self.keep_after_lead = _all_but(self.after_lead, width)
 
     def forbids(self, token_id: int, after_lead: bool) -> bool:
         return token_id in (self.after_lead if after_lead else self.never)
@@ -176,12 +176,10 @@ class _Utf8Guard:
             bitmask[other_rows] &= self.keep
 
 
-def _keep_words(token_ids: frozenset[int], width: int) -> torch.Tensor:
-    words = torch.full((width,), -1, dtype=torch.int64)
-    for token_id in token_ids:
-        if token_id < 32 * width:
-            words[token_id // 32] &= ~(1 << (token_id % 32))
-    return words.to(torch.int32)  # (wraps to the int32 bit pattern)
+def _all_but(token_ids: frozenset[int], width: int) -> torch.Tensor:
+    words = torch.zeros(width, dtype=torch.int32)
+    allow_tokens(words, token_ids)
+    return ~words
 
 
 class XGrammarCompiled(CompiledGrammar):
@@ -271,11 +269,8 @@ class XGrammarMatcher(GrammarMatcher):
                 [matchers[i]._matcher for i in allowed], [tokens[i] for i in allowed]
             )
             for i, ok in zip(allowed, results, strict=True):
-                if ok:  # (_accepted_one, inline: 64 calls a step)
-                    m = matchers[i]
-                    m._accepted += 1
-                    if tokens[i] in m._utf8.ends_lead:
-                        m._leads.add(m._accepted)
+                if ok:
+                    matchers[i]._accepted_one(tokens[i])
                 accepted[i] = bool(ok)
         return accepted
 
