@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -355,4 +355,16 @@ if has s31b; then
   for t in 14 None; do echo "FILL_THREADS=$t"
     python3 scripts/ab_switch.py mmserve.structured_output.backend.FILL_THREADS=$t -- $Z; done 2>&1 \
     | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s31b.txt"
+fi
+if has s32; then
+  # target 6: the grammar masks filled on a thread of their own, the copy stream waiting for the
+  # fill on the device (model_runner.MASK_FILL_THREAD, host_gate), against the fill in line:
+  # its tests in bf16, then batch 1 and 64 constrained and free, alternated (about 5 minutes)
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_host_gate.py tests/gpu/test_gpu_structured.py \
+    tests/engine/test_async_scheduling.py 2>&1 | tail -5 | tee "$OUT/s32-tests.txt"
+  Z="structured --model shape:llama3-8b --load-format dummy --batch-sizes 1,64 --input-len 128 --output-len 128"
+  Z="$Z --max-num-seqs 64 --compile-repeats 1"
+  for t in None False; do echo "MASK_FILL_THREAD=$t"
+    python3 scripts/ab_switch.py mmserve.runner.model_runner.MASK_FILL_THREAD=$t -- $Z; done 2>&1 \
+    | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s32.txt"
 fi

@@ -32,6 +32,7 @@ from mmserve.params import PoolingParams
 from mmserve.runner.cuda_graphs import DecodeGraphs, EncoderGraphs, MixedGraphs, VisionGraphs
 from mmserve.runner.distributed import RankMirror
 from mmserve.runner.input_batch import FlatBatch, InputBatchBuilder, SampledOnDevice
+from mmserve.runner.mask_fill import MaskFiller
 from mmserve.runner.pooler import ModelPooler, Pooler, finish_embedding
 from mmserve.runner.sampler import (
     SamplingRow,
@@ -52,6 +53,10 @@ PROMPT_LOGPROB_ROWS = 256
 # Grammar masks reach CUDA logits through _MaskCopies (False: copied on the compute stream, as
 # before session 30; for scripts/ab_switch.py)
 MASK_COPY_STREAM = True
+# Grammar masks filled on a thread of their own (mask_fill.MaskFiller): None on CUDA only, True
+# everywhere (the CPU joins the fill before applying it: for tests), False nowhere (as before
+# session 32; for scripts/ab_switch.py)
+MASK_FILL_THREAD: bool | None = None
 
 
 class _MaskCopies:
@@ -67,13 +72,15 @@ class _MaskCopies:
         self.buffers = [torch.empty(0, 0, dtype=torch.int32, device=device)] * 2
         self.applied: list[torch.cuda.Event | None] = [None, None]
 
-    def to_device(self, mask: torch.Tensor) -> torch.Tensor:
-        """mask (pinned, on the host) on the device, its copy started; the current stream
-        will wait for it."""
+    def to_device(self, mask: torch.Tensor, filler: MaskFiller | None = None) -> torch.Tensor:
+        """mask (pinned, on the host) on the device, its copy started (after filler's fill,
+        when it has one); the current stream will wait for it."""
         compute = torch.cuda.current_stream(self.stream.device)
         self.buffers.reverse()
         self.applied.reverse()
         with torch.cuda.stream(self.stream):
+            if filler is not None:
+                filler.wait()  # the copy stream waits for the fill, not the host
             if self.buffers[0].shape[0] < mask.shape[0] or self.buffers[0].shape[1] != mask.shape[1]:
                 # from the copy stream's pool; freed only after the compute stream's last use
                 self.buffers[0] = torch.empty(mask.shape, dtype=mask.dtype, device=self.stream.device)
@@ -93,16 +100,21 @@ class _MaskCopies:
 
 
 def _mask(
-    logits: torch.Tensor, bitmask: tuple[torch.Tensor, list[int]], copies: _MaskCopies | None
+    logits: torch.Tensor,
+    bitmask: tuple[torch.Tensor, list[int]],
+    copies: _MaskCopies | None,
+    filler: MaskFiller | None = None,
 ) -> None:
     """A step's grammar masks on its logits: float32 CPU logits by the C library's kernel
     (mmserve.kernels.cpu_layers), the others by the device's (apply_bitmask); copies: how a
-    mask reaches CUDA logits."""
+    mask reaches CUDA logits; filler: the one filling the mask now (else it is filled)."""
     mask, rows = bitmask
     if copies is not None and logits.device.type == "cuda" and mask.is_pinned():
-        apply_bitmask(logits, copies.to_device(mask), rows)
+        apply_bitmask(logits, copies.to_device(mask, filler), rows)
         copies.done()
         return
+    if filler is not None:
+        filler.wait()
     kernel = cpu_layers.apply_bitmask_cpu if cpu_layers.supports(logits) else None
     apply_bitmask(logits, mask, rows, kernel)
 
@@ -228,6 +240,8 @@ class ModelRunner:
         self._previous: SampledOnDevice | None = None  # the tokens the latest step sampled
         self._bitmasks = [torch.empty(0, 0, dtype=torch.int32)] * 2  # see _bitmask_buffer
         self._mask_copies = _MaskCopies(device) if device.type == "cuda" and MASK_COPY_STREAM else None
+        threaded = device.type == "cuda" if MASK_FILL_THREAD is None else MASK_FILL_THREAD
+        self._filler = MaskFiller(device) if threaded else None
 
     def capture_graphs(
         self, max_batch: int, max_model_len: int, max_tokens: int, spec: tuple[int, int] = (0, 0),
@@ -282,9 +296,11 @@ class ModelRunner:
             self.mirror.check_alive()
 
     def shutdown(self) -> None:
-        """Stops the other ranks of a tensor-parallel model."""
+        """Stops the other ranks of a tensor-parallel model, and the mask filler's thread."""
         if self.mirror is not None:
             self.mirror.shutdown()
+        if self._filler is not None:
+            self._filler.shutdown()
 
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -351,9 +367,9 @@ class ModelRunner:
         # the LM head enqueued first: the grammars' bitmask fill (host work) then overlaps it
         # as well as the forward pass, and a slow fill delays the GPU less
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, batch.sample_rows))
-        bitmask = self._grammar_bitmask(reqs, live)
+        bitmask = self._grammar_bitmask(reqs, live)  # (started on the filler's thread)
         if bitmask is not None:
-            _mask(logits, bitmask, self._mask_copies)
+            _mask(logits, bitmask, self._mask_copies, self._filler)
         rows = [self._sampling_row(s) for s in reqs]
         tokens, step.logprobs = sample_on_device(logits, rows, self.generator)
         if self.parallel is not None:
@@ -430,6 +446,8 @@ class ModelRunner:
         out = step.out
         if step.copied is not None:
             step.copied.synchronize()
+        if self._filler is not None:
+            self._filler.finish()  # the matchers are the scheduler's again
         if step.checked_guesses:
             self._resolve_guesses(step)
         elif step.host_tokens is not None:
@@ -508,7 +526,8 @@ class ModelRunner:
         self, reqs: list[ScheduledRequest], live: Container[str] | None
     ) -> tuple[torch.Tensor, list[int]] | None:
         """Allowed tokens of each constrained row, [rows, ceil(vocab / 32)] int32 on the CPU
-        (pinned when the logits are on a GPU, so apply_bitmask's copy is asynchronous)."""
+        (pinned when the logits are on a GPU, so apply_bitmask's copy is asynchronous); with
+        a filler, still being filled on its thread."""
         rows = [
             i
             for i, r in enumerate(reqs)
@@ -517,7 +536,11 @@ class ModelRunner:
         if not rows:
             return None
         bitmask = self._bitmask_buffer(len(reqs))
-        fill_bitmasks([reqs[i].grammar for i in rows], bitmask, rows)  # in parallel (xgrammar)
+        matchers = [reqs[i].grammar for i in rows]
+        if self._filler is not None:
+            self._filler.start(matchers, bitmask, rows)
+        else:
+            fill_bitmasks(matchers, bitmask, rows)  # in parallel (xgrammar)
         return bitmask, rows
 
     def _bitmask_buffer(self, num_rows: int) -> torch.Tensor:

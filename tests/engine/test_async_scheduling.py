@@ -6,11 +6,15 @@ batch mixes (chunked prefills, prefix-cache hits, pooling, grammars, penalties).
 from __future__ import annotations
 
 import random
+import threading
+import time
+from typing import ClassVar
 
 import pytest
 import torch
 
 from mmserve.request import PLACEHOLDER
+from mmserve.runner import model_runner
 from mmserve.structured_output.backend import GrammarMatcher, allow_tokens
 from tests.engine.conftest import assert_all_blocks_free, make_core, make_request, run_all
 from tests.fake_model import FakeModel
@@ -221,3 +225,77 @@ def test_the_runner_keeps_prompt_ids_only_while_their_request_runs() -> None:
         held = max(held, len(core.runner._prompt_ids))
     core.step()  # (an ended request's ids go with the next step's plan)
     assert held == 3 and core.runner._prompt_ids == {}
+
+
+class SlowFillEvenTokens(EvenTokens):
+    """EvenTokens whose fill is slow and notes its thread; accepting a token (or rolling back)
+    while a fill is under way is a race the runner must not allow."""
+
+    threads: ClassVar[set[str]] = set()
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self.filling = False
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.filling = True
+        SlowFillEvenTokens.threads.add(threading.current_thread().name)
+        time.sleep(0.002)
+        super().fill_bitmask(bitmask, row)
+        self.filling = False
+
+    def accept_token(self, token_id: int) -> bool:
+        assert not self.filling, "a token reached the matcher while its mask was being filled"
+        return super().accept_token(token_id)
+
+
+def test_masks_filled_on_the_fill_thread_equal_the_main_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """model_runner.MASK_FILL_THREAD: the masks are filled on the filler's thread, and its fill
+    ends before the matchers take the step's tokens; outputs as when filled in line."""
+    ps = prompts(6, seed=11)
+
+    def reqs():  # type: ignore[no-untyped-def]
+        out = []
+        for i, p in enumerate(ps):
+            r = make_request(f"r{i}", p, max_tokens=16)
+            if i % 3:
+                r.grammar = SlowFillEvenTokens(length=2 + i)
+            out.append(r)
+        return out
+
+    results = []
+    for threaded in (False, True):
+        monkeypatch.setattr(model_runner, "MASK_FILL_THREAD", threaded)
+        SlowFillEvenTokens.threads = set()
+        core = make_core(MODEL, async_scheduling=True)
+        assert (core.runner._filler is not None) == threaded
+        out = run_all(core, reqs())
+        assert_all_blocks_free(core)
+        results.append(out)
+        filled_on = {name.startswith("mmserve-mask-fill") for name in SlowFillEvenTokens.threads}
+        assert filled_on == {threaded}
+        core.shutdown()
+    assert results[0] == results[1]
+    for i in range(1, 6):
+        if i % 3:
+            assert len(results[1][f"r{i}"]) == 2 + i + 1 and results[1][f"r{i}"][-1] == 0
+
+
+class BrokenFill(EvenTokens):
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        raise ValueError("bitmask width 1, expected 2")
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_fill_that_raises_fails_the_step(monkeypatch: pytest.MonkeyPatch, threaded: bool) -> None:
+    """On the filler's thread too, a fill's error reaches the engine (by the step after at
+    the latest), rather than being lost with the mask it did not fill."""
+    monkeypatch.setattr(model_runner, "MASK_FILL_THREAD", threaded)
+    core = make_core(MODEL, async_scheduling=True)
+    r = make_request("a", prompts(1, seed=3)[0], max_tokens=8)
+    r.grammar = BrokenFill(length=4)
+    core.add(r)
+    with pytest.raises(ValueError, match="bitmask width"):
+        for _ in range(3):
+            core.step()
+    core.shutdown()

@@ -71,3 +71,22 @@ def test_gpu_constrained_outputs_validate(tmp_path, speculative: str | None) -> 
         _check(llm.generate(prompts, params, use_tqdm=False), kinds)
     pool = llm.frontend.core.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_gpu_constrained_with_host_reads_while_the_mask_fills(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """top_p and logprobs read the device on the host inside the step's sampling, while the
+    mask's fill (model_runner.MASK_FILL_THREAD, on by default on CUDA) may still run on its
+    thread and the device waits for it: those reads must not hold the fill up (a wait that
+    gave up raises), and every output still validates."""
+    path = str(make_tiny_model(tmp_path, arch="llama"))
+    llm = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=512)
+    assert llm.frontend.core.runner._filler is not None
+    json_c = StructuredOutputParams("json_schema", json.dumps(SCHEMA))
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=200, structured=json_c,
+                       logprobs=2 if i % 2 else None)
+        for i in range(16)
+    ]  # fmt: skip
+    outputs = llm.generate([f"item {i}: " for i in range(16)], params, use_tqdm=False)
+    _check(outputs, ["json"] * 16)
+    assert all(o.outputs[0].logprobs for o in outputs[1::2])
