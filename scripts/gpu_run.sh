@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -367,4 +367,13 @@ if has s32; then
   for t in None False; do echo "MASK_FILL_THREAD=$t"
     python3 scripts/ab_switch.py mmserve.runner.model_runner.MASK_FILL_THREAD=$t -- $Z; done 2>&1 \
     | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s32.txt"
+fi
+if has s32b; then
+  # INT8 w8a8's products of 33-64 rows on the rows kernel (models/int8.py FEW_ROWS 32 -> 64?, as
+  # FP8's in s31): the batch-48 and batch-64 decode steps at 1k context, alternated
+  for b in 48 64; do
+    D="decode --model shape:llama3-8b --load-format dummy --batch-size $b --input-len 1024 --max-num-seqs 64"
+    for few in 32 64 32 64; do echo "batch $b FEW_ROWS=$few"
+      python3 scripts/ab_switch.py mmserve.models.int8.FEW_ROWS=$few -- $D --quantization int8; done
+  done 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s32b.txt"
 fi

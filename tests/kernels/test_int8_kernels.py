@@ -34,7 +34,7 @@ def test_ties_round_to_even():  # type: ignore[no-untyped-def]
     assert torch.equal(q.cpu(), quantize_rows(x)[0])
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (3, 100, 300), (17, 33, 1000), (32, 96, 4096)])
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (3, 100, 300), (17, 33, 1000), (32, 96, 4096), (48, 40, 520), (64, 72, 1000)])
 def test_rows_kernel_sums_int8_exactly(rows, n, k):  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(rows + n)
     xq = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
