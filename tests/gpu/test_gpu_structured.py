@@ -84,7 +84,7 @@ def test_gpu_constrained_with_host_reads_while_the_mask_fills(tmp_path) -> None:
     json_c = StructuredOutputParams("json_schema", json.dumps(SCHEMA))
     params = [
         SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=200, structured=json_c,
-                       logprobs=2 if i % 2 else None)
+                       logprobs=2 if i % 2 else 0)
         for i in range(16)
     ]  # fmt: skip
     outputs = llm.generate([f"item {i}: " for i in range(16)], params, use_tqdm=False)
