@@ -48,8 +48,10 @@ def int8_product_ref(
 
 
 # products of up to this many rows run on mmserve/kernels/fp8_gemm.py's rows kernel on int8
-# operands (FP8's models/fp8.py FEW_ROWS is 64 since session 31; int8 at 33-64 rows is not timed)
-FEW_ROWS = 32
+# operands (as FP8's, models/fp8.py). 64 rather than 32 since session 32: on an H100 the 8B
+# shape's INT8 decode step at 1k context took 6.35 against 7.42 ms at batch 48 and 7.12 against
+# 8.07 at batch 64 (BENCHMARKS.md)
+FEW_ROWS = 64
 # the product of more than FEW_ROWS rows on CUDA: "int_mm" (torch._int_mm, then one pass that scales its
 # int32 sums) or "triton" (mmserve/kernels/int8_gemm.py, the scales in its epilogue). On the H200 the
 # Triton kernel measured faster at every prefill size of the 8B shape but one (256 rows of
