@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mmserve.kernels import fp8_gemm, gguf_blocks, gguf_gemm, paged_attention, wna16
+from mmserve.kernels import fp8_gemm, gguf_blocks, gguf_gemm, host_gate, paged_attention, wna16
 from mmserve.kernels._common import prefetch_count
 from mmserve.kernels.gguf_blocks import FORMATS, STEP_PARTS
 
@@ -153,6 +153,11 @@ def main() -> None:
             "GROUP": 4, "HEAD_DIM": 128, "HEAD_DIM_P": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 4,
             "BLOCK_N": 64, "CAUSAL": True, "USE_WINDOW": False, "SPLIT_KV": split, "DOT_PRECISION": "tf32"})  # fmt: skip
     print("paged attention compiled for sm_90", flush=True)
+    gate = compile_sm90(host_gate._wait_kernel, {"flag_ptr": "*i64", "ticket": "i32"}, {"MAX": host_gate.MAX_SPINS},
+                        num_warps=1)  # fmt: skip
+    # each read of the host's flag a volatile (system-scope) load, none hoisted out of the loop
+    assert gate.asm["ptx"].count("ld.volatile.global") >= 2, "the gate's reads are not volatile"
+    print("the host gate compiled for sm_90", flush=True)
 
 
 if __name__ == "__main__":
