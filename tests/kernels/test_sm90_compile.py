@@ -1,4 +1,4 @@
-"""The GGUF kernels (and w4a16's, FP8's rows kernel and paged attention) compile for sm_90, checked on any machine (tests/kernels/sm90_compile.py):
+"""The GGUF kernels (and w4a16's, FP8's rows kernel, paged attention and the host gate) compile for sm_90, checked on any machine (tests/kernels/sm90_compile.py):
 Triton's compiler refuses code its interpreter runs, so the CPU tests alone cannot tell."""
 
 from __future__ import annotations
@@ -23,5 +23,5 @@ def test_gguf_kernels_compile_for_sm90() -> None:
         check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    # and w4a16's, DP4A's q8, FP8's rows, paged attention
-    assert done.stdout.count("compiled for sm_90") == len(FORMATS) + 4
+    # and w4a16's, DP4A's q8, FP8's rows, paged attention, the host gate
+    assert done.stdout.count("compiled for sm_90") == len(FORMATS) + 5
