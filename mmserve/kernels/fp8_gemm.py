@@ -39,8 +39,8 @@ from mmserve.kernels._common import (
 # more than rounding (H200, session 6). Its sums are now promoted to float32 every
 # PROMOTE_EVERY products, as torch._scaled_mm's own accumulation does, which brings it within
 # that path's accuracy (tests/kernels/test_fp8_gemm.py at 48 and 64 rows, bf16 on the H200,
-# session 31). models/fp8.py FEW_ROWS decides the rows that come here (64 since session 31,
-# INT8's models/int8.py 32); up to 32 rows (mma) it is float32-exact.
+# session 31). models/fp8.py FEW_ROWS decides the rows that come here, FP8's and INT8's (64
+# since sessions 31 and 32); up to 32 rows (mma) it is float32-exact.
 MAX_ROWS = 64
 PROMOTE_EVERY = 128
 # a product of at most this many output tiles (0: none) splits K in SPLITS slices. Measured on

@@ -42,7 +42,9 @@ _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada and Hopper onwards
 # torch._scaled_mm on Llama-3-8B's projections at 1-16 rows (1.2-1.8x at 16) and, summed over a
 # layer's four, at 17-32 (102 vs 108 us at 32 rows) and at 48 and 64 (its 64-row tile: 83 vs
 # 103 us at 64, the down projection 22 vs 36); the batch-64 decode step at 1k context 6.05 ms
-# against 6.74 with 32 here (H200, session 31, BENCHMARKS.md)
+# against 6.74 with 32 here (H200, session 31, BENCHMARKS.md). INT8's products (models/int8.py)
+# take the same rows kernel up to the same count: its decode step at 1k context 6.35 against
+# 7.42 ms at batch 48 and 7.12 against 8.07 at batch 64 with 32 here (H100, session 32)
 FEW_ROWS = 64
 # more rows: torch._scaled_mm (CUTLASS's row-wise kernel). INT8's tiled Triton GEMM on FP8
 # operands (float32 sums promoted every K step) lost to it at every shape on the H200 (256-4,096

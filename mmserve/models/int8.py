@@ -19,7 +19,7 @@ from torch import nn
 from mmserve.errors import UnsupportedModel
 from mmserve.kernels.quant import per_token_quant_ref
 from mmserve.models.base import ModelBase
-from mmserve.models.fp8 import check_kv_cache_scheme, config_group, replace_projections
+from mmserve.models.fp8 import FEW_ROWS, check_kv_cache_scheme, config_group, replace_projections
 from mmserve.models.quantized_input import InputQuant, QuantizedActivation, W8A8Linear
 
 _ALIGN = 8  # ... and both matrix dimensions in multiples of 8
@@ -47,11 +47,6 @@ def int8_product_ref(
     return (acc * scale.double() * weight_scale.double().view(1, -1)).float()
 
 
-# products of up to this many rows run on mmserve/kernels/fp8_gemm.py's rows kernel on int8
-# operands (as FP8's, models/fp8.py). 64 rather than 32 since session 32: on an H100 the 8B
-# shape's INT8 decode step at 1k context took 6.35 against 7.42 ms at batch 48 and 7.12 against
-# 8.07 at batch 64 (BENCHMARKS.md)
-FEW_ROWS = 64
 # the product of more than FEW_ROWS rows on CUDA: "int_mm" (torch._int_mm, then one pass that scales its
 # int32 sums) or "triton" (mmserve/kernels/int8_gemm.py, the scales in its epilogue). On the H200 the
 # Triton kernel measured faster at every prefill size of the 8B shape but one (256 rows of
