@@ -38,12 +38,12 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from mmserve.bench.embed_client import SERVED_NAME, client_embed, client_start
 from mmserve.bench.models import SHAPES, make_model_folder
 from mmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from mmserve.frontend import pooling as pooling_api
 from mmserve.frontend.frontend import FrontEnd
 
-SERVED_NAME = "bench-embedder"
 CALLS_PER_CLIENT = 4  # calls of each concurrent client in one timed round
 T = TypeVar("T")
 
@@ -172,7 +172,7 @@ class Sides:
         self.client = ProcessPoolExecutor(
             1,
             mp_context=spawn,
-            initializer=_client_start,
+            initializer=client_start,
             initargs=(f"127.0.0.1:{port}", concurrency),
         )
         self.st_thread = ThreadPoolExecutor(1, thread_name_prefix="sentence-transformers")
@@ -192,7 +192,7 @@ class Sides:
         return np.asarray(results[0].embeddings.numpy()), time.perf_counter() - start
 
     def grpc(self, calls: list[list[str]]) -> tuple[np.ndarray, float]:
-        return self.client.submit(_client_embed, calls).result()
+        return self.client.submit(client_embed, calls).result()
 
     def sentence_transformers(self, calls: list[list[str]]) -> tuple[np.ndarray, float]:
         def timed() -> tuple[np.ndarray, float]:
@@ -226,30 +226,6 @@ async def _closed_loop(
 
     await asyncio.gather(*(client() for _ in range(min(clients, len(batches)))))
     return results  # type: ignore[return-value]  # every slot is filled
-
-
-_client: Any = None  # the client process's SDK client
-_callers: ThreadPoolExecutor | None = None  # its threads, one per call in flight
-
-
-def _client_start(target: str, concurrency: int) -> None:
-    from mmserve_client import Client
-
-    global _client, _callers
-    _client = Client(target, timeout=600)
-    _callers = ThreadPoolExecutor(concurrency, thread_name_prefix="caller")
-
-
-def _client_embed(calls: list[list[str]]) -> tuple[np.ndarray, float]:
-    """In the client process: the Embed calls through the SDK from as many threads as
-    --concurrency (each sends its next call when its last returns), timed there; the first
-    call's vectors."""
-    assert _callers is not None
-    embed = partial(_client.embed, model=SERVED_NAME, truncate="right")
-    start = time.perf_counter()
-    results = list(_callers.map(embed, calls))
-    seconds = time.perf_counter() - start
-    return np.stack(results[0]), seconds
 
 
 Side = Callable[[list[list[str]]], tuple[np.ndarray, float]]  # calls -> (vectors, seconds)
