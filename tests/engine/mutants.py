@@ -5,15 +5,20 @@ not found exactly once is an error, so a refactor has to update this list.
     python -m tests.engine.mutants          # every mutant: killed or survived (exit 1 if any survive)
     python -m tests.engine.mutants NAME     # pytest on the fast tests with mutant NAME loaded
 
-A mutant is loaded in a fresh interpreter: its module is executed from the mutated text and put
-in sys.modules before pytest imports anything, so the checkout itself is never written.
+A mutant is loaded in a fresh interpreter (a child forked from one that imported only the heavy
+libraries, PRELOAD): its module is executed from the mutated text and put in sys.modules before
+pytest imports anything, so the checkout itself is never written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from dataclasses import dataclass
@@ -159,7 +164,7 @@ def load(mutant: Mutant) -> None:
     setattr(parent, child, module)
 
 
-def run_pytest(mutant: Mutant | None) -> int:
+def run_pytest(mutant: Mutant | None, *args: str) -> int:
     """In this interpreter: pytest on TESTS with the mutant loaded (None: none), hypothesis
     not shrinking (the first failure is all we need), derandomized (the same verdict each run)
     and without its example database."""
@@ -172,7 +177,7 @@ def run_pytest(mutant: Mutant | None) -> int:
     settings.load_profile("mutants")
     if mutant is not None:
         load(mutant)
-    return int(pytest.main(PYTEST_ARGS))
+    return int(pytest.main([*args, *PYTEST_ARGS]))
 
 
 @dataclass(frozen=True)
@@ -181,36 +186,98 @@ class Verdict:
     seconds: float
 
 
+def judge(name: str, returncode: int, stdout: str, seconds: float) -> Verdict:
+    """The verdict of one pytest run on a mutant (name: for the errors)."""
+    if returncode not in (*NO_TESTS_FAILED, 1):  # 2-4: interrupted, internal or usage error
+        raise RuntimeError(f"{name}: pytest exited {returncode}\n{stdout[-3000:]}")
+    failed = [line.split()[1] for line in stdout.splitlines() if line.startswith("FAILED ")]
+    if returncode == 1 and not failed:
+        raise RuntimeError(f"{name}: pytest failed, no test named\n{stdout[-3000:]}")
+    return Verdict(failed[0] if failed else None, seconds)
+
+
 def verdict(mutant: Mutant | None, timeout: float = 300) -> Verdict:
     """Runs the fast tests on the mutant in a fresh interpreter (None: on the real code)."""
-    mutant_args = [mutant.name] if mutant is not None else ["--none"]
+    name = mutant.name if mutant is not None else "--none"
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine.mutants", *mutant_args],
+        [sys.executable, "-m", "tests.engine.mutants", name],
         check=False,
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
-    if proc.returncode not in (*NO_TESTS_FAILED, 1):  # 2-4: interrupted, internal or usage error
-        raise RuntimeError(
-            f"{mutant_args[0]}: pytest exited {proc.returncode}\n{proc.stdout[-3000:]}"
-        )
-    failed = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
-    if proc.returncode == 1 and not failed:
-        raise RuntimeError(f"{mutant_args[0]}: pytest failed, no test named\n{proc.stdout[-3000:]}")
-    return Verdict(failed[0] if failed else None, time.monotonic() - start)
+    return judge(name, proc.returncode, proc.stdout, time.monotonic() - start)
+
+
+# what every run imports and no mutant touches: imported once by the forking interpreter (most of
+# a run's 6 s was these imports; the tests themselves take 0.5-2.5 s)
+PRELOAD = ("torch", "transformers", "numpy", "hypothesis", "pytest", "xgrammar", "xdist", "anyio", "pytest_asyncio",
+           "_hypothesis_pytestplugin", "tokenizers", "jinja2", "pydantic", "PIL.Image", "msgspec")
+
+
+def verdicts(mutants: list[Mutant | None], timeout: float = 600) -> list[Verdict]:
+    """verdict() of each mutant, from one interpreter that imports PRELOAD once and forks a child
+    per mutant (mmserve itself is imported in each child, after its mutant is loaded); one fresh
+    interpreter each where there is no fork."""
+    if not hasattr(os, "fork"):
+        return [verdict(m, timeout) for m in mutants]
+    names = [m.name if m is not None else "--none" for m in mutants]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.engine.mutants", "--fork", *names],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the forking interpreter exited {proc.returncode}\n{proc.stderr[-3000:]}")
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["name"] for r in results] == names, proc.stdout[-3000:]
+    return [Verdict(r["killer"], r["seconds"]) for r in results]
+
+
+def fork_verdicts(names: list[str]) -> None:
+    """In this interpreter: PRELOAD imported, then one forked child per name runs pytest with
+    that mutant loaded; prints each verdict as a JSON line."""
+    assert not any(m == "mmserve" or m.startswith("mmserve.") for m in sys.modules)
+    for module in PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+    for name in names:
+        with tempfile.TemporaryFile("w+") as out:
+            sys.stdout.flush()
+            start = time.monotonic()
+            pid = os.fork()
+            if pid == 0:  # the child: its output to the file, its exit code pytest's
+                code = 3
+                try:
+                    os.dup2(out.fileno(), 1)
+                    os.dup2(out.fileno(), 2)
+                    # asserts not rewritten: only which test fails counts (0.7 s a run)
+                    code = run_pytest(BY_NAME.get(name), "--assert=plain", "-p", "no:xdist")
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            out.seek(0)
+            v = judge(name, os.waitstatus_to_exitcode(status), out.read(), time.monotonic() - start)
+        print(json.dumps({"name": name, "killer": v.killer, "seconds": v.seconds}), flush=True)
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--fork"]:
+        fork_verdicts(argv[1:])
+        return 0
     if argv and argv[0] != "--none" and argv[0] not in BY_NAME:
         raise SystemExit(f"unknown mutant {argv[0]!r}; valid: --none, {', '.join(BY_NAME)}")
     if argv:
         return run_pytest(BY_NAME.get(argv[0]))
     survived = []
-    for mutant in MUTANTS:
-        v = verdict(mutant)
+    for mutant, v in zip(MUTANTS, verdicts(list(MUTANTS)), strict=True):
         outcome = f"killed by {v.killer.split('/')[-1]}" if v.killer else "SURVIVED"
         print(f"{mutant.name:42s} {v.seconds:5.1f}s  {outcome}", flush=True)
         survived += [] if v.killer else [mutant.name]
