@@ -47,8 +47,12 @@ def test_q6k_planes_are_the_blocks_reordered(num_blocks: int) -> None:
     assert torch.equal(row[208 * num_blocks : 208 * num_blocks + 2], blocks[5, 0, 208:210])
 
 
-@pytest.mark.parametrize("serial", [False, True])
-@pytest.mark.parametrize("programs_per_sm", [0, 4])
+# (programs_per_sm, SERIAL_SPLITS): K unsplit (where SERIAL_SPLITS is not read), split and summed by
+# a second kernel, split and summed by the last program
+SPLITS = [(0, False), (4, False), (4, True)]
+
+
+@pytest.mark.parametrize(("programs_per_sm", "serial"), SPLITS)
 @pytest.mark.parametrize("num_blocks", [3, 8])
 def test_q6k_planes_one_row_in_int8_activations(
     num_blocks: int, programs_per_sm: int, serial: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
@@ -72,8 +76,7 @@ def test_q6k_planes_one_row_in_int8_activations(
     assert ((out.float() - exact).norm() / exact.norm()).item() < 2e-2
 
 
-@pytest.mark.parametrize("serial", [False, True])
-@pytest.mark.parametrize("programs_per_sm", [0, 4])
+@pytest.mark.parametrize(("programs_per_sm", "serial"), SPLITS)
 @pytest.mark.parametrize(("rows", "num_blocks"), [(2, 3), (2, 8), (3, 3), (4, 1)])
 def test_q6k_several_rows_in_int8_activations(
     rows: int, num_blocks: int, programs_per_sm: int, serial: bool, dtype: torch.dtype,
