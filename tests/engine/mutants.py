@@ -213,7 +213,7 @@ def verdict(mutant: Mutant | None, timeout: float = 300) -> Verdict:
 
 # what every run imports and no mutant touches: imported once by the forking interpreter (most of
 # a run's 6 s was these imports; the tests themselves take 0.5-2.5 s)
-PRELOAD = ("torch", "transformers", "numpy", "hypothesis", "pytest", "xgrammar", "xdist", "anyio", "pytest_asyncio",
+PRELOAD = ("torch", "transformers", "numpy", "hypothesis", "pytest", "xgrammar", "anyio", "pytest_asyncio",
            "_hypothesis_pytestplugin", "tokenizers", "jinja2", "pydantic", "PIL.Image", "msgspec")
 
 
@@ -269,11 +269,13 @@ def fork_verdicts(names: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--fork"]:
+    fork = argv[:1] == ["--fork"]
+    for name in argv[1:] if fork else argv[:1]:
+        if name != "--none" and name not in BY_NAME:
+            raise SystemExit(f"unknown mutant {name!r}; valid: --none, {', '.join(BY_NAME)}")
+    if fork:
         fork_verdicts(argv[1:])
         return 0
-    if argv and argv[0] != "--none" and argv[0] not in BY_NAME:
-        raise SystemExit(f"unknown mutant {argv[0]!r}; valid: --none, {', '.join(BY_NAME)}")
     if argv:
         return run_pytest(BY_NAME.get(argv[0]))
     survived = []
