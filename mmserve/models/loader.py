@@ -185,21 +185,20 @@ def load_model(
         _load_quantised(model, hf_config, checkpoint, source, weight_only, device, torch_dtype)
     else:
         shard = model.weight_shard if sharded else None
-        if sharded and weight_only is not None:
-            raise UnsupportedModel(
-                f"tensor parallelism with a {weight_only.scheme} checkpoint is not supported yet"
-            )
         if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
             # block scales cover 128 x 128 tiles of the whole tensor: dequantised whole, then cut
             weights = iter_weights(source, hf_config)
             weights = shard_weights(dequantize_blocks(weights, fp8_checkpoint.block), shard)
+        elif weight_only is not None:
+            # packed words, groups and act order's g_idx span the whole tensor: dequantised
+            # whole, then cut (each rank holds its shard in the model's dtype, not packed)
+            weights = dequantize_weight_only(iter_weights(source, hf_config), weight_only)
+            weights = shard_weights(weights, shard)
         else:
             weights = iter_weights(source, hf_config, shard)
             if fp8_checkpoint is not None:
                 check_quantization("fp8", device)  # the checkpoint's FP8 weights load as they are
                 prepare_fp8_checkpoint(model, fp8_checkpoint)
-        if weight_only is not None:
-            weights = dequantize_weight_only(weights, weight_only)
         if int8_checkpoint:
             prepare_int8_checkpoint(model)  # (the checkpoint's int8 weights load as they are)
         _load(model, weights)

@@ -315,6 +315,31 @@ def test_fp8_checkpoints_shard_their_scales(tmp_path: Path, scheme: str) -> None
         assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (64,)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [("gptq", 4, 16, False, True), ("awq", 4, 16, False, False, "qwen2"), ("compressed-tensors", 8, 0, True, False)],
+    ids=lambda c: "-".join(map(str, c)),
+)
+def test_weight_only_checkpoints_shard_their_dequantised_weights(tmp_path: Path, case: tuple) -> None:
+    """GPTQ (act order, asymmetric), AWQ and compressed-tensors w8a16 checkpoints under 2 ranks:
+    each projection dequantised whole, then cut; the ranks compute one rank's logits (which
+    tests/models/test_weight_only.py checks against transformers), each holding its slices."""
+    from tests.models.test_weight_only import checkpoint
+
+    path, _ = checkpoint(tmp_path, *case)
+    with torch.no_grad():
+        single = chunked_logits(one := load(Path(path)))
+    held = run_ranks(2, lambda tp: (chunked_logits(m := load(Path(path), tp)), m))
+    for logits, _ in held:
+        torch.testing.assert_close(logits, single, atol=TP_ATOL, rtol=TP_RTOL)
+    whole = one.model.layers[0].mlp.down_proj.weight
+    for rank, (_, model) in enumerate(held):  # row-parallel: this rank's input columns
+        part = model.model.layers[0].mlp.down_proj.weight
+        width = whole.shape[1] // 2
+        assert torch.equal(part, whole[:, rank * width : (rank + 1) * width])
+        assert model.weight_scheme == one.weight_scheme != ""
+
+
 def image_prompt(model: Any, count: int) -> tuple[list[int], torch.Tensor]:
     """Text around `count` placeholder tokens, and their token ids as a tensor."""
     ids = [5, 17, 42] + [model.image_token_id] * count + [99, 250, 7]
