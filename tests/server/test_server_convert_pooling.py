@@ -90,6 +90,20 @@ def test_embeddings_as_floats_or_packed_little_endian(encoding: int, dtype: str 
             np.testing.assert_array_equal(np.frombuffer(e.packed, dtype), row.astype(dtype))
 
 
+@pytest.mark.parametrize("dim", [1, 5, 31, 32, 768, 4096])  # lengths of 1, 2 and 3 varint bytes
+def test_float_values_are_the_message_set_value_by_value(dim: int) -> None:
+    """ENCODING_FLOAT's values, parsed from the rows' bytes, are the Embedding that setting each
+    value builds, bit for bit (-0.0, infinities, NaN and subnormals too)."""
+    vectors = torch.randn(4, dim, generator=torch.Generator().manual_seed(dim))
+    vectors[0, 0], vectors[1, 0], vectors[2, 0], vectors[3, 0] = -0.0, float("inf"), float("nan"), 1e-40
+    got = cp.embeddings(vectors, None)
+    want = [pooling_pb2.Embedding(values=row) for row in vectors.numpy().tolist()]
+    assert [g.SerializeToString() for g in got] == [w.SerializeToString() for w in want]
+    for g, row in zip(got, vectors.numpy(), strict=True):
+        assert np.asarray(g.values, np.float32).tobytes() == row.tobytes() and not g.packed
+    assert cp.embeddings(torch.empty(0, dim), None) == []
+
+
 def test_rerank_classify_and_score_responses() -> None:
     ranked = RerankResult([RankedDocument(2, 0.9, "c"), RankedDocument(0, 0.1, "a")], 30)
     reply = cp.rerank_response(ranked, False, "r", "m", TIMING)
