@@ -10,8 +10,8 @@ from unittest import mock
 import torch
 
 
-def transformers_from_gguf(folder: Path, gguf_file: str) -> Any:
-    """transformers' GGUF load, float32, in eval mode. Within it the gguf package's reader and
+def transformers_from_gguf(folder: Path, gguf_file: str | None) -> Any:
+    """transformers' GGUF load (None: the folder's own weights), float32, in eval mode. Within it the gguf package's reader and
     tensor-name map are made once (transformers makes the reader twice and the name map once
     per module: SmolLM2 28 s -> 13 s on 2 cores); the same read-only objects, the same weights."""
     import gguf

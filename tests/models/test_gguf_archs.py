@@ -23,6 +23,7 @@ from mmserve.models import loader
 from mmserve.models.gguf import llama3_rope
 from mmserve.models.gguf_linear import gguf_quantization
 from mmserve.processors.tokenizer import load_tokenizer
+from tests.models.gguf_reference import transformers_from_gguf
 from tests.models.paged import PagedKV, PagedSeq
 from tests.utils.tiny_gguf import llama3_rope_freqs, write_tiny_gguf
 from tests.utils.tiny_models import make_tiny_model
@@ -50,10 +51,7 @@ def _ours(path: Path, blocks: bool) -> tuple[torch.Tensor, Any, str]:
 
 @torch.no_grad()
 def _transformers(folder: Path, gguf_file: str | None = None) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
-    return model.eval()(torch.tensor([IDS])).logits[0]
+    return transformers_from_gguf(folder, gguf_file)(torch.tensor([IDS])).logits[0]
 
 
 @pytest.mark.parametrize(
