@@ -32,6 +32,7 @@ class ThroughputResult:
     steps: int
     kv_cache_tokens: int = 0  # what the KV pool holds
     peak_running: int = 0  # the most requests decoding or prefilling in one step
+    preemptions: int = 0  # requests put back to wait for KV blocks (their tokens computed again)
     # where the time went: {"decode": ..., "prefill": ...} (steps_breakdown's)
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -121,6 +122,7 @@ def throughput(
         return update(plan, output)
 
     scheduler.update = recorded  # type: ignore[method-assign,assignment]
+    preempted = scheduler.num_preemptions
     try:
         while engine.has_unfinished:
             engine.step()
@@ -137,6 +139,7 @@ def throughput(
         steps=steps,
         kv_cache_tokens=engine.core.kv.num_blocks * engine.core.kv.block_size,
         peak_running=peak,
+        preemptions=scheduler.num_preemptions - preempted,
         breakdown=steps_breakdown(landed, start),
     )
 

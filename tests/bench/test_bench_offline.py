@@ -167,6 +167,24 @@ def test_bench_throughput_reports_its_flop_bound(
     assert prefill["decode_rows"] + decode["decode_rows"] == 3 * (4 - 1)  # (the first token: prefill)
     assert decode["tokens"] == decode["decode_rows"] > 0
     assert 0 < prefill["seconds"] + decode["seconds"] <= line["seconds"]
+    assert (line["peak_running"], line["preemptions"]) == (3, 0)
+
+
+def test_bench_throughput_counts_its_preemptions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], one_thread: None
+) -> None:
+    """Three requests of 8 + 12 tokens need two 16-token blocks each; three blocks hold the
+    three prompts, so each one's second block is taken from another running request."""
+    path = make_tiny_model(tmp_path, "llama")
+    flags = ["--model", str(path), "--device", "cpu", "--num-requests", "3", "--input-len", "8",
+             "--output-len", "12", "--max-model-len", "64"]  # fmt: skip
+    lines = {}
+    for blocks in (3, 6):
+        cli.run(bench_args("throughput", *flags, "--num-kv-blocks", str(blocks)))
+        (line,) = [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith("{")]
+        assert line["output_tokens"] == 36
+        lines[blocks] = line
+    assert lines[3]["preemptions"] > 0 and lines[6]["preemptions"] == 0
 
 
 def test_bench_engine_flags_are_the_engine_settings() -> None:
