@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -381,11 +381,19 @@ fi
 if has s34; then
   # target 2: offline throughput 1000 x 512/128 against the running limit and the step's token
   # budget (the bench's 256 / 8192; vLLM's offline defaults on 80-GB-class GPUs are 1024 /
-  # 16384): bf16, then FP8, then FP8 with the FP8 KV cache, each in one call
+  # 16384): bf16, then FP8, then FP8 with the FP8 KV cache (about 6 minutes on an H100)
   T="throughput --model shape:llama3-8b --load-format dummy --input-len 512 --output-len 128 --num-requests 1000"
-  { for q in "" "--quantization fp8"; do
-      for cfg in "256 8192" "1024 16384" "512 16384" "256 8192"; do set -- $cfg; echo "SEQS=$1 TOKENS=$2 $q"
-        $B $T --max-num-seqs $1 --max-num-batched-tokens $2 $q; done; done
-    echo "SEQS=1024 TOKENS=16384 fp8 kv"; $B $T --max-num-seqs 1024 --max-num-batched-tokens 16384 --quantization fp8 --kv-cache-dtype fp8
+  { for cfg in "256 8192" "1024 16384" "512 16384" "256 8192 --quantization fp8" "1024 16384 --quantization fp8" \
+      "1024 16384 --quantization fp8 --kv-cache-dtype fp8"; do
+      set -- $cfg; echo "SEQS=$1 TOKENS=$2 ${*:3}"; $B $T --max-num-seqs $1 --max-num-batched-tokens $2 "${@:3}"; done
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s34.txt"
+fi
+if has s34b; then
+  # target 1: bf16 products through cuBLASLt (TORCH_BLAS_PREFER_CUBLASLT=1) against cuBLAS, batch
+  # 1 and the batch-64 decode step, alternated
+  L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
+  D="decode --model shape:llama3-8b --load-format dummy --batch-size 64 --input-len 1024 --max-num-seqs 64"
+  { for lt in 0 1 0 1; do echo "TORCH_BLAS_PREFER_CUBLASLT=$lt"; TORCH_BLAS_PREFER_CUBLASLT=$lt $B $L; done
+    for lt in 0 1; do echo "TORCH_BLAS_PREFER_CUBLASLT=$lt"; TORCH_BLAS_PREFER_CUBLASLT=$lt $B $D; done
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s34b.txt"
 fi
