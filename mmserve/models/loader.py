@@ -42,6 +42,7 @@ from mmserve.models.parallel import TensorParallel, tensor_parallel
 from mmserve.models.registry import architecture_of, get_model_class, headless_architecture
 from mmserve.models.source import (
     ModelSource,
+    WeightShard,
     iter_safetensors_weights,
     iter_weights,
     load_generation_config,
@@ -162,11 +163,7 @@ def load_model(
             "quantization", f"the checkpoint is {held} already (quantization_config)"
         )
     dummy = model_config.load_format == "dummy"
-    packs = (
-        weight_only is not None
-        and not (dummy or sharded)
-        and device.type in weight_only_module.PACKED_ON
-    )
+    packs = weight_only is not None and not dummy and device.type in weight_only_module.PACKED_ON
     # a load that keeps projections quantised builds the model on the meta device, so that
     # the device never holds the float model (see _load_quantised)
     on_meta = blocks or packs
@@ -182,7 +179,8 @@ def load_model(
     if dummy:
         init_dummy_weights(model)
     elif on_meta:
-        _load_quantised(model, hf_config, checkpoint, source, weight_only, device, torch_dtype)
+        shard = model.weight_shard if sharded else None
+        _load_quantised(model, hf_config, checkpoint, source, weight_only, device, torch_dtype, shard)
     else:
         shard = model.weight_shard if sharded else None
         if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
@@ -191,7 +189,7 @@ def load_model(
             weights = shard_weights(dequantize_blocks(weights, fp8_checkpoint.block), shard)
         elif weight_only is not None:
             # packed words, groups and act order's g_idx span the whole tensor: dequantised
-            # whole, then cut (each rank holds its shard in the model's dtype, not packed)
+            # whole, then cut (on the CPU, which keeps no projection packed)
             weights = dequantize_weight_only(iter_weights(source, hf_config), weight_only)
             weights = shard_weights(weights, shard)
         else:
@@ -246,12 +244,14 @@ def _load_quantised(
     weight_only: WeightOnlyCheckpoint | None,
     device: torch.device,
     dtype: torch.dtype,
+    shard: WeightShard | None = None,
 ) -> None:
     """Loads a model built on the meta device whose projections stay quantised: a
     weight-only checkpoint's packed weights (from source), else the GGUF file's blocks. The quantised layers are
     put in first, holding the checkpoint's packed tensors on device; only then does the rest
     get storage, and the float tensors load. No float copy of a quantised projection is made,
-    so the device's peak is about the quantised model's size."""
+    so the device's peak is about the quantised model's size. shard: a tensor-parallel
+    rank's parts (weight-only checkpoints: each projection cut before it is repacked)."""
     if weight_only is None:
         prepare_gguf(model, device)
         float_names = {name for name, _ in model.named_parameters()}
@@ -264,7 +264,7 @@ def _load_quantised(
             return quantised_part(name, c) is not None
 
         parts = packed_parts(iter_weights(source, hf_config, only=quantised), c)
-        packed = pack_weight_only(model, parts, c, dtype, device)
+        packed = pack_weight_only(model, parts, c, dtype, device, shard)
         logger.info("%s: %d projections kept packed", c.scheme, len(packed))
         del parts  # (the parts of projections left float are read again, to dequantise)
 
@@ -272,7 +272,8 @@ def _load_quantised(
             where = quantised_part(name, c)
             return where is None or where[0] not in packed
 
-        weights = dequantize_weight_only(iter_weights(source, hf_config, only=left), c)
+        # (dequantised whole, then cut, as the float path's weight-only checkpoints)
+        weights = shard_weights(dequantize_weight_only(iter_weights(source, hf_config, only=left), c), shard)
     with _default_dtype(dtype), device:
         materialize_meta(model, device)
     _load(model, weights)

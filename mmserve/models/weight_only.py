@@ -17,13 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mmserve.errors import UnsupportedModel
 from mmserve.models.fp8 import check_kv_cache_scheme, config_group
+from mmserve.models.parallel import Shard
+
+if TYPE_CHECKING:
+    from mmserve.models.source import WeightShard
 
 # AWQ's GEMM packing: nibble k of a word holds output column 8 * word + AWQ_ORDER[k]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -163,6 +167,25 @@ class Unpacked:
         """float32 [out, in]."""
         g = self.groups
         return (self.q.float() - self.zeros.float()[:, g]) * self.scales.float()[:, g]
+
+    def cut(self, shard: Shard) -> Unpacked | None:
+        """A tensor-parallel rank's part of the weight (shard: of the [out, in] float weight):
+        its output channels (with their zeros and scales), or its input channels (with the
+        groups they use, renumbered from 0); None for a part a float weight alone can be
+        (zeros, or padded rows)."""
+        if shard.zero or shard.pad_to is not None:
+            return None
+        if shard.dim == 0:
+            rows = slice(shard.start, shard.stop)
+            return Unpacked(self.q[rows], self.zeros[rows], self.scales[rows], self.groups)
+        groups = self.groups[shard.start : shard.stop]
+        used = torch.unique(groups)  # (sorted)
+        return Unpacked(
+            self.q[:, shard.start : shard.stop],
+            self.zeros[:, used],
+            self.scales[:, used],
+            torch.searchsorted(used, groups),
+        )
 
 
 def quantised_part(name: str, checkpoint: WeightOnlyCheckpoint) -> tuple[str, str] | None:
@@ -369,6 +392,7 @@ def pack_weight_only(
     checkpoint: WeightOnlyCheckpoint,
     dtype: torch.dtype,
     device: torch.device,
+    shard: WeightShard | None = None,
 ) -> set[str]:
     """Before the float weights load (on a model built on the meta device, so that no float
     copy of a packed projection is ever made): every nn.Linear whose checkpoint projections'
@@ -376,8 +400,19 @@ def pack_weight_only(
     (a merged one's concatenated along the output channels), keeping the linear's bias, which
     loads with the float weights. Returns the checkpoint prefixes packed (their parts leave
     parts). A projection whose parts are missing (a checkpoint naming its modules otherwise)
-    or whose parts' groups differ stays an nn.Linear, to load its dequantised weight."""
+    or whose parts' groups differ stays an nn.Linear, to load its dequantised weight.
+
+    shard (tensor parallelism): each projection is cut to this rank's part of its float
+    weight (Unpacked.cut) before it is repacked. A row-parallel part whose input channels do
+    not hold whole groups of one size (an act-order checkpoint's, or a cut inside a group)
+    stays an nn.Linear, to load its part of the dequantised weight."""
     unpack = _UNPACK[checkpoint.format]
+
+    def unpacked(prefix: str) -> Unpacked | None:
+        u = unpack(prefix, parts[prefix], checkpoint)
+        part = None if shard is None else shard(f"{prefix}.weight", tuple(u.q.shape))
+        return u if part is None else u.cut(part)
+
     packed: set[str] = set()
     for path, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
@@ -389,19 +424,27 @@ def pack_weight_only(
             ] or [base]
             if not all(p in parts for p in prefixes):
                 continue
-            unpacked = [unpack(p, parts[p], checkpoint) for p in prefixes]
-            if any(not torch.equal(u.groups, unpacked[0].groups) for u in unpacked):
+            cut = [unpacked(p) for p in prefixes]
+            if any(u is None for u in cut):
+                continue
+            ours = [u for u in cut if u is not None]
+            if any(not torch.equal(u.groups, ours[0].groups) for u in ours):
                 continue
             whole = Unpacked(
-                torch.cat([u.q for u in unpacked]),
-                torch.cat([u.zeros for u in unpacked]),
-                torch.cat([u.scales for u in unpacked]),
-                unpacked[0].groups,
+                torch.cat([u.q for u in ours]),
+                torch.cat([u.zeros for u in ours]),
+                torch.cat([u.scales for u in ours]),
+                ours[0].groups,
             )
             try:
                 layer = WeightOnlyLinear.from_unpacked(whole, checkpoint.bits, dtype).to(device)
             except ValueError:
                 continue
+            if (layer.in_features, layer.out_features) != (child.in_features, child.out_features):
+                raise UnsupportedModel(
+                    f"{base}: the checkpoint's weight is {layer.out_features} x {layer.in_features}, "
+                    f"the model's {child.out_features} x {child.in_features}"
+                )
             layer.bias = child.bias
             setattr(parent, name, layer)
             for p in prefixes:

@@ -340,6 +340,55 @@ def test_weight_only_checkpoints_shard_their_dequantised_weights(tmp_path: Path,
         assert model.weight_scheme == one.weight_scheme != ""
 
 
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [("gptq", 4, 16, False, True), ("awq", 4, 16, False, False, "qwen2"), ("compressed-tensors", 8, 0, True, False)],
+    ids=lambda c: "-".join(map(str, c)),
+)  # fmt: skip
+def test_weight_only_shards_stay_packed(tmp_path: Path, case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the product runs from packed weights (CUDA; here the CPU, the Triton kernel under
+    the interpreter), each rank repacks its cut of each projection: output channels with their
+    zeros and scales, input channels with the groups they hold. Each rank's packed product
+    equals its part of the dequantised weight, and the ranks compute one rank's logits. Only
+    act order's row-parallel cuts (their groups' channels scattered over both ranks) stay
+    dequantised."""
+    from mmserve.kernels import wna16
+    from mmserve.models import weight_only
+    from mmserve.models.weight_only import WeightOnlyLinear
+    from tests.models.test_weight_only import checkpoint
+
+    path = Path(checkpoint(tmp_path, *case)[0])
+    act_order = case[4]
+    with torch.no_grad():
+        single = chunked_logits(load(path))
+    floats = run_ranks(2, lambda tp: load(path, tp))  # (the CPU's path: dequantised, then cut)
+    monkeypatch.setattr(weight_only, "PACKED_ON", ("cuda", "cpu"))
+    product, one_at_a_time = wna16.wna16_gemm, threading.Lock()
+
+    def locked(*args: Any, **kwargs: Any) -> torch.Tensor:
+        with one_at_a_time:  # (the interpreter patches triton.language while a kernel runs)
+            return product(*args, **kwargs)
+
+    monkeypatch.setattr(wna16, "wna16_gemm", locked)
+    held = run_ranks(2, lambda tp: (chunked_logits(m := load(path, tp)), m))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    for rank, (logits, model) in enumerate(held):
+        torch.testing.assert_close(logits, single, atol=1e-4, rtol=1e-4)
+        for name in PROJECTIONS:
+            layer = model.model.layers[0].get_submodule(name)
+            reference = floats[rank].model.layers[0].get_submodule(name)
+            row_parallel = name.endswith(("o_proj", "down_proj"))
+            assert isinstance(layer, WeightOnlyLinear) != (act_order and row_parallel), name
+            part = x[:, : reference.in_features]
+            with torch.no_grad():
+                want = torch.nn.functional.linear(part, reference.weight, reference.bias)
+                torch.testing.assert_close(layer(part), want, atol=1e-4, rtol=1e-4)
+        assert model.weight_scheme == floats[rank].weight_scheme != ""
+
+
 def image_prompt(model: Any, count: int) -> tuple[list[int], torch.Tensor]:
     """Text around `count` placeholder tokens, and their token ids as a tensor."""
     ids = [5, 17, 42] + [model.image_token_id] * count + [99, 250, 7]
