@@ -16,8 +16,9 @@ the kernels' reference.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,10 @@ from torch import nn
 from mmserve.errors import UnsupportedModel
 from mmserve.kernels import cpu_lib
 from mmserve.models.base import Fp8Model, ModelBase
+from mmserve.models.parallel import Shard
+
+if TYPE_CHECKING:
+    from mmserve.models.source import WeightShard
 
 # mmserve.kernels.* are imported where used (see mmserve.models.fp8); these are the formats of
 # mmserve/kernels/gguf_blocks.py: type -> bytes per block
@@ -278,18 +283,20 @@ def cpu_kernels_available() -> bool:
 
 
 @torch.no_grad()
-def prepare_gguf(model: ModelBase, device: torch.device) -> int:
+def prepare_gguf(model: ModelBase, device: torch.device, layers_only: bool = False) -> int:
     """Before a GGUF's weights load (on a model built on the meta device, so that no float
     copy of them is ever made): the decoder layers' projections and the LM head become empty
     GgufLinear, the token embedding an empty GgufEmbedding (a tied head multiplies by its
-    table), whose blocks will load onto device; returns how many modules were replaced."""
+    table), whose blocks will load onto device; returns how many modules were replaced.
+    layers_only (tensor parallelism, whose embedding and head are split over the vocabulary):
+    the decoder layers' projections alone; the embedding and the head load as floats."""
     if not model.capabilities.supports_fp8:  # the decoders whose projections can be swapped
         raise UnsupportedModel(f"GGUF blocks are not kept for {type(model).__name__}")
     embeddings = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Embedding)
+        if isinstance(child, nn.Embedding) and not layers_only
     ]
     tied_weights = {id(e.weight) for _, _, e in embeddings}
     linears = [
@@ -300,7 +307,7 @@ def prepare_gguf(model: ModelBase, device: torch.device) -> int:
         if isinstance(child, nn.Linear)
     ]
     head = dict(model.named_children()).get("lm_head")
-    if isinstance(head, nn.Linear):
+    if isinstance(head, nn.Linear) and not layers_only:
         linears.append((model, "lm_head", head))
     for parent, name, linear in linears:
         replacement = GgufLinear.empty_like(linear, device)
@@ -309,6 +316,47 @@ def prepare_gguf(model: ModelBase, device: torch.device) -> int:
     for parent, name, embedding in embeddings:
         setattr(parent, name, GgufEmbedding.empty_like(embedding, device))
     return len(linears) + len(embeddings)
+
+
+def shard_blocks(
+    weights: Iterable[tuple[str, torch.Tensor]], shard: WeightShard
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """iter_gguf_blocks' tensors cut to a tensor-parallel rank's parts (shard: of each
+    tensor's float shape). Blocks stay blocks where the cut falls on their bounds (output rows;
+    input columns at multiples of the type's block), else they are dequantised, then cut (a
+    row-parallel projection whose rank's columns end inside a block: K-quants' 256 at a small
+    width)."""
+    from mmserve.kernels.gguf_blocks import gguf_dequantize_ref
+
+    for name, tensor in weights:
+        qtype = block_type(tensor)
+        elements = 1 if qtype is None else BLOCK_ELEMENTS[qtype]
+        shape = (tensor.shape[0], tensor.shape[1] * elements) if qtype else tuple(tensor.shape)
+        part = shard(name, shape)
+        if part is None:
+            yield name, tensor
+            continue
+        cut = None if qtype is None else _cut_blocks(tensor, part, elements, shape)
+        if cut is None:
+            floats = tensor if qtype is None else gguf_dequantize_ref(tensor, qtype)
+            cut = part.read(floats, shape)
+        yield name, cut
+
+
+def _cut_blocks(
+    blocks: torch.Tensor, part: Shard, elements: int, shape: tuple[int, ...]
+) -> torch.Tensor | None:
+    """The part of a weight's blocks (uint8 [N, K / elements, bytes]; shape: [N, K]), where it
+    is whole blocks."""
+    if part.zero or part.pad_to is not None:
+        return None
+    size = shape[part.dim]
+    stop = size if part.stop is None else min(part.stop, size)
+    if part.dim == 0:
+        return blocks[part.start : stop]
+    if part.start % elements or stop % elements:
+        return None
+    return blocks[:, part.start // elements : stop // elements]
 
 
 def finish_gguf(model: nn.Module) -> None:

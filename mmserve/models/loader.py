@@ -35,6 +35,7 @@ from mmserve.models.gguf_linear import (
     cpu_kernels_available,
     finish_gguf,
     prepare_gguf,
+    shard_blocks,
 )
 from mmserve.models.int8 import checkpoint_int8, prepare_int8_checkpoint, quantize_int8
 from mmserve.models.layers import ComputedBuffers
@@ -150,8 +151,7 @@ def load_model(
     sharded = parallel is not None and parallel.size > 1
     if sharded and not model_class.capabilities.tensor_parallel:
         raise UnsupportedModel(f"{model_class.__name__} does not support tensor parallelism")
-    # (a sharded GGUF is read from its converted folder, sliced: no blocks kept)
-    blocks = not sharded and _keeps_gguf_blocks(checkpoint, model_config, device, model_class.capabilities)
+    blocks = _keeps_gguf_blocks(checkpoint, model_config, device, model_class.capabilities)
     if not blocks:
         source = materialize(checkpoint)  # with its dequantised weights
     weight_only = checkpoint_weight_only(hf_config)
@@ -176,13 +176,12 @@ def load_model(
         raise UnsupportedModel(
             f"the model uses a sliding window ({windows[0]}) and the policy is refuse"
         )
+    shard = model.weight_shard if sharded else None
     if dummy:
         init_dummy_weights(model)
     elif on_meta:
-        shard = model.weight_shard if sharded else None
         _load_quantised(model, hf_config, checkpoint, source, weight_only, device, torch_dtype, shard)
     else:
-        shard = model.weight_shard if sharded else None
         if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
             # block scales cover 128 x 128 tiles of the whole tensor: dequantised whole, then cut
             weights = iter_weights(source, hf_config)
@@ -251,12 +250,15 @@ def _load_quantised(
     put in first, holding the checkpoint's packed tensors on device; only then does the rest
     get storage, and the float tensors load. No float copy of a quantised projection is made,
     so the device's peak is about the quantised model's size. shard: a tensor-parallel
-    rank's parts (weight-only checkpoints: each projection cut before it is repacked)."""
+    rank's parts (each projection cut before it is repacked; a GGUF's blocks cut where whole
+    blocks, its embedding and LM head float)."""
     if weight_only is None:
-        prepare_gguf(model, device)
+        prepare_gguf(model, device, layers_only=shard is not None)
         float_names = {name for name, _ in model.named_parameters()}
         gguf_path = checkpoint.folder / str(checkpoint.gguf_file)
         weights = iter_gguf_blocks(gguf_path, hf_config, float_names, SUPPORTED_TYPES)
+        if shard is not None:
+            weights = shard_blocks(weights, shard)
     else:
         c = weight_only
 

