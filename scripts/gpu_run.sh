@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -396,4 +396,13 @@ if has s34b; then
   { for lt in 0 1 0 1; do echo "TORCH_BLAS_PREFER_CUBLASLT=$lt"; TORCH_BLAS_PREFER_CUBLASLT=$lt $B $L; done
     for lt in 0 1; do echo "TORCH_BLAS_PREFER_CUBLASLT=$lt"; TORCH_BLAS_PREFER_CUBLASLT=$lt $B $D; done
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s34b.txt"
+fi
+if has s35; then
+  # why bf16's decode steps of 500-900 rows cost 76-90 us a row offline (s34) against FP8's 46 and
+  # bf16's own 53 at 245 rows: the decode step at 256 rows (a CUDA graph) and 512 (eager), bf16
+  # and FP8, each profiled (torch profiler, 5 steps: $OUT/profile-*.txt)
+  for q in bf16 fp8; do for b in 256 512; do
+    flag=""; [ $q = fp8 ] && flag="--quantization fp8"; echo "$q batch $b"
+    MMSERVE_BENCH_PROFILE=$OUT/profile-$q-$b.txt $B decode --model shape:llama3-8b --load-format dummy \
+      --batch-size $b --input-len 512 --max-num-seqs $b $flag; done; done 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s35.txt"
 fi
