@@ -283,20 +283,21 @@ def cpu_kernels_available() -> bool:
 
 
 @torch.no_grad()
-def prepare_gguf(model: ModelBase, device: torch.device, layers_only: bool = False) -> int:
+def prepare_gguf(model: ModelBase, device: torch.device, vocab_split: bool = False) -> int:
     """Before a GGUF's weights load (on a model built on the meta device, so that no float
     copy of them is ever made): the decoder layers' projections and the LM head become empty
     GgufLinear, the token embedding an empty GgufEmbedding (a tied head multiplies by its
     table), whose blocks will load onto device; returns how many modules were replaced.
-    layers_only (tensor parallelism, whose embedding and head are split over the vocabulary):
-    the decoder layers' projections alone; the embedding and the head load as floats."""
+    vocab_split (tensor parallelism, whose embedding and head are split over the vocabulary):
+    the embedding loads as floats, and so does a head tied to it; an untied head keeps its
+    rank's rows of blocks (padded with zero blocks, which are zeros in every type)."""
     if not model.capabilities.supports_fp8:  # the decoders whose projections can be swapped
         raise UnsupportedModel(f"GGUF blocks are not kept for {type(model).__name__}")
     embeddings = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Embedding) and not layers_only
+        if isinstance(child, nn.Embedding) and not vocab_split
     ]
     tied_weights = {id(e.weight) for _, _, e in embeddings}
     linears = [
@@ -307,7 +308,8 @@ def prepare_gguf(model: ModelBase, device: torch.device, layers_only: bool = Fal
         if isinstance(child, nn.Linear)
     ]
     head = dict(model.named_children()).get("lm_head")
-    if isinstance(head, nn.Linear) and not layers_only:
+    others = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith("lm_head.")}
+    if isinstance(head, nn.Linear) and not (vocab_split and id(head.weight) in others):  # (tied: float)
         linears.append((model, "lm_head", head))
     for parent, name, linear in linears:
         replacement = GgufLinear.empty_like(linear, device)
@@ -322,10 +324,10 @@ def shard_blocks(
     weights: Iterable[tuple[str, torch.Tensor]], shard: WeightShard
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """iter_gguf_blocks' tensors cut to a tensor-parallel rank's parts (shard: of each
-    tensor's float shape). Blocks stay blocks where the cut falls on their bounds (output rows;
-    input columns at multiples of the type's block), else they are dequantised, then cut (a
-    row-parallel projection whose rank's columns end inside a block: K-quants' 256 at a small
-    width)."""
+    tensor's float shape). Blocks stay blocks where the cut falls on their bounds (output rows,
+    the last rank's vocabulary rows padded with zero blocks; input columns at multiples of the
+    type's block), else they are dequantised, then cut (a row-parallel projection whose rank's
+    columns end inside a block: K-quants' 256 at a small width)."""
     from mmserve.kernels.gguf_blocks import gguf_dequantize_ref
 
     for name, tensor in weights:
@@ -348,12 +350,16 @@ def _cut_blocks(
 ) -> torch.Tensor | None:
     """The part of a weight's blocks (uint8 [N, K / elements, bytes]; shape: [N, K]), where it
     is whole blocks."""
-    if part.zero or part.pad_to is not None:
+    if part.zero:
         return None
     size = shape[part.dim]
     stop = size if part.stop is None else min(part.stop, size)
     if part.dim == 0:
-        return blocks[part.start : stop]
+        rows = blocks[part.start : stop]
+        short = 0 if part.pad_to is None else part.pad_to - rows.shape[0]
+        return torch.cat([rows, rows.new_zeros(short, *rows.shape[1:])]) if short > 0 else rows
+    if part.pad_to is not None:
+        return None
     if part.start % elements or stop % elements:
         return None
     return blocks[:, part.start // elements : stop // elements]

@@ -424,23 +424,27 @@ def test_smollm2_gguf_shards_keep_their_blocks() -> None:
 
 
 @pytest.mark.skipif(not cpu_lib.available(), reason="GGUF blocks are kept on the CPU by its C library")
-def test_k_quant_shards_cut_inside_a_block_are_dequantised(tmp_path: Path) -> None:
-    """Q4_K_M at 2 ranks: column-parallel cuts keep their 256-element blocks, and so does the
-    down projection's (256 input columns a rank); o's 128 columns a rank end inside a block,
-    so that cut is held dequantised. The ranks compute one rank's logits."""
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_k_quant_shards_cut_inside_a_block_are_dequantised(tmp_path: Path, ranks: int) -> None:
+    """Q4_K_M (its untied head Q6_K) at 2 and 4 ranks: column-parallel cuts keep their
+    256-element blocks, and so do the head's vocabulary rows (386 at 4 ranks: the last rank's 95
+    padded to 97 with zero blocks); a row-parallel cut of 256 columns keeps them (down at 2),
+    one of 64 or 128 ends inside a block and is held dequantised. The ranks compute one rank's
+    logits."""
     from mmserve.bench.checkpoints import write_checkpoint
     from mmserve.models.gguf_linear import GgufLinear
     from tests.utils.tiny_models import make_tiny_tokenizer, tiny_config
 
     base = tmp_path / "base"
-    tiny_config(hidden_size=256, intermediate_size=512, head_dim=64).save_pretrained(base)
+    tiny_config(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=386).save_pretrained(base)
     make_tiny_tokenizer().save_pretrained(base)
     path = write_checkpoint(base, "gguf:Q4_K_M", tmp_path / "gguf", "tiny")
-    for model in ranks_like_one(path, 2, atol=1e-4):
+    for model in ranks_like_one(path, ranks, atol=1e-4):
         qkv, o, gate_up, down = _gguf_layers(model)
-        assert all(isinstance(layer, GgufLinear) for layer in (qkv, o, gate_up, down))
-        assert qkv.qtypes() and gate_up.qtypes() and down.qtypes() and not o.qtypes()
-        assert (o.in_features, down.in_features) == (128, 256)
+        assert all(isinstance(layer, GgufLinear) for layer in (qkv, o, gate_up, down, model.lm_head))
+        assert qkv.qtypes() and gate_up.qtypes() and not o.qtypes()
+        assert bool(down.qtypes()) == (ranks == 2) and model.lm_head.qtypes() == {"Q6_K"}
+        assert (o.in_features, down.in_features, model.lm_head.out_features) == (256 // ranks, 512 // ranks, -(-386 // ranks))
 
 
 def image_prompt(model: Any, count: int) -> tuple[list[int], torch.Tensor]:
