@@ -46,17 +46,24 @@ def hf_greedy(path: Path, prompt: list[int], n: int = 32) -> list[int]:
     return ids[len(prompt) :]
 
 
-def run_ranks(size: int, body: Callable[[TensorParallel], Any]) -> list[Any]:
-    """body(tp) on `size` threads, one per rank of a fresh gloo group; their results by rank."""
+def run_ranks(
+    size: int,
+    body: Callable[[TensorParallel], Any],
+    group_of: Callable[[Any], Any] = lambda group: group,
+    device: str = "cpu",
+    seconds: int = 60,
+) -> list[Any]:
+    """body(tp) on `size` threads, one per rank of a fresh gloo group (as group_of wraps it,
+    its tensors on device); their results by rank."""
     store = dist.HashStore()
     results: list[Any] = [None] * size
     errors: list[BaseException] = []
 
     def rank_main(rank: int) -> None:
         try:
-            group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=30))
+            group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=seconds // 2))
             with torch.no_grad():
-                results[rank] = body(TensorParallel(rank, size, group))
+                results[rank] = body(TensorParallel(rank, size, group_of(group), device))
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(e)
 
@@ -64,7 +71,7 @@ def run_ranks(size: int, body: Callable[[TensorParallel], Any]) -> list[Any]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(seconds)
     if errors:
         raise errors[0]
     return results
