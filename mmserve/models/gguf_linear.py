@@ -27,7 +27,7 @@ from torch import nn
 from mmserve.errors import UnsupportedModel
 from mmserve.kernels import cpu_lib
 from mmserve.models.base import Fp8Model, ModelBase
-from mmserve.models.parallel import Shard
+from mmserve.models.parallel import Shard, TensorParallel, VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from mmserve.models.source import WeightShard
@@ -197,21 +197,29 @@ class GgufLinear(nn.Module):
 
 class GgufEmbedding(nn.Module):
     """The token embedding as GGUF blocks [vocab, blocks, bytes] (or a float table): a lookup
-    dequantises only the rows it reads."""
+    dequantises only the rows it reads. Split over the vocabulary (tp: VocabParallelEmbedding's
+    rows from `start`), each rank looks up the ids it holds, zeros for the others, and one
+    all-reduce sums them."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:  # fmt: skip
+                 device: torch.device, tp: TensorParallel | None = None, start: int = 0) -> None:  # fmt: skip
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.dtype, self.device = dtype, device
+        self.tp, self.start = tp, start
         self.qtype: str | None = None  # the table's GGUF type; None: float
         self.table: torch.Tensor | None
         self.register_buffer("table", None)  # [vocab, blocks, bytes] or [vocab, dim], loaded
 
     @classmethod
-    def empty_like(cls, embedding: nn.Embedding, device: torch.device) -> GgufEmbedding:
-        dtype = embedding.weight.dtype
-        return cls(embedding.num_embeddings, embedding.embedding_dim, dtype, device)
+    def empty_like(
+        cls, embedding: nn.Embedding | VocabParallelEmbedding, device: torch.device
+    ) -> GgufEmbedding:
+        """Of an nn.Embedding, or a VocabParallelEmbedding (its rank's rows)."""
+        rows, dim = embedding.weight.shape
+        if isinstance(embedding, VocabParallelEmbedding):
+            return cls(rows, dim, embedding.weight.dtype, device, embedding.tp, embedding.start)
+        return cls(rows, dim, embedding.weight.dtype, device)
 
     def load_rows(self, tensor: torch.Tensor, name: str, rows: slice | None = None) -> None:
         qtype = block_type(tensor)
@@ -230,6 +238,14 @@ class GgufEmbedding(nn.Module):
             raise UnsupportedModel("the checkpoint lacks the token embedding")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] int64 -> [..., dim]
+        if self.tp is None:
+            return self._lookup(ids)
+        local = ids - self.start
+        held = (local >= 0) & (local < self.num_embeddings)
+        x = self._lookup(local.clamp(0, self.num_embeddings - 1))
+        return self.tp.all_reduce(x * held.unsqueeze(-1).to(x.dtype))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.table is not None  # finish() checked it
         if self.qtype is None:
             return F.embedding(ids, self.table)
@@ -283,21 +299,21 @@ def cpu_kernels_available() -> bool:
 
 
 @torch.no_grad()
-def prepare_gguf(model: ModelBase, device: torch.device, vocab_split: bool = False) -> int:
+def prepare_gguf(model: ModelBase, device: torch.device) -> int:
     """Before a GGUF's weights load (on a model built on the meta device, so that no float
     copy of them is ever made): the decoder layers' projections and the LM head become empty
     GgufLinear, the token embedding an empty GgufEmbedding (a tied head multiplies by its
     table), whose blocks will load onto device; returns how many modules were replaced.
-    vocab_split (tensor parallelism, whose embedding and head are split over the vocabulary):
-    the embedding loads as floats, and so does a head tied to it; an untied head keeps its
-    rank's rows of blocks (padded with zero blocks, which are zeros in every type)."""
+    Under tensor parallelism the embedding (a VocabParallelEmbedding) and the head keep their
+    rank's vocabulary rows of blocks, the last rank's padded with zero blocks (zeros in every
+    type)."""
     if not model.capabilities.supports_fp8:  # the decoders whose projections can be swapped
         raise UnsupportedModel(f"GGUF blocks are not kept for {type(model).__name__}")
     embeddings = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Embedding) and not vocab_split
+        if isinstance(child, (nn.Embedding, VocabParallelEmbedding))
     ]
     tied_weights = {id(e.weight) for _, _, e in embeddings}
     linears = [
@@ -308,8 +324,7 @@ def prepare_gguf(model: ModelBase, device: torch.device, vocab_split: bool = Fal
         if isinstance(child, nn.Linear)
     ]
     head = dict(model.named_children()).get("lm_head")
-    others = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith("lm_head.")}
-    if isinstance(head, nn.Linear) and not (vocab_split and id(head.weight) in others):  # (tied: float)
+    if isinstance(head, nn.Linear):
         linears.append((model, "lm_head", head))
     for parent, name, linear in linears:
         replacement = GgufLinear.empty_like(linear, device)

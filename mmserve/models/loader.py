@@ -251,9 +251,9 @@ def _load_quantised(
     get storage, and the float tensors load. No float copy of a quantised projection is made,
     so the device's peak is about the quantised model's size. shard: a tensor-parallel
     rank's parts (each projection cut before it is repacked; a GGUF's blocks cut where whole
-    blocks, its embedding float)."""
+    blocks)."""
     if weight_only is None:
-        prepare_gguf(model, device, vocab_split=shard is not None)
+        prepare_gguf(model, device)
         float_names = {name for name, _ in model.named_parameters()}
         gguf_path = checkpoint.folder / str(checkpoint.gguf_file)
         weights = iter_gguf_blocks(gguf_path, hf_config, float_names, SUPPORTED_TYPES)

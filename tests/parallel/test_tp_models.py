@@ -416,9 +416,9 @@ def _gguf_layers(model: Any) -> list[Any]:
 def test_smollm2_gguf_shards_keep_their_blocks() -> None:
     """The embedded default's GGUF at 3 ranks (9 q / 3 KV heads): each rank holds its cut of
     each projection as the file's Q4_1 blocks (input columns 192 and 512 wide, whole 32-element
-    blocks), the embedding and the tied head as floats split over the vocabulary; the ranks
-    compute one rank's logits."""
-    from mmserve.models.gguf_linear import GgufLinear, gguf_quantization
+    blocks) and its third of the vocabulary's Q8_0 rows, the embedding's and the tied head's
+    (one table); the ranks compute one rank's logits."""
+    from mmserve.models.gguf_linear import GgufEmbedding, GgufLinear, gguf_quantization
 
     path = smollm2_gguf_path()
     if path is None:
@@ -427,19 +427,23 @@ def test_smollm2_gguf_shards_keep_their_blocks() -> None:
         qkv, o, gate_up, down = _gguf_layers(model)
         assert all(isinstance(layer, GgufLinear) and layer.qtypes() == {"Q4_1"} for layer in (qkv, o, gate_up, down))
         assert (qkv.out_features, o.in_features, gate_up.out_features, down.in_features) == (320, 192, 1024, 512)
-        assert gguf_quantization(model) == "gguf:Q4_1"
+        embedding = model.model.embed_tokens
+        assert isinstance(embedding, GgufEmbedding) and embedding.qtype == "Q8_0"
+        assert embedding.table is not None and embedding.table.shape[0] == 49152 // 3
+        assert model.lm_head.tied and model.lm_head.get_buffer("part0") is embedding.table
+        assert gguf_quantization(model) == "gguf:Q4_1+Q8_0"
 
 
 @pytest.mark.skipif(not cpu_lib.available(), reason="GGUF blocks are kept on the CPU by its C library")
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_k_quant_shards_cut_inside_a_block_are_dequantised(tmp_path: Path, ranks: int) -> None:
     """Q4_K_M (its untied head Q6_K) at 2 and 4 ranks: column-parallel cuts keep their
-    256-element blocks, and so do the head's vocabulary rows (386 at 4 ranks: the last rank's 95
-    padded to 97 with zero blocks); a row-parallel cut of 256 columns keeps them (down at 2),
-    one of 64 or 128 ends inside a block and is held dequantised. The ranks compute one rank's
-    logits."""
+    256-element blocks, and so do the embedding's and the head's vocabulary rows (386 at 4
+    ranks: the last rank's 95 padded to 97 with zero blocks); a row-parallel cut of 256 columns
+    keeps them (down at 2), one of 64 or 128 ends inside a block and is held dequantised. The
+    ranks compute one rank's logits."""
     from mmserve.bench.checkpoints import write_checkpoint
-    from mmserve.models.gguf_linear import GgufLinear
+    from mmserve.models.gguf_linear import GgufEmbedding, GgufLinear
     from tests.utils.tiny_models import make_tiny_tokenizer, tiny_config
 
     base = tmp_path / "base"
@@ -452,6 +456,9 @@ def test_k_quant_shards_cut_inside_a_block_are_dequantised(tmp_path: Path, ranks
         assert qkv.qtypes() and gate_up.qtypes() and not o.qtypes()
         assert bool(down.qtypes()) == (ranks == 2) and model.lm_head.qtypes() == {"Q6_K"}
         assert (o.in_features, down.in_features, model.lm_head.out_features) == (256 // ranks, 512 // ranks, -(-386 // ranks))
+        embedding = model.model.embed_tokens
+        assert isinstance(embedding, GgufEmbedding) and embedding.qtype is not None
+        assert embedding.num_embeddings == -(-386 // ranks)
 
 
 def image_prompt(model: Any, count: int) -> tuple[list[int], torch.Tensor]:
