@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmserve.bench.host_times import HostTimes, host_times
 from mmserve.engine.sched_output import SchedulerOutput
 from mmserve.frontend.frontend import FrontEnd
 from mmserve.params import SamplingParams
@@ -35,6 +36,10 @@ class ThroughputResult:
     preemptions: int = 0  # requests put back to wait for KV blocks (their tokens computed again)
     # where the time went: {"decode": ..., "prefill": ...} (steps_breakdown's)
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)
+    # the engine thread's ms a step by part (mmserve.bench.host_times; "wait": blocked on the
+    # device's tokens, near zero when the host sets the pace), and the run's wall ms a step
+    host_ms_per_step: dict[str, float] = field(default_factory=dict)
+    host_wall_ms_per_step: float = 0.0
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -115,21 +120,23 @@ def throughput(
     steps = peak = 0
     landed: list[tuple[SchedulerOutput, float]] = []  # each plan as its tokens reach the host
     scheduler = engine.core.scheduler
-    update = scheduler.update
-
-    def recorded(plan: SchedulerOutput, output: Any) -> Any:
-        landed.append((plan, time.perf_counter()))
-        return update(plan, output)
-
-    scheduler.update = recorded  # type: ignore[method-assign,assignment]
     preempted = scheduler.num_preemptions
-    try:
-        while engine.has_unfinished:
-            engine.step()
-            steps += 1
-            peak = max(peak, len(scheduler.running))
-    finally:
-        del scheduler.update  # (the instance's wrapper: the class's method again)
+    host = HostTimes()
+    with host_times(engine.core, host):
+        update = scheduler.update  # (host_times' timed wrapper)
+
+        def recorded(plan: SchedulerOutput, output: Any) -> Any:
+            landed.append((plan, time.perf_counter()))
+            return update(plan, output)
+
+        scheduler.update = recorded  # type: ignore[method-assign,assignment]
+        try:
+            while engine.has_unfinished:
+                engine.step()
+                steps += 1
+                peak = max(peak, len(scheduler.running))
+        finally:
+            scheduler.update = update  # type: ignore[method-assign]  # (host_times then removes it)
     seconds = time.perf_counter() - start
     return ThroughputResult(
         num_requests=num_requests,
@@ -141,6 +148,8 @@ def throughput(
         peak_running=peak,
         preemptions=scheduler.num_preemptions - preempted,
         breakdown=steps_breakdown(landed, start),
+        host_ms_per_step=host.per_step_ms(),
+        host_wall_ms_per_step=host.wall_ms_per_step(),
     )
 
 

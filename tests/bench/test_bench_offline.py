@@ -168,6 +168,13 @@ def test_bench_throughput_reports_its_flop_bound(
     assert decode["tokens"] == decode["decode_rows"] > 0
     assert 0 < prefill["seconds"] + decode["seconds"] <= line["seconds"]
     assert (line["peak_running"], line["preemptions"]) == (3, 0)
+    # the engine thread's time a step by part, within the run's wall time a step
+    host = line["host_ms_per_step"]
+    assert set(host) == {"schedule", "launch", "wait", "sample", "update", "gc"}
+    assert host["launch"] > 0 and host["update"] > 0
+    parts = sum(v for k, v in host.items() if k != "gc")
+    assert 0 < parts <= line["host_wall_ms_per_step"] + 1e-3
+    assert line["host_wall_ms_per_step"] * line["steps"] <= 1e3 * line["seconds"] * 1.01
 
 
 def test_bench_throughput_counts_its_preemptions(
