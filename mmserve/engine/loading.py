@@ -23,6 +23,7 @@ from mmserve.models.loader import (
     resolve_device,
     resolve_dtype,
     resolve_model_source,
+    tp_model_path,
 )
 from mmserve.models.registry import architecture_of
 from mmserve.processors.tokenizer import eos_token_ids, load_tokenizer, vocab_size
@@ -44,11 +45,12 @@ class LoadedEngine:
 def load_engine(config: EngineConfig) -> LoadedEngine:
     start = time.monotonic()
     tp = config.parallel.tensor_parallel_size > 1
-    # the config and tokenizer of a GGUF's converted folder; its weights only for tensor
-    # parallelism (ranks read their slices of them); without, load_model reads the GGUF
-    # (dequantised from that folder, or its blocks from the file itself on CUDA)
-    source = materialize(resolve_model_source(config.model.model), weights=tp)
-    model_config = replace(config.model, model=str(source.folder)) if tp else config.model
+    # the config and tokenizer of a GGUF's converted folder; load_model reads the GGUF
+    # (dequantised from that folder, or its blocks from the file itself), and so does each
+    # rank, unless its blocks are not kept: then the ranks read their slices of the folder's
+    # weights, converted once here (tp_model_path)
+    source = materialize(resolve_model_source(config.model.model), weights=False)
+    model_config = replace(config.model, model=tp_model_path(config.model)) if tp else config.model
     ranks = None
     if config.parallel.tensor_parallel_size > 1:  # the other ranks load their shards meanwhile
         ranks = start_ranks(replace(config, model=model_config))

@@ -268,12 +268,10 @@ def follow_torchrun(config: EngineConfig) -> None:
     launched = envs.torchrun_rank()
     if launched is None:
         raise ValueError("follow_torchrun() outside torchrun (no RANK / WORLD_SIZE)")
-    from mmserve.models.gguf_cache import materialize
-    from mmserve.models.source import resolve_model_source
+    from mmserve.models.loader import tp_model_path
 
     rank, world, local_rank = launched
-    source = materialize(resolve_model_source(config.model.model))  # as rank 0 reads it
-    config = replace(config, model=replace(config.model, model=str(source.folder)))
+    config = replace(config, model=replace(config.model, model=tp_model_path(config.model)))  # as rank 0 reads it
     timeout = config.parallel.distributed_timeout
     store, _, _ = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout)))
     device = rank_device(config.model.device, local_rank)

@@ -307,6 +307,21 @@ def materialize_meta(model: torch.nn.Module, device: torch.device) -> None:
     model.to(device)
 
 
+def tp_model_path(config: ModelConfig) -> str:
+    """The model path a tensor-parallel launch gives its ranks: a GGUF checkpoint that keeps
+    its blocks (see _keeps_gguf_blocks) as it is, each rank cutting its blocks from the file;
+    any other GGUF its converted folder with the dequantised weights (converted here, once,
+    before the ranks start; each reads its slices of it); anything else as it is."""
+    checkpoint = resolve_model_source(config.model)
+    if checkpoint.gguf_file is None:
+        return config.model
+    folder = materialize(checkpoint, weights=False)  # (config and tokenizer: for the class)
+    model_class = get_model_class(_architecture(load_hf_config(folder), checkpoint))
+    if _keeps_gguf_blocks(checkpoint, config, resolve_device(config.device), model_class.capabilities):
+        return config.model
+    return str(materialize(checkpoint).folder)
+
+
 def _keeps_gguf_blocks(
     source: ModelSource, config: ModelConfig, device: torch.device, caps: ModelCapabilities
 ) -> bool:

