@@ -144,10 +144,7 @@ def load_model(
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     check_quantization(model_config.quantization, device)
-    checkpoint = resolve_model_source(model_config.model)
-    source = materialize(checkpoint, weights=False)  # a GGUF's converted folder
-    hf_config = load_hf_config(source)
-    model_class = get_model_class(_architecture(hf_config, checkpoint))
+    checkpoint, source, hf_config, model_class = _checkpoint(model_config.model)
     sharded = parallel is not None and parallel.size > 1
     if sharded and not model_class.capabilities.tensor_parallel:
         raise UnsupportedModel(f"{model_class.__name__} does not support tensor parallelism")
@@ -210,6 +207,15 @@ def load_model(
     model.requires_grad_(False)
     model.eval()
     return model, hf_config, load_generation_config(source)
+
+
+def _checkpoint(model: str) -> tuple[ModelSource, ModelSource, Any, type[ModelBase]]:
+    """A model path's checkpoint, the folder of its config and tokenizer (a GGUF's converted
+    folder, weights not yet written), its transformers config and the model class serving it."""
+    checkpoint = resolve_model_source(model)
+    source = materialize(checkpoint, weights=False)
+    hf_config = load_hf_config(source)
+    return checkpoint, source, hf_config, get_model_class(_architecture(hf_config, checkpoint))
 
 
 def _architecture(hf_config: Any, source: ModelSource) -> str:
@@ -312,11 +318,9 @@ def tp_model_path(config: ModelConfig) -> str:
     its blocks (see _keeps_gguf_blocks) as it is, each rank cutting its blocks from the file;
     any other GGUF its converted folder with the dequantised weights (converted here, once,
     before the ranks start; each reads its slices of it); anything else as it is."""
-    checkpoint = resolve_model_source(config.model)
+    checkpoint, _, _, model_class = _checkpoint(config.model)
     if checkpoint.gguf_file is None:
         return config.model
-    folder = materialize(checkpoint, weights=False)  # (config and tokenizer: for the class)
-    model_class = get_model_class(_architecture(load_hf_config(folder), checkpoint))
     if _keeps_gguf_blocks(checkpoint, config, resolve_device(config.device), model_class.capabilities):
         return config.model
     return str(materialize(checkpoint).folder)

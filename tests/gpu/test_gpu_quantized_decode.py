@@ -30,15 +30,11 @@ def test_gpu_quantized_decodes_as_the_cpu(tmp_path, fmt: str, scheme: str, switc
     log(1 / vocabulary), about 1 below the best, and rarely in its best three.)"""
     import importlib
 
-    from mmserve.bench.checkpoints import write_checkpoint
-    from tests.utils.tiny_models import make_tiny_tokenizer, tiny_config
+    from tests.utils.tiny_models import tiny_checkpoint
 
     module, name = switch.split(".")
     assert getattr(importlib.import_module(f"mmserve.kernels.{module}"), name)  # (the int8-activation product is the default)
-    base = tmp_path / "base"
-    tiny_config(hidden_size=256, intermediate_size=512, head_dim=64).save_pretrained(base)
-    make_tiny_tokenizer().save_pretrained(base)
-    path = write_checkpoint(base, fmt, tmp_path / "checkpoint", "tiny")
+    path = tiny_checkpoint(tmp_path, fmt)
     gpu = LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=64)
     assert gpu.frontend.info.quantization == scheme
     prompts = [gpu.tokenizer.encode(t) for t in ("The quick brown fox jumps over the lazy dog", "Pack my box")]

@@ -17,7 +17,7 @@ from mmserve.attention.triton_backend import TritonAttentionBackend
 from mmserve.config import ModelConfig
 from mmserve.models.loader import load_model
 from mmserve.models.parallel import TensorParallel
-from tests.parallel.test_tp_models import PROJECTIONS, chunked_logits, run_ranks
+from tests.parallel.test_tp_models import chunked_logits, first_layer_projections, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -106,23 +106,19 @@ def test_weight_only_cuts_run_packed_on_cuda(tmp_path: Path, case: tuple) -> Non
 
     path = Path(checkpoint(tmp_path, *case)[0])
     for model in compare_ranks(path, 2, dtypes=("bfloat16", "float32")):
-        layers = [model.model.layers[0].get_submodule(name) for name in PROJECTIONS]
+        layers = first_layer_projections(model)
         packed = [isinstance(layer, WeightOnlyLinear) for layer in layers]
         assert packed == [True, not case[4], True, not case[4]]  # (act order: o, down float)
 
 
 def test_gguf_cuts_keep_their_blocks_on_cuda(tmp_path: Path) -> None:
     """A Q4_K_M at 2 ranks (Q4_K and Q6_K blocks, the untied head's Q6_K rows cut)."""
-    from mmserve.bench.checkpoints import write_checkpoint
     from mmserve.models.gguf_linear import GgufLinear
-    from tests.utils.tiny_models import make_tiny_tokenizer, tiny_config
+    from tests.utils.tiny_models import tiny_checkpoint
 
-    base = tmp_path / "base"
-    tiny_config(hidden_size=256, intermediate_size=1024, head_dim=64).save_pretrained(base)
-    make_tiny_tokenizer().save_pretrained(base)
-    path = write_checkpoint(base, "gguf:Q4_K_M", tmp_path / "gguf", "tiny")
+    path = tiny_checkpoint(tmp_path, "gguf:Q4_K_M", intermediate_size=1024)
     for model in compare_ranks(path, 2, dtypes=("bfloat16", "float32")):
-        layers = [model.model.layers[0].get_submodule(name) for name in PROJECTIONS]
+        layers = first_layer_projections(model)
         assert all(isinstance(layer, GgufLinear) for layer in layers)
         assert [bool(layer.qtypes()) for layer in layers] == [True, False, True, True]  # (o: 128 columns)
         assert model.lm_head.qtypes() == {"Q6_K"}

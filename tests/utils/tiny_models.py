@@ -103,6 +103,18 @@ def tiny_config(arch: str = "llama", **overrides: Any) -> Any:
     return config_class(**settings)
 
 
+def tiny_checkpoint(folder: Path, fmt: str, **overrides: Any) -> Path:
+    """A tiny Llama whose rows are whole GGUF K-quant blocks and g128 groups (hidden 256, FFN
+    512, heads of 64; overrides change it) written in fmt, as `mmserve bench
+    --checkpoint-format` writes one (random weights): its model path, under folder."""
+    from mmserve.bench.checkpoints import write_checkpoint
+
+    base = folder / "base"
+    tiny_config(**{"hidden_size": 256, "intermediate_size": 512, "head_dim": 64, **overrides}).save_pretrained(base)
+    make_tiny_tokenizer().save_pretrained(base)
+    return write_checkpoint(base, fmt, folder / "checkpoint", "tiny")
+
+
 def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any) -> Any:
     """A transformers model in float32, eval mode, with seeded weights drawn at O(1) scale."""
     import transformers
