@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -413,4 +413,17 @@ if has s36; then
   { for cfg in "1024 16384" "256 8192"; do set -- $cfg; echo "SEQS=$1 TOKENS=$2"
       $B $T --max-num-seqs $1 --max-num-batched-tokens $2; done
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s36.txt"
+fi
+if has s37; then
+  # target 6: the step before's tokens into the matchers on the filler's thread, right before the
+  # fill (model_runner.EARLY_ACCEPT), against the update's accept and then the fill (session
+  # 34's): their tests in bf16 (SKIP_TESTS=1: not), then batch 1 and 64 constrained and free,
+  # alternated
+  [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_host_gate.py tests/gpu/test_gpu_structured.py \
+    tests/engine/test_async_scheduling.py 2>&1 | tail -5 | tee "$OUT/s37-tests.txt"
+  Z="structured --model shape:llama3-8b --load-format dummy --batch-sizes 1,64 --input-len 128 --output-len 128"
+  Z="$Z --max-num-seqs 64 --compile-repeats 1"
+  for t in True False True False; do echo "EARLY_ACCEPT=$t"
+    python3 scripts/ab_switch.py mmserve.runner.model_runner.EARLY_ACCEPT=$t -- $Z; done 2>&1 \
+    | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s37.txt"
 fi

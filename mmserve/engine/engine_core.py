@@ -242,6 +242,10 @@ class EngineCore:
             speculator.propose(scheduler.running)
         plan = self.scheduler.schedule()
         step = self.runner.launch(plan)
+        if step is not None and self._in_flight is not None:  # (the grammars' fill: now)
+            before, launched = self._in_flight
+            accepts = self.scheduler.grammar_accepts(before)
+            self.runner.start_grammars(step, launched, accepts, self.scheduler.requests)
         outputs += self._land_in_flight()
         if step is None:
             return outputs + self.scheduler.update(plan, RunnerOutput())

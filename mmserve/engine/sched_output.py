@@ -76,3 +76,6 @@ class RunnerOutput:
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> result (CPU)
     # request id -> (position of the first target token, logprobs of this chunk's prompt tokens)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # the requests whose grammar refused their sampled token, where the runner put the tokens
+    # into the matchers (ModelRunner.start_grammars); None: the scheduler's update does
+    grammar_refused: set[str] | None = None

@@ -23,7 +23,7 @@ from mmserve.engine.sched_output import (
 )
 from mmserve.outputs import TokenLogprob
 from mmserve.request import Request, RequestStatus
-from mmserve.structured_output.backend import accept_tokens
+from mmserve.structured_output.backend import GrammarMatcher, accept_tokens
 
 
 class Scheduler:
@@ -269,21 +269,34 @@ class Scheduler:
                 outputs[-1].pooled = result.pooled.get(item.request_id)
         return outputs
 
+    def grammar_accepts(self, plan: SchedulerOutput) -> list[tuple[str, GrammarMatcher]]:
+        """The constrained requests of a launched step whose sampled token the update puts
+        into their matcher (those still running, without guesses: those take theirs one by
+        one), as (request id, matcher). The runner may take them earlier (start_grammars)."""
+        accepts = []
+        for item in plan.scheduled:
+            if item.grammar is None or item.draft_token_ids:
+                continue
+            request = self.requests.get(item.request_id)
+            if request is not None and not request.status.finished:
+                accepts.append((item.request_id, item.grammar))
+        return accepts
+
     def _accept_grammar_tokens(self, plan: SchedulerOutput, result: RunnerOutput) -> set[str]:
         """Every constrained request's new token into its matcher, in one batched call (the
-        bitmask allowed only acceptable tokens; _check_stop then reads is_terminated). Returns
-        the requests whose matcher refused its token: their row had nothing left to draw from
-        (the grammar, complete, allowed only the stop tokens that min_tokens held back)."""
+        bitmask allowed only acceptable tokens; _check_stop then reads is_terminated), unless
+        the runner did (result.grammar_refused). Returns the requests whose matcher refused
+        its token: their row had nothing left to draw from (the grammar, complete, allowed
+        only the stop tokens that min_tokens held back)."""
+        if result.grammar_refused is not None:
+            return result.grammar_refused
         matchers, tokens, ids = [], [], []
-        for item in plan.scheduled:
-            if item.grammar is None or item.draft_token_ids:  # (those take theirs one by one)
-                continue
-            sampled = result.sampled.get(item.request_id)
-            request = self.requests.get(item.request_id)
-            if sampled is not None and request is not None and not request.status.finished:
-                matchers.append(item.grammar)
+        for request_id, matcher in self.grammar_accepts(plan):
+            sampled = result.sampled.get(request_id)
+            if sampled is not None:
+                matchers.append(matcher)
                 tokens.append(sampled.token_id)
-                ids.append(item.request_id)
+                ids.append(request_id)
         if not matchers:
             return set()
         accepted = accept_tokens(matchers, tokens)

@@ -11,16 +11,26 @@ there: `wait()` joins the fill before the mask is applied.
 
 The matchers are the fill's until `finish()`: the runner calls it before it hands the step's
 tokens over (resolve), which is before anything else touches a matcher.
+
+A fill may first run the accept of the step before's tokens (`start`'s `first`, from the
+runner's `start_grammars`): the filler's thread waits for those tokens on the host, puts them
+into their matchers and fills at once, so the fill no longer waits for the main thread's
+update of the step before. Only that accept's result is handed over early (the future `start`
+returns): the scheduler's update reads it, and reads the matchers' `is_terminated` (the fill
+only reads them too) while the fill goes on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 
 from mmserve.structured_output.backend import GrammarMatcher, fill_bitmasks
+
+T = TypeVar("T")
 
 
 class MaskFiller:
@@ -37,14 +47,30 @@ class MaskFiller:
         self._pending: Future[None] | None = None
         self._ticket = 0
 
-    def start(self, matchers: Sequence[GrammarMatcher], mask: torch.Tensor, rows: Sequence[int]) -> None:
-        """Starts filling mask[rows[i]] for matchers[i] (fill_bitmasks), the fill before ended."""
+    def start(
+        self,
+        matchers: Sequence[GrammarMatcher],
+        mask: torch.Tensor,
+        rows: Sequence[int],
+        first: Callable[[], T] | None = None,
+    ) -> Future[T]:
+        """Starts filling mask[rows[i]] for matchers[i] (fill_bitmasks), the fill before ended;
+        `first` (if any) runs on the fill's thread before it. Returns first's future, which is
+        done before the fill ends (its result None without one); when first raises, nothing
+        is filled and finish() raises it too."""
         self.finish()
         self._ticket += 1
         gate, ticket = self._gate, self._ticket
+        before: Future[T] = Future()
+        before.set_running_or_notify_cancel()
 
         def fill() -> None:
             try:
+                try:
+                    before.set_result(first() if first is not None else None)  # type: ignore[arg-type]
+                except BaseException as error:
+                    before.set_exception(error)
+                    raise
                 with torch.inference_mode():  # (thread-local: the mask is the runner's, made in it)
                     fill_bitmasks(matchers, mask, rows)
             finally:  # (a fill that raised still opens the gate: the error comes at finish())
@@ -52,6 +78,7 @@ class MaskFiller:
                     gate.open(ticket)
 
         self._pending = self._pool.submit(fill)
+        return before
 
     def wait(self) -> None:
         """Makes what is enqueued next wait for the fill: on CUDA on the current stream (a

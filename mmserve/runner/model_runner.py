@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Container
+from collections.abc import Container, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,13 @@ from mmserve.runner.sampler import (
     top_logprobs,
     verify_on_device,
 )
-from mmserve.structured_output.backend import allocate_bitmask, apply_bitmask, fill_bitmasks
+from mmserve.structured_output.backend import (
+    GrammarMatcher,
+    accept_tokens,
+    allocate_bitmask,
+    apply_bitmask,
+    fill_bitmasks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,10 @@ MASK_COPY_STREAM = True
 # everywhere (the CPU joins the fill before applying it: for tests), False nowhere (as before
 # session 32; for scripts/ab_switch.py)
 MASK_FILL_THREAD: bool | None = None
+# With a filler, the step before's tokens go into the matchers on its thread, right before the
+# fill (ModelRunner.start_grammars); False: the update accepts them and the fill starts after
+# it (as before session 35; for scripts/ab_switch.py)
+EARLY_ACCEPT = True
 
 
 class _MaskCopies:
@@ -119,6 +130,11 @@ def _mask(
     apply_bitmask(logits, mask, rows, kernel)
 
 
+def _constrained_rows(reqs: list[ScheduledRequest], live: Container[str] | None) -> list[int]:
+    """The sampling rows whose request has a grammar and is live (all when live is None)."""
+    return [i for i, r in enumerate(reqs) if r.grammar is not None and (live is None or r.request_id in live)]
+
+
 def _to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """A host copy of a device tensor, started now, and the event that marks it done (CUDA:
     into pinned memory, without waiting; on the CPU the tensor itself and no event)."""
@@ -172,6 +188,11 @@ class LaunchedStep:
     # a step that checked speculative guesses: host_tokens is [2, rows], each sampling
     # request's guesses' positions and one more (the tokens, then whether each was accepted)
     checked_guesses: bool = False
+    # start_grammars: this step's grammar masks (the mask, its constrained rows), filling
+    # since before the step before landed; and the requests whose matcher refused this step's
+    # token, being found on the filler's thread (resolve() hands them to the update)
+    grammar_mask: tuple[torch.Tensor, list[int]] | None = None
+    grammar_refused: Future[set[str]] | None = None
 
     @property
     def pending(self) -> bool:
@@ -367,7 +388,7 @@ class ModelRunner:
         # the LM head enqueued first: the grammars' bitmask fill (host work) then overlaps it
         # as well as the forward pass, and a slow fill delays the GPU less
         logits = self.model.compute_logits(self._sampled_rows(step.hidden, batch.sample_rows))
-        bitmask = self._grammar_bitmask(reqs, live)  # (started on the filler's thread)
+        bitmask = step.grammar_mask or self._grammar_bitmask(reqs, live)  # (on the filler's thread)
         if bitmask is not None:
             _mask(logits, bitmask, self._mask_copies, self._filler)
         rows = [self._sampling_row(s) for s in reqs]
@@ -446,7 +467,9 @@ class ModelRunner:
         out = step.out
         if step.copied is not None:
             step.copied.synchronize()
-        if self._filler is not None:
+        if step.grammar_refused is not None:  # (the next step's fill goes on: start_grammars)
+            out.grammar_refused = step.grammar_refused.result()
+        elif self._filler is not None:
             self._filler.finish()  # the matchers are the scheduler's again
         if step.checked_guesses:
             self._resolve_guesses(step)
@@ -522,17 +545,55 @@ class ModelRunner:
             x[row : row + end - first] = self.encoder_outputs[mm.key][first:end].to(x.dtype)
         return x
 
+    def start_grammars(
+        self,
+        step: LaunchedStep,
+        before: LaunchedStep,
+        accepts: Sequence[tuple[str, GrammarMatcher]],
+        live: Container[str] | None = None,
+    ) -> None:
+        """Async scheduling with a filler (CUDA): starts step's grammar masks before the step
+        before it (in flight) lands. The filler's thread waits for before's tokens on the host,
+        puts each request's into its matcher (`accepts`: request id and matcher, those the
+        scheduler's update would accept, Scheduler.grammar_accepts), then fills step's masks;
+        resolve(before) hands the update the requests whose matcher refused its token
+        (RunnerOutput.grammar_refused). So the fill waits for the tokens only, not for the
+        main thread's update as well (issue 23, target 6). Rows of requests that the update
+        then ends are filled for nothing; their tokens are ignored. Does nothing without a
+        filler, or where guesses are checked: sample() fills then, after the update."""
+        reqs = step.batch.sample_reqs
+        if self._filler is None or not EARLY_ACCEPT or before.checked_guesses or before.host_tokens is None:
+            return
+        if any(s.draft_token_ids for s in reqs):
+            return
+        rows = _constrained_rows(reqs, live)
+        if not rows:
+            return  # (the update accepts the tokens, as without a filler)
+        sampled = {s.request_id: i for i, s in enumerate(before.batch.sample_reqs)}
+        taking = [(rid, matcher, sampled[rid]) for rid, matcher in accepts if rid in sampled]
+        host, copied = before.host_tokens, before.copied
+
+        def accept() -> set[str]:
+            if not taking:
+                return set()
+            if copied is not None:
+                copied.synchronize()  # (without the GIL)
+            tokens = host.tolist()
+            ok = accept_tokens([m for _, m, _ in taking], [tokens[row] for _, _, row in taking])
+            return {rid for (rid, _, _), took in zip(taking, ok, strict=True) if not took}
+
+        bitmask = self._bitmask_buffer(len(reqs))
+        matchers = [reqs[i].grammar for i in rows]
+        before.grammar_refused = self._filler.start(matchers, bitmask, rows, accept)
+        step.grammar_mask = (bitmask, rows)
+
     def _grammar_bitmask(
         self, reqs: list[ScheduledRequest], live: Container[str] | None
     ) -> tuple[torch.Tensor, list[int]] | None:
         """Allowed tokens of each constrained row, [rows, ceil(vocab / 32)] int32 on the CPU
         (pinned when the logits are on a GPU, so apply_bitmask's copy is asynchronous); with
         a filler, still being filled on its thread."""
-        rows = [
-            i
-            for i, r in enumerate(reqs)
-            if r.grammar is not None and (live is None or r.request_id in live)
-        ]
+        rows = _constrained_rows(reqs, live)
         if not rows:
             return None
         bitmask = self._bitmask_buffer(len(reqs))

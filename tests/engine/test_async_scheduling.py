@@ -232,6 +232,7 @@ class SlowFillEvenTokens(EvenTokens):
     while a fill is under way is a race the runner must not allow."""
 
     threads: ClassVar[set[str]] = set()
+    accepted_on: ClassVar[set[str]] = set()  # the threads that put tokens into matchers
 
     def __init__(self, length: int) -> None:
         super().__init__(length)
@@ -246,6 +247,7 @@ class SlowFillEvenTokens(EvenTokens):
 
     def accept_token(self, token_id: int) -> bool:
         assert not self.filling, "a token reached the matcher while its mask was being filled"
+        SlowFillEvenTokens.accepted_on.add(threading.current_thread().name)
         return super().accept_token(token_id)
 
 
@@ -266,7 +268,7 @@ def test_masks_filled_on_the_fill_thread_equal_the_main_threads(monkeypatch: pyt
     results = []
     for threaded in (False, True):
         monkeypatch.setattr(model_runner, "MASK_FILL_THREAD", threaded)
-        SlowFillEvenTokens.threads = set()
+        SlowFillEvenTokens.threads, SlowFillEvenTokens.accepted_on = set(), set()
         core = make_core(MODEL, async_scheduling=True)
         assert (core.runner._filler is not None) == threaded
         out = run_all(core, reqs())
@@ -274,11 +276,51 @@ def test_masks_filled_on_the_fill_thread_equal_the_main_threads(monkeypatch: pyt
         results.append(out)
         filled_on = {name.startswith("mmserve-mask-fill") for name in SlowFillEvenTokens.threads}
         assert filled_on == {threaded}
+        # with a filler the step before's tokens go into the matchers on its thread, just
+        # before the fill (start_grammars; a step with no constrained step after it is left
+        # to the update, on the engine's thread)
+        accepted_on = {name.startswith("mmserve-mask-fill") for name in SlowFillEvenTokens.accepted_on}
+        assert (True in accepted_on) == threaded and accepted_on
         core.shutdown()
     assert results[0] == results[1]
     for i in range(1, 6):
         if i % 3:
             assert len(results[1][f"r{i}"]) == 2 + i + 1 and results[1][f"r{i}"][-1] == 0
+
+
+class RefusesAfter(EvenTokens):
+    """Its masks allow every even token, but it refuses all tokens after `length`: the update
+    must end the request without the refused token, wherever it was refused."""
+
+    def accept_token(self, token_id: int) -> bool:
+        if len(self.accepted) >= self.length:
+            return False
+        return super().accept_token(token_id)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].zero_()
+        allow_tokens(bitmask[row], range(0, MODEL.vocab_size, 2))
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_refused_token_ends_its_request_without_it(monkeypatch: pytest.MonkeyPatch, threaded: bool) -> None:
+    """A matcher that refuses its sampled token ends the request without it, whether the
+    update puts the tokens into the matchers or the filler's thread does (and hands the
+    update the refusals: RunnerOutput.grammar_refused); its neighbours run on."""
+    monkeypatch.setattr(model_runner, "MASK_FILL_THREAD", threaded)
+    core = make_core(MODEL, async_scheduling=True)
+    reqs = []
+    for i, p in enumerate(prompts(4, seed=5)):
+        r = make_request(f"r{i}", p, max_tokens=12)
+        if i < 3:
+            r.grammar = RefusesAfter(length=2 + 3 * i)
+        reqs.append(r)
+    out = run_all(core, reqs)
+    assert_all_blocks_free(core)
+    for i in range(3):
+        assert out[f"r{i}"] == reqs[i].grammar.accepted and len(out[f"r{i}"]) == 2 + 3 * i
+    assert out["r3"] == MODEL.reference_greedy(prompts(4, seed=5)[3], 12)
+    core.shutdown()
 
 
 class BrokenFill(EvenTokens):
