@@ -43,32 +43,28 @@ static inline vf vsums(const vf *v) {
 #endif
 }
 
-/* scores[h * stride + p - first] = q_h . k_p * scale for positions first .. n - 1, LANES
- * positions at a time: each head's LANES partial-sum vectors reduced by one vsums; D (a
- * multiple of LANES; 0: d, at run time) a constant where it can be, so that q_h stays in
- * registers. The next LANES positions' K rows are prefetched, and their V rows into L2 for
- * the weighted sum that follows (the cache's blocks lie anywhere: a new block is a jump the
- * hardware prefetchers do not foresee). */
+/* scores[h * stride + j] = q_h . k_j * scale for the context's positions j < len, LANES at a
+ * time: each head's LANES partial-sum vectors reduced by one vsums; D (a multiple of LANES; 0:
+ * d, at run time) a constant where it can be, so that q_h stays in registers. offs[j]: where
+ * position j's row lies in the cache (context_rows). The next LANES positions' K rows are
+ * prefetched, and their V rows into L2 for the weighted sum that follows (the cache's blocks
+ * lie anywhere: a new block is a jump the hardware prefetchers do not foresee). */
 #define SCORES(D)                                                                                             \
-    static void scores_##D(const float *qi, const float *cache, const float *values, const int32_t *table,    \
-                           int64_t block_size, int64_t row, int64_t heads, int64_t group, int64_t d,          \
-                           int64_t first, int64_t n, float scale, float *scores, int64_t stride) {            \
+    static void scores_##D(const float *qi, const float *cache, const float *values, const int64_t *offs,     \
+                           int64_t row, int64_t heads, int64_t group, int64_t d, int64_t len, float scale,    \
+                           float *scores, int64_t stride) {                                                   \
         const int64_t dim = D ? D : d;                                                                        \
         vf parts[LANES];                                                                                      \
         const float *k[LANES];                                                                                \
-        for (int64_t p0 = first; p0 < n; p0 += LANES) {                                                       \
-            int count = n - p0 < LANES ? (int)(n - p0) : LANES;                                               \
-            for (int t = 0; t < LANES; t++) { /* (past n: the last position again, not stored) */             \
-                int64_t p = p0 + (t < count ? t : count - 1);                                                 \
-                k[t] = cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * row;          \
-            }                                                                                                 \
-            for (int64_t p = p0 + LANES; p < p0 + 2 * LANES && p < n; p++) {                                  \
-                int64_t at = ((int64_t)table[p / block_size] * block_size + p % block_size) * row;            \
+        for (int64_t j0 = 0; j0 < len; j0 += LANES) {                                                         \
+            int count = len - j0 < LANES ? (int)(len - j0) : LANES;                                           \
+            for (int t = 0; t < LANES; t++) /* (past len: the last position again, not stored) */             \
+                k[t] = cache + offs[j0 + (t < count ? t : count - 1)];                                        \
+            for (int64_t j = j0 + LANES; j < j0 + 2 * LANES && j < len; j++)                                  \
                 for (int64_t b = 0; b < row; b += 64 / sizeof(float)) {                                       \
-                    __builtin_prefetch(cache + at + b, 0, 3);                                                 \
-                    __builtin_prefetch(values + at + b, 0, 2);                                                \
+                    __builtin_prefetch(cache + offs[j] + b, 0, 3);                                            \
+                    __builtin_prefetch(values + offs[j] + b, 0, 2);                                           \
                 }                                                                                             \
-            }                                                                                                 \
             for (int64_t h = 0; h < heads; h++) {                                                             \
                 const float *qh = qi + h * dim;                                                               \
                 int64_t at = h / group * dim;                                                                 \
@@ -78,7 +74,7 @@ static inline vf vsums(const vf *v) {
                     parts[t] = acc;                                                                           \
                 }                                                                                             \
                 vf sc = vsums(parts) * scale;                                                                 \
-                float *out = scores + h * stride + p0 - first;                                                \
+                float *out = scores + h * stride + j0;                                                        \
                 if (count == LANES) {                                                                         \
                     vstore(out, sc);                                                                          \
                 } else {                                                                                      \
@@ -91,27 +87,68 @@ SCORES(0)
 SCORES(64)
 SCORES(128)
 
-/* out_h += sum_p w_h[p] v_p for every head, D (a multiple of LANES) floats held in registers
- * a head at a time while the positions pass */
+/* out_h += sum_j w_h[j] v_j for every head, D (a multiple of LANES) floats held in registers
+ * a head at a time while the positions pass (offs as in SCORES). Positions go in chunks of
+ * 16 KB of a head's V, every head over a chunk before the next: a head's pass over the whole
+ * context had read the V rows again from beyond L2 for each head (SmolLM2: 9 heads, 3 KV). */
 #define WEIGHTED_V(D)                                                                                         \
-    static void weighted_v_##D(const float *values, const int32_t *table, int64_t block_size, int64_t row,    \
-                               int64_t heads, int64_t group, int64_t first, int64_t n, const float *scores,   \
-                               int64_t stride, float *oi) {                                                   \
-        for (int64_t h = 0; h < heads; h++) {                                                                 \
-            vf acc[D / LANES];                                                                                \
-            for (int c = 0; c < D / LANES; c++) acc[c] = vsplat(0.0f);                                        \
-            const float *w = scores + h * stride - first;                                                     \
-            int64_t at = h / group * D;                                                                       \
-            for (int64_t p = first; p < n; p++) {                                                             \
-                const float *v = values + ((int64_t)table[p / block_size] * block_size + p % block_size) * row + at; \
-                vf wp = vsplat(w[p]);                                                                         \
-                for (int c = 0; c < D / LANES; c++) acc[c] += wp * vload(v + c * LANES);                      \
+    static void weighted_v_##D(const float *values, const int64_t *offs, int64_t heads, int64_t group,       \
+                               int64_t len, const float *scores, int64_t stride, float *oi) {                 \
+        const int64_t chunk = 16384 / (D * sizeof(float));                                                    \
+        for (int64_t j0 = 0; j0 < len; j0 += chunk) {                                                         \
+            int64_t end = j0 + chunk < len ? j0 + chunk : len;                                                \
+            for (int64_t h = 0; h < heads; h++) {                                                             \
+                vf acc[D / LANES];                                                                            \
+                for (int c = 0; c < D / LANES; c++) acc[c] = vload(oi + h * D + c * LANES);                   \
+                const float *w = scores + h * stride;                                                         \
+                const float *vh = values + h / group * D;                                                     \
+                for (int64_t j = j0; j < end; j++) {                                                          \
+                    vf wj = vsplat(w[j]);                                                                     \
+                    for (int c = 0; c < D / LANES; c++) acc[c] += wj * vload(vh + offs[j] + c * LANES);       \
+                }                                                                                             \
+                for (int c = 0; c < D / LANES; c++) vstore(oi + h * D + c * LANES, acc[c]);                   \
             }                                                                                                 \
-            for (int c = 0; c < D / LANES; c++) vstore(oi + h * D + c * LANES, acc[c]);                       \
         }                                                                                                     \
     }
 WEIGHTED_V(64)
 WEIGHTED_V(128)
+
+/* s[0 .. len) <- their softmax, in vectors (s has LANES floats past len to pad with: the
+ * scalar loops' dependent max, sum and divisions had taken longer than the dot products) */
+static void softmax(float *s, int64_t len) {
+    for (int64_t p = len; p < len + LANES; p++) s[p] = s[0];  /* pad: no new maximum */
+    vf top = vload(s);
+    for (int64_t p = LANES; p < len; p += LANES) {
+        vf x = vload(s + p);
+        top = (vf)(((vi)top & (vi)(top >= x)) | ((vi)x & (vi)(top < x)));
+    }
+    float m = top[0];
+    for (int t = 1; t < LANES; t++) m = top[t] > m ? top[t] : m;
+    vf total = vsplat(0.0f);
+    for (int64_t p = 0; p < len; p += LANES) {
+        vf e = vexp(vload(s + p) - m);
+        if (p + LANES > len)  /* the pad's lanes count nothing */
+            e = (vf)((vi)e & (vi)(vindex((int)p) < (vi){0} + (int)len));
+        vstore(s + p, e);
+        total += e;
+    }
+    vf sum = vsplat(vsum(total));
+    for (int64_t p = 0; p < len; p += LANES) vstore(s + p, vload(s + p) / sum);
+}
+
+/* offs[j] = where position first + j's row (K in the cache, V in values) starts, j < len:
+ * block by block, without a division a position (block_size is known only at run time, and
+ * the divisions a position for each head had cost as much as the sums) */
+static void context_rows(const int32_t *table, int64_t block_size, int64_t row, int64_t first, int64_t len,
+                         int64_t *offs) {
+    int64_t p = first, j = 0;
+    while (j < len) {
+        int64_t b = p / block_size, in = p - b * block_size;
+        int64_t base = ((int64_t)table[b] * block_size + in) * row;
+        for (; in < block_size && j < len; in++, j++, base += row) offs[j] = base;
+        p = (b + 1) * block_size;
+    }
+}
 
 /* out[i, h, :] for i < reqs: q [reqs, heads, d]; cache [2, blocks, block_size, kv_heads, d]
  * (K then V); tables [reqs, max_blocks] block ids; seq_lens [reqs]: request i's query sits at
@@ -135,55 +172,47 @@ int paged_decode_f32(int threads, const float *q, const float *cache, int64_t nu
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        /* per thread: scores [heads, longest + LANES] */
+        /* per thread: scores [heads, longest + LANES], and the positions' rows */
         int64_t stride = longest + LANES;
         float *scores = malloc(sizeof(float) * heads * stride);
-        if (!scores) {
+        int64_t *offs = malloc(sizeof(int64_t) * stride);
+        if (!scores || !offs) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < reqs; i++) {
-            if (!scores) continue;
+            if (!scores || !offs) continue;
             int64_t n = seq_lens[i], first = window > 0 && n > window ? n - window : 0;
             int64_t len = n - first;
-            const int32_t *table = tables + i * max_blocks;
             const float *qi = q + i * heads * d;
             float *oi = out + i * heads * d;
+            context_rows(tables + i * max_blocks, block_size, row, first, len, offs);
             if (VECTORISED && d % LANES == 0) {
                 (d == 64 ? scores_64 : d == 128 ? scores_128 : scores_0)(
-                    qi, cache, values, table, block_size, row, heads, group, d, first, n, scale, scores, stride);
+                    qi, cache, values, offs, row, heads, group, d, len, scale, scores, stride);
             } else {
-                for (int64_t p = first; p < n; p++) {
-                    const float *k = cache + ((int64_t)table[p / block_size] * block_size + p % block_size) * row;
+                for (int64_t j = 0; j < len; j++)
                     for (int64_t h = 0; h < heads; h++)
-                        scores[h * stride + p - first] = dot(qi + h * d, k + h / group * d, d) * scale;
-                }
+                        scores[h * stride + j] = dot(qi + h * d, cache + offs[j] + h / group * d, d) * scale;
             }
-            for (int64_t h = 0; h < heads; h++) {
-                float *s = scores + h * stride, top = s[0], total = 0.0f;
-                for (int64_t p = 1; p < len; p++) top = s[p] > top ? s[p] : top;
-                for (int64_t p = len; p < len + LANES; p++) s[p] = top;  /* pad: e^0, dropped */
-                for (int64_t p = 0; p < len; p += LANES) vstore(s + p, vexp(vload(s + p) - top));
-                for (int64_t p = 0; p < len; p++) total += s[p];
-                for (int64_t p = 0; p < len; p++) s[p] /= total;
-                for (int64_t c = 0; c < d; c++) oi[h * d + c] = 0.0f;
-            }
+            for (int64_t h = 0; h < heads; h++) softmax(scores + h * stride, len);
+            for (int64_t c = 0; c < heads * d; c++) oi[c] = 0.0f;
             if (d == 64 || d == 128) {
-                (d == 64 ? weighted_v_64 : weighted_v_128)(values, table, block_size, row, heads, group, first, n,
-                                                           scores, stride, oi);
+                (d == 64 ? weighted_v_64 : weighted_v_128)(values, offs, heads, group, len, scores, stride, oi);
                 continue;
             }
-            for (int64_t p = first; p < n; p++) {
-                const float *v = values + ((int64_t)table[p / block_size] * block_size + p % block_size) * row;
+            for (int64_t j = 0; j < len; j++) {
+                const float *v = values + offs[j];
                 for (int64_t h = 0; h < heads; h++) {
-                    float w = scores[h * stride + p - first], *acc = oi + h * d;
+                    float w = scores[h * stride + j], *acc = oi + h * d;
                     const float *vh = v + h / group * d;
                     for (int64_t c = 0; c < d; c++) acc[c] += w * vh[c];
                 }
             }
         }
         free(scores);
+        free(offs);
     }
     return failed ? -2 : 0;
 }
