@@ -68,10 +68,10 @@ static inline vf vsums(const vf *v) {
             for (int64_t h = 0; h < heads; h++) {                                                             \
                 const float *qh = qi + h * dim;                                                               \
                 int64_t at = h / group * dim;                                                                 \
-                for (int t = 0; t < LANES; t++) {                                                             \
-                    vf acc = vload(qh) * vload(k[t] + at);                                                    \
-                    for (int64_t c = LANES; c < dim; c += LANES) acc += vload(qh + c) * vload(k[t] + at + c); \
-                    parts[t] = acc;                                                                           \
+                for (int t = 0; t < LANES; t++) parts[t] = vsplat(0.0f);                                      \
+                for (int64_t c = 0; c < dim; c += LANES) { /* (LANES independent sums in flight) */          \
+                    vf qc = vload(qh + c);                                                                    \
+                    for (int t = 0; t < LANES; t++) parts[t] += qc * vload(k[t] + at + c);                    \
                 }                                                                                             \
                 vf sc = vsums(parts) * scale;                                                                 \
                 float *out = scores + h * stride + j0;                                                        \
