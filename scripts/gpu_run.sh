@@ -423,7 +423,7 @@ if has s37; then
     tests/engine/test_async_scheduling.py 2>&1 | tail -5 | tee "$OUT/s37-tests.txt"
   Z="structured --model shape:llama3-8b --load-format dummy --batch-sizes 1,64 --input-len 128 --output-len 128"
   Z="$Z --max-num-seqs 64 --compile-repeats 1"
-  for t in True False True False; do echo "EARLY_ACCEPT=$t"
+  for t in ${S37_ARMS:-True False True False}; do echo "EARLY_ACCEPT=$t"
     python3 scripts/ab_switch.py mmserve.runner.model_runner.EARLY_ACCEPT=$t -- $Z; done 2>&1 \
     | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s37.txt"
 fi
