@@ -89,8 +89,9 @@ SCORES(128)
 
 /* out_h += sum_j w_h[j] v_j for every head, D (a multiple of LANES) floats held in registers
  * a head at a time while the positions pass (offs as in SCORES). Positions go in chunks of
- * 16 KB of a head's V, every head over a chunk before the next: a head's pass over the whole
- * context had read the V rows again from beyond L2 for each head (SmolLM2: 9 heads, 3 KV). */
+ * 16 KB of a head's V, every head over a chunk before the next, so that a chunk's V rows are
+ * read from the caches by the other heads of their group (SmolLM2: 9 heads, 3 KV), where each
+ * head had passed over the whole context in turn. */
 #define WEIGHTED_V(D)                                                                                         \
     static void weighted_v_##D(const float *values, const int64_t *offs, int64_t heads, int64_t group,       \
                                int64_t len, const float *scores, int64_t stride, float *oi) {                 \
@@ -113,8 +114,8 @@ SCORES(128)
 WEIGHTED_V(64)
 WEIGHTED_V(128)
 
-/* s[0 .. len) <- their softmax, in vectors (s has LANES floats past len to pad with: the
- * scalar loops' dependent max, sum and divisions had taken longer than the dot products) */
+/* s[0 .. len) <- their softmax, in vectors (s has LANES floats past len to pad with), where
+ * scalar loops had run the max, the sum and one division a position */
 static void softmax(float *s, int64_t len) {
     for (int64_t p = len; p < len + LANES; p++) s[p] = s[0];  /* pad: no new maximum */
     vf top = vload(s);
@@ -137,8 +138,8 @@ static void softmax(float *s, int64_t len) {
 }
 
 /* offs[j] = where position first + j's row (K in the cache, V in values) starts, j < len:
- * block by block, without a division a position (block_size is known only at run time, and
- * the divisions a position for each head had cost as much as the sums) */
+ * block by block, once a request (the loops below had divided by block_size, known only at
+ * run time, for each position, and the weighted sum for each head as well) */
 static void context_rows(const int32_t *table, int64_t block_size, int64_t row, int64_t first, int64_t len,
                          int64_t *offs) {
     int64_t p = first, j = 0;
