@@ -13,7 +13,11 @@ import pytest
 
 from mmserve.errors import InvalidArgument
 from mmserve.processors.chat_template import render_and_tokenize, render_chat
-from mmserve.processors.time_limit import TimeLimitExceeded, call_with_time_limit
+from mmserve.processors.time_limit import (
+    MAX_TEMPLATE_DEPTH,
+    TimeLimitExceeded,
+    call_with_time_limit,
+)
 from tests.processors.test_chat_template import QUESTION, with_template
 
 LIMIT_MS = 200
@@ -102,3 +106,17 @@ def test_no_except_exception_swallows_the_deadline() -> None:
     with pytest.raises(TimeLimitExceeded):
         call_with_time_limit(0.05, careless)
     assert time.monotonic() - start < 1.0
+
+
+def test_nesting_is_bounded_well_before_pythons_limit(smollm2_tokenizer: Any) -> None:
+    """A macro that recurses 40 deep renders; one that recurses 300 deep (within Python's own
+    limit of 1,000 frames, which it would otherwise reach later) stops at MAX_TEMPLATE_DEPTH
+    frames of template code, as the chat's error."""
+    deep = "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{% else %}x{% endif %}{% endmacro %}{{ f(N) }}"
+    shallow = with_template(smollm2_tokenizer, deep.replace("N", "40"))
+    assert render_chat(shallow, QUESTION, time_limit_ms=LIMIT_MS) == "x"
+    with pytest.raises(InvalidArgument) as err:
+        render_chat(with_template(smollm2_tokenizer, deep.replace("N", "300")), QUESTION, time_limit_ms=LIMIT_MS)
+    assert err.value.field == "chat"
+    assert f"nested deeper than {MAX_TEMPLATE_DEPTH} calls" in str(err.value)
+    assert sys.gettrace() is None  # the tracer is gone again
