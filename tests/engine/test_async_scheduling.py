@@ -363,7 +363,7 @@ def test_real_grammars_filled_on_the_fill_thread_equal_in_line(
     schema = {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"enum": ["a", "bc", "d"]}},
               "required": ["id", "tag"], "additionalProperties": False}  # fmt: skip
     path = make_tiny_model(tmp_path, max_position_embeddings=512)
-    prompts = [f"Answer {i} in JSON:" for i in range(6)]
+    questions = [f"Answer {i} in JSON:" for i in range(6)]
     params = SamplingParams(
         max_tokens=40, temperature=0.0, structured=StructuredOutputParams("json_schema", json.dumps(schema), backend=backend)
     )
@@ -372,7 +372,7 @@ def test_real_grammars_filled_on_the_fill_thread_equal_in_line(
         monkeypatch.setattr(model_runner, "MASK_FILL_THREAD", threaded)
         llm = LLM(str(path), device="cpu", dtype="float32")
         try:
-            texts.append([(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(prompts, params)])
+            texts.append([(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(questions, params)])
         finally:
             llm.shutdown()
     assert texts[0] == texts[1]
