@@ -10,14 +10,15 @@ the sampling and the next step's launch; on CUDA the copy waits on the device fo
 there: `wait()` joins the fill before the mask is applied.
 
 The matchers are the fill's until `finish()`: the runner calls it before it hands the step's
-tokens over (resolve), which is before anything else touches a matcher.
+tokens over (resolve), which is before anything else changes a matcher.
 
 A fill may first run the accept of the step before's tokens (`start`'s `first`, from the
 runner's `start_grammars`): the filler's thread waits for those tokens on the host, puts them
 into their matchers and fills at once, so the fill no longer waits for the main thread's
-update of the step before. Only that accept's result is handed over early (the future `start`
-returns): the scheduler's update reads it, and reads the matchers' `is_terminated` (the fill
-only reads them too) while the fill goes on.
+update of the step before. Then resolve() waits only for that accept (the future `start`
+returns), not the fill: the scheduler's update reads the refusals, and the matchers'
+`is_terminated`, while the fill goes on (the fill only reads the matchers too); finish() comes
+with the next start() or resolve().
 """
 
 from __future__ import annotations
