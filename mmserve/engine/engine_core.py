@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import replace
 
@@ -244,7 +245,7 @@ class EngineCore:
         step = self.runner.launch(plan)
         if step is not None and self._in_flight is not None:  # (the grammars' fill: now)
             before, launched = self._in_flight
-            accepts = self.scheduler.grammar_accepts(before)
+            accepts = functools.partial(self.scheduler.grammar_accepts, before)
             self.runner.start_grammars(step, launched, accepts, self.scheduler.requests)
         outputs += self._land_in_flight()
         if step is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -549,13 +549,14 @@ class ModelRunner:
         self,
         step: LaunchedStep,
         before: LaunchedStep,
-        accepts: Sequence[tuple[str, GrammarMatcher]],
+        accepts: Callable[[], Sequence[tuple[str, GrammarMatcher]]],
         live: Container[str] | None = None,
     ) -> None:
         """Async scheduling with a filler (CUDA): starts step's grammar masks before the step
         before it (in flight) lands. The filler's thread waits for before's tokens on the host,
-        puts each request's into its matcher (`accepts`: request id and matcher, those the
-        scheduler's update would accept, Scheduler.grammar_accepts), then fills step's masks;
+        puts each request's into its matcher (`accepts()`: request id and matcher, those the
+        scheduler's update would accept, Scheduler.grammar_accepts; asked only where a fill
+        starts here, so a step without grammars pays nothing), then fills step's masks;
         resolve(before) hands the update the requests whose matcher refused its token
         (RunnerOutput.grammar_refused). So the fill waits for the tokens only, not for the
         main thread's update as well (issue 23, target 6). Rows of requests that the update
@@ -570,7 +571,7 @@ class ModelRunner:
         if not rows:
             return  # (the update accepts the tokens, as without a filler)
         sampled = {s.request_id: i for i, s in enumerate(before.batch.sample_reqs)}
-        taking = [(rid, matcher, sampled[rid]) for rid, matcher in accepts if rid in sampled]
+        taking = [(rid, matcher, sampled[rid]) for rid, matcher in accepts() if rid in sampled]
         host, copied = before.host_tokens, before.copied
 
         def accept() -> set[str]:
