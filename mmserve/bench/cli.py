@@ -30,7 +30,12 @@ from mmserve.bench.checkpoints import FORMATS, model_path
 from mmserve.bench.engine_flags import add_engine_flags, engine_config
 from mmserve.bench.models import model_config
 from mmserve.bench.offline import parse_batch_sizes
-from mmserve.bench.roofline import prefill_flops, step_weight_bytes, throughput_flops
+from mmserve.bench.roofline import (
+    decode_kv_read_bytes,
+    prefill_flops,
+    step_weight_bytes,
+    throughput_flops,
+)
 from mmserve.frontend.frontend import FrontEnd
 
 # measured on the H200 (issue 5; BENCHMARKS.md): bf16 matmul at 8192^3, and torch._scaled_mm
@@ -230,13 +235,21 @@ def _throughput(b: Offline, args: argparse.Namespace) -> dict[str, Any]:
         throughput_flops(b.config, args.num_requests, args.input_len, args.output_len)
         if b.weight_bytes else None
     )  # fmt: skip
-    _, tflops = _limits(b, args)
+    gbs, tflops = _limits(b, args)
     bound_s = flops / (tflops * 1e12) if flops and tflops else None
+    # the decode steps' attention reads their KV rows beside (not under) the products' FLOPs
+    kv_bytes = decode_kv_read_bytes(
+        b.config, args.num_requests, args.input_len, args.output_len,
+        b.engine.core.runner.kv_caches[0].element_size(),
+    ) if b.weight_bytes else None  # fmt: skip
+    floor_s = bound_s + kv_bytes / (gbs * 1e9) if bound_s and kv_bytes is not None and gbs else None
     return _emit(bench="throughput", **asdict(r), quantization=b.quantization,
                  output_tokens_per_s=r.output_tokens_per_s,
                  total_tokens_per_s=r.total_tokens_per_s, matmul_tflops=tflops,
                  flop_bound_s=bound_s,
-                 fraction_of_flop_bound=bound_s / r.seconds if bound_s else None)  # fmt: skip
+                 fraction_of_flop_bound=bound_s / r.seconds if bound_s else None,
+                 decode_kv_read_bytes=kv_bytes, flop_and_kv_floor_s=floor_s,
+                 fraction_of_flop_and_kv_floor=floor_s / r.seconds if floor_s else None)  # fmt: skip
 
 
 def matmul_tflops(quantization: str) -> float:

@@ -53,3 +53,21 @@ def throughput_flops(config: dict, requests: int, input_len: int, output_len: in
     head = config["vocab_size"] * config["hidden_size"]
     layers_only = prefill_flops(config, requests, tokens) - 2 * head * requests * tokens
     return layers_only + 2 * head * requests * output_len
+
+
+def decode_kv_read_bytes(
+    config: dict, requests: int, input_len: int, output_len: int, element_bytes: int
+) -> int:
+    """Bytes of KV cache the decode steps of `requests` sequences must read: output token j
+    (1 <= j < output_len; the first comes from the prompt's step) is sampled from a step whose
+    attention reads the K and V rows of its input_len + j positions, in every layer. A decode
+    attention reads each row once, and the matmuls cannot hide it (a kernel of its own, bound
+    by memory), so this time adds to the FLOP bound's: flop_bound_s + these bytes / bandwidth
+    is the floor of a run whose attention and products take turns."""
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * element_bytes
+    steps = output_len - 1
+    positions = steps * input_len + steps * (steps + 1) // 2  # sum of input_len + j, j = 1..steps
+    return requests * positions * per_token if steps > 0 else 0
+

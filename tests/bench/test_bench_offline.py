@@ -13,7 +13,12 @@ import torch
 
 from mmserve.bench import cli
 from mmserve.bench.models import SHAPES
-from mmserve.bench.roofline import matmul_parameters, step_weight_bytes, throughput_flops
+from mmserve.bench.roofline import (
+    decode_kv_read_bytes,
+    matmul_parameters,
+    step_weight_bytes,
+    throughput_flops,
+)
 from mmserve.kernels import cpu_lib
 from tests.bench.conftest import bench_args
 from tests.utils.tiny_models import (
@@ -138,6 +143,15 @@ def test_throughput_flops_count_the_lm_head_only_where_tokens_are_sampled() -> N
     assert got == pytest.approx(expected + attention, rel=1e-4)
 
 
+def test_decode_kv_reads_at_the_8b_shape() -> None:
+    """1,000 x (512 in / 128 out) in bf16: 127 decode steps a request, over 513..639 positions,
+    each position 32 layers x 8 KV heads x 128 x K and V x 2 bytes = 131,072 bytes."""
+    shape = SHAPES["llama3-8b"]
+    assert decode_kv_read_bytes(shape, 1000, 512, 128, 2) == 1000 * sum(range(513, 640)) * 131_072
+    assert decode_kv_read_bytes(shape, 1000, 512, 1, 2) == 0  # the one token comes from the prompt
+    assert decode_kv_read_bytes(shape, 1000, 512, 128, 1) * 2 == decode_kv_read_bytes(shape, 1000, 512, 128, 2)
+
+
 def test_bench_throughput_reports_its_flop_bound(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], one_thread: None
 ) -> None:
@@ -153,6 +167,8 @@ def test_bench_throughput_reports_its_flop_bound(
             "64",
             "--matmul-tflops",
             "0.5",
+            "--bandwidth-gbs",
+            "2",
         )
     )
     (line,) = [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith("{")]
@@ -161,6 +177,14 @@ def test_bench_throughput_reports_its_flop_bound(
     bound = throughput_flops(config, 3, 8, 4) / 0.5e12
     assert line["flop_bound_s"] == pytest.approx(bound)
     assert line["fraction_of_flop_bound"] == pytest.approx(bound / line["seconds"])
+    # the decode steps' KV reads: outputs 2..4 of each request attend over 9, 10 and 11
+    # positions, K and V rows of every layer's KV heads, float32
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    row = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    assert line["decode_kv_read_bytes"] == 3 * (9 + 10 + 11) * row
+    floor = bound + line["decode_kv_read_bytes"] / 2e9
+    assert line["flop_and_kv_floor_s"] == pytest.approx(floor)
+    assert line["fraction_of_flop_and_kv_floor"] == pytest.approx(floor / line["seconds"])
     # where the time went: the 3 prompts' 24 tokens in prefill steps, the decodes in the rest
     prefill, decode = line["breakdown"]["prefill"], line["breakdown"]["decode"]
     assert prefill["prompt_tokens"] == 24 and prefill["steps"] >= 1 and decode["prompt_tokens"] == 0
