@@ -60,14 +60,13 @@ def decode_kv_read_bytes(
 ) -> int:
     """Bytes of KV cache the decode steps of `requests` sequences must read: output token j
     (1 <= j < output_len; the first comes from the prompt's step) is sampled from a step whose
-    attention reads the K and V rows of its input_len + j positions, in every layer. A decode
-    attention reads each row once, and the matmuls cannot hide it (a kernel of its own, bound
-    by memory), so this time adds to the FLOP bound's: flop_bound_s + these bytes / bandwidth
-    is the floor of a run whose attention and products take turns."""
+    attention reads the K and V rows of its input_len + j positions, in every layer, once. In
+    this engine that attention is a kernel of its own between the products, bound by memory,
+    so its time adds to theirs: flop_bound_s + these bytes / bandwidth is the floor of a run
+    whose attention and products take turns (attention beside the products would lower it)."""
     h, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or h // heads
     per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * element_bytes
     steps = output_len - 1
     positions = steps * input_len + steps * (steps + 1) // 2  # sum of input_len + j, j = 1..steps
     return requests * positions * per_token if steps > 0 else 0
-
