@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
@@ -70,10 +71,14 @@ def run_ranks(
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + seconds
     for t in threads:
-        t.join(seconds)
+        t.join(max(deadline - time.monotonic(), 0))
     if errors:
         raise errors[0]
+    stuck = [rank for rank, t in enumerate(threads) if t.is_alive()]
+    if stuck:  # (a hang and a slow first compile look alike from here: say which it was)
+        raise TimeoutError(f"ranks {stuck} of {size} still running after {seconds} s")
     return results
 
 
@@ -104,6 +109,15 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen2": make_tiny_model(root, "qwen2"),  # q/k/v bias
         "qwen3": make_tiny_model(root, "qwen3", head_dim=32, num_key_value_heads=1),
     }
+
+
+def test_run_ranks_names_a_rank_that_does_not_finish() -> None:
+    """A rank still running at the deadline fails the call by name (its None result is not
+    handed on as if it had finished)."""
+    release = threading.Event()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2"):
+        run_ranks(2, lambda tp: tp.rank if tp.rank == 0 else release.wait(30), seconds=2)
+    release.set()
 
 
 @pytest.mark.parametrize(
