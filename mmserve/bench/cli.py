@@ -239,8 +239,7 @@ def _throughput(b: Offline, args: argparse.Namespace) -> dict[str, Any]:
     bound_s = flops / (tflops * 1e12) if flops and tflops else None
     # the decode steps' attention reads their KV rows beside (not under) the products' FLOPs
     kv_bytes = decode_kv_read_bytes(
-        b.config, args.num_requests, args.input_len, args.output_len,
-        b.engine.core.runner.kv_caches[0].element_size(),
+        kv_bytes_per_token(b.engine), args.num_requests, args.input_len, args.output_len
     ) if b.weight_bytes else None  # fmt: skip
     floor_s = bound_s + kv_bytes / (gbs * 1e9) if bound_s and kv_bytes is not None and gbs else None
     return _emit(bench="throughput", **asdict(r), quantization=b.quantization,
@@ -278,9 +277,13 @@ def decode_step_ms(engine: FrontEnd, batch: int, context: int) -> tuple[float, i
         engine.step()
         if decoding and len(engine.core.scheduler.running) == batch:
             times.append(time.perf_counter() - t)
-    model = engine.core.runner.model
-    kv_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * engine.core.runner.kv_caches[0].element_size()
-    return 1e3 * statistics.median(times[2:]), batch * (context + 32) * kv_per_token
+    return 1e3 * statistics.median(times[2:]), batch * (context + 32) * kv_bytes_per_token(engine)
+
+
+def kv_bytes_per_token(engine: FrontEnd) -> int:
+    """The KV cache's bytes for one position: K and V of every layer's KV heads."""
+    model, cache = engine.core.runner.model, engine.core.runner.kv_caches[0]
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * cache.element_size()
 
 
 def _profile(title: str, steps: Callable[[], object]) -> None:

@@ -55,18 +55,15 @@ def throughput_flops(config: dict, requests: int, input_len: int, output_len: in
     return layers_only + 2 * head * requests * output_len
 
 
-def decode_kv_read_bytes(
-    config: dict, requests: int, input_len: int, output_len: int, element_bytes: int
-) -> int:
+
+def decode_kv_read_bytes(kv_bytes_per_token: int, requests: int, input_len: int, output_len: int) -> int:
     """Bytes of KV cache the decode steps of `requests` sequences must read: output token j
     (1 <= j < output_len; the first comes from the prompt's step) is sampled from a step whose
-    attention reads the K and V rows of its input_len + j positions, in every layer, once. In
-    this engine that attention is a kernel of its own between the products, bound by memory,
-    so its time adds to theirs: flop_bound_s + these bytes / bandwidth is the floor of a run
-    whose attention and products take turns (attention beside the products would lower it)."""
-    h, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or h // heads
-    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * element_bytes
-    steps = output_len - 1
+    attention reads the K and V rows of its input_len + j positions (kv_bytes_per_token each:
+    every layer's), once. In this engine that attention is a kernel of its own between the
+    products, bound by memory, so its time adds to theirs: flop_bound_s + these bytes /
+    bandwidth is the floor of a run whose attention and products take turns (attention beside
+    the products would lower it)."""
+    steps = max(output_len - 1, 0)
     positions = steps * input_len + steps * (steps + 1) // 2  # sum of input_len + j, j = 1..steps
-    return requests * positions * per_token if steps > 0 else 0
+    return requests * positions * kv_bytes_per_token

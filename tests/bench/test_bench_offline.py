@@ -147,9 +147,11 @@ def test_decode_kv_reads_at_the_8b_shape() -> None:
     """1,000 x (512 in / 128 out) in bf16: 127 decode steps a request, over 513..639 positions,
     each position 32 layers x 8 KV heads x 128 x K and V x 2 bytes = 131,072 bytes."""
     shape = SHAPES["llama3-8b"]
-    assert decode_kv_read_bytes(shape, 1000, 512, 128, 2) == 1000 * sum(range(513, 640)) * 131_072
-    assert decode_kv_read_bytes(shape, 1000, 512, 1, 2) == 0  # the one token comes from the prompt
-    assert decode_kv_read_bytes(shape, 1000, 512, 128, 1) * 2 == decode_kv_read_bytes(shape, 1000, 512, 128, 2)
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2
+    assert per_token == 131_072
+    assert decode_kv_read_bytes(per_token, 1000, 512, 128) == 1000 * sum(range(513, 640)) * 131_072
+    assert decode_kv_read_bytes(per_token, 1000, 512, 1) == 0  # the one token comes from the prompt
 
 
 def test_bench_throughput_reports_its_flop_bound(
