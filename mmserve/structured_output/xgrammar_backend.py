@@ -1,4 +1,4 @@
-"""The xgrammar backend (default): JSON schema, JSON object, regex, choice and EBNF."""
+"""The xgrammar backend (default): JSON schema, JSON object, regex, choice and EBNF (or Lark)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from .backend import (
     bitmask_width,
 )
 from .keywords import XGRAMMAR_RULES
+from .lark_grammar import LarkProblem, is_lark, lark_to_ebnf
 from .params import StructuredOutputParams
 from .prepare import prepare_schema
 from .regex_check import RegexProblem, strip_anchors
@@ -120,7 +121,13 @@ class XGrammarBackend(StructuredOutputBackend):
     def _grammar(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
         # (normalised, then each repetition a terminal follows folded into it: star_fold.py,
         # the same language with masks hundreds of times cheaper to fill inside it)
-        grammar = xgr.Grammar.from_ebnf(cast(str, params.value), root_rule_name="root")
+        text = cast(str, params.value)
+        if is_lark(text):  # vLLM takes Lark's syntax too: rewritten as EBNF (lark_grammar.py)
+            try:
+                text = lark_to_ebnf(text)
+            except LarkProblem as e:
+                raise InvalidArgument(params.field, str(e)) from None
+        grammar = xgr.Grammar.from_ebnf(text, root_rule_name="root")
         folded = _folded(grammar)
         if folded is not None:
             try:

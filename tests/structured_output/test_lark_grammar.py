@@ -1,0 +1,239 @@
+"""Lark grammars in `structured.grammar` (lark_grammar.py), checked against the Lark parser itself:
+what the converted grammar accepts, character by character and through SmolLM2's tokens, Lark
+parses; what Lark parses (grammars without %ignore), the converted grammar accepts, and what it
+refuses, the converted grammar refuses too. Unsupported Lark is refused naming the field and line."""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Any
+
+import pytest
+
+from mmserve.errors import InvalidArgument
+from mmserve.structured_output import StructuredOutputParams
+from mmserve.structured_output.lark_grammar import LarkProblem, is_lark, lark_to_ebnf
+from tests.structured_output.conftest import get_backend
+from tests.structured_output.test_structured_generation import generate
+from tests.structured_output.walk import Vocab
+
+lark = pytest.importorskip("lark")
+xgr = pytest.importorskip("xgrammar")
+
+# vLLM's own test grammar (tests/entrypoints/conftest.py: sample_sql_lark)
+SQL = """start: select_statement
+select_statement: "SELECT " column " from " table " where " condition
+column: "col_1" | "col_2"
+table: "table_1" | "table_2"
+condition: column "=" number
+number: "1" | "2"
+"""
+# Lark's documentation's JSON grammar
+JSON = r"""
+?start: value
+?value: object
+      | array
+      | string
+      | SIGNED_NUMBER      -> number
+      | "true"             -> true
+      | "false"            -> false
+      | "null"             -> null
+array  : "[" [value ("," value)*] "]"
+object : "{" [pair ("," pair)*] "}"
+pair   : string ":" value
+string : ESCAPED_STRING
+%import common.ESCAPED_STRING
+%import common.SIGNED_NUMBER
+%import common.WS
+%ignore WS
+"""
+# Lark's calculator example: left recursion, aliases, an import renamed
+CALC = """
+?start: sum
+?sum: product
+    | sum "+" product   -> add
+    | sum "-" product   -> sub
+?product: atom
+    | product "*" atom  -> mul
+    | product "/" atom  -> div
+?atom: NUMBER           -> number
+     | "-" atom         -> neg
+     | NAME             -> var
+     | "(" sum ")"
+%import common.CNAME -> NAME
+%import common.NUMBER
+"""
+# the rest of the syntax: case-insensitive strings, ranges, repeats, optionals, regexes,
+# priorities, ! rules, comments of both kinds, a rule named root, a terminal of terminals
+FEATURES = r"""
+start: kw " " ID ("," ID)~0..2 [" " tail] "!"   // a comment
+!kw.2: "sel"i "ect"
+ID: HEX HEX | "z"~3
+HEX: "a".."f"
+tail: root
+    | /[0-9]{2}(\.[0-9])?/   # another comment
+    | "q" ESC
+root: "r"+
+ESC: "\"" /[^"\n]*/ "\""
+"""
+STRICT = {"sql": SQL, "calc": CALC, "features": FEATURES}  # no %ignore: the same language
+ALL = {**STRICT, "json": JSON}
+ALPHABET = list(' SELCTfromwhe_12345670.+-*/()"{}[]:,=abcdzqrtunlsxEei!\\\n\t')
+
+
+@functools.cache
+def _lark_parser(name: str) -> Any:
+    return lark.Lark(ALL[name], parser="earley", lexer="dynamic_complete")
+
+
+def _lark_accepts(name: str, text: str) -> bool:
+    try:
+        _lark_parser(name).parse(text)
+    except lark.exceptions.LarkError:
+        return False
+    return True
+
+
+@functools.cache
+def _compiled(name: str) -> Any:
+    info = xgr.TokenizerInfo(["a", "b", "</s>"], stop_token_ids=[2])
+    return xgr.GrammarCompiler(info, cache_enabled=False).compile_grammar(lark_to_ebnf(ALL[name]))
+
+
+def _xgr_accepts(name: str, text: str) -> bool:
+    matcher = xgr.GrammarMatcher(_compiled(name))
+    return (not text or matcher.accept_string(text)) and bool(matcher.accept_token(2))
+
+
+def _walks(name: str, rng: random.Random, count: int) -> set[str]:
+    """Complete strings of the converted grammar, by random walks a character at a time (the
+    longest complete one of each walk)."""
+    found: set[str] = set()
+    for _ in range(count):
+        matcher, text, complete = xgr.GrammarMatcher(_compiled(name)), "", None
+        for _ in range(rng.randint(3, 80)):
+            for char in rng.sample(ALPHABET, len(ALPHABET)):
+                if matcher.accept_string(char):
+                    text += char
+                    break
+            else:
+                break
+            if _xgr_accepts(name, text):
+                complete = text
+        if complete is not None:
+            found.add(complete)
+    return found
+
+
+def test_sql_converts_to_the_ebnf_vllm_users_expect() -> None:
+    assert lark_to_ebnf(SQL) == (
+        "root ::= select_statement\n"
+        'select_statement ::= "SELECT " column " from " table " where " condition\n'
+        'column ::= "col_1" | "col_2"\n'
+        'condition ::= column "=" number\n'
+        'number ::= "1" | "2"\n'
+        'table ::= "table_1" | "table_2"\n'
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (SQL, True),
+        (JSON, True),
+        ("%import common.WS\nstart: WS", True),
+        ("?start: a\na.2: \"x\"", True),
+        ('root ::= "a" | b\nb ::= [a-z]', False),
+        ('# note: not lark\nroot ::= "x:y"\n', False),
+        ('root ::= item\nitem ::= "k" ":" "v"', False),
+        ("", False),
+    ],
+)
+def test_lark_is_told_from_ebnf(text: str, expected: bool) -> None:
+    assert is_lark(text) is expected
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_what_the_converted_grammar_accepts_lark_parses(name: str) -> None:
+    samples = _walks(name, random.Random(0), 150)
+    assert len(samples) > 10
+    for text in samples:
+        assert _lark_accepts(name, text), text
+
+
+@pytest.mark.parametrize("name", list(STRICT))
+def test_without_ignore_both_accept_the_same_strings(name: str) -> None:
+    """Walked strings, each cut and each with one character changed, inserted or removed,
+    and random strings: Lark and the converted grammar give the same verdict on all."""
+    rng = random.Random(1)
+    walked = sorted(_walks(name, rng, 100))
+    samples = set(walked)
+    for text in walked[:60]:
+        i = rng.randrange(len(text) + 1)
+        c = rng.choice(ALPHABET)
+        samples.update({text[:i], text[:i] + c + text[i:], text[:i] + c + text[i + 1 :]})
+        samples.add(text[:i] + text[i + 1 :])
+    samples.update("".join(rng.choices(ALPHABET, k=rng.randint(1, 6))) for _ in range(300))
+    accepted = 0
+    for text in samples:
+        verdict = _lark_accepts(name, text)
+        assert _xgr_accepts(name, text) is verdict, text
+        accepted += verdict
+    assert 0 < accepted < len(samples)
+
+
+def test_features_accept_and_refuse_what_lark_does() -> None:
+    for text, ok in [
+        ("SeLect ab!", True),
+        ("select ab,zzz,cd r!", True),
+        ("select ab,cd,ef,ab!", False),  # ~0..2 more after the first
+        ("select ab 42!", True),
+        ("select ab 42.5!", True),
+        ('select ab q"it\'s"!', True),
+        ("select ab rrr!", True),
+        ("select ag!", False),
+        ("select zz!", False),
+        ("SELECT ab!", False),  # "ect" is case-sensitive
+    ]:
+        assert _lark_accepts("features", text) is ok, text
+        assert _xgr_accepts("features", text) is ok, text
+
+
+def test_through_the_backend_and_smollm2_tokens(tokenizer: Any, vocab: Vocab) -> None:
+    """A Lark grammar in a request: random walks over real tokens, each output parsed by Lark."""
+    backend = get_backend(tokenizer, "xgrammar")
+    for name in ("sql", "calc", "json"):
+        params = StructuredOutputParams("grammar", ALL[name])
+        for seed in range(3):
+            text = generate(backend, params, vocab, tokenizer, seed)
+            assert _lark_accepts(name, text), (name, text)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("start: _sep{a, b}\n_sep{x, y}: x (y x)*", ["templates", "line 2"]),
+        ("start: a\n%declare a", ["%declare", "line 2"]),
+        ("start: A\n%import .other.A", ["only %import common", "line 2"]),
+        ("start: /ab/i", ["flags", "line 1"]),
+        ("start: a\nb: \"x\"", ["a is used but not defined"]),
+        ("item: \"x\"", ["no `start` rule"]),
+        ('start: "a"\nstart: "b"', ["defined twice", "line 2"]),
+        ('start: "a".."zz"', ["bad range"]),
+        ('start: "a"~3..1', ["backwards"]),
+        ('start: ("a"', ["expected ')'"]),
+        ("start: WS\n%import common.NOPE -> WS", ["common.lark has no NOPE"]),
+        ("start: /(?<=a)b/", ["regex", "not supported"]),
+    ],
+)
+def test_unsupported_lark_is_refused_by_field_and_line(
+    text: str, words: list[str], tokenizer: Any
+) -> None:
+    with pytest.raises(LarkProblem) as direct:
+        lark_to_ebnf(text)
+    for word in words:
+        assert word in str(direct.value)
+    with pytest.raises(InvalidArgument) as err:
+        get_backend(tokenizer, "xgrammar").compile(StructuredOutputParams("grammar", text))
+    assert err.value.field == "structured.grammar" and words[0] in str(err.value)
