@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -405,6 +405,15 @@ if has s35; then
     flag=""; [ $q = fp8 ] && flag="--quantization fp8"; echo "$q batch $b"
     MMSERVE_BENCH_PROFILE=$OUT/profile-$q-$b.txt $B decode --model shape:llama3-8b --load-format dummy \
       --batch-size $b --input-len 512 --max-num-seqs $b $flag; done; done 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s35.txt"
+fi
+if has s38; then
+  # target 1: where bf16's batch-1 decode step goes (4.5 ms against the 3.59 ms floor): the step
+  # at 128 context profiled with PDL off (each kernel's own time: under PDL a kernel's time holds
+  # its wait for the one before) and on, then the step's time in each
+  D="decode --model shape:llama3-8b --load-format dummy --batch-size 1 --input-len 128 --max-num-seqs 1"
+  { for pdl in False True; do echo "PDL=$pdl"
+      MMSERVE_BENCH_PROFILE=$OUT/profile-b1-pdl$pdl.txt python3 scripts/ab_switch.py mmserve.kernels._common.PDL=$pdl -- $D; done
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s38.txt"
 fi
 if has s36; then
   # target 2: where bf16's offline step goes at 256 / 8192 and 1024 / 16384 (the engine thread's ms
