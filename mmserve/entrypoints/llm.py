@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Self
 
@@ -19,6 +19,8 @@ from mmserve.params import SamplingParams
 from mmserve.processors.images import local_image
 
 Message = dict[str, Any]
+# a generate() prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
+Prompt = str | Sequence[int] | Mapping[str, Any]
 PROGRESS_MIN_PROMPTS = 16  # show a progress bar from this many prompts on
 
 
@@ -47,22 +49,25 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Prompts are strings or lists of token ids. One params for all, or one per prompt."""
-        each: Sequence[str | Sequence[int]] = [prompts] if isinstance(prompts, str) else prompts
+        """Prompts are strings, lists of token ids, or vLLM's prompt dicts ({"prompt": text}
+        or {"prompt_token_ids": ids}); one prompt or a list (as in vLLM, one list of ints is
+        one prompt). One params for all, or one per prompt."""
+        each = _listed(prompts)  # one prompt (text, a dict, one list of ids) or a batch
         per_prompt = _per_prompt_params(params, len(each))
-        encoded = [self._encode(p, sp) for p, sp in zip(each, per_prompt, strict=True)]
+        encoded = [self._encode(p, sp, i) for i, (p, sp) in enumerate(zip(each, per_prompt, strict=True))]
         return self._run(encoded, per_prompt, use_tqdm, cache_salt)
 
-    def _encode(self, prompt: str | Sequence[int], params: SamplingParams) -> tuple[str | None, list[int]]:
+    def _encode(self, prompt: Prompt, params: SamplingParams, index: int) -> tuple[str | None, list[int]]:
+        prompt = _prompt_of(prompt, index)
         if isinstance(prompt, str):
             return prompt, self.frontend.encode_prompt(prompt, limit=self._limit(params))
-        return None, list(prompt)
+        return None, prompt
 
     def chat(
         self,
@@ -230,8 +235,29 @@ def _is_image(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "image"
 
 
+def _prompt_of(prompt: Any, index: int) -> str | list[int]:
+    """A generate() prompt as text or token ids; vLLM's TextPrompt / TokensPrompt dicts are
+    read, anything else is a TypeError naming the prompt."""
+    where = f"prompts[{index}]"
+    if isinstance(prompt, Mapping):
+        if "multi_modal_data" in prompt:
+            raise TypeError(f"{where}: multi_modal_data is not taken with a raw prompt; pass images "
+                            "as content parts of a chat() message")
+        keys = {"prompt", "prompt_token_ids"} & set(prompt)
+        if len(keys) != 1:
+            raise TypeError(f"{where}: a prompt dict holds 'prompt' (text) or 'prompt_token_ids', "
+                            f"one of them; got keys {sorted(map(str, prompt))}")
+        prompt = prompt[keys.pop()]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise TypeError(f"{where}: a prompt is a str, a list of token ids (int) or a dict with "
+                    f"'prompt' or 'prompt_token_ids'; got {type(prompt).__name__}")
+
+
 def _listed(inputs: Any) -> list[Any]:
-    """A single input (text, list of token ids, image) becomes a batch of one."""
+    """A single input (text, list of token ids, image, prompt dict) becomes a batch of one."""
     if isinstance(inputs, (list, tuple)) and not (inputs and isinstance(inputs[0], int)):
         return list(inputs)
     return [inputs]

@@ -4,6 +4,7 @@ against transformers' own generate on the same weights."""
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -200,3 +201,33 @@ def test_smollm2_chat_equals_transformers_and_says_paris() -> None:
     folder = str(materialize(resolve_model_source(str(gguf))).folder)
     ref = hf_greedy(folder, out.prompt_token_ids, 32, ignore_eos=False)
     assert out.outputs[0].token_ids == ref
+
+
+def test_vllm_prompt_forms_give_the_same_output(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """generate() takes vLLM's prompt dicts ({"prompt": ...}, {"prompt_token_ids": ...}) and,
+    as vLLM does, one flat list of ids as one prompt; each form gives the text prompt's tokens.
+    Anything else is a TypeError naming the prompt."""
+    llm = LLM(str(make_tiny_model(tmp_path, arch="llama")))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    text = PROMPTS[1]
+    ids = llm.tokenizer.encode(text)
+
+    def tokens(prompts):  # type: ignore[no-untyped-def]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = tokens(text)
+    assert len(want) == 1 and len(want[0]) == 8
+    assert tokens({"prompt": text}) == want
+    assert tokens([{"prompt_token_ids": ids}, {"prompt": text}]) == want * 2
+    assert tokens(ids) == want  # one prompt, not len(ids) prompts
+    assert tokens([ids, text]) == want * 2
+    for bad, words in [
+        ([{"prompt": text, "prompt_token_ids": ids}], "one of them"),
+        ([text, {"text": text}], "prompts[1]"),
+        ([[1, "a"]], "list of token ids"),
+        ([3.5], "got float"),
+        ([{"prompt": text, "multi_modal_data": {"image": None}}], "chat()"),
+    ]:
+        with pytest.raises(TypeError, match=re.escape(words)):
+            llm.generate(bad, params, use_tqdm=False)
+    llm.shutdown()
