@@ -432,7 +432,10 @@ def lark_to_ebnf(text: str) -> str:
         if found is None:
             raise LarkProblem(f"Lark grammar: {name} is used but not defined")
         parser = _Parser(conv, conv.name_of(name, in_common), found.body, found.line, in_common)
-        body = parser.expansions(None)
+        try:
+            body = parser.expansions(None)
+        except RecursionError:
+            raise LarkProblem(f"Lark grammar: {name} is nested too deeply (line {found.line})") from None
         if (extra := parser.peek()) is not None:
             raise LarkProblem(f"Lark grammar: unexpected {extra.text!r} at line {extra.line}")
         rules.append(f"{conv.name_of(name, in_common)} ::= {body}")

@@ -225,6 +225,7 @@ def test_through_the_backend_and_smollm2_tokens(tokenizer: Any, vocab: Vocab) ->
         ('start: ("a"', ["expected ')'"]),
         ("start: WS\n%import common.NOPE -> WS", ["common.lark has no NOPE"]),
         ("start: /(?<=a)b/", ["regex", "not supported"]),
+        ("start: " + "(" * 3000 + '"a"' + ")" * 3000, ["nested too deeply", "line 1"]),
     ],
 )
 def test_unsupported_lark_is_refused_by_field_and_line(
