@@ -90,7 +90,7 @@ _TOKEN = re.compile(
   | (?P<space>[ \t\f\r]+)
   | (?P<comment>(//|\#)[^\n]*)
   | (?P<string>"(?:\\.|[^"\\\n])*"i?)
-  | (?P<regex>/(?!/)(?:\\/|\\\\|[^/\n])*?/[a-z]*)
+  | (?P<regex>/(?!/)(?:\\/|\\\\|[^/\n])*?/[imslux]*)
   | (?P<directive>%[a-z]+)
   | (?P<arrow>->)
   | (?P<range>\.\.)
