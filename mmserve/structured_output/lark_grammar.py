@@ -11,8 +11,9 @@ any EBNF grammar. What carries over:
   expressions `/.../` (without flags; xgrammar turns each into rules of its own);
 - `%import common.NAME`, `%import common (A, B)` and `%import common.NAME -> ALIAS`, from a copy
   of Lark's common.lark (ESCAPED_STRING without its look-behind);
-- `%ignore`: dropped. Lark skips the ignored terminals between tokens when it parses; the
-  generated text simply contains none, so it is still in the grammar's language.
+- `%ignore`: what Lark skips between tokens is allowed where Lark skips it: between the items
+  of a rule (and between its repeats) and before the text; never inside a terminal, and not
+  after the text (a model would go on writing newlines where it could end).
 
 Refused, naming the line: templates, `%declare`, `%override`, `%extend`, imports from other
 modules, regex flags, undefined names. A caveat of a context-free rendering: Lark's lexer
@@ -220,21 +221,30 @@ def _renamed(ebnf: str, names: dict[str, str]) -> str:
     return _EBNF_IDENT.sub(sub, ebnf)
 
 
+GAP, IGNORED = "lark_gap", "lark_ignored"  # %ignore'd text between a rule's items, and one piece of it
+
+
+def _is_rule(name: str) -> bool:
+    """Lark's rules are lower case (terminals upper case), after any leading underscores."""
+    return name.lstrip("_")[:1].islower()
+
+
 class _Converter:
     """Names and the regexes' rules: the grammar's own names stay (`start` becomes `root`,
     a rule named `root` becomes `lark_root`); common.lark's are namespaced `common__NAME`, as
     Lark does with an import's dependencies, so they never meet the grammar's own."""
 
-    def __init__(self, taken: set[str]) -> None:
+    def __init__(self, taken: set[str], ignores: bool) -> None:
         self.extra: list[str] = []  # the regexes' rules
         self.regexes = 0
-        self.taken = set(taken)
+        self.taken = set(taken) | {GAP, IGNORED, "lark_start"}
+        # with %ignore, root is the start rule after ignored text
+        self.start = "lark_start" if ignores else "root"
 
-    @staticmethod
-    def name_of(name: str, common: bool) -> str:
+    def name_of(self, name: str, common: bool) -> str:
         if common:
             return f"common__{name}"
-        return {"start": "root", "root": "lark_root"}.get(name, name)
+        return {"start": self.start, "root": "lark_root"}.get(name, name)
 
     def fresh(self, base: str) -> str:
         while True:
@@ -267,10 +277,12 @@ class _Parser:
     """Recursive descent over one definition's tokens, writing EBNF."""
 
     def __init__(
-        self, conv: _Converter, owner: str, toks: list[_Tok], line: int, common: bool
+        self, conv: _Converter, owner: str, toks: list[_Tok], line: int, common: bool,
+        gap: str | None = None,
     ) -> None:
         self.conv, self.owner, self.toks, self.line, self.i = conv, owner, toks, line, 0
         self.common = common  # a common.lark definition: its names are common.lark's
+        self.gap = gap  # a rule's (not a terminal's): the %ignore'd text allowed between items
         self.refs: set[str] = set()
 
     def peek(self) -> _Tok | None:
@@ -295,9 +307,13 @@ class _Parser:
         return " | ".join(alts)
 
     def alias(self, closing: str | None) -> str:
-        items = []
+        items: list[str] = []
         while (tok := self.peek()) is not None and tok.text not in ("|", "->", closing):
-            items.append(self.expr())
+            atom, repeat = self.expr()
+            # in a rule, %ignore'd text may come before each item but the first; an item that
+            # may be absent takes it along, so that a rule never ends in ignored text
+            lead = self.gap if self.gap and items else None
+            items.append(self.render(atom, repeat, lead))
         if (tok := self.peek()) is not None and tok.text == "->":
             self.i += 1
             if (name := self.peek()) is None or name.kind != "name":
@@ -305,23 +321,54 @@ class _Parser:
             self.i += 1
         return " ".join(items) if items else '""'
 
-    def expr(self) -> str:
-        atom = self.atom()
+    def expr(self) -> tuple[str, str | tuple[int, int] | None]:
+        """An atom and its repeat: None, "?", "*", "+" or (n, m) for `~ n..m`."""
+        if (tok := self.peek()) is not None and tok.text == "[":  # [x]: x, optional
+            self.i += 1
+            atom = f"({self.expansions(']')})"
+            self.take("]")
+            if (tok := self.peek()) is None or tok.text not in ("?", "*", "+", "~"):
+                return atom, "?"
+            atom += "?"  # ([x] repeated)
+        else:
+            atom = self.atom()
         tok = self.peek()
-        if tok is not None and tok.text in ("?", "*", "+"):
+        if tok is None or tok.text not in ("?", "*", "+", "~"):
+            return atom, None
+        self.i += 1
+        return atom, (self.counts() if tok.text == "~" else tok.text)
+
+    def render(self, atom: str, repeat: str | tuple[int, int] | None, lead: str | None) -> str:
+        """An item in EBNF, `lead` (the ignored text) before each of its repeats, if given;
+        between them in a rule (the gap) otherwise."""
+        if lead:
+            atom = f"({lead} {atom})"
+        if repeat is None or repeat == "?" or not self.gap or lead:
+            if not isinstance(repeat, tuple):
+                return f"{atom}{repeat or ''}"
+            low, high = repeat
+            return '""' if high == 0 else f"{atom}{{{low}}}" if low == high else f"{atom}{{{low},{high}}}"
+        # the first item of a rule's sequence, repeated: x (gap x)*, x (gap x){n-1,m-1}
+        more = f"({self.gap} {atom})"
+        if not isinstance(repeat, tuple):
+            return f"({atom} {more}*)" + ("?" if repeat == "*" else "")
+        low, high = repeat
+        if high == 0:
+            return '""'
+        lo, hi = max(low - 1, 0), high - 1
+        rest = "" if hi == 0 else f" {more}{{{lo}}}" if lo == hi else f" {more}{{{lo},{hi}}}"
+        return f"({atom}{rest})" + ("?" if low == 0 else "")
+
+    def counts(self) -> tuple[int, int]:
+        """`~ n` or `~ n..m` after the `~`."""
+        low = self.number()
+        high = low
+        if (nxt := self.peek()) is not None and nxt.kind == "range":
             self.i += 1
-            return f"{atom}{tok.text}"
-        if tok is not None and tok.text == "~":
-            self.i += 1
-            low = self.number()
-            high = low
-            if (nxt := self.peek()) is not None and nxt.kind == "range":
-                self.i += 1
-                high = self.number()
-            if high < low:
-                raise self.fail(f"repeat ~{low}..{high} runs backwards")
-            return f"{atom}{{{low}}}" if low == high else f"{atom}{{{low},{high}}}"
-        return atom
+            high = self.number()
+        if high < low:
+            raise self.fail(f"repeat ~{low}..{high} runs backwards")
+        return low, high
 
     def number(self) -> int:
         tok = self.peek()
@@ -339,10 +386,6 @@ class _Parser:
             inner = self.expansions(")")
             self.take(")")
             return f"({inner})"
-        if tok.text == "[":
-            inner = self.expansions("]")
-            self.take("]")
-            return f"({inner})?"
         if tok.kind == "string":
             if (nxt := self.peek()) is not None and nxt.kind == "range":
                 self.i += 1
@@ -414,10 +457,21 @@ def lark_to_ebnf(text: str) -> str:
             raise LarkProblem(f"Lark grammar: common.lark has no {target}")
         if alias in own:
             raise LarkProblem(f"Lark grammar: {alias} is both imported and defined")
-    conv = _Converter(set(own) | set(imports) | {"root"})
+    ignores = [d[1:] for d in directives if d[0].text == "%ignore"]
+    conv = _Converter(set(own) | set(imports) | {"root"}, bool(ignores))
     rules: list[str] = []
     pending: list[tuple[str, bool]] = [("start", False)]  # (name, in common.lark)
     done: set[tuple[str, bool]] = set()
+    if ignores:  # what Lark skips between tokens: allowed before the text and between items
+        pieces = []
+        for toks in ignores:
+            parser = _Parser(conv, IGNORED, toks, toks[0].line if toks else 0, False)
+            pieces.append(f"({parser.expansions(None)})")
+            pending.extend((ref, False) for ref in sorted(parser.refs, reverse=True))
+        # not after the text: a model would go on writing ignored text (newlines) for ever
+        # where it could end; text without it is in the language all the same
+        rules += [f"root ::= {GAP} lark_start", f"{GAP} ::= {IGNORED}*",
+                  f"{IGNORED} ::= {' | '.join(pieces)}"]
     while pending:
         key = pending.pop()
         if key in done:
@@ -431,7 +485,8 @@ def lark_to_ebnf(text: str) -> str:
         found = (common if in_common else own).get(name)
         if found is None:
             raise LarkProblem(f"Lark grammar: {name} is used but not defined")
-        parser = _Parser(conv, conv.name_of(name, in_common), found.body, found.line, in_common)
+        gap = GAP if ignores and not in_common and _is_rule(name) else None
+        parser = _Parser(conv, conv.name_of(name, in_common), found.body, found.line, in_common, gap)
         try:
             body = parser.expansions(None)
         except RecursionError:

@@ -1,7 +1,8 @@
 """Lark grammars in `structured.grammar` (lark_grammar.py), checked against the Lark parser itself:
 what the converted grammar accepts, character by character and through SmolLM2's tokens, Lark
-parses; what Lark parses (grammars without %ignore), the converted grammar accepts, and what it
-refuses, the converted grammar refuses too. Unsupported Lark is refused naming the field and line."""
+parses; what Lark parses (%ignore'd text between tokens included), the converted grammar accepts,
+and what it refuses, the converted grammar refuses too. Unsupported Lark is refused naming the
+field and line."""
 
 from __future__ import annotations
 
@@ -63,6 +64,18 @@ CALC = """
      | "(" sum ")"
 %import common.CNAME -> NAME
 %import common.NUMBER
+%import common.WS_INLINE
+%ignore WS_INLINE
+"""
+# keywords without spaces of their own: %ignore puts the spaces between tokens
+SQL_WS = r"""
+start: "SELECT"i column ("," column)* "FROM"i NAME ["WHERE"i NAME "=" NUMBER]
+column: NAME | "*"
+NAME: /[a-z_][a-z0-9_]*/
+%import common.NUMBER
+%import common (WS, NEWLINE)
+%ignore WS
+%ignore "--" /[^\n]*/ NEWLINE
 """
 # the rest of the syntax: case-insensitive strings, ranges, repeats, optionals, regexes,
 # priorities, ! rules, comments of both kinds, a rule named root, a terminal of terminals
@@ -77,9 +90,15 @@ tail: root
 root: "r"+
 ESC: "\"" /[^"\n]*/ "\""
 """
-STRICT = {"sql": SQL, "calc": CALC, "features": FEATURES}  # no %ignore: the same language
-ALL = {**STRICT, "json": JSON}
-ALPHABET = list(' SELCTfromwhe_12345670.+-*/()"{}[]:,=abcdzqrtunlsxEei!\\\n\t')
+# repeats in a rule with %ignore: the ignored text may come between the repeats too
+REPEATS = """
+start: item+ ";" pair~2..3 ";" [item] ";" item* "."
+item: "a" | "b"
+pair: "(" item ")"
+%ignore " "
+"""
+ALL = {"sql": SQL, "calc": CALC, "features": FEATURES, "json": JSON, "sql_ws": SQL_WS, "repeats": REPEATS}
+ALPHABET = list(' ;SELCTfromwhe_12345670.+-*/()"{}[]:,=abcdzqrtunlsxEei!\\\n\t')
 
 
 @functools.cache
@@ -93,6 +112,12 @@ def _lark_accepts(name: str, text: str) -> bool:
     except lark.exceptions.LarkError:
         return False
     return True
+
+
+def _expected(name: str, text: str) -> bool:
+    """What the converted grammar should say: Lark's verdict, except that %ignore'd text (here
+    always ending in whitespace) is not allowed after the whole text."""
+    return _lark_accepts(name, text) and not ("%ignore" in ALL[name] and text[-1:].isspace())
 
 
 @functools.cache
@@ -162,8 +187,8 @@ def test_what_the_converted_grammar_accepts_lark_parses(name: str) -> None:
         assert _lark_accepts(name, text), text
 
 
-@pytest.mark.parametrize("name", list(STRICT))
-def test_without_ignore_both_accept_the_same_strings(name: str) -> None:
+@pytest.mark.parametrize("name", list(ALL))
+def test_both_accept_the_same_strings(name: str) -> None:
     """Walked strings, each cut and each with one character changed, inserted or removed,
     and random strings: Lark and the converted grammar give the same verdict on all."""
     rng = random.Random(1)
@@ -177,7 +202,7 @@ def test_without_ignore_both_accept_the_same_strings(name: str) -> None:
     samples.update("".join(rng.choices(ALPHABET, k=rng.randint(1, 6))) for _ in range(300))
     accepted = 0
     for text in samples:
-        verdict = _lark_accepts(name, text)
+        verdict = _expected(name, text)
         assert _xgr_accepts(name, text) is verdict, text
         accepted += verdict
     assert 0 < accepted < len(samples)
@@ -200,10 +225,35 @@ def test_features_accept_and_refuse_what_lark_does() -> None:
         assert _xgr_accepts("features", text) is ok, text
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "ok"),
+    [
+        ("repeats", " a b a ; (a) (b) ; b ; a a .", True),
+        ("repeats", "ab;(a)(b)(a);;.", True),
+        ("repeats", "a;( a ) ( b );;.", True),
+        ("repeats", "a;(a);;.", False),  # ~2..3
+        ("repeats", "a;(a)(b)(a)(b);;.", False),
+        ("repeats", "a;(a)(b);a b;.", False),  # [item]: one at most
+        ("json", '[1 , 2 ,3 ,\n 4]', True),
+        ("json", '{ "a" : 1 , "b" :[ ] , "c":{}}', True),
+        ("json", '[1 2]', False),
+        ("calc", " 1 + 2 * ( x - 3 ) / 4", True),
+        ("calc", "1 + + 2", False),
+        ("sql_ws", "SELECT a , b FROM t WHERE c = 1", True),
+        ("sql_ws", "select * -- all of it\n from t", True),
+        ("sql_ws", "SELECT a FROM t ", False),  # (Lark: True; nothing ignored after the text)
+        ("sql_ws", "SELECT a b FROM t", False),
+    ],
+)
+def test_ignored_text_where_lark_skips_it(name: str, text: str, ok: bool) -> None:
+    assert _expected(name, text) is ok
+    assert _xgr_accepts(name, text) is ok
+
+
 def test_through_the_backend_and_smollm2_tokens(tokenizer: Any, vocab: Vocab) -> None:
     """A Lark grammar in a request: random walks over real tokens, each output parsed by Lark."""
     backend = get_backend(tokenizer, "xgrammar")
-    for name in ("sql", "calc", "json"):
+    for name in ("sql", "calc", "json"):  # (sql_ws allows comments of any text: walks wander)
         params = StructuredOutputParams("grammar", ALL[name])
         for seed in range(3):
             text = generate(backend, params, vocab, tokenizer, seed)
