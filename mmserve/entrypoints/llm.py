@@ -80,11 +80,18 @@ class LLM:
         template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations. A content part
         {"type": "image", "image": PIL image | bytes | path} puts an image in (models that
         read images). continue_final_message (with add_generation_prompt=False): the prompt
-        ends inside the last message, the assistant's, and the model goes on with it."""
+        ends inside the last message, the assistant's, and the model goes on with it.
+        template_kwargs (e.g. enable_thinking=False) go to the chat template;
+        chat_template_kwargs is vLLM's name for them."""
+        if chat_template_kwargs is not None:
+            if template_kwargs is not None:
+                raise TypeError("chat: give template_kwargs or chat_template_kwargs, not both")
+            template_kwargs = chat_template_kwargs
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         per_prompt = _per_prompt_params(params, len(conversations))
         encoded, images = [], []

@@ -30,3 +30,19 @@ def test_budget_without_a_reasoning_format_is_refused(tmp_path: Path) -> None:
         with pytest.raises(InvalidArgument) as e:
             llm.generate("Hi", SamplingParams(max_tokens=4, reasoning_budget=2), use_tqdm=False)
         assert e.value.field == "reasoning_budget"
+
+
+def test_chat_template_kwargs_is_vllms_name_for_template_kwargs(tmp_path: Path) -> None:
+    """enable_thinking=False reaches the template under either name (the prompt gains Qwen3's
+    empty thought), and giving both is a TypeError."""
+    with LLM(str(_model(tmp_path, "qwen3", QWEN3_TEMPLATE)), **SETTINGS) as llm:
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+
+        def prompt(**kw: object) -> list[int]:
+            return llm.chat(ASK, params, use_tqdm=False, **kw)[0].prompt_token_ids  # type: ignore[arg-type]
+
+        off = {"enable_thinking": False}
+        thinking, plain = prompt(), prompt(template_kwargs=off)
+        assert plain != thinking and prompt(chat_template_kwargs=off) == plain
+        with pytest.raises(TypeError, match="not both"):
+            prompt(template_kwargs=off, chat_template_kwargs=off)
