@@ -1,5 +1,5 @@
 """Bad input and faults against a running server (the README's `mmserve serve`, its two
-default models): 101 calls, most malformed or extreme, each printed with its
+default models): 108 calls, most malformed or extreme, each printed with its
 status; five cancelled n = 4 streams and a call past a 0.2-s deadline, with a 200-token stream
 running beside them; then the KV blocks' count from WatchLoad. A refused call must be
 INVALID_ARGUMENT naming its field; the script flags INTERNAL / UNKNOWN statuses and messages
@@ -142,6 +142,13 @@ def main() -> None:
       ("grammar undefined", g.StructuredOutput(grammar="root ::= foo")),
       ("grammar left recursion", g.StructuredOutput(grammar='root ::= root "a" | "a"')),
       ("grammar outlines backend", g.StructuredOutput(grammar='root ::= "a"', backend=g.StructuredOutput.BACKEND_OUTLINES)),
+      ("lark ok", g.StructuredOutput(grammar='start: "SELECT"i NAME\nNAME: /[a-z]+/\n%import common.WS\n%ignore WS')),
+      ("lark template", g.StructuredOutput(grammar="start: _sep{a, b}\n_sep{x, y}: x (y x)*")),
+      ("lark undefined", g.StructuredOutput(grammar="start: foo")),
+      ("lark no start", g.StructuredOutput(grammar='item: "x"')),
+      ("lark regex flags", g.StructuredOutput(grammar="start: /ab/i")),
+      ("lark deep", g.StructuredOutput(grammar="start: " + "(" * 5000 + '"a"' + ")" * 5000)),
+      ("lark bad import", g.StructuredOutput(grammar="start: A\n%import ..secret.A")),
       ("json_object outlines", g.StructuredOutput(json_object=True, backend=g.StructuredOutput.BACKEND_OUTLINES)),
       ("empty structured", g.StructuredOutput()),
     ]:
