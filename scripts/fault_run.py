@@ -145,7 +145,7 @@ def main() -> None:
       ("lark ok", g.StructuredOutput(grammar='start: "SELECT"i NAME\nNAME: /[a-z]+/\n%import common.WS\n%ignore WS')),
       ("lark template", g.StructuredOutput(grammar="start: _sep{a, b}\n_sep{x, y}: x (y x)*")),
       ("lark undefined", g.StructuredOutput(grammar="start: foo")),
-      ("lark no start", g.StructuredOutput(grammar='item: "x"')),
+      ("lark no rule", g.StructuredOutput(grammar='ITEM: "x"')),
       ("lark regex flags", g.StructuredOutput(grammar="start: /ab/i")),
       ("lark deep", g.StructuredOutput(grammar="start: " + "(" * 5000 + '"a"' + ")" * 5000)),
       ("lark bad import", g.StructuredOutput(grammar="start: A\n%import ..secret.A")),

@@ -5,7 +5,7 @@ read `name: ...` (Lark) rather than `name ::= ...` (EBNF) is converted here, the
 any EBNF grammar. What carries over:
 
 - rules and terminals (`rule:`, `?rule:`, `!rule:`, `TERM:`, priorities `.N`), `start` as the
-  root; alternatives `|` (also opening a continuation line), aliases `-> name` (dropped);
+  root (without one, the first rule, as vLLM takes it); alternatives `|` (also opening a continuation line), aliases `-> name` (dropped);
 - groups `( )`, optional `[ ]`, `?`, `*`, `+`, repeats `~ n` and `~ n..m`;
 - strings with Python escapes, case-insensitive strings `"..."i`, ranges `"a".."z"`, regular
   expressions `/.../` (without flags; xgrammar turns each into rules of its own);
@@ -230,21 +230,21 @@ def _is_rule(name: str) -> bool:
 
 
 class _Converter:
-    """Names and the regexes' rules: the grammar's own names stay (`start` becomes `root`,
-    a rule named `root` becomes `lark_root`); common.lark's are namespaced `common__NAME`, as
+    """Names and the regexes' rules: the grammar's own names stay (the start rule becomes
+    `root`, another rule named `root` becomes `lark_root`); common.lark's are namespaced `common__NAME`, as
     Lark does with an import's dependencies, so they never meet the grammar's own."""
 
-    def __init__(self, taken: set[str], ignores: bool) -> None:
+    def __init__(self, taken: set[str], start: str, ignores: bool) -> None:
         self.extra: list[str] = []  # the regexes' rules
         self.regexes = 0
         self.taken = set(taken) | {GAP, IGNORED, "lark_start"}
-        # with %ignore, root is the start rule after ignored text
-        self.start = "lark_start" if ignores else "root"
+        # the start rule's name; with %ignore, root is the start rule after ignored text
+        self.names = {"root": "lark_root", start: "lark_start" if ignores else "root"}
 
     def name_of(self, name: str, common: bool) -> str:
         if common:
             return f"common__{name}"
-        return {"start": self.start, "root": "lark_root"}.get(name, name)
+        return self.names.get(name, name)
 
     def fresh(self, base: str) -> str:
         while True:
@@ -439,7 +439,8 @@ def _common_defs() -> dict[str, _Def]:
 
 
 def lark_to_ebnf(text: str) -> str:
-    """The grammar in xgrammar's EBNF, `start` as `root`, only what `start` reaches."""
+    """The grammar in xgrammar's EBNF, its start rule as `root` (`start`, else the first rule),
+    with only what that rule reaches."""
     defs, directives = _statements(_tokens(text))
     common = _common_defs()
     own: dict[str, _Def] = {}
@@ -449,8 +450,10 @@ def lark_to_ebnf(text: str) -> str:
                 f"Lark grammar: {definition.name} is defined twice (line {definition.line})"
             )
         own[definition.name] = definition
-    if "start" not in own:
-        raise LarkProblem("Lark grammar: no `start` rule (the rule generation begins with)")
+    # `start`, as Lark's default; else, as vLLM takes it, the first rule
+    start = "start" if "start" in own else next((d.name for d in defs if _is_rule(d.name)), None)
+    if start is None:
+        raise LarkProblem("Lark grammar: no rule to start from (`start`, or any lower-case rule)")
     imports = _imports(directives)  # name here -> common.lark's name
     for alias, target in imports.items():
         if target not in common:
@@ -458,9 +461,9 @@ def lark_to_ebnf(text: str) -> str:
         if alias in own:
             raise LarkProblem(f"Lark grammar: {alias} is both imported and defined")
     ignores = [d[1:] for d in directives if d[0].text == "%ignore"]
-    conv = _Converter(set(own) | set(imports) | {"root"}, bool(ignores))
+    conv = _Converter(set(own) | set(imports) | {"root"}, start, bool(ignores))
     rules: list[str] = []
-    pending: list[tuple[str, bool]] = [("start", False)]  # (name, in common.lark)
+    pending: list[tuple[str, bool]] = [(start, False)]  # (name, in common.lark)
     done: set[tuple[str, bool]] = set()
     if ignores:  # what Lark skips between tokens: allowed before the text and between items
         pieces = []

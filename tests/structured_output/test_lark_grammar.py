@@ -126,6 +126,10 @@ def _compiled(name: str) -> Any:
     return xgr.GrammarCompiler(info, cache_enabled=False).compile_grammar(lark_to_ebnf(ALL[name]))
 
 
+def _xgr_text_accepts(ebnf: str, text: str) -> bool:
+    return bool(xgr.testing._is_grammar_accept_string(xgr.Grammar.from_ebnf(ebnf), text))
+
+
 def _xgr_accepts(name: str, text: str) -> bool:
     matcher = xgr.GrammarMatcher(_compiled(name))
     return (not text or matcher.accept_string(text)) and bool(matcher.accept_token(2))
@@ -149,6 +153,19 @@ def _walks(name: str, rng: random.Random, count: int) -> set[str]:
         if complete is not None:
             found.add(complete)
     return found
+
+
+def test_without_start_the_first_rule_starts() -> None:
+    """vLLM's documentation's JSON grammar has no `start`: its first rule, `value`, is the root
+    (as vLLM takes it), and a rule named `root` elsewhere keeps its place."""
+    text = JSON.replace("?start: value\n", "") + 'extra: root\nroot: "r"\n'
+    ebnf = lark_to_ebnf(text)
+    assert ebnf.startswith("root ::= lark_gap lark_start\n") and "lark_start ::= object | array" in ebnf
+    lark_json = lark.Lark(text, parser="earley", lexer="dynamic_complete", start="value")
+    for sample in ['{"a": [1, {"b": null}]}', "[true , false]", '"x"']:
+        lark_json.parse(sample)
+        assert _xgr_text_accepts(ebnf, sample)
+    assert lark_to_ebnf('a: "x" b\nb: root\nroot: "y"').splitlines()[:2] == ['root ::= "x" b', "b ::= lark_root"]
 
 
 def test_sql_converts_to_the_ebnf_vllm_users_expect() -> None:
@@ -268,7 +285,7 @@ def test_through_the_backend_and_smollm2_tokens(tokenizer: Any, vocab: Vocab) ->
         ("start: A\n%import .other.A", ["only %import common", "line 2"]),
         ("start: /ab/i", ["flags", "line 1"]),
         ("start: a\nb: \"x\"", ["a is used but not defined"]),
-        ("item: \"x\"", ["no `start` rule"]),
+        ("ITEM: \"x\"", ["no rule to start from"]),
         ('start: "a"\nstart: "b"', ["defined twice", "line 2"]),
         ('start: "a".."zz"', ["bad range"]),
         ('start: "a"~3..1', ["backwards"]),
