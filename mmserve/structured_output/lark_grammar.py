@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import xgrammar as xgr
@@ -41,14 +42,13 @@ _EBNF_DEF = re.compile(r"^\s*[_A-Za-z][-_A-Za-z0-9]*\s*::=")
 
 
 def _strip_comment_line(line: str) -> str:
-    """The line without a `//` or `#` comment (outside strings and regexes; rough, for
-    detection only)."""
+    """The line blanked when it is a `//` or `#` comment (for detection only)."""
     return re.sub(r"^\s*(//|#).*$", "", line)
 
 
 def is_lark(text: str) -> bool:
-    """True when the grammar is written in Lark's syntax: a definition reads `name: ...` and
-    none reads `name ::= ...`, or it opens with a Lark directive."""
+    """True when the grammar is written in Lark's syntax: no definition reads `name ::= ...`,
+    and one reads `name: ...` or a line is a Lark directive (`%import`, `%ignore`)."""
     lines = [_strip_comment_line(line) for line in text.splitlines()]
     if any(_EBNF_DEF.match(line) for line in lines):
         return False
@@ -180,7 +180,9 @@ def _statements(toks: list[_Tok]) -> tuple[list[_Def], list[list[_Tok]]]:
 def _literal(tok: _Tok) -> str:
     text = tok.text.removesuffix("i")
     try:
-        value = ast.literal_eval(text)
+        with warnings.catch_warnings():  # "\d" stays a backslash and a d, as in Lark
+            warnings.simplefilter("ignore")
+            value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         raise LarkProblem(f"Lark grammar: bad string {tok.text} at line {tok.line}") from None
     if not isinstance(value, str):
