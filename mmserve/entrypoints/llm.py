@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -22,6 +22,7 @@ Message = dict[str, Any]
 # a generate() prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
 Prompt = str | Sequence[int] | Mapping[str, Any]
 PROGRESS_MIN_PROMPTS = 16  # show a progress bar from this many prompts on
+T = TypeVar("T")
 
 
 class LLM:
@@ -54,10 +55,13 @@ class LLM:
         *,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Prompts are strings, lists of token ids, or vLLM's prompt dicts ({"prompt": text}
         or {"prompt_token_ids": ids}); one prompt or a list (as in vLLM, one list of ints is
-        one prompt). One params for all, or one per prompt."""
+        one prompt). One params for all, or one per prompt (`sampling_params=`, vLLM's name,
+        also takes them)."""
+        params = _either("params", params, "sampling_params", sampling_params)
         each = _listed(prompts)  # one prompt (text, a dict, one list of ids) or a batch
         per_prompt = _per_prompt_params(params, len(each))
         encoded = [self._encode(p, sp, i) for i, (p, sp) in enumerate(zip(each, per_prompt, strict=True))]
@@ -81,17 +85,17 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations. A content part
         {"type": "image", "image": PIL image | bytes | path} puts an image in (models that
         read images). continue_final_message (with add_generation_prompt=False): the prompt
         ends inside the last message, the assistant's, and the model goes on with it.
         template_kwargs (e.g. enable_thinking=False) go to the chat template;
-        chat_template_kwargs is vLLM's name for them."""
-        if chat_template_kwargs is not None:
-            if template_kwargs is not None:
-                raise TypeError("chat: give template_kwargs or chat_template_kwargs, not both")
-            template_kwargs = chat_template_kwargs
+        chat_template_kwargs and sampling_params are vLLM's names for template_kwargs and
+        params."""
+        template_kwargs = _either("template_kwargs", template_kwargs, "chat_template_kwargs", chat_template_kwargs)
+        params = _either("params", params, "sampling_params", sampling_params)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         per_prompt = _per_prompt_params(params, len(conversations))
         encoded, images = [], []
@@ -240,6 +244,15 @@ def _take_images(conv: Sequence[Message]) -> tuple[list[Message], list[Any], lis
 
 def _is_image(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "image"
+
+
+def _either(name: str, value: T, alias: str, aliased: T) -> T:
+    """A keyword given under our name or vLLM's, not both."""
+    if aliased is None:
+        return value
+    if value is not None:
+        raise TypeError(f"give {name} or {alias}, not both")
+    return aliased
 
 
 def _prompt_of(prompt: Any, index: int) -> str | list[int]:

@@ -221,6 +221,13 @@ def test_vllm_prompt_forms_give_the_same_output(tmp_path) -> None:  # type: igno
     assert tokens([{"prompt_token_ids": ids}, {"prompt": text}]) == want * 2
     assert tokens(ids) == want  # one prompt, not len(ids) prompts
     assert tokens([ids, text]) == want * 2
+    # vLLM's keyword for the params
+    assert [o.outputs[0].token_ids for o in llm.generate(text, sampling_params=params, use_tqdm=False)] == want
+    chat = [{"role": "user", "content": text}]
+    assert llm.chat(chat, sampling_params=params, use_tqdm=False)[0].outputs[0].token_ids == \
+        llm.chat(chat, params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(TypeError, match="not both"):
+        llm.generate(text, params, sampling_params=params, use_tqdm=False)
     for bad, words in [
         ([{"prompt": text, "prompt_token_ids": ids}], "one of them"),
         ([text, {"text": text}], "prompts[1]"),
