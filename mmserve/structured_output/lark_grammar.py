@@ -5,7 +5,8 @@ read `name: ...` (Lark) rather than `name ::= ...` (EBNF) is converted here, the
 any EBNF grammar. What carries over:
 
 - rules and terminals (`rule:`, `?rule:`, `!rule:`, `TERM:`, priorities `.N`), `start` as the
-  root (without one, the first rule, as vLLM takes it); alternatives `|` (also opening a continuation line), aliases `-> name` (dropped);
+  root (without one, the first rule, as vLLM takes it); alternatives `|` (also opening a
+  continuation line), aliases `-> name` (dropped);
 - groups `( )`, optional `[ ]`, `?`, `*`, `+`, repeats `~ n` and `~ n..m`;
 - strings with Python escapes, case-insensitive strings `"..."i`, ranges `"a".."z"`, regular
   expressions `/.../` (without flags; xgrammar turns each into rules of its own);
@@ -24,6 +25,7 @@ always matches the grammar as a context-free one."""
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 import warnings
@@ -233,8 +235,9 @@ def _is_rule(name: str) -> bool:
 
 class _Converter:
     """Names and the regexes' rules: the grammar's own names stay (the start rule becomes
-    `root`, another rule named `root` becomes `lark_root`); common.lark's are namespaced `common__NAME`, as
-    Lark does with an import's dependencies, so they never meet the grammar's own."""
+    `root`, another rule named `root` becomes `lark_root`); common.lark's are namespaced
+    `common__NAME`, as Lark does with an import's dependencies, so they never meet the
+    grammar's own."""
 
     def __init__(self, taken: set[str], start: str, ignores: bool) -> None:
         self.extra: list[str] = []  # the regexes' rules
@@ -343,20 +346,20 @@ class _Parser:
     def render(self, atom: str, repeat: str | tuple[int, int] | None, lead: str | None) -> str:
         """An item in EBNF, `lead` (the ignored text) before each of its repeats, if given;
         between them in a rule (the gap) otherwise."""
+        if isinstance(repeat, tuple) and repeat[1] == 0:  # `~ 0`: nothing
+            return '""'
         if lead:
             atom = f"({lead} {atom})"
         if repeat is None or repeat == "?" or not self.gap or lead:
             if not isinstance(repeat, tuple):
                 return f"{atom}{repeat or ''}"
             low, high = repeat
-            return '""' if high == 0 else f"{atom}{{{low}}}" if low == high else f"{atom}{{{low},{high}}}"
+            return f"{atom}{{{low}}}" if low == high else f"{atom}{{{low},{high}}}"
         # the first item of a rule's sequence, repeated: x (gap x)*, x (gap x){n-1,m-1}
         more = f"({self.gap} {atom})"
         if not isinstance(repeat, tuple):
             return f"({atom} {more}*)" + ("?" if repeat == "*" else "")
         low, high = repeat
-        if high == 0:
-            return '""'
         lo, hi = max(low - 1, 0), high - 1
         rest = "" if hi == 0 else f" {more}{{{lo}}}" if lo == hi else f" {more}{{{lo},{hi}}}"
         return f"({atom}{rest})" + ("?" if low == 0 else "")
@@ -435,7 +438,9 @@ def _imports(directives: list[list[_Tok]]) -> dict[str, str]:
     return names
 
 
+@functools.cache
 def _common_defs() -> dict[str, _Def]:
+    """COMMON's definitions, parsed once (read, never changed, by each conversion)."""
     defs, _ = _statements(_tokens(COMMON))
     return {d.name: d for d in defs}
 
