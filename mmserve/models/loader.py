@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -98,15 +99,23 @@ def resolve_dtype(name: str | torch.dtype, device: str | torch.device) -> torch.
     return _DTYPES[name]
 
 
+# torch's default dtype is one per process: loads on several threads at once (a process's
+# tensor-parallel ranks as threads, two models loading side by side) take turns inside it, or
+# one thread's restore would give the other's parameters the wrong dtype
+_DEFAULT_DTYPE_LOCK = threading.RLock()
+
+
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Parameters created inside get dtype (restored after, even on error)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+    """Parameters created inside get dtype (restored after, even on error); one thread at a
+    time."""
+    with _DEFAULT_DTYPE_LOCK:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
 
 
 DUMMY_WEIGHT_STD = 0.02  # the spread of --load-format dummy's random weights

@@ -73,6 +73,51 @@ def test_bfloat16_load(tmp_path: Path) -> None:
     )
 
 
+def test_loads_on_two_threads_keep_their_own_dtype(tmp_path: Path) -> None:
+    """torch's default dtype is one per process: a load on another thread (a tensor-parallel
+    rank run as a thread, as tests/gpu/test_gpu_tp_one_card.py does) must not see this one's
+    restore. The second thread asks while the first is inside; the first still sees its dtype
+    (it saw float32 on CUDA's packed load before the turns were taken)."""
+    import threading
+    import time
+
+    from mmserve.models.loader import _default_dtype
+
+    inside, seen = threading.Event(), []
+
+    def first() -> None:
+        with _default_dtype(torch.bfloat16):
+            inside.set()
+            time.sleep(0.3)  # the second thread is asking by now
+            seen.append(torch.get_default_dtype())
+
+    def second() -> None:
+        inside.wait(5)
+        with _default_dtype(torch.float16):
+            seen.append(torch.get_default_dtype())
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == [torch.bfloat16, torch.float16]
+    assert torch.get_default_dtype() == torch.float32
+    path = make_tiny_model(tmp_path, "llama")
+    models: dict[str, Any] = {}
+    loaders = [
+        threading.Thread(target=lambda d=d: models.__setitem__(d, load(path, d)[0]))
+        for d in ("bfloat16", "float16", "bfloat16", "float32")
+    ]
+    for t in loaders:
+        t.start()
+    for t in loaders:
+        t.join(60)
+    assert {d: {p.dtype for p in m.parameters()} for d, m in models.items()} == {
+        "bfloat16": {torch.bfloat16}, "float16": {torch.float16}, "float32": {torch.float32}
+    }
+
+
 def test_sliding_window_policy(tmp_path: Path) -> None:
     path = make_tiny_model(tmp_path, "mistral", sliding_window=4)
     with pytest.raises(UnsupportedModel, match="sliding window"):
