@@ -108,9 +108,10 @@ class OutlinesBackend(StructuredOutputBackend):
                     "the outlines backend cannot write NUL (U+0000); use the xgrammar backend",
                 )
             return "|".join(_escape(choice) for choice in params.value)
+        what = "structural tags" if params.kind == "structural_tag" else "EBNF grammars"
         raise InvalidArgument(
             params.field,
-            "the outlines backend does not support EBNF grammars (outlines-core has no "
+            f"the outlines backend does not support {what} (outlines-core has no "
             "context-free engine); use the xgrammar backend",
         )
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from mmserve.errors import InvalidArgument
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 BACKEND_NAMES = ("auto", "xgrammar", "outlines")
 
 # Size limits on what a request may ask to compile. Compile time and memory grow with the
@@ -15,6 +15,7 @@ BACKEND_NAMES = ("auto", "xgrammar", "outlines")
 MAX_SCHEMA_BYTES = 512 * 1024  # JSON schema text, UTF-8 (Kubernetes' run to 300 KiB)
 MAX_REGEX_CHARS = 8 * 1024
 MAX_GRAMMAR_BYTES = 128 * 1024  # EBNF text, UTF-8
+MAX_STRUCTURAL_TAG_BYTES = MAX_SCHEMA_BYTES  # JSON text, UTF-8 (its tags' schemas inside)
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1024  # per choice
 
@@ -25,11 +26,13 @@ class StructuredOutputParams:
 
     kind: str  # one of KINDS
     # json_schema: the schema as JSON text; regex / grammar: the pattern / EBNF text;
-    # choice: the allowed outputs (a list is accepted and kept as a tuple); json_object: "".
+    # structural_tag: its JSON text (structural_tag.py); choice: the allowed outputs (a list
+    # is accepted and kept as a tuple); json_object: "".
     value: str | Sequence[str] = ""
     backend: str = "auto"  # one of BACKEND_NAMES; auto = the server's default backend
-    # json_schema only: compile around the keywords the backend cannot enforce (reported as
-    # CompiledGrammar.relaxed) instead of refusing the schema. Ignored for other kinds.
+    # json_schema and structural_tag (its schemas) only: compile around the keywords the
+    # backend cannot enforce (reported as CompiledGrammar.relaxed) instead of refusing the
+    # schema. Ignored for other kinds.
     relaxed: bool = False
 
     def __post_init__(self) -> None:
@@ -52,7 +55,7 @@ class StructuredOutputParams:
     @property
     def cache_key(self) -> tuple[str, str | tuple[str, ...], bool]:
         """What the compiled grammar depends on, besides the backend."""
-        return self.kind, self.cache_value, self.relaxed and self.kind == "json_schema"
+        return self.kind, self.cache_value, self.relaxed and self.kind in _SCHEMA_KINDS
 
     def validate(self) -> None:
         """Checks that need no backend. Raises InvalidArgument naming the field."""
@@ -97,4 +100,6 @@ _TEXT_LIMITS = {
     "json_schema": (_utf8_len, MAX_SCHEMA_BYTES),
     "regex": (len, MAX_REGEX_CHARS),
     "grammar": (_utf8_len, MAX_GRAMMAR_BYTES),
+    "structural_tag": (_utf8_len, MAX_STRUCTURAL_TAG_BYTES),
 }
+_SCHEMA_KINDS = ("json_schema", "structural_tag")  # the kinds `relaxed` applies to

@@ -28,6 +28,7 @@ class SchemaError(InvalidArgument):
     def __init__(self, pointer: str, message: str, field: str = FIELD) -> None:
         super().__init__(field, f"at {pointer or '/'}: {message}")
         self.pointer = pointer
+        self.detail = message  # without the field and the pointer
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The xgrammar backend (default): JSON schema, JSON object, regex, choice and EBNF (or Lark)."""
+"""The xgrammar backend (default): JSON schema, JSON object, regex, choice, EBNF (or Lark) and
+structural tags."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from .regex_check import RegexProblem, strip_anchors
 from .schema_check import parse_schema
 from .schema_tree import RelaxedKeyword
 from .star_fold import fold_star_terminals
+from .structural_tag import prepare_structural_tag
 from .vocab import special_token_ids
 
 logger = logging.getLogger(__name__)
@@ -52,8 +54,9 @@ _JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 # holds for the text received. _Utf8Guard keeps it out.
 _SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
-# xgrammar prefixes its errors with "[time] /path/file.cc:line: ".
-_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+# xgrammar prefixes its errors with "[time] /path/file.cc:line: ", some (a structural tag's
+# token not in the vocabulary) with its failed check's C++ condition too.
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: |Check failed: \(.*?\) is false: ")
 
 
 class XGrammarBackend(StructuredOutputBackend):
@@ -79,10 +82,12 @@ class XGrammarBackend(StructuredOutputBackend):
         params.validate()
         relaxed: tuple[RelaxedKeyword, ...] = ()
         try:
+            text = cast(str, params.value)  # validated: a string for every kind but choice
             if params.kind == "json_schema":
-                text = cast(str, params.value)  # validated: a string for every kind but choice
                 prepared = prepare_schema(parse_schema(text), XGRAMMAR_RULES, params.relaxed)
                 compiled, relaxed = self._json_schema(prepared.text), prepared.relaxed
+            elif params.kind == "structural_tag":
+                compiled, relaxed = self._structural_tag(text, params.relaxed)
             else:
                 compiled = self._compile_kind[params.kind](params)
         except InvalidArgument:
@@ -96,10 +101,24 @@ class XGrammarBackend(StructuredOutputBackend):
         grammar = xgr.Grammar.from_json_schema(
             text, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
         )
+        return self._compile_json_strings(grammar)
+
+    def _compile_json_strings(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        """grammar compiled, its JSON strings' characters JSON's (_LOOSE_STRING_CHAR)."""
         ebnf = str(grammar)
         if _LOOSE_STRING_CHAR not in ebnf:
             return self._compiler.compile_grammar(grammar)
         return self._compiler.compile_grammar(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+
+    def _structural_tag(
+        self, text: str, relaxed: bool
+    ) -> tuple[xgr.CompiledGrammar, tuple[RelaxedKeyword, ...]]:
+        """vLLM's structural_tag (structural_tag.py: its schemas prepared as json_schema's)."""
+        prepared = prepare_structural_tag(text, XGRAMMAR_RULES, relaxed, JSON_MAX_WHITESPACE)
+        if prepared.names_tokens:  # (resolved against the compiler's vocabulary)
+            return self._compiler.compile_structural_tag(prepared.text), prepared.relaxed
+        grammar = xgr.Grammar.from_structural_tag(prepared.text)
+        return self._compile_json_strings(grammar), prepared.relaxed
 
     def _json_object(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
         return self._compiler.compile_json_schema(

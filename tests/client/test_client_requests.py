@@ -65,6 +65,11 @@ def test_structured_constraints() -> None:
     req = generate_request("x", None, {"json_schema": {"type": "object"}, "relaxed": True})
     assert req.structured.relaxed
     assert not generate_request("x", None, {"json_schema": "{}"}).structured.relaxed
+    tag = {"type": "structural_tag", "format": {"type": "any_text"}}
+    req = generate_request("x", None, {"structural_tag": tag})
+    assert req.structured.WhichOneof("constraint") == "structural_tag"
+    assert json.loads(req.structured.structural_tag) == tag
+    assert generate_request("x", None, {"structural_tag": "{}"}).structured.structural_tag == "{}"
 
 
 def test_chat_messages_parts_tools_and_history() -> None:

@@ -93,6 +93,9 @@ def test_regex_choice_and_grammar_outputs_match(
         ({"regex": "a(b"}, "structured.regex"),
         ({"grammar": "root ::= undefined_rule"}, "structured.grammar"),
         ({"grammar": 'root ::= "a"', "structured_backend": "outlines"}, "structured.grammar"),
+        ({"structural_tag": {"structures": [], "triggers": ["<"]}}, "structured.structural_tag: at /structures"),
+        ({"structural_tag": {"format": {"type": "any_text"}}, "structured_backend": "outlines"},
+         "structured.structural_tag: the outlines backend"),
     ],
 )  # fmt: skip
 def test_bad_constraints_are_named_then_served(
@@ -103,6 +106,36 @@ def test_bad_constraints_are_named_then_served(
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert expected in e.value.message, e.value.message
     assert client.chat(ASK, max_tokens=2, choice=["ok"]).text == "ok"
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_structural_tag_output_holds_one_valid_call(client: Client) -> None:
+    """xgrammar's form with at_least_one and stop_after_first: free text, then exactly one
+    tagged call whose arguments validate, then the end."""
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<function="], "at_least_one": True,
+        "stop_after_first": True,
+        "tags": [{"type": "tag", "begin": "<function=get_weather>",
+                  "content": {"type": "json_schema", "json_schema": WEATHER}, "end": "</function>"}],
+    }}  # fmt: skip
+    ask = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+    result = client.chat(ask, structural_tag=tag, max_tokens=80, temperature=0)
+    assert result.finish_reason == "stop", result.text
+    head, _, call = result.text.partition("<function=get_weather>")
+    assert "<function=" not in head and call.endswith("</function>"), result.text
+    jsonschema.validate(json.loads(call.removesuffix("</function>")), WEATHER)
+    with pytest.raises(MMServeError) as e:  # a schema inside is held to json_schema's rules
+        tag["format"]["tags"][0]["content"]["json_schema"] = {"type": "integer", "not": {"const": 3}}  # type: ignore[index]
+        client.chat(ask, structural_tag=tag, max_tokens=4)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured.structural_tag: at /format/tags/0/content/json_schema/not" in e.value.message
 
 
 def test_relaxed_compiles_around_and_lists_what_it_left_out(client: Client) -> None:

@@ -59,9 +59,11 @@ class GenerateKwargs(TypedDict, total=False):
     json_object: bool
     regex: str
     choice: Sequence[str]
-    grammar: str  # EBNF
+    grammar: str  # EBNF, or Lark's syntax
+    structural_tag: str | Mapping[str, Any]  # vLLM's structural tag; a dict is sent as JSON text
     structured_backend: Literal["auto", "xgrammar", "outlines"]
-    # json_schema: compile around keywords the backend cannot enforce instead of failing;
+    # json_schema (and structural_tag's schemas): compile around keywords the backend cannot
+    # enforce instead of failing;
     # they are listed in the result's relaxed_keywords
     relaxed: bool
 
@@ -78,7 +80,7 @@ _SAMPLING_KEYS = tuple(
     if not f.is_repeated and f.name != "n"
 )
 _GENERATE_KEYS = frozenset(GenerateKwargs.__annotations__) | frozenset(_SAMPLING_KEYS)
-_CONSTRAINT_KEYS = ("json_schema", "json_object", "regex", "choice", "grammar")
+_CONSTRAINT_KEYS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 _BACKENDS = {
     "auto": generate_pb2.StructuredOutput.BACKEND_AUTO,
     "xgrammar": generate_pb2.StructuredOutput.BACKEND_XGRAMMAR,
@@ -150,8 +152,8 @@ def _set_constraint(req: generate_pb2.GenerateRequest, values: dict[str, Any]) -
         key = given[0]
         if key == "choice":
             structured.choice.choices.extend(values[key])
-        elif key == "json_schema":
-            structured.json_schema = json_text(values[key])
+        elif key in ("json_schema", "structural_tag"):
+            setattr(structured, key, json_text(values[key]))
         else:
             setattr(structured, key, values[key])
     if "structured_backend" in values:

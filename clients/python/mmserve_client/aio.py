@@ -91,8 +91,8 @@ class AsyncClient(ClientBase):
         """Generates from raw text (no chat template) or token ids, and waits for the end.
 
         Returns one GenerateResult; with `n` given (even n=1), a list of n, ordered by index.
-        Keywords: GenerateKwargs (sampling, stop, logprobs, json_schema/regex/choice/grammar,
-        model, request_id, cache_salt, timeout).
+        Keywords: GenerateKwargs (sampling, stop, logprobs, json_schema/regex/choice/grammar/
+        structural_tag, model, request_id, cache_salt, timeout).
         """
         return await self._collect(self._stream(prompt, n, kw), n)
 
