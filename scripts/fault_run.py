@@ -1,5 +1,5 @@
 """Bad input and faults against a running server (the README's `mmserve serve`, its two
-default models): 108 calls, most malformed or extreme, each printed with its
+default models): 119 calls, most malformed or extreme, each printed with its
 status; five cancelled n = 4 streams and a call past a 0.2-s deadline, with a 200-token stream
 running beside them; then the KV blocks' count from WatchLoad. A refused call must be
 INVALID_ARGUMENT naming its field; the script flags INTERNAL / UNKNOWN statuses and messages
@@ -149,6 +149,17 @@ def main() -> None:
       ("lark regex flags", g.StructuredOutput(grammar="start: /ab/i")),
       ("lark deep", g.StructuredOutput(grammar="start: " + "(" * 5000 + '"a"' + ")" * 5000)),
       ("lark bad import", g.StructuredOutput(grammar="start: A\n%import ..secret.A")),
+      ("stag ok", g.StructuredOutput(structural_tag=json.dumps({"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f"]}))),
+      ("stag ok at least one", g.StructuredOutput(structural_tag=json.dumps({"format": {"type": "triggered_tags", "triggers": ["<f"], "at_least_one": True, "stop_after_first": True, "tags": [{"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": "</f>"}]}}))),
+      ("stag bad json", g.StructuredOutput(structural_tag="{")),
+      ("stag bad format", g.StructuredOutput(structural_tag='{"format": {"type": "x"}}')),
+      ("stag no trigger", g.StructuredOutput(structural_tag=json.dumps({"structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}], "triggers": ["<g"]}))),
+      ("stag schema not", g.StructuredOutput(structural_tag=json.dumps({"structures": [{"begin": "<f>", "schema": {"not": {}}, "end": "</f>"}], "triggers": ["<f"]}))),
+      ("stag file ref", g.StructuredOutput(structural_tag=json.dumps({"structures": [{"begin": "<f>", "schema": {"$ref": "file:///etc/passwd"}, "end": "</f>"}], "triggers": ["<f"]}))),
+      ("stag grammar", g.StructuredOutput(structural_tag=json.dumps({"format": {"type": "grammar", "grammar": "root ::= foo"}}))),
+      ("stag token", g.StructuredOutput(structural_tag=json.dumps({"format": {"type": "token", "token": "<|im_start|>"}}))),
+      ("stag deep", g.StructuredOutput(structural_tag="[" * 5000 + "]" * 5000)),
+      ("stag outlines", g.StructuredOutput(structural_tag='{"format": {"type": "any_text"}}', backend=g.StructuredOutput.BACKEND_OUTLINES)),
       ("json_object outlines", g.StructuredOutput(json_object=True, backend=g.StructuredOutput.BACKEND_OUTLINES)),
       ("empty structured", g.StructuredOutput()),
     ]:
