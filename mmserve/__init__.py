@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 if TYPE_CHECKING:
     from mmserve.entrypoints.llm import LLM
-    from mmserve.params import SamplingParams
+    from mmserve.params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:  # lazy: `import mmserve` stays cheap (no torch import)
@@ -17,8 +17,8 @@ def __getattr__(name: str) -> Any:  # lazy: `import mmserve` stays cheap (no tor
         from mmserve.entrypoints.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from mmserve.params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from mmserve import params
 
-        return SamplingParams
+        return getattr(params, name)
     raise AttributeError(name)

