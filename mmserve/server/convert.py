@@ -20,6 +20,7 @@ from mmserve.server.config import ServerConfig
 from mmserve.server.images import image_source
 from mmserve.server.models import ModelHandle, Task
 from mmserve.structured_output.params import StructuredOutputParams
+from mmserve.structured_output.registry import auto_backend
 from mmserve_client.v1 import common_pb2, generate_pb2, models_pb2
 
 MAX_SEED = 2**63 - 1  # n > 1 seeds choices seed, seed + 1, ...: keep those in torch's range
@@ -120,16 +121,19 @@ def structured_output(
     value = "" if kind == "json_object" else getattr(s, kind)
     if kind == "choice":
         value = tuple(s.choice.choices)
-    backend = structured_backend(request, default_backend)
+    backend = structured_backend(request, default_backend, kind)
     return StructuredOutputParams(kind, value, backend, relaxed=s.relaxed)
 
 
-def structured_backend(request: generate_pb2.GenerateRequest, default_backend: str) -> str:
-    """The grammar backend a request asks for (also for its tool_choice constraint)."""
+def structured_backend(
+    request: generate_pb2.GenerateRequest, default_backend: str, kind: str = "json_schema"
+) -> str:
+    """The grammar backend a request asks for (also for its tool_choice constraint, a JSON
+    schema): AUTO is the server's default, unless it cannot compile a constraint of `kind`."""
     backend = request.structured.backend
     if backend not in _BACKENDS:
         raise InvalidArgument("structured.backend", f"unknown backend {backend}")
-    return _BACKENDS[backend] or default_backend
+    return _BACKENDS[backend] or auto_backend(kind, default_backend)
 
 
 @dataclass

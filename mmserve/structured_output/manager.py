@@ -21,7 +21,7 @@ from .cache import (
     GrammarCache,
 )
 from .params import StructuredOutputParams
-from .registry import DEFAULT_BACKEND, create_backend, get_backend_class
+from .registry import DEFAULT_BACKEND, auto_backend, create_backend, get_backend_class
 
 
 class StructuredOutputManager:
@@ -61,7 +61,10 @@ class StructuredOutputManager:
         """Validate and compile (cached). Raises InvalidArgument / ResourceExhausted.
         counted: False for the engine's own lookup (GrammarCache.get)."""
         params.validate()
-        backend = self.backend(params.backend)  # outside the compile time limit
+        name = params.backend
+        if name == "auto":  # the default, or a backend that compiles this kind
+            name = auto_backend(params.kind, self.default_backend)
+        backend = self.backend(name)  # outside the compile time limit
         key = (backend.name, *params.cache_key)
         return self.cache.get(key, lambda: backend.compile(params), params.field, counted)
 

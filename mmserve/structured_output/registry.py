@@ -23,6 +23,19 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# the constraint kinds a backend cannot compile (it refuses them by name): "auto" sends them to
+# a backend that can
+_LACKS: dict[str, frozenset[str]] = {"outlines": frozenset({"grammar", "structural_tag"})}
+
+
+def auto_backend(kind: str, default: str) -> str:
+    """The backend "auto" means for a constraint of `kind`: the default one, unless it cannot
+    compile that kind; then the first registered one that can (xgrammar)."""
+    if kind not in _LACKS.get(default, ()):
+        return default
+    return next((name for name in _BACKENDS if kind not in _LACKS.get(name, ())), default)
+
+
 def backend_names() -> tuple[str, ...]:
     return tuple(sorted(_BACKENDS))
 

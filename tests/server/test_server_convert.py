@@ -299,3 +299,21 @@ def test_structured_output_carries_relaxed() -> None:
     request.structured.relaxed = False
     params = convert.structured_output(request, "xgrammar")
     assert params is not None and not params.relaxed
+
+
+def test_auto_backend_is_one_that_compiles_the_constraint() -> None:
+    """BACKEND_AUTO (or unset) is the server's default backend, unless that one cannot compile
+    the kind (outlines: grammars, structural tags): then xgrammar. A backend named stays."""
+    s = generate_pb2.StructuredOutput
+    for constraint, auto in [
+        (s(grammar='root ::= "a"'), "xgrammar"),
+        (s(structural_tag='{"format": {"type": "any_text"}}', backend=s.BACKEND_AUTO), "xgrammar"),
+        (s(regex="a+"), "outlines"),
+        (s(json_schema="{}", backend=s.BACKEND_AUTO), "outlines"),
+    ]:
+        request = generate_pb2.GenerateRequest(structured=constraint)
+        params = convert.structured_output(request, "outlines")
+        assert params is not None and params.backend == auto
+        assert convert.structured_output(request, "xgrammar").backend == "xgrammar"  # type: ignore[union-attr]
+    named = generate_pb2.GenerateRequest(structured=s(grammar='root ::= "a"', backend=s.BACKEND_OUTLINES))
+    assert convert.structured_output(named, "xgrammar").backend == "outlines"  # type: ignore[union-attr]

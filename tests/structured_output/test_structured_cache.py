@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -119,4 +120,12 @@ def test_manager(tokenizer: Any) -> None:
     assert manager.backend().name == "xgrammar"
     with pytest.raises(InvalidArgument, match="structured.regex"):
         manager.compile(StructuredOutputParams("regex", "(a"))
+    manager.close()
+    # with outlines the default, "auto" sends what outlines cannot compile to xgrammar
+    manager = StructuredOutputManager(tokenizer, PADDED_VOCAB, SMOLLM2_EOS, default_backend="outlines")
+    grammar = StructuredOutputParams("grammar", 'root ::= "a"')
+    assert manager.compile(grammar) is manager.compile(replace(grammar, backend="xgrammar"))
+    with pytest.raises(InvalidArgument, match="structured.grammar: the outlines backend"):
+        manager.compile(replace(grammar, backend="outlines"))
+    assert manager.backend().name == "outlines"
     manager.close()
