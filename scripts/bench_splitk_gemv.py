@@ -2,7 +2,8 @@
 against the same product cut into S slices of K run as one strided batched product (torch.bmm
 on a view of the weight, no copy) and summed. Weights rotate through 16 copies a shape, as a
 step's 32 layers do, so the L2 cache does not hold them. CUDA graphs of 16 products, timed by
-events; us a product and the bytes' rate. Prints JSON lines."""
+events; us a product and the bytes' rate. Also torch.mv, the weight stored transposed and
+cuBLASLt for the same product. Prints JSON lines."""
 
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ def main() -> None:
         row = {"shape": name, "n": n, "k": k}
         row["linear_us"] = t = timed(lambda ws=ws, x=x: [F.linear(x, w) for w in ws])
         row["linear_gbs"] = nbytes / t / 1e3
+        # other routes to the same product: torch.mv (a GEMV call), the weight stored
+        # transposed ([K, N]: cuBLAS's other layout), cuBLASLt in place of cuBLAS
+        row["mv_us"] = timed(lambda ws=ws, x=x: [torch.mv(w, x[0]) for w in ws])
+        wts = [w.t().contiguous() for w in ws]
+        row["transposed_us"] = timed(lambda wts=wts, x=x: [torch.mm(x, w) for w in wts])
+        row["transposed_err"] = (torch.mm(x, wts[0]).float() - ref).abs().max().item()
+        del wts
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        row["cublaslt_us"] = timed(lambda ws=ws, x=x: [F.linear(x, w) for w in ws])
+        torch.backends.cuda.preferred_blas_library("cublas")
         for s in (2, 3, 4, 8):
             if k % s:
                 continue
