@@ -32,10 +32,10 @@ class StructuredOutputsParams:
     """vLLM's spelling of a constraint (`SamplingParams(structured_outputs=...)`), for code
     written against vLLM's offline API: one of json (a schema, dict or JSON text), regex,
     choice, grammar (EBNF or Lark), json_object or structural_tag (dict or JSON text); it
-    becomes SamplingParams.structured. disable_fallback is what mmserve always does (a backend
-    that cannot compile a constraint refuses it). The other options of vLLM's are refused
-    (ValueError) rather than ignored: disable_any_whitespace, disable_additional_properties and
-    whitespace_pattern would change what the output may be."""
+    becomes SamplingParams.structured. disable_any_whitespace is taken (json and json_object);
+    disable_fallback is what mmserve always does (a backend that cannot compile a constraint
+    refuses it). vLLM's other options are refused (ValueError) rather than ignored:
+    disable_additional_properties and whitespace_pattern would change what the output may be."""
 
     json: str | Mapping[str, Any] | None = None
     regex: str | None = None
@@ -52,7 +52,7 @@ class StructuredOutputsParams:
         given = [k for k in _VLLM_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"give one constraint of {list(_VLLM_KINDS)}, got {given}")
-        for option in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"):
+        for option in ("disable_additional_properties", "whitespace_pattern"):
             if getattr(self, option) not in (False, None):
                 raise ValueError(f"structured_outputs.{option} is not supported by mmserve")
 
@@ -62,11 +62,13 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is None:
                 continue
+            compact = self.disable_any_whitespace
             if kind == "json_object":
-                return StructuredOutputParams(kind) if value else None
+                return StructuredOutputParams(kind, disable_any_whitespace=compact) if value else None
             if kind == "choice":
                 return StructuredOutputParams(kind, tuple(value))
-            return StructuredOutputParams(kind, value if isinstance(value, str) else json.dumps(value))
+            text = value if isinstance(value, str) else json.dumps(value)
+            return StructuredOutputParams(kind, text, disable_any_whitespace=compact)
         return None
 
 

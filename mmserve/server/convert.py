@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mmserve.errors import InvalidArgument
@@ -121,19 +121,24 @@ def structured_output(
     value = "" if kind == "json_object" else getattr(s, kind)
     if kind == "choice":
         value = tuple(s.choice.choices)
-    backend = structured_backend(request, default_backend, kind)
-    return StructuredOutputParams(kind, value, backend, relaxed=s.relaxed)
+    params = StructuredOutputParams(
+        kind, value, relaxed=s.relaxed, disable_any_whitespace=s.disable_any_whitespace
+    )
+    return replace(params, backend=structured_backend(request, default_backend, params.needs))
 
 
 def structured_backend(
-    request: generate_pb2.GenerateRequest, default_backend: str, kind: str = "json_schema"
+    request: generate_pb2.GenerateRequest,
+    default_backend: str,
+    needs: frozenset[str] = frozenset({"json_schema"}),
 ) -> str:
     """The grammar backend a request asks for (also for its tool_choice constraint, a JSON
-    schema): AUTO is the server's default, unless it cannot compile a constraint of `kind`."""
+    schema): AUTO is the server's default, unless it cannot compile what `needs` names
+    (StructuredOutputParams.needs)."""
     backend = request.structured.backend
     if backend not in _BACKENDS:
         raise InvalidArgument("structured.backend", f"unknown backend {backend}")
-    return _BACKENDS[backend] or auto_backend(kind, default_backend)
+    return _BACKENDS[backend] or auto_backend(needs, default_backend)
 
 
 @dataclass

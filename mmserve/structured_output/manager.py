@@ -63,7 +63,7 @@ class StructuredOutputManager:
         params.validate()
         name = params.backend
         if name == "auto":  # the default, or a backend that compiles this kind
-            name = auto_backend(params.kind, self.default_backend)
+            name = auto_backend(params.needs, self.default_backend)
         backend = self.backend(name)  # outside the compile time limit
         key = (backend.name, *params.cache_key)
         return self.cache.get(key, lambda: backend.compile(params), params.field, counted)

@@ -87,6 +87,11 @@ class OutlinesBackend(StructuredOutputBackend):
         """What the worker builds (outlines-core's own regex for a schema is made there too:
         for some schemas it is gigabytes), and the keywords relaxed."""
         text = cast(str, params.value)  # a string for every kind but choice
+        if params.compact:
+            raise InvalidArgument(
+                "structured.disable_any_whitespace",
+                "the outlines backend cannot leave out JSON's whitespace; use the xgrammar backend",
+            )
         try:
             if params.kind in ("json_schema", "json_object"):
                 schema = parse_schema(text) if params.kind == "json_schema" else {"type": "object"}

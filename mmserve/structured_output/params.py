@@ -34,6 +34,9 @@ class StructuredOutputParams:
     # backend cannot enforce (reported as CompiledGrammar.relaxed) instead of refusing the
     # schema. Ignored for other kinds.
     relaxed: bool = False
+    # json_schema and json_object only (vLLM's disable_any_whitespace): no whitespace but one
+    # space after each "," and ":" (`{"a": 1, "b": [1, 2]}`). Ignored for other kinds.
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         # Choices may come in as a list; a tuple keeps the params hashable (cache keys).
@@ -53,9 +56,21 @@ class StructuredOutputParams:
         return self.value if isinstance(self.value, str) else tuple(self.value)
 
     @property
-    def cache_key(self) -> tuple[str, str | tuple[str, ...], bool]:
+    def compact(self) -> bool:
+        """Whether the JSON is written without free whitespace (disable_any_whitespace, where
+        it applies)."""
+        return self.disable_any_whitespace and self.kind in JSON_KINDS
+
+    @property
+    def needs(self) -> frozenset[str]:
+        """What a backend must support to compile this: its kind, and disable_any_whitespace
+        where it applies."""
+        return frozenset({self.kind, "disable_any_whitespace"} if self.compact else {self.kind})
+
+    @property
+    def cache_key(self) -> tuple[str, str | tuple[str, ...], bool, bool]:
         """What the compiled grammar depends on, besides the backend."""
-        return self.kind, self.cache_value, self.relaxed and self.kind in _SCHEMA_KINDS
+        return self.kind, self.cache_value, self.relaxed and self.kind in _SCHEMA_KINDS, self.compact
 
     def validate(self) -> None:
         """Checks that need no backend. Raises InvalidArgument naming the field."""
@@ -103,3 +118,4 @@ _TEXT_LIMITS = {
     "structural_tag": (_utf8_len, MAX_STRUCTURAL_TAG_BYTES),
 }
 _SCHEMA_KINDS = ("json_schema", "structural_tag")  # the kinds `relaxed` applies to
+JSON_KINDS = ("json_schema", "json_object")  # the kinds disable_any_whitespace applies to

@@ -23,17 +23,20 @@ _BACKENDS: dict[str, tuple[str, str, str]] = {
 }
 
 
-# the constraint kinds a backend cannot compile (it refuses them by name): "auto" sends them to
-# a backend that can
-_LACKS: dict[str, frozenset[str]] = {"outlines": frozenset({"grammar", "structural_tag"})}
+# the constraint kinds (and options) a backend cannot compile (it refuses them by name): "auto"
+# sends them to a backend that can
+_LACKS: dict[str, frozenset[str]] = {
+    "outlines": frozenset({"grammar", "structural_tag", "disable_any_whitespace"})
+}
 
 
-def auto_backend(kind: str, default: str) -> str:
-    """The backend "auto" means for a constraint of `kind`: the default one, unless it cannot
-    compile that kind; then the first registered one that can (xgrammar)."""
-    if kind not in _LACKS.get(default, ()):
+def auto_backend(needs: frozenset[str], default: str) -> str:
+    """The backend "auto" means for a constraint that needs these (StructuredOutputParams.needs:
+    its kind, options): the default one, unless it cannot compile it; then the first
+    registered one that can (xgrammar)."""
+    if not needs & _LACKS.get(default, frozenset()):
         return default
-    return next((name for name in _BACKENDS if kind not in _LACKS.get(name, ())), default)
+    return next((n for n in _BACKENDS if not needs & _LACKS.get(n, frozenset())), default)
 
 
 def backend_names() -> tuple[str, ...]:

@@ -85,7 +85,7 @@ class XGrammarBackend(StructuredOutputBackend):
             text = cast(str, params.value)  # validated: a string for every kind but choice
             if params.kind == "json_schema":
                 prepared = prepare_schema(parse_schema(text), XGRAMMAR_RULES, params.relaxed)
-                compiled, relaxed = self._json_schema(prepared.text), prepared.relaxed
+                compiled, relaxed = self._json_schema(prepared.text, params.compact), prepared.relaxed
             elif params.kind == "structural_tag":
                 compiled, relaxed = self._structural_tag(text, params.relaxed)
             else:
@@ -96,10 +96,11 @@ class XGrammarBackend(StructuredOutputBackend):
             raise InvalidArgument(params.field, _clean(str(e))) from None
         return XGrammarCompiled(compiled, self.vocab_size, self.eos_token_ids, relaxed, self._utf8)
 
-    def _json_schema(self, text: str) -> xgr.CompiledGrammar:
-        """`text`: a schema as prepare_schema leaves it (everything in it is enforced)."""
+    def _json_schema(self, text: str, compact: bool) -> xgr.CompiledGrammar:
+        """`text`: a schema as prepare_schema leaves it (everything in it is enforced).
+        compact: no whitespace but xgrammar's separators, ", " and ": "."""
         grammar = xgr.Grammar.from_json_schema(
-            text, any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
+            text, any_whitespace=not compact, max_whitespace_cnt=None if compact else JSON_MAX_WHITESPACE
         )
         return self._compile_json_strings(grammar)
 
@@ -121,9 +122,7 @@ class XGrammarBackend(StructuredOutputBackend):
         return self._compile_json_strings(grammar), prepared.relaxed
 
     def _json_object(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
-        return self._compiler.compile_json_schema(
-            '{"type": "object"}', any_whitespace=True, max_whitespace_cnt=JSON_MAX_WHITESPACE
-        )
+        return self._json_schema('{"type": "object"}', params.compact)
 
     def _regex(self, params: StructuredOutputParams) -> xgr.CompiledGrammar:
         try:

@@ -70,6 +70,8 @@ def test_structured_constraints() -> None:
     assert req.structured.WhichOneof("constraint") == "structural_tag"
     assert json.loads(req.structured.structural_tag) == tag
     assert generate_request("x", None, {"structural_tag": "{}"}).structured.structural_tag == "{}"
+    req = generate_request("x", None, {"json_object": True, "disable_any_whitespace": True})
+    assert req.structured.json_object and req.structured.disable_any_whitespace
 
 
 def test_chat_messages_parts_tools_and_history() -> None:

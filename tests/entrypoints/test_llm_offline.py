@@ -283,8 +283,10 @@ def test_vllm_structured_outputs_constrain_smollm2() -> None:
     jsonschema.validate(json.loads(calls[0]), schema)
     with pytest.raises(ValueError, match="give one constraint"):
         StructuredOutputsParams(regex="a", choice=["a"])
-    with pytest.raises(ValueError, match="disable_any_whitespace is not supported"):
-        StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    with pytest.raises(ValueError, match="disable_additional_properties is not supported"):
+        StructuredOutputsParams(json=schema, disable_additional_properties=True)
+    compact = text(json=schema, disable_any_whitespace=True)
+    assert compact == json.dumps(json.loads(compact)), compact  # Python's separators, no more
     with pytest.raises(TypeError, match="not both"):
         SamplingParams(structured=SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")).structured,
                        structured_outputs=StructuredOutputsParams(regex="b"))

@@ -315,5 +315,8 @@ def test_auto_backend_is_one_that_compiles_the_constraint() -> None:
         params = convert.structured_output(request, "outlines")
         assert params is not None and params.backend == auto
         assert convert.structured_output(request, "xgrammar").backend == "xgrammar"  # type: ignore[union-attr]
+    compact = generate_pb2.GenerateRequest(structured=s(json_schema="{}", disable_any_whitespace=True))
+    params = convert.structured_output(compact, "outlines")
+    assert params is not None and params.compact and params.backend == "xgrammar"
     named = generate_pb2.GenerateRequest(structured=s(grammar='root ::= "a"', backend=s.BACKEND_OUTLINES))
     assert convert.structured_output(named, "xgrammar").backend == "outlines"  # type: ignore[union-attr]

@@ -63,6 +63,11 @@ def test_json_schema_output_validates(client: Client) -> None:
     result = client.chat(ASK, json_schema=PERSON, max_tokens=100, temperature=0)
     assert result.finish_reason == "stop"
     jsonschema.validate(json.loads(result.text), PERSON)
+    # vLLM's disable_any_whitespace: Python's separators and no other whitespace
+    result = client.chat(ASK, json_schema=PERSON, disable_any_whitespace=True, max_tokens=100, temperature=0)
+    assert result.finish_reason == "stop"
+    jsonschema.validate(json.loads(result.text), PERSON)
+    assert result.text == json.dumps(json.loads(result.text)), result.text
 
 
 @pytest.mark.parametrize(

@@ -63,9 +63,10 @@ class GenerateKwargs(TypedDict, total=False):
     structural_tag: str | Mapping[str, Any]  # vLLM's structural tag; a dict is sent as JSON text
     structured_backend: Literal["auto", "xgrammar", "outlines"]
     # json_schema (and structural_tag's schemas): compile around keywords the backend cannot
-    # enforce instead of failing;
-    # they are listed in the result's relaxed_keywords
+    # enforce instead of failing; they are listed in the result's relaxed_keywords
     relaxed: bool
+    # json_schema / json_object: no whitespace but ", " and ": " (vLLM's option of that name)
+    disable_any_whitespace: bool
 
 
 V = TypeVar("V")
@@ -160,6 +161,8 @@ def _set_constraint(req: generate_pb2.GenerateRequest, values: dict[str, Any]) -
         structured.backend = _lookup(_BACKENDS, values["structured_backend"], "structured_backend")
     if values.get("relaxed"):
         structured.relaxed = True
+    if values.get("disable_any_whitespace"):
+        structured.disable_any_whitespace = True
 
 
 def image(img: ImageLike, uuid: str = "") -> common_pb2.Image:

@@ -190,7 +190,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., reasoning_budget: _Optional[int] = ..., disable_speculation: _Optional[bool] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
-    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag", "backend", "relaxed")
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag", "backend", "relaxed", "disable_any_whitespace")
     class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         BACKEND_UNSPECIFIED: _ClassVar[StructuredOutput.Backend]
@@ -209,6 +209,7 @@ class StructuredOutput(_message.Message):
     STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     RELAXED_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     json_object: bool
     regex: str
@@ -217,7 +218,8 @@ class StructuredOutput(_message.Message):
     structural_tag: str
     backend: StructuredOutput.Backend
     relaxed: bool
-    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ..., backend: _Optional[_Union[StructuredOutput.Backend, str]] = ..., relaxed: _Optional[bool] = ...) -> None: ...
+    disable_any_whitespace: bool
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ..., structural_tag: _Optional[str] = ..., backend: _Optional[_Union[StructuredOutput.Backend, str]] = ..., relaxed: _Optional[bool] = ..., disable_any_whitespace: _Optional[bool] = ...) -> None: ...
 
 class RelaxedKeyword(_message.Message):
     __slots__ = ("pointer", "keyword")
