@@ -1,5 +1,5 @@
 """Bad input and faults against a running server (the README's `mmserve serve`, its two
-default models): 119 calls, most malformed or extreme, each printed with its
+default models): 122 calls, most malformed or extreme, each printed with its
 status; five cancelled n = 4 streams and a call past a 0.2-s deadline, with a 200-token stream
 running beside them; then the KV blocks' count from WatchLoad. A refused call must be
 INVALID_ARGUMENT naming its field; the script flags INTERNAL / UNKNOWN statuses and messages
@@ -161,6 +161,9 @@ def main() -> None:
       ("stag deep", g.StructuredOutput(structural_tag="[" * 5000 + "]" * 5000)),
       ("stag outlines", g.StructuredOutput(structural_tag='{"format": {"type": "any_text"}}', backend=g.StructuredOutput.BACKEND_OUTLINES)),
       ("json_object outlines", g.StructuredOutput(json_object=True, backend=g.StructuredOutput.BACKEND_OUTLINES)),
+      ("compact json", g.StructuredOutput(json_schema='{"type":"array","items":{"type":"integer"}}', disable_any_whitespace=True)),
+      ("compact outlines", g.StructuredOutput(json_object=True, disable_any_whitespace=True, backend=g.StructuredOutput.BACKEND_OUTLINES)),
+      ("compact regex", g.StructuredOutput(regex="[a-z ]+", disable_any_whitespace=True)),
       ("empty structured", g.StructuredOutput()),
     ]:
         chk(name, gen(prompt="Answer:", structured=so, params={"max_tokens": 16}))

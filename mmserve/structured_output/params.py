@@ -29,7 +29,9 @@ class StructuredOutputParams:
     # structural_tag: its JSON text (structural_tag.py); choice: the allowed outputs (a list
     # is accepted and kept as a tuple); json_object: "".
     value: str | Sequence[str] = ""
-    backend: str = "auto"  # one of BACKEND_NAMES; auto = the server's default backend
+    # one of BACKEND_NAMES; auto = the server's default backend, unless it cannot compile this
+    # (registry.auto_backend: then xgrammar)
+    backend: str = "auto"
     # json_schema and structural_tag (its schemas) only: compile around the keywords the
     # backend cannot enforce (reported as CompiledGrammar.relaxed) instead of refusing the
     # schema. Ignored for other kinds.
