@@ -364,7 +364,10 @@ class ServerConfig:
         False, "put prompts and outputs in the access log (off: only counts and timings)"
     )
     structured_output_backend: str = setting(
-        "xgrammar", "grammar backend when a request says BACKEND_AUTO: xgrammar or outlines"
+        "xgrammar",
+        "grammar backend when a request says BACKEND_AUTO: xgrammar or outlines (a grammar, a "
+        "structural tag or `disable_any_whitespace`, which outlines cannot compile, goes to "
+        "xgrammar)",
     )
     tool_parser: str | None = setting(
         None,
