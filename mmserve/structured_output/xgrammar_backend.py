@@ -116,7 +116,8 @@ class XGrammarBackend(StructuredOutputBackend):
     ) -> tuple[xgr.CompiledGrammar, tuple[RelaxedKeyword, ...]]:
         """vLLM's structural_tag (structural_tag.py: its schemas prepared as json_schema's)."""
         prepared = prepare_structural_tag(text, XGRAMMAR_RULES, relaxed, JSON_MAX_WHITESPACE)
-        if prepared.names_tokens:  # (resolved against the compiler's vocabulary)
+        if prepared.names_tokens:  # resolved against the compiler's vocabulary, so compiled
+            # by it as it is (a length-bounded string's characters are xgrammar's there)
             return self._compiler.compile_structural_tag(prepared.text), prepared.relaxed
         grammar = xgr.Grammar.from_structural_tag(prepared.text)
         return self._compile_json_strings(grammar), prepared.relaxed
