@@ -15,7 +15,12 @@ from typing import Any
 from mmserve.errors import InvalidArgument
 from mmserve.frontend.images import ImagePrompts
 from mmserve.frontend.tool_stream import ToolOutput, tool_output
-from mmserve.frontend.tools import ToolRequest, find_tool_parser, forced_constraint
+from mmserve.frontend.tools import (
+    ToolRequest,
+    find_tool_parser,
+    forced_constraint,
+    strict_call_tags,
+)
 from mmserve.inputs import MMInput
 from mmserve.params import SamplingParams
 from mmserve.processors.chat_template import render_and_tokenize
@@ -99,4 +104,6 @@ def read_tools(
                 "cannot be combined with a forced chat.tool_choice (it constrains the output)",
             )
         params.structured = forced_constraint(request, backend)
+    elif params.structured is None:  # under auto: strict tools' calls, where it can
+        params.structured = strict_call_tags(request, parser, tokenizer, backend)
     return tool_output(request, parser, tokenizer, prompt_token_ids, params)

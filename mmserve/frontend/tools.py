@@ -13,11 +13,16 @@ turns the Chat proto into these; tool_stream.py reads the output.)
   required: `[{"name": ..., "arguments": {...}}, ...]` (one call or more);
   named: `{"name": "f", "arguments": {...}}`. This shape is the same for every model (not
   the model's own markup, which the grammar makes unnecessary); tool_stream.py parses it.
-- strict: enforced by the grammar under required / named. Under auto no grammar applies:
-  a call whose arguments do not validate against its tool's schema stays content, as does a
-  call to a tool the request did not offer (the parser's `accept` hook).
+- strict: enforced by the grammar under required / named. Under auto, where the model's
+  format has a marker to trigger on (hermes' `<tool_call>`, written as text), a structural tag
+  does it (strict_call_tags, as SGLang does): text is free, but a call, once its marker is
+  out, can only name an offered tool and end with arguments a strict tool's schema validates.
+  Elsewhere (other formats, the outlines backend), and for a strict schema xgrammar cannot
+  enforce whole, no grammar applies: a call whose arguments do not validate stays content, as
+  does a call to a tool the request did not offer (the parser's `accept` hook, always on).
 A request's own `structured` constraint applies under auto (calls are parsed from what it
-lets through); with a forced tool_choice, which is a constraint itself, it is refused.
+lets through; no tag is added); with a forced tool_choice, which is a constraint itself, it
+is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from mmserve.processors.tool_parsers import Accept, ToolParser, get_parser, pars
 from mmserve.structured_output.keywords import OUTLINES_RULES, XGRAMMAR_RULES
 from mmserve.structured_output.params import StructuredOutputParams
 from mmserve.structured_output.prepare import check_schema
+from mmserve.structured_output.vocab import special_token_ids
 
 _RULES = {rules.backend: rules for rules in (XGRAMMAR_RULES, OUTLINES_RULES)}
 _NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -169,6 +175,41 @@ def forced_constraint(request: ToolRequest, backend: str) -> StructuredOutputPar
         ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     return StructuredOutputParams("json_schema", json.dumps(schema), backend)
+
+
+def strict_call_tags(
+    request: ToolRequest, parser: ToolParser | None, tokenizer: Any, backend: str
+) -> StructuredOutputParams | None:
+    """Under auto with a strict tool, the structural tag that enforces calls (module doc):
+    a strict tool's arguments against its schema, the others' as any object. None where it
+    cannot: no strict tool, a forced tool_choice, the outlines backend, a format with no tag
+    (ToolParser.call_tags), or a marker the tokenizer keeps as a special token (no constraint
+    writes those)."""
+    if request.forced or parser is None or backend == "outlines":
+        return None
+    if not any(t.strict for t in request.tools):
+        return None
+    special = special_token_ids(tokenizer)
+    for marker in parser.markers:
+        if special.intersection(tokenizer.encode(marker, add_special_tokens=False)):
+            return None
+    fmt = parser.call_tags([(t.name, _enforced_arguments(t)) for t in request.tools])
+    if fmt is None:
+        return None
+    tag = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
+    return StructuredOutputParams("structural_tag", tag, "xgrammar")
+
+
+def _enforced_arguments(tool: ToolSpec) -> dict[str, Any]:
+    """What a call's arguments are held to in strict_call_tags: a strict tool's schema if
+    xgrammar enforces all of it, else any object (then checked after, by `accept`)."""
+    if tool.strict:
+        try:
+            check_schema(tool.parameters, XGRAMMAR_RULES, f"{tool.field}.parameters_json")
+        except InvalidArgument:
+            return {"type": "object"}
+        return tool.parameters
+    return {"type": "object"}
 
 
 def _call_schema(tool: ToolSpec, at: str) -> dict[str, Any]:

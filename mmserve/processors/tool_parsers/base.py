@@ -336,6 +336,13 @@ class ToolParser:
         stream = self.stream(accept)
         return collect(stream.feed(text) + stream.finish())
 
+    def call_tags(self, tools: Sequence[tuple[str, Any]]) -> dict[str, Any] | None:
+        """xgrammar's triggered_tags format (a structural tag's) in which text is free but a
+        call, once its marker is written, must name one of `tools` ((name, arguments schema)
+        pairs) and end with arguments its schema validates, in this format's own markup;
+        None: the format has no marker to trigger on (the default)."""
+        return None
+
 
 def collect(deltas: Sequence[Delta]) -> tuple[str, list[ToolCall]]:
     """Merge deltas into (content, calls): what a client ends up with."""

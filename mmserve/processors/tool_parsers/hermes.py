@@ -9,6 +9,10 @@ stays linear.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+from typing import Any
+
 from .base import ToolParser, json_call
 from .scan import BalancedScanner, Scan
 from .untagged import UntaggedFirst
@@ -68,3 +72,13 @@ class HermesParser(ToolParser):
     name = "hermes"
     stream_class = HermesStream
     markers = (START, END)
+
+    def call_tags(self, tools: Sequence[tuple[str, Any]]) -> dict[str, Any] | None:
+        """A call as Qwen's templates ask for it, `<tool_call>\n{"name": "f", "arguments":
+        {...}}\n</tool_call>`: the tag's begin holds the name, its content the arguments."""
+        tags = [
+            {"type": "tag", "begin": f'{START}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
+             "content": {"type": "json_schema", "json_schema": schema}, "end": f"}}\n{END}"}
+            for name, schema in tools
+        ]  # fmt: skip
+        return {"type": "triggered_tags", "triggers": [START], "tags": tags}
