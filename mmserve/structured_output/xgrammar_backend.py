@@ -109,7 +109,11 @@ class XGrammarBackend(StructuredOutputBackend):
         ebnf = str(grammar)
         if _LOOSE_STRING_CHAR not in ebnf:
             return self._compiler.compile_grammar(grammar)
-        return self._compiler.compile_grammar(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+        try:
+            return self._compiler.compile_grammar(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+        except (RuntimeError, ValueError):  # (never seen: a printed grammar that does not parse)
+            logger.warning("a JSON grammar's text did not compile patched; compiling it as built")
+            return self._compiler.compile_grammar(grammar)
 
     def _structural_tag(
         self, text: str, relaxed: bool
