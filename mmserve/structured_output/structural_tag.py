@@ -124,7 +124,9 @@ class _Walk:
             return [self.format(x, pointer_join(at, i)) for i, x in enumerate(node)]
         if not isinstance(node, dict):
             return node
-        kind = node.get("type")
+        # (xgrammar infers a format's type left out from its members: "json_schema" makes
+        # one a json_schema format)
+        kind = node.get("type", "json_schema" if "json_schema" in node else None)
         self.names_tokens |= kind in TOKEN_FORMATS
         if kind not in _SCHEMA_FORMATS or "json_schema" not in node:
             return {k: self.format(v, pointer_join(at, k)) for k, v in node.items()}

@@ -154,7 +154,11 @@ def test_schema_keywords_are_refused_or_relaxed_by_pointer_into_the_tag(tokenize
     legacy = {"structures": [{"begin": "<f>", "schema": BAD_SCHEMA, "end": "</f>"}], "triggers": ["<f"]}
     fmt = triggered()
     fmt["format"]["tags"][1]["content"]["json_schema"] = BAD_SCHEMA
-    for tag, at in ((legacy, "/structures/0/schema"), (fmt, "/format/tags/1/content/json_schema")):
+    # types left out, as vLLM's tests write them (xgrammar infers them from the members)
+    untyped = {"format": {"type": "triggered_tags", "triggers": ["<f"],
+                          "tags": [{"begin": "<f>", "content": {"json_schema": BAD_SCHEMA}, "end": "</f>"}]}}  # fmt: skip
+    for tag, at in ((legacy, "/structures/0/schema"), (fmt, "/format/tags/1/content/json_schema"),
+                    (untyped, "/format/tags/0/content/json_schema")):  # fmt: skip
         with pytest.raises(InvalidArgument) as e:
             compile_tag(tokenizer, tag)
         assert e.value.field == "structured.structural_tag"
