@@ -196,6 +196,16 @@ def test_bad_tags_are_refused_naming_the_field(tokenizer: Any, tag: Any, expecte
     assert not any(leak in str(e.value) for leak in (".cc", "/home", "Traceback", "Check failed"))
 
 
+def test_a_token_format_cannot_write_a_special_token(tokenizer: Any) -> None:
+    """As under every constraint, a special token (SmolLM2's <|im_start|>, id 1) is never
+    written, even named by id in a token format; a stop token ends the output as always."""
+    tag = {"format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "a"}, {"type": "token", "token": 1}]}}  # fmt: skip
+    matcher = compile_tag(tokenizer, tag).matcher()
+    assert all(matcher.accept_token(t) for t in tokenizer.encode("a", add_special_tokens=False))
+    assert not matcher.accept_token(1)
+
+
 def test_params_limits_cache_key_and_outlines() -> None:
     text = json.dumps(STRUCTURES)
     with pytest.raises(InvalidArgument, match="structured.structural_tag: must be a non-empty"):
