@@ -198,7 +198,7 @@ def test_bad_tags_are_refused_naming_the_field(tokenizer: Any, tag: Any, expecte
 
 def test_a_token_format_cannot_write_a_special_token(tokenizer: Any) -> None:
     """As under every constraint, a special token (SmolLM2's <|im_start|>, id 1) is never
-    written, even named by id in a token format; a stop token ends the output as always."""
+    written, even named by id in a token format."""
     tag = {"format": {"type": "sequence", "elements": [
         {"type": "const_string", "value": "a"}, {"type": "token", "token": 1}]}}  # fmt: skip
     matcher = compile_tag(tokenizer, tag).matcher()
