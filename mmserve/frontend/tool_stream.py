@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import InvalidArgument
-from mmserve.frontend.tools import ToolRequest
+from mmserve.frontend.tools import ToolRequest, special_markers
 from mmserve.params import SamplingParams
 from mmserve.processors.detokenizer import IncrementalDetokenizer
 from mmserve.processors.reasoning_parsers import ReasoningStream
@@ -141,8 +141,7 @@ def tool_output(
             "the server can name one with --tool-parser (or use tool_choice required)",
         )
     special = special_token_ids(tokenizer)
-    added = tokenizer.added_tokens_encoder  # content -> id; special tokens are added tokens
-    markers = {added[m] for m in parser.markers if m in added} & special
+    markers = special_markers(parser, tokenizer, special)
     retext = None
     if params.skip_special_tokens and markers:
         retext = functools.partial(

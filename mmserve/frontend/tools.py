@@ -189,15 +189,20 @@ def strict_call_tags(
         return None
     if not any(t.strict for t in request.tools):
         return None
-    special = special_token_ids(tokenizer)
-    for marker in parser.markers:
-        if special.intersection(tokenizer.encode(marker, add_special_tokens=False)):
-            return None
+    if special_markers(parser, tokenizer, special_token_ids(tokenizer)):
+        return None
     fmt = parser.call_tags([(t.name, _enforced_arguments(t)) for t in request.tools])
     if fmt is None:
         return None
     tag = json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
     return StructuredOutputParams("structural_tag", tag, "xgrammar")
+
+
+def special_markers(parser: ToolParser, tokenizer: Any, special: frozenset[int]) -> set[int]:
+    """The ids of the parser's markers that the tokenizer keeps as special tokens (`special`:
+    its special ids; special tokens are added tokens)."""
+    added = tokenizer.added_tokens_encoder  # content -> id
+    return {added[m] for m in parser.markers if m in added} & special
 
 
 def _enforced_arguments(tool: ToolSpec) -> dict[str, Any]:
