@@ -20,19 +20,14 @@ from mmserve.structured_output import StructuredOutputParams, allocate_bitmask, 
 from tests.structured_output.conftest import (
     PADDED_VOCAB,
     SMOLLM2_EOS,
+    WEATHER_ARGUMENTS,
     _converted_folder,
     _gguf_path,
 )
 from tests.utils.tiny_models import smollm2_tokenizer_folder
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}  # fmt: skip
 TAGS = {
-    "structures": [{"begin": f"<function={n}>", "schema": WEATHER, "end": "</function>"}
+    "structures": [{"begin": f"<function={n}>", "schema": WEATHER_ARGUMENTS, "end": "</function>"}
                    for n in ("get_weather", "get_time", "search")],
     "triggers": ["<function="],
 }  # fmt: skip
@@ -60,7 +55,7 @@ def main() -> None:
     tokenizer = load_tokenizer(folder or smollm2_tokenizer_folder(_gguf_path()))
     backend = create_backend("xgrammar", tokenizer, PADDED_VOCAB, SMOLLM2_EOS)
     print(run(backend, tokenizer, StructuredOutputParams("structural_tag", json.dumps(TAGS)), TEXT))
-    print(run(backend, tokenizer, StructuredOutputParams("json_schema", json.dumps(WEATHER)), CALL))
+    print(run(backend, tokenizer, StructuredOutputParams("json_schema", json.dumps(WEATHER_ARGUMENTS)), CALL))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from mmserve.server.models import ModelRegistry, load_model
 from mmserve_client import Client, MMServeError
 from tests.server.conftest import TEST_CONFIG, ServerThread
 from tests.server.test_server_smollm2 import TEMPLATE
+from tests.structured_output.conftest import WEATHER_ARGUMENTS as WEATHER
 from tests.utils.tiny_models import smollm2_gguf_path
 
 pytestmark = [
@@ -113,12 +114,6 @@ def test_bad_constraints_are_named_then_served(
     assert client.chat(ASK, max_tokens=2, choice=["ok"]).text == "ok"
 
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}  # fmt: skip
 
 
 def test_structural_tag_output_holds_one_valid_call(client: Client) -> None:

@@ -22,6 +22,13 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_VOCAB = 49152  # the tokenizer's size
 PADDED_VOCAB = 49216  # a padded logits width (next multiple of 64), as some models have
 SMOLLM2_EOS = (2,)  # <|im_end|>
+# a tool call's arguments (structural tags, strict tools, their benchmark)
+WEATHER_ARGUMENTS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}  # fmt: skip
 
 
 def _converted_folder() -> Path | None:

@@ -17,18 +17,13 @@ from mmserve.frontend.tools import ToolRequest, strict_call_tags, tool_spec
 from mmserve.params import SamplingParams
 from mmserve.processors.tool_parsers import get_parser
 from mmserve.structured_output import StructuredOutputParams
+from tests.structured_output.conftest import WEATHER_ARGUMENTS as WEATHER
 from tests.structured_output.conftest import get_backend
 from tests.structured_output.test_keyword_rules import accepts
 from tests.structured_output.walk import Vocab, walk
 
 pytest.importorskip("xgrammar")
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}  # fmt: skip
 TOOLS = (
     tool_spec("chat.tools[0]", "get_weather", json.dumps(WEATHER), strict=True),
     tool_spec("chat.tools[1]", "search", json.dumps({"type": "object", "properties": {"q": {"type": "string"}}})),
