@@ -16,8 +16,9 @@ weights re-quantised to a compressed-tensors pack-quantized checkpoint (bench/re
 N = 4 or 8 bits, in groups of G input channels (none: per output channel). A "+q8" suffix (on
 float32 or a wNa16 scheme) also rounds the input of every decoder projection as the one-row
 int8-activation products do on CUDA (gguf_gemm.DP4A, wna16.DP4A: ggml's q8_1, by 32; here at
-every position, as each decode step at batch 1 would be). All run in float32, so only the
-scheme differs from the reference.
+every position, as each decode step at batch 1 would be). gguf-a8: a GGUF on the CPU served
+with --cpu-gguf-activations int8 (its 32-element projections and head through the library's
+int8-activation products). All run in float32, so only the scheme differs from the reference.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Scheme:
     weight_bits: int = 0  # a re-quantised weight-only checkpoint of these bits; 0: none
     group_size: int = 0  # its input channels per scale; 0: one scale per output channel
     q8_activations: bool = False  # the decoder projections' inputs rounded as DP4A's are
+    cpu_gguf_activations: str = "float32"  # --cpu-gguf-activations (a GGUF on the CPU)
 
 
 REFERENCE = Scheme("float32")
@@ -63,6 +65,7 @@ SCHEMES = {
         Scheme("int8", quantization="int8"),
         Scheme("fp8", quantization="fp8"),
         Scheme("fp8-kv", kv_cache_dtype="fp8"),
+        Scheme("gguf-a8", cpu_gguf_activations="int8"),
     )
 }
 _WEIGHT_ONLY = re.compile(r"w(4|8)a16(?:-g([1-9][0-9]*))?")
@@ -73,7 +76,7 @@ def parse_scheme(name: str) -> Scheme:
     base, plus, suffix = name.partition("+")
     if plus:
         scheme = parse_scheme(base)
-        if suffix != "q8" or scheme.quantization is not None or scheme.kv_cache_dtype != "auto":
+        if suffix != "q8" or scheme != Scheme(base, weight_bits=scheme.weight_bits, group_size=scheme.group_size):
             raise ValueError(f"--schemes: {name!r}: only float32 and wNa16 schemes take +q8 (activations in int8)")
         return Scheme(name, weight_bits=scheme.weight_bits, group_size=scheme.group_size, q8_activations=True)
     if name in SCHEMES:
@@ -210,8 +213,16 @@ def run(args: argparse.Namespace, emit: Any) -> None:
         raise ValueError("bench quality needs --model (float weights) and --text FILE")
     if args.window < 2:
         raise ValueError(f"--window: at least 2 tokens, got {args.window}")
-    if args.quantization is not None or args.kv_cache_dtype != "auto" or args.dtype not in ("auto", "float32"):
-        raise ValueError("bench quality: --schemes sets quantization and the KV cache dtype; it runs float32")
+    if (
+        args.quantization is not None
+        or args.kv_cache_dtype != "auto"
+        or args.cpu_gguf_activations != "float32"
+        or args.dtype not in ("auto", "float32")
+    ):
+        raise ValueError(
+            "bench quality: --schemes sets quantization, the KV cache dtype and the CPU's GGUF "
+            "activations; it runs float32"
+        )
     schemes = [parse_scheme(name.strip()) for name in args.schemes.split(",") if name.strip()]
     text = Path(args.text).read_text(encoding="utf-8")
     engine = _engine(args, args.model, REFERENCE)
@@ -269,7 +280,7 @@ def _is_projection(module: torch.nn.Module) -> bool:
 def _engine(args: argparse.Namespace, model: str, scheme: Scheme) -> FrontEnd:
     flags = argparse.Namespace(**{
         **vars(args), "dtype": "float32", "quantization": scheme.quantization,
-        "kv_cache_dtype": scheme.kv_cache_dtype,
+        "kv_cache_dtype": scheme.kv_cache_dtype, "cpu_gguf_activations": scheme.cpu_gguf_activations,
     })  # fmt: skip
     return FrontEnd.start(engine_config(flags, model, dummy=False))
 

@@ -23,12 +23,14 @@ dequantised once at load.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
+from mmserve.kernels import cpu_lib
 from mmserve.kernels._common import matmul_in_column_chunks
 from mmserve.kernels.cpu_lib import require
-from mmserve.kernels.gguf_blocks import BlockFormat, check_blocks
+from mmserve.kernels.gguf_blocks import FORMATS, BlockFormat, check_blocks
 
 # more rows than this: dequantised in chunks + torch.matmul. SmolLM2's layers, 2 cores: the
 # library's product costs about what torch.matmul on float32 weights does up to 128 rows
@@ -102,3 +104,60 @@ def gemm_checked(
             if status:
                 raise RuntimeError(f"gguf_gemm_f32 failed ({status})")
     return out if is_float else out.to(x.dtype)
+
+
+def q8_supported(qtype: str, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library multiplies qtype with int8 activations here (the 32-element types,
+    on AVX-512 with VNNI: mmserve/kernels/cpu/gguf_q8.c)."""
+    lib = lib or cpu_lib.library()
+    fmt = FORMATS.get(qtype)
+    return lib is not None and fmt is not None and bool(lib.gguf_q8_supported(fmt.type_id))
+
+
+def q8_pack(blocks: torch.Tensor, qtype: str, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """qtype's blocks [N, K // 32, bytes] -> the int8-activation product's panels (uint8, 1-D)."""
+    fmt = _check(blocks, qtype, None)
+    lib = require(lib)
+    n, k = blocks.shape[0], blocks.shape[1] * fmt.elements
+    size = lib.gguf_q8_packed_bytes(fmt.type_id, n, k)
+    if size < 0 or not lib.gguf_q8_supported(fmt.type_id):
+        raise ValueError(f"{qtype} has no int8-activation product on this machine")
+    out = torch.empty(size, dtype=torch.uint8)
+    if lib.gguf_q8_pack(fmt.type_id, torch.get_num_threads(), blocks.data_ptr(), n, k, out.data_ptr()):
+        raise RuntimeError("gguf_q8_pack failed")
+    return out
+
+
+@functools.cache
+def _q8_bytes(lib: ctypes.CDLL, type_id: int, n: int, k: int) -> int:
+    """Bytes of a weight [n, k] packed by q8_pack (-1: not whole blocks)."""
+    return int(lib.gguf_q8_packed_bytes(type_id, n, k))
+
+
+def _q8_k(lib: ctypes.CDLL, type_id: int, n: int, nbytes: int) -> int | str:
+    """The K of a packed weight of n channels and nbytes (for an error message)."""
+    per_block = _q8_bytes(lib, type_id, n, 32)
+    return nbytes // per_block * 32 if per_block > 0 and nbytes % per_block == 0 else "unknown"
+
+
+def q8_gemm(
+    x: torch.Tensor, packed: torch.Tensor, type_id: int, n: int, lib: ctypes.CDLL | None = None
+) -> torch.Tensor:
+    """x [M, K] (a float CPU tensor, K whole blocks) against the weight q8_pack packed (N output
+    channels, type_id its GGUF type), x rounded to int8 by 32 as _common.q8_round_trip rounds it:
+    [M, N] in x's dtype, float32 sums."""
+    lib = require(lib)
+    if x.dim() != 2 or packed.numel() != _q8_bytes(lib, type_id, n, x.shape[1]):
+        raise ValueError(
+            f"x must be [M, K] with K = the packed weight's (of {n} channels), got {list(x.shape)}; "
+            f"K = {_q8_k(lib, type_id, n, packed.numel())}"
+        )
+    xf = x if x.dtype == torch.float32 and x.stride(1) == 1 else x.float().contiguous()
+    m = xf.shape[0]
+    out = xf.new_empty((m, n))
+    if m and n:
+        status = lib.gguf_q8_gemm(type_id, torch.get_num_threads(), xf.data_ptr(), m, xf.shape[1], xf.stride(0),
+                                  packed.data_ptr(), n, out.data_ptr(), n)  # fmt: skip
+        if status:
+            raise RuntimeError(f"gguf_q8_gemm failed ({status})")
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

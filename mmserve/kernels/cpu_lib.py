@@ -32,7 +32,7 @@ from mmserve import envs
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
-EXACT_SOURCES = ("gguf_dequant", "gguf_panel", "layer_ops")  # compiled without fused multiply-adds
+EXACT_SOURCES = ("gguf_dequant", "gguf_panel", "gguf_q8", "layer_ops")  # compiled without fused multiply-adds
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -69,6 +69,14 @@ def load(path: Path) -> ctypes.CDLL:
     lib.gguf_panel_supported.argtypes = [ctypes.c_int]
     lib.gguf_gemm_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64]
     lib.gguf_dequant_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _PTR]
+    for fn in (lib.gguf_q8_supported, lib.gguf_q8_pack, lib.gguf_q8_gemm, lib.gguf_q8_quantise):
+        fn.restype = ctypes.c_int
+    lib.gguf_q8_supported.argtypes = [ctypes.c_int]
+    lib.gguf_q8_packed_bytes.restype = _I64
+    lib.gguf_q8_packed_bytes.argtypes = [ctypes.c_int, _I64, _I64]
+    lib.gguf_q8_pack.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _PTR]
+    lib.gguf_q8_gemm.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64]
+    lib.gguf_q8_quantise.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR]
     for fn in (lib.rms_norm_f32, lib.rotary_f32, lib.write_kv_f32, lib.silu_and_mul_f32, lib.apply_bitmask_f32):
         fn.restype = ctypes.c_int
     lib.apply_bitmask_f32.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64]

@@ -16,8 +16,9 @@ the kernels' reference.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -31,6 +32,8 @@ from mmserve.models.parallel import Shard, TensorParallel, VocabParallelEmbeddin
 
 if TYPE_CHECKING:
     from mmserve.models.source import WeightShard
+
+logger = logging.getLogger(__name__)
 
 # mmserve.kernels.* are imported where used (see mmserve.models.fp8); these are the formats of
 # mmserve/kernels/gguf_blocks.py: type -> bytes per block
@@ -64,6 +67,7 @@ class _Part:
     stop: int
     qtype: str | None  # a GGUF type, or None: a float weight in the model dtype
     buffer: str  # the name of the module's buffer: blocks [rows, blocks, bytes] (Q6_K planes: [rows, bytes]) or [rows, K]
+    int8: bool = False  # the buffer holds the blocks repacked for int8 activations (cpu_gguf.q8_pack)
 
 
 class GgufLinear(nn.Module):
@@ -145,6 +149,25 @@ class GgufLinear(nn.Module):
         self._loading.clear()
         self._checked.clear()
 
+    def take_int8_activations(self) -> int:
+        """On the CPU: the parts whose type the C library multiplies with int8 activations here
+        (cpu_gguf.q8_supported) are repacked for it, in place of their blocks (a tied head's
+        copy: the embedding keeps its table); returns how many."""
+        from mmserve.kernels import cpu_gguf
+
+        if self.device.type != "cpu" or not cpu_lib.available():
+            return 0
+        parts = []
+        for part in self.parts:
+            if part.qtype is not None and not part.int8 and cpu_gguf.q8_supported(part.qtype):
+                self.register_buffer(part.buffer, cpu_gguf.q8_pack(self.get_buffer(part.buffer), part.qtype))
+                part = replace(part, int8=True)
+            parts.append(part)
+        taken = sum(p.int8 for p in parts) - sum(p.int8 for p in self.parts)
+        self.parts = tuple(parts)
+        self._checked.clear()
+        return taken
+
     def forward(self, x: torch.Tensor, use_kernels: bool | None = None) -> torch.Tensor:
         """use_kernels: True the Triton path (tests set it under the interpreter), False the
         reference; by default Triton on CUDA, the C library on the CPU where it built."""
@@ -164,6 +187,13 @@ class GgufLinear(nn.Module):
         assert weight is not None
         if part.qtype is None:
             return F.linear(x, weight)
+        if part.int8:
+            from mmserve.kernels import cpu_gguf
+            from mmserve.kernels.gguf_blocks import FORMATS
+
+            if path != "cpu":
+                raise ValueError("a part repacked for int8 activations has the C library's product only")
+            return cpu_gguf.q8_gemm(x, weight, FORMATS[part.qtype].type_id, part.stop - part.start)
         if path == "triton":
             from mmserve.kernels.gguf_gemm import gguf_matmul
 
@@ -187,11 +217,12 @@ class GgufLinear(nn.Module):
         held: dict[str, int] = {}
         for p in self.parts:
             if p.qtype is not None and not self.tied:
-                held[p.qtype] = held.get(p.qtype, 0) + self.get_buffer(p.buffer).numel()
+                nbytes = (p.stop - p.start) * self.in_features // BLOCK_ELEMENTS[p.qtype] * BLOCK_BYTES[p.qtype]
+                held[p.qtype] = held.get(p.qtype, 0) + (nbytes if p.int8 else self.get_buffer(p.buffer).numel())
         return held
 
     def extra_repr(self) -> str:
-        kinds = ", ".join(f"{p.start}-{p.stop} {p.qtype or self.dtype}" for p in self.parts)
+        kinds = ", ".join(f"{p.start}-{p.stop} {p.qtype or self.dtype}{' a8' if p.int8 else ''}" for p in self.parts)
         return f"in_features={self.in_features}, out_features={self.out_features}, gguf {kinds}"
 
 
@@ -380,15 +411,25 @@ def _cut_blocks(
     return blocks[:, part.start // elements : stop // elements]
 
 
-def finish_gguf(model: nn.Module) -> None:
+def finish_gguf(model: nn.Module, int8_activations: bool = False) -> None:
     """After the weights loaded: every GgufLinear joins its parts (and checks it is full); a
-    tied head takes the embedding's table."""
+    tied head takes the embedding's table. int8_activations: then the CPU's parts that the C
+    library multiplies with int8 activations are repacked for it (GgufLinear.take_int8_activations)."""
     embeddings = [m for m in model.modules() if isinstance(m, GgufEmbedding)]
     for embedding in embeddings:
         embedding.finish()
+    taken = 0
     for module in model.modules():
         if isinstance(module, GgufLinear):
             module.finish(embeddings[0] if module.tied and len(embeddings) == 1 else None)
+            taken += module.take_int8_activations() if int8_activations else 0
+    if int8_activations and taken:
+        logger.info("GGUF: %d products take int8 activations (--cpu-gguf-activations int8)", taken)
+    elif int8_activations:
+        logger.warning(
+            "--cpu-gguf-activations int8: no product takes them here (the CPU's C library with "
+            "AVX-512 VNNI, and a 32-element type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); float32 instead"
+        )
 
 
 def gguf_quantization(model: Any) -> str:  # an nn.Module (the engine holds a CausalLM)

@@ -158,6 +158,11 @@ def load_model(
     if sharded and not model_class.capabilities.tensor_parallel:
         raise UnsupportedModel(f"{model_class.__name__} does not support tensor parallelism")
     blocks = _keeps_gguf_blocks(checkpoint, model_config, device, model_class.capabilities)
+    if model_config.cpu_gguf_activations == "int8" and not (blocks and device.type == "cpu"):
+        logger.warning(
+            "--cpu-gguf-activations int8 takes a GGUF kept in its blocks on the CPU; this load "
+            "(%s on %s) keeps its products' arithmetic", "a GGUF" if checkpoint.gguf_file else "no GGUF", device.type
+        )
     if not blocks:
         source = materialize(checkpoint)  # with its dequantised weights
     weight_only = checkpoint_weight_only(hf_config)
@@ -186,7 +191,10 @@ def load_model(
     if dummy:
         init_dummy_weights(model)
     elif on_meta:
-        _load_quantised(model, hf_config, checkpoint, source, weight_only, device, torch_dtype, shard)
+        _load_quantised(
+            model, hf_config, checkpoint, source, weight_only, device, torch_dtype, shard,
+            int8_activations=model_config.cpu_gguf_activations == "int8",
+        )
     else:
         if fp8_checkpoint is not None and fp8_checkpoint.block is not None:
             # block scales cover 128 x 128 tiles of the whole tensor: dequantised whole, then cut
@@ -259,6 +267,7 @@ def _load_quantised(
     device: torch.device,
     dtype: torch.dtype,
     shard: WeightShard | None = None,
+    int8_activations: bool = False,
 ) -> None:
     """Loads a model built on the meta device whose projections stay quantised: a
     weight-only checkpoint's packed weights (from source), else the GGUF file's blocks. The quantised layers are
@@ -266,7 +275,8 @@ def _load_quantised(
     get storage, and the float tensors load. No float copy of a quantised projection is made,
     so the device's peak is about the quantised model's size. shard: a tensor-parallel
     rank's parts (each projection cut before it is repacked; a GGUF's blocks cut where whole
-    blocks)."""
+    blocks). int8_activations: a GGUF's projections on the CPU that the C library multiplies
+    with int8 activations are repacked for it (--cpu-gguf-activations int8)."""
     if weight_only is None:
         prepare_gguf(model, device)
         float_names = {name for name, _ in model.named_parameters()}
@@ -294,7 +304,7 @@ def _load_quantised(
     with _default_dtype(dtype), device:
         materialize_meta(model, device)
     _load(model, weights)
-    finish_gguf(model)
+    finish_gguf(model, int8_activations)
 
 
 @torch.no_grad()

@@ -140,7 +140,10 @@ def test_schemes_and_windows() -> None:
                                                                   q8_activations=True)  # fmt: skip
     with pytest.raises(ValueError, match="only float32 and wNa16 schemes take"):
         quality.parse_scheme("int8+q8")
-    with pytest.raises(ValueError, match="valid: float32, int8, fp8, fp8-kv, w4a16-gG"):
+    with pytest.raises(ValueError, match="only float32 and wNa16 schemes take"):
+        quality.parse_scheme("gguf-a8+q8")
+    assert quality.parse_scheme("gguf-a8").cpu_gguf_activations == "int8"
+    with pytest.raises(ValueError, match="valid: float32, int8, fp8, fp8-kv, gguf-a8, w4a16-gG"):
         quality.parse_scheme("w3a16")
     assert quality.text_windows(list(range(9)), 4, None) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert quality.text_windows(list(range(9)), 4, 6) == [[0, 1, 2, 3], [4, 5]]

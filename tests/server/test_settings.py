@@ -38,6 +38,7 @@ CHOICES = {
     "gpu_memory_utilization": ("0.5", "0.7"),
     "speculative": ("ngram", "jump+suffix"),
     "kv_cache_dtype": ("fp8", "auto"),
+    "cpu_gguf_activations": ("int8", "float32"),
 }
 
 

@@ -1,0 +1,290 @@
+/* GGUF's 32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against int8 activations on
+ * AVX-512 VNNI: llama.cpp's arithmetic for these files (vec_dot_q4_0_q8_0 and its kin), and
+ * the one mmserve's CUDA products use for Q4_K / Q5_K / w4a16 (ggml's q8_1, by 32).
+ *
+ * x is quantised by 32 along K as mmserve.kernels._common.q8_round_trip does (q = x 127 /
+ * max |x|, rounded half away from zero; d_x = max |x| / 127), bit-equal to it: compiled with
+ * -ffp-contract=off. Each block's integers meet x's in int32 (vpdpbusd: the weight's unsigned
+ * bytes, q + offset, times x's signed ones, the offset taken back as offset * sum q_x), scaled
+ * once by d_w d_x; a type with a min adds m_w times the rounded x's sum over the block, d_x sum
+ * q_x (q8_1's s, as ggml's vec_dot_q4_1_q8_1): the rounded x times the whole weight d_w q + m.
+ * Measured on SmolLM2's Q4_1 (BENCHMARKS.md, session 39), the min meeting x's own float sum
+ * instead moved the next-token distribution 6x further from float32's (mean KL 0.012 against
+ * 0.002): d_w q alone is not centred, so x's rounding errors add up against it.
+ *
+ * The weights are repacked once (gguf_q8_pack) into panels of 16 output channels: per block, 8
+ * vectors (4 for the 4-bit types, two nibbles a byte) whose lane c holds 4 consecutive
+ * integers of channel c, then the 16 d's and m's as float32. A step broadcasts 4 bytes of a
+ * row of x into every lane, so each vpdpbusd is 64 multiply-adds for 16 channels with no
+ * horizontal sums, and up to ROWS rows share each panel's unpacked block.
+ */
+#include "gguf_legacy.h"
+
+#include <stdlib.h>
+
+#if VECTORISED && LANES == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define Q8_BUILT 1
+#else
+#define Q8_BUILT 0
+#endif
+
+#define ROWS 16         /* rows of x a panel's unpacked block serves (16 float sums in registers) */
+#define ROW_BLOCK 256   /* rows quantised x keeps in L2 while the panels pass */
+
+static inline int four_bit(int qtype) { return qtype == GGUF_Q4_0 || qtype == GGUF_Q4_1; }
+static inline int has_min(int qtype) { return qtype == GGUF_Q4_1 || qtype == GGUF_Q5_1; }
+static inline int offset_of(int qtype) {
+    return qtype == GGUF_Q4_0 ? 8 : qtype == GGUF_Q5_0 ? 16 : qtype == GGUF_Q8_0 ? 128 : 0;
+}
+static inline int quant_bytes(int qtype) { return four_bit(qtype) ? 256 : 512; }
+static inline int64_t record_bytes(int qtype) { return quant_bytes(qtype) + 64 + (has_min(qtype) ? 64 : 0); }
+
+int gguf_q8_supported(int qtype) { return Q8_BUILT && is_legacy(qtype); }
+
+int64_t gguf_q8_packed_bytes(int qtype, int64_t n, int64_t k) {
+    if (!is_legacy(qtype) || k % 32 || n < 0) return -1;
+    return (n + 15) / 16 * (k / 32) * record_bytes(qtype);
+}
+
+/* One block of channel c (bp: its GGUF bytes; NULL: a channel past n, all zero) into rec. */
+static void pack_block(int qtype, const uint8_t *bp, int c, uint8_t *rec) {
+    const int qb = quant_bytes(qtype);
+    float d = 0.0f, m = 0.0f;
+    uint8_t u[32] = {0};  /* the integers as unsigned bytes, q + offset */
+    if (bp) {
+        d = f16(bp);
+        m = has_min(qtype) ? f16(bp + 2) : 0.0f;
+        if (qtype == GGUF_Q8_0) {
+            for (int e = 0; e < 32; e++) u[e] = bp[2 + e] ^ 0x80;
+        } else {
+            int five = qtype == GGUF_Q5_0 || qtype == GGUF_Q5_1;
+            uint32_t qh = five ? u32(bp + (qtype == GGUF_Q5_0 ? 2 : 4)) : 0;
+            const uint8_t *nib = bp + (qtype == GGUF_Q4_0 ? 2 : qtype == GGUF_Q4_1 ? 4 : qtype == GGUF_Q5_0 ? 6 : 8);
+            for (int i = 0; i < 16; i++) {
+                u[i] = (uint8_t)((nib[i] & 15) | (((qh >> i) & 1) << 4));
+                u[i + 16] = (uint8_t)((nib[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+            }
+        }
+    }
+    if (four_bit(qtype)) {  /* vector j, lane c: elements 4j .. 4j + 3 low, 16 + 4j .. high */
+        for (int j = 0; j < 4; j++)
+            for (int t = 0; t < 4; t++) rec[64 * j + 4 * c + t] = (uint8_t)(u[4 * j + t] | (u[16 + 4 * j + t] << 4));
+    } else {  /* vector g, lane c: elements 4g .. 4g + 3 */
+        for (int g = 0; g < 8; g++)
+            for (int t = 0; t < 4; t++) rec[64 * g + 4 * c + t] = u[4 * g + t];
+    }
+    memcpy(rec + qb + 4 * c, &d, 4);
+    if (has_min(qtype)) memcpy(rec + qb + 64 + 4 * c, &m, 4);
+}
+
+/* w [n rows of k / 32 blocks] -> out (gguf_q8_packed_bytes of it). Returns 0; -1 for an
+ * unsupported type or a k that is not whole blocks. */
+int gguf_q8_pack(int qtype, int threads, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
+    if (gguf_q8_packed_bytes(qtype, n, k) < 0) return -1;
+    const int64_t blocks = k / 32, bytes = gguf_block_bytes(qtype), rb = record_bytes(qtype);
+    const int64_t panels = (n + 15) / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int c = 0; c < 16; c++) {
+                int64_t ch = 16 * p + c;
+                pack_block(qtype, ch < n ? w + ch * blocks * bytes + b * bytes : NULL, c, out + (p * blocks + b) * rb);
+            }
+    return 0;
+}
+
+/* One row of k floats -> its int8 integers xq, and per block its d_x, its correction
+ * -offset sum q (int32) and its rounded values' sum d_x sum q (ggml's q8_1 s, which a min
+ * meets): q8_round_trip's rounding (a block with a NaN gets a NaN d_x, as torch's amax keeps
+ * it). */
+#if Q8_BUILT
+#include <immintrin.h>
+
+static void quantise_row(const float *x, int64_t k, int offset, int8_t *xq, float *dx, int32_t *corr, float *sx) {
+    const __m512 half = _mm512_set1_ps(0.5f), minus_half = _mm512_set1_ps(-0.5f);
+    for (int64_t b = 0; b < k / 32; b++, x += 32, xq += 32) {
+        __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+        __m512 a = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+        float amax = _mm512_reduce_max_ps(a);
+        if (_mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q)) amax = __builtin_nanf("");
+        float inv = 127.0f / (amax > 0 ? amax : 1.0f);
+        __m512 s = _mm512_set1_ps(inv);
+        __m512 p0 = _mm512_mul_ps(v0, s), p1 = _mm512_mul_ps(v1, s);
+        /* v >= 0 ? v + 0.5 : v - 0.5, then truncated: half away from zero */
+        __m512i q0 = _mm512_cvttps_epi32(_mm512_add_ps(p0, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(p0, _mm512_setzero_ps(), _CMP_GE_OQ), minus_half, half)));
+        __m512i q1 = _mm512_cvttps_epi32(_mm512_add_ps(p1, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(p1, _mm512_setzero_ps(), _CMP_GE_OQ), minus_half, half)));
+        _mm_storeu_si128((__m128i *)xq, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtepi32_epi8(q1));
+        int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        dx[b] = amax / 127.0f;
+        corr[b] = -offset * total;
+        sx[b] = dx[b] * (float)total;
+    }
+}
+#else
+static void quantise_row(const float *x, int64_t k, int offset, int8_t *xq, float *dx, int32_t *corr, float *sx) {
+    for (int64_t b = 0; b < k / 32; b++, x += 32, xq += 32) {
+        float amax = 0.0f;
+        for (int e = 0; e < 32; e++) {
+            float a = x[e] < 0 ? -x[e] : x[e];
+            amax = a > amax || a != a ? a : amax;
+        }
+        float inv = 127.0f / (amax > 0 ? amax : 1.0f);
+        int32_t total = 0;
+        for (int e = 0; e < 32; e++) {
+            float v = x[e] * inv;
+            float r = v >= 0 ? v + 0.5f : v - 0.5f;
+            int32_t q = r != r ? 0 : (int32_t)r;  /* truncation: half away from zero */
+            xq[e] = (int8_t)q;
+            total += q;
+        }
+        dx[b] = amax / 127.0f;
+        corr[b] = -offset * total;
+        sx[b] = dx[b] * (float)total;
+    }
+}
+#endif
+
+#if Q8_BUILT
+/* rows (1 .. ROWS, a constant in each instance) of quantised x against one panel, every
+ * block of k; out's 16 columns from the panel's first (mask: those that exist) */
+static inline __attribute__((always_inline)) void panel_rows(
+    int qtype, int rows, const uint8_t *rec, int64_t blocks, const int8_t *xq, int64_t k, const float *dx,
+    const int32_t *corr, const float *sx, float *out, int64_t ldo, __mmask16 mask) {
+    const int qb = quant_bytes(qtype), minv = has_min(qtype);
+    const int64_t rb = record_bytes(qtype);
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512 acc[ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++, rec += rb) {
+        __m512i wv[8];
+        if (four_bit(qtype)) {
+            for (int j = 0; j < 4; j++) {
+                __m512i v = _mm512_loadu_si512(rec + 64 * j);
+                wv[j] = _mm512_and_si512(v, nibble);
+                wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            }
+        } else {
+            for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512(rec + 64 * g);
+        }
+        __m512 d = _mm512_loadu_ps(rec + qb), m = minv ? _mm512_loadu_ps(rec + qb + 64) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const int8_t *xb = xq + r * k + 32 * b;
+            const int64_t i = r * (k / 32) + b;
+            int32_t x4[8];
+            memcpy(x4, xb, 32);
+            __m512i lo = _mm512_set1_epi32(corr[i]), hi = _mm512_setzero_si512();  /* two chains */
+            for (int g = 0; g < 4; g++) {
+                lo = _mm512_dpbusd_epi32(lo, wv[g], _mm512_set1_epi32(x4[g]));
+                hi = _mm512_dpbusd_epi32(hi, wv[g + 4], _mm512_set1_epi32(x4[g + 4]));
+            }
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_set1_ps(dx[i]));
+            acc[r] = _mm512_fmadd_ps(d, t, acc[r]);
+            if (minv) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
+}
+
+/* m rows (any count) against one panel, ROWS at a time, each count its own unrolled loop */
+#define PANEL_FOR(QT)                                                                               \
+    static void panel_##QT(int64_t m, const uint8_t *rec, int64_t blocks, const int8_t *xq, int64_t k, \
+                           const float *dx, const int32_t *corr, const float *sx, float *out, int64_t ldo, \
+                           __mmask16 mask) {                                                            \
+        for (int64_t r = 0; r < m; r += ROWS) {                                                         \
+            int64_t at = r * (k / 32);                                                                  \
+            switch (m - r < ROWS ? m - r : ROWS) {                                                      \
+            CASES(QT)                                                                                   \
+            }                                                                                           \
+        }                                                                                               \
+    }
+#define CASE(QT, R) \
+    case R: panel_rows(QT, R, rec, blocks, xq + r * k, k, dx + at, corr + at, sx + at, out + r * ldo, ldo, mask); break;
+#define CASES(QT) CASE(QT, 1) CASE(QT, 2) CASE(QT, 3) CASE(QT, 4) CASE(QT, 5) CASE(QT, 6) CASE(QT, 7) \
+    CASE(QT, 8) CASE(QT, 9) CASE(QT, 10) CASE(QT, 11) CASE(QT, 12) CASE(QT, 13) CASE(QT, 14)           \
+    CASE(QT, 15) CASE(QT, 16)
+PANEL_FOR(GGUF_Q4_0)
+PANEL_FOR(GGUF_Q4_1)
+PANEL_FOR(GGUF_Q5_0)
+PANEL_FOR(GGUF_Q5_1)
+PANEL_FOR(GGUF_Q8_0)
+#undef CASES
+#undef CASE
+#undef PANEL_FOR
+
+typedef void (*panel_fn)(int64_t, const uint8_t *, int64_t, const int8_t *, int64_t, const float *,
+                         const int32_t *, const float *, float *, int64_t, __mmask16);
+
+static panel_fn panel_for(int qtype) {
+    switch (qtype) {
+    case GGUF_Q4_0: return panel_GGUF_Q4_0;
+    case GGUF_Q4_1: return panel_GGUF_Q4_1;
+    case GGUF_Q5_0: return panel_GGUF_Q5_0;
+    case GGUF_Q5_1: return panel_GGUF_Q5_1;
+    case GGUF_Q8_0: return panel_GGUF_Q8_0;
+    }
+    return NULL;
+}
+
+/* out[m, n] (ldo apart) = x [m, k] (ldx apart) against the packed weight, on `threads`
+ * OpenMP threads. Returns 0; -1 for an unsupported type or k; -2 when memory ran out. */
+int gguf_q8_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
+                 const uint8_t *packed, int64_t n, float *out, int64_t ldo) {
+    if (!gguf_q8_supported(qtype) || k % 32 || k <= 0) return -1;
+    const int64_t blocks = k / 32, panels = (n + 15) / 16, rb = record_bytes(qtype);
+    const int offset = offset_of(qtype);
+    const panel_fn fn = panel_for(qtype);
+    int8_t *xq = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
+    float *dx = malloc(sizeof(float) * m * blocks), *sx = malloc(sizeof(float) * m * blocks);
+    int32_t *corr = malloc(sizeof(int32_t) * m * blocks);
+    int status = 0;
+    if (!xq || !dx || !sx || !corr) {
+        status = -2;
+        goto done;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            quantise_row(x + r * ldx, k, offset, xq + r * k, dx + r * blocks, corr + r * blocks, sx + r * blocks);
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+            int64_t rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK, at = r0 * blocks;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                int channels = n - 16 * p < 16 ? (int)(n - 16 * p) : 16;
+                fn(rows, packed + p * blocks * rb, blocks, xq + r0 * k, k, dx + at, corr + at, sx + at,
+                   out + r0 * ldo + 16 * p, ldo, (__mmask16)((1u << channels) - 1));
+            }
+        }
+    }
+done:
+    free(xq);
+    free(dx);
+    free(sx);
+    free(corr);
+    return status;
+}
+
+#else
+
+int gguf_q8_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
+                 const uint8_t *packed, int64_t n, float *out, int64_t ldo) {
+    (void)qtype, (void)threads, (void)x, (void)m, (void)k, (void)ldx, (void)packed, (void)n, (void)out, (void)ldo;
+    (void)quantise_row;
+    return -1;
+}
+
+#endif
+
+/* The quantisation alone (tests: bit-equal to q8_round_trip): m rows of x -> xq [m, k],
+ * dx [m, k / 32]. */
+int gguf_q8_quantise(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *xq, float *dx) {
+    if (k % 32 || k <= 0) return -1;
+    int32_t *corr = malloc(sizeof(int32_t) * (k / 32));
+    float *sx = malloc(sizeof(float) * (k / 32));
+    int status = corr && sx ? 0 : -2;
+    for (int64_t r = 0; r < m && !status; r++) quantise_row(x + r * ldx, k, 0, xq + r * k, dx + r * (k / 32), corr, sx);
+    free(corr);
+    free(sx);
+    return status;
+}
