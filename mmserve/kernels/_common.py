@@ -369,9 +369,11 @@ def q8_round_trip(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127.0)).reshape(x.shape)
 
 
-def int8_activations_ref(x: torch.Tensor, w: torch.Tensor, w0: torch.Tensor) -> torch.Tensor:
-    """float32 [M, N]: an int8-activation product's arithmetic on a weight w [N, K] = s q + w0,
-    w0 the part without its quants (a zero point's or a min's, constant over each group of 32
-    along K): x rounded by q8_round_trip meets s q, x itself meets w0 (the products add w0
-    times the group's sum of x)."""
-    return q8_round_trip(x) @ (w - w0).t() + x.float() @ w0.t()
+def int8_activations_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 [M, N]: an int8-activation product's arithmetic on a weight w [N, K]: x rounded
+    by q8_round_trip times w. A weight's part without its quants (a zero point's, a min's: constant
+    over each group of 32 along K) meets the rounded activations too, through their group's
+    sum (ggml's q8_1 s = d sum q, as its vec_dot_q4_1_q8_1 and vec_dot_q4_K_q8_1 use it): against
+    x's own sum, measured on SmolLM2's Q4_1 (BENCHMARKS.md, session 39), the next-token
+    distribution moved 4x further from float32's, the quants' part alone not being centred."""
+    return q8_round_trip(x) @ w.float().t()

@@ -382,8 +382,9 @@ def q6k_step_words(base, ql_at, qh_at, PLANES: tl.constexpr):
 def q8_step(x_ptr, step):
     """A step's 256 activations (one row at x_ptr) quantised by 32 as ggml's q8_1 does: int32
     words [4, 8, 2] of four int8 (byte k of word (c, w, h): element 64 c + 32 h + 4 w + k, as
-    q45k_step_words), each group's scale d = max |x| / 127 and sum of x (float32 [4, 2]); the
-    quants are x 127 / max |x| rounded half away from zero."""
+    q45k_step_words), each group's scale d = max |x| / 127 and the sum of its rounded values,
+    d sum q (float32 [4, 2]; q8_1's s, which a K-quant's min meets); the quants are x 127 /
+    max |x| rounded half away from zero."""
     c = tl.arange(0, 4)[:, None, None, None]
     w = tl.arange(0, 8)[None, :, None, None]
     k = tl.arange(0, 4)[None, None, :, None]
@@ -392,7 +393,8 @@ def q8_step(x_ptr, step):
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [4, 2]
     q = q8_values(x, amax[:, None, None, :])
     words = tl.xor_sum((q & 0xFF) << (8 * k), axis=2)  # disjoint bytes: xor is or
-    return words, amax / 127.0, tl.sum(tl.sum(x, axis=2), axis=1)
+    d = amax / 127.0
+    return words, d, tl.sum(tl.sum(q, axis=2), axis=1).to(tl.float32) * d
 
 
 @triton.jit

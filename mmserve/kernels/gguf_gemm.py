@@ -581,18 +581,11 @@ def gguf_matmul_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.
 
 def gguf_matmul_dp4a_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """float32 [M, N]: the int8-activation products' arithmetic (CUDA's DP4A; the CPU's
-    cpu_gguf.q8_gemm for the 32-element types) on gguf's dequantised weight W. Q6_K and the
-    32-element types: the activations rounded by q8_round_trip times W (a Q4_1 / Q5_1 min meets
-    the rounded activations' sum, ggml's q8_1 s). Q4_K / Q5_K (W = d1 q - m1): the rounded
-    activations meet d1 q, their own values meet -m1 (W with every quant zero)."""
+    cpu_gguf.q8_gemm for the 32-element types) on gguf's dequantised weight W: the activations
+    rounded by q8_round_trip times W (a min meets the rounded activations' sum, ggml's q8_1 s)."""
     from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize_ref
 
     legacy = qtype in FORMATS and FORMATS[qtype].elements == 32
     if qtype not in DP4A_KERNEL_TYPES and not legacy:
         raise ValueError(f"int8 activations take {DP4A_KERNEL_TYPES} and the 32-element types, not {qtype}")
-    w = gguf_dequantize_ref(blocks, qtype)
-    if qtype == "Q6_K" or legacy:
-        return int8_activations_ref(x, w, torch.zeros_like(w))
-    zero_quants = blocks.clone()
-    zero_quants[:, :, 16:] = 0  # past d, dmin and the scales: (Q5_K's qh and) qs
-    return int8_activations_ref(x, w, gguf_dequantize_ref(zero_quants, qtype))
+    return int8_activations_ref(x, gguf_dequantize_ref(blocks, qtype))

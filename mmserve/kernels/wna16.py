@@ -81,9 +81,11 @@ LOWP_MAX_ROWS = 8
 # One row of 16-bit activations times a 4-bit weight by _wna16_dp4a_kernel (as gguf_gemm.DP4A): the
 # activations quantised to int8 by 32 inside it (ggml's q8_1), a word's eight values split into
 # its even and odd ones by a mask and a shift (four bytes each) and multiplied with the
-# activations' int8 words by dp4a; per group of 32, s (d_x sum(q q_x) - z sum(x)). Adds the
+# activations' int8 words by dp4a; per group of 32, s (d_x sum(q q_x) - z d_x sum(q_x)): the
+# rounded activations times the whole weight, the zero point meeting their sum as q8_1's s
+# (against x's own sum until session 39; see _common.int8_activations_ref). Adds the
 # activations' rounding to int8 (on SmolLM2's weights, bench quality: w4a16-g64's KL from float32
-# 0.3681 -> 0.3687 nats). For group sizes that are multiples of 32 (or per channel) and K a
+# 0.3681 -> 0.3687 nats, that arithmetic emulated). For group sizes that are multiples of 32 (or per channel) and K a
 # multiple of 32. On an H100 (session 24, scripts/check_lowp.py, bf16, g128, one row): gate_up 30.2
 # against LOWP's 51.3 us, down 20.3 against 32.7, qkv 12.0 against 18.1; engine, 8B w4a16-g128,
 # batch 1: 4.50 -> 3.26 ms/token (bf16 6.27, same machine)
@@ -309,7 +311,8 @@ def _wna16_dp4a_kernel(
 def _step_activations(x_row, k0, k_hi):
     """A DP4A step's 128 activations of the row at x_row (those past k_hi: 0) quantised by 32
     (q8_values): their int8 words [4, 4, 2] (g, w, parity: byte b element k0 + 32 g + 8 w + 2 b
-    + parity, to match _step_quants), each group's max |x| and sum (float32 [4])."""
+    + parity, to match _step_quants), each group's max |x| and the sum of its rounded values,
+    max |x| / 127 sum q (float32 [4]; ggml's q8_1 s), which the zero point meets."""
     g = tl.arange(0, 4)[:, None, None, None]
     w = tl.arange(0, 4)[None, :, None, None]
     b = tl.arange(0, 4)[None, None, :, None]
@@ -317,8 +320,9 @@ def _step_activations(x_row, k0, k_hi):
     at = k0 + 32 * g + 8 * w + 2 * b + p
     x = tl.load(x_row + at, mask=at < k_hi, other=0.0).to(tl.float32)  # [4, 4, 4, 2]
     amax = tl.max(tl.max(tl.max(tl.abs(x), axis=3), axis=2), axis=1)  # [4]
-    x_words = tl.xor_sum((q8_values(x, amax[:, None, None, None]) & 0xFF) << (8 * b), axis=2)  # disjoint bytes
-    return x_words, amax, tl.sum(tl.sum(tl.sum(x, axis=3), axis=2), axis=1)
+    q = q8_values(x, amax[:, None, None, None])
+    x_words = tl.xor_sum((q & 0xFF) << (8 * b), axis=2)  # disjoint bytes
+    return x_words, amax, tl.sum(tl.sum(tl.sum(q, axis=3), axis=2), axis=1).to(tl.float32) * (amax / 127.0)
 
 
 @triton.jit
@@ -607,10 +611,8 @@ def wna16_dp4a_ref(
     bits: int, group_size: int,
 ) -> torch.Tensor:  # fmt: skip
     """float32 [M, N]: the DP4A product's arithmetic (_common.int8_activations_ref) on the
-    dequantised weight, (q - z) s, its part without the quants -z s."""
-    w = dequantize_packed(qweight, scales, zeros, bits, group_size)
-    w0 = dequantize_packed(torch.zeros_like(qweight), scales, zeros, bits, group_size)
-    return int8_activations_ref(x, w, w0)
+    dequantised weight, (q - z) s."""
+    return int8_activations_ref(x, dequantize_packed(qweight, scales, zeros, bits, group_size))
 
 
 def wna16_product_ref(
