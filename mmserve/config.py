@@ -98,10 +98,9 @@ class ModelConfig:
     )
     cpu_gguf_activations: str = setting(
         "float32",
-        "float32 = a GGUF's products on the CPU in float32, exact; int8 = its Q4_0, Q4_1, Q5_0, "
-        "Q5_1 and Q8_0 projections meet the activations quantised to int8 by 32, as llama.cpp "
-        "computes them (AVX-512 VNNI: about 2x faster products; elsewhere, and for the "
-        "K-quants, float32)",
+        "float32 = a GGUF's products on the CPU in float32, exact; int8 = they meet the "
+        "activations quantised to int8 by 32, as llama.cpp computes them (AVX-512 VNNI: 2-5x "
+        "faster products; elsewhere float32)",
     )
 
     def __post_init__(self) -> None:

@@ -107,7 +107,7 @@ def gemm_checked(
 
 
 def q8_supported(qtype: str, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the library multiplies qtype with int8 activations here (the 32-element types,
+    """Whether the library multiplies qtype with int8 activations here (every supported type,
     on AVX-512 with VNNI: mmserve/kernels/cpu/gguf_q8.c)."""
     lib = lib or cpu_lib.library()
     fmt = FORMATS.get(qtype)
@@ -115,7 +115,8 @@ def q8_supported(qtype: str, lib: ctypes.CDLL | None = None) -> bool:
 
 
 def q8_pack(blocks: torch.Tensor, qtype: str, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """qtype's blocks [N, K // 32, bytes] -> the int8-activation product's panels (uint8, 1-D)."""
+    """qtype's blocks [N, K // elements, bytes] -> the int8-activation product's panels (uint8,
+    1-D)."""
     fmt = _check(blocks, qtype, None)
     lib = require(lib)
     n, k = blocks.shape[0], blocks.shape[1] * fmt.elements

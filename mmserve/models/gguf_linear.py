@@ -427,8 +427,8 @@ def finish_gguf(model: nn.Module, int8_activations: bool = False) -> None:
         logger.info("GGUF: %d products take int8 activations (--cpu-gguf-activations int8)", taken)
     elif int8_activations:
         logger.warning(
-            "--cpu-gguf-activations int8: no product takes them here (the CPU's C library with "
-            "AVX-512 VNNI, and a 32-element type: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); float32 instead"
+            "--cpu-gguf-activations int8: no product takes them here (they need the CPU's C "
+            "library with AVX-512 VNNI); float32 instead"
         )
 
 

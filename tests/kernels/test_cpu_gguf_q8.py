@@ -1,8 +1,8 @@
 """The CPU's int8-activation GGUF product (mmserve/kernels/cpu/gguf_q8.c, cpu_gguf.q8_pack /
-q8_gemm; --cpu-gguf-activations int8) for the 32-element types: the activations' rounding
+q8_gemm; --cpu-gguf-activations int8) for every type: the activations' rounding
 bit-equal to _common.q8_round_trip (ggml's q8_1 by 32, as CUDA's dp4a products round them), and
 the product within float32 rounding of gguf_matmul_dp4a_ref (the rounded activations times the
-gguf package's dequantised weight, less its min, plus the activations themselves times the min)
+gguf package's dequantised weight)
 at 1-300 rows (partial panels of 16 channels, partial tiles of 16 rows, more than one block of
 256 rows), any thread count giving the same bits; and measurably not the exact float product,
 so a float path in its place fails these tests."""
@@ -20,8 +20,12 @@ from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize_ref
 from mmserve.kernels.gguf_gemm import gguf_matmul_dp4a_ref
 from tests.kernels.test_gguf_gemm import random_blocks
 
-LEGACY = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-K = 224  # 7 blocks of 32
+TYPES = list(FORMATS)
+K = 224  # 7 blocks of 32 (the K-quants: 512, two super-blocks)
+
+
+def _k(qtype: str) -> int:
+    return 512 if qtype.endswith("_K") else K
 pytestmark = pytest.mark.skipif(
     not cpu_gguf.q8_supported("Q4_0"), reason="no C library with AVX-512 VNNI here"
 )
@@ -52,11 +56,11 @@ def test_activations_round_bit_equal_to_q8_round_trip() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 33, 300])
-@pytest.mark.parametrize("qtype", LEGACY)
+@pytest.mark.parametrize("qtype", TYPES)
 def test_product_is_the_int8_activation_arithmetic(qtype: str, rows: int) -> None:
     """41 output channels: two panels of 16 and one of 9."""
-    blocks = random_blocks(qtype, 41, K, seed=rows).cpu()
-    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    blocks = random_blocks(qtype, 41, _k(qtype), seed=rows).cpu()
+    x = torch.randn(rows, _k(qtype), generator=torch.Generator().manual_seed(rows))
     packed = cpu_gguf.q8_pack(blocks, qtype)
     out = cpu_gguf.q8_gemm(x, packed, FORMATS[qtype].type_id, 41)
     expected = gguf_matmul_dp4a_ref(x, blocks, qtype).double()
@@ -101,13 +105,13 @@ def test_nan_activations_give_nan_rows_only() -> None:
 def test_bad_inputs_are_refused() -> None:
     blocks = random_blocks("Q4_0", 16, K, seed=5).cpu()
     packed = cpu_gguf.q8_pack(blocks, "Q4_0")
-    with pytest.raises(ValueError, match="Q4_K has no int8-activation product"):
-        cpu_gguf.q8_pack(random_blocks("Q4_K", 16, 256, seed=5).cpu(), "Q4_K")
+    with pytest.raises(ValueError, match="qtype 'Q2_K'"):
+        cpu_gguf.q8_pack(blocks, "Q2_K")
     with pytest.raises(ValueError, match="K = 224"):  # another K than the packed weight's
         cpu_gguf.q8_gemm(torch.randn(2, K + 32), packed, FORMATS["Q4_0"].type_id, 16)
     with pytest.raises(ValueError, match="the packed weight's \\(of 17 channels\\)"):  # (N too)
         cpu_gguf.q8_gemm(torch.randn(2, K), packed, FORMATS["Q4_0"].type_id, 17)
-    assert not cpu_gguf.q8_supported("Q6_K")
+    assert not cpu_gguf.q8_supported("Q2_K") and cpu_gguf.q8_supported("Q6_K")
 
 
 def test_a_build_without_vnni_has_none(tmp_path) -> None:  # type: ignore[no-untyped-def]

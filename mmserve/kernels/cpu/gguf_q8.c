@@ -1,6 +1,7 @@
-/* GGUF's 32-element types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against int8 activations on
- * AVX-512 VNNI: llama.cpp's arithmetic for these files (vec_dot_q4_0_q8_0 and its kin), and
- * the one mmserve's CUDA products use for Q4_K / Q5_K / w4a16 (ggml's q8_1, by 32).
+/* GGUF blocks against int8 activations on AVX-512 VNNI, every type mmserve keeps (Q4_0, Q4_1,
+ * Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): llama.cpp's arithmetic for these files (vec_dot_q4_0_q8_0
+ * and its kin), and the one mmserve's CUDA products use for Q4_K / Q5_K / w4a16 (ggml's q8_1,
+ * by 32).
  *
  * x is quantised by 32 along K as mmserve.kernels._common.q8_round_trip does (q = x 127 /
  * max |x|, rounded half away from zero; d_x = max |x| / 127), bit-equal to it: compiled with
@@ -12,10 +13,13 @@
  * instead moved the next-token distribution 6x further from float32's (mean KL 0.012 against
  * 0.002): d_w q alone is not centred, so x's rounding errors add up against it.
  *
- * The weights are repacked once (gguf_q8_pack) into panels of 16 output channels: per block, 8
- * vectors (4 for the 4-bit types, two nibbles a byte) whose lane c holds 4 consecutive
- * integers of channel c, then the 16 d's and m's as float32. A step broadcasts 4 bytes of a
- * row of x into every lane, so each vpdpbusd is 64 multiply-adds for 16 channels with no
+ * The weights are repacked once (gguf_q8_pack) into panels of 16 output channels: per 32
+ * elements of K, 8 vectors (4 for the 4-bit types, two nibbles a byte) whose lane c holds 4
+ * consecutive integers of channel c, then the 16 d's, m's (the types with a min) and second d's
+ * (Q6_K's scale of elements 16-31) as float32. A K-quant's 32 elements are one sub-block: Q4_K
+ * packs as a Q4_1 block would (d sc, -dmin m), Q5_K as Q5_1, Q6_K as bytes q less 32 with a d
+ * sc for each 16 (its scales rounded as gguf_dequant.c rounds them). A step broadcasts 4 bytes
+ * of a row of x into every lane, so each vpdpbusd is 64 multiply-adds for 16 channels with no
  * horizontal sums, and up to ROWS rows share each panel's unpacked block.
  */
 #include "gguf_legacy.h"
@@ -31,72 +35,116 @@
 #define ROWS 16         /* rows of x a panel's unpacked block serves (16 float sums in registers) */
 #define ROW_BLOCK 256   /* rows quantised x keeps in L2 while the panels pass */
 
-static inline int four_bit(int qtype) { return qtype == GGUF_Q4_0 || qtype == GGUF_Q4_1; }
-static inline int has_min(int qtype) { return qtype == GGUF_Q4_1 || qtype == GGUF_Q5_1; }
-static inline int offset_of(int qtype) {
-    return qtype == GGUF_Q4_0 ? 8 : qtype == GGUF_Q5_0 ? 16 : qtype == GGUF_Q8_0 ? 128 : 0;
+/* the layout a type packs to: the 32-element type of its integers and scales (a K-quant's
+ * sub-block of 32 is a block of that type), or Q6_K's own (bytes, a scale for each 16) */
+static inline int layout_of(int qtype) {
+    return qtype == GGUF_Q4_K ? GGUF_Q4_1 : qtype == GGUF_Q5_K ? GGUF_Q5_1 : qtype;
 }
-static inline int quant_bytes(int qtype) { return four_bit(qtype) ? 256 : 512; }
-static inline int64_t record_bytes(int qtype) { return quant_bytes(qtype) + 64 + (has_min(qtype) ? 64 : 0); }
+static inline int four_bit(int layout) { return layout == GGUF_Q4_0 || layout == GGUF_Q4_1; }
+static inline int has_min(int layout) { return layout == GGUF_Q4_1 || layout == GGUF_Q5_1; }
+static inline int split(int layout) { return layout == GGUF_Q6_K; }  /* a d for each 16 */
+static inline int offset_of(int layout) {
+    return layout == GGUF_Q4_0 ? 8 : layout == GGUF_Q5_0 ? 16 : layout == GGUF_Q8_0 ? 128 : layout == GGUF_Q6_K ? 32 : 0;
+}
+static inline int quant_bytes(int layout) { return four_bit(layout) ? 256 : 512; }
+static inline int64_t record_bytes(int layout) {
+    return quant_bytes(layout) + 64 + (has_min(layout) ? 64 : 0) + (split(layout) ? 64 : 0);
+}
 
-int gguf_q8_supported(int qtype) { return Q8_BUILT && is_legacy(qtype); }
+int gguf_q8_supported(int qtype) { return Q8_BUILT && gguf_block_elements(qtype) > 0; }
 
 int64_t gguf_q8_packed_bytes(int qtype, int64_t n, int64_t k) {
-    if (!is_legacy(qtype) || k % 32 || n < 0) return -1;
-    return (n + 15) / 16 * (k / 32) * record_bytes(qtype);
+    int elements = gguf_block_elements(qtype);
+    if (!elements || k % elements || n < 0) return -1;
+    return (n + 15) / 16 * (k / 32) * record_bytes(layout_of(qtype));
 }
 
-/* One block of channel c (bp: its GGUF bytes; NULL: a channel past n, all zero) into rec. */
-static void pack_block(int qtype, const uint8_t *bp, int c, uint8_t *rec) {
-    const int qb = quant_bytes(qtype);
-    float d = 0.0f, m = 0.0f;
-    uint8_t u[32] = {0};  /* the integers as unsigned bytes, q + offset */
-    if (bp) {
-        d = f16(bp);
-        m = has_min(qtype) ? f16(bp + 2) : 0.0f;
-        if (qtype == GGUF_Q8_0) {
-            for (int e = 0; e < 32; e++) u[e] = bp[2 + e] ^ 0x80;
-        } else {
-            int five = qtype == GGUF_Q5_0 || qtype == GGUF_Q5_1;
-            uint32_t qh = five ? u32(bp + (qtype == GGUF_Q5_0 ? 2 : 4)) : 0;
-            const uint8_t *nib = bp + (qtype == GGUF_Q4_0 ? 2 : qtype == GGUF_Q4_1 ? 4 : qtype == GGUF_Q5_0 ? 6 : 8);
-            for (int i = 0; i < 16; i++) {
-                u[i] = (uint8_t)((nib[i] & 15) | (((qh >> i) & 1) << 4));
-                u[i + 16] = (uint8_t)((nib[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
-            }
+/* Elements 32 s .. 32 s + 31 of one GGUF block at bp (a 32-element type's: s = 0): their
+ * integers as unsigned bytes u (q + the layout's offset), the d of the first and last 16 and the
+ * min (the weight is d (u - offset) + m). */
+static void sub_block(int qtype, const uint8_t *bp, int s, uint8_t u[32], float *d_lo, float *d_hi, float *m) {
+    *m = 0.0f;
+    if (qtype == GGUF_Q6_K) {
+        int half = s / 4, j = s % 4;
+        const uint8_t *ql = bp + 64 * half, *qh = bp + 128 + 32 * half;
+        const int8_t *sc = (const int8_t *)(bp + 192 + 8 * half);
+        float d = f16(bp + 208);
+        for (int l = 0; l < 32; l++) {
+            int low = j % 2 ? ql[l + 32] : ql[l];
+            u[l] = (uint8_t)((j < 2 ? low & 15 : low >> 4) | (((qh[l] >> (2 * j)) & 3) << 4));
         }
+        *d_lo = d * (float)sc[2 * j];
+        *d_hi = d * (float)sc[2 * j + 1];
+        return;
     }
-    if (four_bit(qtype)) {  /* vector j, lane c: elements 4j .. 4j + 3 low, 16 + 4j .. high */
+    if (qtype == GGUF_Q4_K || qtype == GGUF_Q5_K) {
+        int five = qtype == GGUF_Q5_K, i = s / 2, hi = s % 2, sc, mn;
+        const uint8_t *qh = bp + 16, *ql = bp + (five ? 48 : 16);
+        scale_min_k4(s, bp + 4, &sc, &mn);
+        for (int l = 0; l < 32; l++) {
+            int q = hi ? ql[32 * i + l] >> 4 : ql[32 * i + l] & 15;
+            u[l] = (uint8_t)(q | (five ? ((qh[l] >> s) & 1) << 4 : 0));
+        }
+        *d_lo = *d_hi = f16(bp) * (float)sc;
+        *m = -(f16(bp + 2) * (float)mn);
+        return;
+    }
+    *d_lo = *d_hi = f16(bp);
+    *m = has_min(qtype) ? f16(bp + 2) : 0.0f;
+    if (qtype == GGUF_Q8_0) {
+        for (int e = 0; e < 32; e++) u[e] = bp[2 + e] ^ 0x80;
+        return;
+    }
+    int five = qtype == GGUF_Q5_0 || qtype == GGUF_Q5_1;
+    uint32_t qh = five ? u32(bp + (qtype == GGUF_Q5_0 ? 2 : 4)) : 0;
+    const uint8_t *nib = bp + (qtype == GGUF_Q4_0 ? 2 : qtype == GGUF_Q4_1 ? 4 : qtype == GGUF_Q5_0 ? 6 : 8);
+    for (int i = 0; i < 16; i++) {
+        u[i] = (uint8_t)((nib[i] & 15) | (((qh >> i) & 1) << 4));
+        u[i + 16] = (uint8_t)((nib[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+    }
+}
+
+/* Sub-block s (32 elements of K) of channel c (bp: its GGUF block; NULL: a channel past n, all
+ * zero) into rec, the panel's record of those 32 elements. */
+static void pack_block(int qtype, const uint8_t *bp, int s, int c, uint8_t *rec) {
+    const int layout = layout_of(qtype), qb = quant_bytes(layout);
+    float d_lo = 0.0f, d_hi = 0.0f, m = 0.0f;
+    uint8_t u[32] = {0};
+    if (bp) sub_block(qtype, bp, s, u, &d_lo, &d_hi, &m);
+    if (four_bit(layout)) {  /* vector j, lane c: elements 4j .. 4j + 3 low, 16 + 4j .. high */
         for (int j = 0; j < 4; j++)
             for (int t = 0; t < 4; t++) rec[64 * j + 4 * c + t] = (uint8_t)(u[4 * j + t] | (u[16 + 4 * j + t] << 4));
     } else {  /* vector g, lane c: elements 4g .. 4g + 3 */
         for (int g = 0; g < 8; g++)
             for (int t = 0; t < 4; t++) rec[64 * g + 4 * c + t] = u[4 * g + t];
     }
-    memcpy(rec + qb + 4 * c, &d, 4);
-    if (has_min(qtype)) memcpy(rec + qb + 64 + 4 * c, &m, 4);
+    memcpy(rec + qb + 4 * c, &d_lo, 4);
+    if (has_min(layout)) memcpy(rec + qb + 64 + 4 * c, &m, 4);
+    if (split(layout)) memcpy(rec + qb + 64 + 4 * c, &d_hi, 4);
 }
 
-/* w [n rows of k / 32 blocks] -> out (gguf_q8_packed_bytes of it). Returns 0; -1 for an
+/* w [n rows of k / elements blocks] -> out (gguf_q8_packed_bytes of it). Returns 0; -1 for an
  * unsupported type or a k that is not whole blocks. */
 int gguf_q8_pack(int qtype, int threads, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
     if (gguf_q8_packed_bytes(qtype, n, k) < 0) return -1;
-    const int64_t blocks = k / 32, bytes = gguf_block_bytes(qtype), rb = record_bytes(qtype);
+    const int64_t elements = gguf_block_elements(qtype), bytes = gguf_block_bytes(qtype);
+    const int64_t subs = k / 32, row_bytes = k / elements * bytes, rb = record_bytes(layout_of(qtype));
     const int64_t panels = (n + 15) / 16;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < panels; p++)
-        for (int64_t b = 0; b < blocks; b++)
+        for (int64_t b = 0; b < subs; b++)
             for (int c = 0; c < 16; c++) {
-                int64_t ch = 16 * p + c;
-                pack_block(qtype, ch < n ? w + ch * blocks * bytes + b * bytes : NULL, c, out + (p * blocks + b) * rb);
+                int64_t ch = 16 * p + c, first = b * 32;  /* the sub-block's first element */
+                const uint8_t *bp = ch < n ? w + ch * row_bytes + first / elements * bytes : NULL;
+                pack_block(qtype, bp, (int)(first % elements / 32), c, out + (p * subs + b) * rb);
             }
     return 0;
 }
 
-/* One row of k floats -> its int8 integers xq, and per block its d_x, its correction
- * -offset sum q (int32) and its rounded values' sum d_x sum q (ggml's q8_1 s, which a min
- * meets): q8_round_trip's rounding (a block with a NaN gets a NaN d_x, as torch's amax keeps
- * it). */
+/* One row of k floats -> its int8 integers xq, and per block of 32 its d_x, its corrections
+ * -offset sum q over elements 0-15 and 16-31 (int32, corr[2 b], corr[2 b + 1]) and its rounded
+ * values' sum d_x sum q (ggml's q8_1 s, which a min meets): q8_round_trip's rounding (a block
+ * with a NaN gets a NaN d_x, as torch's amax keeps it). */
 #if Q8_BUILT
 #include <immintrin.h>
 
@@ -115,10 +163,11 @@ static void quantise_row(const float *x, int64_t k, int offset, int8_t *xq, floa
         __m512i q1 = _mm512_cvttps_epi32(_mm512_add_ps(p1, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(p1, _mm512_setzero_ps(), _CMP_GE_OQ), minus_half, half)));
         _mm_storeu_si128((__m128i *)xq, _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtepi32_epi8(q1));
-        int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        int32_t lo = _mm512_reduce_add_epi32(q0), hi = _mm512_reduce_add_epi32(q1);
         dx[b] = amax / 127.0f;
-        corr[b] = -offset * total;
-        sx[b] = dx[b] * (float)total;
+        corr[2 * b] = -offset * lo;
+        corr[2 * b + 1] = -offset * hi;
+        sx[b] = dx[b] * (float)(lo + hi);
     }
 }
 #else
@@ -130,17 +179,18 @@ static void quantise_row(const float *x, int64_t k, int offset, int8_t *xq, floa
             amax = a > amax || a != a ? a : amax;
         }
         float inv = 127.0f / (amax > 0 ? amax : 1.0f);
-        int32_t total = 0;
+        int32_t half[2] = {0, 0};
         for (int e = 0; e < 32; e++) {
             float v = x[e] * inv;
             float r = v >= 0 ? v + 0.5f : v - 0.5f;
             int32_t q = r != r ? 0 : (int32_t)r;  /* truncation: half away from zero */
             xq[e] = (int8_t)q;
-            total += q;
+            half[e / 16] += q;
         }
         dx[b] = amax / 127.0f;
-        corr[b] = -offset * total;
-        sx[b] = dx[b] * (float)total;
+        corr[2 * b] = -offset * half[0];
+        corr[2 * b + 1] = -offset * half[1];
+        sx[b] = dx[b] * (float)(half[0] + half[1]);
     }
 }
 #endif
@@ -149,16 +199,16 @@ static void quantise_row(const float *x, int64_t k, int offset, int8_t *xq, floa
 /* rows (1 .. ROWS, a constant in each instance) of quantised x against one panel, every
  * block of k; out's 16 columns from the panel's first (mask: those that exist) */
 static inline __attribute__((always_inline)) void panel_rows(
-    int qtype, int rows, const uint8_t *rec, int64_t blocks, const int8_t *xq, int64_t k, const float *dx,
+    int layout, int rows, const uint8_t *rec, int64_t blocks, const int8_t *xq, int64_t k, const float *dx,
     const int32_t *corr, const float *sx, float *out, int64_t ldo, __mmask16 mask) {
-    const int qb = quant_bytes(qtype), minv = has_min(qtype);
-    const int64_t rb = record_bytes(qtype);
+    const int qb = quant_bytes(layout), minv = has_min(layout), two = split(layout);
+    const int64_t rb = record_bytes(layout);
     const __m512i nibble = _mm512_set1_epi8(15);
     __m512 acc[ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, rec += rb) {
         __m512i wv[8];
-        if (four_bit(qtype)) {
+        if (four_bit(layout)) {
             for (int j = 0; j < 4; j++) {
                 __m512i v = _mm512_loadu_si512(rec + 64 * j);
                 wv[j] = _mm512_and_si512(v, nibble);
@@ -167,20 +217,28 @@ static inline __attribute__((always_inline)) void panel_rows(
         } else {
             for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512(rec + 64 * g);
         }
-        __m512 d = _mm512_loadu_ps(rec + qb), m = minv ? _mm512_loadu_ps(rec + qb + 64) : _mm512_setzero_ps();
+        __m512 d = _mm512_loadu_ps(rec + qb);
+        __m512 m = minv || two ? _mm512_loadu_ps(rec + qb + 64) : _mm512_setzero_ps();  /* two: d of 16-31 */
         for (int r = 0; r < rows; r++) {
             const int8_t *xb = xq + r * k + 32 * b;
             const int64_t i = r * (k / 32) + b;
             int32_t x4[8];
             memcpy(x4, xb, 32);
-            __m512i lo = _mm512_set1_epi32(corr[i]), hi = _mm512_setzero_si512();  /* two chains */
+            /* elements 0-15 and 16-31 in two chains, each starting from its offset's correction */
+            __m512i lo = _mm512_set1_epi32(corr[2 * i]), hi = _mm512_set1_epi32(corr[2 * i + 1]);
             for (int g = 0; g < 4; g++) {
                 lo = _mm512_dpbusd_epi32(lo, wv[g], _mm512_set1_epi32(x4[g]));
                 hi = _mm512_dpbusd_epi32(hi, wv[g + 4], _mm512_set1_epi32(x4[g + 4]));
             }
-            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_set1_ps(dx[i]));
-            acc[r] = _mm512_fmadd_ps(d, t, acc[r]);
-            if (minv) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i]), acc[r]);
+            const __m512 scale = _mm512_set1_ps(dx[i]);
+            if (two) {
+                acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), scale), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), scale), acc[r]);
+            } else {
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), scale);
+                acc[r] = _mm512_fmadd_ps(d, t, acc[r]);
+                if (minv) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i]), acc[r]);
+            }
         }
     }
     for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
@@ -199,7 +257,7 @@ static inline __attribute__((always_inline)) void panel_rows(
         }                                                                                               \
     }
 #define CASE(QT, R) \
-    case R: panel_rows(QT, R, rec, blocks, xq + r * k, k, dx + at, corr + at, sx + at, out + r * ldo, ldo, mask); break;
+    case R: panel_rows(QT, R, rec, blocks, xq + r * k, k, dx + at, corr + 2 * at, sx + at, out + r * ldo, ldo, mask); break;
 #define CASES(QT) CASE(QT, 1) CASE(QT, 2) CASE(QT, 3) CASE(QT, 4) CASE(QT, 5) CASE(QT, 6) CASE(QT, 7) \
     CASE(QT, 8) CASE(QT, 9) CASE(QT, 10) CASE(QT, 11) CASE(QT, 12) CASE(QT, 13) CASE(QT, 14)           \
     CASE(QT, 15) CASE(QT, 16)
@@ -208,6 +266,7 @@ PANEL_FOR(GGUF_Q4_1)
 PANEL_FOR(GGUF_Q5_0)
 PANEL_FOR(GGUF_Q5_1)
 PANEL_FOR(GGUF_Q8_0)
+PANEL_FOR(GGUF_Q6_K)
 #undef CASES
 #undef CASE
 #undef PANEL_FOR
@@ -215,13 +274,14 @@ PANEL_FOR(GGUF_Q8_0)
 typedef void (*panel_fn)(int64_t, const uint8_t *, int64_t, const int8_t *, int64_t, const float *,
                          const int32_t *, const float *, float *, int64_t, __mmask16);
 
-static panel_fn panel_for(int qtype) {
-    switch (qtype) {
+static panel_fn panel_for(int layout) {
+    switch (layout) {
     case GGUF_Q4_0: return panel_GGUF_Q4_0;
     case GGUF_Q4_1: return panel_GGUF_Q4_1;
     case GGUF_Q5_0: return panel_GGUF_Q5_0;
     case GGUF_Q5_1: return panel_GGUF_Q5_1;
     case GGUF_Q8_0: return panel_GGUF_Q8_0;
+    case GGUF_Q6_K: return panel_GGUF_Q6_K;
     }
     return NULL;
 }
@@ -230,13 +290,14 @@ static panel_fn panel_for(int qtype) {
  * OpenMP threads. Returns 0; -1 for an unsupported type or k; -2 when memory ran out. */
 int gguf_q8_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
                  const uint8_t *packed, int64_t n, float *out, int64_t ldo) {
-    if (!gguf_q8_supported(qtype) || k % 32 || k <= 0) return -1;
-    const int64_t blocks = k / 32, panels = (n + 15) / 16, rb = record_bytes(qtype);
-    const int offset = offset_of(qtype);
-    const panel_fn fn = panel_for(qtype);
+    if (!gguf_q8_supported(qtype) || k <= 0 || gguf_q8_packed_bytes(qtype, n, k) < 0) return -1;
+    const int layout = layout_of(qtype);
+    const int64_t blocks = k / 32, panels = (n + 15) / 16, rb = record_bytes(layout);
+    const int offset = offset_of(layout);
+    const panel_fn fn = panel_for(layout);
     int8_t *xq = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
     float *dx = malloc(sizeof(float) * m * blocks), *sx = malloc(sizeof(float) * m * blocks);
-    int32_t *corr = malloc(sizeof(int32_t) * m * blocks);
+    int32_t *corr = malloc(sizeof(int32_t) * 2 * m * blocks);
     int status = 0;
     if (!xq || !dx || !sx || !corr) {
         status = -2;
@@ -246,13 +307,13 @@ int gguf_q8_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, i
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
-            quantise_row(x + r * ldx, k, offset, xq + r * k, dx + r * blocks, corr + r * blocks, sx + r * blocks);
+            quantise_row(x + r * ldx, k, offset, xq + r * k, dx + r * blocks, corr + 2 * r * blocks, sx + r * blocks);
         for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
             int64_t rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK, at = r0 * blocks;
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
                 int channels = n - 16 * p < 16 ? (int)(n - 16 * p) : 16;
-                fn(rows, packed + p * blocks * rb, blocks, xq + r0 * k, k, dx + at, corr + at, sx + at,
+                fn(rows, packed + p * blocks * rb, blocks, xq + r0 * k, k, dx + at, corr + 2 * at, sx + at,
                    out + r0 * ldo + 16 * p, ldo, (__mmask16)((1u << channels) - 1));
             }
         }
@@ -280,7 +341,7 @@ int gguf_q8_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, i
  * dx [m, k / 32]. */
 int gguf_q8_quantise(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *xq, float *dx) {
     if (k % 32 || k <= 0) return -1;
-    int32_t *corr = malloc(sizeof(int32_t) * (k / 32));
+    int32_t *corr = malloc(sizeof(int32_t) * 2 * (k / 32));
     float *sx = malloc(sizeof(float) * (k / 32));
     int status = corr && sx ? 0 : -2;
     for (int64_t r = 0; r < m && !status; r++) quantise_row(x + r * ldx, k, 0, xq + r * k, dx + r * (k / 32), corr, sx);
