@@ -120,3 +120,26 @@ def test_a_build_without_vnni_has_none(tmp_path) -> None:  # type: ignore[no-unt
     assert isinstance(lib, ctypes.CDLL)
     assert not lib.gguf_q8_supported(FORMATS["Q4_0"].type_id)
     assert not cpu_gguf.q8_supported("Q4_0", lib)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
+def test_a_row_parallel_cut_at_block_bounds_sums_to_the_whole(qtype: str) -> None:
+    """Tensor parallelism cuts a row-parallel projection's K at whole blocks: each rank rounds
+    its columns of x by the same groups of 32 as one rank does, so the ranks' partial products
+    add up to the whole one (to float32 rounding)."""
+    k = 3 * _k(qtype)
+    blocks = random_blocks(qtype, 24, k, seed=6).cpu()
+    x = torch.randn(5, k)
+    whole = cpu_gguf.q8_gemm(x, cpu_gguf.q8_pack(blocks, qtype), FORMATS[qtype].type_id, 24)
+    per_block = FORMATS[qtype].elements
+    cut = blocks.shape[1] // 3
+    parts = [
+        cpu_gguf.q8_gemm(
+            x[:, r * cut * per_block : (r + 1) * cut * per_block],
+            cpu_gguf.q8_pack(blocks[:, r * cut : (r + 1) * cut].contiguous(), qtype),
+            FORMATS[qtype].type_id,
+            24,
+        )
+        for r in range(3)
+    ]
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5 * whole.abs().max().item())
