@@ -137,8 +137,8 @@ def _q8_bytes(lib: ctypes.CDLL, type_id: int, n: int, k: int) -> int:
 
 def _q8_k(lib: ctypes.CDLL, type_id: int, n: int, nbytes: int) -> int | str:
     """The K of a packed weight of n channels and nbytes (for an error message)."""
-    per_block = _q8_bytes(lib, type_id, n, 32)
-    return nbytes // per_block * 32 if per_block > 0 and nbytes % per_block == 0 else "unknown"
+    per_32 = _q8_bytes(lib, type_id, n, 256) // 8  # (256: whole blocks of every type)
+    return nbytes // per_32 * 32 if per_32 > 0 and nbytes % per_32 == 0 else "unknown"
 
 
 def q8_gemm(

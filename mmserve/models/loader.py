@@ -160,8 +160,10 @@ def load_model(
     blocks = _keeps_gguf_blocks(checkpoint, model_config, device, model_class.capabilities)
     if model_config.cpu_gguf_activations == "int8" and not (blocks and device.type == "cpu"):
         logger.warning(
-            "--cpu-gguf-activations int8 takes a GGUF kept in its blocks on the CPU; this load "
-            "(%s on %s) keeps its products' arithmetic", "a GGUF" if checkpoint.gguf_file else "no GGUF", device.type
+            "--cpu-gguf-activations int8 applies to a GGUF kept in its blocks on the CPU; this "
+            "load (%s on %s) runs its products as without it",
+            "a GGUF" if checkpoint.gguf_file else "not a GGUF",
+            device.type,
         )
     if not blocks:
         source = materialize(checkpoint)  # with its dequantised weights

@@ -109,6 +109,9 @@ def test_bad_inputs_are_refused() -> None:
         cpu_gguf.q8_pack(blocks, "Q2_K")
     with pytest.raises(ValueError, match="K = 224"):  # another K than the packed weight's
         cpu_gguf.q8_gemm(torch.randn(2, K + 32), packed, FORMATS["Q4_0"].type_id, 16)
+    k_quant = cpu_gguf.q8_pack(random_blocks("Q6_K", 16, 512, seed=5).cpu(), "Q6_K")
+    with pytest.raises(ValueError, match="K = 512"):
+        cpu_gguf.q8_gemm(torch.randn(2, 256), k_quant, FORMATS["Q6_K"].type_id, 16)
     with pytest.raises(ValueError, match="the packed weight's \\(of 17 channels\\)"):  # (N too)
         cpu_gguf.q8_gemm(torch.randn(2, K), packed, FORMATS["Q4_0"].type_id, 17)
     assert not cpu_gguf.q8_supported("Q2_K") and cpu_gguf.q8_supported("Q6_K")

@@ -145,3 +145,16 @@ def test_a_tied_head_leaves_the_embedding_its_blocks(tmp_path: Path) -> None:
 def test_the_setting_is_checked() -> None:
     with pytest.raises(ValueError, match="cpu_gguf_activations must be one of"):
         ModelConfig(model="m", cpu_gguf_activations="int4")
+
+
+def test_a_load_the_setting_cannot_apply_to_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An HF folder (no GGUF) with the setting loads as without it, and the log says why."""
+    import logging
+
+    folder = make_tiny_model(tmp_path, "llama")
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        model, _, _ = loader.load_model(
+            ModelConfig(model=str(folder), cpu_gguf_activations="int8"), "cpu", "float32", TorchAttentionBackend()
+        )
+    assert not any(isinstance(m, GgufLinear) for m in model.modules())
+    assert "--cpu-gguf-activations int8 applies to a GGUF kept in its blocks" in caplog.text
