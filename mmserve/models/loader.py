@@ -158,12 +158,11 @@ def load_model(
     if sharded and not model_class.capabilities.tensor_parallel:
         raise UnsupportedModel(f"{model_class.__name__} does not support tensor parallelism")
     blocks = _keeps_gguf_blocks(checkpoint, model_config, device, model_class.capabilities)
-    if model_config.cpu_gguf_activations == "int8" and not (blocks and device.type == "cpu"):
+    if model_config.cpu_gguf_activations == "int8" and checkpoint.gguf_file and not (blocks and device.type == "cpu"):
+        # (a model that is not a GGUF, e.g. the embedding model served beside one, is silent)
         logger.warning(
             "--cpu-gguf-activations int8 applies to a GGUF kept in its blocks on the CPU; this "
-            "load (%s on %s) runs its products as without it",
-            "a GGUF" if checkpoint.gguf_file else "not a GGUF",
-            device.type,
+            "load (on %s) runs its products as without it", device.type
         )
     if not blocks:
         source = materialize(checkpoint)  # with its dequantised weights

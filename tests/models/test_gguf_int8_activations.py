@@ -148,13 +148,24 @@ def test_the_setting_is_checked() -> None:
 
 
 def test_a_load_the_setting_cannot_apply_to_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """An HF folder (no GGUF) with the setting loads as without it, and the log says why."""
+    """A GGUF dequantised at load (here: its blocks not kept) with the setting loads as without
+    it, and the log says why; a model that is no GGUF (an embedding model served beside one)
+    loads without a word."""
     import logging
 
     folder = make_tiny_model(tmp_path, "llama")
-    with caplog.at_level(logging.WARNING, logger=loader.__name__):
-        model, _, _ = loader.load_model(
-            ModelConfig(model=str(folder), cpu_gguf_activations="int8"), "cpu", "float32", TorchAttentionBackend()
-        )
+    path = write_tiny_gguf(folder, "Q8_0")
+    config = ModelConfig(model=str(path), cpu_gguf_activations="int8")
+    with (
+        caplog.at_level(logging.WARNING, logger=loader.__name__),
+        mock.patch.object(loader, "_keeps_gguf_blocks", return_value=False),
+    ):
+        model, _, _ = loader.load_model(config, "cpu", "float32", TorchAttentionBackend())
     assert not any(isinstance(m, GgufLinear) for m in model.modules())
     assert "--cpu-gguf-activations int8 applies to a GGUF kept in its blocks" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        loader.load_model(
+            ModelConfig(model=str(folder), cpu_gguf_activations="int8"), "cpu", "float32", TorchAttentionBackend()
+        )
+    assert "cpu-gguf-activations" not in caplog.text
