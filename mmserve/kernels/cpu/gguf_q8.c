@@ -10,15 +10,16 @@
  * once by d_w d_x; a type with a min adds m_w times the rounded x's sum over the block, d_x sum
  * q_x (q8_1's s, as ggml's vec_dot_q4_1_q8_1): the rounded x times the whole weight d_w q + m.
  * Measured on SmolLM2's Q4_1 (BENCHMARKS.md, session 39), the min meeting x's own float sum
- * instead moved the next-token distribution 6x further from float32's (mean KL 0.012 against
- * 0.002): d_w q alone is not centred, so x's rounding errors add up against it.
+ * instead moved the next-token distribution 4x further from float32's (mean KL 0.012 against
+ * 0.0029): d_w q alone is not centred, so x's rounding errors add up against it.
  *
  * The weights are repacked once (gguf_q8_pack) into panels of 16 output channels: per 32
  * elements of K, 8 vectors (4 for the 4-bit types, two nibbles a byte) whose lane c holds 4
  * consecutive integers of channel c, then the 16 d's, m's (the types with a min) and second d's
- * (Q6_K's scale of elements 16-31) as float32. A K-quant's 32 elements are one sub-block: Q4_K
- * packs as a Q4_1 block would (d sc, -dmin m), Q5_K as Q5_1, Q6_K as bytes q less 32 with a d
- * sc for each 16 (its scales rounded as gguf_dequant.c rounds them). A step broadcasts 4 bytes
+ * (Q6_K's scale of elements 16-31): the 32-element types' own float16 (so Q4_1's panels are its
+ * blocks' bytes), a K-quant's float32. A K-quant's 32 elements are one sub-block: Q4_K packs as a
+ * Q4_1 block would (d sc, -dmin m), Q5_K as Q5_1, Q6_K as bytes q less 32 with a d sc for each
+ * 16 (its scales rounded as gguf_dequant.c rounds them). A step broadcasts 4 bytes
  * of a row of x into every lane, so each vpdpbusd is 64 multiply-adds for 16 channels with no
  * horizontal sums, and up to ROWS rows share each panel's unpacked block.
  */
@@ -35,20 +36,23 @@
 #define ROWS 16         /* rows of x a panel's unpacked block serves (16 float sums in registers) */
 #define ROW_BLOCK 256   /* rows quantised x keeps in L2 while the panels pass */
 
-/* the layout a type packs to: the 32-element type of its integers and scales (a K-quant's
- * sub-block of 32 is a block of that type), or Q6_K's own (bytes, a scale for each 16) */
-static inline int layout_of(int qtype) {
-    return qtype == GGUF_Q4_K ? GGUF_Q4_1 : qtype == GGUF_Q5_K ? GGUF_Q5_1 : qtype;
+/* A type's record of 32 elements of K for 16 channels: its integers (nibbles for the 4-bit
+ * types, else bytes: q + offset), then its scales: d, m (the types with a min), d of elements
+ * 16-31 (Q6_K: a scale for each 16). A 32-element type's d and m are the file's float16 (exact,
+ * the blocks' own bytes); a K-quant's d sc and dmin m are float32 products, kept as such. */
+static inline int four_bit(int qtype) { return qtype == GGUF_Q4_0 || qtype == GGUF_Q4_1 || qtype == GGUF_Q4_K; }
+static inline int has_min(int qtype) {
+    return qtype == GGUF_Q4_1 || qtype == GGUF_Q5_1 || qtype == GGUF_Q4_K || qtype == GGUF_Q5_K;
 }
-static inline int four_bit(int layout) { return layout == GGUF_Q4_0 || layout == GGUF_Q4_1; }
-static inline int has_min(int layout) { return layout == GGUF_Q4_1 || layout == GGUF_Q5_1; }
-static inline int split(int layout) { return layout == GGUF_Q6_K; }  /* a d for each 16 */
-static inline int offset_of(int layout) {
-    return layout == GGUF_Q4_0 ? 8 : layout == GGUF_Q5_0 ? 16 : layout == GGUF_Q8_0 ? 128 : layout == GGUF_Q6_K ? 32 : 0;
+static inline int split(int qtype) { return qtype == GGUF_Q6_K; }
+static inline int half_scales(int qtype) { return gguf_block_elements(qtype) == 32; }
+static inline int offset_of(int qtype) {
+    return qtype == GGUF_Q4_0 ? 8 : qtype == GGUF_Q5_0 ? 16 : qtype == GGUF_Q8_0 ? 128 : qtype == GGUF_Q6_K ? 32 : 0;
 }
-static inline int quant_bytes(int layout) { return four_bit(layout) ? 256 : 512; }
-static inline int64_t record_bytes(int layout) {
-    return quant_bytes(layout) + 64 + (has_min(layout) ? 64 : 0) + (split(layout) ? 64 : 0);
+static inline int quant_bytes(int qtype) { return four_bit(qtype) ? 256 : 512; }
+static inline int scale_bytes(int qtype) { return half_scales(qtype) ? 32 : 64; }
+static inline int64_t record_bytes(int qtype) {
+    return quant_bytes(qtype) + scale_bytes(qtype) * (1 + has_min(qtype) + split(qtype));
 }
 
 int gguf_q8_supported(int qtype) { return Q8_BUILT && gguf_block_elements(qtype) > 0; }
@@ -56,11 +60,11 @@ int gguf_q8_supported(int qtype) { return Q8_BUILT && gguf_block_elements(qtype)
 int64_t gguf_q8_packed_bytes(int qtype, int64_t n, int64_t k) {
     int elements = gguf_block_elements(qtype);
     if (!elements || k % elements || n < 0) return -1;
-    return (n + 15) / 16 * (k / 32) * record_bytes(layout_of(qtype));
+    return (n + 15) / 16 * (k / 32) * record_bytes(qtype);
 }
 
 /* Elements 32 s .. 32 s + 31 of one GGUF block at bp (a 32-element type's: s = 0): their
- * integers as unsigned bytes u (q + the layout's offset), the d of the first and last 16 and the
+ * integers as unsigned bytes u (q + the type's offset), the d of the first and last 16 and the
  * min (the weight is d (u - offset) + m). */
 static void sub_block(int qtype, const uint8_t *bp, int s, uint8_t u[32], float *d_lo, float *d_hi, float *m) {
     *m = 0.0f;
@@ -107,20 +111,26 @@ static void sub_block(int qtype, const uint8_t *bp, int s, uint8_t u[32], float 
 /* Sub-block s (32 elements of K) of channel c (bp: its GGUF block; NULL: a channel past n, all
  * zero) into rec, the panel's record of those 32 elements. */
 static void pack_block(int qtype, const uint8_t *bp, int s, int c, uint8_t *rec) {
-    const int layout = layout_of(qtype), qb = quant_bytes(layout);
+    const int qb = quant_bytes(qtype), sb = scale_bytes(qtype);
     float d_lo = 0.0f, d_hi = 0.0f, m = 0.0f;
     uint8_t u[32] = {0};
     if (bp) sub_block(qtype, bp, s, u, &d_lo, &d_hi, &m);
-    if (four_bit(layout)) {  /* vector j, lane c: elements 4j .. 4j + 3 low, 16 + 4j .. high */
+    if (four_bit(qtype)) {  /* vector j, lane c: elements 4j .. 4j + 3 low, 16 + 4j .. high */
         for (int j = 0; j < 4; j++)
             for (int t = 0; t < 4; t++) rec[64 * j + 4 * c + t] = (uint8_t)(u[4 * j + t] | (u[16 + 4 * j + t] << 4));
     } else {  /* vector g, lane c: elements 4g .. 4g + 3 */
         for (int g = 0; g < 8; g++)
             for (int t = 0; t < 4; t++) rec[64 * g + 4 * c + t] = u[4 * g + t];
     }
+    if (half_scales(qtype)) {  /* the block's own float16 d (and m, after it) */
+        static const uint8_t zero[4] = {0};
+        const uint8_t *h = bp ? bp : zero;
+        memcpy(rec + qb + 2 * c, h, 2);
+        if (has_min(qtype)) memcpy(rec + qb + sb + 2 * c, h + 2, 2);
+        return;
+    }
     memcpy(rec + qb + 4 * c, &d_lo, 4);
-    if (has_min(layout)) memcpy(rec + qb + 64 + 4 * c, &m, 4);
-    if (split(layout)) memcpy(rec + qb + 64 + 4 * c, &d_hi, 4);
+    if (has_min(qtype) || split(qtype)) memcpy(rec + qb + sb + 4 * c, has_min(qtype) ? &m : &d_hi, 4);
 }
 
 /* w [n rows of k / elements blocks] -> out (gguf_q8_packed_bytes of it). Returns 0; -1 for an
@@ -128,7 +138,7 @@ static void pack_block(int qtype, const uint8_t *bp, int s, int c, uint8_t *rec)
 int gguf_q8_pack(int qtype, int threads, const uint8_t *w, int64_t n, int64_t k, uint8_t *out) {
     if (gguf_q8_packed_bytes(qtype, n, k) < 0) return -1;
     const int64_t elements = gguf_block_elements(qtype), bytes = gguf_block_bytes(qtype);
-    const int64_t subs = k / 32, row_bytes = k / elements * bytes, rb = record_bytes(layout_of(qtype));
+    const int64_t subs = k / 32, row_bytes = k / elements * bytes, rb = record_bytes(qtype);
     const int64_t panels = (n + 15) / 16;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < panels; p++)
@@ -198,17 +208,23 @@ static void quantise_row(const float *x, int64_t k, int offset, int8_t *xq, floa
 #if Q8_BUILT
 /* rows (1 .. ROWS, a constant in each instance) of quantised x against one panel, every
  * block of k; out's 16 columns from the panel's first (mask: those that exist) */
+/* 16 scales at p: float16 (a 32-element type's) or float32 */
+static inline __m512 scales16(const uint8_t *p, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps(p);
+}
+
 static inline __attribute__((always_inline)) void panel_rows(
-    int layout, int rows, const uint8_t *rec, int64_t blocks, const int8_t *xq, int64_t k, const float *dx,
+    int qtype, int rows, const uint8_t *rec, int64_t blocks, const int8_t *xq, int64_t k, const float *dx,
     const int32_t *corr, const float *sx, float *out, int64_t ldo, __mmask16 mask) {
-    const int qb = quant_bytes(layout), minv = has_min(layout), two = split(layout);
-    const int64_t rb = record_bytes(layout);
+    const int qb = quant_bytes(qtype), sb = scale_bytes(qtype), minv = has_min(qtype), two = split(qtype);
+    const int half = half_scales(qtype);
+    const int64_t rb = record_bytes(qtype);
     const __m512i nibble = _mm512_set1_epi8(15);
     __m512 acc[ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, rec += rb) {
         __m512i wv[8];
-        if (four_bit(layout)) {
+        if (four_bit(qtype)) {
             for (int j = 0; j < 4; j++) {
                 __m512i v = _mm512_loadu_si512(rec + 64 * j);
                 wv[j] = _mm512_and_si512(v, nibble);
@@ -217,8 +233,8 @@ static inline __attribute__((always_inline)) void panel_rows(
         } else {
             for (int g = 0; g < 8; g++) wv[g] = _mm512_loadu_si512(rec + 64 * g);
         }
-        __m512 d = _mm512_loadu_ps(rec + qb);
-        __m512 m = minv || two ? _mm512_loadu_ps(rec + qb + 64) : _mm512_setzero_ps();  /* two: d of 16-31 */
+        __m512 d = scales16(rec + qb, half);
+        __m512 m = minv || two ? scales16(rec + qb + sb, half) : _mm512_setzero_ps();  /* two: d of 16-31 */
         for (int r = 0; r < rows; r++) {
             const int8_t *xb = xq + r * k + 32 * b;
             const int64_t i = r * (k / 32) + b;
@@ -266,6 +282,8 @@ PANEL_FOR(GGUF_Q4_1)
 PANEL_FOR(GGUF_Q5_0)
 PANEL_FOR(GGUF_Q5_1)
 PANEL_FOR(GGUF_Q8_0)
+PANEL_FOR(GGUF_Q4_K)
+PANEL_FOR(GGUF_Q5_K)
 PANEL_FOR(GGUF_Q6_K)
 #undef CASES
 #undef CASE
@@ -274,13 +292,15 @@ PANEL_FOR(GGUF_Q6_K)
 typedef void (*panel_fn)(int64_t, const uint8_t *, int64_t, const int8_t *, int64_t, const float *,
                          const int32_t *, const float *, float *, int64_t, __mmask16);
 
-static panel_fn panel_for(int layout) {
-    switch (layout) {
+static panel_fn panel_for(int qtype) {
+    switch (qtype) {
     case GGUF_Q4_0: return panel_GGUF_Q4_0;
     case GGUF_Q4_1: return panel_GGUF_Q4_1;
     case GGUF_Q5_0: return panel_GGUF_Q5_0;
     case GGUF_Q5_1: return panel_GGUF_Q5_1;
     case GGUF_Q8_0: return panel_GGUF_Q8_0;
+    case GGUF_Q4_K: return panel_GGUF_Q4_K;
+    case GGUF_Q5_K: return panel_GGUF_Q5_K;
     case GGUF_Q6_K: return panel_GGUF_Q6_K;
     }
     return NULL;
@@ -291,10 +311,9 @@ static panel_fn panel_for(int layout) {
 int gguf_q8_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
                  const uint8_t *packed, int64_t n, float *out, int64_t ldo) {
     if (!gguf_q8_supported(qtype) || k <= 0 || gguf_q8_packed_bytes(qtype, n, k) < 0) return -1;
-    const int layout = layout_of(qtype);
-    const int64_t blocks = k / 32, panels = (n + 15) / 16, rb = record_bytes(layout);
-    const int offset = offset_of(layout);
-    const panel_fn fn = panel_for(layout);
+    const int64_t blocks = k / 32, panels = (n + 15) / 16, rb = record_bytes(qtype);
+    const int offset = offset_of(qtype);
+    const panel_fn fn = panel_for(qtype);
     int8_t *xq = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
     float *dx = malloc(sizeof(float) * m * blocks), *sx = malloc(sizeof(float) * m * blocks);
     int32_t *corr = malloc(sizeof(int32_t) * 2 * m * blocks);
