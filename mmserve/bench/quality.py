@@ -17,7 +17,7 @@ N = 4 or 8 bits, in groups of G input channels (none: per output channel). A "+q
 float32 or a wNa16 scheme) also rounds the input of every decoder projection as the one-row
 int8-activation products do on CUDA (gguf_gemm.DP4A, wna16.DP4A: ggml's q8_1, by 32; here at
 every position, as each decode step at batch 1 would be). gguf-a8: a GGUF on the CPU served
-with --cpu-gguf-activations int8 (its 32-element projections and head through the library's
+with --cpu-gguf-activations int8 (its projections and head through the library's
 int8-activation products). All run in float32, so only the scheme differs from the reference.
 """
 

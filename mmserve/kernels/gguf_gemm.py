@@ -580,12 +580,10 @@ def gguf_matmul_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.
 
 
 def gguf_matmul_dp4a_ref(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    """float32 [M, N]: the int8-activation products' arithmetic (CUDA's DP4A; the CPU's
-    cpu_gguf.q8_gemm for the 32-element types) on gguf's dequantised weight W: the activations
-    rounded by q8_round_trip times W (a min meets the rounded activations' sum, ggml's q8_1 s)."""
-    from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize_ref
+    """float32 [M, N]: the int8-activation products' arithmetic (CUDA's DP4A for
+    DP4A_KERNEL_TYPES; the CPU's cpu_gguf.q8_gemm for every type) on gguf's dequantised weight
+    W: the activations rounded by q8_round_trip times W (a min meets the rounded activations'
+    sum, ggml's q8_1 s)."""
+    from mmserve.kernels.gguf_blocks import gguf_dequantize_ref
 
-    legacy = qtype in FORMATS and FORMATS[qtype].elements == 32
-    if qtype not in DP4A_KERNEL_TYPES and not legacy:
-        raise ValueError(f"int8 activations take {DP4A_KERNEL_TYPES} and the 32-element types, not {qtype}")
     return int8_activations_ref(x, gguf_dequantize_ref(blocks, qtype))
