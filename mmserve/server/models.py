@@ -207,13 +207,19 @@ def load_model(
     handle = replace(handle_for(spec, frontend, max_pending, frontend_threads), config=config)
     facts, num_blocks = handle.facts, frontend.info.num_kv_blocks
     cache = f"{num_blocks} KV blocks of {template.cache.block_size} tokens"
+    # (the loader takes the setting only for a GGUF kept in its blocks on the CPU)
+    int8 = (
+        config.model.cpu_gguf_activations == "int8"
+        and facts.device == "cpu"
+        and frontend.info.quantization.startswith("gguf:")
+    )
     logger.info(
         "model %r ready: %s from %s on %s in %s, tasks %s, context %d tokens, %s (%.1fs)",
         spec.name,
         facts.architecture,
         spec.path,
         facts.device,
-        facts.dtype,
+        facts.dtype + (" (GGUF products on int8 activations)" if int8 else ""),
         ", ".join(frontend.tasks),
         facts.max_context,
         cache if num_blocks else "no KV cache",
