@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # (tests' random_blocks import the Triton kernels' modules)
 
-import torch  # noqa: E402
+import torch
 
-from mmserve.kernels import cpu_gguf  # noqa: E402
-from mmserve.kernels.gguf_blocks import FORMATS  # noqa: E402
-from tests.kernels.test_gguf_gemm import random_blocks  # noqa: E402
+from mmserve.kernels import cpu_gguf
+from mmserve.kernels.gguf_blocks import FORMATS
+from tests.kernels.test_gguf_gemm import random_blocks
 
 # name, N, K, type, how many a step (SmolLM2: 30 layers, the tied head once)
 SMOLLM2 = [("qkv", 960, 576, "Q4_1", 30), ("o", 576, 576, "Q4_1", 30), ("gate_up", 3072, 576, "Q4_1", 30),
