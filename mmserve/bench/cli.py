@@ -37,6 +37,7 @@ from mmserve.bench.roofline import (
     throughput_flops,
 )
 from mmserve.frontend.frontend import FrontEnd
+from mmserve.models.gguf_linear import takes_int8_activations
 
 # measured on the H200 (issue 5; BENCHMARKS.md): bf16 matmul at 8192^3, and torch._scaled_mm
 # with row-wise FP8 scales on Llama-3-8B's projections at 1k-16k rows
@@ -137,7 +138,8 @@ class Offline:
     engine: FrontEnd
     config: dict  # config.json (a GGUF's, from its converted folder)
     weight_bytes: int | None  # read by one decode step (roofline.step_weight_bytes); None: not Llama-shaped
-    quantization: str  # as the engine runs it: "fp8", "w4a16-g128", "gguf:Q4_K+Q6_K", ""
+    quantization: str  # as the engine runs it: "fp8", "w4a16-g128", "gguf:Q4_K+Q6_K", "" (a GGUF's
+    # products on int8 activations: "gguf:Q4_1+Q8_0 (int8 activations)")
 
 
 def run_offline(args: argparse.Namespace, kinds: list[str]) -> None:
@@ -159,7 +161,10 @@ def run_offline(args: argparse.Namespace, kinds: list[str]) -> None:
     engine = FrontEnd.start(engine_config(args, str(path), dummy))
     llama = config.get("model_type") in ROOFLINE_MODEL_TYPES
     wbytes = step_weight_bytes(engine.core.runner.model) if llama else None
-    bench = Offline(engine, config, wbytes, engine.info.quantization)
+    quantization = engine.info.quantization
+    if takes_int8_activations(engine.core.runner.model):  # (--cpu-gguf-activations int8 took)
+        quantization += " (int8 activations)"
+    bench = Offline(engine, config, wbytes, quantization)
     runners = {"latency": _latency, "decode": _decode, "prefill": _prefill, "throughput": _throughput}
     for _ in range(args.rounds):
         for kind in kinds:

@@ -432,6 +432,12 @@ def finish_gguf(model: nn.Module, int8_activations: bool = False) -> None:
         )
 
 
+def takes_int8_activations(model: Any) -> bool:  # an nn.Module
+    """Whether any of the model's GGUF products runs on int8 activations (--cpu-gguf-activations
+    int8, where it took)."""
+    return any(p.int8 for m in model.modules() if isinstance(m, GgufLinear) for p in m.parts)
+
+
 def gguf_quantization(model: Any) -> str:  # an nn.Module (the engine holds a CausalLM)
     """The GGUF types the model keeps as blocks, the most bytes first: "gguf:Q4_1+Q8_0" for
     SmolLM2 (Q4_1 layers, a Q8_0 embedding and tied head); "" when it keeps none."""
