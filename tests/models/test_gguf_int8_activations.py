@@ -25,7 +25,13 @@ from mmserve.kernels import cpu_gguf
 from mmserve.kernels.gguf_gemm import gguf_matmul_dp4a_ref
 from mmserve.models import loader
 from mmserve.models.gguf import iter_gguf_blocks
-from mmserve.models.gguf_linear import SUPPORTED_TYPES, GgufLinear, block_type, gguf_quantization
+from mmserve.models.gguf_linear import (
+    SUPPORTED_TYPES,
+    GgufLinear,
+    block_type,
+    gguf_quantization,
+    takes_int8_activations,
+)
 from tests.models.gguf_reference import transformers_from_gguf
 from tests.models.paged import PagedKV, PagedSeq
 from tests.utils.tiny_gguf import write_tiny_gguf
@@ -124,6 +130,7 @@ def test_int8_activations_give_the_int8_arithmetics_products(
         assert (exact - expected).abs().max().item() > 1e-3 * scale, name
     floats, float_model = _ours(path, "float32")
     assert not any(part.int8 for m in float_model.modules() if isinstance(m, GgufLinear) for part in m.parts)
+    assert takes_int8_activations(model) and not takes_int8_activations(float_model)
     torch.testing.assert_close(floats, _transformers(path), atol=1e-4, rtol=1e-4)
     assert (floats - ours).abs().max().item() > 1e-3
 
