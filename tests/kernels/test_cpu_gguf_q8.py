@@ -1,11 +1,10 @@
 """The CPU's int8-activation GGUF product (mmserve/kernels/cpu/gguf_q8.c, cpu_gguf.q8_pack /
-q8_gemm; --cpu-gguf-activations int8) for every type: the activations' rounding
-bit-equal to _common.q8_round_trip (ggml's q8_1 by 32, as CUDA's dp4a products round them), and
-the product within float32 rounding of gguf_matmul_dp4a_ref (the rounded activations times the
-gguf package's dequantised weight)
-at 1-300 rows (partial panels of 16 channels, partial tiles of 16 rows, more than one block of
-256 rows), any thread count giving the same bits; and measurably not the exact float product,
-so a float path in its place fails these tests."""
+q8_gemm; --cpu-gguf-activations int8) for every type: the activations' rounding bit-equal to
+_common.q8_round_trip (ggml's q8_1 by 32, as CUDA's dp4a products round them), and the product
+within float32 rounding of gguf_matmul_dp4a_ref (the rounded activations times the gguf
+package's dequantised weight) at 1-300 rows (partial panels of 16 channels, partial tiles of 16
+rows, more than one block of 256 rows), any thread count giving the same bits; and measurably
+not the exact float product, so a float path in its place fails these tests."""
 
 from __future__ import annotations
 
@@ -20,15 +19,15 @@ from mmserve.kernels.gguf_blocks import FORMATS, gguf_dequantize_ref
 from mmserve.kernels.gguf_gemm import gguf_matmul_dp4a_ref
 from tests.kernels.test_gguf_gemm import random_blocks
 
+pytestmark = pytest.mark.skipif(
+    not cpu_gguf.q8_supported("Q4_0"), reason="no C library with AVX-512 VNNI here"
+)
 TYPES = list(FORMATS)
 K = 224  # 7 blocks of 32 (the K-quants: 512, two super-blocks)
 
 
 def _k(qtype: str) -> int:
     return 512 if qtype.endswith("_K") else K
-pytestmark = pytest.mark.skipif(
-    not cpu_gguf.q8_supported("Q4_0"), reason="no C library with AVX-512 VNNI here"
-)
 
 
 def _quantise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
