@@ -157,13 +157,12 @@ class GgufLinear(nn.Module):
 
         if self.device.type != "cpu" or not cpu_lib.available():
             return 0
-        parts = []
+        parts, taken = [], 0
         for part in self.parts:
             if part.qtype is not None and not part.int8 and cpu_gguf.q8_supported(part.qtype):
                 self.register_buffer(part.buffer, cpu_gguf.q8_pack(self.get_buffer(part.buffer), part.qtype))
-                part = replace(part, int8=True)
+                part, taken = replace(part, int8=True), taken + 1
             parts.append(part)
-        taken = sum(p.int8 for p in parts) - sum(p.int8 for p in self.parts)
         self.parts = tuple(parts)
         self._checked.clear()
         return taken
@@ -216,9 +215,9 @@ class GgufLinear(nn.Module):
         """Bytes of blocks per GGUF type (a tied head's are the embedding's: none here)."""
         held: dict[str, int] = {}
         for p in self.parts:
-            if p.qtype is not None and not self.tied:
+            if p.qtype is not None and not self.tied:  # (the file's bytes, whatever form holds them)
                 nbytes = (p.stop - p.start) * self.in_features // BLOCK_ELEMENTS[p.qtype] * BLOCK_BYTES[p.qtype]
-                held[p.qtype] = held.get(p.qtype, 0) + (nbytes if p.int8 else self.get_buffer(p.buffer).numel())
+                held[p.qtype] = held.get(p.qtype, 0) + nbytes
         return held
 
     def extra_repr(self) -> str:

@@ -64,8 +64,8 @@ int64_t gguf_q8_packed_bytes(int qtype, int64_t n, int64_t k) {
 }
 
 /* Elements 32 s .. 32 s + 31 of one GGUF block at bp (a 32-element type's: s = 0): their
- * integers as unsigned bytes u (q + the type's offset), the d of the first and last 16 and the
- * min (the weight is d (u - offset) + m). */
+ * integers as unsigned bytes u (q + the type's offset); a K-quant's also the d of the first and
+ * last 16 and the min (the weight is d (u - offset) + m). */
 static void sub_block(int qtype, const uint8_t *bp, int s, uint8_t u[32], float *d_lo, float *d_hi, float *m) {
     *m = 0.0f;
     if (qtype == GGUF_Q6_K) {
@@ -93,8 +93,7 @@ static void sub_block(int qtype, const uint8_t *bp, int s, uint8_t u[32], float 
         *m = -(f16(bp + 2) * (float)mn);
         return;
     }
-    *d_lo = *d_hi = f16(bp);
-    *m = has_min(qtype) ? f16(bp + 2) : 0.0f;
+    /* (a 32-element type's d and m: pack_block copies the block's own float16 bytes) */
     if (qtype == GGUF_Q8_0) {
         for (int e = 0; e < 32; e++) u[e] = bp[2 + e] ^ 0x80;
         return;
@@ -151,11 +150,11 @@ int gguf_q8_pack(int qtype, int threads, const uint8_t *w, int64_t n, int64_t k,
     return 0;
 }
 
+#if Q8_BUILT
 /* One row of k floats -> its int8 integers xq, and per block of 32 its d_x, its corrections
  * -offset sum q over elements 0-15 and 16-31 (int32, corr[2 b], corr[2 b + 1]) and its rounded
  * values' sum d_x sum q (ggml's q8_1 s, which a min meets): q8_round_trip's rounding (a block
  * with a NaN gets a NaN d_x, as torch's amax keeps it). */
-#if Q8_BUILT
 #include <immintrin.h>
 
 static void quantise_row(const float *x, int64_t k, int offset, int8_t *xq, float *dx, int32_t *corr, float *sx) {
@@ -180,32 +179,7 @@ static void quantise_row(const float *x, int64_t k, int offset, int8_t *xq, floa
         sx[b] = dx[b] * (float)(lo + hi);
     }
 }
-#else
-static void quantise_row(const float *x, int64_t k, int offset, int8_t *xq, float *dx, int32_t *corr, float *sx) {
-    for (int64_t b = 0; b < k / 32; b++, x += 32, xq += 32) {
-        float amax = 0.0f;
-        for (int e = 0; e < 32; e++) {
-            float a = x[e] < 0 ? -x[e] : x[e];
-            amax = a > amax || a != a ? a : amax;
-        }
-        float inv = 127.0f / (amax > 0 ? amax : 1.0f);
-        int32_t half[2] = {0, 0};
-        for (int e = 0; e < 32; e++) {
-            float v = x[e] * inv;
-            float r = v >= 0 ? v + 0.5f : v - 0.5f;
-            int32_t q = r != r ? 0 : (int32_t)r;  /* truncation: half away from zero */
-            xq[e] = (int8_t)q;
-            half[e / 16] += q;
-        }
-        dx[b] = amax / 127.0f;
-        corr[2 * b] = -offset * half[0];
-        corr[2 * b + 1] = -offset * half[1];
-        sx[b] = dx[b] * (float)(half[0] + half[1]);
-    }
-}
-#endif
 
-#if Q8_BUILT
 /* rows (1 .. ROWS, a constant in each instance) of quantised x against one panel, every
  * block of k; out's 16 columns from the panel's first (mask: those that exist) */
 /* 16 scales at p: float16 (a 32-element type's) or float32 */
@@ -345,17 +319,6 @@ done:
     return status;
 }
 
-#else
-
-int gguf_q8_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
-                 const uint8_t *packed, int64_t n, float *out, int64_t ldo) {
-    (void)qtype, (void)threads, (void)x, (void)m, (void)k, (void)ldx, (void)packed, (void)n, (void)out, (void)ldo;
-    (void)quantise_row;
-    return -1;
-}
-
-#endif
-
 /* The quantisation alone (tests: bit-equal to q8_round_trip): m rows of x -> xq [m, k],
  * dx [m, k / 32]. */
 int gguf_q8_quantise(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *xq, float *dx) {
@@ -368,3 +331,18 @@ int gguf_q8_quantise(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *
     free(sx);
     return status;
 }
+
+#else  /* no VNNI: no product (gguf_q8_supported says so) */
+
+int gguf_q8_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
+                 const uint8_t *packed, int64_t n, float *out, int64_t ldo) {
+    (void)qtype, (void)threads, (void)x, (void)m, (void)k, (void)ldx, (void)packed, (void)n, (void)out, (void)ldo;
+    return -1;
+}
+
+int gguf_q8_quantise(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *xq, float *dx) {
+    (void)x, (void)m, (void)k, (void)ldx, (void)xq, (void)dx;
+    return -1;
+}
+
+#endif
