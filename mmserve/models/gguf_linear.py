@@ -215,9 +215,10 @@ class GgufLinear(nn.Module):
         """Bytes of blocks per GGUF type (a tied head's are the embedding's: none here)."""
         held: dict[str, int] = {}
         for p in self.parts:
-            if p.qtype is not None and not self.tied:  # (the file's bytes, whatever form holds them)
+            if p.qtype is not None and not self.tied:
+                # (a part repacked for int8 activations counts its blocks' bytes, Q6_K planes their own)
                 nbytes = (p.stop - p.start) * self.in_features // BLOCK_ELEMENTS[p.qtype] * BLOCK_BYTES[p.qtype]
-                held[p.qtype] = held.get(p.qtype, 0) + nbytes
+                held[p.qtype] = held.get(p.qtype, 0) + (nbytes if p.int8 else self.get_buffer(p.buffer).numel())
         return held
 
     def extra_repr(self) -> str:
