@@ -231,3 +231,34 @@ def load_into(
             f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}"
         )
     target.copy_(tensor)
+
+
+class OneRowLinear(nn.Linear):
+    """An nn.Linear whose one-row products of 16-bit activations on CUDA (or under the Triton
+    interpreter: tests) run on dense_gemv (issue 23, target 1); every other input takes F.linear.
+    one_row_products swaps a loaded model's plain projections to it in place (their parameters,
+    tied or not, unchanged)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.dim() == 2 and x.shape[0] == 1 and x.dtype == w.dtype and x.dtype in _SIXTEEN_BITS and x.is_contiguous():
+            from mmserve.kernels.dense_gemv import dense_gemv, runs_here
+
+            if runs_here(x):
+                return dense_gemv(x, w, self.bias)
+        return F.linear(x, w, self.bias)
+
+
+_SIXTEEN_BITS = (torch.bfloat16, torch.float16)
+
+
+def one_row_products(model: nn.Module) -> int:
+    """Swaps every plain nn.Linear of model whose weight is 16-bit with contiguous rows to
+    OneRowLinear; returns how many. (The loader calls it for models on CUDA.)"""
+    swapped = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if type(module) is nn.Linear and w is not None and w.dtype in _SIXTEEN_BITS and w.stride(1) == 1:
+            module.__class__ = OneRowLinear
+            swapped += 1
+    return swapped

@@ -1,0 +1,138 @@
+"""A one-row product of 16-bit (or float32) activations with a dense weight, y = x W^T, by a
+Triton kernel of our own (issue 23, target 1): the step's other small operations can only be
+fused into a product whose kernel is ours, and cuBLAS's one-row products leave some of the
+bandwidth (session 38, an H100: o 4096 x 4096 at 1.7-2.2 TB/s, qkv 2.5, against gate_up's 3.0).
+
+Each program takes BLOCK_N output channels and one K slice (k_splits: about programs_per_sm
+programs an SM); its loop reads tiles [BLOCK_N, BLOCK_K] of W (each channel's BLOCK_K weights
+contiguous: 16-byte loads along K) and the matching BLOCK_K activations, multiplies them in
+float32 into an accumulator of the tile's shape, and sums it along K once at the end. Split
+products end as every split product here does (_common.store_tile: SERIAL_SPLITS's last
+program, else sum_splits). The reference is torch: x.float() @ W.float().T."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mmserve.kernels._common import (
+    check_same_device,
+    finish_splits,
+    grid_sms,
+    k_splits,
+    pdl_launch,
+    pdl_wait,
+    split_target,
+    store_args,
+    store_tile,
+)
+
+
+@dataclass(frozen=True)
+class GemvTiling:
+    """A launch's tile and grid: BLOCK_N channels a program, BLOCK_K weights of each a step,
+    warps a program, Triton's software-pipeline depth (None: its default) and programs an SM
+    (the K split)."""
+
+    block_n: int = 2
+    block_k: int = 2048
+    num_warps: int = 8
+    num_stages: int | None = None
+    programs_per_sm: int = 8
+
+
+# On an H100 (session 40, scripts/sweep_dense_gemv.py, the product alone in CUDA graphs, 16 weight
+# copies, us; cuBLAS's F.linear in brackets): qkv 6144 x 4096 17.5 (20.4), o 4096 x 4096 12.2
+# (15.6), gate_up 28672 x 4096 74.8 (81.6: 3,138 against 2,880 GB/s), down 4096 x 14336 39.3
+# (45.6), the LM head 128256 x 4096 327.7 (370.4): a layer's four 143.9 against 163.2. Two channels
+# a program and 2,048 weights a step at 8 warps was the best of 56 tilings around the best of 148
+# (8 channels, 512 weights, 4 warps: 147.0 a layer).
+DEFAULT_TILING = GemvTiling()
+
+
+@triton.jit
+def _dense_gemv_kernel(
+    out_ptr, x_ptr, w_ptr, bias_ptr, n, k, k_per_split, stride_w, final_ptr, counters_ptr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (tile, slice): out[tile's channels] (or the slice's partial) = sum over the slice's
+    K of w[channel, k] x[k], in float32, plus the bias (in the first slice's partial). EVEN: n a
+    multiple of BLOCK_N and every slice whole steps of BLOCK_K inside K (no masks)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k, k_lo + k_per_split)
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    pdl_wait(PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN:
+            w = tl.load(rows + offs_k[None, :], eviction_policy="evict_first")
+            x = tl.load(x_ptr + offs_k)
+        else:
+            mask_k = offs_k < k_hi
+            w = tl.load(rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
+                        eviction_policy="evict_first")  # fmt: skip
+            x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        y += tl.where(tl.program_id(1) == 0, bias, 0.0)
+    store_tile(out_ptr, y, offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
+
+
+def dense_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    tiling: GemvTiling = DEFAULT_TILING,
+) -> torch.Tensor:  # fmt: skip
+    """x [1, K] (or [K]) times weight [N, K] (rows contiguous) transposed, plus bias [N]: [1, N]
+    in x's dtype (out, when given: [1, N] contiguous, x's dtype). A step is at most K's next
+    power of two wide."""
+    check_same_device(x=x, weight=weight)
+    x = x.reshape(1, -1)
+    n, k = weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns, weight {k}")
+    if weight.stride(1) != 1 or not x.is_contiguous():
+        raise ValueError("weight's rows and x must be contiguous")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype}, weight {weight.dtype}: one dtype expected")
+    if bias is not None and (bias.shape != (n,) or bias.device != x.device):
+        raise ValueError(f"bias must be [{n}] on {x.device}, got {list(bias.shape)} on {bias.device}")
+    if out is None:
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (1, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [1, {n}] {x.dtype} tensor")
+    t = tiling
+    block_k = min(t.block_k, triton.next_power_of_2(k))
+    tiles, steps = triton.cdiv(n, t.block_n), triton.cdiv(k, block_k)
+    splits, per_split = k_splits(tiles, steps, grid_sms(x.device), t.programs_per_sm)
+    target, counters = split_target(out, splits, tiles)
+    even = n % t.block_n == 0 and k % block_k == 0
+    meta: dict[str, object] = {"num_warps": t.num_warps, **store_args(out, counters), **pdl_launch(x.device)}
+    if t.num_stages is not None:
+        meta["num_stages"] = t.num_stages
+    _dense_gemv_kernel[(tiles, splits)](
+        target, x, weight, weight if bias is None else bias, n, k, per_split * block_k, weight.stride(0),
+        BLOCK_N=t.block_n, BLOCK_K=block_k, EVEN=even, HAS_BIAS=bias is not None, SPLIT=splits > 1, **meta,
+    )  # fmt: skip
+    return finish_splits(out, target, counters)
+
+
+# Whether a loaded model's plain 16-bit nn.Linear projections on CUDA take their one-row products
+# from dense_gemv (models/layers.OneRowLinear; other row counts stay F.linear's). On an H100
+# (session 40, `scripts/ab_switch.py mmserve.kernels.dense_gemv.ENGINE=True|False -- latency
+# --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1`,
+# two pairs, the tiling then 8 x 512 at 4 warps): batch-1 decode 6.128 -> 5.645 ms/token
+ENGINE = True
+
+
+def runs_here(x: torch.Tensor) -> bool:
+    """Whether dense_gemv runs on x's device: CUDA, or any device under the interpreter."""
+    return x.is_cuda or bool(triton.knobs.runtime.interpret)

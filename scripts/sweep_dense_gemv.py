@@ -1,0 +1,99 @@
+"""One-row bf16 products of the 8B shape's projections (issue 23, target 1): our Triton kernel
+(mmserve.kernels.dense_gemv) over a sweep of tilings against cuBLAS's F.linear, in the harness of
+scripts/bench_splitk_gemv.py (16 copies of each weight in turn, so L2 does not hold them; CUDA
+graphs of 16 products; us a product). Prints one JSON line a shape with F.linear's time, the
+best tilings and their error against float32, then a line with the tiling best over all shapes.
+
+  python3 scripts/sweep_dense_gemv.py [--quick]"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+
+from mmserve.kernels.dense_gemv import GemvTiling, dense_gemv
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+COPIES = 16
+
+
+def timed(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps / COPIES
+
+
+def tilings(quick: bool, near: bool = False) -> list[GemvTiling]:
+    if near:  # around session 40's best (2 channels, 1,024 weights a step, 4 warps)
+        grid = itertools.product((1, 2, 4), (512, 1024, 2048, 4096), (2, 4, 8), (None,), (4, 8))
+        return [GemvTiling(*t) for t in grid if 8 <= t[0] * t[1] // (32 * t[2]) <= 64]
+    out = []
+    warps = (1, 2, 4) if quick else (1, 2, 4, 8)
+    for bn, bk, w, st, pps in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024), warps, (None, 2, 4), (4, 8, 16)):
+        per_thread = bn * bk // (32 * w)
+        if not 8 <= per_thread <= 64:
+            continue
+        if quick and (st == 4 or pps == 16):
+            continue
+        out.append(GemvTiling(bn, bk, w, st, pps))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--near", action="store_true", help="around the best tiling found, and the LM head")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    sweep = tilings(args.quick, args.near)
+    shapes = {**SHAPES, "head": (128256, 4096)} if args.near else SHAPES
+    print(json.dumps({"tilings": len(sweep)}), flush=True)
+    totals: dict[GemvTiling, float] = {}
+    for name, (n, k) in shapes.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x.float(), ws[0].float())
+        nbytes = n * k * 2
+        row: dict[str, object] = {"shape": name, "n": n, "k": k}
+        row["linear_us"] = t_lin = timed(lambda ws=ws, x=x: [F.linear(x, w) for w in ws])
+        row["linear_gbs"] = round(nbytes / t_lin / 1e3)
+        row["read_us"] = t_read = timed(lambda ws=ws: [w.view(-1).max() for w in ws])  # a plain read
+        row["read_gbs"] = round(nbytes / t_read / 1e3)
+        results = []
+        for t in sweep:
+            try:
+                us = timed(lambda ws=ws, x=x, t=t: [dense_gemv(x, w, tiling=t) for w in ws])
+            except Exception as exc:  # noqa: BLE001 (a tiling that does not compile: skipped, named)
+                results.append((float("inf"), t, type(exc).__name__))
+                continue
+            if name in SHAPES:  # a layer's four products (not the head)
+                totals[t] = totals.get(t, 0.0) + us
+            results.append((us, t, None))
+        results.sort(key=lambda r: r[0])
+        best = results[0][1]
+        err = (dense_gemv(x, ws[0], tiling=best).float() - ref).abs().max().item()
+        row["best"] = [{"us": round(us, 2), "gbs": round(nbytes / us / 1e3), **vars(t)} for us, t, e in results[:6] if not e]
+        row["best_err"] = err
+        row["failed"] = sum(1 for r in results if r[2])
+        print(json.dumps(row), flush=True)
+    overall = sorted(((v, t) for t, v in totals.items()), key=lambda r: r[0])
+    print(json.dumps({"overall_best": [{"layer_us": round(v, 2), **vars(t)} for v, t in overall[:8]]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The one-row dense product (mmserve/kernels/dense_gemv.py) against torch's x.float() @ W.float().T:
+odd sizes (N not a multiple of the tile, K not a multiple of the step), K split or not, the
+split's partials summed by the last program or by sum_splits, fp32 and fp16 (bf16 on CUDA)."""
+
+import pytest
+import torch
+
+from mmserve.kernels import _common
+from mmserve.kernels.dense_gemv import GemvTiling, dense_gemv
+from tests.kernels.conftest import DEVICE
+
+CASES = [  # N, K, tiling
+    (64, 512, GemvTiling()),
+    (50, 300, GemvTiling()),  # masks on both sides
+    (7, 2000, GemvTiling(block_n=4, block_k=128, num_warps=1)),  # a few channels, K split
+    (96, 1024, GemvTiling(block_n=16, block_k=256, num_warps=2, programs_per_sm=0)),  # no split
+    (33, 640, GemvTiling(block_n=2, block_k=128, num_warps=1, num_stages=2)),
+    (40, 96, GemvTiling(block_n=8, block_k=2048)),  # a step cut to K's next power of two
+]
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("n,k,tiling", CASES)
+@pytest.mark.parametrize("serial", [True, False])
+def test_dense_gemv_matches_torch(n: int, k: int, tiling: GemvTiling, serial: bool, dtype: torch.dtype,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setattr(_common, "SERIAL_SPLITS", serial)
+    x = torch.randn(1, k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    y = dense_gemv(x, w, bias, tiling=tiling)
+    ref = x.float() @ w.float().T + bias.float()
+    assert y.shape == (1, n) and y.dtype == dtype
+    # the float32 sums' order differs from torch's; fp16/bf16: the output's own rounding
+    limit = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    assert _rel_err(y, ref) < limit
+
+
+def test_dense_gemv_writes_out_and_every_channel() -> None:
+    n, k = 300, 768
+    x = torch.randn(k, device=DEVICE)
+    w = torch.randn(n, k, device=DEVICE)
+    out = torch.full((1, n), float("nan"), device=DEVICE)
+    assert dense_gemv(x, w, out=out) is out  # (no bias)
+    torch.testing.assert_close(out, (x @ w.T)[None], atol=1e-4, rtol=1e-5)
+
+
+def test_dense_gemv_splits_k_for_a_small_product() -> None:
+    """A 64-channel product at the default tiling has 8 tiles for 132 SMs: K is cut into slices
+    (every slice's weights must count: a weight changed in the last slice changes the output)."""
+    n, k = 64, 4096
+    x = torch.randn(1, k, device=DEVICE)
+    w = torch.randn(n, k, device=DEVICE)
+    before = dense_gemv(x, w).clone()
+    w[:, -1] += 1.0
+    after = dense_gemv(x, w)
+    torch.testing.assert_close(after - before, x[:, -1:].expand(1, n), atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "x_shape,w_shape,msg",
+    [((1, 64), (32, 65), "columns"), ((2, 64), (32, 64), "columns")],
+)
+def test_dense_gemv_rejects_bad_shapes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        dense_gemv(torch.randn(*x_shape, device=DEVICE), torch.randn(*w_shape, device=DEVICE))
+
+
+def test_dense_gemv_rejects_mixed_dtypes_and_strided_weights() -> None:
+    x = torch.randn(1, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="one dtype"):
+        dense_gemv(x, torch.randn(32, 64, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(ValueError, match="contiguous"):
+        dense_gemv(x, torch.randn(64, 32, device=DEVICE).T)
+
+
+def test_dense_gemv_rejects_a_bias_of_another_size() -> None:
+    with pytest.raises(ValueError, match="bias"):
+        dense_gemv(torch.randn(1, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE), torch.randn(31, device=DEVICE))
+
+
+def test_one_row_products_swap_plain_sixteen_bit_projections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """one_row_products swaps plain 16-bit nn.Linear modules (not float32 ones, not subclasses);
+    a swapped module's one-row products run on dense_gemv, bias included, and more rows on
+    F.linear, each equal to the module before the swap."""
+    from torch import nn
+
+    from mmserve.kernels import dense_gemv as gemv_module
+    from mmserve.models.layers import OneRowLinear, one_row_products
+
+    class Other(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(96, 80), nn.Linear(80, 40, bias=False), Other(40, 40), nn.Linear(40, 8)).to(DEVICE)
+    for i in range(3):
+        model[i].half()
+    x = torch.randn(1, 96, device=DEVICE).half()
+    rows = torch.randn(5, 96, device=DEVICE).half()
+    before = [model[0](x).float(), model[0](rows).float(), model[1](model[0](x)).float()]
+    assert one_row_products(model) == 2
+    assert [type(m) for m in model] == [OneRowLinear, OneRowLinear, Other, nn.Linear]
+    calls = []
+    real = gemv_module.dense_gemv
+    monkeypatch.setattr(gemv_module, "dense_gemv", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    after = [model[0](x).float(), model[0](rows).float(), model[1](model[0](x)).float()]
+    assert calls == [(1, 96), (1, 96), (1, 80)]  # the five-row product is F.linear's
+    for a, b in zip(after, before, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
