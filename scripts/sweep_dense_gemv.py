@@ -15,7 +15,9 @@ import json
 import torch
 import torch.nn.functional as F
 
-from mmserve.kernels.dense_gemv import GemvTiling, dense_gemv
+from mmserve.kernels.dense_gemv import GemvTiling, dense_gemv, scaled_gemv
+from mmserve.kernels.fp8_gemm import fp8_gemm_rows
+from mmserve.kernels.quant import per_token_quant_ref, quantize_weight_fp8
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 COPIES = 16
@@ -38,7 +40,10 @@ def timed(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) * 1000 / reps / COPIES
 
 
-def tilings(quick: bool, near: bool = False) -> list[GemvTiling]:
+def tilings(quick: bool, near: bool = False, fp8: bool = False) -> list[GemvTiling]:
+    if fp8:  # one-byte weights: wider steps
+        grid = itertools.product((1, 2, 4), (1024, 2048, 4096, 8192), (4, 8), (None,), (8,))
+        return [GemvTiling(*t) for t in grid if 8 <= t[0] * t[1] // (32 * t[2]) <= 128]
     if near:  # around session 40's best (2 channels, 1,024 weights a step, 4 warps)
         grid = itertools.product((1, 2, 4), (512, 1024, 2048, 4096), (2, 4, 8), (None,), (4, 8))
         return [GemvTiling(*t) for t in grid if 8 <= t[0] * t[1] // (32 * t[2]) <= 64]
@@ -58,8 +63,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--near", action="store_true", help="around the best tiling found, and the LM head")
+    p.add_argument("--fp8", action="store_true", help="FP8 weights and activations: scaled_gemv against fp8_gemm_rows")
     args = p.parse_args()
     torch.manual_seed(0)
+    if args.fp8:
+        return sweep_fp8()
     sweep = tilings(args.quick, args.near)
     shapes = {**SHAPES, "head": (128256, 4096)} if args.near else SHAPES
     print(json.dumps({"tilings": len(sweep)}), flush=True)
@@ -93,6 +101,32 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     overall = sorted(((v, t) for t, v in totals.items()), key=lambda r: r[0])
     print(json.dumps({"overall_best": [{"layer_us": round(v, 2), **vars(t)} for v, t in overall[:8]]}), flush=True)
+
+
+def sweep_fp8() -> None:
+    """The four projections in FP8 (per-channel weight scales, x per token): fp8_gemm_rows (the
+    tensor-core rows kernel) against scaled_gemv's tilings."""
+    sweep = tilings(False, fp8=True)
+    totals: dict[GemvTiling, float] = {}
+    for name, (n, k) in SHAPES.items():
+        ops = [quantize_weight_fp8(torch.randn(n, k, device="cuda") * 0.02) for _ in range(COPIES)]
+        xq, xs = per_token_quant_ref(torch.randn(1, k, device="cuda"))
+        ref = (xq.float() @ ops[0][0].float().T) * xs * ops[0][1].view(1, -1)
+        row: dict[str, object] = {"shape": name, "fp8": True}
+        row["rows_kernel_us"] = t0 = timed(lambda ops=ops, xq=xq, xs=xs: [fp8_gemm_rows(xq, xs, w, s.view(1, -1)) for w, s in ops])
+        row["rows_kernel_gbs"] = round(n * k / t0 / 1e3)
+        results = []
+        for t in sweep:
+            us = timed(lambda t=t, ops=ops, xq=xq, xs=xs: [scaled_gemv(xq, xs, w, s, tiling=t) for w, s in ops])
+            totals[t] = totals.get(t, 0.0) + us
+            results.append((us, t))
+        results.sort(key=lambda r: r[0])
+        err = (scaled_gemv(xq, xs, *ops[0], tiling=results[0][1]).float() - ref).abs().max().item()
+        row["best"] = [{"us": round(us, 2), "gbs": round(n * k / us / 1e3), **vars(t)} for us, t in results[:4]]
+        row["best_err"] = err
+        print(json.dumps(row), flush=True)
+    overall = sorted(((v, t) for t, v in totals.items()), key=lambda r: r[0])
+    print(json.dumps({"overall_best": [{"layer_us": round(v, 2), **vars(t)} for v, t in overall[:6]]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -55,20 +55,21 @@ DEFAULT_TILING = GemvTiling()
 
 @triton.jit
 def _dense_gemv_kernel(
-    out_ptr, x_ptr, w_ptr, bias_ptr, n, k, k_per_split, stride_w, final_ptr, counters_ptr,
+    out_ptr, x_ptr, w_ptr, bias_ptr, xs_ptr, ws_ptr, n, k, k_per_split, stride_w, final_ptr, counters_ptr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr,
+    SCALED: tl.constexpr, INT8: tl.constexpr, SPLIT: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (tile, slice): out[tile's channels] (or the slice's partial) = sum over the slice's
-    K of w[channel, k] x[k], in float32, plus the bias (in the first slice's partial). EVEN: n a
-    multiple of BLOCK_N and every slice whole steps of BLOCK_K inside K (no masks)."""
+    K of w[channel, k] x[k], in float32 (INT8: int32, exact), times x's scale and the channel's
+    (SCALED), plus the bias (in the first slice's partial). EVEN: n a multiple of BLOCK_N and
+    every slice whole steps of BLOCK_K inside K (no masks)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k, k_lo + k_per_split)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
     pdl_wait(PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.int32 if INT8 else tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN:
@@ -79,8 +80,13 @@ def _dense_gemv_kernel(
             w = tl.load(rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0,
                         eviction_policy="evict_first")  # fmt: skip
             x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
+        if INT8:
+            acc += w.to(tl.int32) * x.to(tl.int32)[None, :]
+        else:
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1).to(tl.float32)
+    if SCALED:
+        y *= tl.load(xs_ptr) * tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         y += tl.where(tl.program_id(1) == 0, bias, 0.0)
@@ -96,20 +102,47 @@ def dense_gemv(
     power of two wide."""
     check_same_device(x=x, weight=weight)
     x = x.reshape(1, -1)
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype}, weight {weight.dtype}: one dtype expected")
+    return _launch(x, weight, bias, None, out, x.dtype, tiling)
+
+
+def scaled_gemv(
+    xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
+    tiling: GemvTiling | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """fp8_gemm_rows's product for one row: xq [1, K] and wq [N, K] in float8_e4m3fn or int8 (one
+    dtype), x_scale one float32 value ([1, 1]), w_scale [1, N] (or [N]) float32: (xq wq^T) x_scale
+    w_scale (+ bias) as [1, N] in out_dtype. Products of float8 values are exact in float32 and
+    summed in float32; int8's in int32. Where K is split (a product of few channels) each slice
+    is scaled before the slices are added."""
+    check_same_device(xq=xq, wq=wq, x_scale=x_scale, w_scale=w_scale)
+    if xq.dtype != wq.dtype or wq.dtype not in (torch.float8_e4m3fn, torch.int8):
+        raise ValueError(f"xq and wq must both be float8_e4m3fn or int8, got {xq.dtype} and {wq.dtype}")
+    n = wq.shape[0]
+    if x_scale.numel() != 1 or w_scale.numel() != n:
+        raise ValueError(f"x_scale must hold 1 value and w_scale {n}, got {x_scale.numel()} and {w_scale.numel()}")
+    scales = (x_scale.float().reshape(1), w_scale.float().reshape(n).contiguous())
+    return _launch(xq.reshape(1, -1), wq, bias, scales, None, out_dtype, tiling or SCALED_TILING)
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor | None, out_dtype: torch.dtype,
+    t: GemvTiling,
+) -> torch.Tensor:  # fmt: skip
     n, k = weight.shape
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} columns, weight {k}")
     if weight.stride(1) != 1 or not x.is_contiguous():
         raise ValueError("weight's rows and x must be contiguous")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"x is {x.dtype}, weight {weight.dtype}: one dtype expected")
     if bias is not None and (bias.shape != (n,) or bias.device != x.device):
         raise ValueError(f"bias must be [{n}] on {x.device}, got {list(bias.shape)} on {bias.device}")
     if out is None:
-        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (1, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [1, {n}] {x.dtype} tensor")
-    t = tiling
+        out = torch.empty(1, n, dtype=out_dtype, device=x.device)
+    elif out.shape != (1, n) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [1, {n}] {out_dtype} tensor")
     block_k = min(t.block_k, triton.next_power_of_2(k))
     tiles, steps = triton.cdiv(n, t.block_n), triton.cdiv(k, block_k)
     splits, per_split = k_splits(tiles, steps, grid_sms(x.device), t.programs_per_sm)
@@ -118,11 +151,17 @@ def dense_gemv(
     meta: dict[str, object] = {"num_warps": t.num_warps, **store_args(out, counters), **pdl_launch(x.device)}
     if t.num_stages is not None:
         meta["num_stages"] = t.num_stages
+    xs, ws = scales if scales is not None else (weight, weight)
     _dense_gemv_kernel[(tiles, splits)](
-        target, x, weight, weight if bias is None else bias, n, k, per_split * block_k, weight.stride(0),
-        BLOCK_N=t.block_n, BLOCK_K=block_k, EVEN=even, HAS_BIAS=bias is not None, SPLIT=splits > 1, **meta,
+        target, x, weight, weight if bias is None else bias, xs, ws, n, k, per_split * block_k,
+        weight.stride(0), BLOCK_N=t.block_n, BLOCK_K=block_k, EVEN=even, HAS_BIAS=bias is not None,
+        SCALED=scales is not None, INT8=weight.dtype == torch.int8, SPLIT=splits > 1, **meta,
     )  # fmt: skip
     return finish_splits(out, target, counters)
+
+
+# one-byte weights: twice the weights a step for the same bytes (not swept yet)
+SCALED_TILING = GemvTiling(block_k=4096)
 
 
 # Whether a loaded model's plain 16-bit nn.Linear projections on CUDA take their one-row products

@@ -185,6 +185,22 @@ def fp8_gemm_rows(
     return out
 
 
+# one row goes to dense_gemv.scaled_gemv (the weights' bytes streamed by plain loads, float32 or
+# int32 sums), which reads them faster than the tensor-core tiles above at one row
+ONE_ROW_GEMV = True
+
+
+def few_rows_product(
+    xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """fp8_gemm_rows's product, one row by dense_gemv.scaled_gemv where ONE_ROW_GEMV says so."""
+    if xq.shape[0] == 1 and ONE_ROW_GEMV:
+        from mmserve.kernels.dense_gemv import scaled_gemv
+
+        return scaled_gemv(xq, x_scale, wq, w_scale, out_dtype)
+    return fp8_gemm_rows(xq, x_scale, wq, w_scale, out_dtype)
+
+
 @triton.jit
 def _scale_product_kernel(
     out_ptr, acc_ptr, xs_ptr, ws_ptr, n, splits, stride_split, stride_acc, stride_out,

@@ -123,13 +123,13 @@ class Fp8Linear(W8A8Linear):
     def _scaled_mm(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """On the FP8 tensor cores: a few rows (decode) by our kernel, which reads the weights
         at the memory's speed; more by torch._scaled_mm (CUTLASS)."""
-        from mmserve.kernels.fp8_gemm import fp8_gemm_rows
+        from mmserve.kernels.fp8_gemm import few_rows_product
 
         if q.shape[0] == 0:
             return q.new_empty((0, self.out_features), dtype=torch.bfloat16)
         w_scale = self.weight_scale.view(1, -1)
         if q.shape[0] <= FEW_ROWS:
-            return fp8_gemm_rows(q, scale, self.weight, w_scale)
+            return few_rows_product(q, scale, self.weight, w_scale, torch.bfloat16)
         rows = q.shape[0]
         if PAD_ROWS and rows > PAD_ABOVE and rows % PAD_ROWS:
             padded = -(-rows // PAD_ROWS) * PAD_ROWS

@@ -98,14 +98,14 @@ class Int8Linear(W8A8Linear):
         """On the INT8 tensor cores: a few rows (decode) by the rows kernel FP8 uses (the
         weights read once, the scales applied in it), more by torch._int_mm and one pass that
         scales its int32 sums."""
-        from mmserve.kernels.fp8_gemm import fp8_gemm_rows, scale_product
+        from mmserve.kernels.fp8_gemm import few_rows_product, scale_product
 
         rows = q.shape[0]
         if rows == 0:
             return q.new_empty((0, self.out_features), dtype=dtype)
         w_scale = self.weight_scale.view(1, -1)
         if rows <= FEW_ROWS:
-            return fp8_gemm_rows(q, scale, self.weight, w_scale, out_dtype=dtype)
+            return few_rows_product(q, scale, self.weight, w_scale, dtype)
         if LARGE_GEMM == "triton":
             from mmserve.kernels.int8_gemm import int8_gemm
 

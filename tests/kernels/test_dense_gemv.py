@@ -109,3 +109,68 @@ def test_one_row_products_swap_plain_sixteen_bit_projections(monkeypatch: pytest
     assert calls == [(1, 96), (1, 96), (1, 80)]  # the five-row product is F.linear's
     for a, b in zip(after, before, strict=True):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
+
+
+def _scaled_operands(n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    from mmserve.kernels.quant import per_token_quant_ref, quantize_weight_fp8
+
+    x = torch.randn(1, k, device=DEVICE) * 3.0
+    w = torch.randn(n, k, device=DEVICE) * torch.logspace(-3, 0, n, device=DEVICE)[:, None]
+    if dtype == torch.int8:
+        from mmserve.models.int8 import quantize_rows
+
+        (xq, xs), (wq, ws) = quantize_rows(x), quantize_rows(w)
+    else:
+        (xq, xs), (wq, ws) = per_token_quant_ref(x), quantize_weight_fp8(w)
+    return xq, xs, wq, ws.view(1, -1)
+
+
+@pytest.mark.parametrize("n,k,tiling", CASES)
+@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.int8], ids=str)
+def test_scaled_gemv_matches_the_fp8_reference(n: int, k: int, tiling: GemvTiling, qdtype: torch.dtype) -> None:
+    """One row of FP8 / INT8 operands against fp8_gemm's torch reference ((xq wq^T) x_scale
+    w_scale in float32; float8 products are exact in float32, int8 sums exact in int32), the
+    bias added, in float32 and bfloat16 outputs."""
+    from mmserve.kernels.fp8_gemm import fp8_gemm_rows_ref
+    from mmserve.kernels.dense_gemv import scaled_gemv
+
+    xq, xs, wq, ws = _scaled_operands(n, k, qdtype)
+    bias = torch.randn(n, device=DEVICE)
+    expected = fp8_gemm_rows_ref(xq, xs, wq, ws) + bias
+    got = scaled_gemv(xq, xs, wq, ws, torch.float32, bias, tiling)
+    assert got.shape == (1, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    got16 = scaled_gemv(xq, xs, wq, ws, torch.float16, tiling=tiling)
+    torch.testing.assert_close(got16.float(), expected - bias, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
+
+
+def test_scaled_gemv_rejects_bad_operands() -> None:
+    from mmserve.kernels.dense_gemv import scaled_gemv
+
+    xq, xs, wq, ws = _scaled_operands(32, 64, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="float8_e4m3fn or int8"):
+        scaled_gemv(xq.float(), xs, wq.float(), ws)
+    with pytest.raises(ValueError, match="float8_e4m3fn or int8"):
+        scaled_gemv(xq, xs, wq.view(torch.int8), ws)
+    with pytest.raises(ValueError, match="w_scale"):
+        scaled_gemv(xq, xs, wq, ws[:, :31])
+    with pytest.raises(ValueError, match="x_scale"):
+        scaled_gemv(xq, torch.ones(2, 1, device=DEVICE), wq, ws)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_few_rows_product_takes_one_row_to_scaled_gemv(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_gemm.few_rows_product (Fp8Linear's and Int8Linear's products of a few rows): one row
+    by scaled_gemv, more by fp8_gemm_rows, each the reference's result."""
+    from mmserve.kernels import dense_gemv as gemv_module
+    from mmserve.kernels.fp8_gemm import few_rows_product, fp8_gemm_rows_ref
+
+    xq, xs, wq, ws = _scaled_operands(48, 320, torch.float8_e4m3fn)
+    xq, xs = xq.expand(rows, -1).contiguous(), xs.expand(rows, -1).contiguous()
+    calls = []
+    real = gemv_module.scaled_gemv
+    monkeypatch.setattr(gemv_module, "scaled_gemv", lambda *a: calls.append(a[0].shape) or real(*a))
+    got = few_rows_product(xq, xs, wq, ws, torch.float32)
+    assert calls == ([(1, 320)] if rows == 1 else [])
+    expected = fp8_gemm_rows_ref(xq, xs, wq, ws)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
