@@ -64,10 +64,13 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--near", action="store_true", help="around the best tiling found, and the LM head")
     p.add_argument("--fp8", action="store_true", help="FP8 weights and activations: scaled_gemv against fp8_gemm_rows")
+    p.add_argument("--rows", default="", help="e.g. 2,4,8: products of a few rows against F.linear's")
     args = p.parse_args()
     torch.manual_seed(0)
     if args.fp8:
         return sweep_fp8()
+    if args.rows:
+        return sweep_rows([int(r) for r in args.rows.split(",")])
     sweep = tilings(args.quick, args.near)
     shapes = {**SHAPES, "head": (128256, 4096)} if args.near else SHAPES
     print(json.dumps({"tilings": len(sweep)}), flush=True)
@@ -101,6 +104,38 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     overall = sorted(((v, t) for t, v in totals.items()), key=lambda r: r[0])
     print(json.dumps({"overall_best": [{"layer_us": round(v, 2), **vars(t)} for v, t in overall[:8]]}), flush=True)
+
+
+def sweep_rows(counts: list[int]) -> None:
+    """A few rows: F.linear against dense_gemv's rows kernel over a small grid of tilings; a line a
+    shape and row count, then each count's best tiling over a layer's four products."""
+    grid = [GemvTiling(*t) for t in itertools.product((1, 2, 4), (256, 512, 1024, 2048), (4, 8), (None,), (8,))]
+    for rows in counts:
+        totals: dict[GemvTiling, float] = {}
+        linear = 0.0
+        for name, (n, k) in SHAPES.items():
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            t_lin = timed(lambda ws=ws, x=x: [F.linear(x, w) for w in ws])
+            linear += t_lin
+            results = []
+            for t in grid:
+                if t.block_n * t.block_k * triton_rows(rows) // (32 * t.num_warps) > 128:
+                    continue  # (its accumulators would not fit the registers)
+                us = timed(lambda ws=ws, x=x, t=t: [dense_gemv(x, w, tiling=t) for w in ws])
+                totals[t] = totals.get(t, 0.0) + us
+                results.append((us, t))
+            results.sort(key=lambda r: r[0])
+            err = (dense_gemv(x, ws[0], tiling=results[0][1]).float() - F.linear(x.float(), ws[0].float())).abs().max().item()
+            best = [{"us": round(us, 2), **vars(t)} for us, t in results[:3]]
+            print(json.dumps({"rows": rows, "shape": name, "linear_us": round(t_lin, 2), "best": best, "err": err}), flush=True)
+        overall = sorted(((v, t) for t, v in totals.items()), key=lambda r: r[0])
+        print(json.dumps({"rows": rows, "linear_layer_us": round(linear, 2),
+                          "overall_best": [{"layer_us": round(v, 2), **vars(t)} for v, t in overall[:4]]}), flush=True)  # fmt: skip
+
+
+def triton_rows(rows: int) -> int:
+    return 1 << (rows - 1).bit_length()
 
 
 def sweep_fp8() -> None:

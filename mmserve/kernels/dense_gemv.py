@@ -93,18 +93,53 @@ def _dense_gemv_kernel(
     store_tile(out_ptr, y, offs_n, mask_n, n, final_ptr, counters_ptr, SPLIT, SERIAL)
 
 
+@triton.jit
+def _dense_rows_kernel(
+    out_ptr, x_ptr, w_ptr, bias_ptr, rows, n, k, k_per_split, stride_x, stride_w, final_ptr, counters_ptr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """_dense_gemv_kernel for a few rows (ROWS: their count padded to a power of two): each weight
+    tile read once for all of them, one float32 accumulator [ROWS, BLOCK_N, BLOCK_K]."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, ROWS)
+    mask_n = offs_n < n
+    mask_m = offs_m < rows
+    k_lo = tl.program_id(1) * k_per_split
+    k_hi = tl.minimum(k, k_lo + k_per_split)
+    pdl_wait(PDL)
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_hi
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")  # fmt: skip
+        x = tl.load(x_ptr + offs_m[:, None] * stride_x + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    y = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        y += tl.where(tl.program_id(1) == 0, bias, 0.0)[None, :]
+    offs = offs_m[:, None] * n + offs_n[None, :]
+    store_tile(out_ptr, y, offs, mask_m[:, None] & mask_n[None, :], rows * n, final_ptr, counters_ptr, SPLIT, SERIAL)
+
+
 def dense_gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-    tiling: GemvTiling = DEFAULT_TILING,
+    tiling: GemvTiling | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """x [1, K] (or [K]) times weight [N, K] (rows contiguous) transposed, plus bias [N]: [1, N]
-    in x's dtype (out, when given: [1, N] contiguous, x's dtype). A step is at most K's next
-    power of two wide."""
+    """x [R, K] (R at most MAX_ROWS; or [K], one row) times weight [N, K] (rows contiguous)
+    transposed, plus bias [N]: [R, N] in x's dtype (out, when given: [R, N] contiguous, x's
+    dtype). A step is at most K's next power of two wide. tiling: DEFAULT_TILING for one row,
+    rows_tiling(R) for more."""
     check_same_device(x=x, weight=weight)
-    x = x.reshape(1, -1)
+    x = x.reshape(1, -1) if x.dim() == 1 else x
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [rows, K] with 1-{MAX_ROWS} rows, got {list(x.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype}, weight {weight.dtype}: one dtype expected")
-    return _launch(x, weight, bias, None, out, x.dtype, tiling)
+    default = DEFAULT_TILING if x.shape[0] == 1 else rows_tiling(x.shape[0])
+    return _launch(x, weight, bias, None, out, x.dtype, tiling or default)
 
 
 def scaled_gemv(
@@ -132,44 +167,65 @@ def _launch(
     scales: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor | None, out_dtype: torch.dtype,
     t: GemvTiling,
 ) -> torch.Tensor:  # fmt: skip
-    n, k = weight.shape
-    if x.shape[1] != k:
-        raise ValueError(f"x has {x.shape[1]} columns, weight {k}")
-    if weight.stride(1) != 1 or not x.is_contiguous():
-        raise ValueError("weight's rows and x must be contiguous")
+    (rows, k_x), (n, k) = x.shape, weight.shape
+    if k_x != k:
+        raise ValueError(f"x has {k_x} columns, weight {k}")
+    if weight.stride(1) != 1 or x.stride(1) != 1 or (rows == 1 and not x.is_contiguous()):
+        raise ValueError("weight's rows and x's must be contiguous")
     if bias is not None and (bias.shape != (n,) or bias.device != x.device):
         raise ValueError(f"bias must be [{n}] on {x.device}, got {list(bias.shape)} on {bias.device}")
     if out is None:
-        out = torch.empty(1, n, dtype=out_dtype, device=x.device)
-    elif out.shape != (1, n) or out.dtype != out_dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [1, {n}] {out_dtype} tensor")
+        out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    elif out.shape != (rows, n) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{rows}, {n}] {out_dtype} tensor")
     block_k = min(t.block_k, triton.next_power_of_2(k))
     tiles, steps = triton.cdiv(n, t.block_n), triton.cdiv(k, block_k)
     splits, per_split = k_splits(tiles, steps, grid_sms(x.device), t.programs_per_sm)
     target, counters = split_target(out, splits, tiles)
-    even = n % t.block_n == 0 and k % block_k == 0
     meta: dict[str, object] = {"num_warps": t.num_warps, **store_args(out, counters), **pdl_launch(x.device)}
     if t.num_stages is not None:
         meta["num_stages"] = t.num_stages
+    bias_arg = weight if bias is None else bias
+    if rows > 1:
+        _dense_rows_kernel[(tiles, splits)](
+            target, x, weight, bias_arg, rows, n, k, per_split * block_k, x.stride(0), weight.stride(0),
+            ROWS=triton.next_power_of_2(rows), BLOCK_N=t.block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+            SPLIT=splits > 1, **meta,
+        )  # fmt: skip
+        return finish_splits(out, target, counters)
     xs, ws = scales if scales is not None else (weight, weight)
     _dense_gemv_kernel[(tiles, splits)](
-        target, x, weight, weight if bias is None else bias, xs, ws, n, k, per_split * block_k,
-        weight.stride(0), BLOCK_N=t.block_n, BLOCK_K=block_k, EVEN=even, HAS_BIAS=bias is not None,
-        SCALED=scales is not None, INT8=weight.dtype == torch.int8, SPLIT=splits > 1, **meta,
+        target, x, weight, bias_arg, xs, ws, n, k, per_split * block_k, weight.stride(0),
+        BLOCK_N=t.block_n, BLOCK_K=block_k, EVEN=n % t.block_n == 0 and k % block_k == 0,
+        HAS_BIAS=bias is not None, SCALED=scales is not None, INT8=weight.dtype == torch.int8,
+        SPLIT=splits > 1, **meta,
     )  # fmt: skip
     return finish_splits(out, target, counters)
+
+
+MAX_ROWS = 8  # dense_gemv's rows at most (its accumulator holds a tile for each)
+
+
+def rows_tiling(rows: int) -> GemvTiling:
+    """A few rows' tiling: DEFAULT_TILING's, its step narrowed so the accumulators' registers stay
+    those of one row (not swept yet)."""
+    padded = triton.next_power_of_2(rows)
+    return GemvTiling(DEFAULT_TILING.block_n, max(256, DEFAULT_TILING.block_k // padded), DEFAULT_TILING.num_warps,
+                      DEFAULT_TILING.num_stages, DEFAULT_TILING.programs_per_sm)  # fmt: skip
 
 
 # one-byte weights: twice the weights a step for the same bytes (not swept yet)
 SCALED_TILING = GemvTiling(block_k=4096)
 
 
-# Whether a loaded model's plain 16-bit nn.Linear projections on CUDA take their one-row products
-# from dense_gemv (models/layers.OneRowLinear; other row counts stay F.linear's). On an H100
-# (session 40, `scripts/ab_switch.py mmserve.kernels.dense_gemv.ENGINE=True|False -- latency
-# --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1`,
-# two pairs, the tiling then 8 x 512 at 4 warps): batch-1 decode 6.128 -> 5.645 ms/token
+# Whether a loaded model's plain 16-bit nn.Linear projections on CUDA take their products of up
+# to ENGINE_ROWS rows from dense_gemv (models/layers.FewRowsLinear; more rows stay F.linear's).
+# Batch-1 decode (session 40, `scripts/ab_switch.py mmserve.kernels.dense_gemv.ENGINE=True|False
+# -- latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128
+# --max-num-seqs 1`, two pairs each): on the H200 4.05 against 4.69 ms/token with cuBLAS; on an
+# H100, the tiling then 8 x 512 at 4 warps, 5.65 against 6.13
 ENGINE = True
+ENGINE_ROWS = 1  # the most rows a swapped projection sends here (2-8: not measured yet)
 
 
 def runs_here(x: torch.Tensor) -> bool:

@@ -233,32 +233,32 @@ def load_into(
     target.copy_(tensor)
 
 
-class OneRowLinear(nn.Linear):
-    """An nn.Linear whose one-row products of 16-bit activations on CUDA (or under the Triton
-    interpreter: tests) run on dense_gemv (issue 23, target 1); every other input takes F.linear.
-    one_row_products swaps a loaded model's plain projections to it in place (their parameters,
-    tied or not, unchanged)."""
+class FewRowsLinear(nn.Linear):
+    """An nn.Linear whose products of a few rows (up to dense_gemv.ENGINE_ROWS) of 16-bit
+    activations on CUDA (or under the Triton interpreter: tests) run on dense_gemv (issue 23,
+    target 1); every other input takes F.linear. few_rows_products swaps a loaded model's plain
+    projections to it in place (their parameters, tied or not, unchanged)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if x.dim() == 2 and x.shape[0] == 1 and x.dtype == w.dtype and x.dtype in _SIXTEEN_BITS and x.is_contiguous():
-            from mmserve.kernels.dense_gemv import dense_gemv, runs_here
+        from mmserve.kernels import dense_gemv as gemv
 
-            if runs_here(x):
-                return dense_gemv(x, w, self.bias)
+        w = self.weight
+        few = x.dim() == 2 and 1 <= x.shape[0] <= gemv.ENGINE_ROWS and x.stride(-1) == 1
+        if few and x.dtype == w.dtype and x.dtype in _SIXTEEN_BITS and gemv.runs_here(x):
+            return gemv.dense_gemv(x if x.shape[0] > 1 else x.contiguous(), w, self.bias)
         return F.linear(x, w, self.bias)
 
 
 _SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 
 
-def one_row_products(model: nn.Module) -> int:
+def few_rows_products(model: nn.Module) -> int:
     """Swaps every plain nn.Linear of model whose weight is 16-bit with contiguous rows to
-    OneRowLinear; returns how many. (The loader calls it for models on CUDA.)"""
+    FewRowsLinear; returns how many. (The loader calls it for models on CUDA.)"""
     swapped = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
         if type(module) is nn.Linear and w is not None and w.dtype in _SIXTEEN_BITS and w.stride(1) == 1:
-            module.__class__ = OneRowLinear
+            module.__class__ = FewRowsLinear
             swapped += 1
     return swapped

@@ -39,7 +39,7 @@ from mmserve.models.gguf_linear import (
     shard_blocks,
 )
 from mmserve.models.int8 import checkpoint_int8, prepare_int8_checkpoint, quantize_int8
-from mmserve.models.layers import ComputedBuffers, one_row_products
+from mmserve.models.layers import ComputedBuffers, few_rows_products
 from mmserve.models.parallel import TensorParallel, tensor_parallel
 from mmserve.models.registry import architecture_of, get_model_class, headless_architecture
 from mmserve.models.source import (
@@ -228,7 +228,7 @@ def load_model(
         from mmserve.kernels import dense_gemv
 
         if dense_gemv.ENGINE:
-            one_row_products(model)
+            few_rows_products(model)
     return model, hf_config, load_generation_config(source)
 
 

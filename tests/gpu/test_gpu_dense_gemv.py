@@ -1,5 +1,5 @@
 """One-row decode steps on CUDA in bfloat16 take their projections' and head's products from our
-own kernel (mmserve.kernels.dense_gemv, through models/layers.OneRowLinear) and still follow
+own kernel (mmserve.kernels.dense_gemv, through models/layers.FewRowsLinear) and still follow
 transformers on the same weights. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.kernels import dense_gemv as gemv_module
-from mmserve.models.layers import OneRowLinear
+from mmserve.models.layers import FewRowsLinear
 from tests.utils.tiny_models import make_tiny_model
 
 pytestmark = [
@@ -30,7 +30,7 @@ def test_gpu_one_row_decode_follows_transformers(tmp_path, monkeypatch, arch: st
     path = make_tiny_model(tmp_path, arch=arch)
     llm = LLM(str(path), device="cuda", dtype="bfloat16", num_kv_blocks=64)
     model = llm.frontend.core.runner.model
-    swapped = [m for m in model.modules() if isinstance(m, OneRowLinear)]
+    swapped = [m for m in model.modules() if isinstance(m, FewRowsLinear)]
     assert len(swapped) == 4 * model.num_layers + 1  # qkv, o, gate_up, down a layer, and the head
     prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog")
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

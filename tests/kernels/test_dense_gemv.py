@@ -62,7 +62,7 @@ def test_dense_gemv_splits_k_for_a_small_product() -> None:
 
 @pytest.mark.parametrize(
     "x_shape,w_shape,msg",
-    [((1, 64), (32, 65), "columns"), ((2, 64), (32, 64), "columns")],
+    [((1, 64), (32, 65), "columns"), ((9, 64), (32, 64), "1-8 rows"), ((2, 3, 64), (32, 64), "1-8 rows")],
 )
 def test_dense_gemv_rejects_bad_shapes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
@@ -82,14 +82,14 @@ def test_dense_gemv_rejects_a_bias_of_another_size() -> None:
         dense_gemv(torch.randn(1, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE), torch.randn(31, device=DEVICE))
 
 
-def test_one_row_products_swap_plain_sixteen_bit_projections(monkeypatch: pytest.MonkeyPatch) -> None:
-    """one_row_products swaps plain 16-bit nn.Linear modules (not float32 ones, not subclasses);
+def test_few_rows_products_swap_plain_sixteen_bit_projections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """few_rows_products swaps plain 16-bit nn.Linear modules (not float32 ones, not subclasses);
     a swapped module's one-row products run on dense_gemv, bias included, and more rows on
     F.linear, each equal to the module before the swap."""
     from torch import nn
 
     from mmserve.kernels import dense_gemv as gemv_module
-    from mmserve.models.layers import OneRowLinear, one_row_products
+    from mmserve.models.layers import FewRowsLinear, few_rows_products
 
     class Other(nn.Linear):
         pass
@@ -100,8 +100,8 @@ def test_one_row_products_swap_plain_sixteen_bit_projections(monkeypatch: pytest
     x = torch.randn(1, 96, device=DEVICE).half()
     rows = torch.randn(5, 96, device=DEVICE).half()
     before = [model[0](x).float(), model[0](rows).float(), model[1](model[0](x)).float()]
-    assert one_row_products(model) == 2
-    assert [type(m) for m in model] == [OneRowLinear, OneRowLinear, Other, nn.Linear]
+    assert few_rows_products(model) == 2
+    assert [type(m) for m in model] == [FewRowsLinear, FewRowsLinear, Other, nn.Linear]
     calls = []
     real = gemv_module.dense_gemv
     monkeypatch.setattr(gemv_module, "dense_gemv", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
@@ -131,8 +131,8 @@ def test_scaled_gemv_matches_the_fp8_reference(n: int, k: int, tiling: GemvTilin
     """One row of FP8 / INT8 operands against fp8_gemm's torch reference ((xq wq^T) x_scale
     w_scale in float32; float8 products are exact in float32, int8 sums exact in int32), the
     bias added, in float32 and bfloat16 outputs."""
-    from mmserve.kernels.fp8_gemm import fp8_gemm_rows_ref
     from mmserve.kernels.dense_gemv import scaled_gemv
+    from mmserve.kernels.fp8_gemm import fp8_gemm_rows_ref
 
     xq, xs, wq, ws = _scaled_operands(n, k, qdtype)
     bias = torch.randn(n, device=DEVICE)
@@ -174,3 +174,20 @@ def test_few_rows_product_takes_one_row_to_scaled_gemv(rows: int, monkeypatch: p
     assert calls == ([(1, 320)] if rows == 1 else [])
     expected = fp8_gemm_rows_ref(xq, xs, wq, ws)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [2, 3, 8])
+@pytest.mark.parametrize("n,k,tiling", [CASES[1], CASES[2], (96, 1024, None)])
+def test_dense_gemv_few_rows(rows: int, n: int, k: int, tiling: GemvTiling | None, dtype: torch.dtype) -> None:
+    """A few rows (each weight tile read once for all): every row the torch product's, bias
+    included, rows padded to a power of two and masked; x's rows may be strided."""
+    x = torch.randn(rows, 2 * k, device=DEVICE).to(dtype)[:, :k]  # rows apart by 2 K
+    w = (torch.randn(n, k, device=DEVICE) * 0.05).to(dtype)
+    bias = torch.randn(n, device=DEVICE).to(dtype)
+    y = dense_gemv(x, w, bias, tiling=tiling)
+    ref = x.float() @ w.float().T + bias.float()
+    assert y.shape == (rows, n) and y.dtype == dtype
+    limit = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    assert _rel_err(y, ref) < limit
+    for r in range(rows):  # each row alone: its own product, not a neighbour's
+        assert _rel_err(y[r : r + 1], ref[r : r + 1]) < limit
