@@ -185,9 +185,12 @@ def fp8_gemm_rows(
     return out
 
 
-# one row goes to dense_gemv.scaled_gemv (the weights' bytes streamed by plain loads, float32 or
-# int32 sums), which reads them faster than the tensor-core tiles above at one row
-ONE_ROW_GEMV = True
+# one row to dense_gemv.scaled_gemv (the weights' bytes streamed by plain loads, float32 or int32
+# sums, as bf16's one-row products since session 40) instead of the tensor-core tiles above. Off
+# until a GPU has tested and timed it (session 40 ran out of device time): the next GPU call's
+# `scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=True|False -- latency ...
+# --quantization fp8|int8` and `scripts/sweep_dense_gemv.py --fp8`
+ONE_ROW_GEMV = False
 
 
 def few_rows_product(

@@ -160,11 +160,13 @@ def test_scaled_gemv_rejects_bad_operands() -> None:
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_few_rows_product_takes_one_row_to_scaled_gemv(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """fp8_gemm.few_rows_product (Fp8Linear's and Int8Linear's products of a few rows): one row
-    by scaled_gemv, more by fp8_gemm_rows, each the reference's result."""
+    """fp8_gemm.few_rows_product (Fp8Linear's and Int8Linear's products of a few rows), with
+    ONE_ROW_GEMV on: one row by scaled_gemv, more by fp8_gemm_rows, each the reference's result."""
     from mmserve.kernels import dense_gemv as gemv_module
+    from mmserve.kernels import fp8_gemm
     from mmserve.kernels.fp8_gemm import few_rows_product, fp8_gemm_rows_ref
 
+    monkeypatch.setattr(fp8_gemm, "ONE_ROW_GEMV", True)
     xq, xs, wq, ws = _scaled_operands(48, 320, torch.float8_e4m3fn)
     xq, xs = xq.expand(rows, -1).contiguous(), xs.expand(rows, -1).contiguous()
     calls = []
