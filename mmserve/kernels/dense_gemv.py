@@ -1,14 +1,19 @@
-"""A one-row product of 16-bit (or float32) activations with a dense weight, y = x W^T, by a
-Triton kernel of our own (issue 23, target 1): the step's other small operations can only be
-fused into a product whose kernel is ours, and cuBLAS's one-row products leave some of the
-bandwidth (session 38, an H100: o 4096 x 4096 at 1.7-2.2 TB/s, qkv 2.5, against gate_up's 3.0).
+"""Products of one row (or a few) with a dense weight, y = x W^T, by Triton kernels of our own
+(issue 23, target 1): cuBLAS's one-row products leave bandwidth unread (session 38, an H100: o
+4096 x 4096 at 1.7-2.2 TB/s, qkv 2.5, against gate_up's 3.0), and a step's small operations can
+only be fused into a product whose kernel is ours.
 
 Each program takes BLOCK_N output channels and one K slice (k_splits: about programs_per_sm
 programs an SM); its loop reads tiles [BLOCK_N, BLOCK_K] of W (each channel's BLOCK_K weights
 contiguous: 16-byte loads along K) and the matching BLOCK_K activations, multiplies them in
 float32 into an accumulator of the tile's shape, and sums it along K once at the end. Split
 products end as every split product here does (_common.store_tile: SERIAL_SPLITS's last
-program, else sum_splits). The reference is torch: x.float() @ W.float().T."""
+program, else sum_splits).
+- dense_gemv: 16-bit (or float32) x and W, one row (_dense_gemv_kernel) or up to MAX_ROWS
+  (_dense_rows_kernel: each weight tile read once for all the rows). Reference: x.float() @
+  W.float().T.
+- scaled_gemv: one row of FP8 / INT8 operands with their scales, fp8_gemm_rows's product.
+  Reference: fp8_gemm.fp8_gemm_rows_ref."""
 
 from __future__ import annotations
 
