@@ -408,15 +408,19 @@ if has s35; then
 fi
 if has s40; then
   # session 40's levers, unmeasured: FP8's and INT8's one row on dense_gemv.scaled_gemv
-  # (fp8_gemm.ONE_ROW_GEMV, off) and bf16's 2-8 rows on dense_gemv (dense_gemv.ENGINE_ROWS, 1):
+  # (fp8_gemm.ONE_ROW_GEMV, off), bf16's 2-8 rows on dense_gemv (dense_gemv.ENGINE_ROWS, 1) and
+  # one row's greedy argmax in two stages (sampler.CHUNKED_ARGMAX, off):
   # their tests in bf16 first (SKIP_TESTS=1: not), the kernels alone, then the engine both ways
   [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_dense_gemv.py \
     tests/kernels/test_fp8_gemm.py tests/gpu/test_gpu_int8.py tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_dense_gemv.py \
+    tests/gpu/test_gpu_sampler.py \
     2>&1 | tail -5 | tee "$OUT/s40-tests.txt"
   { python3 scripts/sweep_dense_gemv.py --fp8; python3 scripts/sweep_dense_gemv.py --rows 2,4,8 | grep overall
     L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
     for q in fp8 int8; do for t in True False; do echo "ONE_ROW_GEMV=$t $q"
       python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --quantization $q; done; done
+    for t in True False True False; do echo "CHUNKED_ARGMAX=$t bf16"
+      python3 scripts/ab_switch.py mmserve.runner.sampler.CHUNKED_ARGMAX=$t -- $L; done
     D="decode --model shape:llama3-8b --load-format dummy --input-len 512"
     for b in 2 4 8; do for r in 8 1; do echo "ENGINE_ROWS=$r batch $b"
       python3 scripts/ab_switch.py mmserve.kernels.dense_gemv.ENGINE_ROWS=$r -- $D --batch-size $b --max-num-seqs $b; done; done
