@@ -253,7 +253,7 @@ def chunked_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
     the first maximum (torch.max's index) of the first of `chunks` equal slices whose maximum is
     the row's (argmax over the slices' maxima). V must be a multiple of chunks."""
     width = logits.shape[1] // chunks
-    values, where = logits.view(chunks, width).max(dim=-1)
+    values, where = logits.reshape(chunks, width).max(dim=-1)
     best = values.argmax().view(1)
     return best * width + where.gather(0, best)
 
