@@ -3,8 +3,10 @@
 scripts/bench_splitk_gemv.py (16 copies of each weight in turn, so L2 does not hold them; CUDA
 graphs of 16 products; us a product). Prints one JSON line a shape with F.linear's time, the
 best tilings and their error against float32, then a line with the tiling best over all shapes.
+--near: the tilings around session 40's best, and the LM head; --fp8: FP8 operands, scaled_gemv
+against fp8_gemm_rows; --rows 2,4,8: a few rows against F.linear.
 
-  python3 scripts/sweep_dense_gemv.py [--quick]"""
+  python3 scripts/sweep_dense_gemv.py [--quick | --near | --fp8 | --rows 2,4,8]"""
 
 from __future__ import annotations
 
