@@ -16,30 +16,11 @@ import json
 
 import torch
 import torch.nn.functional as F
+from bench_splitk_gemv import COPIES, SHAPES, timed  # (this folder: the same harness and shapes)
 
 from mmserve.kernels.dense_gemv import GemvTiling, dense_gemv, scaled_gemv
 from mmserve.kernels.fp8_gemm import fp8_gemm_rows
 from mmserve.kernels.quant import per_token_quant_ref, quantize_weight_fp8
-
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-COPIES = 16
-
-
-def timed(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps / COPIES
 
 
 def tilings(quick: bool, near: bool = False, fp8: bool = False) -> list[GemvTiling]:
