@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s40 (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s40 s40a s40b (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -406,25 +406,30 @@ if has s35; then
     MMSERVE_BENCH_PROFILE=$OUT/profile-$q-$b.txt $B decode --model shape:llama3-8b --load-format dummy \
       --batch-size $b --input-len 512 --max-num-seqs $b $flag; done; done 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s35.txt"
 fi
-if has s40; then
-  # session 40's levers, unmeasured: FP8's and INT8's one row on dense_gemv.scaled_gemv
-  # (fp8_gemm.ONE_ROW_GEMV, off), bf16's 2-8 rows on dense_gemv (dense_gemv.ENGINE_ROWS, 1) and
-  # one row's greedy argmax in two stages (sampler.CHUNKED_ARGMAX, off):
-  # their tests in bf16 first (SKIP_TESTS=1: not), the kernels alone, then the engine both ways
+if has s40 || has s40a; then
+  # session 40's levers, unmeasured (s40a then s40b: one call each): FP8's and INT8's one row on
+  # dense_gemv.scaled_gemv (fp8_gemm.ONE_ROW_GEMV, off), bf16's 2-8 rows on dense_gemv
+  # (dense_gemv.ENGINE_ROWS, 1) and one row's greedy argmax in two stages (sampler.CHUNKED_ARGMAX,
+  # off): their tests in bf16 first (SKIP_TESTS=1: not), the kernels alone, then the engine both ways
   [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_dense_gemv.py \
     tests/kernels/test_fp8_gemm.py tests/gpu/test_gpu_int8.py tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_dense_gemv.py \
     tests/gpu/test_gpu_sampler.py \
     2>&1 | tail -5 | tee "$OUT/s40-tests.txt"
-  { python3 scripts/sweep_dense_gemv.py --fp8; python3 scripts/sweep_dense_gemv.py --rows 2,4,8 | grep overall
+  { python3 scripts/sweep_dense_gemv.py --fp8
     L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
     for q in fp8 int8; do for t in True False; do echo "ONE_ROW_GEMV=$t $q"
       python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --quantization $q; done; done
-    for t in True False True False; do echo "CHUNKED_ARGMAX=$t bf16"
+  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s40a.txt"
+fi
+if has s40 || has s40b; then
+  { python3 scripts/sweep_dense_gemv.py --rows 2,4,8 | grep overall
+    L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
+    for t in True False; do echo "CHUNKED_ARGMAX=$t bf16"
       python3 scripts/ab_switch.py mmserve.runner.sampler.CHUNKED_ARGMAX=$t -- $L; done
     D="decode --model shape:llama3-8b --load-format dummy --input-len 512"
     for b in 2 4 8; do for r in 8 1; do echo "ENGINE_ROWS=$r batch $b"
       python3 scripts/ab_switch.py mmserve.kernels.dense_gemv.ENGINE_ROWS=$r -- $D --batch-size $b --max-num-seqs $b; done; done
-  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s40.txt"
+  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s40b.txt"
 fi
 if has s38; then
   # target 1: where bf16's batch-1 decode step goes (4.5 ms against the 3.59 ms floor): the step
