@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s40 s40a s40b (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s40 s40a s40b s41 (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -430,6 +430,14 @@ if has s40 || has s40b; then
     for b in 2 4 8; do for r in 8 1; do echo "ENGINE_ROWS=$r batch $b"
       python3 scripts/ab_switch.py mmserve.kernels.dense_gemv.ENGINE_ROWS=$r -- $D --batch-size $b --max-num-seqs $b; done; done
   } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s40b.txt"
+fi
+if has s41; then
+  # issue 19's batch-1 gap (w4a16-g128 2.31 ms against its 1.11 ms floor, Q4_K_M 3.01 against
+  # 1.12): where the step goes, each kernel's time (the checkpoints written once, as in quant)
+  D="decode --model shape:llama3-8b --device cuda --batch-size 1 --input-len 128 --max-num-seqs 1"
+  { for f in w4a16-g128 gguf:Q4_K_M; do echo "FORMAT=$f"
+      MMSERVE_BENCH_PROFILE=$OUT/profile-b1-${f/:/-}.txt $B $D --checkpoint-format $f; done
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s41.txt"
 fi
 if has s38; then
   # target 1: where bf16's batch-1 decode step goes (4.5 ms against the 3.59 ms floor): the step
