@@ -409,11 +409,11 @@ fi
 if has s40 || has s40a; then
   # session 40's levers, unmeasured (s40a then s40b: one call each): FP8's and INT8's one row on
   # dense_gemv.scaled_gemv (fp8_gemm.ONE_ROW_GEMV, off), bf16's 2-8 rows on dense_gemv
-  # (dense_gemv.ENGINE_ROWS, 1) and one row's greedy argmax in two stages (sampler.CHUNKED_ARGMAX,
-  # off): their tests in bf16 first (SKIP_TESTS=1: not), the kernels alone, then the engine both ways
+  # (dense_gemv.ENGINE_ROWS, 1), one row's greedy argmax in two stages (sampler.CHUNKED_ARGMAX,
+  # off) and session 41's split-KV merge in the attention kernel (paged_attention.SERIAL_MERGE, off): their tests in bf16 first (SKIP_TESTS=1: not), the kernels alone, then the engine both ways
   [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_dense_gemv.py \
     tests/kernels/test_fp8_gemm.py tests/gpu/test_gpu_int8.py tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_dense_gemv.py \
-    tests/gpu/test_gpu_sampler.py \
+    tests/gpu/test_gpu_sampler.py tests/kernels/test_paged_attention.py \
     2>&1 | tail -5 | tee "$OUT/s40-tests.txt"
   { python3 scripts/sweep_dense_gemv.py --fp8
     L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
@@ -426,6 +426,8 @@ if has s40 || has s40b; then
     L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
     for t in True False; do echo "CHUNKED_ARGMAX=$t bf16"
       python3 scripts/ab_switch.py mmserve.runner.sampler.CHUNKED_ARGMAX=$t -- $L; done
+    for t in True False; do echo "SERIAL_MERGE=$t bf16"  # split-KV's merge in the attention kernel
+      python3 scripts/ab_switch.py mmserve.kernels.paged_attention.SERIAL_MERGE=$t -- $L; done
     D="decode --model shape:llama3-8b --load-format dummy --input-len 512"
     for b in 2 4 8; do for r in 8 1; do echo "ENGINE_ROWS=$r batch $b"
       python3 scripts/ab_switch.py mmserve.kernels.dense_gemv.ENGINE_ROWS=$r -- $D --batch-size $b --max-num-seqs $b; done; done

@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 
@@ -98,28 +100,35 @@ def test_non_causal(device, tol_f32):
     check([(7, 7), (13, 13), (1, 1)], 2, 2, 64, 16, torch.float32, device, tol_f32, causal=False)
 
 
+@pytest.fixture(params=[False, True], ids=["merge-kernel", "serial-merge"])
+def serial_merge(request, monkeypatch):
+    """Split-KV's partials merged by the second kernel, or by each tile's last split program."""
+    monkeypatch.setattr(sys.modules["mmserve.kernels.paged_attention"], "SERIAL_MERGE", request.param)
+    return request.param
+
+
 def split_matches_single_pass(lens, window, dtype, device, tol):
     batch = make_batch(lens, 2, 4, 64, 16, dtype, device)
     single, expected = run(batch, lens, num_splits=1, sliding_window=window)
     torch.testing.assert_close(single, expected, **tol)
     for num_splits in (3, 8):  # 8 splits of 4 KV tiles leaves some splits empty
         split, _ = run(batch, lens, num_splits=num_splits, sliding_window=window)
-        torch.testing.assert_close(split, single, **tol)
+        torch.testing.assert_close(split, expected, **tol)
 
 
 @pytest.mark.parametrize("window", [None, 50])
-def test_split_kv_decode(window, dtype, device, tol):
+def test_split_kv_decode(window, dtype, device, tol, serial_merge):
     split_matches_single_pass([(1, 200), (1, 129), (1, 7)], window, dtype, device, tol)
 
 
 @pytest.mark.parametrize("window", [None, 50])
-def test_split_kv_mixed_batch(window, device, tol_f32):
+def test_split_kv_mixed_batch(window, device, tol_f32, serial_merge):
     # Splitting is chosen for decode-only batches, but forced on it must hold for any batch.
     lens = [(9, 30), (1, 17), (1, 200)]
     split_matches_single_pass(lens, window, torch.float32, device, tol_f32)
 
 
-def test_split_kv_short_turn_after_a_long_context(device, tol_f32):
+def test_split_kv_short_turn_after_a_long_context(device, tol_f32, serial_merge):
     # a prefix-cache hit: a few dozen query tokens after hundreds of cached ones (split by
     # default on the GPU when the step's programs do not fill it)
     split_matches_single_pass([(40, 700), (3, 300)], None, torch.float32, device, tol_f32)
