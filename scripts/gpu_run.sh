@@ -435,10 +435,13 @@ if has s40 || has s40b; then
 fi
 if has s41; then
   # issue 19's batch-1 gap (w4a16-g128 2.31 ms against its 1.11 ms floor, Q4_K_M 3.01 against
-  # 1.12): where the step goes, each kernel's time (the checkpoints written once, as in quant)
+  # 1.12): where the step goes, each kernel's own time (PDL off; the checkpoints written once, as
+  # in quant), then w4a16's one-row product over its launch settings on this card
   D="decode --model shape:llama3-8b --device cuda --batch-size 1 --input-len 128 --max-num-seqs 1"
   { for f in w4a16-g128 gguf:Q4_K_M; do echo "FORMAT=$f"
-      MMSERVE_BENCH_PROFILE=$OUT/profile-b1-${f/:/-}.txt $B $D --checkpoint-format $f; done
+      MMSERVE_BENCH_PROFILE=$OUT/profile-b1-${f/:/-}.txt python3 scripts/ab_switch.py mmserve.kernels._common.PDL=False \
+        -- $D --checkpoint-format $f; done
+    python3 scripts/sweep_dp4a.py --quick
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s41.txt"
 fi
 if has s38; then
