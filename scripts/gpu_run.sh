@@ -442,6 +442,10 @@ if has s41; then
       MMSERVE_BENCH_PROFILE=$OUT/profile-b1-${f/:/-}.txt python3 scripts/ab_switch.py mmserve.kernels._common.PDL=False \
         -- $D --checkpoint-format $f; done
     python3 scripts/sweep_dp4a.py --quick
+    # one row with its activations quantised first (a launch of its own) on the rows kernel
+    python3 scripts/sweep_dp4a.py --config DP4A_FUSED_ONE_ROW=1 --config DP4A_FUSED_ONE_ROW=0 \
+      --config DP4A_FUSED_ONE_ROW=0,DP4A_ROWS_NUM_WARPS=1,PROGRAMS_PER_SM=8 \
+      --config DP4A_FUSED_ONE_ROW=0,DP4A_ROWS_NUM_WARPS=2,PROGRAMS_PER_SM=8
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s41.txt"
 fi
 if has s38; then

@@ -11,6 +11,9 @@ are CUDA graphs over 8 copies of the weight (past the L2).
 DP4A_BLOCK_N; sm_90 SASS of its loop at 2 / 4 rows: 4.55 / 7.98 instructions a weight at 4 warps,
 2.26 / 3.72 at one, session 28, not yet timed).
 
+--config DP4A_FUSED_ONE_ROW=0,... times one row on the several-row kernel, its activations quantised
+first by a launch of their own (counted in its time).
+
 --config times the listed settings instead of a grid (each KNOB one of KNOBS, the rest the
 default's), for instance channels a program tied to its warps (BLOCK_N = 128 x warps: every
 thread owns all 16 words of a step for its four channels, so a group's sums stay in the thread;
@@ -32,7 +35,9 @@ from mmserve.kernels.wna16 import pack_columns, wna16_gemm, wna16_gemm_ref
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 KNOBS = ("DP4A_PROGRAMS_PER_SM", "DP4A_NUM_WARPS", "DP4A_NUM_STAGES", "DP4A_BLOCK_N", "DP4A_PREFETCH_STEPS",
-         "DP4A_ROWS_NUM_WARPS", "PROGRAMS_PER_SM")  # (the last two: the several-row kernel's, --rows)
+         "DP4A_ROWS_NUM_WARPS", "PROGRAMS_PER_SM", "DP4A_FUSED_ONE_ROW")
+# (DP4A_ROWS_NUM_WARPS and PROGRAMS_PER_SM: the several-row kernel's, --rows, or one row's with
+# DP4A_FUSED_ONE_ROW=0)
 GRID = {
     "DP4A_PROGRAMS_PER_SM": (2, 4, 8, 16),
     "DP4A_NUM_WARPS": (1, 2, 4),

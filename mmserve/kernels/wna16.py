@@ -118,6 +118,12 @@ DP4A_NUM_STAGES: int | None = None
 # steps made each of the 8B shape's four products slower alone (gate_up 24.8 -> 26.8, 28.1,
 # 30.7 us), and 2 left the engine's batch-1 latency where it was (2.75 ms/token)
 DP4A_PREFETCH_STEPS = 0
+# one row on _wna16_dp4a_kernel, its activations quantised inside each program's steps (True), or
+# as several rows are: quantised once by _wna16_q8_kernel (a launch more), then the rows kernel at
+# ROWS=1 with its own launch knobs (False; scripts/sweep_dp4a.py --config DP4A_FUSED_ONE_ROW=0,...
+# times it: is the in-loop quantisation what keeps the one-row product at 45% of the H200's
+# bandwidth in session 28's profile?)
+DP4A_FUSED_ONE_ROW = True
 
 
 @triton.jit
@@ -544,17 +550,18 @@ def _dp4a_product(
             f"dp4a takes up to {DP4A_ROWS} rows, K and the group size multiples of 32: {rows=}, {k=}, {group_size=}"
         )
     tiles, steps = triton.cdiv(n, DP4A_BLOCK_N), triton.cdiv(k, 128)
-    programs_per_sm = DP4A_PROGRAMS_PER_SM if rows == 1 else PROGRAMS_PER_SM
+    fused = rows == 1 and DP4A_FUSED_ONE_ROW
+    programs_per_sm = DP4A_PROGRAMS_PER_SM if fused else PROGRAMS_PER_SM
     splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs_per_sm)
     target, counters = split_target(out, splits, tiles)
     operands = (qweight, scales, scales if zeros is None else zeros, n, k, group_size, per_split * 128,
                 qweight.stride(0), scales.stride(0))  # fmt: skip
     meta = {"BLOCK_N": DP4A_BLOCK_N, "HAS_ZEROS": zeros is not None, "SPLIT": splits > 1,
-            "ASM": not triton.knobs.runtime.interpret, "num_warps": DP4A_NUM_WARPS if rows == 1 else DP4A_ROWS_NUM_WARPS,
+            "ASM": not triton.knobs.runtime.interpret, "num_warps": DP4A_NUM_WARPS if fused else DP4A_ROWS_NUM_WARPS,
             **store_args(out, counters), **pdl_launch(x.device)}  # fmt: skip
     if DP4A_NUM_STAGES is not None:
         meta["num_stages"] = DP4A_NUM_STAGES
-    if rows == 1:
+    if fused:
         prefetch = prefetch_count(min(DP4A_PREFETCH_STEPS, per_split))
         _wna16_dp4a_kernel[(tiles, splits)](target, x, *operands, PREFETCH=prefetch, **meta)
     else:  # the rows' activations quantised first, then the words unpacked once for all of them
