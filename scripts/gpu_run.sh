@@ -445,7 +445,8 @@ if has s41; then
     # one row with its activations quantised first (a launch of its own) on the rows kernel
     python3 scripts/sweep_dp4a.py --config DP4A_FUSED_ONE_ROW=1 --config DP4A_FUSED_ONE_ROW=0 \
       --config DP4A_FUSED_ONE_ROW=0,DP4A_ROWS_NUM_WARPS=1,PROGRAMS_PER_SM=8 \
-      --config DP4A_FUSED_ONE_ROW=0,DP4A_ROWS_NUM_WARPS=2,PROGRAMS_PER_SM=8
+      --config DP4A_FUSED_ONE_ROW=0,DP4A_ROWS_NUM_WARPS=2,PROGRAMS_PER_SM=8 --config DP4A_AHEAD=1 \
+      --config DP4A_AHEAD=1,DP4A_PROGRAMS_PER_SM=16 --config DP4A_AHEAD=1,DP4A_NUM_WARPS=2
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s41.txt"
 fi
 if has s38; then

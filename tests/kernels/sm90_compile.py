@@ -128,10 +128,12 @@ def main() -> None:
             "SPLIT": True, "SERIAL": serial, "DOT_PRECISION": "tf32", "PAIRS": pairs, "LOWP": True,
             "EVEN_K": even_k})  # fmt: skip
     for zeros, ends in cases((False, True), ENDS):
-        # the default launch (its channels and warps); with the L2 prefetch (DP4A_PREFETCH_STEPS) once
+        # the default launch (its channels and warps); with the L2 prefetch (DP4A_PREFETCH_STEPS) once,
+        # with the loads a step ahead (DP4A_AHEAD) once
         prefetch = 2 if zeros and ends["SERIAL"] else 0
+        ahead = not zeros and ends["SERIAL"]
         compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": wna16.DP4A_BLOCK_N, "HAS_ZEROS": zeros,
-                     **ends, "ASM": True, "PREFETCH": prefetch}, num_warps=wna16.DP4A_NUM_WARPS)  # fmt: skip
+                     **ends, "ASM": True, "PREFETCH": prefetch, "AHEAD": ahead}, num_warps=wna16.DP4A_NUM_WARPS)  # fmt: skip
         compile_sm90(wna16._wna16_dp4a_rows_kernel, WNA16_DP4A_ROWS, {"BLOCK_N": 128, "HAS_ZEROS": zeros, **ends,
                                                                       "ASM": True, "ROWS": 3})  # fmt: skip
     compile_sm90(wna16._wna16_q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16",
