@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s40 s40a s40b s41 (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s40 s40a s40b s41a s41 (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -432,6 +432,22 @@ if has s40 || has s40b; then
     for b in 2 4 8; do for r in 8 1; do echo "ENGINE_ROWS=$r batch $b"
       python3 scripts/ab_switch.py mmserve.kernels.dense_gemv.ENGINE_ROWS=$r -- $D --batch-size $b --max-num-seqs $b; done; done
   } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s40b.txt"
+fi
+if has s41a; then
+  # session 41's one call when machines are scarce: the levers' tests on the GPU (bf16 / FP8),
+  # FP8 batch 1 with and without the one-row scaled_gemv, bf16 batch 1 with and without the
+  # split-KV merge in the attention kernel, w4a16's one-row loop a step ahead or quantised first
+  [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_dense_gemv.py \
+    tests/kernels/test_fp8_gemm.py tests/kernels/test_paged_attention.py tests/kernels/test_wna16.py \
+    tests/gpu/test_gpu_dense_gemv.py tests/gpu/test_gpu_int8.py 2>&1 | tail -5 | tee "$OUT/s41a-tests.txt"
+  { L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
+    for t in True False; do echo "ONE_ROW_GEMV=$t fp8"
+      python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --quantization fp8; done
+    for t in True False; do echo "SERIAL_MERGE=$t bf16"
+      python3 scripts/ab_switch.py mmserve.kernels.paged_attention.SERIAL_MERGE=$t -- $L; done
+    python3 scripts/sweep_dp4a.py --config DP4A_AHEAD=0 --config DP4A_AHEAD=1 --config DP4A_FUSED_ONE_ROW=0 \
+      --config DP4A_AHEAD=1,DP4A_PROGRAMS_PER_SM=16 | grep -v '"us"'
+  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s41a.txt"
 fi
 if has s41; then
   # issue 19's batch-1 gap (w4a16-g128 2.31 ms against its 1.11 ms floor, Q4_K_M 3.01 against
