@@ -155,15 +155,26 @@ def _tiny_bert(folder, num_labels=None):  # type: ignore[no-untyped-def]
     return folder
 
 
+@pytest.fixture(params=[False, True], ids=["rows-kernel", "one-row-gemv"])
+def one_row_gemv(request, monkeypatch):  # type: ignore[no-untyped-def]
+    """FP8's one-row products by the tensor-core rows kernel, or by dense_gemv.scaled_gemv."""
+    from mmserve.kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "ONE_ROW_GEMV", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("pad_rows", [128, 0])
 @pytest.mark.parametrize("rows", [1, 7, 16, 24, 32, 33, 48, 64, 65, 256, 300, 518])  # FEW_ROWS, PAD_ABOVE
-def test_gpu_fp8_linear_equals_the_reference(rows: int, pad_rows: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The FP8 tensor cores' products (the rows kernel; torch._scaled_mm past FEW_ROWS, on rows
-    padded to a multiple of PAD_ROWS past PAD_ABOVE or not; Triton per-token quantisation)
-    against the float32 reference of the same FP8 operands."""
+def test_gpu_fp8_linear_equals_the_reference(rows: int, pad_rows: int, one_row_gemv: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The FP8 tensor cores' products (the rows kernel, or one row on scaled_gemv; torch._scaled_mm
+    past FEW_ROWS, on rows padded to a multiple of PAD_ROWS past PAD_ABOVE or not; Triton
+    per-token quantisation) against the float32 reference of the same FP8 operands."""
     from mmserve.models import fp8 as fp8_module
     from mmserve.models.fp8 import Fp8Linear, fp8_linear_ref
 
+    if one_row_gemv and rows > 1:
+        pytest.skip("scaled_gemv takes one row")
     monkeypatch.setattr(fp8_module, "PAD_ROWS", pad_rows)
     torch.manual_seed(rows)
     for n, k in [(96, 64), (6144, 4096), (4096, 14336)]:
@@ -177,9 +188,10 @@ def test_gpu_fp8_linear_equals_the_reference(rows: int, pad_rows: int, monkeypat
         torch.testing.assert_close(got.float(), expected, atol=0.05 * expected.abs().max().item(), rtol=0.02)
 
 
-def test_gpu_fp8_engine_equals_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_gpu_fp8_engine_equals_cpu(tmp_path, one_row_gemv: bool) -> None:  # type: ignore[no-untyped-def]
     """The FP8 engine on CUDA: float32 (dequantised FP8 products) gives the CPU path's greedy
-    tokens; bfloat16 (FP8 tensor cores, CUDA graphs) its first token and logprob."""
+    tokens; bfloat16 (FP8 tensor cores, CUDA graphs; one row on the rows kernel or scaled_gemv)
+    its first token and logprob."""
     path = str(make_tiny_model(tmp_path, arch="llama"))
     cpu = _outputs(path, "cpu", "float32", quantization="fp8")
     assert _outputs(path, "cuda", "float32", quantization="fp8") == cpu
