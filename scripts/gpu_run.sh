@@ -444,10 +444,10 @@ if has s41a; then
   { L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
     for t in True False; do echo "ONE_ROW_GEMV=$t fp8"
       python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --quantization fp8; done
-    for t in True False; do echo "SERIAL_MERGE=$t bf16"
-      python3 scripts/ab_switch.py mmserve.kernels.paged_attention.SERIAL_MERGE=$t -- $L; done
     python3 scripts/sweep_dp4a.py --config DP4A_AHEAD=0 --config DP4A_AHEAD=1 --config DP4A_FUSED_ONE_ROW=0 \
       --config DP4A_AHEAD=1,DP4A_PROGRAMS_PER_SM=16
+    for t in True False; do echo "SERIAL_MERGE=$t bf16"
+      python3 scripts/ab_switch.py mmserve.kernels.paged_attention.SERIAL_MERGE=$t -- $L; done
   } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s41a.txt"
 fi
 if has s41; then
