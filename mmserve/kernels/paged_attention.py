@@ -55,7 +55,9 @@ _PROGRAMS_PER_SM = 4  # a decode program is latency-bound; several per SM hide i
 # of the first split, _common.split_counters) in place of _merge_splits_kernel: one launch less
 # a layer at every decode step of a batch too small to fill the GPU (on the H200's bf16 batch-1
 # step, session 40, the merge kernel took 48 us of 4.05 ms). The same arithmetic as the kernel
-# (the splits' maxima first, then their sums in order). Not measured yet: off.
+# (the splits' maxima first, then their sums in order). Off: on an H100 (session 41, bf16 batch-1
+# latency at the 8B shape, 128 / 128, one pair) 5.333 ms/token with it against 5.301 without
+# (within a run's noise; no gain)
 SERIAL_MERGE = False
 # A finite "minus infinity": fully masked rows then never compute inf - inf = NaN.
 _NO_SCORE = tl.constexpr(-1.0e30)

@@ -120,12 +120,14 @@ DP4A_NUM_STAGES: int | None = None
 DP4A_PREFETCH_STEPS = 0
 # one row on _wna16_dp4a_kernel, its activations quantised inside each program's steps (True), or
 # as several rows are: quantised once by _wna16_q8_kernel (a launch more), then the rows kernel at
-# ROWS=1 with its own launch knobs (False; scripts/sweep_dp4a.py --config DP4A_FUSED_ONE_ROW=0,...
-# times it: is the in-loop quantisation what keeps the one-row product at 45% of the H200's
-# bandwidth in session 28's profile?)
+# ROWS=1 with its own launch knobs (False). Is the in-loop quantisation what keeps the one-row
+# product at 45% of the H200's bandwidth (session 28's profile)? Not on an H100 (session 41,
+# `scripts/sweep_dp4a.py --config ...`, us, qkv / o / gate_up / down, the q8 launch counted):
+# 8.82 / 7.93 / 24.80 / 15.30 fused against 9.34 / 8.25 / 25.48 / 16.72
 DP4A_FUSED_ONE_ROW = True
-# the one-row kernel's loop loads each step's words a step ahead (_wna16_dp4a_kernel's AHEAD):
-# unmeasured, off
+# the one-row kernel's loop loads each step's words a step ahead (_wna16_dp4a_kernel's AHEAD). Off:
+# on the same H100 run 9.23 / 8.40 / 25.50 / 15.25 us (16 programs an SM: 11.28 / 8.38 / 26.40 /
+# 15.22), against the default's above: the loop is not waiting on its loads there. (H200: `s41`)
 DP4A_AHEAD = False
 
 
