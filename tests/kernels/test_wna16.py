@@ -208,8 +208,8 @@ def test_one_row_in_int8_activations(case, symmetric, dtype, loop, monkeypatch):
     a partial last step and group), per channel; N not a multiple of the tile; K split (1024) and
     not. Against the torch reference of its arithmetic (wna16_dp4a_ref) tightly, with a group of
     zeros and an outlier in another; on plain activations within their int8 rounding of the
-    exact product. loop: quantised inside the one-row kernel (its words and activations loaded a
-    step ahead: DP4A_AHEAD), or first by a kernel of their own (DP4A_FUSED_ONE_ROW off)."""
+    exact product. loop: quantised inside the one-row kernel (its words loaded a step ahead or
+    not: DP4A_AHEAD), or first by a kernel of their own (DP4A_FUSED_ONE_ROW off)."""
     from mmserve.kernels import wna16
 
     monkeypatch.setattr(wna16, "DP4A_FUSED_ONE_ROW", loop != "q8-first")
