@@ -465,7 +465,10 @@ if has s41; then
     python3 scripts/sweep_dp4a.py --config DP4A_FUSED_ONE_ROW=1 --config DP4A_FUSED_ONE_ROW=0 \
       --config DP4A_FUSED_ONE_ROW=0,DP4A_ROWS_NUM_WARPS=1,PROGRAMS_PER_SM=8 \
       --config DP4A_FUSED_ONE_ROW=0,DP4A_ROWS_NUM_WARPS=2,PROGRAMS_PER_SM=8 --config DP4A_AHEAD=1 \
-      --config DP4A_AHEAD=1,DP4A_PROGRAMS_PER_SM=16 --config DP4A_AHEAD=1,DP4A_NUM_WARPS=2
+      --config DP4A_AHEAD=1,DP4A_PROGRAMS_PER_SM=16 --config DP4A_AHEAD=1,DP4A_NUM_WARPS=2 \
+      --config DP4A_BLOCK_N=64 --config DP4A_BLOCK_N=64,DP4A_PROGRAMS_PER_SM=4
+    # (64 channels a program: fewer K splits for o and qkv, whose one-step slices were 49% / 58%
+    # of the H100's bandwidth in session 41; 2.47 SASS instructions a weight against 1.90)
   } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s41.txt"
 fi
 if has s38; then
