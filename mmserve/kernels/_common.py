@@ -12,13 +12,18 @@ import triton.language as tl
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether Triton kernels run on device: CUDA, or any device under the interpreter (tests)."""
+    return device.type == "cuda" or bool(triton.knobs.runtime.interpret)
+
+
 def check_same_device(**tensors: torch.Tensor) -> None:
     """All tensors on one device, and that device can run Triton (CUDA, or the interpreter)."""
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors must share one device, got {devices}")
     device = next(iter(devices.values()))
-    if device.type != "cuda" and not triton.knobs.runtime.interpret:
+    if not triton_runs_on(device):
         raise ValueError(
             f"Triton kernels need CUDA tensors (got {device}); on CPU use the torch reference "
             "path, or set TRITON_INTERPRET=1 before importing triton (tests only)"

@@ -231,8 +231,3 @@ SCALED_TILING = GemvTiling(block_k=4096)
 # H100, the tiling then 8 x 512 at 4 warps, 5.65 against 6.13
 ENGINE = True
 ENGINE_ROWS = 1  # the most rows a swapped projection sends here (2-8: not measured yet)
-
-
-def runs_here(x: torch.Tensor) -> bool:
-    """Whether dense_gemv runs on x's device: CUDA, or any device under the interpreter."""
-    return x.is_cuda or bool(triton.knobs.runtime.interpret)

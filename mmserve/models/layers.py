@@ -241,11 +241,12 @@ class FewRowsLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from mmserve.kernels import dense_gemv as gemv
+        from mmserve.kernels._common import triton_runs_on
 
         w = self.weight
         few = x.dim() == 2 and 1 <= x.shape[0] <= gemv.ENGINE_ROWS and x.stride(-1) == 1
-        if few and x.dtype == w.dtype and x.dtype in _SIXTEEN_BITS and gemv.runs_here(x):
-            return gemv.dense_gemv(x if x.shape[0] > 1 else x.contiguous(), w, self.bias)
+        if few and x.dtype == w.dtype and x.dtype in _SIXTEEN_BITS and triton_runs_on(x.device):
+            return gemv.dense_gemv(x, w, self.bias)  # (one row with x.stride(-1) == 1 is contiguous)
         return F.linear(x, w, self.bias)
 
 

@@ -241,11 +241,10 @@ CHUNKS = 256
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1) ([N] int64): the first index of each row's largest value (a NaN
     counts as largest, as torch's argmax has it); one CUDA row in two stages (CHUNKED_ARGMAX)."""
-    rows, vocab = logits.shape
-    chunks = _chunks(vocab)
-    if rows != 1 or not CHUNKED_ARGMAX or not logits.is_cuda or chunks == 1:
+    if logits.shape[0] != 1 or not CHUNKED_ARGMAX or not logits.is_cuda:
         return logits.argmax(dim=-1)
-    return chunked_argmax(logits, chunks)
+    chunks = _chunks(logits.shape[1])
+    return chunked_argmax(logits, chunks) if chunks > 1 else logits.argmax(dim=-1)
 
 
 def chunked_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
