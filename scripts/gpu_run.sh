@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s40 s40a s40b s41a s41 s42 (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s40 s40a s40b s41a s41 s42 s42b (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -446,6 +446,18 @@ if has s42; then
     for p in 0 4; do echo "PROGRAMS_PER_SM=$p int8"
       python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.PROGRAMS_PER_SM=$p -- $L --quantization int8; done
   } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s42.txt"
+fi
+if has s42b; then
+  # issue 19: w4a16's one row in 64-channel tiles where 128 make fewer tiles than SMs
+  # (wna16.DP4A_NARROW; the product alone was 6-13% faster for qkv / o / down on the H200), in the
+  # engine; then the products alone with it, and a step ahead
+  [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16.py \
+    -k "one_row_in_int8" 2>&1 | tail -3 | tee "$OUT/s42b-tests.txt"
+  { L="latency --model shape:llama3-8b --input-len 128 --output-len 128 --max-num-seqs 1 --checkpoint-format w4a16-g128"
+    for t in True False True; do echo "DP4A_NARROW=$t w4a16-g128"
+      python3 scripts/ab_switch.py mmserve.kernels.wna16.DP4A_NARROW=$t -- $L; done
+    python3 scripts/sweep_dp4a.py --config DP4A_NARROW=0 --config DP4A_NARROW=1 --config DP4A_NARROW=1,DP4A_AHEAD=1
+  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s42b.txt"
 fi
 if has s41a; then
   # session 41's one call when machines are scarce: the levers' tests on the GPU (bf16 / FP8),

@@ -125,6 +125,12 @@ DP4A_PREFETCH_STEPS = 0
 # `scripts/sweep_dp4a.py --config ...`, us, qkv / o / gate_up / down, the q8 launch counted):
 # 8.82 / 7.93 / 24.80 / 15.30 fused against 9.34 / 8.25 / 25.48 / 16.72
 DP4A_FUSED_ONE_ROW = True
+# one row (fused) whose output has fewer DP4A_BLOCK_N-channel tiles than the card has SMs takes
+# tiles of half as many channels, so that more SMs stream whole tiles and K is split less. On an
+# H200 (session 42, `scripts/sweep_dp4a.py`, the product alone, us, qkv / o / gate_up / down at
+# the 8B shape): 128 channels 7.93 / 7.38 / 22.96 / 13.31, 64 channels 7.34 / 6.45 / 27.23 /
+# 12.89: gate_up (224 tiles of 128) keeps 128, the others (32-48 tiles) take 64
+DP4A_NARROW = True
 # the one-row kernel's loop loads each step's words a step ahead (_wna16_dp4a_kernel's AHEAD). Off:
 # on the same H100 run 9.23 / 8.40 / 25.50 / 15.25 us (16 programs an SM: 11.28 / 8.38 / 26.40 /
 # 15.22), against the default's above: the loop is not waiting on its loads there. (H200: `s41`)
@@ -576,14 +582,17 @@ def _dp4a_product(
         raise ValueError(
             f"dp4a takes up to {DP4A_ROWS} rows, K and the group size multiples of 32: {rows=}, {k=}, {group_size=}"
         )
-    tiles, steps = triton.cdiv(n, DP4A_BLOCK_N), triton.cdiv(k, 128)
     fused = rows == 1 and DP4A_FUSED_ONE_ROW
+    block_n = DP4A_BLOCK_N
+    if fused and DP4A_NARROW and triton.cdiv(n, block_n) < grid_sms(x.device):
+        block_n //= 2
+    tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, 128)
     programs_per_sm = DP4A_PROGRAMS_PER_SM if fused else PROGRAMS_PER_SM
     splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs_per_sm)
     target, counters = split_target(out, splits, tiles)
     operands = (qweight, scales, scales if zeros is None else zeros, n, k, group_size, per_split * 128,
                 qweight.stride(0), scales.stride(0))  # fmt: skip
-    meta = {"BLOCK_N": DP4A_BLOCK_N, "HAS_ZEROS": zeros is not None, "SPLIT": splits > 1,
+    meta = {"BLOCK_N": block_n, "HAS_ZEROS": zeros is not None, "SPLIT": splits > 1,
             "ASM": not triton.knobs.runtime.interpret, "num_warps": DP4A_NUM_WARPS if fused else DP4A_ROWS_NUM_WARPS,
             **store_args(out, counters), **pdl_launch(x.device)}  # fmt: skip
     if DP4A_NUM_STAGES is not None:
