@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s40 s40a s40b s41a s41 s42 s42b (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s40 s40a s40b s41a s41 s42b (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -434,18 +434,6 @@ if has s40 || has s40b; then
     for b in 2 4 8; do for r in 8 1; do echo "ENGINE_ROWS=$r batch $b"
       python3 scripts/ab_switch.py mmserve.kernels.dense_gemv.ENGINE_ROWS=$r -- $D --batch-size $b --max-num-seqs $b; done; done
   } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s40b.txt"
-fi
-if has s42; then
-  # target 1 in FP8 (3.15 ms against 2.56 on the H200): the FP8 / INT8 rows kernel's K split by
-  # occupancy (fp8_gemm.PROGRAMS_PER_SM: 0 is session 14's SPLIT_BELOW rule) at batch 1, its tests first
-  [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py \
-    tests/gpu/test_gpu_engine.py -k "fp8" 2>&1 | tail -3 | tee "$OUT/s42-tests.txt"
-  { L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
-    for p in 0 4 8 2 0; do echo "PROGRAMS_PER_SM=$p fp8"
-      python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.PROGRAMS_PER_SM=$p -- $L --quantization fp8; done
-    for p in 0 4; do echo "PROGRAMS_PER_SM=$p int8"
-      python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.PROGRAMS_PER_SM=$p -- $L --quantization int8; done
-  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s42.txt"
 fi
 if has s42b; then
   # issue 19: w4a16's one row in 64-channel tiles where 128 make fewer tiles than SMs

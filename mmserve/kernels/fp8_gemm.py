@@ -23,8 +23,6 @@ from mmserve.kernels._common import (
     check_same_device,
     check_scales,
     check_shape,
-    grid_sms,
-    k_splits,
     last_of_splits,
     pdl_launch,
     pdl_wait,
@@ -49,17 +47,12 @@ PROMOTE_EVERY = 128
 # the H200 (scripts/fp8_kernels.py, session 14): Llama-3-8B's o and down projections (64 tiles)
 # at 1, 16 and 32 rows took 10.4/32.0, 10.1/31.0 and 13.2/41.0 us unsplit, 7.7/20.4, 7.9/20.2
 # and 9.4/23.6 us in 2 slices (4 and 8 slices were slower at 1-16 rows); qkv (96 tiles) and
-# gate_up (448) were fastest unsplit at 1-16 rows
+# gate_up (448) were fastest unsplit at 1-16 rows. A split by occupancy in its place (about 2, 4 or
+# 8 programs an SM, _common.k_splits, as w4a16 splits) was slower at batch 1 on the H200 (session
+# 42, 8B shape, ms/token): FP8 3.15 with this rule against 3.64 / 3.83 / 4.24; INT8 2.96 against
+# 3.59 at 4
 SPLIT_BELOW = 64
 SPLITS = 2
-# K split by occupancy instead (_common.k_splits: about PROGRAMS_PER_SM programs on every SM, as
-# w4a16's and GGUF's products split) for products of at most SPLIT_ROWS rows; 0: SPLIT_BELOW's
-# rule. At one row the 8B shape's qkv, o and down run 96, 128 and 128 programs of 4 warps on 132
-# SMs (gate_up 448), each streaming its whole K slice; the rule above was measured in session 14,
-# when split sums took a kernel of their own (the last program adds them since SERIAL_SPLITS).
-# Not timed yet: 0 (next GPU call: `scripts/gpu_run.sh s42`)
-PROGRAMS_PER_SM = 0
-SPLIT_ROWS = 16
 # each program's first steps of weights (BLOCK_K of K for each of its channels a step) asked of
 # L2 before pdl_wait (_common.prefetch_l2): under PDL their reads overlap the kernel before.
 # 0: none. On an H100 (session 29, 8B shape, PDL on) FP8's batch-1 latency took 3.90 ms/token
@@ -150,7 +143,7 @@ def fp8_gemm_rows(
     interpreter also any float dtype), x_scale [M, 1] and w_scale [1, N] float32 -> [M, N] in
     out_dtype. splits: K in that many slices of whole tiles, their sums added (in order, in
     int32 for int8) and scaled by the last program of each tile (SERIAL_SPLITS) or one more
-    kernel; None: by PROGRAMS_PER_SM where it is set, else by SPLIT_BELOW."""
+    kernel; None: by SPLIT_BELOW."""
     rows, k, n = scaled_operand_sizes(xq, wq)
     if rows > MAX_ROWS:
         raise ValueError(f"xq has {rows} rows; this kernel takes at most {MAX_ROWS}")
@@ -174,11 +167,9 @@ def fp8_gemm_rows(
             ) * block_k * xq.element_size() * 4 > 160 * 1024 and block_k > 32:
                 block_k //= 2
         tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-        if splits is None and PROGRAMS_PER_SM and rows <= SPLIT_ROWS:  # as many programs as the SMs want
-            splits, per_split = k_splits(tiles, steps, grid_sms(xq.device), PROGRAMS_PER_SM)
-        else:  # (None: SPLIT_BELOW tiles or fewer split K for the SMs)
-            splits = splits or (SPLITS if tiles <= SPLIT_BELOW else 1)
-            splits, per_split = split_steps(steps, splits)
+        if splits is None:  # SPLIT_BELOW tiles or fewer split K for the SMs
+            splits = SPLITS if tiles <= SPLIT_BELOW else 1
+        splits, per_split = split_steps(steps, splits)
         xs, ws = x_scale.float(), w_scale.float()
         part, counters = out, None
         if splits > 1:

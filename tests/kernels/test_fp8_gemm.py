@@ -103,29 +103,3 @@ def test_prefetch_changes_nothing(case, steps, monkeypatch):  # type: ignore[no-
         plain = fp8_gemm_rows(xq, xs, wq, ws, torch.float32, block_k=256, splits=splits)
         monkeypatch.setattr(fp8_gemm, "PREFETCH_STEPS", steps)
         assert torch.equal(fp8_gemm_rows(xq, xs, wq, ws, torch.float32, block_k=256, splits=splits), plain)
-
-
-@pytest.mark.parametrize("case", [(1, 96, 2048), (16, 200, 1000), (17, 64, 640)], ids=str)
-def test_occupancy_split_rule(case, monkeypatch):  # type: ignore[no-untyped-def]
-    """PROGRAMS_PER_SM set: products of up to SPLIT_ROWS rows split K by _common.k_splits (about
-    that many programs an SM), others by SPLIT_BELOW; the result is the reference's either way."""
-    from mmserve.kernels import fp8_gemm
-
-    asked = []
-
-    def spy(tiles, steps, sms, programs_per_sm):  # type: ignore[no-untyped-def]
-        asked.append((tiles, steps, programs_per_sm))
-        return real(tiles, steps, sms, programs_per_sm)
-
-    real = fp8_gemm.k_splits
-    monkeypatch.setattr(fp8_gemm, "k_splits", spy)
-    monkeypatch.setattr(fp8_gemm, "PROGRAMS_PER_SM", 4)
-    xq, xs, wq, ws = _operands(*case)
-    expected = fp8_gemm_rows_ref(xq, xs, wq, ws)
-    out = fp8_gemm_rows(xq, xs, wq, ws, torch.float32, block_k=128)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    rows, n, k = case
-    assert asked == ([(-(-n // 64), -(-k // 128), 4)] if rows <= fp8_gemm.SPLIT_ROWS else [])
-    asked.clear()
-    fp8_gemm_rows(xq, xs, wq, ws, torch.float32, block_k=128, splits=1)  # a given count is kept
-    assert asked == []
