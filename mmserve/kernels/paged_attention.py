@@ -4,9 +4,8 @@ A program takes BLOCK_Q query tokens of one request and all GROUP query heads th
 head, packed as BLOCK_M = BLOCK_Q * GROUP rows, so each K/V tile is loaded once per group (GQA).
 It walks the request's KV tiles with an online softmax in fp32 (base 2: log2(e) is folded into
 the scale). For batches too small to fill the GPU (decodes, a short turn after a long cached
-prompt) the KV range is split over several programs (flash-decoding); their partial results are
-merged by log-sum-exp, by a second kernel or (SERIAL_MERGE) by the last program of each tile to
-finish.
+prompt) the KV range is split over several programs (flash-decoding); a second kernel merges
+their partial results by log-sum-exp.
 """
 
 from __future__ import annotations
@@ -27,11 +26,9 @@ from mmserve.kernels._common import (
     check_ndim,
     check_same_device,
     check_shape,
-    last_of_splits,
     num_sms,
     pdl_launch,
     pdl_wait,
-    serial_counters,
 )
 from mmserve.kernels.paged_ref import FP8, NO_SCALES, attend, gather_context
 from mmserve.kernels.reshape_and_cache import check_scales
@@ -51,14 +48,9 @@ _PREFILL_TILES = {64: (64, 128, 4, 3), 128: (64, 32, 4, 2), 256: (64, 32, 8, 2)}
 _FP8_DECODE_TILES = {**_DECODE_TILES, 128: (16, 128, 4, 3)}
 _MAX_SPLITS = 32
 _PROGRAMS_PER_SM = 4  # a decode program is latency-bound; several per SM hide it
-# Split-KV's merge by the last of a tile's split programs to finish (an int32 counter a program
-# of the first split, _common.split_counters) in place of _merge_splits_kernel: one launch less
-# a layer at every decode step of a batch too small to fill the GPU (on the H200's bf16 batch-1
-# step, session 40, the merge kernel took 48 us of 4.05 ms). The same arithmetic as the kernel
-# (the splits' maxima first, then their sums in order). Off: on an H100 (session 41, bf16 batch-1
-# latency at the 8B shape, 128 / 128, one pair) 5.333 ms/token with it against 5.301 without
-# (within a run's noise; no gain)
-SERIAL_MERGE = False
+# (The split-KV merge by the last split program of each tile, in place of _merge_splits_kernel's
+# launch, was built and timed in sessions 40-42: bf16 batch-1 latency at the 8B shape 5.333
+# against 5.301 ms/token on an H100, 4.098 against 4.058 on the H200. No gain: removed.)
 # A finite "minus infinity": fully masked rows then never compute inf - inf = NaN.
 _NO_SCORE = tl.constexpr(-1.0e30)
 
@@ -159,13 +151,12 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,  # partials: [T, H, splits, (HEAD_DIM_P)]
-    counters_ptr,  # SERIAL: an int32 zero for each program of a split (tile, KV head)
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale_log2, v_scale, num_reqs, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr, SERIAL: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, SPLIT_KV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
@@ -255,11 +246,6 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         acc_offs = part[:, None] * HEAD_DIM_P + dims[None, :]
         tl.store(part_acc_ptr + acc_offs, acc, mask=row_valid[:, None])
-        if SERIAL:  # noqa: SIM102 (a constexpr: the atomic only where it is compiled in)
-            if last_of_splits(counters_ptr + tile * tl.num_programs(1) + kv_head, num_splits):
-                out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-                _merge_rows(out_ptr + out_offs, part_acc_ptr, part_m_ptr, part_l_ptr, part - split, num_splits,
-                            row_valid, dims, dim_valid, HEAD_DIM_P)  # fmt: skip
     else:
         out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
         out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
@@ -268,29 +254,6 @@ def _paged_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None] & dim_valid[None, :],
         )
-
-
-@triton.jit
-def _merge_rows(
-    out_ptrs, part_acc_ptr, part_m_ptr, part_l_ptr, first, num_splits, row_valid, dims, dim_valid,
-    HEAD_DIM_P: tl.constexpr,
-):  # fmt: skip
-    """SERIAL_MERGE: a tile's rows merged from their splits' partials (first: each row's split 0,
-    the others after it), as _merge_splits_kernel merges them, read past the SM's L1 (other
-    programs wrote them)."""
-    m_max = tl.full(first.shape, _NO_SCORE, tl.float32)
-    for s in range(num_splits):
-        m_max = tl.maximum(m_max, tl.load(part_m_ptr + first + s, mask=row_valid, other=_NO_SCORE, cache_modifier=".cg"))
-    total = tl.zeros([first.shape[0], HEAD_DIM_P], tl.float32)
-    l_total = tl.zeros(first.shape, tl.float32)
-    for s in range(num_splits):
-        weight = tl.exp2(tl.load(part_m_ptr + first + s, mask=row_valid, other=_NO_SCORE, cache_modifier=".cg") - m_max)
-        l_total += tl.load(part_l_ptr + first + s, mask=row_valid, other=0.0, cache_modifier=".cg") * weight
-        part = tl.load(part_acc_ptr + (first + s)[:, None] * HEAD_DIM_P + dims[None, :], mask=row_valid[:, None],
-                       other=0.0, cache_modifier=".cg")  # fmt: skip
-        total += part * weight[:, None]
-    out = total / tl.where(row_valid, l_total, 1.0)[:, None]
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -376,9 +339,8 @@ def paged_attention(
         part_m = q.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
         part_l = torch.empty_like(part_m)
     grid = (num_tokens // tiling.block_q + seq_lens.shape[0], num_kv_heads, num_splits)
-    counters = serial_counters(q.device, grid[0] * grid[1]) if SERIAL_MERGE and num_splits > 1 else None
     _paged_attention_kernel[grid](
-        out, part_acc, part_m, part_l, out if counters is None else counters,
+        out, part_acc, part_m, part_l,
         q, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
         scale * kv_scales[0] * math.log2(math.e), kv_scales[1], seq_lens.shape[0],
         sliding_window or 0,
@@ -387,10 +349,10 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_SIZE=key_cache.shape[1],
         BLOCK_M=tiling.block_m, BLOCK_Q=tiling.block_q, BLOCK_N=tiling.block_n,
         CAUSAL=causal, USE_WINDOW=sliding_window is not None, SPLIT_KV=num_splits > 1,
-        SERIAL=counters is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, **pdl_launch(q.device),
     )  # fmt: skip
-    if num_splits > 1 and counters is None:
+    if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_acc, part_m, part_l, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=triton.next_power_of_2(num_splits),

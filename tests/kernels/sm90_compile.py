@@ -150,16 +150,15 @@ def main() -> None:
             "PREFETCH_LINES": lines, "ASM": True})  # fmt: skip
     print("the FP8 / INT8 rows kernel (its split slices) compiled for sm_90", flush=True)
     attention = {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-                 "counters_ptr": "*i32", "q_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
+                 "q_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
                  "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
                  "scale_log2": "fp32", "v_scale": "fp32", "num_reqs": "i32", "sliding_window": "i32",
                  **dict.fromkeys(("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_cs",
                                   "stride_ch", "stride_bt"), "i32")}  # fmt: skip
-    for split, serial in ((True, False), (True, True), (False, False)):  # a decode step's tiles at the 8B shape
+    for split in (True, False):  # a decode step's tiles at the 8B shape
         compile_sm90(paged_attention._paged_attention_kernel, attention, {
             "GROUP": 4, "HEAD_DIM": 128, "HEAD_DIM_P": 128, "BLOCK_SIZE": 16, "BLOCK_M": 16, "BLOCK_Q": 4,
-            "BLOCK_N": 64, "CAUSAL": True, "USE_WINDOW": False, "SPLIT_KV": split, "SERIAL": serial,
-            "DOT_PRECISION": "tf32"})  # fmt: skip
+            "BLOCK_N": 64, "CAUSAL": True, "USE_WINDOW": False, "SPLIT_KV": split, "DOT_PRECISION": "tf32"})  # fmt: skip
     print("paged attention compiled for sm_90", flush=True)
     gate = compile_sm90(host_gate._wait_kernel, {"flag_ptr": "*i64", "ticket": "i32"}, {"MAX": host_gate.MAX_SPINS},
                         num_warps=1)  # fmt: skip

@@ -1,5 +1,3 @@
-import sys
-
 import pytest
 import torch
 
@@ -100,13 +98,6 @@ def test_non_causal(device, tol_f32):
     check([(7, 7), (13, 13), (1, 1)], 2, 2, 64, 16, torch.float32, device, tol_f32, causal=False)
 
 
-@pytest.fixture(params=[False, True], ids=["merge-kernel", "serial-merge"])
-def serial_merge(request, monkeypatch):
-    """Split-KV's partials merged by the second kernel, or by each tile's last split program."""
-    monkeypatch.setattr(sys.modules["mmserve.kernels.paged_attention"], "SERIAL_MERGE", request.param)
-    return request.param
-
-
 def split_matches_single_pass(lens, window, dtype, device, tol):
     batch = make_batch(lens, 2, 4, 64, 16, dtype, device)
     single, expected = run(batch, lens, num_splits=1, sliding_window=window)
@@ -117,18 +108,18 @@ def split_matches_single_pass(lens, window, dtype, device, tol):
 
 
 @pytest.mark.parametrize("window", [None, 50])
-def test_split_kv_decode(window, dtype, device, tol, serial_merge):
+def test_split_kv_decode(window, dtype, device, tol):
     split_matches_single_pass([(1, 200), (1, 129), (1, 7)], window, dtype, device, tol)
 
 
 @pytest.mark.parametrize("window", [None, 50])
-def test_split_kv_mixed_batch(window, device, tol_f32, serial_merge):
+def test_split_kv_mixed_batch(window, device, tol_f32):
     # Splitting is chosen for decode-only batches, but forced on it must hold for any batch.
     lens = [(9, 30), (1, 17), (1, 200)]
     split_matches_single_pass(lens, window, torch.float32, device, tol_f32)
 
 
-def test_split_kv_short_turn_after_a_long_context(device, tol_f32, serial_merge):
+def test_split_kv_short_turn_after_a_long_context(device, tol_f32):
     # a prefix-cache hit: a few dozen query tokens after hundreds of cached ones (split by
     # default on the GPU when the step's programs do not fill it)
     split_matches_single_pass([(40, 700), (3, 300)], None, torch.float32, device, tol_f32)
