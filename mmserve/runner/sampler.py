@@ -57,7 +57,7 @@ def sample_on_device(
     if not adjusted and not any(wants_logprobs):  # the usual step: nothing to do per row
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            return greedy_tokens(logits), [None] * len(rows)
+            return logits.argmax(dim=-1), [None] * len(rows)
         return _pick(logits, rows, generator, greedy), [None] * len(rows)
     tokens = _pick(
         _adjusted(logits, rows, adjusted), rows, generator, [r.params.greedy for r in rows]
@@ -230,41 +230,6 @@ def _prompt_ids(row: SamplingRow, device: torch.device) -> torch.Tensor:
     return _to(device, row.prompt_token_ids, torch.int64)
 
 
-# A single CUDA row's argmax in two stages (the maximum of each of CHUNKS slices of the row, then
-# the first slice holding the largest): torch's argmax reduces a row with one block of threads
-# (27 us for the 8B shape's 128,256 logits on the H200, session 40's profile, against about 3 us
-# for the same bytes spread over the SMs). Off until timed on a GPU (scripts/gpu_run.sh s40).
-CHUNKED_ARGMAX = False
-CHUNKS = 256
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=-1) ([N] int64): the first index of each row's largest value (a NaN
-    counts as largest, as torch's argmax has it); one CUDA row in two stages (CHUNKED_ARGMAX)."""
-    if logits.shape[0] != 1 or not CHUNKED_ARGMAX or not logits.is_cuda:
-        return logits.argmax(dim=-1)
-    chunks = _chunks(logits.shape[1])
-    return chunked_argmax(logits, chunks) if chunks > 1 else logits.argmax(dim=-1)
-
-
-def chunked_argmax(logits: torch.Tensor, chunks: int) -> torch.Tensor:
-    """[1, V] -> [1]: the first index of the row's largest value (a NaN counts as largest), as
-    the first maximum (torch.max's index) of the first of `chunks` equal slices whose maximum is
-    the row's (argmax over the slices' maxima). V must be a multiple of chunks."""
-    width = logits.shape[1] // chunks
-    values, where = logits.reshape(chunks, width).max(dim=-1)
-    best = values.argmax().view(1)
-    return best * width + where.gather(0, best)
-
-
-def _chunks(vocab: int) -> int:
-    """The most slices, up to CHUNKS and a power of two, that cut vocab evenly."""
-    chunks = CHUNKS
-    while chunks > 1 and vocab % chunks:
-        chunks //= 2
-    return chunks
-
-
 def _pick(
     logits: torch.Tensor,
     rows: list[SamplingRow],
@@ -272,7 +237,7 @@ def _pick(
     greedy: list[bool],  # per row
 ) -> torch.Tensor:
     if all(greedy):
-        return greedy_tokens(logits)
+        return logits.argmax(dim=-1)
     sampled = draw(_filtered_probs(logits, rows), rows, generator)  # Gumbel-max, exponential form
     if not any(greedy):
         return sampled

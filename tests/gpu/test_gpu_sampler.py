@@ -68,20 +68,3 @@ def test_gpu_penalties_and_logprobs_equal_the_cpu_references() -> None:
             assert [t for t, _ in got.top] == raw[i].topk(k).indices.tolist()
         else:
             assert lp[i] is None
-
-
-@pytest.mark.parametrize("case", ["random", "ties", "nan", "neg_inf"])
-def test_gpu_chunked_argmax_is_torchs(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One CUDA row's two-stage argmax (sampler.CHUNKED_ARGMAX) gives torch's argmax on the
-    same logits, ties and NaNs included (torch.max's index on CUDA is the first maximum's)."""
-    monkeypatch.setattr(sampler, "CHUNKED_ARGMAX", True)
-    vocab = 128256
-    logits = torch.randn(1, vocab, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
-    if case == "ties":
-        logits[0, [vocab - 3, vocab // 2, vocab // 2 + 1]] = logits.max() + 1
-    elif case == "nan":
-        logits[0, [vocab - 5, vocab // 3]] = float("nan")
-    elif case == "neg_inf":
-        logits.fill_(float("-inf"))
-        logits[0, [vocab - 7, vocab - 2]] = 1.0
-    assert sampler.greedy_tokens(logits).tolist() == logits.argmax(dim=-1).tolist()

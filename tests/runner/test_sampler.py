@@ -435,37 +435,3 @@ def test_batched_masks_equal_one_row_at_a_time() -> None:
     assert torch.isinf(got[1, 4]) and torch.isinf(got[1, 9]) and not torch.isinf(got[1, 8])
     assert torch.isinf(got[3, 8]) and torch.isinf(got[3, 3]) and not torch.isinf(got[3, 10])
     assert torch.isinf(got[4]).sum() == 300 - 1  # only token 1 left
-
-
-@pytest.mark.parametrize("vocab", [128256, 49152, 1000, 4096])
-@pytest.mark.parametrize("case", ["random", "ties", "nan", "all_equal", "neg_inf"])
-def test_chunked_argmax_is_torchs(vocab: int, case: str) -> None:
-    """The two-stage argmax (sampler.chunked_argmax, one CUDA row under CHUNKED_ARGMAX) gives
-    torch's argmax: the first index of the largest value, a NaN counting as largest, on ties
-    across and within its slices."""
-    from mmserve.runner.sampler import _chunks, chunked_argmax
-
-    g = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(1, vocab, generator=g)
-    if case == "ties":  # the maximum at three places, in different slices and in one
-        top = logits.max() + 1
-        logits[0, [vocab - 3, vocab // 2, vocab // 2 + 1]] = top
-    elif case == "nan":
-        logits[0, [vocab - 5, vocab // 3]] = float("nan")
-    elif case == "all_equal":
-        logits.fill_(0.5)
-    elif case == "neg_inf":  # a grammar's mask leaves few tokens
-        logits.fill_(float("-inf"))
-        logits[0, [vocab - 7, vocab - 2]] = 1.0
-    chunks = _chunks(vocab)
-    assert chunks > 1 and vocab % chunks == 0
-    assert chunked_argmax(logits, chunks).tolist() == logits.argmax(dim=-1).tolist()
-
-
-def test_greedy_tokens_chunked_only_for_one_cuda_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mmserve.runner import sampler
-
-    monkeypatch.setattr(sampler, "CHUNKED_ARGMAX", True)
-    logits = torch.randn(3, 1024)
-    assert sampler.greedy_tokens(logits).tolist() == logits.argmax(dim=-1).tolist()  # (CPU, 3 rows)
-    assert sampler._chunks(1021) == 1 and sampler._chunks(49152) == 256 and sampler._chunks(1000) == 8
