@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s40 s40a s40b s41a s41 s42b (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s41 s43 (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -406,63 +406,22 @@ if has s35; then
     MMSERVE_BENCH_PROFILE=$OUT/profile-$q-$b.txt $B decode --model shape:llama3-8b --load-format dummy \
       --batch-size $b --input-len 512 --max-num-seqs $b $flag; done; done 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s35.txt"
 fi
-if has s40 || has s40a; then
-  # session 40's levers, unmeasured (s40a then s40b: one call each): FP8's and INT8's one row on
-  # dense_gemv.scaled_gemv (fp8_gemm.ONE_ROW_GEMV, off), bf16's 2-8 rows on dense_gemv
-  # (dense_gemv.ENGINE_ROWS, 1), one row's greedy argmax in two stages (sampler.CHUNKED_ARGMAX,
-  # off) and session 41's split-KV merge in the attention kernel (paged_attention.SERIAL_MERGE,
-  # off): their tests in bf16 first (SKIP_TESTS=1: not), the kernels alone, then the engine both
-  # ways. (Session 41 timed ONE_ROW_GEMV in FP8 and SERIAL_MERGE on an H100: s41a, no gain there)
-  [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_dense_gemv.py \
-    tests/kernels/test_fp8_gemm.py tests/gpu/test_gpu_int8.py tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_dense_gemv.py \
-    tests/gpu/test_gpu_sampler.py tests/kernels/test_paged_attention.py \
-    2>&1 | tail -5 | tee "$OUT/s40-tests.txt"
-  { python3 scripts/sweep_dense_gemv.py --fp8
-    L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
-    for q in fp8 int8; do for t in True False; do echo "ONE_ROW_GEMV=$t $q"
-      python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --quantization $q; done; done
-  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s40a.txt"
-fi
-if has s40 || has s40b; then
-  { python3 scripts/sweep_dense_gemv.py --rows 2,4,8 | grep overall
-    L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
-    for t in True False; do echo "CHUNKED_ARGMAX=$t bf16"
-      python3 scripts/ab_switch.py mmserve.runner.sampler.CHUNKED_ARGMAX=$t -- $L; done
-    for t in True False; do echo "SERIAL_MERGE=$t bf16"  # split-KV's merge in the attention kernel
-      python3 scripts/ab_switch.py mmserve.kernels.paged_attention.SERIAL_MERGE=$t -- $L; done
-    D="decode --model shape:llama3-8b --load-format dummy --input-len 512"
-    for b in 2 4 8; do for r in 8 1; do echo "ENGINE_ROWS=$r batch $b"
-      python3 scripts/ab_switch.py mmserve.kernels.dense_gemv.ENGINE_ROWS=$r -- $D --batch-size $b --max-num-seqs $b; done; done
-  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s40b.txt"
-fi
-if has s42b; then
-  # issue 19: w4a16's one row in 64-channel tiles where 128 make fewer tiles than SMs
-  # (wna16.DP4A_NARROW; the product alone was 6-13% faster for qkv / o / down on the H200), in the
-  # engine; then the products alone with it, and a step ahead
+if has s43; then
+  # session 42's two levers, each measured faster alone on the H200 and off until the engine
+  # shows it: w4a16's one row in 64-channel tiles where 128 make fewer tiles than SMs
+  # (wna16.DP4A_NARROW; qkv / o / down 6-13% faster alone), and FP8's and INT8's one row on
+  # dense_gemv.scaled_gemv (fp8_gemm.ONE_ROW_GEMV) at the tiling swept best (a layer's four
+  # products 67.45 us against the rows kernel's 71.92); their tests first (SKIP_TESTS=1: not)
   [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16.py \
-    -k "one_row_in_int8" 2>&1 | tail -3 | tee "$OUT/s42b-tests.txt"
-  { L="latency --model shape:llama3-8b --input-len 128 --output-len 128 --max-num-seqs 1 --checkpoint-format w4a16-g128"
+    tests/kernels/test_dense_gemv.py tests/gpu/test_gpu_engine.py -k "one_row_in_int8 or scaled_gemv or takes_one_row or fp8" \
+    2>&1 | tail -3 | tee "$OUT/s43-tests.txt"
+  { L="latency --model shape:llama3-8b --input-len 128 --output-len 128 --max-num-seqs 1"
     for t in True False True; do echo "DP4A_NARROW=$t w4a16-g128"
-      python3 scripts/ab_switch.py mmserve.kernels.wna16.DP4A_NARROW=$t -- $L; done
+      python3 scripts/ab_switch.py mmserve.kernels.wna16.DP4A_NARROW=$t -- $L --checkpoint-format w4a16-g128; done
+    for q in fp8 int8; do for t in True False; do echo "ONE_ROW_GEMV=$t $q"
+      python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --load-format dummy --quantization $q; done; done
     python3 scripts/sweep_dp4a.py --config DP4A_NARROW=0 --config DP4A_NARROW=1 --config DP4A_NARROW=1,DP4A_AHEAD=1
-  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s42b.txt"
-fi
-if has s41a; then
-  # session 41's one call when machines are scarce: the levers' tests on the GPU (bf16 / FP8),
-  # FP8 batch 1 with and without the one-row scaled_gemv, bf16 batch 1 with and without the
-  # split-KV merge in the attention kernel, w4a16's one-row loop a step ahead or quantised first
-  [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_dense_gemv.py \
-    tests/kernels/test_paged_attention.py tests/kernels/test_wna16.py tests/gpu/test_gpu_engine.py \
-    -k "split_kv or one_row_in_int8 or scaled_gemv or takes_one_row or fp8_linear or fp8_engine" 2>&1 \
-    | tail -5 | tee "$OUT/s41a-tests.txt"
-  { L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
-    for t in True False; do echo "ONE_ROW_GEMV=$t fp8"
-      python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --quantization fp8; done
-    python3 scripts/sweep_dp4a.py --config DP4A_AHEAD=0 --config DP4A_AHEAD=1 --config DP4A_FUSED_ONE_ROW=0 \
-      --config DP4A_AHEAD=1,DP4A_PROGRAMS_PER_SM=16
-    for t in True False; do echo "SERIAL_MERGE=$t bf16"
-      python3 scripts/ab_switch.py mmserve.kernels.paged_attention.SERIAL_MERGE=$t -- $L; done
-  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s41a.txt"
+  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s43.txt"
 fi
 if has s41; then
   # issue 19's batch-1 gap (w4a16-g128 2.31 ms against its 1.11 ms floor, Q4_K_M 3.01 against

@@ -219,8 +219,11 @@ def rows_tiling(rows: int) -> GemvTiling:
                       DEFAULT_TILING.num_stages, DEFAULT_TILING.programs_per_sm)  # fmt: skip
 
 
-# one-byte weights: twice the weights a step for the same bytes (not swept yet)
-SCALED_TILING = GemvTiling(block_k=4096)
+# one-byte weights (scaled_gemv). On the H200 (session 42, `scripts/sweep_dense_gemv.py --fp8`, the
+# product alone, us, qkv / o / gate_up / down at the 8B shape): 2 channels, 2,048 a step, 4 warps
+# 9.44 / 7.05 / 34.33 / 16.63, a layer's four 67.45 against the FP8 rows kernel's 71.92 (13.02 /
+# 8.69 / 31.72 / 18.49); the tiling before (4,096 a step, 8 warps) was not among the best
+SCALED_TILING = GemvTiling(block_n=2, block_k=2048, num_warps=4)
 
 
 # Whether a loaded model's plain 16-bit nn.Linear projections on CUDA take their products of up
@@ -230,4 +233,7 @@ SCALED_TILING = GemvTiling(block_k=4096)
 # --max-num-seqs 1`, two pairs each): on the H200 4.05 against 4.69 ms/token with cuBLAS; on an
 # H100, the tiling then 8 x 512 at 4 warps, 5.65 against 6.13
 ENGINE = True
-ENGINE_ROWS = 1  # the most rows a swapped projection sends here (2-8: not measured yet)
+# the most rows a swapped projection sends here. 2-8 rows on the rows kernel lose to cuBLAS: on the
+# H200 (session 42) a decode step at 512 context took 6.62 / 10.67 / 18.84 ms at 2 / 4 / 8 rows
+# with ENGINE_ROWS=8 against 4.78 / 4.83 / 4.91 with 1
+ENGINE_ROWS = 1

@@ -129,8 +129,10 @@ DP4A_FUSED_ONE_ROW = True
 # tiles of half as many channels, so that more SMs stream whole tiles and K is split less. On an
 # H200 (session 42, `scripts/sweep_dp4a.py`, the product alone, us, qkv / o / gate_up / down at
 # the 8B shape): 128 channels 7.93 / 7.38 / 22.96 / 13.31, 64 channels 7.34 / 6.45 / 27.23 /
-# 12.89: gate_up (224 tiles of 128) keeps 128, the others (32-48 tiles) take 64
-DP4A_NARROW = True
+# 12.89: gate_up (224 tiles of 128) would keep 128, the others (32-48 tiles) take 64. Off until the
+# engine shows it (`scripts/gpu_run.sh s43`): a tile faster alone was slower in the engine before
+# (session 29)
+DP4A_NARROW = False
 # the one-row kernel's loop loads each step's words a step ahead (_wna16_dp4a_kernel's AHEAD). Off:
 # on the same H100 run 9.23 / 8.40 / 25.50 / 15.25 us (16 programs an SM: 11.28 / 8.38 / 26.40 /
 # 15.22), against the default's above: the loop is not waiting on its loads there. (H200: `s41`)
