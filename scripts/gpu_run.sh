@@ -418,6 +418,9 @@ if has s43; then
   { L="latency --model shape:llama3-8b --input-len 128 --output-len 128 --max-num-seqs 1"
     for t in True False True; do echo "DP4A_NARROW=$t w4a16-g128"
       python3 scripts/ab_switch.py mmserve.kernels.wna16.DP4A_NARROW=$t -- $L --checkpoint-format w4a16-g128; done
+    echo "DP4A_NARROW=True DP4A_AHEAD=True w4a16-g128"  # (a step ahead: gate_up 11% faster alone on the H200)
+    python3 scripts/ab_switch.py mmserve.kernels.wna16.DP4A_NARROW=True mmserve.kernels.wna16.DP4A_AHEAD=True \
+      -- $L --checkpoint-format w4a16-g128
     for q in fp8 int8; do for t in True False; do echo "ONE_ROW_GEMV=$t $q"
       python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --load-format dummy --quantization $q; done; done
     python3 scripts/sweep_dp4a.py --config DP4A_NARROW=0 --config DP4A_NARROW=1 --config DP4A_NARROW=1,DP4A_AHEAD=1
