@@ -123,7 +123,9 @@ DP4A_PREFETCH_STEPS = 0
 # ROWS=1 with its own launch knobs (False). Is the in-loop quantisation what keeps the one-row
 # product at 45% of the H200's bandwidth (session 28's profile)? Not on an H100 (session 41,
 # `scripts/sweep_dp4a.py --config ...`, us, qkv / o / gate_up / down, the q8 launch counted):
-# 8.82 / 7.93 / 24.80 / 15.30 fused against 9.34 / 8.25 / 25.48 / 16.72
+# 8.82 / 7.93 / 24.80 / 15.30 fused against 9.34 / 8.25 / 25.48 / 16.72. On the H200 (session 42)
+# 7.93 / 7.38 / 22.96 / 13.31 against 8.44 / 7.49 / 21.44 / 14.61, and with the rows kernel at 2
+# warps and 8 programs an SM 8.50 / 8.30 / 19.18 / 13.98: only gate_up gains (16%)
 DP4A_FUSED_ONE_ROW = True
 # one row (fused) whose output has fewer DP4A_BLOCK_N-channel tiles than the card has SMs takes
 # tiles of half as many channels, so that more SMs stream whole tiles and K is split less. On an
@@ -135,7 +137,9 @@ DP4A_FUSED_ONE_ROW = True
 DP4A_NARROW = False
 # the one-row kernel's loop loads each step's words a step ahead (_wna16_dp4a_kernel's AHEAD). Off:
 # on the same H100 run 9.23 / 8.40 / 25.50 / 15.25 us (16 programs an SM: 11.28 / 8.38 / 26.40 /
-# 15.22), against the default's above: the loop is not waiting on its loads there. (H200: `s41`)
+# 15.22), against the default's above: the loop is not waiting on its loads there. On the H200
+# (session 42, same script) 8.27 / 7.70 / 20.47 / 13.06 against 7.93 / 7.38 / 22.96 / 13.31: gate_up
+# 11% faster, qkv and o 4% slower; in the engine with DP4A_NARROW: `scripts/gpu_run.sh s43`
 DP4A_AHEAD = False
 
 

@@ -51,7 +51,7 @@ static inline vf vsums(const vf *v) {
  * lie anywhere: a new block is a jump the hardware prefetchers do not foresee), a few positions
  * with each head's dot products: issued all at once before the heads (2 x 192 lines for
  * SmolLM2's rows), the prefetches stalled the loop (Zen 4, 16 requests of 1,000 positions, two
- * threads: 1.65 ms a call in a burst, 1.35 spread). */
+ * threads: 1.51-1.65 ms a call in a burst, 1.31-1.43 spread). */
 #define SCORES(D)                                                                                             \
     static void scores_##D(const float *qi, const float *cache, const float *values, const int64_t *offs,     \
                            int64_t row, int64_t heads, int64_t group, int64_t d, int64_t len, float scale,    \
