@@ -43,6 +43,14 @@ from mmserve.kernels._common import (
 # since sessions 31 and 32); up to 32 rows (mma) it is float32-exact.
 MAX_ROWS = 64
 PROMOTE_EVERY = 128
+# FP8 products of any row count in 64-row tiles: Hopper's FP8 wgmma (QGMMA) takes the float8
+# operands as they are, where the 16- and 32-row tiles' mma (Triton 3.6, sm_90) converts both to
+# float16 first: in sm_90 SASS a step of 64 channels x 512 takes 256 F2FP conversions among 503
+# instructions at 16 rows (INT8's IMMA, the same bytes: 200 and none), and one row of FP8 took
+# 3.15 ms/token on the H200 against INT8's 2.96 (session 42). The 64-row tile: no conversions, its
+# sums promoted every PROMOTE_EVERY (above). Off until a GPU tests and times it (`scripts/gpu_run.sh
+# s43a`); INT8 keeps its tiles
+FP8_WGMMA = False
 # a product of at most this many output tiles (0: none) splits K in SPLITS slices. Measured on
 # the H200 (scripts/fp8_kernels.py, session 14): Llama-3-8B's o and down projections (64 tiles)
 # at 1, 16 and 32 rows took 10.4/32.0, 10.1/31.0 and 13.2/41.0 us unsplit, 7.7/20.4, 7.9/20.2
@@ -157,7 +165,8 @@ def fp8_gemm_rows(
         # program; K in tiles of 512, or of 128 when there are hundreds of programs. At 17-32
         # rows the cap below halves K's tile to 256 (tested that way; 512 measured faster there
         # in a sweep, e.g. the down projection 29 vs 41 us, and is worth testing next)
-        block_m = max(16, triton.next_power_of_2(rows))
+        fp8_wgmma = FP8_WGMMA and xq.dtype != torch.int8
+        block_m = 64 if fp8_wgmma else max(16, triton.next_power_of_2(rows))
         block_n = block_n or 64
         if block_k is None:  # given ones are used as they are (scripts/fp8_kernels.py sweeps)
             block_k = 128 if triton.cdiv(n, block_n) >= 256 else 512
@@ -199,7 +208,7 @@ def fp8_gemm_rows(
 # the H200 (session 42, the tiling then 4,096 a step at 8 warps): FP8 3.656 against 3.151, INT8
 # 3.628 against 2.957. Alone, at the tiling swept best since (dense_gemv.SCALED_TILING), its four
 # products of a layer took 67.45 us against this kernel's 71.92: the engine with that tiling is
-# `scripts/gpu_run.sh s43`
+# `scripts/gpu_run.sh s43a`
 ONE_ROW_GEMV = False
 
 

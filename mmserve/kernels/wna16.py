@@ -132,14 +132,14 @@ DP4A_FUSED_ONE_ROW = True
 # H200 (session 42, `scripts/sweep_dp4a.py`, the product alone, us, qkv / o / gate_up / down at
 # the 8B shape): 128 channels 7.93 / 7.38 / 22.96 / 13.31, 64 channels 7.34 / 6.45 / 27.23 /
 # 12.89: gate_up (224 tiles of 128) would keep 128, the others (32-48 tiles) take 64. Off until the
-# engine shows it (`scripts/gpu_run.sh s43`): a tile faster alone was slower in the engine before
+# engine shows it (`scripts/gpu_run.sh s43b`): a tile faster alone was slower in the engine before
 # (session 29)
 DP4A_NARROW = False
 # the one-row kernel's loop loads each step's words a step ahead (_wna16_dp4a_kernel's AHEAD). Off:
 # on the same H100 run 9.23 / 8.40 / 25.50 / 15.25 us (16 programs an SM: 11.28 / 8.38 / 26.40 /
 # 15.22), against the default's above: the loop is not waiting on its loads there. On the H200
 # (session 42, same script) 8.27 / 7.70 / 20.47 / 13.06 against 7.93 / 7.38 / 22.96 / 13.31: gate_up
-# 11% faster, qkv and o 4% slower; in the engine with DP4A_NARROW: `scripts/gpu_run.sh s43`
+# 11% faster, qkv and o 4% slower; in the engine with DP4A_NARROW: `scripts/gpu_run.sh s43b`
 DP4A_AHEAD = False
 
 

@@ -148,6 +148,10 @@ def main() -> None:
         compile_sm90(fp8_gemm._fp8_gemm_rows_kernel, {**FP8, **types}, {
             "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "INT8": int8, "PROMOTE": 128, **ends,
             "PREFETCH_LINES": lines, "ASM": True})  # fmt: skip
+        if not int8:  # a few rows in a 64-row tile (fp8_gemm.FP8_WGMMA): Hopper's FP8 wgmma
+            compile_sm90(fp8_gemm._fp8_gemm_rows_kernel, FP8, {
+                "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "INT8": False, "PROMOTE": 128, **ends,
+                "PREFETCH_LINES": lines, "ASM": True})  # fmt: skip
     print("the FP8 / INT8 rows kernel (its split slices) compiled for sm_90", flush=True)
     attention = {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                  "q_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",
