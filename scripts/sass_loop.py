@@ -5,7 +5,8 @@ program's step covers BLOCK_N x 256 weights over num_warps x 32 threads), with a
 instruction-mix histogram. A proxy for the kernel's issue time, not a timing: bench_gguf.py
 times the kernels on a GPU.
 
-    env -u TRITON_INTERPRET python scripts/sass_loop.py [QTYPE ...]  (w4a16: wna16's DP4A kernel)
+    env -u TRITON_INTERPRET python scripts/sass_loop.py [QTYPE ...]  (w4a16: wna16's DP4A kernel;
+    fp8: the FP8 / INT8 rows kernel by row tile)
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from pathlib import Path
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mmserve.kernels import gguf_gemm, wna16
+from mmserve.kernels import fp8_gemm, gguf_gemm, wna16
 from mmserve.kernels.gguf_blocks import FORMATS, LOWP_TYPES, STEP_PARTS
 from tests.kernels.sm90_compile import (
     DP4A,
+    FP8,
     Q6K_DP4A,
     ROWS,
     WNA16_DP4A,
@@ -57,6 +59,16 @@ def _print_loop(name: str, kernel: object, tmp: Path, weights: float) -> None:
 
 def main(qtypes: list[str]) -> None:
     tmp = Path("/tmp/mmserve_sass_loop.cubin")
+    if "fp8" in qtypes:  # the rows kernel's step of 64 channels: FP8 by row tile (16 / 32: mma, 64: wgmma), INT8
+        for int8, block_m, block_k in ((False, 16, 512), (False, 32, 512), (False, 64, 256), (True, 16, 512)):
+            types = {"part_ptr": "*i32", "xq_ptr": "*i8", "wq_ptr": "*i8"} if int8 else {}
+            constexprs = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": block_k, "INT8": int8, "PROMOTE": 128,
+                          "SPLIT": True, "SERIAL": True, "PREFETCH_LINES": 0, "ASM": True}  # fmt: skip
+            aligned = ("n", "k", "k_per_split", "stride_x", "stride_w", "stride_out")
+            kernel = compile_sm90(fp8_gemm._fp8_gemm_rows_kernel, {**FP8, **types}, constexprs, aligned)
+            _print_loop(f"{'int8' if int8 else 'fp8'} rows block_m={block_m} block_k={block_k}", kernel, tmp,
+                        64 * block_k / 128)  # fmt: skip
+        qtypes = [q for q in qtypes if q != "fp8"]
     if "w4a16" in qtypes:  # wna16's one-row int8-activation product: 128 values of K a step
         for block_n, warps, ahead in ((64, 4, False), (128, 4, False), (128, 1, False), (128, 1, True)):
             constexprs = {"BLOCK_N": block_n, "HAS_ZEROS": False, "SPLIT": True, "ASM": True, "SERIAL": False, "PREFETCH": 0,
