@@ -165,8 +165,7 @@ def fp8_gemm_rows(
         # program; K in tiles of 512, or of 128 when there are hundreds of programs. At 17-32
         # rows the cap below halves K's tile to 256 (tested that way; 512 measured faster there
         # in a sweep, e.g. the down projection 29 vs 41 us, and is worth testing next)
-        fp8_wgmma = FP8_WGMMA and xq.dtype != torch.int8
-        block_m = 64 if fp8_wgmma else max(16, triton.next_power_of_2(rows))
+        block_m = 64 if FP8_WGMMA and xq.dtype != torch.int8 else max(16, triton.next_power_of_2(rows))
         block_n = block_n or 64
         if block_k is None:  # given ones are used as they are (scripts/fp8_kernels.py sweeps)
             block_k = 128 if triton.cdiv(n, block_n) >= 256 else 512

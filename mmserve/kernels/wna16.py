@@ -589,12 +589,12 @@ def _dp4a_product(
             f"dp4a takes up to {DP4A_ROWS} rows, K and the group size multiples of 32: {rows=}, {k=}, {group_size=}"
         )
     fused = rows == 1 and DP4A_FUSED_ONE_ROW
-    block_n = DP4A_BLOCK_N
-    if fused and DP4A_NARROW and triton.cdiv(n, block_n) < grid_sms(x.device):
+    block_n, sms = DP4A_BLOCK_N, grid_sms(x.device)
+    if fused and DP4A_NARROW and triton.cdiv(n, block_n) < sms:
         block_n //= 2
     tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, 128)
     programs_per_sm = DP4A_PROGRAMS_PER_SM if fused else PROGRAMS_PER_SM
-    splits, per_split = k_splits(tiles, steps, grid_sms(x.device), programs_per_sm)
+    splits, per_split = k_splits(tiles, steps, sms, programs_per_sm)
     target, counters = split_target(out, splits, tiles)
     operands = (qweight, scales, scales if zeros is None else zeros, n, k, group_size, per_split * 128,
                 qweight.stride(0), scales.stride(0))  # fmt: skip
