@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s41 s43 s43a s43b (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s41 s44 (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -406,34 +406,24 @@ if has s35; then
     MMSERVE_BENCH_PROFILE=$OUT/profile-$q-$b.txt $B decode --model shape:llama3-8b --load-format dummy \
       --batch-size $b --input-len 512 --max-num-seqs $b $flag; done; done 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s35.txt"
 fi
-if has s43 || has s43a; then
-  # session 42's FP8 / INT8 levers, off until the engine shows them: one row on
-  # dense_gemv.scaled_gemv (fp8_gemm.ONE_ROW_GEMV) at the tiling swept best (a layer's four
-  # products 67.45 us alone against the rows kernel's 71.92), and FP8 rows in 64-row tiles
-  # (fp8_gemm.FP8_WGMMA: Hopper's FP8 wgmma, no float8 -> float16 conversions); tests first
-  # (SKIP_TESTS=1: not). s43 is s43a then s43b (more than one call's 600 s: run them apart)
+if has s44; then
+  # session 43's decisions from an H100, on the card the targets name: FP8's one row on scaled_gemv
+  # (fp8_gemm.ONE_ROW_GEMV, now on) and w4a16's one row in 64-channel tiles (wna16.DP4A_NARROW, now
+  # on), each against its old path in alternation; then bf16, INT8 and Q4_K_M at batch 1 for the
+  # record. Tests first (SKIP_TESTS=1: not); about 8 minutes
   [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py \
-    tests/kernels/test_dense_gemv.py tests/gpu/test_gpu_engine.py -k "fp8 or scaled_gemv or takes_one_row or matches" \
-    2>&1 | tail -3 | tee "$OUT/s43a-tests.txt"
+    tests/kernels/test_dense_gemv.py tests/kernels/test_wna16.py tests/gpu/test_gpu_engine.py \
+    -k "fp8 or scaled_gemv or takes_one_row or matches or one_row_in_int8" 2>&1 | tail -3 | tee "$OUT/s44-tests.txt"
   { L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
-    for t in True False True; do echo "FP8_WGMMA=$t fp8"
-      python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.FP8_WGMMA=$t -- $L --quantization fp8; done
-    for q in fp8 int8; do for t in True False; do echo "ONE_ROW_GEMV=$t $q"
-      python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --quantization $q; done; done
-  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s43a.txt"
-fi
-if has s43 || has s43b; then
-  # w4a16's one row in 64-channel tiles where 128 make fewer tiles than SMs (wna16.DP4A_NARROW;
-  # qkv / o / down 3-13% faster alone on the H200), with and without a step ahead, in the engine
-  [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_wna16.py \
-    -k "one_row_in_int8" 2>&1 | tail -3 | tee "$OUT/s43b-tests.txt"
-  { L="latency --model shape:llama3-8b --input-len 128 --output-len 128 --max-num-seqs 1 --checkpoint-format w4a16-g128"
+    for t in True False True; do echo "ONE_ROW_GEMV=$t fp8"
+      python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --quantization fp8; done
+    W="latency --model shape:llama3-8b --input-len 128 --output-len 128 --max-num-seqs 1"
     for t in True False True; do echo "DP4A_NARROW=$t w4a16-g128"
-      python3 scripts/ab_switch.py mmserve.kernels.wna16.DP4A_NARROW=$t -- $L; done
-    echo "DP4A_NARROW=True DP4A_AHEAD=True w4a16-g128"  # (a step ahead: gate_up 11% faster alone on the H200)
-    python3 scripts/ab_switch.py mmserve.kernels.wna16.DP4A_NARROW=True mmserve.kernels.wna16.DP4A_AHEAD=True -- $L
-    python3 scripts/sweep_dp4a.py --config DP4A_NARROW=0 --config DP4A_NARROW=1 --config DP4A_NARROW=1,DP4A_AHEAD=1
-  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s43b.txt"
+      python3 scripts/ab_switch.py mmserve.kernels.wna16.DP4A_NARROW=$t -- $W --checkpoint-format w4a16-g128; done
+    echo "bf16"; $B $L
+    echo "int8"; $B $L --quantization int8
+    echo "gguf:Q4_K_M"; $B $W --checkpoint-format gguf:Q4_K_M
+  } 2>&1 | grep --line-buffered -v Warning | grep --line-buffered -v fix_mistral | tee "$OUT/s44.txt"
 fi
 if has s41; then
   # issue 19's batch-1 gap (w4a16-g128 2.31 ms against its 1.11 ms floor, Q4_K_M 3.01 against

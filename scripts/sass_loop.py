@@ -70,11 +70,10 @@ def main(qtypes: list[str]) -> None:
                         64 * block_k / 128)  # fmt: skip
         qtypes = [q for q in qtypes if q != "fp8"]
     if "w4a16" in qtypes:  # wna16's one-row int8-activation product: 128 values of K a step
-        for block_n, warps, ahead in ((64, 4, False), (128, 4, False), (128, 1, False), (128, 1, True)):
-            constexprs = {"BLOCK_N": block_n, "HAS_ZEROS": False, "SPLIT": True, "ASM": True, "SERIAL": False, "PREFETCH": 0,
-                          "AHEAD": ahead}  # fmt: skip
+        for block_n, warps in ((64, 4), (128, 4), (64, 1), (128, 1)):
+            constexprs = {"BLOCK_N": block_n, "HAS_ZEROS": False, "SPLIT": True, "ASM": True, "SERIAL": False, "PREFETCH": 0}
             kernel = compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, constexprs, ("n", "stride_q", "stride_s"), warps)
-            _print_loop(f"w4a16 dp4a block_n={block_n} warps={warps} ahead={ahead}", kernel, tmp, block_n * 128 / (warps * 32))
+            _print_loop(f"w4a16 dp4a block_n={block_n} warps={warps}", kernel, tmp, block_n * 128 / (warps * 32))
         for rows, warps in itertools.product((2, 4, 8), (4, 1)):  # several rows, their activations quantised first
             constexprs = {"BLOCK_N": 128, "HAS_ZEROS": False, "SPLIT": True, "ASM": True, "SERIAL": False, "ROWS": rows}
             kernel = compile_sm90(wna16._wna16_dp4a_rows_kernel, WNA16_DP4A_ROWS, constexprs, ("n", "stride_q", "stride_s"), warps)

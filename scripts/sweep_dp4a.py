@@ -35,7 +35,7 @@ from mmserve.kernels.wna16 import pack_columns, wna16_gemm, wna16_gemm_ref
 
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K)
 KNOBS = ("DP4A_PROGRAMS_PER_SM", "DP4A_NUM_WARPS", "DP4A_NUM_STAGES", "DP4A_BLOCK_N", "DP4A_PREFETCH_STEPS",
-         "DP4A_ROWS_NUM_WARPS", "PROGRAMS_PER_SM", "DP4A_FUSED_ONE_ROW", "DP4A_AHEAD", "DP4A_NARROW")
+         "DP4A_ROWS_NUM_WARPS", "PROGRAMS_PER_SM", "DP4A_FUSED_ONE_ROW", "DP4A_NARROW")
 # (DP4A_ROWS_NUM_WARPS and PROGRAMS_PER_SM: the several-row kernel's, --rows, or one row's with
 # DP4A_FUSED_ONE_ROW=0)
 GRID = {

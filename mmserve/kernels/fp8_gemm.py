@@ -43,14 +43,6 @@ from mmserve.kernels._common import (
 # since sessions 31 and 32); up to 32 rows (mma) it is float32-exact.
 MAX_ROWS = 64
 PROMOTE_EVERY = 128
-# FP8 products of any row count in 64-row tiles: Hopper's FP8 wgmma (QGMMA) takes the float8
-# operands as they are, where the 16- and 32-row tiles' mma (Triton 3.6, sm_90) converts both to
-# float16 first: in sm_90 SASS a step of 64 channels x 512 takes 256 F2FP conversions among 503
-# instructions at 16 rows (INT8's IMMA, the same bytes: 200 and none), and one row of FP8 took
-# 3.15 ms/token on the H200 against INT8's 2.96 (session 42). The 64-row tile: no conversions, its
-# sums promoted every PROMOTE_EVERY (above). Off until a GPU tests and times it (`scripts/gpu_run.sh
-# s43a`); INT8 keeps its tiles
-FP8_WGMMA = False
 # a product of at most this many output tiles (0: none) splits K in SPLITS slices. Measured on
 # the H200 (scripts/fp8_kernels.py, session 14): Llama-3-8B's o and down projections (64 tiles)
 # at 1, 16 and 32 rows took 10.4/32.0, 10.1/31.0 and 13.2/41.0 us unsplit, 7.7/20.4, 7.9/20.2
@@ -165,7 +157,10 @@ def fp8_gemm_rows(
         # program; K in tiles of 512, or of 128 when there are hundreds of programs. At 17-32
         # rows the cap below halves K's tile to 256 (tested that way; 512 measured faster there
         # in a sweep, e.g. the down projection 29 vs 41 us, and is worth testing next)
-        block_m = 64 if FP8_WGMMA and xq.dtype != torch.int8 else max(16, triton.next_power_of_2(rows))
+        # in rows' own tiles: FP8's one row in a 64-row tile (Hopper's FP8 wgmma, where the 16-row
+        # tile's mma converts both operands to float16: 256 F2FP of 503 sm_90 instructions a step,
+        # scripts/sass_loop.py fp8) took 4.04 ms/token against 3.78 on an H100 (session 43)
+        block_m = max(16, triton.next_power_of_2(rows))
         block_n = block_n or 64
         if block_k is None:  # given ones are used as they are (scripts/fp8_kernels.py sweeps)
             block_k = 128 if triton.cdiv(n, block_n) >= 256 else 512
@@ -197,25 +192,25 @@ def fp8_gemm_rows(
     return out
 
 
-# one row to dense_gemv.scaled_gemv (the weights' bytes streamed by plain loads, float32 or int32
-# sums, as bf16's one-row products since session 40) instead of the tensor-core tiles above. Off:
-# on an H100 (session 41, `scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=True|False
-# -- latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128
-# --max-num-seqs 1 --quantization fp8`, one pair; its GPU tests passed) FP8's batch 1 took 4.05
-# ms/token with it against 3.70 without. Its loop in sm_90 SASS: 4.0 instructions a weight, 72 of
-# a step's 128 converting float8 to float32 (F2FP, HADD2), twice bf16's instructions a byte. On
-# the H200 (session 42, the tiling then 4,096 a step at 8 warps): FP8 3.656 against 3.151, INT8
-# 3.628 against 2.957. Alone, at the tiling swept best since (dense_gemv.SCALED_TILING), its four
-# products of a layer took 67.45 us against this kernel's 71.92: the engine with that tiling is
-# `scripts/gpu_run.sh s43a`
-ONE_ROW_GEMV = False
+# FP8's one row on dense_gemv.scaled_gemv (the weights' bytes streamed by plain loads, float32 sums,
+# as bf16's one-row products since session 40) instead of the tensor-core tiles above, whose 16-row
+# mma converts both float8 operands to float16 (scripts/sass_loop.py fp8). At its tiling of
+# session 42 (dense_gemv.SCALED_TILING: 2 channels, 2,048 a step, 4 warps) on an H100 (session 43,
+# `scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=True|False -- latency --model
+# shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1
+# --quantization fp8`, three pairs): 3.674-3.676 ms/token against 3.777-3.779; on the H200 alone
+# (session 42, scripts/sweep_dense_gemv.py --fp8) a layer's four products 67.45 us against the rows
+# kernel's 71.92; the H200's engine has not run this tiling yet (at session 41's, 4,096 a step at
+# 8 warps: 3.656 against 3.151). INT8 keeps the rows kernel (IMMA, no conversions): 3.649 against
+# 3.636 on the same H100, 3.628 against 2.957 on the H200 at the old tiling
+ONE_ROW_GEMV = True
 
 
 def few_rows_product(
     xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """fp8_gemm_rows's product, one row by dense_gemv.scaled_gemv where ONE_ROW_GEMV says so."""
-    if xq.shape[0] == 1 and ONE_ROW_GEMV:
+    """fp8_gemm_rows's product, FP8's one row by dense_gemv.scaled_gemv where ONE_ROW_GEMV says so."""
+    if xq.shape[0] == 1 and ONE_ROW_GEMV and xq.dtype != torch.int8:
         from mmserve.kernels.dense_gemv import scaled_gemv
 
         return scaled_gemv(xq, x_scale, wq, w_scale, out_dtype)

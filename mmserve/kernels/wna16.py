@@ -131,16 +131,13 @@ DP4A_FUSED_ONE_ROW = True
 # tiles of half as many channels, so that more SMs stream whole tiles and K is split less. On an
 # H200 (session 42, `scripts/sweep_dp4a.py`, the product alone, us, qkv / o / gate_up / down at
 # the 8B shape): 128 channels 7.93 / 7.38 / 22.96 / 13.31, 64 channels 7.34 / 6.45 / 27.23 /
-# 12.89: gate_up (224 tiles of 128) would keep 128, the others (32-48 tiles) take 64. Off until the
-# engine shows it (`scripts/gpu_run.sh s43b`): a tile faster alone was slower in the engine before
-# (session 29)
-DP4A_NARROW = False
-# the one-row kernel's loop loads each step's words a step ahead (_wna16_dp4a_kernel's AHEAD). Off:
-# on the same H100 run 9.23 / 8.40 / 25.50 / 15.25 us (16 programs an SM: 11.28 / 8.38 / 26.40 /
-# 15.22), against the default's above: the loop is not waiting on its loads there. On the H200
-# (session 42, same script) 8.27 / 7.70 / 20.47 / 13.06 against 7.93 / 7.38 / 22.96 / 13.31: gate_up
-# 11% faster, qkv and o 4% slower; in the engine with DP4A_NARROW: `scripts/gpu_run.sh s43b`
-DP4A_AHEAD = False
+# 12.89: gate_up (224 tiles of 128) keeps 128, the others (32-48 tiles) take 64. On an H100
+# (session 43, `scripts/gpu_run.sh s43b`) alone 8.25 / 7.17 / - / 14.80 against 8.84 / 7.88 / 25.12
+# / 15.49, and in the engine (w4a16-g128 batch 1) 2.584 ms/token twice against 2.650. Its loads a
+# step ahead (a software pipeline written out in the loop) were removed: on the H200 alone gate_up
+# 11% faster, qkv and o 4% slower; in the H100's engine (session 43) 2.629 ms/token against 2.584
+# with narrow tiles, 2.701 against 2.649 without
+DP4A_NARROW = True
 
 
 @triton.jit
@@ -268,25 +265,14 @@ def _wna16_kernel(
 
 
 @triton.jit
-def _step_words(qweight_ptr, row, k_hi, stride_q, offs_n, mask_n):
-    """A DP4A step's 4-bit words at rows `row` [4, 4] (word (g, w)) of BLOCK_N columns: [4, 4,
-    BLOCK_N] (rows at or past k_hi // 8: 0, not read)."""
-    return tl.load(
+def _step_quants(qweight_ptr, row, k_hi, stride_q, offs_n, mask_n):
+    """A DP4A step's 4-bit words at rows `row` [4, 4] (word (g, w)) of BLOCK_N columns, as their
+    even and odd values' bytes: [4, 4, BLOCK_N, 2]."""
+    words = tl.load(
         qweight_ptr + row[:, :, None].to(tl.int64) * stride_q + offs_n[None, None, :],
         mask=(row < k_hi // 8)[:, :, None] & mask_n[None, None, :], other=0,
     )  # fmt: skip
-
-
-@triton.jit
-def _split_words(words):
-    """A step's words as their even and odd values' bytes: [4, 4, BLOCK_N, 2]."""
     return tl.join(words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F)
-
-
-@triton.jit
-def _step_quants(qweight_ptr, row, k_hi, stride_q, offs_n, mask_n):
-    """_step_words split by _split_words: [4, 4, BLOCK_N, 2]."""
-    return _split_words(_step_words(qweight_ptr, row, k_hi, stride_q, offs_n, mask_n))
 
 
 @triton.jit
@@ -308,7 +294,7 @@ def _step_scales(scales_ptr, zeros_ptr, k0, k_hi, group_size, stride_s, offs_n, 
 def _wna16_dp4a_kernel(
     out_ptr, x_ptr, qweight_ptr, scales_ptr, zeros_ptr, n, k, group_size, k_per_split, stride_q,
     stride_s, final_ptr, counters_ptr, BLOCK_N: tl.constexpr, HAS_ZEROS: tl.constexpr, SPLIT: tl.constexpr,
-    ASM: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, AHEAD: tl.constexpr,
+    ASM: tl.constexpr, SERIAL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """One row (DP4A), 4 bits: K in steps of 128 (four groups of 32, 16 words of each column).
     Word (g, w) of a step holds elements k0 + 32 g + 8 w + j at bits 4 j: its even values
@@ -317,11 +303,7 @@ def _wna16_dp4a_kernel(
     byte b element k0 + 32 g + 8 w + 2 b + parity. (Reading the first step's words before
     pdl_wait, that step taken out of the loop, made the product slower: batch-1 decode on an H100
     3.16 -> 4.61 ms, session 27.) PREFETCH steps of weights are asked of L2 before the wait
-    instead, the loop unchanged. AHEAD (DP4A_AHEAD): each step's words are loaded a step ahead,
-    into registers, so that their reads are in flight while the step before is reduced (a
-    software pipeline of depth 2 written out; the results are the same to the bit). (Its
-    activations a step ahead too: 4.26 instructions a weight in the loop's sm_90 SASS against
-    1.90, their registers carried over the loop as shuffles and shared-memory copies.)"""
+    instead, the loop unchanged."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     k_lo = tl.program_id(1) * k_per_split
@@ -335,16 +317,9 @@ def _wna16_dp4a_kernel(
     pdl_wait(PDL)
     rows = tl.arange(0, 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # word (g, w): row 4 g + w of the step
     acc = tl.zeros([4, BLOCK_N], dtype=tl.float32) + poison
-    if AHEAD:
-        words_next = _step_words(qweight_ptr, k_lo // 8 + rows, k_hi, stride_q, offs_n, mask_n)
     for k0 in range(k_lo, k_hi, 128):
         x_words, amax, sum_x = _step_activations(x_ptr, k0, k_hi)
-        if AHEAD:
-            words = words_next
-            words_next = _step_words(qweight_ptr, (k0 + 128) // 8 + rows, k_hi, stride_q, offs_n, mask_n)
-        else:
-            words = _step_words(qweight_ptr, k0 // 8 + rows, k_hi, stride_q, offs_n, mask_n)
-        q = _split_words(words)  # [4, 4, BLOCK_N, 2]
+        q = _step_quants(qweight_ptr, k0 // 8 + rows, k_hi, stride_q, offs_n, mask_n)  # [4, 4, BLOCK_N, 2]
         x_q = tl.broadcast_to(x_words[:, :, None, :], q.shape)
         dots = tl.sum(tl.sum(dp4a(q, x_q, tl.zeros_like(q), ASM), axis=3), axis=1)  # [4, BLOCK_N]
         s, z = _step_scales(scales_ptr, zeros_ptr, k0, k_hi, group_size, stride_s, offs_n, mask_n, HAS_ZEROS)
@@ -605,7 +580,7 @@ def _dp4a_product(
         meta["num_stages"] = DP4A_NUM_STAGES
     if fused:
         prefetch = prefetch_count(min(DP4A_PREFETCH_STEPS, per_split))
-        _wna16_dp4a_kernel[(tiles, splits)](target, x, *operands, PREFETCH=prefetch, AHEAD=DP4A_AHEAD, **meta)
+        _wna16_dp4a_kernel[(tiles, splits)](target, x, *operands, PREFETCH=prefetch, **meta)
     else:  # the rows' activations quantised first, then the words unpacked once for all of them
         words = torch.empty(rows, steps * 32, dtype=torch.int32, device=x.device)
         d_x, sum_x = torch.empty(2, rows, steps * 4, dtype=torch.float32, device=x.device)

@@ -155,22 +155,19 @@ def _tiny_bert(folder, num_labels=None):  # type: ignore[no-untyped-def]
     return folder
 
 
-@pytest.fixture(params=["rows-kernel", "one-row-gemv", "64-row-tiles"])
+@pytest.fixture(params=["rows-kernel", "one-row-gemv"])
 def fp8_rows_path(request, monkeypatch):  # type: ignore[no-untyped-def]
-    """FP8's few-row products by the tensor-core rows kernel in tiles as the rows fit, one row
-    by dense_gemv.scaled_gemv, or every row count in 64-row tiles (FP8_WGMMA)."""
+    """FP8's few-row products by the tensor-core rows kernel, or one row by dense_gemv.scaled_gemv."""
     from mmserve.kernels import fp8_gemm
 
     monkeypatch.setattr(fp8_gemm, "ONE_ROW_GEMV", request.param == "one-row-gemv")
-    monkeypatch.setattr(fp8_gemm, "FP8_WGMMA", request.param == "64-row-tiles")
     return request.param
 
 
 @pytest.mark.parametrize("pad_rows", [128, 0])
 @pytest.mark.parametrize("rows", [1, 7, 16, 24, 32, 33, 48, 64, 65, 256, 300, 518])  # FEW_ROWS, PAD_ABOVE
 def test_gpu_fp8_linear_equals_the_reference(rows: int, pad_rows: int, fp8_rows_path: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The FP8 tensor cores' products (the rows kernel, in 64-row tiles or not, or one row on
-    scaled_gemv; torch._scaled_mm past FEW_ROWS, on rows padded to a multiple of PAD_ROWS past
+    """The FP8 tensor cores' products (the rows kernel, or one row on scaled_gemv; torch._scaled_mm past FEW_ROWS, on rows padded to a multiple of PAD_ROWS past
     PAD_ABOVE or not; Triton per-token quantisation) against the float32 reference of the same
     FP8 operands."""
     from mmserve.models import fp8 as fp8_module
@@ -193,8 +190,8 @@ def test_gpu_fp8_linear_equals_the_reference(rows: int, pad_rows: int, fp8_rows_
 
 def test_gpu_fp8_engine_equals_cpu(tmp_path, fp8_rows_path: str) -> None:  # type: ignore[no-untyped-def]
     """The FP8 engine on CUDA: float32 (dequantised FP8 products) gives the CPU path's greedy
-    tokens; bfloat16 (FP8 tensor cores, CUDA graphs; one row on the rows kernel, in a 64-row tile
-    or not, or on scaled_gemv) its first token and logprob."""
+    tokens; bfloat16 (FP8 tensor cores, CUDA graphs; one row on the rows kernel or on
+    scaled_gemv) its first token and logprob."""
     path = str(make_tiny_model(tmp_path, arch="llama"))
     cpu = _outputs(path, "cpu", "float32", quantization="fp8")
     assert _outputs(path, "cuda", "float32", quantization="fp8") == cpu

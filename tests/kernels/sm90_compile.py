@@ -128,12 +128,12 @@ def main() -> None:
             "SPLIT": True, "SERIAL": serial, "DOT_PRECISION": "tf32", "PAIRS": pairs, "LOWP": True,
             "EVEN_K": even_k})  # fmt: skip
     for zeros, ends in cases((False, True), ENDS):
-        # the default launch (its channels and warps); with the L2 prefetch (DP4A_PREFETCH_STEPS) once,
-        # with the loads a step ahead (DP4A_AHEAD) once
+        # the default launch (its channels, or half as many: DP4A_NARROW, and warps); with the L2
+        # prefetch (DP4A_PREFETCH_STEPS) once
         prefetch = 2 if zeros and ends["SERIAL"] else 0
-        ahead = not zeros and ends["SERIAL"]
-        compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": wna16.DP4A_BLOCK_N, "HAS_ZEROS": zeros,
-                     **ends, "ASM": True, "PREFETCH": prefetch, "AHEAD": ahead}, num_warps=wna16.DP4A_NUM_WARPS)  # fmt: skip
+        block_n = wna16.DP4A_BLOCK_N // (2 if not zeros and wna16.DP4A_NARROW else 1)
+        compile_sm90(wna16._wna16_dp4a_kernel, WNA16_DP4A, {"BLOCK_N": block_n, "HAS_ZEROS": zeros,
+                     **ends, "ASM": True, "PREFETCH": prefetch}, num_warps=wna16.DP4A_NUM_WARPS)  # fmt: skip
         compile_sm90(wna16._wna16_dp4a_rows_kernel, WNA16_DP4A_ROWS, {"BLOCK_N": 128, "HAS_ZEROS": zeros, **ends,
                                                                       "ASM": True, "ROWS": 3})  # fmt: skip
     compile_sm90(wna16._wna16_q8_kernel, {"words_ptr": "*i32", "d_ptr": "*fp32", "sum_ptr": "*fp32", "x_ptr": "*bf16",
@@ -148,10 +148,6 @@ def main() -> None:
         compile_sm90(fp8_gemm._fp8_gemm_rows_kernel, {**FP8, **types}, {
             "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "INT8": int8, "PROMOTE": 128, **ends,
             "PREFETCH_LINES": lines, "ASM": True})  # fmt: skip
-        if not int8:  # a few rows in a 64-row tile (fp8_gemm.FP8_WGMMA): Hopper's FP8 wgmma
-            compile_sm90(fp8_gemm._fp8_gemm_rows_kernel, FP8, {
-                "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "INT8": False, "PROMOTE": 128, **ends,
-                "PREFETCH_LINES": lines, "ASM": True})  # fmt: skip
     print("the FP8 / INT8 rows kernel (its split slices) compiled for sm_90", flush=True)
     attention = {"out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                  "q_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16",

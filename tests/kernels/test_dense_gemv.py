@@ -158,22 +158,26 @@ def test_scaled_gemv_rejects_bad_operands() -> None:
         scaled_gemv(xq, torch.ones(2, 1, device=DEVICE), wq, ws)
 
 
+@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_few_rows_product_takes_one_row_to_scaled_gemv(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_few_rows_product_takes_one_row_to_scaled_gemv(
+    rows: int, qdtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """fp8_gemm.few_rows_product (Fp8Linear's and Int8Linear's products of a few rows), with
-    ONE_ROW_GEMV on: one row by scaled_gemv, more by fp8_gemm_rows, each the reference's result."""
+    ONE_ROW_GEMV on (the default): FP8's one row by scaled_gemv, more rows and INT8's by
+    fp8_gemm_rows, each the reference's result."""
     from mmserve.kernels import dense_gemv as gemv_module
     from mmserve.kernels import fp8_gemm
     from mmserve.kernels.fp8_gemm import few_rows_product, fp8_gemm_rows_ref
 
     monkeypatch.setattr(fp8_gemm, "ONE_ROW_GEMV", True)
-    xq, xs, wq, ws = _scaled_operands(48, 320, torch.float8_e4m3fn)
+    xq, xs, wq, ws = _scaled_operands(48, 320, qdtype)
     xq, xs = xq.expand(rows, -1).contiguous(), xs.expand(rows, -1).contiguous()
     calls = []
     real = gemv_module.scaled_gemv
     monkeypatch.setattr(gemv_module, "scaled_gemv", lambda *a: calls.append(a[0].shape) or real(*a))
     got = few_rows_product(xq, xs, wq, ws, torch.float32)
-    assert calls == ([(1, 320)] if rows == 1 else [])
+    assert calls == ([(1, 320)] if rows == 1 and qdtype != torch.int8 else [])
     expected = fp8_gemm_rows_ref(xq, xs, wq, ws)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 

@@ -202,19 +202,18 @@ def test_lowp_needs_4_bits_inside_a_group(monkeypatch):  # type: ignore[no-untyp
 @pytest.mark.parametrize("dtype", [d for d in FLOAT_DTYPES if d != torch.bfloat16], ids=str)
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("case", [(72, 416, 32), (72, 416, 128), (100, 320, 320), (64, 1024, 128)], ids=str)
-@pytest.mark.parametrize("loop", ["fused", "narrow", "ahead", "q8-first"])
+@pytest.mark.parametrize("loop", ["fused", "narrow", "q8-first"])
 def test_one_row_in_int8_activations(case, symmetric, dtype, loop, monkeypatch):  # type: ignore[no-untyped-def]
     """One row with the activations in int8 (dp4a=True), 4 bits: groups of 32, of 128 (K = 416:
     a partial last step and group), per channel; N not a multiple of the tile; K split (1024) and
     not. Against the torch reference of its arithmetic (wna16_dp4a_ref) tightly, with a group of
     zeros and an outlier in another; on plain activations within their int8 rounding of the
-    exact product. loop: quantised inside the one-row kernel (its words loaded a step ahead or
-    not: DP4A_AHEAD; in tiles of DP4A_BLOCK_N channels or, narrow, half as many, as an output of
-    fewer tiles than SMs takes them), or first by a kernel of their own (DP4A_FUSED_ONE_ROW off)."""
+    exact product. loop: quantised inside the one-row kernel (in tiles of DP4A_BLOCK_N channels
+    or, narrow, half as many, as an output of fewer tiles than SMs takes them: DP4A_NARROW), or
+    first by a kernel of their own (DP4A_FUSED_ONE_ROW off)."""
     from mmserve.kernels import wna16
 
     monkeypatch.setattr(wna16, "DP4A_FUSED_ONE_ROW", loop != "q8-first")
-    monkeypatch.setattr(wna16, "DP4A_AHEAD", loop == "ahead")
     monkeypatch.setattr(wna16, "DP4A_NARROW", loop == "narrow")
     n, k, group_size = case
     x, q, zeros, scales, _ = _operands(1, n, k, 4, group_size, dtype)
