@@ -42,8 +42,10 @@ class IncrementalDetokenizer:
     Invariant: the concatenated deltas of all `update` calls plus `finish` equal the text of
     all output ids decoded at once (after the prompt, with the same skip_special_tokens),
     cut at the first stop string; it does not depend on how the ids were chunked.
-    As in vLLM: no stop string may end in the text of the first min_tokens ids, and the EOS
-    or stop token id that ended the output shows no text unless include_stop_str_in_output.
+    As in vLLM: no stop string may end in the text the first min_tokens ids release (text that a
+    later id completes, such as a space in the token that begins an emoji, is that later id's; an
+    output of at most min_tokens ids stops on none), and the EOS or stop token id that ended the
+    output shows no text unless include_stop_str_in_output.
     """
 
     def __init__(

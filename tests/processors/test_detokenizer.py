@@ -185,6 +185,17 @@ def test_min_tokens_keeps_stop_strings_out_of_the_first_tokens(smollm2_tokenizer
             assert got[:2] == expected
 
 
+def test_defaults_skip_special_tokens_hide_the_stop_token_and_stop_at_once(smollm2_tokenizer: Any) -> None:
+    """The keyword defaults are SamplingParams' (skip_special_tokens, include_stop_str_in_output
+    off, min_tokens 0), for callers that leave them out."""
+    ids = encode(smollm2_tokenizer, "Hi there<|im_end|>")
+    assert IncrementalDetokenizer(smollm2_tokenizer, []).update(ids).text_delta == "Hi there"
+    shown = IncrementalDetokenizer(smollm2_tokenizer, []).update(ids[:-1], ends_on_stop_token=True)
+    assert shown.text_delta == smollm2_tokenizer.decode(ids[:-2])  # " there" ended it: not text
+    detok = IncrementalDetokenizer(smollm2_tokenizer, [], stop=["H"])
+    assert detok.update(ids[:1]) == ("", "H")
+
+
 def test_min_tokens_counts_hidden_ids(smollm2_tokenizer: Any) -> None:
     # the tool stream's second detokenisation hides special tokens but counts them
     ids = encode(smollm2_tokenizer, "<|im_start|>a b")  # <|im_start|> "a" " b"
@@ -293,16 +304,43 @@ def test_property_random_chunks(
     assert not any("\ufffd" in d for d in deltas)
 
 
+def quiet_chars(tokenizer: Any, ids: list[int], min_tokens: int) -> int:
+    """How many characters of the output's text no stop string may end in: all of it when the
+    output has no more than min_tokens ids (its unfinished tail included), else the text the first
+    min_tokens ids released. A character a later id completes is that id's, the whole token it
+    began in with it (" \xf0\x9f\x98" then "\x80": the space comes with the second), as in vLLM."""
+    if len(ids) <= min_tokens:
+        return len(tokenizer.decode(ids))
+    released = max(j for j in range(min_tokens + 1) if not tokenizer.decode(ids[:j]).endswith("\ufffd"))
+    return len(tokenizer.decode(ids[:released]))
+
+
+def test_min_tokens_and_a_character_completed_later(smollm2_tokenizer: Any) -> None:
+    """" \xf0\x9f\x98" carries a space and the first bytes of 😀: its text comes with the id that
+    completes the character, so min_tokens = 1 lets a stop string end in the space; an output cut
+    inside the character releases it at finish, as the last id's text."""
+    ids = encode(smollm2_tokenizer, "a 😀")
+    assert [smollm2_tokenizer.decode([i]) for i in ids] == ["a", " \ufffd", "\ufffd"]
+    assert detokenize(smollm2_tokenizer, [ids[1:]], min_tokens=1, stop=[" "])[:2] == ("", " ")
+    cut = ids[:2]  # the model stopped inside 😀
+    for min_tokens, expected in [(1, ("a", " ")), (2, ("a \ufffd", None)), (3, ("a \ufffd", None))]:
+        assert quiet_chars(smollm2_tokenizer, cut, min_tokens) == (1 if min_tokens == 1 else 3)
+        for chunks in ([cut], [[i] for i in cut]):
+            got = detokenize(smollm2_tokenizer, chunks, min_tokens=min_tokens, stop=[" "])
+            assert got[:2] == expected
+
+
 @settings(max_examples=60, deadline=None, database=None)
-@given(text=texts, stops=stop_lists, include=st.booleans(), data=st.data())
+@given(text=texts, stops=stop_lists, include=st.booleans(), cut=st.booleans(), data=st.data())
 def test_property_min_tokens_at_every_split(
-    smollm2_tokenizer: Any, text: str, stops: list[str], include: bool, data: st.DataObject
+    smollm2_tokenizer: Any, text: str, stops: list[str], include: bool, cut: bool, data: st.DataObject
 ) -> None:
     ids = encode(smollm2_tokenizer, text)
-    min_tokens = data.draw(st.integers(0, len(ids)))
+    if cut:  # the output may end inside a character: `finish` releases its bytes
+        ids = ids[:-1]
+    min_tokens = data.draw(st.integers(0, len(ids) + 1))
     full = smollm2_tokenizer.decode(ids)
-    # the text of the first min_tokens ids, less a character they leave unfinished
-    quiet = len(smollm2_tokenizer.decode(ids[:min_tokens]).rstrip("\ufffd"))
+    quiet = quiet_chars(smollm2_tokenizer, ids, min_tokens)
     matcher = StopStringMatcher(stops, include)
     first = matcher.push(full[:quiet], may_stop=False)[0]
     released, stopped_on = matcher.push(full[quiet:])
