@@ -167,9 +167,9 @@ def fp8_rows_path(request, monkeypatch):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("pad_rows", [128, 0])
 @pytest.mark.parametrize("rows", [1, 7, 16, 24, 32, 33, 48, 64, 65, 256, 300, 518])  # FEW_ROWS, PAD_ABOVE
 def test_gpu_fp8_linear_equals_the_reference(rows: int, pad_rows: int, fp8_rows_path: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The FP8 tensor cores' products (the rows kernel, or one row on scaled_gemv; torch._scaled_mm past FEW_ROWS, on rows padded to a multiple of PAD_ROWS past
-    PAD_ABOVE or not; Triton per-token quantisation) against the float32 reference of the same
-    FP8 operands."""
+    """The FP8 tensor cores' products (the rows kernel, or one row on scaled_gemv; torch._scaled_mm
+    past FEW_ROWS, on rows padded to a multiple of PAD_ROWS past PAD_ABOVE or not; Triton per-token
+    quantisation) against the float32 reference of the same FP8 operands."""
     from mmserve.models import fp8 as fp8_module
     from mmserve.models.fp8 import Fp8Linear, fp8_linear_ref
 
