@@ -132,11 +132,11 @@ DP4A_FUSED_ONE_ROW = True
 # H200 (session 42, `scripts/sweep_dp4a.py`, the product alone, us, qkv / o / gate_up / down at
 # the 8B shape): 128 channels 7.93 / 7.38 / 22.96 / 13.31, 64 channels 7.34 / 6.45 / 27.23 /
 # 12.89: gate_up (224 tiles of 128) keeps 128, the others (32-48 tiles) take 64. On an H100
-# (session 43, `scripts/sweep_dp4a.py --config DP4A_NARROW=0|1`) alone 8.25 / 7.17 / - / 14.80 against 8.84 / 7.88 / 25.12
-# / 15.49, and in the engine (w4a16-g128 batch 1) 2.584 ms/token twice against 2.650. Its loads a
-# step ahead (a software pipeline written out in the loop) were removed: on the H200 alone gate_up
-# 11% faster, qkv and o 4% slower; in the H100's engine (session 43) 2.629 ms/token against 2.584
-# with narrow tiles, 2.701 against 2.649 without
+# (session 43, `scripts/sweep_dp4a.py --config DP4A_NARROW=0|1`) alone 8.25 / 7.17 / - / 14.80
+# against 8.84 / 7.88 / 25.12 / 15.49, and in the engine (w4a16-g128 batch 1) 2.584 ms/token twice
+# against 2.650. Its loads a step ahead (a software pipeline written out in the loop) were removed:
+# on the H200 alone gate_up 11% faster, qkv and o 4% slower; in the H100's engine (session 43)
+# 2.629 ms/token against 2.584 with narrow tiles, 2.701 against 2.649 without
 DP4A_NARROW = True
 
 
