@@ -55,10 +55,7 @@ def sample_on_device(
     wants_logprobs = [r.params.logprobs for r in rows]
     adjusted = [i for i, r in enumerate(rows) if _adjusts_logits(r)]
     if not adjusted and not any(wants_logprobs):  # the usual step: nothing to do per row
-        greedy = [r.params.greedy for r in rows]
-        if all(greedy):
-            return logits.argmax(dim=-1), [None] * len(rows)
-        return _pick(logits, rows, generator, greedy), [None] * len(rows)
+        return _pick(logits, rows, generator, [r.params.greedy for r in rows]), [None] * len(rows)
     tokens = _pick(
         _adjusted(logits, rows, adjusted), rows, generator, [r.params.greedy for r in rows]
     )
