@@ -14,8 +14,12 @@ by its d once, plus its m times x's block sum; the same weights, the sums in ano
 The 32-element types on AVX-512 with VBMI (gguf_panel_supported) take the library's
 outer-product path from 4 rows on, at any row count: 16 channels dequantised transposed,
 multiplied with 16 rows' sums held in registers, faster than torch.matmul at every size
-measured (SmolLM2's layers: 180 against 120-145 GFLOP/s at 256-512 rows, 178 against 164 at
-2,048).
+measured on AMD Zen 4 / Zen 5 (SmolLM2's layers: 180 against 120-145 GFLOP/s at 256-512 rows, 178
+against 164 at 2,048). On Intel processors torch.matmul's float32 GEMM (MKL, torch's BLAS on
+x86-64) runs kernels tuned for them and wins past MAX_ROWS rows, dequantisation included
+(SmolLM2's layers on 2 cores of a Xeon with AVX-512 and AMX: 2,048 rows 47 against 80 ms, 512
+rows 12.5 against 16.8, 128 rows 4.0 against 4.1), so there the outer-product path stops at
+MAX_ROWS as the other types' product does (panels_past_max_rows).
 Where the library is not available (cpu_lib) the loader keeps the other path: the GGUF
 dequantised once at load.
 """
@@ -73,7 +77,7 @@ def gguf_gemm_cpu(
 ) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype (computed in float32), W the qtype weight in
     blocks [N, K // e, bytes]: the library's product up to MAX_ROWS rows (at any count for the
-    types its outer-product path takes), else W dequantised CHUNK_ELEMENTS at a time and
+    types its outer-product path takes, where panels_past_max_rows), else W dequantised CHUNK_ELEMENTS at a time and
     torch.matmul."""
     if x.dim() != 2 or x.device.type != "cpu" or not x.is_floating_point():
         raise ValueError(f"x must be a float [M, K] CPU tensor, got {x.dtype} {list(x.shape)} on {x.device}")
@@ -90,7 +94,7 @@ def gemm_checked(
     is_float = x.dtype == torch.float32
     xf = x if is_float else x.float()
     m, n = xf.shape[0], blocks.shape[0]
-    if m > MAX_ROWS and not lib.gguf_panel_supported(type_id):
+    if m > MAX_ROWS and not (lib.gguf_panel_supported(type_id) and panels_past_max_rows()):
         out = matmul_in_column_chunks(
             xf, n, CHUNK_ELEMENTS, lambda cols: gguf_dequantize_cpu(blocks[cols], qtype, lib).t()
         )
@@ -104,6 +108,25 @@ def gemm_checked(
             if status:
                 raise RuntimeError(f"gguf_gemm_f32 failed ({status})")
     return out if is_float else out.to(x.dtype)
+
+
+# whether the outer-product path takes products of more than MAX_ROWS rows: None by the
+# processor (panels_past_max_rows); tests set it to take either path here
+PANELS_PAST_MAX_ROWS: bool | None = None
+
+
+def panels_past_max_rows() -> bool:
+    """Whether the 32-element types' outer-product path takes more than MAX_ROWS rows: everywhere
+    but on Intel processors with torch's BLAS MKL (see the module's docstring), unless
+    PANELS_PAST_MAX_ROWS says."""
+    if PANELS_PAST_MAX_ROWS is not None:
+        return PANELS_PAST_MAX_ROWS
+    return not _mkl_on_intel()
+
+
+@functools.cache
+def _mkl_on_intel() -> bool:
+    return cpu_lib.cpu_vendor() == "GenuineIntel" and torch.backends.mkl.is_available()
 
 
 def q8_supported(qtype: str, lib: ctypes.CDLL | None = None) -> bool:

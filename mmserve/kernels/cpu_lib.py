@@ -128,11 +128,22 @@ def _compile(command: list[str]) -> None:
 
 def _cpu_flags() -> str:
     """The processor's feature flags (-march=native builds for them), where Linux lists them."""
+    return _cpuinfo_line(("flags", "Features")) or platform.processor()
+
+
+def cpu_vendor() -> str:
+    """The processor's vendor as Linux names it (GenuineIntel, AuthenticAMD, ...), else ""."""
+    line = _cpuinfo_line(("vendor_id",))
+    return line.partition(":")[2].strip()
+
+
+def _cpuinfo_line(keys: tuple[str, ...]) -> str:
+    """/proc/cpuinfo's first line starting with one of keys ("" where there is none)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor()
-    return next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
+        return ""
+    return next((line for line in info.splitlines() if line.startswith(keys)), "")
 
 
 def require(lib: ctypes.CDLL | None = None) -> ctypes.CDLL:

@@ -40,11 +40,19 @@ def test_dequantize_is_bit_equal_to_ggufs(qtype: str) -> None:
     assert torch.equal(cpu_gguf.gguf_dequantize_cpu(blocks, qtype), gguf_dequantize_ref(blocks, qtype))
 
 
+@pytest.fixture(params=[True, False], ids=["panels", "torch"])
+def panels_past_max_rows(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Past MAX_ROWS rows, the 32-element types' outer-product path or the dequantised weight and
+    torch.matmul (the processor picks one: both are tested here)."""
+    monkeypatch.setattr(cpu_gguf, "PANELS_PAST_MAX_ROWS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, 128, 129, 300])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_product_is_x_times_ggufs_weight(qtype: str, rows: int) -> None:
+def test_product_is_x_times_ggufs_weight(qtype: str, rows: int, panels_past_max_rows: bool) -> None:
     """41 output channels: 10 groups of 4 and one of 1. Up to MAX_ROWS rows the library's
-    product, more the dequantised weight and torch.matmul."""
+    product, more the outer-product path or the dequantised weight and torch.matmul."""
     blocks = _blocks(qtype, 41, seed=rows)
     x = torch.randn(rows, _k(qtype), generator=torch.Generator().manual_seed(rows))
     out = cpu_gguf.gguf_gemm_cpu(x, blocks, qtype)
@@ -56,7 +64,9 @@ def test_product_is_x_times_ggufs_weight(qtype: str, rows: int) -> None:
 
 @pytest.mark.parametrize("rows", [4, 16, 33, 300])
 @pytest.mark.parametrize(("qtype", "k"), [("Q4_0", 608), ("Q5_1", 608), ("Q8_0", 608), ("Q4_1", 1024), ("Q4_K", 768)])
-def test_products_over_several_chunks_of_k_and_blocks_of_rows(qtype: str, k: int, rows: int) -> None:
+def test_products_over_several_chunks_of_k_and_blocks_of_rows(
+    qtype: str, k: int, rows: int, panels_past_max_rows: bool
+) -> None:
     """K = 608: three chunks of the outer-product path (256, 256, 96); K = 1024: rows 4 KiB
     apart, which that path copies further apart; 300 rows are two blocks of 256 rows there."""
     blocks = random_blocks(qtype, 41, k, rows).cpu()
@@ -67,7 +77,7 @@ def test_products_over_several_chunks_of_k_and_blocks_of_rows(qtype: str, k: int
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_one_hot_rows_give_the_weights_exactly(qtype: str) -> None:
+def test_one_hot_rows_give_the_weights_exactly(qtype: str, panels_past_max_rows: bool) -> None:
     """Row i of the identity picks weight column i: every path's product must give the
     dequantised weights bit for bit (all rows at once and 16 at a time: the outer-product path
     where the build has it; 3: the 4 x 4 tiles; 1: the one-row products)."""
@@ -106,6 +116,21 @@ def test_threads_do_not_change_the_bits() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+def test_panels_past_max_rows_by_the_processor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, the outer-product path takes many rows except on Intel processors with MKL (whose
+    float32 GEMM wins there); set, as set."""
+    monkeypatch.setattr(cpu_gguf, "PANELS_PAST_MAX_ROWS", None)
+    for vendor, mkl, expected in [("GenuineIntel", True, False), ("GenuineIntel", False, True),
+                                  ("AuthenticAMD", True, True), ("", True, True)]:  # fmt: skip
+        cpu_gguf._mkl_on_intel.cache_clear()
+        monkeypatch.setattr(cpu_lib, "cpu_vendor", lambda v=vendor: v)
+        monkeypatch.setattr(torch.backends.mkl, "is_available", lambda m=mkl: m)
+        assert cpu_gguf.panels_past_max_rows() is expected, (vendor, mkl)
+    cpu_gguf._mkl_on_intel.cache_clear()
+    monkeypatch.setattr(cpu_gguf, "PANELS_PAST_MAX_ROWS", True)
+    assert cpu_gguf.panels_past_max_rows()
 
 
 def _has(*flags: str) -> bool:
