@@ -280,6 +280,12 @@ static panel_fn panel_for(int qtype) {
     return NULL;
 }
 
+/* Up to this many rows, a thread fetches its next panel ahead (the hardware prefetchers alone
+ * left the stream short: SmolLM2's 30 layers out of cache, 2 Xeon cores, Q4_1 at 1 row 4.1
+ * against 3.6 ms, at 4 rows 5.8 against 5.2; Q4_K 7.4 / 9.5 against 6.7 / 8.7; at 16 rows the
+ * products hide the fetches: 11.7 against 12.0). A prefetch never faults, past the end included. */
+#define FETCH_ROWS 4
+
 /* out[m, n] (ldo apart) = x [m, k] (ldx apart) against the packed weight, on `threads`
  * OpenMP threads. Returns 0; -1 for an unsupported type or k; -2 when memory ran out. */
 int gguf_q8_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
@@ -306,6 +312,10 @@ int gguf_q8_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, i
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
                 int channels = n - 16 * p < 16 ? (int)(n - 16 * p) : 16;
+                if (rows <= FETCH_ROWS) {  /* the next panel, fetched while this one's products run */
+                    const char *next = (const char *)(packed + (p + 1) * blocks * rb);
+                    for (int64_t o = 0; o < blocks * rb; o += 64) __builtin_prefetch(next + o, 0, 3);
+                }
                 fn(rows, packed + p * blocks * rb, blocks, xq + r0 * k, k, dx + at, corr + 2 * at, sx + at,
                    out + r0 * ldo + 16 * p, ldo, (__mmask16)((1u << channels) - 1));
             }
