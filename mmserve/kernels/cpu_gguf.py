@@ -15,11 +15,11 @@ The 32-element types on AVX-512 with VBMI (gguf_panel_supported) take the librar
 outer-product path from 4 rows on, at any row count: 16 channels dequantised transposed,
 multiplied with 16 rows' sums held in registers, faster than torch.matmul at every size
 measured on AMD Zen 4 / Zen 5 (SmolLM2's layers: 180 against 120-145 GFLOP/s at 256-512 rows, 178
-against 164 at 2,048). On Intel processors torch.matmul's float32 GEMM (MKL, torch's BLAS on
-x86-64) runs kernels tuned for them and wins past MAX_ROWS rows, dequantisation included
-(SmolLM2's layers on 2 cores of a Xeon with AVX-512 and AMX: 2,048 rows 47 against 80 ms, 512
-rows 12.5 against 16.8, 128 rows 4.0 against 4.1), so there the outer-product path stops at
-MAX_ROWS as the other types' product does (panels_past_max_rows).
+against 164 at 2,048). On Intel processors it loses at every size (use_panels): up to MAX_ROWS
+to the library's 4 x 4 tiles (mmserve/kernels/cpu/gguf_gemm.c gives the figures), past it to
+torch.matmul, whose float32 GEMM (MKL, torch's BLAS on x86-64) runs kernels tuned for them,
+dequantisation included (SmolLM2's layers on 2 cores of a Xeon with AVX-512 and AMX: 2,048 rows
+47 against 80 ms, 512 rows 12.5 against 16.8, 128 rows 4.0 against 4.1).
 Where the library is not available (cpu_lib) the loader keeps the other path: the GGUF
 dequantised once at load.
 """
@@ -77,7 +77,7 @@ def gguf_gemm_cpu(
 ) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype (computed in float32), W the qtype weight in
     blocks [N, K // e, bytes]: the library's product up to MAX_ROWS rows (at any count for the
-    types its outer-product path takes, where panels_past_max_rows), else W dequantised CHUNK_ELEMENTS at a time and
+    types its outer-product path takes, where use_panels), else W dequantised CHUNK_ELEMENTS at a time and
     torch.matmul."""
     if x.dim() != 2 or x.device.type != "cpu" or not x.is_floating_point():
         raise ValueError(f"x must be a float [M, K] CPU tensor, got {x.dtype} {list(x.shape)} on {x.device}")
@@ -94,7 +94,8 @@ def gemm_checked(
     is_float = x.dtype == torch.float32
     xf = x if is_float else x.float()
     m, n = xf.shape[0], blocks.shape[0]
-    if m > MAX_ROWS and not (lib.gguf_panel_supported(type_id) and panels_past_max_rows()):
+    panels = use_panels()
+    if m > MAX_ROWS and not (panels and lib.gguf_panel_supported(type_id)):
         out = matmul_in_column_chunks(
             xf, n, CHUNK_ELEMENTS, lambda cols: gguf_dequantize_cpu(blocks[cols], qtype, lib).t()
         )
@@ -104,23 +105,23 @@ def gemm_checked(
         out = xf.new_empty((m, n))
         if m and n:
             status = lib.gguf_gemm_f32(type_id, torch.get_num_threads(), xf.data_ptr(), m, xf.shape[1],
-                                       xf.stride(0), blocks.data_ptr(), n, out.data_ptr(), n)  # fmt: skip
+                                       xf.stride(0), blocks.data_ptr(), n, out.data_ptr(), n, panels)  # fmt: skip
             if status:
                 raise RuntimeError(f"gguf_gemm_f32 failed ({status})")
     return out if is_float else out.to(x.dtype)
 
 
-# whether the outer-product path takes products of more than MAX_ROWS rows: None by the
-# processor (panels_past_max_rows); tests set it to take either path here
-PANELS_PAST_MAX_ROWS: bool | None = None
+# whether the 32-element types' outer-product path runs where it is built: None by the
+# processor (use_panels); tests set it to take either path here
+PANELS: bool | None = None
 
 
-def panels_past_max_rows() -> bool:
-    """Whether the 32-element types' outer-product path takes more than MAX_ROWS rows: everywhere
-    but on Intel processors with torch's BLAS MKL (see the module's docstring), unless
-    PANELS_PAST_MAX_ROWS says."""
-    if PANELS_PAST_MAX_ROWS is not None:
-        return PANELS_PAST_MAX_ROWS
+def use_panels() -> bool:
+    """Whether the 32-element types' outer-product path runs (where the library has it):
+    everywhere but on Intel processors with torch's BLAS MKL (see the module's docstring),
+    unless PANELS says."""
+    if PANELS is not None:
+        return PANELS
     return not _mkl_on_intel()
 
 

@@ -67,7 +67,8 @@ def load(path: Path) -> ctypes.CDLL:
     for fn in (lib.gguf_gemm_f32, lib.gguf_dequant_f32, lib.gguf_cpu_vectorised, lib.gguf_panel_supported):
         fn.restype = ctypes.c_int
     lib.gguf_panel_supported.argtypes = [ctypes.c_int]
-    lib.gguf_gemm_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64]
+    lib.gguf_gemm_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I64,
+                                  ctypes.c_int]  # fmt: skip
     lib.gguf_dequant_f32.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _PTR]
     for fn in (lib.gguf_q8_supported, lib.gguf_q8_pack, lib.gguf_q8_gemm, lib.gguf_q8_quantise):
         fn.restype = ctypes.c_int

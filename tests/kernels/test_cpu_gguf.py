@@ -40,19 +40,21 @@ def test_dequantize_is_bit_equal_to_ggufs(qtype: str) -> None:
     assert torch.equal(cpu_gguf.gguf_dequantize_cpu(blocks, qtype), gguf_dequantize_ref(blocks, qtype))
 
 
-@pytest.fixture(params=[True, False], ids=["panels", "torch"])
-def panels_past_max_rows(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Past MAX_ROWS rows, the 32-element types' outer-product path or the dequantised weight and
-    torch.matmul (the processor picks one: both are tested here)."""
-    monkeypatch.setattr(cpu_gguf, "PANELS_PAST_MAX_ROWS", request.param)
+@pytest.fixture(params=[True, False], ids=["panels", "tiles"])
+def panels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The 32-element types' outer-product path where the build has it, or the 4 x 4 tiles up to
+    MAX_ROWS rows and the dequantised weight and torch.matmul past them (the processor picks
+    one: both are tested here)."""
+    monkeypatch.setattr(cpu_gguf, "PANELS", request.param)
     return request.param
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, 128, 129, 300])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_product_is_x_times_ggufs_weight(qtype: str, rows: int, panels_past_max_rows: bool) -> None:
+def test_product_is_x_times_ggufs_weight(qtype: str, rows: int, panels: bool) -> None:
     """41 output channels: 10 groups of 4 and one of 1. Up to MAX_ROWS rows the library's
-    product, more the outer-product path or the dequantised weight and torch.matmul."""
+    product (the 32-element types' outer-product path from 4 rows where it runs), more that
+    path or the dequantised weight and torch.matmul."""
     blocks = _blocks(qtype, 41, seed=rows)
     x = torch.randn(rows, _k(qtype), generator=torch.Generator().manual_seed(rows))
     out = cpu_gguf.gguf_gemm_cpu(x, blocks, qtype)
@@ -65,7 +67,7 @@ def test_product_is_x_times_ggufs_weight(qtype: str, rows: int, panels_past_max_
 @pytest.mark.parametrize("rows", [4, 16, 33, 300])
 @pytest.mark.parametrize(("qtype", "k"), [("Q4_0", 608), ("Q5_1", 608), ("Q8_0", 608), ("Q4_1", 1024), ("Q4_K", 768)])
 def test_products_over_several_chunks_of_k_and_blocks_of_rows(
-    qtype: str, k: int, rows: int, panels_past_max_rows: bool
+    qtype: str, k: int, rows: int, panels: bool
 ) -> None:
     """K = 608: three chunks of the outer-product path (256, 256, 96); K = 1024: rows 4 KiB
     apart, which that path copies further apart; 300 rows are two blocks of 256 rows there."""
@@ -77,7 +79,7 @@ def test_products_over_several_chunks_of_k_and_blocks_of_rows(
 
 
 @pytest.mark.parametrize("qtype", TYPES)
-def test_one_hot_rows_give_the_weights_exactly(qtype: str, panels_past_max_rows: bool) -> None:
+def test_one_hot_rows_give_the_weights_exactly(qtype: str, panels: bool) -> None:
     """Row i of the identity picks weight column i: every path's product must give the
     dequantised weights bit for bit (all rows at once and 16 at a time: the outer-product path
     where the build has it; 3: the 4 x 4 tiles; 1: the one-row products)."""
@@ -118,19 +120,35 @@ def test_threads_do_not_change_the_bits() -> None:
     assert torch.equal(one, two)
 
 
-def test_panels_past_max_rows_by_the_processor(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unset, the outer-product path takes many rows except on Intel processors with MKL (whose
-    float32 GEMM wins there); set, as set."""
-    monkeypatch.setattr(cpu_gguf, "PANELS_PAST_MAX_ROWS", None)
+@pytest.mark.skipif(
+    not (cpu_lib.available() and cpu_lib.library().gguf_panel_supported(FORMATS["Q4_1"].type_id)),
+    reason="no outer-product path in this build",
+)
+def test_panels_choose_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PANELS reaches the library: the outer-product path and the tiles sum in other orders, so
+    at 16 rows their outputs differ in the last bits (both within rounding of the weight)."""
+    blocks, x = _blocks("Q4_1", 41), torch.randn(16, 224, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for panels in (True, False):
+        monkeypatch.setattr(cpu_gguf, "PANELS", panels)
+        outs.append(cpu_gguf.gguf_gemm_cpu(x, blocks, "Q4_1"))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-4)
+    assert not torch.equal(outs[0], outs[1])
+
+
+def test_panels_by_the_processor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, the outer-product path runs except on Intel processors with MKL (where the tiles
+    and MKL's float32 GEMM win); set, as set."""
+    monkeypatch.setattr(cpu_gguf, "PANELS", None)
     for vendor, mkl, expected in [("GenuineIntel", True, False), ("GenuineIntel", False, True),
                                   ("AuthenticAMD", True, True), ("", True, True)]:  # fmt: skip
         cpu_gguf._mkl_on_intel.cache_clear()
         monkeypatch.setattr(cpu_lib, "cpu_vendor", lambda v=vendor: v)
         monkeypatch.setattr(torch.backends.mkl, "is_available", lambda m=mkl: m)
-        assert cpu_gguf.panels_past_max_rows() is expected, (vendor, mkl)
+        assert cpu_gguf.use_panels() is expected, (vendor, mkl)
     cpu_gguf._mkl_on_intel.cache_clear()
-    monkeypatch.setattr(cpu_gguf, "PANELS_PAST_MAX_ROWS", True)
-    assert cpu_gguf.panels_past_max_rows()
+    monkeypatch.setattr(cpu_gguf, "PANELS", True)
+    assert cpu_gguf.use_panels()
 
 
 def _has(*flags: str) -> bool:

@@ -8,8 +8,13 @@
  * blocks are read from memory once per call whatever the rows (one row against 32-element
  * blocks skips the buffer: legacy_dot). From OUTER_MIN_ROWS rows on, the 32-element types on
  * AVX-512 with VBMI take the outer-product path below instead (16 channels dequantised
- * transposed, gguf_panel.c), whatever the rows: SmolLM2's layers at 92-95% of the FMA limit
- * from 128 rows on and 73% at 16, where the 4 x 4 tiles reached 65% at 64 rows and 54% at 16.
+ * transposed, gguf_panel.c), whatever the rows, where the caller asks for it (`panels`): on
+ * AMD Zen 4 / Zen 5, SmolLM2's layers at 92-95% of the FMA limit from 128 rows on and 73% at 16,
+ * where the 4 x 4 tiles reached 65% at 64 rows and 54% at 16 (before the tiles' prefetches). On
+ * a Xeon (AVX-512, 2 cores) the prefetching tiles beat it at every row count measured (SmolLM2's
+ * 30 layers out of cache: Q4_1 at 4 rows 11.6 against 13.4 ms, 16 rows 24.8 against 25.5, 64
+ * rows 71.9 against 72.8; the Q8_0 head at 16 rows 27.2 against 30.3), so mmserve.kernels.
+ * cpu_gguf asks for it only off Intel processors.
  * Threads are OpenMP's: the library links libgomp.so.1, which resolves to the runtime torch
  * loaded (the same threads, no second pool spinning against torch's).
  */
@@ -249,10 +254,11 @@ static int outer_gemm(int qtype, int threads, const float *x, int64_t m, int64_t
 }
 #endif
 
-/* On `threads` OpenMP threads. Returns 0; -1 for an unsupported type or a k that is not whole
- * blocks; -2 when a thread's buffer could not be allocated. */
+/* On `threads` OpenMP threads; panels: whether the outer-product path may run (where built,
+ * for the types it takes, from OUTER_MIN_ROWS rows). Returns 0; -1 for an unsupported type or a
+ * k that is not whole blocks; -2 when a thread's buffer could not be allocated. */
 int gguf_gemm_f32(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
-                  const uint8_t *w, int64_t n, float *out, int64_t ldo) {
+                  const uint8_t *w, int64_t n, float *out, int64_t ldo, int panels) {
     int64_t elements = gguf_block_elements(qtype);
     if (!elements || k % elements) return -1;
     int64_t row_bytes = k / elements * gguf_block_bytes(qtype);
@@ -275,8 +281,10 @@ int gguf_gemm_f32(int qtype, int threads, const float *x, int64_t m, int64_t k, 
         return 0;
     }
 #if VECTORISED && LANES == 16
-    if (m >= OUTER_MIN_ROWS && gguf_panel_supported(qtype))
+    if (panels && m >= OUTER_MIN_ROWS && gguf_panel_supported(qtype))
         return outer_gemm(qtype, threads, x, m, k, ldx, w, n, out, ldo);
+#else
+    (void)panels;
 #endif
     int64_t groups = (n + CHANNELS - 1) / CHANNELS;
     int failed = 0;
