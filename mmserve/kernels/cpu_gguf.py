@@ -77,8 +77,8 @@ def gguf_gemm_cpu(
 ) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype (computed in float32), W the qtype weight in
     blocks [N, K // e, bytes]: the library's product up to MAX_ROWS rows (at any count for the
-    types its outer-product path takes, where use_panels), else W dequantised CHUNK_ELEMENTS at a time and
-    torch.matmul."""
+    types its outer-product path takes, where use_panels), else W dequantised CHUNK_ELEMENTS at
+    a time and torch.matmul."""
     if x.dim() != 2 or x.device.type != "cpu" or not x.is_floating_point():
         raise ValueError(f"x must be a float [M, K] CPU tensor, got {x.dtype} {list(x.shape)} on {x.device}")
     return gemm_checked(x, blocks, qtype, _check(blocks, qtype, x.shape[1]).type_id, lib)

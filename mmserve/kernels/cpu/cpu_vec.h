@@ -69,6 +69,31 @@ static inline float vsum(vf v) {
 #endif
 }
 
+/* lane t: the sum of v[t]'s lanes, t < LANES (a transposing tree: LANES - 1 adds of vectors
+ * where one sum each would take a tree of its own) */
+static inline vf vsums(const vf *v) {
+#if VECTORISED && LANES == 16
+    __m512 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++)
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps((__m512)v[2 * i], (__m512)v[2 * i + 1]),
+                             _mm512_unpackhi_ps((__m512)v[2 * i], (__m512)v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xee));
+    for (int i = 0; i < 2; i++)
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xdd));
+    return (vf)_mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xdd));
+#elif VECTORISED
+    __m256 a = _mm256_hadd_ps(_mm256_hadd_ps((__m256)v[0], (__m256)v[1]), _mm256_hadd_ps((__m256)v[2], (__m256)v[3]));
+    __m256 b = _mm256_hadd_ps(_mm256_hadd_ps((__m256)v[4], (__m256)v[5]), _mm256_hadd_ps((__m256)v[6], (__m256)v[7]));
+    return (vf)_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+#else
+    vf out;
+    for (int t = 0; t < LANES; t++) out[t] = vsum(v[t]);
+    return out;
+#endif
+}
+
 /* lane i: i + first */
 static inline vi vindex(int first) {
     vi v;
