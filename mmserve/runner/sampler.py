@@ -106,7 +106,15 @@ def draw(
 ) -> torch.Tensor:
     """[N] int64: one token from each row of probs, with the noise sampling would use (a
     seeded row's generator at its position seed, else generator)."""
-    return (probs / _exponential_noise(probs, rows, generator)).argmax(dim=-1)
+    return argmax(probs / _exponential_noise(probs, rows, generator))
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1): each row's first largest value's index (a NaN counts as largest). On the
+    CPU by torch.max, whose indices are the same (its documented tie rule, and NaN's) and whose
+    reduction is vectorised where argmax's is not: 2 cores, 16 x 49,152 float32 logits 0.20
+    against 0.59 ms, 64 x 128,256 2.2 against 10.7."""
+    return torch.max(x, dim=-1).indices if x.is_cpu else x.argmax(dim=-1)
 
 
 def _adjusts_logits(row: SamplingRow) -> bool:
@@ -234,12 +242,12 @@ def _pick(
     greedy: list[bool],  # per row
 ) -> torch.Tensor:
     if all(greedy):
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     sampled = draw(_filtered_probs(logits, rows), rows, generator)  # Gumbel-max, exponential form
     if not any(greedy):
         return sampled
     is_greedy = _to(logits.device, greedy, torch.bool)
-    return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+    return torch.where(is_greedy, argmax(logits), sampled)
 
 
 def _to(device: torch.device, values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:

@@ -41,7 +41,7 @@ from mmserve.processors.tokenizer import load_tokenizer
 from mmserve.request import PLACEHOLDER, Request
 from mmserve.runner.input_batch import SampledOnDevice
 from mmserve.runner.model_runner import ModelRunner
-from mmserve.runner.sampler import SamplingRow, distribution, draw, position_seed
+from mmserve.runner.sampler import SamplingRow, argmax, distribution, draw, position_seed
 from mmserve.speculative import Guesses, Proposer, ProposerContext
 
 logger = logging.getLogger(__name__)
@@ -328,7 +328,7 @@ class DraftProposer(Proposer):
     ) -> torch.Tensor:
         """[len(turns)] guesses at draft step j, on the device."""
         if all(t.mode == "greedy" for t in turns):
-            return logits.argmax(dim=-1)
+            return argmax(logits)
         rows = []
         for turn in turns:
             row = turn.row
@@ -347,7 +347,7 @@ class DraftProposer(Proposer):
         greedy = torch.tensor([t.mode == "greedy" for t in turns]).to(
             logits.device, non_blocking=True
         )
-        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+        tokens = torch.where(greedy, argmax(logits), tokens)
         for n, turn in enumerate(turns):
             if turn.mode == "drawn":
                 drawn[alive[n]].append(probs[n])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mmserve.params import SamplingParams
-from mmserve.runner.sampler import SamplingRow, sample
+from mmserve.runner.sampler import SamplingRow, argmax, sample
 
 
 def row(prompt=(), output=(), eos=(), seed=None, **kw) -> SamplingRow:  # type: ignore[no-untyped-def]
@@ -30,6 +30,21 @@ def test_greedy_and_top_k_1() -> None:
     assert set(draw(LOGITS, temperature=0.0)) == {0}
     assert set(draw(LOGITS, temperature=1.0, top_k=1)) == {0}
     assert len(draw(LOGITS, temperature=1.0)) > 3  # sanity: sampling does spread
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_is_torchs_first_largest_index(dtype: torch.dtype) -> None:
+    """sampler.argmax (torch.max's indices on the CPU) picks what torch.argmax picks: the first
+    of tied largest values, a NaN over any number, and index 0 of a row of -inf."""
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 1), (3, 7), (16, 4099), (5, 49152)]:
+        x = torch.randint(-3, 3, (rows, vocab), generator=g).to(dtype)  # ties everywhere
+        if vocab > 7:
+            x[0, vocab // 3] = float("nan")
+            x[-1] = -float("inf")
+        assert torch.equal(argmax(x), x.argmax(dim=-1)), (rows, vocab)
+    tied = torch.tensor([[1.0, 5.0, 5.0, 2.0], [5.0, 0.0, 5.0, 5.0]], dtype=dtype)
+    assert argmax(tied).tolist() == [1, 0]
 
 
 def test_temperatures_too_small_to_divide_by_are_greedy() -> None:
