@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the GPU machine runs (device tool): install offline, test the GPU path, benchmark.
-# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s41 s44 (all =
+# Usage: scripts/gpu_run.sh STAGE...; stages: tests bench quant qtests qkernels int8 kvcap embed structured serve coldstart prefix fp8ttft fp8levers fp8gemm vlm gguf ggufk lowp dp4a ggufquick q6k w4a16 serial sweepdp4a pdl gcab embedhost levers28 s29 s30 s30gguf s30b embedspy s31 s31b s32 s32b s34 s34b s35 s36 s37 s38 s41 s44 s44fp8 (all =
 # tests bench); results under $OUT. Carry .whl and bench_data, which scripts/gpu_wheels.sh stages,
 # and COMMIT (`git rev-parse --short HEAD > COMMIT` first): the machine's copy of .git can be
 # older than the tree it runs (session 29's named the session's first commit all along).
@@ -405,6 +405,14 @@ if has s35; then
     flag=""; [ $q = fp8 ] && flag="--quantization fp8"; echo "$q batch $b"
     MMSERVE_BENCH_PROFILE=$OUT/profile-$q-$b.txt $B decode --model shape:llama3-8b --load-format dummy \
       --batch-size $b --input-len 512 --max-num-seqs $b $flag; done; done 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s35.txt"
+fi
+if has s44fp8; then
+  # s44's first question alone (about 2 minutes, no tests): FP8's one row on scaled_gemv
+  # (fp8_gemm.ONE_ROW_GEMV) against the rows kernel on the H200, alternated
+  { L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
+    for t in True False True; do echo "ONE_ROW_GEMV=$t fp8"
+      python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --quantization fp8; done
+  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s44fp8.txt"
 fi
 if has s44; then
   # session 43's decisions from an H100, on the card the targets name: FP8's one row on scaled_gemv
