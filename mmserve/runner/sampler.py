@@ -54,11 +54,10 @@ def sample_on_device(
     device unless a row asked for logprobs (their top-k reads values on the host)."""
     wants_logprobs = [r.params.logprobs for r in rows]
     adjusted = [i for i, r in enumerate(rows) if _adjusts_logits(r)]
+    greedy = [r.params.greedy for r in rows]
     if not adjusted and not any(wants_logprobs):  # the usual step: nothing to do per row
-        return _pick(logits, rows, generator, [r.params.greedy for r in rows]), [None] * len(rows)
-    tokens = _pick(
-        _adjusted(logits, rows, adjusted), rows, generator, [r.params.greedy for r in rows]
-    )
+        return _pick(logits, rows, generator, greedy), [None] * len(rows)
+    tokens = _pick(_adjusted(logits, rows, adjusted), rows, generator, greedy)
     return tokens, logprobs_of(logits, rows, tokens)
 
 

@@ -69,6 +69,12 @@ static inline float vsum(vf v) {
 #endif
 }
 
+/* bytes [p, p + bytes) fetched into the caches ahead of their reads, a line of 64 at a time (a
+ * prefetch never faults, past the end of an allocation included) */
+static inline void prefetch_bytes(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+}
+
 /* lane t: the sum of v[t]'s lanes, t < LANES (a transposing tree: LANES - 1 adds of vectors
  * where one sum each would take a tree of its own) */
 static inline vf vsums(const vf *v) {

@@ -33,10 +33,7 @@
  * it goes without. A prefetch never faults, past the end of the blocks included. */
 #define AHEAD 2048
 
-static inline void prefetch_ahead(const uint8_t *from, int64_t bytes) {
-    const char *p = (const char *)from + AHEAD;
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
-}
+static inline void prefetch_ahead(const uint8_t *from, int64_t bytes) { prefetch_bytes(from + AHEAD, bytes); }
 
 /* AVX-512: 4 x 4 measured as fast as 8 x 3, 6 x 3 or 6 x 4 at 1-16 rows (SmolLM2's layers, 2
  * cores). AVX2 (Zen 2, 2 cores, SmolLM2's Q4_1 layers, session 30): 3 x 4 (12 sums and the 4

@@ -312,10 +312,8 @@ int gguf_q8_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, i
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
                 int channels = n - 16 * p < 16 ? (int)(n - 16 * p) : 16;
-                if (rows <= FETCH_ROWS) {  /* the next panel, fetched while this one's products run */
-                    const char *next = (const char *)(packed + (p + 1) * blocks * rb);
-                    for (int64_t o = 0; o < blocks * rb; o += 64) __builtin_prefetch(next + o, 0, 3);
-                }
+                if (rows <= FETCH_ROWS)  /* the next panel, fetched while this one's products run */
+                    prefetch_bytes(packed + (p + 1) * blocks * rb, blocks * rb);
                 fn(rows, packed + p * blocks * rb, blocks, xq + r0 * k, k, dx + at, corr + 2 * at, sx + at,
                    out + r0 * ldo + 16 * p, ldo, (__mmask16)((1u << channels) - 1));
             }
