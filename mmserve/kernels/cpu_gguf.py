@@ -13,8 +13,8 @@ one request) skips the buffer: each block's (a K-quant's: sub-block's) integers 
 by its d once, plus its m times x's block sum; the same weights, the sums in another order.
 The 32-element types on AVX-512 with VBMI (gguf_panel_supported) take the library's
 outer-product path from 4 rows on, at any row count: 16 channels dequantised transposed,
-multiplied with 16 rows' sums held in registers, faster than torch.matmul at every size
-measured on AMD Zen 4 / Zen 5 (SmolLM2's layers: 180 against 120-145 GFLOP/s at 256-512 rows, 178
+multiplied with 16 rows' sums held in registers (up to 16 rows each block as it is dequantised),
+faster than torch.matmul at every size measured on AMD Zen 4 / Zen 5 (SmolLM2's layers: 180 against 120-145 GFLOP/s at 256-512 rows, 178
 against 164 at 2,048). On Intel processors it loses at every size (use_panels): up to MAX_ROWS
 to the library's 4 x 4 tiles (mmserve/kernels/cpu/gguf_gemm.c gives the figures), past it to
 torch.matmul, whose float32 GEMM (MKL, torch's BLAS on x86-64) runs kernels tuned for them,

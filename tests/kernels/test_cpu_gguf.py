@@ -1,8 +1,8 @@
 """The CPU's GGUF library (mmserve/kernels/cpu_gguf.py, mmserve/kernels/cpu/*.c) against the
 gguf package's own dequantiser, for every supported type: the dequantised weights bit-equal,
 products of 1-300 rows (the library's register tiles of 4 rows x 4 channels, partial ones at
-both edges; its outer-product path over 16-channel panels, several chunks of k and blocks of
-rows; past MAX_ROWS the many-rows path) within float32 rounding and, against one-hot rows,
+both edges; its outer-product path over 16-channel panels, up to 16 rows a block at a time in
+registers, more in several chunks of k and blocks of rows; past MAX_ROWS the many-rows path) within float32 rounding and, against one-hot rows,
 exactly; any thread count giving the same bits; the builds for AVX2, AVX-512 without VBMI and
 no vectors alike; a library that cannot be built leaves it unavailable instead of failing."""
 
@@ -49,7 +49,7 @@ def panels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> b
     return request.param
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, 128, 129, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 128, 129, 300])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_product_is_x_times_ggufs_weight(qtype: str, rows: int, panels: bool) -> None:
     """41 output channels: 10 groups of 4 and one of 1. Up to MAX_ROWS rows the library's
@@ -134,6 +134,26 @@ def test_panels_choose_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
         outs.append(cpu_gguf.gguf_gemm_cpu(x, blocks, "Q4_1"))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-4)
     assert not torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(
+    not cpu_lib.available() or not cpu_lib.require().gguf_panel_supported(FORMATS["Q4_1"].type_id),
+    reason="no outer-product path in this build",
+)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_up_to_16_rows_sum_as_the_chunked_panels_do(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to 16 rows multiply each block as it is dequantised (odd counts with a row of zeros),
+    more through chunks of dequantised weights: both sum each output in the order of k, so a
+    row's outputs are the same bits whether 4, 5, 15 or 16 rows go (the first rows of 17), over
+    K = 1,056 (33 blocks: five chunks of the other path) and 45 channels (a partial panel)."""
+    monkeypatch.setattr(cpu_gguf, "PANELS", True)
+    blocks = random_blocks(qtype, 45, 1056, 7).cpu()
+    x = torch.randn(17, 1056, generator=torch.Generator().manual_seed(5))
+    chunked = cpu_gguf.gguf_gemm_cpu(x, blocks, qtype)
+    weight = gguf_dequantize_ref(blocks, qtype).float()
+    torch.testing.assert_close(chunked, x @ weight.t(), rtol=1e-5, atol=1e-4)
+    for rows in (4, 5, 15, 16):
+        assert torch.equal(cpu_gguf.gguf_gemm_cpu(x[:rows], blocks, qtype), chunked[:rows]), rows
 
 
 def test_panels_by_the_processor(monkeypatch: pytest.MonkeyPatch) -> None:

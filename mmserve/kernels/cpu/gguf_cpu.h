@@ -21,5 +21,11 @@ int gguf_panel_supported(int qtype);
  * `channels` are garbage) -> wt[kc][16] float32, 64-byte aligned; k0, kc whole blocks. */
 void gguf_dequant_panel(int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc,
                         float *wt);
+/* out[r, c] = sum_k x[r, k] w[c, k] for the first `stored` of `rows` (even, 2..16) rows of x,
+ * given transposed (xt[k * rows + r]), and the 16 channels at w (those past `channels` not
+ * stored), each block dequantised as gguf_dequant_panel does and multiplied in registers at
+ * once; fetch bytes at next prefetched into L2 meanwhile. */
+void gguf_fused_panel(int qtype, int rows, int stored, const float *xt, const uint8_t *w, int64_t row_bytes,
+                      int channels, int64_t k, float *out, int64_t ldo, const void *next, int64_t fetch);
 
 #endif

@@ -10,7 +10,11 @@
  * AVX-512 with VBMI take the outer-product path below instead (16 channels dequantised
  * transposed, gguf_panel.c), whatever the rows, where the caller asks for it (`panels`): on
  * AMD Zen 4 / Zen 5, SmolLM2's layers at 92-95% of the FMA limit from 128 rows on and 73% at 16,
- * where the 4 x 4 tiles reached 65% at 64 rows and 54% at 16 (before the tiles' prefetches). On
+ * where the 4 x 4 tiles reached 65% at 64 rows and 54% at 16 (before the tiles' prefetches); up
+ * to 16 rows it multiplies each block as it is dequantised, in registers (Zen 4, 2 cores,
+ * SmolLM2's 30 layers at 16 rows 22.5 against 24.2 ms, the Q8_0 head 5.1 against 6.1; at 4 rows
+ * 10.3 against 11.2, the head 2.1 against 2.7). The tiles with their prefetches still lose to
+ * it there at 4-32 rows (16 rows: 31.2 against 26.4 ms before the change). On
  * a Xeon (AVX-512, 2 cores) the prefetching tiles beat it at every row count measured (SmolLM2's
  * 30 layers out of cache: Q4_1 at 4 rows 11.6 against 13.4 ms, 16 rows 24.8 against 25.5, 64
  * rows 71.9 against 72.8; the Q8_0 head at 16 rows 27.2 against 30.3), so mmserve.kernels.
@@ -167,7 +171,13 @@ static float kquant_dot(int qtype, const float *x, const float *xsums, const uin
 /* The outer-product path, for the types gguf_panel.c transposes (AVX-512 with VBMI): panels of
  * 16 output channels, KC weights of k at a time dequantised into wt[KC][16] (the 16 channels'
  * weights at each k in one vector), then ROWS_OUTER rows' 16 sums each held in registers while
- * k runs, x broadcast one element at a time: no horizontal sums, each sum in the order of k. */
+ * k runs, x broadcast one element at a time: no horizontal sums, each sum in the order of k.
+ * Up to ROWS_OUTER rows (a decode step) there is one pass over the rows, and each block's 32
+ * weights go from their dequantisation straight into the sums (gguf_fused_panel): the
+ * dequantisation's work then overlaps the multiplies instead of running between chunks, with
+ * the same sums in the same order (bit-equal). x is transposed for it first, so that every
+ * broadcast element is at a constant offset from one pointer (the rows' 16 pointers took the
+ * general registers). */
 #define KC 256  /* wt and 16 rows of x's chunk fill 32 KiB, an L1 */
 #define ROWS_OUTER 16
 #define ROW_BLOCK 256
@@ -222,9 +232,33 @@ static void panel(int qtype, const float *x, int64_t rows, int64_t k, int64_t ld
     }
 }
 
+/* One panel against m <= ROWS_OUTER rows of x, transposed (xt, mp >= m rows: m rounded up to
+ * even, the padding zeros), dequantised and multiplied a block at a time (gguf_fused_panel);
+ * the next panel's blocks prefetched meanwhile, as panel() does. */
+static void fused_panel(int qtype, const float *xt, int64_t m, int64_t mp, int64_t k, const uint8_t *w,
+                        int64_t row_bytes, int64_t n0, int64_t n, float *out, int64_t ldo) {
+    int channels = n - n0 < 16 ? (int)(n - n0) : 16;
+    int64_t span = n0 + 16 < n ? (n - n0 - 16 < 16 ? n - n0 - 16 : 16) * row_bytes : 0;
+    gguf_fused_panel(qtype, (int)mp, (int)m, xt, w + n0 * row_bytes, row_bytes, channels, k, out + n0, ldo,
+                     w + (n0 + 16) * row_bytes, span);
+}
+
 static int outer_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
                       const uint8_t *w, int64_t n, float *out, int64_t ldo) {
     int64_t row_bytes = k / 32 * gguf_block_bytes(qtype), panels = (n + 15) / 16;
+    if (m <= ROWS_OUTER) {
+        int64_t mp = (m + 1) & ~(int64_t)1;
+        float *xt = aligned_alloc(64, sizeof(float) * ((mp * k + 15) & ~(int64_t)15));
+        if (!xt) return -2;
+        for (int64_t i = 0; i < k; i++) {
+            for (int64_t r = 0; r < m; r++) xt[i * mp + r] = x[r * ldx + i];
+            if (mp > m) xt[i * mp + m] = 0.0f;
+        }
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t p = 0; p < panels; p++) fused_panel(qtype, xt, m, mp, k, w, row_bytes, 16 * p, n, out, ldo);
+        free(xt);
+        return 0;
+    }
     /* Rows of x whose stride is a multiple of 2 KiB (k = 512, 1024, 4096, ...) fall in one or
      * two L1 sets, and 16 of them thrash its 8 ways (K = 4096 at 16 rows took 18.4 ms where 8
      * rows took 6.1): those are copied ld = k + 16 floats apart, each row a set further. Others

@@ -4,7 +4,8 @@
  * Channels are rows of blocks row_bytes apart. Each block's quant bytes are loaded 16 at a
  * time from the 16 channels and transposed as bytes by AVX-512 VBMI's two-table byte permute
  * (3 permutes for 4 output vectors), so that byte j of every channel lies in one vector; the
- * integers are then widened, scaled and stored a k at a time. Compiled with -ffp-contract=off:
+ * integers are then widened, scaled and stored a k at a time (gguf_dequant_panel), or multiplied
+ * at once with up to 16 rows of x (gguf_fused_panel). Compiled with -ffp-contract=off:
  * q d + m rounds as legacy() in gguf_dequant.c does, bit-equal to the gguf package.
  *
  * Only AVX-512 builds with VBMI (Ice Lake, Zen 4 and newer) have it; gguf_panel_supported()
@@ -63,24 +64,41 @@ static inline __m512i words(const uint8_t *const p[16], int64_t at) {
 #define WIDEN(O, t, is_signed) \
     (is_signed ? _mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(O, t)) : _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(O, t)))
 
-/* elements j (lo) and j + 16 (hi) of a 32-element block for the 16 channels: with their fifth
- * bits (bits j and j + 16 of qh) where the type has them, less the type's offset, times d,
- * plus m where it has one (legacy() in gguf_dequant.c, the same roundings) */
-static inline __attribute__((always_inline)) void nibbles(__m512i lo, __m512i hi, int j, __m512i qh, int five,
-                                                          int offset, __m512 d, int has_m, __m512 m, float *wt) {
-    if (five) {
-        const __m512i one = _mm512_set1_epi32(1);
-        lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, j), one), 4));
-        hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, j + 16), one), 4));
+/* Where a block's weights go, a vector of 16 channels' weight k at a time: stored at wt[k][16]
+ * (wt non-null), or multiplied at once with `rows` rows of x, transposed (xt[k * rows + r]),
+ * into acc[r]. With the walk inlined and rows a constant, acc lives in registers and every
+ * element of xt is at a constant offset from one pointer. */
+typedef struct {
+    float *wt;
+    const float *xt;
+    int rows;
+    __m512 acc[16];
+} sink_t;
+
+static inline __attribute__((always_inline)) void emit(sink_t *s, int j, __m512 wv) {
+    if (s->wt) {
+        _mm512_store_ps(s->wt + j * 16, wv);
+        return;
     }
-    __m512 wl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, _mm512_set1_epi32(offset))), d);
-    __m512 wh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, _mm512_set1_epi32(offset))), d);
-    _mm512_store_ps(wt + j * 16, has_m ? _mm512_add_ps(wl, m) : wl);
-    _mm512_store_ps(wt + (j + 16) * 16, has_m ? _mm512_add_ps(wh, m) : wh);
+    for (int r = 0; r < s->rows; r++) s->acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(s->xt[j * s->rows + r]), wv, s->acc[r]);
 }
 
-static inline __attribute__((always_inline)) void legacy_panel(
-    int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc, float *wt) {
+/* element j of a 32-element block for the 16 channels (q: its integers, widened): with its
+ * fifth bit (bit j of qh) where the type has one, less the type's offset, times d, plus m where
+ * it has one (legacy() in gguf_dequant.c, the same roundings) */
+static inline __attribute__((always_inline)) void element(__m512i q, int j, __m512i qh, int five, int offset,
+                                                          __m512 d, int has_m, __m512 m, sink_t *s) {
+    if (five) q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(qh, j), _mm512_set1_epi32(1)), 4));
+    __m512 wv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(offset))), d);
+    emit(s, j, has_m ? _mm512_add_ps(wv, m) : wv);
+}
+
+/* The blocks [k0, k0 + kc) of 16 channels, a block at a time, into the sink (its wt or x
+ * advanced a block each); `fetch` bytes from `next` are prefetched into L2 a slice a block
+ * (the next panel's blocks, while this one's are multiplied) */
+static inline __attribute__((always_inline)) void legacy_walk(
+    int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc, sink_t *s,
+    const char *next, int64_t fetch) {
     const int bytes = gguf_block_bytes(qtype), has_m = qtype == GGUF_Q4_1 || qtype == GGUF_Q5_1;
     const int five = qtype == GGUF_Q5_0 || qtype == GGUF_Q5_1;
     const int offset = qtype == GGUF_Q4_0 ? 8 : qtype == GGUF_Q5_0 ? 16 : 0;
@@ -88,7 +106,10 @@ static inline __attribute__((always_inline)) void legacy_panel(
     const uint8_t *p[16];  /* each channel's block; channels past `channels` read the first's */
     for (int c = 0; c < 16; c++) p[c] = w + (c < channels ? c : 0) * row_bytes + k0 / 32 * bytes;
     const __m512i nibble = _mm512_set1_epi8(15);
-    for (int64_t b = 0; b < kc / 32; b++, wt += 32 * 16) {
+    int64_t blocks = kc / 32, slice = fetch ? ((fetch / blocks + 63) & ~(int64_t)63) : 0, fetched = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t o = 0; o < slice && fetched < fetch; o += 64, fetched += 64)
+            _mm_prefetch(next + fetched, _MM_HINT_T1);
         __m512i head = words(p, 0), O[4];
         __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head)), m = _mm512_setzero_ps();
         if (has_m) m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
@@ -96,8 +117,8 @@ static inline __attribute__((always_inline)) void legacy_panel(
             for (int half = 0; half < 2; half++) {
                 transpose_bytes(p, quants + 16 * half, O);
                 for (int q = 0; q < 4; q++) {
-                    float *at = wt + (16 * half + 4 * q) * 16;  /* elements 16 half + 4 q + t */
-#define SIGNED(t) _mm512_store_ps(at + 16 * t, _mm512_mul_ps(_mm512_cvtepi32_ps(WIDEN(O[q], t, 1)), d));
+                    int j = 16 * half + 4 * q;  /* elements j + t */
+#define SIGNED(t) emit(s, j + t, _mm512_mul_ps(_mm512_cvtepi32_ps(WIDEN(O[q], t, 1)), d));
                     SIGNED(0) SIGNED(1) SIGNED(2) SIGNED(3)
 #undef SIGNED
                 }
@@ -105,16 +126,54 @@ static inline __attribute__((always_inline)) void legacy_panel(
         } else {
             __m512i qh = five ? words(p, qtype == GGUF_Q5_0 ? 2 : 4) : _mm512_setzero_si512();
             transpose_bytes(p, quants, O);
-            for (int q = 0; q < 4; q++) {
-                __m512i low = _mm512_and_si512(O[q], nibble), high = _mm512_and_si512(_mm512_srli_epi16(O[q], 4), nibble);
-                /* element j = 4 q + t: the low nibble of byte j; j + 16: the high */
-#define NIBBLES(t) nibbles(WIDEN(low, t, 0), WIDEN(high, t, 0), 4 * q + t, qh, five, offset, d, has_m, m, wt);
-                NIBBLES(0) NIBBLES(1) NIBBLES(2) NIBBLES(3)
-#undef NIBBLES
-            }
+            /* element j < 16: the low nibble of byte j; j + 16: its high nibble (in the order of
+             * k: the sink may be summing) */
+            for (int high = 0; high < 2; high++)
+                for (int q = 0; q < 4; q++) {
+                    __m512i v = _mm512_and_si512(high ? _mm512_srli_epi16(O[q], 4) : O[q], nibble);
+#define ELEMENT(t) element(WIDEN(v, t, 0), 16 * high + 4 * q + t, qh, five, offset, d, has_m, m, s);
+                    ELEMENT(0) ELEMENT(1) ELEMENT(2) ELEMENT(3)
+#undef ELEMENT
+                }
         }
         for (int c = 0; c < 16; c++) p[c] += bytes;
+        if (s->wt) s->wt += 32 * 16;
+        else s->xt += 32 * s->rows;
     }
+}
+
+static inline __attribute__((always_inline)) void legacy_panel(
+    int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc, float *wt) {
+    sink_t s = {.wt = wt};
+    legacy_walk(qtype, w, row_bytes, channels, k0, kc, &s, NULL, 0);
+}
+
+/* rows (a constant) of x, transposed, against the 16 channels, the whole of k, each block's
+ * weights multiplied as they are dequantised: the sums in the order of k, as the outer-product
+ * path's; the first `stored` rows' sums stored */
+static inline __attribute__((always_inline)) void legacy_fused(
+    int qtype, int rows, int stored, const float *xt, const uint8_t *w, int64_t row_bytes, int channels, int64_t k,
+    float *out, int64_t ldo, const char *next, int64_t fetch) {
+    sink_t s = {.xt = xt, .rows = rows};
+    for (int r = 0; r < rows; r++) s.acc[r] = _mm512_setzero_ps();
+    legacy_walk(qtype, w, row_bytes, channels, 0, k, &s, next, fetch);
+    __mmask16 mask = (__mmask16)((1u << channels) - 1);
+    for (int r = 0; r < stored; r++) _mm512_mask_storeu_ps(out + r * ldo, mask, s.acc[r]);
+}
+
+void gguf_fused_panel(int qtype, int rows, int stored, const float *xt, const uint8_t *w, int64_t row_bytes,
+                      int channels, int64_t k, float *out, int64_t ldo, const void *next, int64_t fetch) {
+    /* (an even row count only: each (type, rows) pair is a copy of the walk, about 0.15 s of
+     * compiling at -O3) */
+#define ROWS_CASE(T, R) case R: legacy_fused(T, R, stored, xt, w, row_bytes, channels, k, out, ldo, next, fetch); break;
+#define TYPE_CASE(T) case T: switch (rows) { \
+        ROWS_CASE(T, 2) ROWS_CASE(T, 4) ROWS_CASE(T, 6) ROWS_CASE(T, 8) \
+        ROWS_CASE(T, 10) ROWS_CASE(T, 12) ROWS_CASE(T, 14) ROWS_CASE(T, 16) } break;
+    switch (qtype) {
+    TYPE_CASE(GGUF_Q4_0) TYPE_CASE(GGUF_Q4_1) TYPE_CASE(GGUF_Q5_0) TYPE_CASE(GGUF_Q5_1) TYPE_CASE(GGUF_Q8_0)
+    }
+#undef TYPE_CASE
+#undef ROWS_CASE
 }
 
 int gguf_panel_supported(int qtype) { return is_legacy(qtype); }
@@ -137,6 +196,12 @@ int gguf_panel_supported(int qtype) { return (void)qtype, 0; }
 void gguf_dequant_panel(int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc,
                         float *wt) {
     (void)qtype, (void)w, (void)row_bytes, (void)channels, (void)k0, (void)kc, (void)wt;
+}
+
+void gguf_fused_panel(int qtype, int rows, int stored, const float *xt, const uint8_t *w, int64_t row_bytes,
+                      int channels, int64_t k, float *out, int64_t ldo, const void *next, int64_t fetch) {
+    (void)qtype, (void)rows, (void)stored, (void)xt, (void)w, (void)row_bytes, (void)channels, (void)k, (void)out,
+        (void)ldo, (void)next, (void)fetch;
 }
 
 #endif
