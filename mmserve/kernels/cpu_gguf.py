@@ -11,11 +11,12 @@ Up to MAX_ROWS rows (decode steps, short prompts) run that product; more dequant
 in chunks and multiply with torch.matmul, which is faster there. One row (a decode step of
 one request) skips the buffer: each block's (a K-quant's: sub-block's) integers times x, scaled
 by its d once, plus its m times x's block sum; the same weights, the sums in another order.
-The 32-element types on AVX-512 with VBMI (gguf_panel_supported) take the library's
-outer-product path from 4 rows on, at any row count: 16 channels dequantised transposed,
-multiplied with 16 rows' sums held in registers (up to 16 rows each block as it is dequantised),
-faster than torch.matmul at every size measured on AMD Zen 4 / Zen 5 (SmolLM2's layers: 180 against 120-145 GFLOP/s at 256-512 rows, 178
-against 164 at 2,048). On Intel processors it loses at every size (use_panels): up to MAX_ROWS
+Every type on AVX-512 with VBMI (gguf_panel_supported) takes the library's outer-product
+path from 4 rows on, at any row count: 16 channels dequantised transposed, multiplied with 16
+rows' sums held in registers (up to 16 rows each block as it is dequantised), faster than
+torch.matmul at every size measured on AMD Zen 4 / Zen 5 (SmolLM2's layers: 180 against 120-145
+GFLOP/s at 256-512 rows, 178 against 164 at 2,048; Q4_K / Q6_K layers of a 1k-wide model at 512
+rows 190 / 183 against 182 / 158). On Intel processors it loses at every size (use_panels): up to MAX_ROWS
 to the library's 4 x 4 tiles (mmserve/kernels/cpu/gguf_gemm.c gives the figures), past it to
 torch.matmul, whose float32 GEMM (MKL, torch's BLAS on x86-64) runs kernels tuned for them,
 dequantisation included (SmolLM2's layers on 2 cores of a Xeon with AVX-512 and AMX: 2,048 rows
@@ -111,13 +112,13 @@ def gemm_checked(
     return out if is_float else out.to(x.dtype)
 
 
-# whether the 32-element types' outer-product path runs where it is built: None by the
+# whether the outer-product path runs where it is built: None by the
 # processor (use_panels); tests set it to take either path here
 PANELS: bool | None = None
 
 
 def use_panels() -> bool:
-    """Whether the 32-element types' outer-product path runs (where the library has it):
+    """Whether the outer-product path runs (where the library has it):
     everywhere but on Intel processors with torch's BLAS MKL (see the module's docstring),
     unless PANELS says."""
     if PANELS is not None:

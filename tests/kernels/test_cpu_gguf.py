@@ -140,18 +140,20 @@ def test_panels_choose_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
     not cpu_lib.available() or not cpu_lib.require().gguf_panel_supported(FORMATS["Q4_1"].type_id),
     reason="no outer-product path in this build",
 )
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", TYPES)
 def test_up_to_16_rows_sum_as_the_chunked_panels_do(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to 16 rows multiply each block as it is dequantised (odd counts with a row of zeros),
     more through chunks of dequantised weights: both sum each output in the order of k, so a
     row's outputs are the same bits whether 4, 5, 15 or 16 rows go (the first rows of 17), over
-    K = 1,056 (33 blocks: five chunks of the other path) and 45 channels (a partial panel)."""
+    K = 1,056 (33 blocks: five chunks of the other path; 1,280, five super-blocks, for the
+    K-quants) and 45 channels (a partial panel)."""
     monkeypatch.setattr(cpu_gguf, "PANELS", True)
-    blocks = random_blocks(qtype, 45, 1056, 7).cpu()
-    x = torch.randn(17, 1056, generator=torch.Generator().manual_seed(5))
+    k = 1280 if qtype.endswith("_K") else 1056
+    blocks = random_blocks(qtype, 45, k, 7).cpu()
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(5))
     chunked = cpu_gguf.gguf_gemm_cpu(x, blocks, qtype)
-    weight = gguf_dequantize_ref(blocks, qtype).float()
-    torch.testing.assert_close(chunked, x @ weight.t(), rtol=1e-5, atol=1e-4)
+    expected = x.double() @ gguf_dequantize_ref(blocks, qtype).double().t()
+    torch.testing.assert_close(chunked.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     for rows in (4, 5, 15, 16):
         assert torch.equal(cpu_gguf.gguf_gemm_cpu(x[:rows], blocks, qtype), chunked[:rows]), rows
 

@@ -6,8 +6,8 @@
  * float buffer of its own (exactly, gguf_dequant.c: 4 x K floats, in L1/L2) and multiplies it
  * with x in register tiles of up to ROWS rows x 4 channels of LANES-wide float32 sums, so the
  * blocks are read from memory once per call whatever the rows (one row against 32-element
- * blocks skips the buffer: legacy_dot). From OUTER_MIN_ROWS rows on, the 32-element types on
- * AVX-512 with VBMI take the outer-product path below instead (16 channels dequantised
+ * blocks skips the buffer: legacy_dot). From OUTER_MIN_ROWS rows on, every type on AVX-512
+ * with VBMI takes the outer-product path below instead (16 channels dequantised
  * transposed, gguf_panel.c), whatever the rows, where the caller asks for it (`panels`): on
  * AMD Zen 4 / Zen 5, SmolLM2's layers at 92-95% of the FMA limit from 128 rows on and 73% at 16,
  * where the 4 x 4 tiles reached 65% at 64 rows and 54% at 16 (before the tiles' prefetches); up
@@ -168,7 +168,7 @@ static float kquant_dot(int qtype, const float *x, const float *xsums, const uin
 }
 
 #if VECTORISED && LANES == 16
-/* The outer-product path, for the types gguf_panel.c transposes (AVX-512 with VBMI): panels of
+/* The outer-product path, for the types gguf_panel.c transposes (all; AVX-512 with VBMI): panels of
  * 16 output channels, KC weights of k at a time dequantised into wt[KC][16] (the 16 channels'
  * weights at each k in one vector), then ROWS_OUTER rows' 16 sums each held in registers while
  * k runs, x broadcast one element at a time: no horizontal sums, each sum in the order of k.
@@ -245,7 +245,7 @@ static void fused_panel(int qtype, const float *xt, int64_t m, int64_t mp, int64
 
 static int outer_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
                       const uint8_t *w, int64_t n, float *out, int64_t ldo) {
-    int64_t row_bytes = k / 32 * gguf_block_bytes(qtype), panels = (n + 15) / 16;
+    int64_t row_bytes = k / gguf_block_elements(qtype) * gguf_block_bytes(qtype), panels = (n + 15) / 16;
     if (m <= ROWS_OUTER) {
         int64_t mp = (m + 1) & ~(int64_t)1;
         float *xt = aligned_alloc(64, sizeof(float) * ((mp * k + 15) & ~(int64_t)15));

@@ -1,12 +1,15 @@
-/* 16 output channels' weights of a 32-element GGUF type, dequantised exactly and transposed
- * for the outer-product GEMM (gguf_gemm.c): wt[j * 16 + c] is channel c's weight k0 + j.
+/* 16 output channels' weights of a GGUF type, dequantised exactly and transposed for the
+ * outer-product GEMM (gguf_gemm.c): wt[j * 16 + c] is channel c's weight k0 + j. Every type
+ * the library reads: the 32-element ones and the K-quants (Q4_K, Q5_K, Q6_K: their 6-bit and
+ * int8 scales unpacked for the 16 channels in vectors too).
  *
  * Channels are rows of blocks row_bytes apart. Each block's quant bytes are loaded 16 at a
  * time from the 16 channels and transposed as bytes by AVX-512 VBMI's two-table byte permute
  * (3 permutes for 4 output vectors), so that byte j of every channel lies in one vector; the
  * integers are then widened, scaled and stored a k at a time (gguf_dequant_panel), or multiplied
  * at once with up to 16 rows of x (gguf_fused_panel). Compiled with -ffp-contract=off:
- * q d + m rounds as legacy() in gguf_dequant.c does, bit-equal to the gguf package.
+ * q d + m rounds as legacy() (and q45_k(), q6_k()) in gguf_dequant.c do, bit-equal to the gguf
+ * package.
  *
  * Only AVX-512 builds with VBMI (Ice Lake, Zen 4 and newer) have it; gguf_panel_supported()
  * says where it does not, and the row-at-a-time path (gguf_gemm.c) runs instead.
@@ -93,6 +96,25 @@ static inline __attribute__((always_inline)) void element(__m512i q, int j, __m5
     emit(s, j, has_m ? _mm512_add_ps(wv, m) : wv);
 }
 
+/* the next block of each channel; the sink past its `elements` weights */
+static inline __attribute__((always_inline)) void advance(const uint8_t *p[16], int bytes, int elements, sink_t *s) {
+    for (int c = 0; c < 16; c++) p[c] += bytes;
+    if (s->wt) s->wt += elements * 16;
+    else s->xt += elements * s->rows;
+}
+
+/* the 2 bytes at p[c] + at of each channel, as int32 lanes (Q6_K's d: its block's last 2) */
+static inline __m512i halfwords(const uint8_t *const p[16], int64_t at) {
+    uint32_t v[16] = {0};
+    for (int c = 0; c < 16; c++) memcpy(v + c, p[c] + at, 2);
+    return _mm512_loadu_si512(v);
+}
+
+/* prefetch the next slice of `fetch` bytes at next into L2 (a slice a block) */
+static inline void fetch_slice(const char *next, int64_t slice, int64_t fetch, int64_t *fetched) {
+    for (int64_t o = 0; o < slice && *fetched < fetch; o += 64, *fetched += 64) _mm_prefetch(next + *fetched, _MM_HINT_T1);
+}
+
 /* The blocks [k0, k0 + kc) of 16 channels, a block at a time, into the sink (its wt or x
  * advanced a block each); `fetch` bytes from `next` are prefetched into L2 a slice a block
  * (the next panel's blocks, while this one's are multiplied) */
@@ -108,8 +130,7 @@ static inline __attribute__((always_inline)) void legacy_walk(
     const __m512i nibble = _mm512_set1_epi8(15);
     int64_t blocks = kc / 32, slice = fetch ? ((fetch / blocks + 63) & ~(int64_t)63) : 0, fetched = 0;
     for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t o = 0; o < slice && fetched < fetch; o += 64, fetched += 64)
-            _mm_prefetch(next + fetched, _MM_HINT_T1);
+        fetch_slice(next, slice, fetch, &fetched);
         __m512i head = words(p, 0), O[4];
         __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head)), m = _mm512_setzero_ps();
         if (has_m) m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
@@ -136,16 +157,138 @@ static inline __attribute__((always_inline)) void legacy_walk(
 #undef ELEMENT
                 }
         }
-        for (int c = 0; c < 16; c++) p[c] += bytes;
-        if (s->wt) s->wt += 32 * 16;
-        else s->xt += 32 * s->rows;
+        advance(p, bytes, 32, s);
     }
+}
+
+/* Q4_K / Q5_K super-blocks [k0, k0 + kc) of 16 channels (k0, kc whole super-blocks), into the
+ * sink in the order of k: sub-block j of 32 is q (d sc_j) - (dmin m_j), both products rounded
+ * first (q45_k() in gguf_dequant.c); the 6-bit scales and mins of all 16 channels unpacked in
+ * vectors from bytes 4-15, transposed with the rest of the first 16. */
+static inline __attribute__((always_inline)) void q45k_walk(
+    int five, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc, sink_t *s,
+    const char *next, int64_t fetch) {
+    const int bytes = five ? 176 : 144, ql = five ? 48 : 16;
+    const uint8_t *p[16];
+    for (int c = 0; c < 16; c++) p[c] = w + (c < channels ? c : 0) * row_bytes + k0 / 256 * bytes;
+    const __m512i nibble = _mm512_set1_epi8(15), six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15);
+    int64_t blocks = kc / 256, slice = fetch ? ((fetch / blocks + 63) & ~(int64_t)63) : 0, fetched = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        fetch_slice(next, slice, fetch, &fetched);
+        __m512i head = words(p, 0), S[4], sb[12];
+        __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+        __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+        transpose_bytes(p, 0, S);  /* bytes 4 .. 15: the 12 scale bytes */
+#define SCALE_BYTE(i) sb[i] = WIDEN(S[(4 + i) / 4], (4 + i) % 4, 0);
+        SCALE_BYTE(0) SCALE_BYTE(1) SCALE_BYTE(2) SCALE_BYTE(3) SCALE_BYTE(4) SCALE_BYTE(5)
+        SCALE_BYTE(6) SCALE_BYTE(7) SCALE_BYTE(8) SCALE_BYTE(9) SCALE_BYTE(10) SCALE_BYTE(11)
+#undef SCALE_BYTE
+        __m512 dj[8], mj[8];  /* scale_min_k4() for the 16 channels */
+        for (int j = 0; j < 8; j++) {
+            __m512i sc, m;
+            if (j < 4) {
+                sc = _mm512_and_si512(sb[j], six);
+                m = _mm512_and_si512(sb[j + 4], six);
+            } else {
+                sc = _mm512_or_si512(_mm512_and_si512(sb[j + 4], four), _mm512_slli_epi32(_mm512_srli_epi32(sb[j - 4], 6), 4));
+                m = _mm512_or_si512(_mm512_srli_epi32(sb[j + 4], 4), _mm512_slli_epi32(_mm512_srli_epi32(sb[j], 6), 4));
+            }
+            dj[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+            mj[j] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m));
+        }
+        __m512i H[2][4];  /* Q5_K: the 32 fifth-bit bytes */
+        if (five) {
+            transpose_bytes(p, 16, H[0]);
+            transpose_bytes(p, 32, H[1]);
+        }
+        for (int i = 0; i < 4; i++) {  /* elements 64 i ..: sub-blocks 2 i (low nibbles), 2 i + 1 */
+            __m512i Q[2][4];
+            transpose_bytes(p, ql + 32 * i, Q[0]);
+            transpose_bytes(p, ql + 32 * i + 16, Q[1]);
+            for (int high = 0; high < 2; high++) {
+                const int j = 2 * i + high;
+                for (int half = 0; half < 2; half++)
+                    for (int q = 0; q < 4; q++) {
+                        __m512i v = _mm512_and_si512(high ? _mm512_srli_epi16(Q[half][q], 4) : Q[half][q], nibble);
+                        /* element 64 i + 32 high + l, l = 16 half + 4 q + t: byte l's nibble */
+#define K45(t)                                                                                                   \
+    {                                                                                                            \
+        __m512i qv = WIDEN(v, t, 0);                                                                             \
+        if (five)                                                                                                \
+            qv = _mm512_add_epi32(qv, _mm512_slli_epi32(                                                         \
+                                          _mm512_and_si512(_mm512_srli_epi32(WIDEN(H[half][q], t, 0), j),      \
+                                                           _mm512_set1_epi32(1)), 4));                            \
+        emit(s, 64 * i + 32 * high + 16 * half + 4 * q + t,                                                      \
+             _mm512_sub_ps(_mm512_mul_ps(dj[j], _mm512_cvtepi32_ps(qv)), mj[j]));                                \
+    }
+                        K45(0) K45(1) K45(2) K45(3)
+#undef K45
+                    }
+            }
+        }
+        advance(p, bytes, 256, s);
+    }
+}
+
+/* Q6_K super-blocks [k0, k0 + kc) of 16 channels, into the sink in the order of k: sub-block s
+ * of 16 is (q - 32) (d sc_s), d sc_s rounded first (q6_k() in gguf_dequant.c). Each half of 128
+ * takes 64 low-nibble bytes and 32 high-bit bytes, transposed 16 at a time; element 32 j + l of
+ * a half has the low nibble of byte l (j odd: l + 32; j >= 2: the high nibble) and bit pair j
+ * of high byte l. */
+static inline __attribute__((always_inline)) void q6k_walk(
+    const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc, sink_t *s, const char *next,
+    int64_t fetch) {
+    const int bytes = 210;
+    const uint8_t *p[16];
+    for (int c = 0; c < 16; c++) p[c] = w + (c < channels ? c : 0) * row_bytes + k0 / 256 * bytes;
+    const __m512i nibble = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(3), bias = _mm512_set1_epi32(32);
+    int64_t blocks = kc / 256, slice = fetch ? ((fetch / blocks + 63) & ~(int64_t)63) : 0, fetched = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        fetch_slice(next, slice, fetch, &fetched);
+        __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(halfwords(p, 208))), ds[16];
+        __m512i S[4];
+        transpose_bytes(p, 192, S);  /* the 16 int8 scales */
+#define SCALE(i) ds[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(WIDEN(S[i / 4], i % 4, 1)));
+        SCALE(0) SCALE(1) SCALE(2) SCALE(3) SCALE(4) SCALE(5) SCALE(6) SCALE(7)
+        SCALE(8) SCALE(9) SCALE(10) SCALE(11) SCALE(12) SCALE(13) SCALE(14) SCALE(15)
+#undef SCALE
+        for (int h = 0; h < 2; h++) {
+            __m512i L[4][4], Hb[2][4];  /* low-nibble bytes 16 u .. of the half; high bytes 16 u .. */
+            for (int u = 0; u < 4; u++) transpose_bytes(p, 64 * h + 16 * u, L[u]);
+            for (int u = 0; u < 2; u++) transpose_bytes(p, 128 + 32 * h + 16 * u, Hb[u]);
+            for (int j = 0; j < 4; j++)
+                for (int half = 0; half < 2; half++)  /* l = 16 half + 4 q + t */
+                    for (int q = 0; q < 4; q++) {
+                        __m512i lo = L[2 * (j & 1) + half][q];
+                        __m512i v = _mm512_and_si512(j >= 2 ? _mm512_srli_epi16(lo, 4) : lo, nibble);
+                        __m512i hv = _mm512_and_si512(_mm512_srli_epi16(Hb[half][q], 2 * j), pair);
+#define Q6(t)                                                                                                    \
+    {                                                                                                            \
+        __m512i qv = _mm512_or_si512(WIDEN(v, t, 0), _mm512_slli_epi32(WIDEN(hv, t, 0), 4));                    \
+        emit(s, 128 * h + 32 * j + 16 * half + 4 * q + t,                                                        \
+             _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(qv, bias)), ds[8 * h + half + 2 * j]));          \
+    }
+                        Q6(0) Q6(1) Q6(2) Q6(3)
+#undef Q6
+                    }
+        }
+        advance(p, bytes, 256, s);
+    }
+}
+
+/* any type's walk (a constant qtype in each caller) */
+static inline __attribute__((always_inline)) void walk(
+    int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc, sink_t *s,
+    const char *next, int64_t fetch) {
+    if (qtype == GGUF_Q6_K) q6k_walk(w, row_bytes, channels, k0, kc, s, next, fetch);
+    else if (qtype == GGUF_Q4_K || qtype == GGUF_Q5_K) q45k_walk(qtype == GGUF_Q5_K, w, row_bytes, channels, k0, kc, s, next, fetch);
+    else legacy_walk(qtype, w, row_bytes, channels, k0, kc, s, next, fetch);
 }
 
 static inline __attribute__((always_inline)) void legacy_panel(
     int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc, float *wt) {
     sink_t s = {.wt = wt};
-    legacy_walk(qtype, w, row_bytes, channels, k0, kc, &s, NULL, 0);
+    walk(qtype, w, row_bytes, channels, k0, kc, &s, NULL, 0);
 }
 
 /* rows (a constant) of x, transposed, against the 16 channels, the whole of k, each block's
@@ -156,7 +299,7 @@ static inline __attribute__((always_inline)) void legacy_fused(
     float *out, int64_t ldo, const char *next, int64_t fetch) {
     sink_t s = {.xt = xt, .rows = rows};
     for (int r = 0; r < rows; r++) s.acc[r] = _mm512_setzero_ps();
-    legacy_walk(qtype, w, row_bytes, channels, 0, k, &s, next, fetch);
+    walk(qtype, w, row_bytes, channels, 0, k, &s, next, fetch);
     __mmask16 mask = (__mmask16)((1u << channels) - 1);
     for (int r = 0; r < stored; r++) _mm512_mask_storeu_ps(out + r * ldo, mask, s.acc[r]);
 }
@@ -171,12 +314,13 @@ void gguf_fused_panel(int qtype, int rows, int stored, const float *xt, const ui
         ROWS_CASE(T, 10) ROWS_CASE(T, 12) ROWS_CASE(T, 14) ROWS_CASE(T, 16) } break;
     switch (qtype) {
     TYPE_CASE(GGUF_Q4_0) TYPE_CASE(GGUF_Q4_1) TYPE_CASE(GGUF_Q5_0) TYPE_CASE(GGUF_Q5_1) TYPE_CASE(GGUF_Q8_0)
+    TYPE_CASE(GGUF_Q4_K) TYPE_CASE(GGUF_Q5_K) TYPE_CASE(GGUF_Q6_K)
     }
 #undef TYPE_CASE
 #undef ROWS_CASE
 }
 
-int gguf_panel_supported(int qtype) { return is_legacy(qtype); }
+int gguf_panel_supported(int qtype) { return gguf_block_elements(qtype) != 0; }
 
 void gguf_dequant_panel(int qtype, const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc,
                         float *wt) {
@@ -186,6 +330,9 @@ void gguf_dequant_panel(int qtype, const uint8_t *w, int64_t row_bytes, int chan
     case GGUF_Q5_0: legacy_panel(GGUF_Q5_0, w, row_bytes, channels, k0, kc, wt); break;
     case GGUF_Q5_1: legacy_panel(GGUF_Q5_1, w, row_bytes, channels, k0, kc, wt); break;
     case GGUF_Q8_0: legacy_panel(GGUF_Q8_0, w, row_bytes, channels, k0, kc, wt); break;
+    case GGUF_Q4_K: legacy_panel(GGUF_Q4_K, w, row_bytes, channels, k0, kc, wt); break;
+    case GGUF_Q5_K: legacy_panel(GGUF_Q5_K, w, row_bytes, channels, k0, kc, wt); break;
+    case GGUF_Q6_K: legacy_panel(GGUF_Q6_K, w, row_bytes, channels, k0, kc, wt); break;
     }
 }
 
