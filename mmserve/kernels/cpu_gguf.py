@@ -12,7 +12,7 @@ in chunks and multiply with torch.matmul, which is faster there. One row (a deco
 one request) skips the buffer: each block's (a K-quant's: sub-block's) integers times x, scaled
 by its d once, plus its m times x's block sum; the same weights, the sums in another order.
 Every type on AVX-512 with VBMI (gguf_panel_supported) takes the library's outer-product
-path from 4 rows on, at any row count: 16 channels dequantised transposed, multiplied with 16
+path from 2 rows on, at any row count: 16 channels dequantised transposed, multiplied with 16
 rows' sums held in registers (up to 16 rows each block as it is dequantised), faster than
 torch.matmul at every size measured on AMD Zen 4 / Zen 5 (SmolLM2's layers: 180 against 120-145
 GFLOP/s at 256-512 rows, 178 against 164 at 2,048; Q4_K / Q6_K layers of a 1k-wide model at 512

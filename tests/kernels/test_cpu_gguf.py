@@ -144,7 +144,7 @@ def test_panels_choose_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_up_to_16_rows_sum_as_the_chunked_panels_do(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to 16 rows multiply each block as it is dequantised (odd counts with a row of zeros),
     more through chunks of dequantised weights: both sum each output in the order of k, so a
-    row's outputs are the same bits whether 4, 5, 15 or 16 rows go (the first rows of 17), over
+    row's outputs are the same bits whether 2, 3, 4, 5, 15 or 16 rows go (the first rows of 17), over
     K = 1,056 (33 blocks: five chunks of the other path; 1,280, five super-blocks, for the
     K-quants) and 45 channels (a partial panel)."""
     monkeypatch.setattr(cpu_gguf, "PANELS", True)
@@ -154,7 +154,7 @@ def test_up_to_16_rows_sum_as_the_chunked_panels_do(qtype: str, monkeypatch: pyt
     chunked = cpu_gguf.gguf_gemm_cpu(x, blocks, qtype)
     expected = x.double() @ gguf_dequantize_ref(blocks, qtype).double().t()
     torch.testing.assert_close(chunked.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    for rows in (4, 5, 15, 16):
+    for rows in (2, 3, 4, 5, 15, 16):
         assert torch.equal(cpu_gguf.gguf_gemm_cpu(x[:rows], blocks, qtype), chunked[:rows]), rows
 
 

@@ -181,10 +181,11 @@ static float kquant_dot(int qtype, const float *x, const float *xsums, const uin
 #define KC 256  /* wt and 16 rows of x's chunk fill 32 KiB, an L1 */
 #define ROWS_OUTER 16
 #define ROW_BLOCK 256
-/* fewer rows take the row-at-a-time path, faster there (SmolLM2, 2 cores: 11.0 against the
- * outer path's 13.4 ms at 2 rows, 12.4 against 14.7 at 3; at 4 the outer path's 13.5 against
- * 14.7-16.0) */
-#define OUTER_MIN_ROWS 4
+/* one row takes the row-at-a-time path, faster there (Zen 4, 2 cores, SmolLM2's 30 layers 6.2
+ * against the fused panels' 9.7 ms; Q4_K layers 1.8 against 2.8). From 2 rows the fused panels
+ * win (layers at 2 rows 9.7 against the tiles' 11.1, at 3 11.0 against 13.2; Q4_K 2.9 against
+ * 4.3); before them, chunked panels lost at 2-3 rows (13.4 against 11.0 ms at 2). */
+#define OUTER_MIN_ROWS 2
 
 static inline __attribute__((always_inline)) void outer(
     int rows, const float *x, int64_t ldx, const float *wt, int64_t kc, float *out, int64_t ldo,
