@@ -115,6 +115,15 @@ static inline void fetch_slice(const char *next, int64_t slice, int64_t fetch, i
     for (int64_t o = 0; o < slice && *fetched < fetch; o += 64, *fetched += 64) _mm_prefetch(next + *fetched, _MM_HINT_T1);
 }
 
+/* p[c]: channel c's block holding weight k0 (channels past `channels` read the first's);
+ * returns the bytes of `fetch` to prefetch a block, kc / elements blocks in all */
+static inline __attribute__((always_inline)) int64_t start_walk(
+    const uint8_t *p[16], const uint8_t *w, int64_t row_bytes, int channels, int64_t k0, int64_t kc, int elements,
+    int bytes, int64_t fetch) {
+    for (int c = 0; c < 16; c++) p[c] = w + (c < channels ? c : 0) * row_bytes + k0 / elements * bytes;
+    return fetch ? ((fetch / (kc / elements) + 63) & ~(int64_t)63) : 0;
+}
+
 /* The blocks [k0, k0 + kc) of 16 channels, a block at a time, into the sink (its wt or x
  * advanced a block each); `fetch` bytes from `next` are prefetched into L2 a slice a block
  * (the next panel's blocks, while this one's are multiplied) */
@@ -125,10 +134,9 @@ static inline __attribute__((always_inline)) void legacy_walk(
     const int five = qtype == GGUF_Q5_0 || qtype == GGUF_Q5_1;
     const int offset = qtype == GGUF_Q4_0 ? 8 : qtype == GGUF_Q5_0 ? 16 : 0;
     const int quants = qtype == GGUF_Q4_1 ? 4 : qtype == GGUF_Q5_0 ? 6 : qtype == GGUF_Q5_1 ? 8 : 2;
-    const uint8_t *p[16];  /* each channel's block; channels past `channels` read the first's */
-    for (int c = 0; c < 16; c++) p[c] = w + (c < channels ? c : 0) * row_bytes + k0 / 32 * bytes;
+    const uint8_t *p[16];
     const __m512i nibble = _mm512_set1_epi8(15);
-    int64_t blocks = kc / 32, slice = fetch ? ((fetch / blocks + 63) & ~(int64_t)63) : 0, fetched = 0;
+    int64_t blocks = kc / 32, fetched = 0, slice = start_walk(p, w, row_bytes, channels, k0, kc, 32, bytes, fetch);
     for (int64_t b = 0; b < blocks; b++) {
         fetch_slice(next, slice, fetch, &fetched);
         __m512i head = words(p, 0), O[4];
@@ -170,9 +178,8 @@ static inline __attribute__((always_inline)) void q45k_walk(
     const char *next, int64_t fetch) {
     const int bytes = five ? 176 : 144, ql = five ? 48 : 16;
     const uint8_t *p[16];
-    for (int c = 0; c < 16; c++) p[c] = w + (c < channels ? c : 0) * row_bytes + k0 / 256 * bytes;
     const __m512i nibble = _mm512_set1_epi8(15), six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15);
-    int64_t blocks = kc / 256, slice = fetch ? ((fetch / blocks + 63) & ~(int64_t)63) : 0, fetched = 0;
+    int64_t blocks = kc / 256, fetched = 0, slice = start_walk(p, w, row_bytes, channels, k0, kc, 256, bytes, fetch);
     for (int64_t b = 0; b < blocks; b++) {
         fetch_slice(next, slice, fetch, &fetched);
         __m512i head = words(p, 0), S[4], sb[12];
@@ -240,9 +247,8 @@ static inline __attribute__((always_inline)) void q6k_walk(
     int64_t fetch) {
     const int bytes = 210;
     const uint8_t *p[16];
-    for (int c = 0; c < 16; c++) p[c] = w + (c < channels ? c : 0) * row_bytes + k0 / 256 * bytes;
     const __m512i nibble = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(3), bias = _mm512_set1_epi32(32);
-    int64_t blocks = kc / 256, slice = fetch ? ((fetch / blocks + 63) & ~(int64_t)63) : 0, fetched = 0;
+    int64_t blocks = kc / 256, fetched = 0, slice = start_walk(p, w, row_bytes, channels, k0, kc, 256, bytes, fetch);
     for (int64_t b = 0; b < blocks; b++) {
         fetch_slice(next, slice, fetch, &fetched);
         __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(halfwords(p, 208))), ds[16];
