@@ -19,9 +19,10 @@ GFLOP/s at 256-512 rows, 178 against 164 at 2,048; Q4_K / Q6_K layers of a 1k-wi
 rows 190 / 183 against 182 / 158). On Intel processors it lost at every size (use_panels;
 measured before it multiplied each block as it is dequantised and took the K-quants:
 scripts/bench_cpu_panels.py measures it again): up to MAX_ROWS to the library's 4 x 4 tiles
-(mmserve/kernels/cpu/gguf_gemm.c gives the figures), past it to torch.matmul, whose float32 GEMM (MKL, torch's BLAS on x86-64) runs kernels tuned for them,
-dequantisation included (SmolLM2's layers on 2 cores of a Xeon with AVX-512 and AMX: 2,048 rows
-47 against 80 ms, 512 rows 12.5 against 16.8, 128 rows 4.0 against 4.1).
+(mmserve/kernels/cpu/gguf_gemm.c gives the figures), past it to torch.matmul, whose float32
+GEMM (MKL, torch's BLAS on x86-64) runs kernels tuned for them, dequantisation included
+(SmolLM2's layers on 2 cores of a Xeon with AVX-512 and AMX: 2,048 rows 47 against 80 ms, 512
+rows 12.5 against 16.8, 128 rows 4.0 against 4.1).
 Where the library is not available (cpu_lib) the loader keeps the other path: the GGUF
 dequantised once at load.
 """
