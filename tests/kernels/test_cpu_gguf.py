@@ -2,8 +2,8 @@
 gguf package's own dequantiser, for every supported type: the dequantised weights bit-equal,
 products of 1-300 rows (the library's register tiles of 4 rows x 4 channels, partial ones at
 both edges; its outer-product path over 16-channel panels, up to 16 rows a block at a time in
-registers, more in several chunks of k and blocks of rows; past MAX_ROWS the many-rows path) within float32 rounding and, against one-hot rows,
-exactly; any thread count giving the same bits; the builds for AVX2, AVX-512 without VBMI and
+registers, more in several chunks of k and blocks of rows; past MAX_ROWS the many-rows path)
+within float32 rounding and, against one-hot rows, exactly; any thread count giving the same bits; the builds for AVX2, AVX-512 without VBMI and
 no vectors alike; a library that cannot be built leaves it unavailable instead of failing."""
 
 from __future__ import annotations
@@ -144,8 +144,8 @@ def test_panels_choose_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_up_to_16_rows_sum_as_the_chunked_panels_do(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Up to 16 rows multiply each block as it is dequantised (odd counts with a row of zeros),
     more through chunks of dequantised weights: both sum each output in the order of k, so a
-    row's outputs are the same bits whether 2, 3, 4, 5, 15 or 16 rows go (the first rows of 17), over
-    K = 1,056 (33 blocks: five chunks of the other path; 1,280, five super-blocks, for the
+    row's outputs are the same bits whether 2, 3, 4, 5, 15 or 16 rows go (the first rows of
+    17), over K = 1,056 (33 blocks: five chunks of the other path; 1,280, five super-blocks, for the
     K-quants) and 45 channels (a partial panel)."""
     monkeypatch.setattr(cpu_gguf, "PANELS", True)
     k = 1280 if qtype.endswith("_K") else 1056
