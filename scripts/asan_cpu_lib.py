@@ -15,26 +15,10 @@ import os
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
-
-
-def build(folder: Path) -> Path:
-    from mmserve.kernels import cpu_lib
-
-    commands = []
-    for source in sorted(cpu_lib.SOURCE_DIR.glob("*.c")):
-        contract = "off" if source.stem in cpu_lib.EXACT_SOURCES else "fast"
-        commands.append(["gcc", "-O1", "-g", *SANITIZE, "-march=native", "-fPIC", "-fopenmp",
-                         f"-ffp-contract={contract}", "-Wno-psabi", "-c", str(source), "-o",
-                         str(folder / f"{source.stem}.o")])  # fmt: skip
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        list(pool.map(lambda c: subprocess.run(c, check=True), commands))
-    lib = folder / "lib.so"
-    subprocess.run(["gcc", "-shared", *SANITIZE, "-fopenmp", *(c[-1] for c in commands), "-o", str(lib)], check=True)
-    return lib
+# (-O1 -g: sanitized code whose reports name the lines)
+FLAGS = ("-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer")
 
 
 def sweep(lib_path: Path) -> int:
@@ -68,8 +52,9 @@ def main() -> None:
     if len(sys.argv) > 1:  # (the re-run, sanitizers preloaded)
         print(f"{sweep(Path(sys.argv[1]))} products, no sanitizer report")
         return
-    folder = Path(tempfile.mkdtemp())
-    lib = build(folder)
+    from mmserve.kernels import cpu_lib
+
+    lib = cpu_lib.build(Path(tempfile.mkdtemp()), flags=FLAGS)
     runtimes = [subprocess.run(["gcc", f"-print-file-name={name}"], check=True, capture_output=True,
                                text=True).stdout.strip() for name in ("libasan.so", "libubsan.so")]  # fmt: skip
     env = dict(os.environ, LD_PRELOAD=":".join(runtimes), ASAN_OPTIONS="detect_leaks=0")

@@ -406,13 +406,15 @@ if has s35; then
     MMSERVE_BENCH_PROFILE=$OUT/profile-$q-$b.txt $B decode --model shape:llama3-8b --load-format dummy \
       --batch-size $b --input-len 512 --max-num-seqs $b $flag; done; done 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s35.txt"
 fi
+# FP8's one row on scaled_gemv (fp8_gemm.ONE_ROW_GEMV) against the rows kernel, alternated
+L44="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
+fp8_one_row_ab() {
+  for t in True False True; do echo "ONE_ROW_GEMV=$t fp8"
+    python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L44 --quantization fp8; done
+}
 if has s44fp8; then
-  # s44's first question alone (about 2 minutes, no tests): FP8's one row on scaled_gemv
-  # (fp8_gemm.ONE_ROW_GEMV) against the rows kernel on the H200, alternated
-  { L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
-    for t in True False True; do echo "ONE_ROW_GEMV=$t fp8"
-      python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --quantization fp8; done
-  } 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s44fp8.txt"
+  # s44's first question alone (about 2 minutes, no tests), for the H200
+  fp8_one_row_ab 2>&1 | grep --line-buffered -v Warning | tee "$OUT/s44fp8.txt"
 fi
 if has s44; then
   # session 43's decisions from an H100, on the card the targets name: FP8's one row on scaled_gemv
@@ -422,9 +424,8 @@ if has s44; then
   [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_gemm.py \
     tests/kernels/test_dense_gemv.py tests/kernels/test_wna16.py tests/gpu/test_gpu_engine.py \
     -k "fp8 or scaled_gemv or takes_one_row or matches or one_row_in_int8" 2>&1 | tail -3 | tee "$OUT/s44-tests.txt"
-  { L="latency --model shape:llama3-8b --load-format dummy --input-len 128 --output-len 128 --max-num-seqs 1"
-    for t in True False True; do echo "ONE_ROW_GEMV=$t fp8"
-      python3 scripts/ab_switch.py mmserve.kernels.fp8_gemm.ONE_ROW_GEMV=$t -- $L --quantization fp8; done
+  { L=$L44
+    fp8_one_row_ab
     W="latency --model shape:llama3-8b --input-len 128 --output-len 128 --max-num-seqs 1"
     for t in True False True; do echo "DP4A_NARROW=$t w4a16-g128"
       python3 scripts/ab_switch.py mmserve.kernels.wna16.DP4A_NARROW=$t -- $W --checkpoint-format w4a16-g128; done

@@ -92,16 +92,17 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def build(folder: Path, march: str = "native") -> Path:
-    """Compiles the sources for -march=`march` into folder, once per source, compiler, target
-    and processor; concurrent builders each write their own file and rename it."""
+def build(folder: Path, march: str = "native", flags: tuple[str, ...] = ("-O3",)) -> Path:
+    """Compiles the sources for -march=`march` into folder, once per source, compiler, target,
+    processor and flags (compile and link: scripts/asan_cpu_lib.py builds with sanitizers);
+    concurrent builders each write their own file and rename it."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (cc) on PATH")
     version = subprocess.run([cc, "--version"], check=True, capture_output=True, text=True, timeout=30).stdout
     sources = sorted(SOURCE_DIR.glob("*.[ch]"))
     key = hashlib.sha256()
-    for part in (version, march, platform.machine(), _cpu_flags(), *(p.read_text() for p in sources)):
+    for part in (version, march, platform.machine(), _cpu_flags(), *flags, *(p.read_text() for p in sources)):
         key.update(part.encode())
     target = folder / f"mmserve-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -113,14 +114,14 @@ def build(folder: Path, march: str = "native") -> Path:
             # the dequantisation rounds as the reference does: no fused multiply-add
             contract = "off" if source.stem in EXACT_SOURCES else "fast"
             obj = Path(tmp) / f"{source.stem}.o"
-            commands.append([cc, "-O3", f"-march={march}", "-fPIC", "-fopenmp", f"-ffp-contract={contract}",
+            commands.append([cc, *flags, f"-march={march}", "-fPIC", "-fopenmp", f"-ffp-contract={contract}",
                              "-Wno-psabi", "-c", str(source), "-o", str(obj)])  # fmt: skip
         # the sources at once, one compiler a core (gguf_panel.c alone takes about 12 s)
         with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
             list(pool.map(_compile, commands))
         objects = [command[-1] for command in commands]
         built = Path(tmp) / "lib.so"
-        _compile([cc, "-shared", "-fopenmp", *objects, "-o", str(built)])
+        _compile([cc, "-shared", *flags, "-fopenmp", *objects, "-o", str(built)])
         os.replace(built, target)
     return target
 

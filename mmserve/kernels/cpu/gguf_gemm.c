@@ -213,16 +213,23 @@ static void outer_rows(int64_t m, const float *x, int64_t ldx, const float *wt, 
     }
 }
 
+/* the channels of the panel from n0 (16 but the last); the bytes of the panel after it (0: none) */
+static inline int panel_channels(int64_t n0, int64_t n) { return n - n0 < 16 ? (int)(n - n0) : 16; }
+
+static inline int64_t next_panel_bytes(int64_t n0, int64_t n, int64_t row_bytes) {
+    return n0 + 16 < n ? panel_channels(n0 + 16, n) * row_bytes : 0;
+}
+
 /* One panel (16 channels from n0) against rows of x, KC weights of k at a time; the next
  * panel's blocks are prefetched into L2 a slice a chunk meanwhile (a panel reads 16 rows of
  * blocks in step, more streams than the hardware prefetchers follow: without it, the cold
  * weights of SmolLM2 at 2 rows took 20 ms, with it 13). */
 static void panel(int qtype, const float *x, int64_t rows, int64_t k, int64_t ldx, const uint8_t *w,
                   int64_t row_bytes, int64_t n0, int64_t n, float *out, int64_t ldo, float *wt) {
-    int channels = n - n0 < 16 ? (int)(n - n0) : 16;
+    int channels = panel_channels(n0, n);
     __mmask16 mask = (__mmask16)((1u << channels) - 1);
     const char *next = (const char *)(w + (n0 + 16) * row_bytes);
-    int64_t span = n0 + 16 < n ? (n - n0 - 16 < 16 ? n - n0 - 16 : 16) * row_bytes : 0;
+    int64_t span = next_panel_bytes(n0, n, row_bytes);
     int64_t slice = (span / ((k + KC - 1) / KC) + 63) & ~(int64_t)63, fetched = 0;
     for (int64_t k0 = 0; k0 < k; k0 += KC) {
         int64_t kc = k - k0 < KC ? k - k0 : KC;
@@ -238,10 +245,8 @@ static void panel(int qtype, const float *x, int64_t rows, int64_t k, int64_t ld
  * the next panel's blocks prefetched meanwhile, as panel() does. */
 static void fused_panel(int qtype, const float *xt, int64_t m, int64_t mp, int64_t k, const uint8_t *w,
                         int64_t row_bytes, int64_t n0, int64_t n, float *out, int64_t ldo) {
-    int channels = n - n0 < 16 ? (int)(n - n0) : 16;
-    int64_t span = n0 + 16 < n ? (n - n0 - 16 < 16 ? n - n0 - 16 : 16) * row_bytes : 0;
-    gguf_fused_panel(qtype, (int)mp, (int)m, xt, w + n0 * row_bytes, row_bytes, channels, k, out + n0, ldo,
-                     w + (n0 + 16) * row_bytes, span);
+    gguf_fused_panel(qtype, (int)mp, (int)m, xt, w + n0 * row_bytes, row_bytes, panel_channels(n0, n), k, out + n0,
+                     ldo, w + (n0 + 16) * row_bytes, next_panel_bytes(n0, n, row_bytes));
 }
 
 static int outer_gemm(int qtype, int threads, const float *x, int64_t m, int64_t k, int64_t ldx,
